@@ -1,0 +1,86 @@
+"""Errors fairgate answers with, and the one place library errors map onto them.
+
+    FairgateError                      -> OpenAI-style JSON error, ``status``
+    ├── BadRequest (400)               invalid JSON, missing or malformed fields
+    ├── Unauthorized (401)             missing or unknown API key
+    ├── Forbidden (403)                class not allowed for this key
+    ├── NotFound (404)                 unknown model or route
+    ├── PayloadTooLarge (413)
+    ├── RateLimited (429)              per-user queue cap; carries Retry-After
+    ├── Unavailable (503)              no healthy backend; carries Retry-After
+    │   └── StoreUnavailable (503)     Redis unreachable
+    ├── UpstreamError (502)            backend unreachable or broken
+    └── QueueTimeout (504)             waited longer than the class's max_queue_wait_s
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+
+class FairgateError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+class BadRequest(FairgateError):
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(FairgateError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class Forbidden(FairgateError):
+    status, type, code = 403, "permission_error", "class_not_allowed"
+
+
+class NotFound(FairgateError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class PayloadTooLarge(FairgateError):
+    status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RateLimited(FairgateError):
+    status, type, code = 429, "rate_limit_error", "queue_full"
+
+
+class Unavailable(FairgateError):
+    status, type, code = 503, "server_error", "no_healthy_backend"
+
+
+class StoreUnavailable(Unavailable):
+    code = "queue_store_unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"queue store unavailable: {message}", retry_after_s=1)
+
+
+class UpstreamError(FairgateError):
+    status, type, code = 502, "server_error", "upstream_error"
+
+
+class QueueTimeout(FairgateError):
+    status, type, code = 504, "server_error", "queue_timeout"

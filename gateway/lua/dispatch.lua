@@ -1,0 +1,66 @@
+-- Pick the next request for one backend: highest class whose gate has room, then the
+-- user with the smallest fairness score, then that user's oldest request.
+-- KEYS[1] backend sent-since-snapshot (zset id -> t)  KEYS[2] replica heartbeats (zset)
+-- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
+-- KEYS[6..5+n] active zset per class, in service order
+-- KEYS[6+n..5+2n] saved-score hash per class, same order
+-- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] mode "rotate"|"charge"  ARGV[4] w_in
+-- ARGV[5] model key prefix  ARGV[6] this replica  ARGV[7] backend name
+-- ARGV[8..7+n] class names   ARGV[8+n..7+2n] gate limits (max allowed in sent-since)
+-- Returns {id, class, user, rank, owner, enqueued_at} or false.
+local n = (#KEYS - 5) / 2
+local now = tonumber(ARGV[1])
+local prefix = ARGV[5]
+local sent = redis.call('ZCARD', KEYS[1])
+
+local function alive(owner)
+  local beat = redis.call('ZSCORE', KEYS[2], owner)
+  return beat and tonumber(beat) >= now - tonumber(ARGV[2])
+end
+
+for i = 1, n do
+  local class = ARGV[7 + i]
+  local limit = tonumber(ARGV[7 + n + i])
+  local active, saved = KEYS[5 + i], KEYS[5 + n + i]
+  local attempts = 0
+  while sent < limit and attempts < 64 do
+    attempts = attempts + 1
+    local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
+    if not top[1] then break end
+    local user, score = top[1], tonumber(top[2])
+    local queue = prefix .. 'q:' .. class .. ':' .. user
+    local id = redis.call('LPOP', queue)
+    if id then redis.call('HINCRBY', KEYS[4], class, -1) end
+    local req = id and (prefix .. 'req:' .. id)
+    local fields = req and redis.call('HMGET', req, 'owner', 'weight', 'prompt', 'enqueued_at')
+    local valid = fields and fields[1] and alive(fields[1])
+    if valid then
+      if ARGV[3] == 'rotate' then
+        local last = redis.call('ZRANGE', active, -1, -1, 'WITHSCORES')
+        score = tonumber(last[2]) + 1
+      else
+        score = score + tonumber(fields[3]) * tonumber(ARGV[4]) / tonumber(fields[2])
+      end
+    elseif req then
+      redis.call('DEL', req)  -- expired, or its replica died: nobody holds the client
+    end
+    if redis.call('LLEN', queue) > 0 then
+      redis.call('ZADD', active, score, user)
+    else
+      redis.call('ZREM', active, user)
+      redis.call('HSET', saved, user, score)
+    end
+    if valid then
+      local rank = redis.call('HINCRBY', KEYS[3], user, 1) - 1
+      redis.call('ZADD', KEYS[1], now, id)
+      redis.call('INCR', KEYS[5])
+      redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[7], 'rank', rank)
+      if fields[1] ~= ARGV[6] then
+        redis.call('RPUSH', prefix .. 'grants:' .. fields[1],
+          id .. '\t' .. ARGV[7] .. '\t' .. rank)
+      end
+      return {id, class, user, rank, fields[1], fields[4]}
+    end
+  end
+end
+return false

@@ -1,0 +1,142 @@
+"""Configuration: one :class:`Settings` object, from YAML plus ``FAIRGATE_*`` env vars.
+
+Precedence: explicit overrides > environment (``FAIRGATE_REDIS_URL``,
+``FAIRGATE_LISTEN__PORT``, …) > YAML file (``--config`` or ``FAIRGATE_CONFIG``) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from policies.classes import CLASS_ORDER
+from policies.gates import GatePolicy
+from policies.priority import DEFAULT_BASES
+
+
+class Listen(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class Backend(BaseModel):
+    name: str
+    url: str
+    model: str
+
+
+class ApiKey(BaseModel):
+    key: str
+    user: str
+    priority_class: Literal["interactive", "default", "batch"] = "default"
+    weight: float = Field(1.0, gt=0)
+    trusted_end_users: bool = False
+
+
+class ClassConfig(BaseModel):
+    max_waiting: int = 3
+    max_tpot_ms: float = 150.0
+    max_kv_usage: float | None = None
+    max_queue_wait_s: float = 300.0
+    priority_base: int = 0
+
+    def gate(self) -> GatePolicy:
+        return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)
+
+
+def _default_classes() -> dict[str, ClassConfig]:
+    return {
+        "interactive": ClassConfig(priority_base=DEFAULT_BASES["interactive"]),
+        "default": ClassConfig(priority_base=DEFAULT_BASES["default"]),
+        "batch": ClassConfig(
+            max_waiting=1, max_queue_wait_s=86400.0, priority_base=DEFAULT_BASES["batch"]
+        ),
+    }
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="FAIRGATE_", env_nested_delimiter="__", extra="forbid"
+    )
+
+    redis_url: str | None = None  # None → embedded Valkey server
+    data_dir: Path = Path(".fairgate")
+    replica_id: str | None = None  # None → random per process
+    listen: Listen = Listen()
+    backends: list[Backend] = []
+    api_keys: list[ApiKey] = []
+    admin_keys: list[str] = []
+    classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
+    fairness: Literal["vtc", "round_robin"] = "vtc"
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+    priority_class_gap: int = 1000
+
+    scrape_interval_s: float = 0.1
+    scrape_timeout_s: float = 1.0
+    snapshot_stale_s: float = 1.0
+    unhealthy_after_failures: int = 3
+    tpot_window_s: float = 5.0
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_per_user: int = 1000
+    upstream_timeout_s: float = 600.0
+    replica_heartbeat_s: float = 1.0
+    retry_after_s: int = 1
+
+    @model_validator(mode="after")
+    def _complete_classes(self) -> Settings:
+        defaults = _default_classes()
+        unknown = set(self.classes) - set(CLASS_ORDER)
+        if unknown:
+            raise ValueError(f"unknown priority classes: {sorted(unknown)}")
+        for name in CLASS_ORDER:
+            self.classes.setdefault(name, defaults[name])
+        return self
+
+    def models(self) -> list[str]:
+        return sorted({b.model for b in self.backends})
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+
+def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from a YAML file (or ``FAIRGATE_CONFIG``), env and overrides."""
+    path = config_path or os.environ.get("FAIRGATE_CONFIG")
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+
+    class _FromFile(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+            if path is not None:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+            return tuple(sources)
+
+    return _FromFile(**overrides)

@@ -1,0 +1,197 @@
+"""The Redis store: fairgate's queue verbs, each one atomic (a Lua script) where it
+changes shared state. Redis errors become :class:`~gateway.errors.StoreUnavailable` here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, ParamSpec, TypeVar
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError
+
+from gateway.errors import StoreUnavailable
+from gateway.keys import ModelKeys
+from policies.classes import CLASS_ORDER
+from policies.fairness import ScoreRule
+from policies.gates import BackendSnapshot
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _mapped(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except RedisError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    return wrapper
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    request_id: str
+    user: str
+    klass: str
+    owner: str
+    weight: float
+    prompt_tokens: int
+    enqueued_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    request_id: str
+    klass: str
+    user: str
+    rank: int
+    owner: str
+    backend: str
+    enqueued_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    snapshot: BackendSnapshot | None
+    sent_since_snapshot: int
+    inflight: int
+
+
+def _load(name: str) -> str:
+    return (resources.files("gateway") / "lua" / f"{name}.lua").read_text()
+
+
+class Store:
+    """Domain verbs over one Redis client (``decode_responses=True``)."""
+
+    def __init__(self, client: aioredis.Redis, rule: ScoreRule, request_ttl_s: float) -> None:
+        self.client = client
+        self.rule = rule
+        self.request_ttl_s = request_ttl_s
+        self._scripts: dict[str, AsyncScript] = {
+            name: client.register_script(_load(name))
+            for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot")
+        }
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return await self._scripts[name](keys=list(keys), args=list(args))
+
+    @_mapped
+    async def ping(self) -> bool:
+        return bool(await self.client.ping())
+
+    @_mapped
+    async def enqueue(self, model: str, req: QueuedRequest, max_queued: int) -> int:
+        """Queue length after the push, or -1 when the user's cap is reached."""
+        k = ModelKeys(model)
+        keys = [k.queue(req.klass, req.user), k.active(req.klass), k.saved(req.klass),
+                k.request(req.request_id), k.depth]
+        args = [req.request_id, req.user, req.klass, req.owner, req.weight, req.prompt_tokens,
+                req.enqueued_at, max_queued, self.rule.mode, int(self.request_ttl_s)]
+        return int(await self._run("enqueue", keys, args))
+
+    @_mapped
+    async def dispatch(
+        self, model: str, backend: str, limits: Mapping[str, int], replica: str,
+        now: float, replica_ttl_s: float,
+    ) -> Grant | None:
+        """Atomically pop the fairest request a backend's open gates admit."""
+        k = ModelKeys(model)
+        keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
+                k.backend_inflight(backend)]
+        keys += [k.active(c) for c in CLASS_ORDER] + [k.saved(c) for c in CLASS_ORDER]
+        args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
+                           replica, backend, *CLASS_ORDER]
+        args += [limits.get(c, 0) for c in CLASS_ORDER]
+        found = await self._run("dispatch", keys, args)
+        if not found:
+            return None
+        rid, klass, user, rank, owner, enqueued_at = found
+        return Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
+
+    @_mapped
+    async def settle(self, model: str, grant: Grant, charge: float) -> bool:
+        k = ModelKeys(model)
+        keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
+                k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend)]
+        return bool(await self._run("settle", keys, [grant.user, charge, grant.request_id]))
+
+    @_mapped
+    async def cancel(self, model: str, request_id: str, user: str, klass: str) -> bool:
+        k = ModelKeys(model)
+        keys = [k.queue(klass, user), k.active(klass), k.saved(klass), k.request(request_id),
+                k.depth]
+        return bool(await self._run("cancel", keys, [request_id, user, klass]))
+
+    @_mapped
+    async def store_snapshot(
+        self, model: str, backend: str, snap: BackendSnapshot, arrival_margin_s: float
+    ) -> bool:
+        k = ModelKeys(model)
+        tpot = "" if snap.tpot_s is None else snap.tpot_s
+        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot,
+                arrival_margin_s]
+        keys = [k.backend_snapshot(backend), k.backend_sent(backend)]
+        return bool(await self._run("snapshot", keys, args))
+
+    @_mapped
+    async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        for name in backends:
+            pipe.hgetall(k.backend_snapshot(name))
+            pipe.zcard(k.backend_sent(name))
+            pipe.get(k.backend_inflight(name))
+        raw = await pipe.execute()
+        states = {}
+        for i, name in enumerate(backends):
+            snap, sent, inflight = raw[3 * i: 3 * i + 3]
+            states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0))
+        return states
+
+    @_mapped
+    async def heartbeat(self, models: Sequence[str], replica: str, now: float) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for model in models:
+            pipe.zadd(ModelKeys(model).replicas, {replica: now})
+        await pipe.execute()
+
+    @_mapped
+    async def next_grant(self, model: str, replica: str, timeout_s: float) -> tuple[str, str, int] | None:
+        """Block until a grant for one of this replica's requests arrives (or timeout)."""
+        item = await self.client.blpop([ModelKeys(model).grants(replica)], timeout=timeout_s)
+        if item is None:
+            return None
+        rid, backend, rank = item[1].split("\t")
+        return rid, backend, int(rank)
+
+    @_mapped
+    async def depths(self, model: str) -> dict[str, int]:
+        raw = await self.client.hgetall(ModelKeys(model).depth)
+        return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}
+
+    @_mapped
+    async def user_inflight(self, model: str) -> dict[str, int]:
+        raw = await self.client.hgetall(ModelKeys(model).user_inflight)
+        return {u: int(v) for u, v in raw.items()}
+
+
+def _snapshot(raw: Mapping[str, str]) -> BackendSnapshot | None:
+    if not raw:
+        return None
+    tpot = raw.get("tpot", "")
+    return BackendSnapshot(
+        waiting=int(float(raw["waiting"])),
+        running=int(float(raw["running"])),
+        kv_usage=float(raw["kv"]),
+        tpot_s=float(tpot) if tpot else None,
+        taken_at_s=float(raw["taken_at"]),
+    )

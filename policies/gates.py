@@ -1,0 +1,60 @@
+"""Dispatch gates: may a backend take more work of a class right now?
+
+A gate is computed from the backend's latest /metrics snapshot. It yields a *limit*:
+the number of requests that may have been dispatched to the backend since that snapshot
+(the burst allowance). Zero means closed, and ``reason`` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatePolicy:
+    max_waiting: int = 3
+    max_tpot_ms: float = 150.0
+    max_kv_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSnapshot:
+    """What one scrape of a backend's /metrics said (summed over engines)."""
+
+    waiting: int
+    running: int
+    kv_usage: float
+    tpot_s: float | None  # recent mean time per output token; None when no data
+    taken_at_s: float  # wall-clock time the scrape started
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    limit: int
+    reason: str | None = None  # "stale", "drained", "waiting", "tpot", "kv" when closed
+
+    @property
+    def open(self) -> bool:
+        return self.limit > 0
+
+
+def evaluate_gate(
+    snapshot: BackendSnapshot | None,
+    policy: GatePolicy,
+    now_s: float,
+    stale_after_s: float,
+    drained: bool = False,
+) -> Gate:
+    """The burst limit for one (backend, class): ``max_waiting - waiting`` when healthy."""
+    if drained:
+        return Gate(0, "drained")
+    if snapshot is None or now_s - snapshot.taken_at_s > stale_after_s:
+        return Gate(0, "stale")
+    if snapshot.tpot_s is not None and snapshot.tpot_s * 1000.0 >= policy.max_tpot_ms:
+        return Gate(0, "tpot")
+    if policy.max_kv_usage is not None and snapshot.kv_usage >= policy.max_kv_usage:
+        return Gate(0, "kv")
+    limit = policy.max_waiting - snapshot.waiting
+    if limit <= 0:
+        return Gate(0, "waiting")
+    return Gate(limit)

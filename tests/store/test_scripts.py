@@ -1,0 +1,164 @@
+"""Each Lua script against a real Redis server."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from gateway.keys import ModelKeys
+from gateway.store import QueuedRequest, Store
+from policies.fairness import round_robin, vtc
+from policies.gates import BackendSnapshot
+
+M = "m"
+K = ModelKeys(M)
+ALL_OPEN = {"interactive": 100, "default": 100, "batch": 100}
+
+
+def req(rid: str, user: str, klass: str = "default", prompt: int = 10, weight: float = 1.0,
+        owner: str = "r1") -> QueuedRequest:
+    return QueuedRequest(rid, user, klass, owner, weight, prompt, 1000.0)
+
+
+async def alive(store: Store, *replicas: str) -> None:
+    for r in replicas:
+        await store.heartbeat([M], r, 1000.0)
+
+
+async def dispatch(store: Store, limits: dict[str, int] = ALL_OPEN, backend: str = "b1"):  # type: ignore[no-untyped-def]
+    return await store.dispatch(M, backend, limits, "r1", 1000.0, 10.0)
+
+
+async def test_enqueue_caps_per_user_and_counts_depth(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    assert await store.enqueue(M, req("a1", "a"), max_queued=2) == 1
+    assert await store.enqueue(M, req("a2", "a"), max_queued=2) == 2
+    assert await store.enqueue(M, req("a3", "a"), max_queued=2) == -1
+    assert await store.depths(M) == {"interactive": 0, "default": 2, "batch": 0}
+    assert await redis.lrange(K.queue("default", "a"), 0, -1) == ["a1", "a2"]
+    assert await redis.ttl(K.request("a1")) > 0
+
+
+async def test_enqueue_vtc_lifts_returning_user_to_min_active(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await redis.zadd(K.active("default"), {"busy": 500.0})
+    await redis.hset(K.saved("default"), "idle", 20.0)
+    await store.enqueue(M, req("x", "idle"), 10)
+    assert await redis.zscore(K.active("default"), "idle") == 500.0
+
+
+async def test_dispatch_serves_class_order_then_smallest_score(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("b1", "bob", "batch"), 10)
+    await store.enqueue(M, req("a1", "alice", prompt=100), 10)
+    await store.enqueue(M, req("a2", "alice", prompt=100), 10)
+    await store.enqueue(M, req("c1", "carol", prompt=5), 10)
+    await store.enqueue(M, req("i1", "ivan", "interactive"), 10)
+    order = []
+    while (g := await dispatch(store)) is not None:
+        order.append(g.request_id)
+    # interactive first; in default, alice (charged 100) yields to carol; batch last
+    assert order == ["i1", "a1", "c1", "a2", "b1"]
+    assert await store.depths(M) == {"interactive": 0, "default": 0, "batch": 0}
+
+
+async def test_dispatch_ranks_grow_with_user_inflight(redis: aioredis.Redis) -> None:
+    store = Store(redis, round_robin(), 600)
+    await alive(store, "r1")
+    for i in range(3):
+        await store.enqueue(M, req(f"a{i}", "a"), 10)
+    await store.enqueue(M, req("b0", "b"), 10)
+    grants = [await dispatch(store) for _ in range(4)]
+    assert [(g.request_id, g.rank) for g in grants if g] == [
+        ("a0", 0), ("b0", 0), ("a1", 1), ("a2", 2)]
+    assert await store.user_inflight(M) == {"a": 3, "b": 1}
+
+
+async def test_dispatch_respects_gate_limit_per_class(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    for i in range(5):
+        await store.enqueue(M, req(f"d{i}", "u"), 10)
+    await store.enqueue(M, req("bt", "v", "batch"), 10)
+    limits = {"interactive": 3, "default": 3, "batch": 1}
+    got = [await dispatch(store, limits) for _ in range(5)]
+    assert [g.request_id if g else None for g in got] == ["d0", "d1", "d2", None, None]
+    assert await redis.zcard(K.backend_sent("b1")) == 3
+    # another backend has its own budget
+    other = await dispatch(store, limits, backend="b2")
+    assert other is not None and other.backend == "b2"
+
+
+async def test_dispatch_skips_requests_of_dead_replicas(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    await store.heartbeat([M], "dead", 900.0)  # older than the 10 s ttl
+    await store.enqueue(M, req("x", "a", owner="dead"), 10)
+    await store.enqueue(M, req("y", "a", owner="r2"), 10)  # never beat
+    await store.enqueue(M, req("z", "a", owner="r1"), 10)
+    g = await dispatch(store)
+    assert g is not None and g.request_id == "z"
+    assert not await redis.exists(K.request("x"), K.request("y"))
+
+
+async def test_dispatch_pushes_grant_to_owning_replica(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1", "r2")
+    await store.enqueue(M, req("x", "a", owner="r2"), 10)
+    g = await dispatch(store)
+    assert g is not None and g.owner == "r2"
+    assert await store.next_grant(M, "r2", 0.1) == ("x", "b1", 0)
+    assert await store.next_grant(M, "r1", 0.05) is None
+
+
+async def test_settle_releases_once_and_charges(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("a0", "a", prompt=10), 10)
+    await store.enqueue(M, req("a1", "a", prompt=10), 10)
+    g = await dispatch(store)
+    assert g is not None
+    assert await redis.zscore(K.active("default"), "a") == 10.0
+    assert await store.settle(M, g, 40.0)
+    assert not await store.settle(M, g, 40.0)  # idempotent
+    assert await redis.zscore(K.active("default"), "a") == 50.0
+    assert await store.user_inflight(M) == {}
+    assert await redis.get(K.backend_inflight("b1")) is None
+    assert await redis.zcard(K.backend_sent("b1")) == 0
+
+
+async def test_settle_charges_idle_user_saved_score(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("a0", "a", prompt=10), 10)
+    g = await dispatch(store)
+    assert g is not None
+    await store.settle(M, g, 7.0)
+    assert float(await redis.hget(K.saved("default"), "a")) == 17.0  # type: ignore[arg-type]
+
+
+async def test_cancel_removes_queued_only(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("a0", "a"), 10)
+    await store.enqueue(M, req("a1", "a"), 10)
+    assert await store.cancel(M, "a1", "a", "default")
+    assert not await store.cancel(M, "a1", "a", "default")
+    g = await dispatch(store)
+    assert g is not None and g.request_id == "a0"
+    assert not await store.cancel(M, "a0", "a", "default")  # already dispatched
+    assert await redis.zcard(K.active("default")) == 0
+    assert await store.depths(M) == {"interactive": 0, "default": 0, "batch": 0}
+
+
+async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await redis.zadd(K.backend_sent("b1"), {"old": 990.0, "young": 999.99})
+    snap = BackendSnapshot(waiting=2, running=5, kv_usage=0.5, tpot_s=0.02, taken_at_s=1000.0)
+    assert await store.store_snapshot(M, "b1", snap, arrival_margin_s=0.05)
+    assert await redis.zrange(K.backend_sent("b1"), 0, -1) == ["young"]
+    older = BackendSnapshot(9, 9, 0.9, None, 999.0)
+    assert not await store.store_snapshot(M, "b1", older, 0.05)
+    states = await store.backend_states(M, ["b1", "b2"])
+    assert states["b1"].snapshot == snap and states["b1"].sent_since_snapshot == 1
+    assert states["b2"].snapshot is None
