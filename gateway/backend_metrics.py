@@ -1,0 +1,79 @@
+"""Read a vLLM server's Prometheus text into the numbers the gates need.
+
+Sums over the ``engine`` label (data-parallel ranks), ignores ``*_created`` samples,
+accepts the names of old servers (``vllm:gpu_cache_usage_perc``,
+``vllm:time_per_output_token_seconds``), and turns the TPOT histogram into a *recent* mean
+by differencing ``_sum``/``_count`` over a sliding window.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# Preference order: per-request TPOT, then per-token ITL, then the pre-2026 name.
+TPOT_HISTOGRAMS = (
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RawMetrics:
+    waiting: float
+    running: float
+    kv_usage: float
+    tpot_sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
+
+
+class MetricsFormatError(ValueError):
+    """The text is not Prometheus exposition or lacks vLLM's queue gauges."""
+
+
+def parse_metrics(text: str) -> RawMetrics:
+    totals: dict[str, float] = {}
+    wanted = {RUNNING, WAITING, *KV_USAGE}
+    wanted |= {h + "_sum" for h in TPOT_HISTOGRAMS} | {h + "_count" for h in TPOT_HISTOGRAMS}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except ValueError as exc:
+        raise MetricsFormatError(f"unparsable /metrics: {exc}") from exc
+    if RUNNING not in totals or WAITING not in totals:
+        raise MetricsFormatError("no vllm:num_requests_running/waiting in /metrics")
+    kv = next((totals[name] for name in KV_USAGE if name in totals), 0.0)
+    tpot = {
+        h: (totals[h + "_sum"], totals[h + "_count"])
+        for h in TPOT_HISTOGRAMS
+        if h + "_count" in totals
+    }
+    return RawMetrics(totals[WAITING], totals[RUNNING], kv, tpot)
+
+
+@dataclass
+class TpotWindow:
+    """Recent mean TPOT from cumulative histogram samples within ``window_s``."""
+
+    window_s: float
+    _points: deque[tuple[float, dict[str, tuple[float, float]]]] = field(default_factory=deque)
+
+    def add(self, now_s: float, sums: dict[str, tuple[float, float]]) -> float | None:
+        self._points.append((now_s, sums))
+        while len(self._points) > 2 and self._points[1][0] <= now_s - self.window_s:
+            self._points.popleft()
+        oldest = self._points[0][1]
+        for name in TPOT_HISTOGRAMS:
+            if name in sums and name in oldest:
+                d_sum = sums[name][0] - oldest[name][0]
+                d_count = sums[name][1] - oldest[name][1]
+                if d_count > 0 and d_sum >= 0:
+                    return d_sum / d_count
+        return None

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.backend_metrics import MetricsFormatError, TpotWindow, parse_metrics
+
+# a real vLLM 0.32 CPU server's /metrics with 16 running and 16 waiting
+REFERENCE = Path(__file__).parent / "data" / "vllm-0.32-cpu-metrics-under-load.txt"
+
+
+def test_parses_real_vllm_output() -> None:
+    raw = parse_metrics(REFERENCE.read_text())
+    assert raw.running == 16 and raw.waiting == 16
+    assert 0.0 <= raw.kv_usage <= 1.0
+    s, c = raw.tpot_sums["vllm:request_time_per_output_token_seconds"]
+    assert c > 0 and s > 0
+
+
+def test_sums_over_engines_and_reads_old_names() -> None:
+    text = "\n".join([
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 2',
+        'vllm:num_requests_running{engine="1",model_name="m"} 3',
+        "# TYPE vllm:num_requests_waiting gauge",
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 4',
+        "# TYPE vllm:gpu_cache_usage_perc gauge",
+        'vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        "# TYPE vllm:time_per_output_token_seconds histogram",
+        'vllm:time_per_output_token_seconds_sum{engine="0",model_name="m"} 2.0',
+        'vllm:time_per_output_token_seconds_count{engine="0",model_name="m"} 40',
+        "",
+    ])
+    raw = parse_metrics(text)
+    assert (raw.running, raw.waiting, raw.kv_usage) == (5, 5, 0.25)
+    assert raw.tpot_sums == {"vllm:time_per_output_token_seconds": (2.0, 40)}
+
+
+def test_rejects_non_vllm_text() -> None:
+    with pytest.raises(MetricsFormatError):
+        parse_metrics("# TYPE x gauge\nx 1\n")
+
+
+def test_tpot_window_uses_recent_delta_not_lifetime_mean() -> None:
+    name = "vllm:request_time_per_output_token_seconds"
+    w = TpotWindow(window_s=5.0)
+    assert w.add(0.0, {name: (100.0, 100)}) is None  # lifetime mean 1 s is ignored
+    assert w.add(1.0, {name: (101.0, 200)}) == pytest.approx(0.01)
+    assert w.add(10.0, {name: (111.0, 300)}) == pytest.approx(0.1)  # old point expired
+    assert w.add(11.0, {name: (111.0, 300)}) == pytest.approx(0.1)
+    assert w.add(20.0, {name: (111.0, 300)}) is None  # nothing finished recently
