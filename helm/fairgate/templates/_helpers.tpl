@@ -1,0 +1,98 @@
+{{/* Chart name, truncated to the DNS label limit. */}}
+{{- define "fairgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Fully qualified app name: release name, plus the chart name unless it already contains it. */}}
+{{- define "fairgate.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "fairgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fairgate.labels" -}}
+helm.sh/chart: {{ include "fairgate.chart" . }}
+app.kubernetes.io/name: {{ include "fairgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Selector labels; call with (dict "root" $ "component" "gateway"). */}}
+{{- define "fairgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "fairgate.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "fairgate.gatewayName" -}}
+{{- printf "%s-gateway" (include "fairgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fairgate.redisName" -}}
+{{- printf "%s-redis" (include "fairgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fairgate.keysSecretName" -}}
+{{- if .Values.gateway.keys.existingSecret -}}
+{{- .Values.gateway.keys.existingSecret -}}
+{{- else -}}
+{{- printf "%s-keys" (include "fairgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Name of a vLLM pool's StatefulSet and of its headless Service: <release>-<pool>.
+Pod i is then reachable at <release>-<pool>-<i>.<release>-<pool>.
+Call with (dict "root" $ "pool" $pool). 52 chars leave room for the pod ordinal and
+the controller-revision-hash label.
+*/}}
+{{- define "fairgate.poolName" -}}
+{{- printf "%s-%s" .root.Release.Name .pool.name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Redis URL the gateway uses: the in-chart StatefulSet, or redis.externalUrl. */}}
+{{- define "fairgate.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{- printf "redis://%s:%d/0" (include "fairgate.redisName" .) (int .Values.redis.port) -}}
+{{- else -}}
+{{- required "redis.externalUrl is required when redis.enabled=false" .Values.redis.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway's config.yaml: every pod of every pool is one backend. */}}
+{{- define "fairgate.gatewayConfig" -}}
+redis_url: {{ include "fairgate.redisUrl" . | quote }}
+listen:
+  host: 0.0.0.0
+  port: {{ .Values.gateway.port }}
+backends:
+{{- range $pool := .Values.vllm.pools }}
+{{- $poolName := include "fairgate.poolName" (dict "root" $ "pool" $pool) }}
+{{- range $i, $_ := until (int $pool.replicas) }}
+  - name: {{ printf "%s-%d" $pool.name $i | quote }}
+    url: {{ printf "http://%s-%d.%s:%d" $poolName $i $poolName (int $.Values.vllm.port) | quote }}
+    model: {{ $pool.servedModelName | quote }}
+    {{- if $pool.maxModelLen }}
+    max_model_len: {{ $pool.maxModelLen }}
+    {{- end }}
+{{- end }}
+{{- end }}
+{{- with .Values.gateway.config.extraBackends }}
+{{ toYaml . | indent 2 }}
+{{- end }}
+classes:
+{{ toYaml .Values.gateway.config.classes | indent 2 }}
+fairness: {{ .Values.gateway.config.fairness | quote }}
+{{- end -}}
