@@ -1,12 +1,76 @@
-"""``fairgate sim``: placeholder until the simulator lands."""
+"""``fairgate sim``: run a simulated vLLM server until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+import sys
 from typing import Any
+
+from loadtest.sim.engine import EngineConfig
+from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES
+from loadtest.sim.scheduler import POLICIES
+from loadtest.sim.server import SimServer
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = sub.add_parser("sim", help="run a simulated vLLM server")
-    parser.set_defaults(run=lambda args: 0)
+    """Register the ``sim`` subcommand on an argparse subparsers object."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "sim", help="run a simulated vLLM server", description=__doc__
+    )
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs")
+    parser.add_argument("--kv-blocks", type=int, default=None, help="default: the profile's")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
+    parser.add_argument(
+        "--reject-priority", action="store_true", help="answer 400 to non-zero priority"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(run=run)
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the engine config from parsed arguments."""
+    return EngineConfig(
+        model=args.model,
+        profile=args.profile,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
+        kv_blocks=args.kv_blocks,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+async def serve(server: SimServer) -> None:
+    """Run ``server`` until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    print(f"fairgate sim: serving {server.config.model!r} on {server.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``fairgate sim``."""
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"fairgate sim: {exc}", file=sys.stderr)
+        return 2
+    server = SimServer(config, host=args.host, port=args.port, reject_priority=args.reject_priority)
+    asyncio.run(serve(server))
+    return 0

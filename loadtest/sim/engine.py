@@ -1,0 +1,234 @@
+"""``SimEngine``: the asyncio step loop around the pure ``Scheduler``.
+
+Each step: plan (``Scheduler.schedule``), price it with the profile's roofline model,
+sleep until an absolute deadline, then apply it (``Scheduler.update``) and hand the
+sampled tokens to their streams. Deadlines chain from one step to the next while the
+engine stays busy, so Python's own time per step is absorbed instead of accumulating; the
+loop waits on an event when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
+from loadtest.sim.records import RequestRecord, RequestStream, Token
+from loadtest.sim.scheduler import Scheduler, SchedulerLimits, Sequence, StepPlan
+from loadtest.sim.timing import StepStats, StepTiming, summarize
+
+# Further behind schedule than this, the loop restarts its deadline chain rather than
+# compressing the following steps to catch up.
+MAX_LAG_S = 0.05
+STEP_LOG_LEN = 200_000
+
+
+@dataclass
+class EngineConfig:
+    """Engine flags, named like vLLM's. ``profile`` may be a ``Profile`` or its name."""
+
+    model: str
+    profile: Profile | str = DEFAULT_PROFILE
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
+    kv_blocks: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    seed: int = 0
+    cost: Profile = field(init=False)
+    num_kv_blocks: int = field(init=False)
+    model_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.profile, str):
+            if self.profile not in PROFILES:
+                raise ValueError(f"unknown profile {self.profile!r}; known: {sorted(PROFILES)}")
+            self.cost = PROFILES[self.profile]
+        else:
+            self.cost = self.profile
+        self.num_kv_blocks = self.kv_blocks or self.cost.default_kv_blocks
+        cache_tokens = self.num_kv_blocks * self.block_size
+        self.model_len = self.max_model_len or min(self.cost.max_model_len, cache_tokens)
+        if self.model_len > cache_tokens:
+            raise ValueError(
+                f"max_model_len {self.model_len} exceeds the KV cache ({cache_tokens} tokens)"
+            )
+
+    def limits(self) -> SchedulerLimits:
+        """The scheduler's view of these flags."""
+        return SchedulerLimits(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            policy=self.scheduling_policy,
+            kv_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+        )
+
+
+class EngineObserver(Protocol):
+    """Receives engine events (the metrics module implements it)."""
+
+    def token(self, record: RequestRecord, emit_s: float, prev_emit_s: float | None) -> None: ...
+    def finished(self, record: RequestRecord) -> None: ...
+    def preempted(self, record: RequestRecord) -> None: ...
+
+
+class SimEngine:
+    """A simulated vLLM engine core."""
+
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config.limits())
+        self.records: dict[str, RequestRecord] = {}
+        self.step_log: deque[StepTiming] = deque(maxlen=STEP_LOG_LEN)
+        self._observer = observer
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.scheduler.running)
+
+    @property
+    def kv_usage(self) -> float:
+        """KV-cache usage, 0..1."""
+        return self.scheduler.kv_usage
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        """Stop the loop and end every open stream as aborted."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for request_id in list(self._streams):
+            self.abort(request_id)
+
+    def add_request(
+        self,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        output_tokens: int | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queue a request that will generate ``output_tokens`` (default ``max_tokens``)."""
+        target = max_tokens if output_tokens is None else min(output_tokens, max_tokens)
+        if prompt_tokens < 1 or target < 1:
+            raise ValueError("a request needs at least one prompt and one output token")
+        if prompt_tokens + target > self.config.model_len:
+            raise ValueError(
+                f"prompt ({prompt_tokens}) + output ({target}) tokens exceed max_model_len "
+                f"{self.config.model_len}"
+            )
+        now = asyncio.get_running_loop().time()
+        seq = Sequence(request_id, priority, now, prompt_tokens, target)
+        self.scheduler.add(seq)
+        record = RequestRecord(request_id, priority, prompt_tokens, max_tokens, now)
+        self.records[request_id] = record
+        stream = RequestStream(record)
+        self._streams[request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a queued or running request and free its KV blocks."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return False
+        self.scheduler.abort(request_id)
+        record = stream.record
+        record.aborted = True
+        record.finish_reason = "abort"
+        record.finished_s = asyncio.get_running_loop().time()
+        stream.close()
+        if self._observer is not None:
+            self._observer.finished(record)
+        self._wake.set()
+        return True
+
+    def step_stats(self) -> StepStats:
+        """Modelled vs wall-clock step durations since start."""
+        return summarize(self.step_log)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = step_start = loop.time()
+        while True:
+            plan = self.scheduler.schedule() if self.scheduler.has_work() else None
+            if plan is None or not plan.chunks:
+                if plan is not None:
+                    self._note_preemptions(plan)
+                self._wake.clear()
+                await self._wake.wait()
+                deadline = step_start = loop.time()
+                continue
+            now = loop.time()
+            self._note_schedule(plan, now)
+            modelled = self.config.cost.step_time_s(plan.batch_tokens, plan.context_tokens)
+            if now - deadline > MAX_LAG_S:
+                deadline = step_start = now
+            deadline += modelled
+            delay = deadline - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            end = loop.time()
+            self.step_log.append(
+                StepTiming(modelled, end - step_start, plan.batch_tokens, len(plan.chunks))
+            )
+            step_start = end
+            self._emit(self.scheduler.update(plan), end)
+
+    def _note_schedule(self, plan: StepPlan, now: float) -> None:
+        self._note_preemptions(plan)
+        for chunk in plan.chunks:
+            if chunk.first_schedule:
+                self.records[chunk.seq.request_id].first_scheduled_s = now
+
+    def _note_preemptions(self, plan: StepPlan) -> None:
+        for seq in plan.preempted:
+            record = self.records[seq.request_id]
+            record.num_preemptions += 1
+            if self._observer is not None:
+                self._observer.preempted(record)
+
+    def _emit(self, sampled: list[Sequence], now: float) -> None:
+        observer = self._observer
+        for seq in sampled:
+            stream = self._streams.get(seq.request_id)
+            if stream is None:
+                continue
+            record = stream.record
+            prev = record.last_token_s
+            if prev is None:
+                record.first_token_s = now
+            record.last_token_s = now
+            stream.push(Token(record.output_tokens, now))
+            record.output_tokens += 1
+            if observer is not None:
+                observer.token(record, now, prev)
+            if seq.output_tokens >= seq.target_output_tokens:
+                record.finished_s = now
+                record.finish_reason = (
+                    "length" if seq.output_tokens >= record.max_tokens else "stop"
+                )
+                del self._streams[seq.request_id]
+                stream.close()
+                if observer is not None:
+                    observer.finished(record)

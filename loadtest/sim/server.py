@@ -1,0 +1,209 @@
+"""``SimServer``: vLLM's OpenAI-compatible HTTP surface over a ``SimEngine`` (aiohttp).
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(JSON or SSE), ``GET /health``, ``GET /metrics``, ``GET /debug/requests``,
+``GET /debug/state``, ``GET /debug/steps``. Handlers are cancelled when the client
+disconnects, and the request is then aborted in the engine (its KV blocks freed).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from loadtest.sim.engine import EngineConfig, SimEngine
+from loadtest.sim.metrics import SimMetrics
+from loadtest.sim.protocol import PRIORITY_HEADER, SimError, SimRequest, parse_json, parse_request
+from loadtest.sim.records import RequestStream
+from loadtest.sim.responses import StreamFramer, full_body
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+SHUTDOWN_TIMEOUT_S = 2.0
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn ``SimError`` into vLLM's JSON error response."""
+    try:
+        return await handler(request)
+    except SimError as exc:
+        return web.json_response(exc.body(), status=exc.status)
+
+
+class SimServer:
+    """A simulated vLLM server; ``port=0`` picks a free port (see ``url`` after start)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        reject_priority: bool = False,
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.port = port
+        self.reject_priority = reject_priority
+        self.metrics = SimMetrics(config.model, config.model_len, CollectorRegistry())
+        self._engine = SimEngine(config, observer=self.metrics)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def engine(self) -> SimEngine:
+        """The engine behind the HTTP surface."""
+        return self._engine
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8100`` (no ``/v1``)."""
+        return f"http://{self.host}:{self.port}"
+
+    def make_app(self) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application(middlewares=[error_middleware])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/debug/requests", self._debug_requests)
+        app.router.add_get("/debug/state", self._debug_state)
+        app.router.add_get("/debug/steps", self._debug_steps)
+        return app
+
+    async def start(self) -> None:
+        """Start the engine loop and listen."""
+        self._engine.start()
+        self._runner = web.AppRunner(
+            self.make_app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        """Abort everything in flight, stop the engine and close the listener."""
+        await self._engine.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.config.model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = self.metrics.render(self._engine)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _debug_requests(self, request: web.Request) -> web.Response:
+        records = [r.to_json() for r in self._engine.records.values()]
+        return web.json_response(records)
+
+    async def _debug_state(self, request: web.Request) -> web.Response:
+        engine = self._engine
+        return web.json_response(
+            {
+                "num_waiting": engine.num_waiting,
+                "num_running": engine.num_running,
+                "kv_usage": engine.kv_usage,
+            }
+        )
+
+    async def _debug_steps(self, request: web.Request) -> web.Response:
+        return web.json_response(self._engine.step_stats().to_json())
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    def _parse(self, request: web.Request, raw: bytes, chat: bool) -> SimRequest:
+        body = parse_json(raw)
+        model = body.get("model")
+        if model is not None and model != self.config.model:
+            raise SimError(404, f"The model `{model}` does not exist.", param="model")
+        req = parse_request(
+            body,
+            chat=chat,
+            headers_priority=request.headers.get(PRIORITY_HEADER),
+            model_len=self.config.model_len,
+            seed=self.config.seed,
+        )
+        if self.reject_priority and req.priority != 0:
+            raise SimError(
+                400, "Priority scheduling is not enabled on this server.", param="priority"
+            )
+        return req
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        req = self._parse(request, await request.read(), chat)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        try:
+            stream = self._engine.add_request(
+                request_id,
+                prompt_tokens=req.prompt_tokens,
+                max_tokens=req.max_tokens,
+                output_tokens=req.output_tokens,
+                priority=req.priority,
+            )
+        except ValueError as exc:
+            raise SimError(400, str(exc)) from exc
+        try:
+            if req.stream:
+                return await self._stream(request, req, stream)
+            count = 0
+            while batch := await stream.next_batch():
+                count += len(batch)
+            if stream.record.aborted:
+                raise SimError(500, "The request was aborted: the engine is shutting down.")
+            reason = stream.record.finish_reason or "stop"
+            return web.json_response(full_body(req, request_id, self.config.model, count, reason))
+        finally:
+            if not stream.finished:
+                self._engine.abort(request_id)
+
+    async def _stream(
+        self, request: web.Request, req: SimRequest, stream: RequestStream
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        framer = StreamFramer(req, stream.request_id, self.config.model)
+        count = 0
+        try:
+            opening = framer.opening()
+            if opening:
+                await response.write(opening)
+            while batch := await stream.next_batch():
+                await response.write(b"".join([framer.token(t.index) for t in batch]))
+                count += len(batch)
+            if not stream.record.aborted:
+                reason = stream.record.finish_reason or "stop"
+                await response.write(framer.closing(count, reason))
+            await response.write_eof()
+        except ConnectionError:
+            self._engine.abort(stream.request_id)
+        return response
