@@ -19,7 +19,15 @@ TEMPLATES = CHART / "templates"
 GPU_COMPOSE = DEPLOY / "docker-compose.yml"
 SIM_COMPOSE = DEPLOY / "docker-compose.sim.yml"
 COMPOSE_FILES = [GPU_COMPOSE, SIM_COMPOSE]
-GATEWAY_CONFIG_KEYS = {"redis_url", "listen", "backends", "api_keys", "admin_keys", "classes", "fairness"}
+GATEWAY_CONFIG_KEYS = {
+    "redis_url",
+    "listen",
+    "backends",
+    "api_keys",
+    "admin_keys",
+    "classes",
+    "fairness",
+}
 PRIORITY_CLASSES = {"interactive", "default", "batch"}
 VLLM_PROFILES = sorted((DEPLOY / "vllm").glob("*.sh"))
 
@@ -65,7 +73,9 @@ def mounted_config(service: dict[str, Any], compose: Path) -> Path:
         source, target = volume.split(":")[:2]
         if target == "/etc/fairgate/config.yaml":
             return (compose.parent / source).resolve()
-    raise AssertionError(f"no volume mounted at /etc/fairgate/config.yaml: {service.get('volumes')}")
+    raise AssertionError(
+        f"no volume mounted at /etc/fairgate/config.yaml: {service.get('volumes')}"
+    )
 
 
 def flag_value(args: list[str], flag: str) -> str | None:
@@ -200,7 +210,8 @@ def test_prometheus_scrapes_services_of_its_compose_file(compose: Path) -> None:
     config = load(DEPLOY / "prometheus" / rel)
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     targets = {
-        name: [t for sc in job["static_configs"] for t in sc["targets"]] for name, job in jobs.items()
+        name: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for name, job in jobs.items()
     }
     for job, hosts in targets.items():
         for target in hosts:
@@ -330,8 +341,16 @@ def test_values_yaml_required_fields() -> None:
     common = [str(a) for a in v["vllm"]["commonArgs"]]
     assert "--enable-chunked-prefill" in common
     assert flag_value(common, "--scheduling-policy") == "priority"
-    pool_keys = {"name", "model", "servedModelName", "replicas", "tensorParallel",
-                 "maxModelLen", "maxNumBatchedTokens", "extraArgs"}
+    pool_keys = {
+        "name",
+        "model",
+        "servedModelName",
+        "replicas",
+        "tensorParallel",
+        "maxModelLen",
+        "maxNumBatchedTokens",
+        "extraArgs",
+    }
     pools = v["vllm"]["pools"]
     assert pools
     for pool in pools:
@@ -348,8 +367,14 @@ def test_values_yaml_required_fields() -> None:
 def test_expected_templates_exist() -> None:
     names = {p.name for p in TEMPLATES.iterdir()}
     assert {
-        "_helpers.tpl", "NOTES.txt", "gateway-deployment.yaml", "gateway-service.yaml",
-        "gateway-configmap.yaml", "gateway-pdb.yaml", "redis.yaml", "vllm-pools.yaml",
+        "_helpers.tpl",
+        "NOTES.txt",
+        "gateway-deployment.yaml",
+        "gateway-service.yaml",
+        "gateway-configmap.yaml",
+        "gateway-pdb.yaml",
+        "redis.yaml",
+        "vllm-pools.yaml",
         "servicemonitor.yaml",
     } <= names
 
@@ -408,8 +433,16 @@ def test_pool_fields_read_by_templates_exist_in_every_pool() -> None:
     v = values()
     text = "".join(p.read_text() for p in template_files())
     fields = set(re.findall(r"\$pool\.([A-Za-z_][A-Za-z0-9_]*)", text))
-    assert {"name", "model", "servedModelName", "replicas", "tensorParallel",
-            "maxModelLen", "maxNumBatchedTokens", "extraArgs"} <= fields
+    assert {
+        "name",
+        "model",
+        "servedModelName",
+        "replicas",
+        "tensorParallel",
+        "maxModelLen",
+        "maxNumBatchedTokens",
+        "extraArgs",
+    } <= fields
     for pool in v["vllm"]["pools"]:
         optional = {"resources"}
         assert fields - optional <= set(pool), (pool["name"], fields - set(pool))
@@ -432,12 +465,12 @@ def test_vllm_pool_template_wires_gpus_probes_and_headless_dns() -> None:
 
 def test_gateway_config_lists_every_pool_pod_by_stable_dns() -> None:
     helpers = (TEMPLATES / "_helpers.tpl").read_text()
-    config = helpers[helpers.index('define "fairgate.gatewayConfig"'):]
+    config = helpers[helpers.index('define "fairgate.gatewayConfig"') :]
     # <release>-<pool>-<i>.<release>-<pool>:<port> for i in 0..replicas-1
     assert "until (int $pool.replicas)" in config
     assert '"http://%s-%d.%s:%d" $poolName $i $poolName' in config
     assert 'include "fairgate.poolName"' in config
-    pool_name = helpers[helpers.index('define "fairgate.poolName"'):]
+    pool_name = helpers[helpers.index('define "fairgate.poolName"') :]
     assert re.search(r'printf "%s-%s" \.root\.Release\.Name \.pool\.name', pool_name)
     for key in GATEWAY_CONFIG_KEYS - {"api_keys", "admin_keys"}:
         assert re.search(rf"^{key}:", config, re.M), key
