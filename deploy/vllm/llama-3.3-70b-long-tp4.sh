@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Llama-3.3-70B-Instruct, LONG-context pool: 4x H100 80GB, tensor parallel 4, 128k context.
-# fairgate routes prompts that do not fit the short pool (>= ~10k tokens) here, so they
-# never block the short pool's prefill queue.
+# Prompts that do not fit the short pool (>= ~10k tokens) go here, so they never block the
+# short pool's prefill queue. It is served under its own model name (llama-3.3-70b-128k):
+# fairgate balances over the backends of one model name, so clients pick this pool by
+# asking for that model, and the short pool never receives a prompt it would reject.
 #
 # Memory (bf16): 140 GB weights / 4 = 35 GB per GPU; at 0.92 utilisation ~35 GB per GPU
 # remain for KV cache; Llama-70B KV is ~320 KiB/token (80 layers x 8 KV heads x 128 x 2 x 2 B),
@@ -19,7 +21,7 @@
 set -euo pipefail
 
 MODEL="${MODEL:-meta-llama/Llama-3.3-70B-Instruct}"
-SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-llama-3.3-70b}"
+SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-llama-3.3-70b-128k}"
 PORT="${PORT:-8000}"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1,2,3}"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -499,3 +501,47 @@ def test_redis_statefulset_uses_aof_and_a_pvc_or_external_url() -> None:
     assert re.search(r"- --appendonly\s*\n\s*- \"yes\"", text)
     helpers = (TEMPLATES / "_helpers.tpl").read_text()
     assert ".Values.redis.externalUrl" in helpers
+
+
+def test_pools_sharing_a_model_name_share_a_context_length() -> None:
+    # The gateway spreads one model's requests over all its backends: a long-context pool
+    # must not hide behind the same model name as a short one.
+    max_len: dict[str, int] = {}
+    for pool in values()["vllm"]["pools"]:
+        name, length = pool["servedModelName"], pool["maxModelLen"]
+        assert max_len.setdefault(name, length) == length, name
+
+
+# --- against the gateway's own settings model -------------------------------------------
+
+
+@pytest.mark.parametrize("config_name", ["gateway.yaml", "gateway.sim.yaml"])
+def test_gateway_settings_accept_the_compose_configs(
+    config_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings_mod = pytest.importorskip("gateway.settings")
+    for var in [v for v in os.environ if v.startswith("FAIRGATE_")]:
+        monkeypatch.delenv(var)
+    settings = settings_mod.load_settings(DEPLOY / "config" / config_name)
+    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.listen.port == 8000 and settings.listen.host == "0.0.0.0"
+    assert settings.models() == ["llama-3.1-8b"]
+    assert len(settings.backends) == 2
+    assert settings.classes["batch"].max_waiting == 1
+
+
+def test_gateway_settings_take_helm_secret_keys_from_env(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The chart keeps keys out of the ConfigMap and passes them as JSON env vars."""
+    settings_mod = pytest.importorskip("gateway.settings")
+    keys = values()["gateway"]["keys"]
+    config = load(DEPLOY / "config" / "gateway.sim.yaml")
+    del config["api_keys"], config["admin_keys"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("FAIRGATE_API_KEYS", json.dumps(keys["apiKeys"]))
+    monkeypatch.setenv("FAIRGATE_ADMIN_KEYS", json.dumps(keys["adminKeys"]))
+    settings = settings_mod.load_settings(path)
+    assert [k.key for k in settings.api_keys] == [k["key"] for k in keys["apiKeys"]]
+    assert settings.admin_keys == keys["adminKeys"]

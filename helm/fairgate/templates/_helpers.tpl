@@ -84,9 +84,6 @@ backends:
   - name: {{ printf "%s-%d" $pool.name $i | quote }}
     url: {{ printf "http://%s-%d.%s:%d" $poolName $i $poolName (int $.Values.vllm.port) | quote }}
     model: {{ $pool.servedModelName | quote }}
-    {{- if $pool.maxModelLen }}
-    max_model_len: {{ $pool.maxModelLen }}
-    {{- end }}
 {{- end }}
 {{- end }}
 {{- with .Values.gateway.config.extraBackends }}
