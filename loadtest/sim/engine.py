@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,6 +89,7 @@ class SimEngine:
         self._observer = observer
         self._streams: dict[str, RequestStream] = {}
         self._wake = asyncio.Event()
+        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -146,6 +148,7 @@ class SimEngine:
         stream = RequestStream(record)
         self._streams[request_id] = stream
         self._wake.set()
+        self._signal_change()
         return stream
 
     def abort(self, request_id: str) -> bool:
@@ -162,7 +165,17 @@ class SimEngine:
         if self._observer is not None:
             self._observer.finished(record)
         self._wake.set()
+        self._signal_change()
         return True
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds; re-checked whenever a request arrives or ends."""
+        while not predicate():
+            await self._changed.wait()
+
+    def _signal_change(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
     def step_stats(self) -> StepStats:
         """Modelled vs wall-clock step durations since start."""
@@ -232,3 +245,4 @@ class SimEngine:
                 stream.close()
                 if observer is not None:
                     observer.finished(record)
+                self._signal_change()
