@@ -8,12 +8,14 @@ from typing import Any, NamedTuple
 
 
 class StepTiming(NamedTuple):
-    """One engine step: modelled duration, measured wall-clock duration, batch size."""
+    """One engine step: modelled and wall-clock durations, batch size, and how late the
+    step ended relative to its absolute deadline."""
 
     modelled_s: float
     actual_s: float
     batch_tokens: int
     num_seqs: int
+    late_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class StepStats:
     ratio_p50: float
     ratio_p99: float
     ratio_max: float
+    late_p50_s: float
+    late_p99_s: float
     max_batch_seqs: int
 
     @property
@@ -51,6 +55,7 @@ def summarize(steps: Iterable[StepTiming]) -> StepStats:
     """Summarize step timings."""
     items = list(steps)
     ratios = sorted(s.actual_s / s.modelled_s for s in items if s.modelled_s > 0)
+    lates = sorted(s.late_s for s in items)
     return StepStats(
         num_steps=len(items),
         modelled_total_s=sum(s.modelled_s for s in items),
@@ -58,5 +63,7 @@ def summarize(steps: Iterable[StepTiming]) -> StepStats:
         ratio_p50=_quantile(ratios, 0.50),
         ratio_p99=_quantile(ratios, 0.99),
         ratio_max=ratios[-1] if ratios else float("nan"),
+        late_p50_s=_quantile(lates, 0.50),
+        late_p99_s=_quantile(lates, 0.99),
         max_batch_seqs=max((s.num_seqs for s in items), default=0),
     )
