@@ -63,6 +63,14 @@ class SimMetrics:
 
         self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason.",
+            (*LABELS, "reason"),
+            registry=registry,
+        )
+        self.waiting_capacity = by_reason.labels(reason="capacity", **labels)
+        by_reason.labels(reason="deferred", **labels).set(0)
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS
@@ -135,5 +143,6 @@ class SimMetrics:
         """Refresh the gauges from ``engine`` and return the Prometheus text format."""
         self.running.set(engine.num_running)
         self.waiting.set(engine.num_waiting)
+        self.waiting_capacity.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_usage)
         return generate_latest(self.registry)
