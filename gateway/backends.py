@@ -1,0 +1,129 @@
+"""The backend pool: one scrape loop per vLLM server, snapshots stored in Redis.
+
+A scrape that fails or times out stores nothing, so the shared snapshot goes stale and
+every replica's gate for that backend closes; after ``unhealthy_after_failures`` in a
+row the backend is also marked unhealthy here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+
+from gateway.backend_metrics import MetricsFormatError, TpotWindow, parse_metrics
+from gateway.errors import StoreUnavailable
+from gateway.observability import GatewayMetrics
+from gateway.settings import Backend, Settings
+from gateway.store import Store
+from policies.classes import CLASS_ORDER
+from policies.gates import BackendSnapshot, evaluate_gate
+
+log = structlog.get_logger("fairgate.backends")
+
+# Dispatches younger than this at scrape start may not have reached vLLM yet: they stay
+# counted against the gate until the next snapshot.
+ARRIVAL_MARGIN_S = 0.01
+
+
+@dataclass
+class BackendHandle:
+    config: Backend
+    tpot: TpotWindow
+    healthy: bool = False
+    failures: int = 0
+    accepts_priority: bool = True
+    drained: bool = False
+    last: BackendSnapshot | None = None
+    scraped: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+class BackendPool:
+    def __init__(
+        self,
+        settings: Settings,
+        session: aiohttp.ClientSession,
+        store: Store,
+        metrics: GatewayMetrics,
+        on_snapshot: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.session = session
+        self.store = store
+        self.metrics = metrics
+        self.on_snapshot = on_snapshot
+        self.handles = {
+            b.name: BackendHandle(b, TpotWindow(settings.tpot_window_s)) for b in settings.backends
+        }
+
+    def for_model(self, model: str) -> list[BackendHandle]:
+        return [h for h in self.handles.values() if h.config.model == model]
+
+    def any_healthy(self, model: str | None = None) -> bool:
+        handles = self.for_model(model) if model else list(self.handles.values())
+        return any(h.healthy for h in handles)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._loop(h) for h in self.handles.values()))
+
+    async def _loop(self, handle: BackendHandle) -> None:
+        interval = self.settings.scrape_interval_s
+        next_at = time.monotonic()
+        while True:
+            await self.scrape_once(handle)
+            next_at = max(next_at + interval, time.monotonic())
+            await asyncio.sleep(next_at - time.monotonic())
+
+    async def scrape_once(self, handle: BackendHandle) -> None:
+        started = time.time()
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            async with self.session.get(handle.config.url + "/metrics", timeout=timeout) as resp:
+                resp.raise_for_status()
+                raw = parse_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, MetricsFormatError) as exc:
+            self._failed(handle, exc)
+            return
+        tpot = handle.tpot.add(started, raw.tpot_sums)
+        snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
+        try:
+            await self.store.store_snapshot(handle.config.model, handle.name, snap,
+                                            ARRIVAL_MARGIN_S)
+        except StoreUnavailable as exc:
+            log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
+            return
+        if not handle.healthy:
+            log.info("backend_healthy", backend=handle.name)
+        handle.healthy, handle.failures, handle.last = True, 0, snap
+        self._record(handle, snap)
+        handle.scraped.set()
+        self.on_snapshot()
+
+    def _failed(self, handle: BackendHandle, exc: BaseException) -> None:
+        handle.failures += 1
+        if handle.healthy and handle.failures >= self.settings.unhealthy_after_failures:
+            handle.healthy = False
+            log.warning("backend_unhealthy", backend=handle.name, error=repr(exc))
+        self.metrics.backend_healthy.labels(handle.name).set(1 if handle.healthy else 0)
+
+    def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
+        m, name = self.metrics, handle.name
+        m.backend_waiting.labels(name).set(snap.waiting)
+        m.backend_running.labels(name).set(snap.running)
+        m.backend_kv.labels(name).set(snap.kv_usage)
+        m.backend_tpot.labels(name).set(snap.tpot_s or 0.0)
+        m.backend_healthy.labels(name).set(1)
+        for klass in CLASS_ORDER:
+            policy = self.settings.classes[klass].gate()
+            gate = evaluate_gate(snap, policy, snap.taken_at_s, self.settings.snapshot_stale_s,
+                                 handle.drained)
+            if gate.reason is not None:
+                m.gate_closed.labels(name, klass, gate.reason).inc()

@@ -1,0 +1,190 @@
+"""Event-driven dispatch: wakes on enqueue, settle and every new backend snapshot.
+
+Any replica may dispatch any request (the Lua script makes the choice atomic and fair
+across replicas); a grant for a request whose client another replica holds travels
+through that replica's grant list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from gateway.backends import BackendPool
+from gateway.errors import QueueTimeout, RateLimited, StoreUnavailable
+from gateway.observability import GatewayMetrics
+from gateway.settings import Settings
+from gateway.store import Grant, QueuedRequest, Store
+from policies.backend_choice import Candidate, by_load
+from policies.classes import CLASS_ORDER
+from policies.gates import evaluate_gate
+
+log = structlog.get_logger("fairgate.dispatcher")
+
+
+@dataclass(slots=True)
+class Waiter:
+    request: QueuedRequest
+    model: str
+    future: asyncio.Future[Grant]
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, store: Store, pool: BackendPool,
+                 metrics: GatewayMetrics, replica_id: str) -> None:
+        self.settings = settings
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self.waiters: dict[str, Waiter] = {}
+        self._wake = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def replica_ttl_s(self) -> float:
+        return 5 * self.settings.replica_heartbeat_s
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def acquire(self, model: str, req: QueuedRequest, timeout_s: float) -> Grant:
+        """Queue a request and wait for its grant.
+
+        Raises RateLimited when the user's queue is full and QueueTimeout after
+        ``timeout_s``. On timeout or cancellation (client gone) the request leaves the
+        queue; if it was dispatched meanwhile, its in-flight state is released.
+        """
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self.waiters[req.request_id] = Waiter(req, model, future)
+        try:
+            position = await self.store.enqueue(model, req, self.settings.max_queued_per_user)
+        except BaseException:
+            self.waiters.pop(req.request_id, None)
+            raise
+        if position < 0:
+            self.waiters.pop(req.request_id, None)
+            raise RateLimited(
+                f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
+                "queued for this model", retry_after_s=self.settings.retry_after_s)
+        self.wake()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            await self._withdraw(model, req, future)
+            if isinstance(exc, TimeoutError):
+                raise QueueTimeout(
+                    f"request waited more than {timeout_s:g}s in the {req.klass} queue",
+                    retry_after_s=self.settings.retry_after_s) from None
+            raise
+
+    async def _withdraw(self, model: str, req: QueuedRequest,
+                        future: asyncio.Future[Grant]) -> None:
+        if await self.store.cancel(model, req.request_id, req.user, req.klass):
+            self.waiters.pop(req.request_id, None)
+        elif future.done():
+            await self.release(model, future.result(), 0.0)
+        else:
+            future.cancel()  # the grant is on its way: _deliver releases it
+
+    async def release(self, model: str, grant: Grant, charge: float) -> None:
+        """Settle a dispatched request (idempotent) and let the next one go."""
+        try:
+            await self.store.settle(model, grant, charge)
+        finally:
+            self.wake()
+
+    async def run(self) -> None:
+        """The dispatch loop; also heartbeats and listens for grants from other replicas."""
+        models = self.settings.models()
+        await self.store.heartbeat(models, self.replica_id, time.time())
+        loops = [self._heartbeat(models), self._dispatch_loop(models)]
+        loops += [self._listen(model) for model in models]
+        tasks = [asyncio.create_task(coro) for coro in loops]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _dispatch_loop(self, models: list[str]) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for model in models:
+                try:
+                    while await self.dispatch_once(model):
+                        pass
+                except StoreUnavailable as exc:
+                    log.warning("dispatch_failed", model=model, error=str(exc))
+
+    async def dispatch_once(self, model: str) -> bool:
+        handles = self.pool.for_model(model)
+        states = await self.store.backend_states(model, [h.name for h in handles])
+        now = time.time()
+        limits: dict[str, dict[str, int]] = {}
+        candidates = []
+        for h in handles:
+            st = states[h.name]
+            snap = st.snapshot if h.healthy else None
+            limits[h.name] = {
+                c: evaluate_gate(snap, self.settings.classes[c].gate(), now,
+                                 self.settings.snapshot_stale_s, h.drained).limit
+                for c in CLASS_ORDER
+            }
+            open_ = any(limit > st.sent_since_snapshot for limit in limits[h.name].values())
+            waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
+            candidates.append(Candidate(h.name, waiting, running, st.sent_since_snapshot, open_))
+        for cand in by_load(candidates):
+            grant = await self.store.dispatch(model, cand.name, limits[cand.name],
+                                              self.replica_id, now, self.replica_ttl_s)
+            if grant is not None:
+                self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
+                if grant.owner == self.replica_id:
+                    self._deliver(grant.request_id, grant.backend, grant.rank)
+                return True
+        return False
+
+    def _deliver(self, request_id: str, backend: str, rank: int) -> None:
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is None:
+            log.warning("grant_without_waiter", request_id=request_id)
+            return
+        req = waiter.request
+        grant = Grant(request_id, req.klass, req.user, rank, self.replica_id, backend,
+                      req.enqueued_at)
+        if waiter.future.done():  # the client left between dispatch and delivery
+            task = asyncio.get_running_loop().create_task(self._quiet_release(waiter.model, grant))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        else:
+            waiter.future.set_result(grant)
+
+    async def _quiet_release(self, model: str, grant: Grant) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            await self.release(model, grant, 0.0)
+
+    async def _listen(self, model: str) -> None:
+        while True:
+            try:
+                item = await self.store.next_grant(model, self.replica_id, 1.0)
+            except StoreUnavailable as exc:
+                log.warning("grant_listen_failed", error=str(exc))
+                await asyncio.sleep(1.0)
+                continue
+            if item is not None:
+                self._deliver(*item)
+
+    async def _heartbeat(self, models: list[str]) -> None:
+        while True:
+            await asyncio.sleep(self.settings.replica_heartbeat_s)
+            try:
+                await self.store.heartbeat(models, self.replica_id, time.time())
+            except StoreUnavailable as exc:
+                log.warning("heartbeat_failed", error=str(exc))
+            self.wake()  # a periodic safety net for enqueues on other replicas

@@ -1,0 +1,149 @@
+"""HTTP routes: the OpenAI-compatible surface plus health, readiness and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.completion_request import CHAT, COMPLETIONS, CompletionRequest, read_completion
+from gateway.context import CONTEXT, Context
+from gateway.errors import (
+    Forbidden,
+    NotFound,
+    StoreUnavailable,
+    Unavailable,
+)
+from gateway.settings import ApiKey
+from gateway.store import QueuedRequest
+from gateway.upstream import Usage
+from policies.classes import effective_class
+from policies.cost import estimate_prompt_tokens
+from policies.priority import vllm_priority
+
+log = structlog.get_logger("fairgate.request")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, COMPLETIONS)
+
+
+def _resolve(ctx: Context, request: web.Request, key: ApiKey,
+             creq: CompletionRequest) -> tuple[str, str]:
+    """(user, class) the request is queued under."""
+    if creq.model not in ctx.settings.models():
+        raise NotFound(f"The model '{creq.model}' does not exist", param="model")
+    requested = request.headers.get("X-Priority-Class")
+    klass = effective_class(key.priority_class, requested)
+    if klass is None:
+        raise Forbidden(f"priority class {requested!r} is not allowed for this key "
+                        f"(key class: {key.priority_class}; a request may only lower it)")
+    user = key.user
+    if key.trusted_end_users and creq.end_user:
+        user = f"{key.user}/{creq.end_user}"
+    return user, klass
+
+
+async def _completion(request: web.Request, path: str) -> web.StreamResponse:
+    ctx = request.app[CONTEXT]
+    key = ctx.keys.identify(request.headers.get("Authorization"))
+    creq = await read_completion(request, path, ctx.settings.max_body_bytes)
+    user, klass = _resolve(ctx, request, key, creq)
+    model = creq.model
+    if not ctx.pool.any_healthy(model):
+        raise Unavailable(f"no healthy backend serves {model!r}",
+                          retry_after_s=ctx.settings.retry_after_s)
+    prompt_est = estimate_prompt_tokens(creq.body)
+    queued = QueuedRequest(uuid.uuid4().hex, user, klass, ctx.replica_id, key.weight,
+                           prompt_est, time.time())
+    structlog.contextvars.bind_contextvars(request_id=queued.request_id, user=user,
+                                           model=model, priority_class=klass)
+    status = "error"
+    try:
+        grant = await ctx.dispatcher.acquire(model, queued,
+                                             ctx.settings.classes[klass].max_queue_wait_s)
+        waited = time.time() - queued.enqueued_at
+        ctx.metrics.queue_wait.labels(klass).observe(waited)
+        cls_cfg = ctx.settings.classes[klass]
+        priority = vllm_priority(cls_cfg.priority_base, grant.rank,
+                                 ctx.settings.priority_class_gap)
+        log.info("dispatched", backend=grant.backend, wait_s=round(waited, 4),
+                 vllm_priority=priority)
+        usage = Usage()
+        try:
+            response = await ctx.upstream.forward(request, ctx.pool.handles[grant.backend],
+                                                  creq, priority, usage)
+            status = str(response.status)
+            return response
+        finally:
+            charge = ctx.rule.completion_charge(usage.prompt_tokens or prompt_est, prompt_est,
+                                                usage.output_tokens, key.weight)
+            await asyncio.shield(ctx.dispatcher.release(model, grant, charge))
+            ctx.metrics.tokens.labels(model, "prompt").inc(usage.prompt_tokens or 0)
+            ctx.metrics.tokens.labels(model, "completion").inc(usage.output_tokens)
+            log.info("finished", backend=grant.backend, status=status,
+                     latency_s=round(time.time() - queued.enqueued_at, 4),
+                     output_tokens=usage.output_tokens)
+    except asyncio.CancelledError:
+        status = "client_closed"
+        log.info("client_disconnected")
+        raise
+    finally:
+        ctx.metrics.requests.labels(model, klass, status).inc()
+
+
+async def list_models(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    ctx.keys.identify(request.headers.get("Authorization"))
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"}
+            for m in ctx.settings.models()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    try:
+        await ctx.store.ping()
+    except StoreUnavailable as exc:
+        raise Unavailable(str(exc), retry_after_s=ctx.settings.retry_after_s) from exc
+    if not ctx.pool.any_healthy():
+        raise Unavailable("no healthy backend", retry_after_s=ctx.settings.retry_after_s)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    await _refresh_queue_depth(ctx)
+    body = generate_latest(ctx.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _refresh_queue_depth(ctx: Context) -> None:
+    for model in ctx.settings.models():
+        try:
+            depths = await ctx.store.depths(model)
+        except StoreUnavailable:
+            return
+        for klass, n in depths.items():
+            ctx.metrics.queue_depth.labels(model, klass).set(n)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post(CHAT, chat_completions)
+    app.router.add_post(COMPLETIONS, completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

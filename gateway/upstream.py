@@ -1,0 +1,137 @@
+"""Forwarding to a vLLM backend: inject ``priority``, relay SSE frame by frame.
+
+For streams fairgate always asks vLLM for ``stream_options.include_usage`` so it can
+charge real token counts; when the client did not ask for usage, the usage-only final
+frame is dropped on the way out, so the client sees exactly what it asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.backends import BackendHandle
+from gateway.completion_request import CompletionRequest
+from gateway.errors import UpstreamError
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one request, filled in while the answer passes through."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    content_frames: int = 0
+
+    def take(self, usage: dict[str, Any]) -> None:
+        self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens = int(usage.get("completion_tokens") or 0)
+
+    @property
+    def output_tokens(self) -> int:
+        return self.completion_tokens or self.content_frames
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout_s)
+
+    async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
+                      priority: int, usage: Usage) -> web.StreamResponse:
+        wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
+        body = dict(creq.body)
+        if creq.stream:
+            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        resp = await self._post(handle, creq.path, body, priority)
+        try:
+            if resp.status != 200 or not creq.stream:
+                data = await resp.read()
+                if resp.status == 200:
+                    _take_usage(data, usage)
+                return web.Response(body=data, status=resp.status,
+                                    content_type=resp.content_type or "application/json")
+            return await _relay_stream(request, resp, usage, wants_usage)
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"backend {handle.name} failed mid-response: {exc}") from exc
+        finally:
+            resp.release()
+
+    async def _post(self, handle: BackendHandle, path: str, body: dict[str, Any],
+                    priority: int) -> aiohttp.ClientResponse:
+        send_priority = handle.accepts_priority and priority != 0
+        if send_priority:
+            body["priority"] = priority
+        else:
+            body.pop("priority", None)  # never let a client pick its own vLLM priority
+        resp = await self._send(handle, path, body)
+        if resp.status == 400 and send_priority:
+            text = await resp.text()
+            if "priority" in text.lower():
+                # An fcfs-only server that rejects the field: remember and send without.
+                resp.release()
+                handle.accepts_priority = False
+                body.pop("priority", None)
+                return await self._send(handle, path, body)
+        return resp
+
+    async def _send(self, handle: BackendHandle, path: str,
+                    body: dict[str, Any]) -> aiohttp.ClientResponse:
+        try:
+            return await self.session.post(handle.config.url + path, json=body,
+                                           timeout=self.timeout)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
+
+
+def _take_usage(data: bytes, usage: Usage) -> None:
+    try:
+        found = json.loads(data).get("usage")
+    except (ValueError, AttributeError):
+        return
+    if isinstance(found, dict):
+        usage.take(found)
+
+
+async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, usage: Usage,
+                        wants_usage: bool) -> web.StreamResponse:
+    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await out.prepare(request)
+    pending = b""
+    async for chunk in resp.content.iter_any():
+        pending += chunk
+        end = pending.rfind(b"\n\n")
+        if end < 0:
+            continue
+        complete, pending = pending[: end + 2], pending[end + 2:]
+        await out.write(_filter_frames(complete, usage, wants_usage))
+    if pending:
+        await out.write(pending)
+    await out.write_eof()
+    return out
+
+
+def _filter_frames(frames: bytes, usage: Usage, wants_usage: bool) -> bytes:
+    if b'"usage"' not in frames:
+        usage.content_frames += frames.count(b"data: {")
+        return frames
+    kept = []
+    for frame in frames.split(b"\n\n")[:-1]:
+        keep = True
+        if frame.startswith(b"data: {") and b'"usage"' in frame:
+            obj = json.loads(frame[6:])
+            if obj.get("usage"):
+                usage.take(obj["usage"])
+                keep = wants_usage or bool(obj.get("choices"))
+        if keep:
+            if frame.startswith(b"data: {"):
+                usage.content_frames += 1
+            kept.append(frame + b"\n\n")
+    return b"".join(kept)
