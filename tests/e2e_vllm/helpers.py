@@ -1,0 +1,92 @@
+"""Load helpers for the real-vLLM tier: floods, completion order, /metrics sampling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.backend_metrics import RawMetrics, parse_metrics
+
+
+async def scrape(client: httpx.AsyncClient, base_url: str) -> RawMetrics:
+    r = await client.get(base_url + "/metrics", timeout=5)
+    r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+@dataclass
+class Sampler:
+    """Samples vLLM's running/waiting gauges every ``interval_s`` until stopped."""
+
+    base_url: str
+    interval_s: float = 0.05
+    waiting: list[float] = field(default_factory=list)
+    running: list[float] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        async with httpx.AsyncClient() as client:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    m = await scrape(client, self.base_url)
+                    self.waiting.append(m.waiting)
+                    self.running.append(m.running)
+                await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def __aenter__(self) -> Sampler:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+@dataclass
+class Finished:
+    tag: str
+    at: float  # monotonic seconds
+    completion_tokens: int
+
+
+async def complete(client: httpx.AsyncClient, url: str, tag: str, body: dict[str, Any],
+                   headers: dict[str, str] | None = None) -> Finished:
+    """POST one non-streaming completion; return when (monotonic) it finished."""
+    r = await client.post(url, json=body, headers=headers or {}, timeout=300)
+    assert r.status_code == 200, f"{tag}: {r.status_code} {r.text[:300]}"
+    usage = r.json()["usage"]
+    return Finished(tag, time.monotonic(), int(usage["completion_tokens"]))
+
+
+def completion_body(model: str, max_tokens: int, priority: int | None = None,
+                    prompt: str = "the fair queue") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "ignore_eos": True, "temperature": 0.0}
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+async def wait_until(pred: Any, timeout_s: float, interval_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
+def limits(n: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=n, max_keepalive_connections=n)

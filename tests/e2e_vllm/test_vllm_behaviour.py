@@ -1,0 +1,76 @@
+"""What fairgate relies on, checked against a real vLLM (CPU): /metrics and priorities."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gateway.backend_metrics import TPOT_HISTOGRAMS, parse_metrics
+from tests.e2e_vllm.conftest import MAX_NUM_SEQS, VllmServer
+from tests.e2e_vllm.helpers import Sampler, complete, completion_body, limits, scrape, wait_until
+
+pytestmark = pytest.mark.vllm
+
+
+async def test_parse_real_metrics(vllm_server: VllmServer) -> None:
+    async with httpx.AsyncClient(limits=limits(64)) as client:
+        text = (await client.get(vllm_server.url + "/metrics")).text
+        assert "vllm:num_requests_running" in text
+        before = parse_metrics(text)
+        assert before.running >= 0 and before.waiting >= 0
+        assert 0.0 <= before.kv_usage <= 1.0
+        base = {h: before.tpot_sums.get(h, (0.0, 0.0))[1] for h in TPOT_HISTOGRAMS}
+
+        # 32 requests at once: 16 run, 16 wait; the gauges must show it.
+        url = vllm_server.api + "/completions"
+        tasks = [asyncio.create_task(complete(client, url, f"r{i}",
+                                              completion_body(vllm_server.model, 96)))
+                 for i in range(2 * MAX_NUM_SEQS)]
+        async with Sampler(vllm_server.url, 0.02) as sampler:
+            done = await asyncio.gather(*tasks)
+        assert all(d.completion_tokens == 96 for d in done)
+        assert max(sampler.running) == MAX_NUM_SEQS, sampler.running
+        assert max(sampler.waiting) >= MAX_NUM_SEQS / 2, sampler.waiting
+
+        after = await scrape(client, vllm_server.url)
+        assert after.running == 0 and after.waiting == 0
+        # The per-request TPOT histogram is the one the gates use: present and grown.
+        tpot = "vllm:request_time_per_output_token_seconds"
+        assert tpot in after.tpot_sums, sorted(after.tpot_sums)
+        total, count = after.tpot_sums[tpot]
+        assert count - base[tpot] >= 2 * MAX_NUM_SEQS
+        assert total > 0 and 0 < total / count < 5.0
+        assert "vllm:inter_token_latency_seconds" in after.tpot_sums
+
+
+async def test_priority_honoured(vllm_server: VllmServer) -> None:
+    """16 running + 64 queued at priority 10: a priority-0 newcomer jumps the queue.
+
+    It starts as soon as a slot frees, so it finishes with the second wave at the
+    latest, well before most of the flood (order, not wall time). Under FCFS it would
+    finish after all 80.
+    """
+    flood_n, flood_tokens = 5 * MAX_NUM_SEQS, 128
+    url = vllm_server.api + "/completions"
+    async with httpx.AsyncClient(limits=limits(flood_n + 8)) as client:
+        flood = [asyncio.create_task(
+            complete(client, url, f"flood{i}",
+                     completion_body(vllm_server.model, flood_tokens, priority=10)))
+            for i in range(flood_n)]
+
+        async def queued() -> bool:
+            m = await scrape(client, vllm_server.url)
+            return m.running == MAX_NUM_SEQS and m.waiting >= flood_n - MAX_NUM_SEQS - 8
+
+        await wait_until(queued, timeout_s=30)
+        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 16,
+                                                                 priority=0))
+        flood_done = await asyncio.gather(*flood)
+
+    before = sum(1 for f in flood_done if f.at < vip.at)
+    # Only the first wave (16), plus at most a few that finished in the same moment, may
+    # beat it; most of the flood (64 of 80) finishes after it.
+    assert before <= MAX_NUM_SEQS + 4, (before, flood_n)
+    assert flood_n - before >= 3 * MAX_NUM_SEQS

@@ -1,0 +1,184 @@
+"""Fair order, pacing and vLLM priorities, observed at the simulator's engine records."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+
+from loadtest.sim.server import SimServer
+from tests.gateway.conftest import GatewayFactory, SimFactory, complete
+
+FLOOD = 100
+# B and C may start after A's requests already in the backend (4 running + 3 waiting),
+# each other, and a little in-flight slack; straight to vLLM they start after ~all of A's.
+NEWCOMER_BOUND = 4 + 3 + 2 + 3
+
+
+def started_order(backends: list[SimServer]) -> list[int]:
+    """max_tokens of every request in the order the engines first scheduled them."""
+    records = [r for b in backends for r in b.engine.records.values()]
+    records.sort(key=lambda r: r.first_scheduled_s or float("inf"))
+    return [r.max_tokens for r in records]
+
+
+async def sample_waiting(backend: SimServer, peaks: list[int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        peaks.append(backend.engine.num_waiting)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.002)
+
+
+async def flood_then_newcomers(gw_a: str, gw_b: str, backend: SimServer) -> list[int]:
+    """A floods FLOOD requests (max_tokens 20) on gw_a; once A's flood is queued, B and C
+    (max_tokens 21, 22) arrive on gw_b. Returns the peak samples of vLLM's waiting queue."""
+    peaks: list[int] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        sampler = asyncio.create_task(sample_waiting(backend, peaks, stop))
+        flood = [asyncio.create_task(complete(session, gw_a, "sk-alice", 20))
+                 for _ in range(FLOOD)]
+        await backend.engine.wait_until(lambda: len(backend.engine.records) >= 3)
+        newcomers = [asyncio.create_task(complete(session, gw_b, key, n))
+                     for key, n in (("sk-bob", 21), ("sk-carol", 22))]
+        await asyncio.gather(*flood, *newcomers)
+        stop.set()
+        await sampler
+    return peaks
+
+
+async def test_newcomers_start_before_the_flood_drains(sim: SimFactory,
+                                                       gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=4)
+    gw = await gateway([backend])
+    peaks = await flood_then_newcomers(gw.url, gw.url, backend)
+    order = started_order([backend])
+    assert len(order) == FLOOD + 2  # each request reached vLLM exactly once
+    last_newcomer = max(order.index(21), order.index(22))
+    # B and C overtake all but the few of A's requests already admitted to the backend
+    assert last_newcomer <= NEWCOMER_BOUND, order[:16]
+    # pacing: vLLM's waiting queue stays at the threshold (3) plus in-flight slack
+    assert max(peaks) <= 3 + 1, max(peaks)
+
+
+async def test_direct_flood_makes_newcomers_wait(sim: SimFactory) -> None:
+    """The baseline the gateway fixes: straight to vLLM, B and C queue behind A."""
+    backend = await sim(max_num_seqs=4)
+    peaks = await flood_then_newcomers_direct(backend)
+    order = started_order([backend])
+    assert min(order.index(21), order.index(22)) > FLOOD // 2
+    assert max(peaks) > 3 * 10
+
+
+async def flood_then_newcomers_direct(backend: SimServer) -> list[int]:
+    peaks: list[int] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        sampler = asyncio.create_task(sample_waiting(backend, peaks, stop))
+
+        async def direct(n: int) -> None:
+            body = {"model": backend.config.model, "prompt": "hello", "max_tokens": n,
+                    "ignore_eos": True}
+            async with session.post(backend.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+
+        flood = [asyncio.create_task(direct(20)) for _ in range(FLOOD)]
+        await backend.engine.wait_until(lambda: len(backend.engine.records) >= FLOOD)
+        await asyncio.gather(*flood, direct(21), direct(22))
+        stop.set()
+        await sampler
+    return peaks
+
+
+async def test_fairness_spans_replicas(sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=4)
+    gw1 = await gateway([backend])
+    gw2 = await gateway([backend])
+    await flood_then_newcomers(gw1.url, gw2.url, backend)
+    order = started_order([backend])
+    assert len(order) == FLOOD + 2  # two replicas never dispatched a request twice
+    assert max(order.index(21), order.index(22)) <= NEWCOMER_BOUND, order[:16]
+
+
+async def test_priorities_grow_with_user_inflight_and_class(sim: SimFactory,
+                                                            gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=64)
+    gw = await gateway([backend], classes={"interactive": {"max_waiting": 8},
+                                           "batch": {"max_waiting": 8}})
+    engine = backend.engine
+    async with aiohttp.ClientSession() as session:
+        alice = [asyncio.create_task(complete(session, gw.url, "sk-alice", 300 + i))
+                 for i in range(4)]
+        await engine.wait_until(lambda: len(engine.records) == 4)
+        bob = asyncio.create_task(complete(session, gw.url, "sk-bob", 400))
+        batch = asyncio.create_task(complete(session, gw.url, "sk-batch", 500))
+        await engine.wait_until(lambda: len(engine.records) == 6)
+        by_tokens = {r.max_tokens: r.priority for r in engine.records.values()}
+        for task in [*alice, bob, batch]:
+            task.cancel()
+        await asyncio.gather(*alice, bob, batch, return_exceptions=True)
+    assert sorted(by_tokens[300 + i] for i in range(4)) == [0, 1, 2, 3]
+    assert by_tokens[400] == 0
+    assert by_tokens[500] >= 2000 > max(by_tokens[300 + i] for i in range(4))
+
+
+async def test_old_backend_rejecting_priority_gets_requests_without_it(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(reject_priority=True)
+    gw = await gateway([backend])
+    async with aiohttp.ClientSession() as session:
+        await complete(session, gw.url, "sk-batch", 3)  # priority 2000 → 400 → retried
+        await complete(session, gw.url, "sk-batch", 4)
+    assert not gw.context.pool.handles["b0"].accepts_priority
+    assert {r.max_tokens for r in backend.engine.records.values()} == {3, 4}
+    assert all(r.priority == 0 for r in backend.engine.records.values())
+
+
+async def test_disconnect_while_queued_leaves_the_queue(sim: SimFactory,
+                                                        gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=1)
+    gw = await gateway([backend], classes={"interactive": {"max_waiting": 1}})
+    store = gw.context.store
+    engine = backend.engine
+    async with aiohttp.ClientSession() as session:
+        busy = asyncio.gather(complete(session, gw.url, "sk-alice", 2000),
+                              complete(session, gw.url, "sk-carol", 2000))
+        await engine.wait_until(lambda: engine.num_running == 1 and engine.num_waiting == 1)
+        queued = asyncio.create_task(complete(session, gw.url, "sk-bob", 5))
+        for _ in range(500):
+            if (await store.depths("llama-3.1-8b"))["interactive"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert (await store.depths("llama-3.1-8b"))["interactive"] == 1
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        for _ in range(500):
+            if (await store.depths("llama-3.1-8b"))["interactive"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert (await store.depths("llama-3.1-8b"))["interactive"] == 0
+        assert not await store.client.exists("fg:{llama-3.1-8b}:q:interactive:bob")
+        busy.cancel()
+        await asyncio.gather(busy, return_exceptions=True)
+    await backend.engine.wait_until(lambda: backend.engine.num_running == 0)
+    assert all(r.max_tokens != 5 for r in backend.engine.records.values())
+
+
+async def test_disconnect_mid_stream_aborts_upstream(sim: SimFactory,
+                                                     gateway: GatewayFactory) -> None:
+    backend = await sim()
+    gw = await gateway([backend])
+    body = {"model": "llama-3.1-8b", "prompt": "x", "max_tokens": 5000, "ignore_eos": True,
+            "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + "/v1/completions", json=body,
+                                headers={"Authorization": "Bearer sk-alice"}) as resp:
+            assert resp.status == 200
+            assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")
+        # leaving the block closed the connection mid-stream
+    engine = backend.engine
+    await engine.wait_until(lambda: any(r.aborted for r in engine.records.values()))
+    (record,) = engine.records.values()
+    assert record.aborted and record.output_tokens < 5000
+    assert engine.kv_usage == 0.0
