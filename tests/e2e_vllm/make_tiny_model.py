@@ -40,13 +40,18 @@ WORDS = (
 ).split()
 
 
-def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+def corpus(lines: int = 6000, seed: int = 0) -> list[str]:
+    """English-ish lines plus made-up syllable words, enough to fill the BPE vocabulary."""
     rng = random.Random(seed)
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    invented = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+                for _ in range(3000)]
+    words = WORDS + invented
     punct = [".", ",", "?", "!", ":", ";", "'", '"', "(", ")", "-", "0", "1", "42", "2024"]
     out = []
     for _ in range(lines):
         n = rng.randint(4, 24)
-        out.append(" ".join(rng.choice(WORDS) if rng.random() > 0.1 else rng.choice(punct)
+        out.append(" ".join(rng.choice(words) if rng.random() > 0.1 else rng.choice(punct)
                             for _ in range(n)))
     return out
 
