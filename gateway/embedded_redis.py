@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any, cast
 
 import redis
 
@@ -91,7 +92,7 @@ class EmbeddedRedis:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - needed for PDEATHSIG
+            preexec_fn=_die_with_parent,
         )
         self._wait_ready()
         return self
@@ -114,12 +115,13 @@ class EmbeddedRedis:
         finally:
             client.close()
         self.stop()
-        raise EmbeddedRedisError(f"valkey-server did not answer PING within {self.start_timeout_s}s")
+        raise EmbeddedRedisError(
+            f"valkey-server did not answer PING within {self.start_timeout_s}s")
 
     def _check_ours(self, client: redis.Redis) -> None:
         # A PING may be answered by another server already on this port.
-        raw = {str(k, "utf-8") if isinstance(k, bytes) else k: v
-               for k, v in client.config_get("dir").items()}
+        reply = cast(dict[Any, Any], client.config_get("dir"))
+        raw = {str(k, "utf-8") if isinstance(k, bytes) else k: v for k, v in reply.items()}
         value = raw.get("dir", b"")
         served_dir = value.decode() if isinstance(value, bytes) else str(value)
         if Path(served_dir).resolve() != self.data_dir.resolve():

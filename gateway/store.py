@@ -9,7 +9,7 @@ import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -86,7 +86,7 @@ class Store:
 
     @_mapped
     async def ping(self) -> bool:
-        return bool(await self.client.ping())
+        return bool(await cast("Awaitable[bool]", self.client.ping()))
 
     @_mapped
     async def enqueue(self, model: str, req: QueuedRequest, max_queued: int) -> int:
@@ -165,9 +165,12 @@ class Store:
         await pipe.execute()
 
     @_mapped
-    async def next_grant(self, model: str, replica: str, timeout_s: float) -> tuple[str, str, int] | None:
+    async def next_grant(
+        self, model: str, replica: str, timeout_s: float
+    ) -> tuple[str, str, int] | None:
         """Block until a grant for one of this replica's requests arrives (or timeout)."""
-        item = await self.client.blpop([ModelKeys(model).grants(replica)], timeout=timeout_s)
+        item = await cast("Awaitable[list[str] | None]", self.client.blpop(
+            [ModelKeys(model).grants(replica)], timeout=timeout_s))
         if item is None:
             return None
         rid, backend, rank = item[1].split("\t")
@@ -175,12 +178,13 @@ class Store:
 
     @_mapped
     async def depths(self, model: str) -> dict[str, int]:
-        raw = await self.client.hgetall(ModelKeys(model).depth)
+        raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(ModelKeys(model).depth))
         return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}
 
     @_mapped
     async def user_inflight(self, model: str) -> dict[str, int]:
-        raw = await self.client.hgetall(ModelKeys(model).user_inflight)
+        raw = await cast("Awaitable[dict[str, str]]",
+                         self.client.hgetall(ModelKeys(model).user_inflight))
         return {u: int(v) for u, v in raw.items()}
 
 

@@ -101,27 +101,3 @@ async def gateway(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Gatewa
         await assert_settled(server)
     for server in started:
         await server.stop()
-
-
-async def assert_settled(server: GatewayServer) -> None:
-    """Every exit path must have released its in-flight state and queue entries."""
-    store = server.context.store
-    for _ in range(200):  # settle() runs as the handler unwinds: give it a bounded moment
-        if await store.user_inflight(MODEL) == {} and not any(
-                (await store.depths(MODEL)).values()):
-            return
-        await asyncio.sleep(0.01)
-    assert await store.user_inflight(MODEL) == {}
-    assert await store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
-
-
-async def complete(session: aiohttp.ClientSession, base_url: str, key: str, max_tokens: int,
-                   prompt: str = "hello", **extra: Any) -> dict[str, Any]:
-    """A non-streaming completion through the gateway; returns the JSON body."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            **extra}
-    async with session.post(base_url + "/v1/completions", json=body,
-                            headers={"Authorization": f"Bearer {key}"}) as resp:
-        data: dict[str, Any] = await resp.json()
-        assert resp.status == 200, data
-        return data
