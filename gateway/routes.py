@@ -117,7 +117,8 @@ async def ready(request: web.Request) -> web.Response:
     try:
         await ctx.store.ping()
     except StoreUnavailable as exc:
-        raise Unavailable(str(exc), retry_after_s=ctx.settings.retry_after_s) from exc
+        exc.retry_after_s = ctx.settings.retry_after_s
+        raise
     if not ctx.pool.any_healthy():
         raise Unavailable("no healthy backend", retry_after_s=ctx.settings.retry_after_s)
     return web.json_response({"status": "ready"})

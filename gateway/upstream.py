@@ -105,15 +105,20 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, usag
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await out.prepare(request)
     pending = b""
-    async for chunk in resp.content.iter_any():
-        pending += chunk
-        end = pending.rfind(b"\n\n")
-        if end < 0:
-            continue
-        complete, pending = pending[: end + 2], pending[end + 2:]
-        await out.write(_filter_frames(complete, usage, wants_usage))
-    if pending:
-        await out.write(pending)
+    try:
+        async for chunk in resp.content.iter_any():
+            pending += chunk
+            end = pending.rfind(b"\n\n")
+            if end < 0:
+                continue
+            complete, pending = pending[: end + 2], pending[end + 2:]
+            await out.write(_filter_frames(complete, usage, wants_usage))
+        if pending:
+            await out.write(pending)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        # The status line is gone already: end the stream with an error event instead.
+        error = UpstreamError(f"backend failed mid-stream: {exc!r}")
+        await out.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
     await out.write_eof()
     return out
 
