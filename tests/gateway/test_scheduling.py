@@ -182,3 +182,17 @@ async def test_disconnect_mid_stream_aborts_upstream(sim: SimFactory,
     (record,) = engine.records.values()
     assert record.aborted and record.output_tokens < 5000
     assert engine.kv_usage == 0.0
+
+
+async def test_trusted_key_is_fair_among_its_end_users(sim: SimFactory,
+                                                       gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=4)
+    gw = await gateway([backend])
+    engine = backend.engine
+    async with aiohttp.ClientSession() as session:
+        flood = [asyncio.create_task(complete(session, gw.url, "sk-app", 20, user="u1"))
+                 for _ in range(60)]
+        await engine.wait_until(lambda: len(engine.records) >= 3)
+        await asyncio.gather(*flood, complete(session, gw.url, "sk-app", 21, user="u2"))
+    order = started_order([backend])
+    assert order.index(21) <= NEWCOMER_BOUND, order[:16]
