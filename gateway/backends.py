@@ -113,6 +113,8 @@ class BackendPool:
             handle.healthy = False
             log.warning("backend_unhealthy", backend=handle.name, error=repr(exc))
         self.metrics.backend_healthy.labels(handle.name).set(1 if handle.healthy else 0)
+        reason = "drained" if handle.drained else "stale"
+        self.metrics.record_gates(handle.name, dict.fromkeys(CLASS_ORDER, reason), time.time())
 
     def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
         m, name = self.metrics, handle.name
@@ -121,9 +123,10 @@ class BackendPool:
         m.backend_kv.labels(name).set(snap.kv_usage)
         m.backend_tpot.labels(name).set(snap.tpot_s or 0.0)
         m.backend_healthy.labels(name).set(1)
-        for klass in CLASS_ORDER:
-            policy = self.settings.classes[klass].gate()
-            gate = evaluate_gate(snap, policy, snap.taken_at_s, self.settings.snapshot_stale_s,
-                                 handle.drained)
-            if gate.reason is not None:
-                m.gate_closed.labels(name, klass, gate.reason).inc()
+        m.backend_drained.labels(name).set(1 if handle.drained else 0)
+        reasons = {
+            klass: evaluate_gate(snap, self.settings.classes[klass].gate(), snap.taken_at_s,
+                                 self.settings.snapshot_stale_s, handle.drained).reason
+            for klass in CLASS_ORDER
+        }
+        m.record_gates(name, reasons, snap.taken_at_s)

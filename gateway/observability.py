@@ -1,28 +1,140 @@
-"""The gateway's own Prometheus metrics (``fairgate_*``), on a registry passed in."""
+"""The gateway's own Prometheus metrics (``fairgate_*``), on a registry passed in.
+
+Per-user series are bounded: :class:`UserLabels` gives at most ``top_users`` users a
+label of their own and counts everyone else as ``other`` (see its docstring).
+"""
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from redis.exceptions import RedisError
 
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
+REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
+GATE_REASONS = ("waiting", "tpot", "kv", "stale", "drained")
+OTHER_USERS = "other"
+# Blocking reads wait on purpose: their duration is not Redis latency.
+BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
+SHARE_HALF_LIFE_S = 60.0
+MAX_SHARE_USERS = 1000
+DISPATCH_RATE_WINDOW_S = 10.0
+
+
+class UserLabels:
+    """Bounded user label values for per-user series.
+
+    The first ``top_n`` users seen while a slot is free keep their own label; everyone
+    else is ``other``. A labelled user idle for ``idle_s`` loses its slot (its series are
+    removed) so a currently active user can take it. Labels are sticky while active, so
+    counters stay monotonic per series.
+    """
+
+    def __init__(self, top_n: int, idle_s: float) -> None:
+        self.top_n = top_n
+        self.idle_s = idle_s
+        self.last_seen: dict[str, float] = {}
+        self._next_sweep = 0.0
+
+    def label(self, user: str, now: float) -> tuple[str, list[str]]:
+        """(label for ``user``, users whose slot was just recycled)."""
+        if user in self.last_seen:
+            self.last_seen[user] = now
+            return user, []
+        expired: list[str] = []
+        if len(self.last_seen) >= self.top_n and now >= self._next_sweep:
+            self._next_sweep = now + 1.0  # a flood of `other` users must not scan each time
+            expired = [u for u, t in self.last_seen.items() if now - t > self.idle_s]
+            for u in expired:
+                del self.last_seen[u]
+        if len(self.last_seen) < self.top_n:
+            self.last_seen[user] = now
+            return user, expired
+        return OTHER_USERS, expired
+
+
+class ServiceShares:
+    """Exponentially decayed service per user (this replica's view), for the dashboard."""
+
+    def __init__(self, half_life_s: float = SHARE_HALF_LIFE_S) -> None:
+        self.rate = math.log(2) / half_life_s
+        self.values: dict[str, tuple[float, float]] = {}  # user -> (value, at)
+
+    def add(self, user: str, amount: float, now: float) -> None:
+        value, at = self.values.get(user, (0.0, now))
+        self.values[user] = (value * math.exp(-self.rate * (now - at)) + amount, now)
+        if len(self.values) > MAX_SHARE_USERS:
+            smallest = min(self.values, key=lambda u: self.values[u][0])
+            del self.values[smallest]
+
+    def shares(self, now: float) -> dict[str, float]:
+        decayed = {u: v * math.exp(-self.rate * (now - at)) for u, (v, at) in self.values.items()}
+        total = sum(decayed.values())
+        if total <= 0:
+            return {}
+        return {u: v / total for u, v in sorted(decayed.items(), key=lambda kv: -kv[1])}
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, top_users: int = 20,
+                 user_idle_s: float = 3600.0) -> None:
         self.registry = registry or CollectorRegistry()
+        self.users = UserLabels(top_users, user_idle_s)
+        self.shares: dict[str, ServiceShares] = {}
+        self.recent_dispatches: dict[str, deque[float]] = {}
+        self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
+        self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
         r = self.registry
         self.queue_depth = Gauge(
             "fairgate_queue_depth", "Requests queued in Redis", ["model", "priority_class"],
             registry=r)
+        self.queue_oldest_wait = Gauge(
+            "fairgate_queue_oldest_wait_seconds", "Age of the oldest queued request",
+            ["model", "priority_class"], registry=r)
         self.queue_wait = Histogram(
             "fairgate_queue_wait_seconds", "Time from enqueue to dispatch", ["priority_class"],
             buckets=WAIT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "fairgate_time_to_first_token_seconds",
+            "Streams: from request arrival to the first token frame sent to the client",
+            ["priority_class"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "fairgate_time_per_output_token_seconds",
+            "Streams: mean time between output tokens as the client received them",
+            ["priority_class"], buckets=TPOT_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "fairgate_request_duration_seconds", "From request arrival to the end of the answer",
+            ["priority_class"], buckets=TTFT_BUCKETS, registry=r)
         self.dispatches = Counter(
             "fairgate_dispatches_total", "Requests dispatched to a backend",
             ["model", "backend", "priority_class"], registry=r)
+        self.dispatch_rank = Histogram(
+            "fairgate_dispatch_priority_rank",
+            "vLLM priority of dispatched requests minus the class base (user's in-flight rank)",
+            ["priority_class"], buckets=RANK_BUCKETS, registry=r)
         self.gate_closed = Counter(
             "fairgate_gate_closed_total",
             "Backend snapshots that closed a class's gate, by reason",
+            ["backend", "priority_class", "reason"], registry=r)
+        self.gate_closed_time = Counter(
+            "fairgate_gate_closed_seconds_total",
+            "Time a class's gate to a backend was closed, by reason",
+            ["backend", "priority_class", "reason"], registry=r)
+        self.gate_open = Gauge(
+            "fairgate_gate_open", "1 when the class's gate to the backend is open",
+            ["backend", "priority_class"], registry=r)
+        self.gate_reason = Gauge(
+            "fairgate_gate_closed_reason",
+            "1 for the reason a class's gate to the backend is closed now",
             ["backend", "priority_class", "reason"], registry=r)
         self.backend_waiting = Gauge(
             "fairgate_backend_waiting_requests", "vllm:num_requests_waiting at last scrape",
@@ -39,8 +151,160 @@ class GatewayMetrics:
         self.backend_healthy = Gauge(
             "fairgate_backend_healthy", "1 when the last scrapes succeeded", ["backend"],
             registry=r)
+        self.backend_drained = Gauge(
+            "fairgate_backend_drained", "1 when an operator drained the backend (this replica)",
+            ["backend"], registry=r)
         self.requests = Counter(
             "fairgate_requests_total", "Finished client requests by status",
             ["model", "priority_class", "status"], registry=r)
+        self.errors = Counter(
+            "fairgate_errors_total", "Error responses by HTTP status and OpenAI error type",
+            ["status", "type", "code"], registry=r)
         self.tokens = Counter(
             "fairgate_tokens_total", "Tokens served, by kind", ["model", "kind"], registry=r)
+        self.user_tokens = Counter(
+            "fairgate_user_tokens_total", "Tokens served per user (top users, rest: other)",
+            ["model", "user", "kind"], registry=r)
+        self.user_requests = Counter(
+            "fairgate_user_requests_total", "Requests dispatched per user (top users, rest: other)",
+            ["model", "user"], registry=r)
+        self.user_service = Counter(
+            "fairgate_user_service_total",
+            "Weighted service per user: (prompt × w_in + output × w_out) / key weight",
+            ["model", "user"], registry=r)
+        self.redis_latency = Histogram(
+            "fairgate_redis_command_duration_seconds", "Redis command round trips (non-blocking)",
+            ["command"], buckets=REDIS_BUCKETS, registry=r)
+        self.redis_errors = Counter(
+            "fairgate_redis_errors_total", "Redis commands that failed", ["command"], registry=r)
+        # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
+        self.batch_jobs = Gauge(
+            "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r)
+        self.batch_requests = Counter(
+            "fairgate_batch_requests_total", "Batch lines finished, by outcome", ["outcome"],
+            registry=r)
+
+    # -- hooks called on the request path ---------------------------------------------
+
+    def on_dispatch(self, model: str, backend: str, klass: str, user: str, rank: int,
+                    waited_s: float) -> None:
+        now = time.monotonic()
+        self.queue_wait.labels(klass).observe(waited_s)
+        self.dispatch_rank.labels(klass).observe(rank)
+        recent = self.recent_dispatches.setdefault(backend, deque(maxlen=100_000))
+        recent.append(now)
+        self._user_inc(self.user_requests, (model,), user, 1.0)
+
+    def on_finish(self, model: str, klass: str, user: str, timing: StreamTiming | None,
+                  prompt_tokens: int, output_tokens: int, service: float) -> None:
+        if timing is not None:
+            self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
+            if timing.first_token_s is not None:
+                self.ttft.labels(klass).observe(timing.first_token_s - timing.arrived_s)
+                if output_tokens > 1 and timing.last_token_s is not None:
+                    self.tpot.labels(klass).observe(
+                        (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))
+        self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        self.tokens.labels(model, "completion").inc(output_tokens)
+        self._user_inc(self.user_tokens, (model,), user, prompt_tokens, ("prompt",))
+        self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
+        self._user_inc(self.user_service, (model,), user, service)
+        self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
+
+    def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
+                  tail: tuple[str, ...] = ()) -> None:
+        label, expired = self.users.label(user, time.monotonic())
+        for gone in expired:
+            for metric, labels in self._user_series.pop(gone, set()):
+                metric.remove(*labels)
+        labels = (*head, label, *tail)
+        if label != OTHER_USERS:
+            self._user_series.setdefault(label, set()).add((counter, labels))
+        counter.labels(*labels).inc(amount)
+
+    def dispatch_rate(self, backend: str) -> float:
+        """Dispatches per second to ``backend`` over the last few seconds (this replica)."""
+        recent = self.recent_dispatches.get(backend)
+        if not recent:
+            return 0.0
+        cutoff = time.monotonic() - DISPATCH_RATE_WINDOW_S
+        while recent and recent[0] < cutoff:
+            recent.popleft()
+        return len(recent) / DISPATCH_RATE_WINDOW_S
+
+    # -- gates ----------------------------------------------------------------------------
+
+    def record_gates(self, backend: str, reasons: Mapping[str, str | None], now: float) -> None:
+        """Record each class's gate state; the time since the last call is charged to the
+        reasons that held until now."""
+        previous = self._gate_state.get(backend)
+        if previous is not None:
+            elapsed = max(0.0, now - previous[0])
+            for klass, reason in previous[1].items():
+                if reason is not None:
+                    self.gate_closed_time.labels(backend, klass, reason).inc(elapsed)
+        self._gate_state[backend] = (now, dict(reasons))
+        for klass, reason in reasons.items():
+            self.gate_open.labels(backend, klass).set(1 if reason is None else 0)
+            for r in GATE_REASONS:
+                self.gate_reason.labels(backend, klass, r).set(1 if r == reason else 0)
+            if reason is not None:
+                self.gate_closed.labels(backend, klass, reason).inc()
+
+
+class StreamTiming:
+    """Monotonic timestamps of one streamed answer, filled in by the SSE relay."""
+
+    __slots__ = ("arrived_s", "end_s", "first_token_s", "last_token_s")
+
+    def __init__(self, arrived_s: float) -> None:
+        self.arrived_s = arrived_s
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.end_s = arrived_s
+
+    def token_frames_sent(self) -> None:
+        now = time.monotonic()
+        if self.first_token_s is None:
+            self.first_token_s = now
+        self.last_token_s = now
+
+
+class TimedRedis(aioredis.Redis):
+    """A Redis client that records each command's latency and failures."""
+
+    metrics: GatewayMetrics | None = None
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        metrics = self.metrics
+        if metrics is None:
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        command = str(args[0]).upper() if args else "?"
+        started = time.perf_counter()
+        try:
+            result = await super().execute_command(  # type: ignore[no-untyped-call]
+                *args, **options)
+        except RedisError:
+            metrics.redis_errors.labels(command).inc()
+            raise
+        if command not in BLOCKING_COMMANDS:
+            metrics.redis_latency.labels(command).observe(time.perf_counter() - started)
+        return result
+
+
+def timed_redis(url: str, metrics: GatewayMetrics, **kwargs: Any) -> aioredis.Redis:
+    client = cast("TimedRedis", TimedRedis.from_url(url, **kwargs))
+    client.metrics = metrics
+    return client
+
+
+def exported_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name a registry can export, including families with no samples yet."""
+    suffixes: dict[str, Iterable[str]] = {
+        "counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("", "_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",),
+    }
+    names: set[str] = set()
+    for family in registry.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names

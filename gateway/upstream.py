@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway.backends import BackendHandle
 from gateway.completion_request import CompletionRequest
 from gateway.errors import UpstreamError
+from gateway.observability import StreamTiming
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -29,6 +30,7 @@ class Usage:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     content_frames: int = 0
+    timing: StreamTiming | None = None  # metrics hook: when token frames reached the client
 
     def take(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -112,7 +114,10 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, usag
             if end < 0:
                 continue
             complete, pending = pending[: end + 2], pending[end + 2:]
+            frames_before = usage.content_frames
             await out.write(_filter_frames(complete, usage, wants_usage))
+            if usage.timing is not None and usage.content_frames != frames_before:
+                usage.timing.token_frames_sent()
         if pending:
             await out.write(pending)
     except (aiohttp.ClientError, TimeoutError) as exc:
