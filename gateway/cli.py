@@ -11,6 +11,7 @@ from gateway import demo
 from gateway.logs import configure_logging
 from gateway.server import serve_forever
 from gateway.settings import load_settings
+from loadtest.bench import cli as bench_cli
 from loadtest.sim import cli as sim_cli
 
 
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     demo.add_parser(sub)
     sim_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     return parser
 
 

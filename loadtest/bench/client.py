@@ -1,0 +1,169 @@
+"""One HTTP stack for direct and gateway runs: aiohttp, streaming, frame timestamps.
+
+Metric definitions follow ``vllm bench serve``: TTFT is the time to the first content
+frame; TPOT = (latency − TTFT) / (output tokens − 1); ITL are the gaps between content
+frames; E2E latency runs from sending the request to the end of the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+PROMPT_WORD = " the"  # 4 bytes: the simulator counts one token, Llama's tokenizer too
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where requests go: a backend directly, or fairgate (with per-user keys)."""
+
+    name: str  # "direct" or "gateway" (or a variant label such as "vtc")
+    url: str
+    model: str
+    via_gateway: bool
+
+    def headers(self, user: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer sk-{user}"} if self.via_gateway else {}
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One request to send."""
+
+    user: str
+    tag: str
+    prompt_tokens: int
+    max_tokens: int
+    chat: bool = False
+
+
+@dataclass(slots=True)
+class Result:
+    user: str
+    tag: str
+    prompt_tokens: int
+    sent_s: float
+    end_s: float = 0.0
+    status: int = 0
+    first_token_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.first_token_s is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+    @property
+    def latency(self) -> float:
+        return self.end_s - self.sent_s
+
+    @property
+    def tpot(self) -> float | None:
+        ttft = self.ttft
+        if ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - ttft) / (self.output_tokens - 1)
+
+    def itls(self) -> list[float]:
+        times = self.token_times
+        return [b - a for a, b in itertools.pairwise(times)]
+
+
+def body_for(spec: Spec, model: str) -> dict[str, Any]:
+    text = PROMPT_WORD * max(1, spec.prompt_tokens)
+    body: dict[str, Any] = {
+        "model": model, "max_tokens": spec.max_tokens, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True}, "temperature": 0.0,
+    }
+    if spec.chat:
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    return body
+
+
+def _has_content(obj: dict[str, Any]) -> bool:
+    for choice in obj.get("choices") or ():
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            return True
+    return False
+
+
+def _take_frames(result: Result, frames: bytes, now: float) -> int | None:
+    """Record the content frames of a chunk; returns completion tokens from a usage frame."""
+    usage_tokens = None
+    for frame in frames.split(b"\n\n"):
+        if not frame.startswith(b"data: {"):
+            continue
+        obj = json.loads(frame[6:])
+        if "error" in obj:
+            result.error = str(obj["error"])[:300]
+        if _has_content(obj):
+            if result.first_token_s is None:
+                result.first_token_s = now
+            result.token_times.append(now)
+        usage = obj.get("usage")
+        if usage:
+            usage_tokens = int(usage.get("completion_tokens") or 0)
+            result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+    return usage_tokens
+
+
+def new_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=600),
+    )
+
+
+async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
+               sink: list[Result] | None = None) -> Result:
+    """Send one streaming request; never raises for HTTP or stream errors.
+
+    The result goes into ``sink`` before the request is sent, so a request cancelled at
+    the end of a bounded run still counts the tokens it received (marked "cancelled").
+    """
+    path = "/v1/chat/completions" if spec.chat else "/v1/completions"
+    result = Result(spec.user, spec.tag, spec.prompt_tokens, time.perf_counter())
+    if sink is not None:
+        sink.append(result)
+    usage_tokens: int | None = None
+    try:
+        async with session.post(target.url + path, json=body_for(spec, target.model),
+                                headers=target.headers(spec.user)) as resp:
+            result.status = resp.status
+            if resp.status != 200:
+                result.error = (await resp.text())[:300]
+                return result
+            pending = b""
+            async for chunk in resp.content.iter_any():
+                now = time.perf_counter()
+                pending += chunk
+                end = pending.rfind(b"\n\n")
+                if end < 0:
+                    continue
+                frames, pending = pending[:end], pending[end + 2:]
+                usage_tokens = _take_frames(result, frames, now) or usage_tokens
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        result.error = repr(exc)[:300]
+    except asyncio.CancelledError:
+        result.error = "cancelled"
+        raise
+    finally:
+        result.end_s = time.perf_counter()
+        result.output_tokens = usage_tokens if usage_tokens else len(result.token_times)
+    return result

@@ -1,0 +1,118 @@
+"""Options shared by every scenario and the environment of one bench run: a Redis for the
+gateways, a fresh simulated backend per phase (or the external ``--backend``), and
+``fairgate serve`` processes in front of it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from gateway.embedded_redis import EmbeddedRedis
+from loadtest.bench.client import Target
+from loadtest.bench.procs import (
+    Proc,
+    SimSpec,
+    backend_model,
+    start_gateway,
+    start_sim,
+    wait_idle,
+)
+
+MODEL = "llama-3.1-8b"
+
+
+@dataclass
+class Options:
+    out: Path
+    backend: str | None = None
+    quick: bool = False
+    size: int | None = None
+    duration_s: float | None = None
+    progress: bool = True
+    redis_url: str | None = None
+    command: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def pick(self, full: Any, quick: Any) -> Any:
+        return quick if self.quick else full
+
+
+@dataclass
+class Backend:
+    url: str
+    model: str
+    proc: Proc | None  # None: external, not ours to stop
+
+    def target(self) -> Target:
+        return Target("direct", self.url, self.model, via_gateway=False)
+
+
+def gateway_target(gw: Proc, backend: Backend, name: str = "gateway") -> Target:
+    return Target(name, gw.url, backend.model, via_gateway=True)
+
+
+def api_keys(users: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """One key ``sk-<user>`` per (user, class)."""
+    return [{"key": f"sk-{u}", "user": u, "priority_class": c} for u, c in users]
+
+
+class Bench:
+    """``async with Bench(opts) as bench``: owns the Redis; hands out backends/gateways."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.log_dir = opts.out / "logs"
+        self._redis: EmbeddedRedis | None = None
+        self.redis_url = opts.redis_url or ""
+
+    async def __aenter__(self) -> Bench:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.redis_url:
+            self._redis = EmbeddedRedis().start()
+            self.redis_url = self._redis.url
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._redis is not None:
+            self._redis.stop()
+
+    @contextlib.asynccontextmanager
+    async def backend(self, spec: SimSpec, label: str) -> AsyncIterator[Backend]:
+        """A fresh simulator per phase, so phases never see each other's leftovers."""
+        if self.opts.backend:
+            url = self.opts.backend.rstrip("/")
+            await wait_idle(url)
+            yield Backend(url, await backend_model(url), None)
+            return
+        proc = await start_sim(spec, MODEL, self.log_dir, label)
+        try:
+            yield Backend(proc.url, MODEL, proc)
+        finally:
+            proc.stop()
+
+    @contextlib.asynccontextmanager
+    async def gateway(self, backend: Backend, users: Sequence[tuple[str, str]], label: str,
+                      **settings: Any) -> AsyncIterator[Proc]:
+        """``fairgate serve`` in front of ``backend`` with one key per user, on a clean
+        Redis database."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+        config: dict[str, Any] = {
+            "redis_url": self.redis_url,
+            "backends": [{"name": "b0", "url": backend.url, "model": backend.model}],
+            "api_keys": api_keys(users),
+            **settings,
+        }
+        proc = await start_gateway(config, self.log_dir, label)
+        try:
+            yield proc
+        finally:
+            proc.stop()

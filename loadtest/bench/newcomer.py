@@ -1,0 +1,100 @@
+"""``newcomer``: one user floods, then newcomers send one request each.
+
+Direct, the newcomers queue behind the whole flood in vLLM's waiting queue; through
+fairgate the flood waits in the gateway (backend waiting < 3) and a newcomer is next
+in line, with vLLM priority 0 against the flood's growing ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from loadtest.bench import report
+from loadtest.bench.client import Result, Spec, Target, new_session
+from loadtest.bench.env import Bench, Options, gateway_target
+from loadtest.bench.loadgen import cancel_all, fire, progress
+from loadtest.bench.procs import SimSpec
+from loadtest.bench.stats import percentile, ratio, summarize
+
+SIM = SimSpec(max_num_seqs=256, max_num_batched_tokens=2048)
+
+
+def params(opts: Options) -> dict[str, Any]:
+    return {
+        "flood": opts.size or opts.pick(200, 30), "flood_prompt_tokens": 1000,
+        "flood_max_tokens": 256, "newcomers": opts.pick(10, 3),
+        "newcomer_prompt_tokens": 200, "newcomer_max_tokens": 32,
+        "newcomer_delay_s": opts.pick(1.0, 0.3), "newcomer_spacing_s": 0.1,
+        "sim": SIM.__dict__, "gateway": "defaults (interactive: max_waiting 3, TPOT 150 ms)",
+        "time_bound_s": opts.pick(120.0, 20.0),
+    }
+
+
+async def _phase(opts: Options, p: dict[str, Any], target: Target) -> list[Result]:
+    flood = [Spec("heavy", "flood", p["flood_prompt_tokens"], p["flood_max_tokens"])
+             for _ in range(p["flood"])]
+    results: list[Result] = []
+    bar = progress(p["flood"] + p["newcomers"], f"newcomer {target.name}", opts.progress)
+    async with new_session() as session:
+        tasks = await fire(session, target, flood, bar, results)
+        await asyncio.sleep(p["newcomer_delay_s"])
+        for i in range(p["newcomers"]):
+            spec = Spec(f"new{i}", "newcomer", p["newcomer_prompt_tokens"],
+                        p["newcomer_max_tokens"])
+            tasks += await fire(session, target, [spec], bar, results)
+            await asyncio.sleep(p["newcomer_spacing_s"])
+        newcomers = tasks[p["flood"]:]
+        await asyncio.wait(newcomers, timeout=p["time_bound_s"])
+        # The flood may go on: newcomers are what we measure. Bound the rest and stop.
+        await asyncio.wait(tasks, timeout=5.0)
+        await cancel_all(tasks)
+    bar.close()
+    return results
+
+
+def _ttft(results: list[Result], q: float) -> float | None:
+    values = [r.ttft for r in results if r.tag == "newcomer" and r.ttft is not None]
+    p = percentile(values, q)
+    return None if p is None else round(p * 1000, 2)
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    p = params(opts)
+    users = [("heavy", "interactive")] + [(f"new{i}", "interactive")
+                                         for i in range(p["newcomers"])]
+    runs: dict[str, list[Result]] = {}
+    async with Bench(opts) as bench:
+        async with bench.backend(SIM, "sim-direct") as be:
+            runs["direct"] = await _phase(opts, p, be.target())
+        async with bench.backend(SIM, "sim-gateway") as be, \
+                bench.gateway(be, users, "gateway") as gw:
+            runs["gateway"] = await _phase(opts, p, gateway_target(gw, be))
+    summary: dict[str, Any] = {}
+    for name, results in runs.items():
+        summary[name] = {
+            "newcomer": summarize([r for r in results if r.tag == "newcomer"]),
+            "flood": summarize([r for r in results if r.tag == "flood"]),
+            "newcomer_ttft_ms": sorted(round((r.ttft or 0) * 1000, 2) for r in results
+                                       if r.tag == "newcomer" and r.ttft is not None),
+        }
+    d50, g50 = _ttft(runs["direct"], 50), _ttft(runs["gateway"], 50)
+    d99, g99 = _ttft(runs["direct"], 99), _ttft(runs["gateway"], 99)
+    r50 = ratio(d50, g50)
+    headline = [
+        report.Headline("newcomer TTFT p50 (ms); ratio = direct ÷ gateway", d50, g50, r50,
+                        "≥ 10× lower", None if r50 is None else r50 >= 10),
+        report.Headline("newcomer TTFT p99 (ms); ratio = direct ÷ gateway", d99, g99,
+                        ratio(d99, g99), "–", None),
+        report.Headline("newcomers completed", summary["direct"]["newcomer"]["completed"],
+                        summary["gateway"]["newcomer"]["completed"], None,
+                        f"{p['newcomers']} of {p['newcomers']}", None),
+    ]
+    fig, ax = report.figure("Newcomer TTFT behind a flood", "newcomer", "TTFT (ms, log)")
+    for name, marker in (("direct", "o"), ("gateway", "s")):
+        values = summary[name]["newcomer_ttft_ms"]
+        ax.plot(range(len(values)), values, marker=marker, linestyle="", label=name)
+    ax.set_yscale("log")
+    ax.legend()
+    return report.write(opts, "newcomer", p, summary, headline,
+                        {"newcomer_ttft.png": fig})

@@ -1,0 +1,154 @@
+"""Backends and gateways as separate processes, so the load generator (this process)
+never shares an event loop or a GIL with what it measures.
+
+- a simulated vLLM: ``python -m gateway.cli sim …`` (``fairgate sim``);
+- fairgate: ``python -m gateway.cli serve --config FILE`` (``fairgate serve``), on a
+  Redis shared by the whole bench run (embedded Valkey unless ``--redis-url``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import yaml
+
+from gateway.embedded_redis import free_port
+
+START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Proc:
+    """A child process serving HTTP at ``url``."""
+
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: IO[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds used so far (Linux /proc)."""
+        try:
+            with open(f"/proc/{self.pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
+           ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            env={**os.environ, **(env or {})})
+    return proc, log
+
+
+async def wait_http(url: str, path: str, proc: subprocess.Popen[bytes] | None,
+                    timeout_s: float = START_TIMEOUT_S) -> None:
+    """Poll ``url + path`` until it answers 200 (a process we do not control)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+            try:
+                async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"{url}{path} not ready within {timeout_s}s")
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """Flags of a simulated backend (named like vLLM's)."""
+
+    profile: str = "h100-llama3.1-8b"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "priority"
+
+
+async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Proc:
+    port = free_port()
+    args = ["sim", "--port", str(port), "--model", model, "--profile", spec.profile,
+            "--max-num-seqs", str(spec.max_num_seqs),
+            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+            "--scheduling-policy", spec.scheduling_policy]
+    proc, log = _spawn(label, args, log_dir / f"{label}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_http(url, "/health", proc)
+    except BaseException:
+        Proc(label, url, proc, log).stop()
+        raise
+    return Proc(label, url, proc, log)
+
+
+async def start_gateway(config: dict[str, Any], log_dir: Path, label: str) -> Proc:
+    """``fairgate serve`` with ``config`` (YAML written next to its log); waits for /ready."""
+    port = free_port()
+    config = {**config, "listen": {"host": "127.0.0.1", "port": port},
+              "data_dir": str(log_dir / f"{label}-data")}
+    path = log_dir / f"{label}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    proc, log = _spawn(label, ["serve", "--config", str(path)], log_dir / f"{label}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_http(url, "/ready", proc)
+    except BaseException:
+        Proc(label, url, proc, log).stop()
+        raise
+    return Proc(label, url, proc, log)
+
+
+async def backend_model(url: str) -> str:
+    """The model an (external) vLLM server serves, from ``/v1/models``."""
+    async with aiohttp.ClientSession() as http, http.get(url + "/v1/models") as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return str(data["data"][0]["id"])
+
+
+async def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Wait until an external backend reports nothing waiting or running."""
+    from gateway.backend_metrics import parse_metrics
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            async with http.get(url + "/metrics") as resp:
+                raw = parse_metrics(await resp.text())
+            if raw.waiting == 0 and raw.running == 0:
+                return
+            await asyncio.sleep(0.5)
+    raise TimeoutError(f"{url} still busy after {timeout_s}s")

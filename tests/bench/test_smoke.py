@@ -1,0 +1,51 @@
+"""Each benchmark scenario at ``--quick`` size: the report has its keys and sane counts.
+
+Benchmarks are not tests: nothing here asserts a timing or a target being met.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest.bench.cli import run_scenario
+from loadtest.bench.env import Options
+
+HEADLINE_KEYS = {"metric", "direct", "gateway", "ratio", "target", "met"}
+
+
+def _run(name: str, tmp_path: Path, redis_url: str) -> dict[str, Any]:
+    opts = Options(out=tmp_path / name, quick=True, progress=False, redis_url=redis_url,
+                   command=f"fairgate bench {name} --quick")
+    report = run_scenario(name, opts)
+    on_disk = json.loads((tmp_path / name / "report.json").read_text())
+    assert on_disk["scenario"] == name
+    assert {"command", "date", "machine", "params", "headline", "runs", "plots"} <= set(on_disk)
+    assert on_disk["headline"] and all(set(r) == HEADLINE_KEYS for r in on_disk["headline"])
+    assert "| metric | direct | gateway |" in (tmp_path / name / "report.md").read_text()
+    for plot in on_disk["plots"]:
+        assert (tmp_path / name / plot).read_bytes()[:4] == b"\x89PNG"
+    return report
+
+
+@pytest.mark.timeout(60)
+def test_newcomer(tmp_path: Path, redis_url: str) -> None:
+    report = _run("newcomer", tmp_path, redis_url)
+    for run in ("direct", "gateway"):
+        assert report["runs"][run]["newcomer"]["completed"] == report["params"]["newcomers"]
+        assert len(report["runs"][run]["newcomer_ttft_ms"]) == report["params"]["newcomers"]
+
+
+@pytest.mark.timeout(60)
+def test_overhead(tmp_path: Path, redis_url: str) -> None:
+    report = _run("overhead", tmp_path, redis_url)
+    for run in ("direct", "gateway"):
+        for rate in report["params"]["rates"]:
+            stats = report["runs"][run][f"rate_{rate}"]
+            assert stats["errors"] == 0
+            assert stats["completed"] == int(rate * report["params"]["duration_s"])
+        assert report["runs"][run]["max"]["completed"] > 0
+    assert report["runs"]["gateway_wide"]["max"]["completed"] > 0
