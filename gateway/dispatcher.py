@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 
 from gateway.backends import BackendPool
-from gateway.errors import QueueTimeout, RateLimited, StoreUnavailable
+from gateway.errors import QueueTimeout, RateLimited, StoreUnavailable, Unavailable
 from gateway.observability import GatewayMetrics
 from gateway.settings import Settings
 from gateway.store import Grant, QueuedRequest, Store
@@ -24,6 +24,9 @@ from policies.classes import CLASS_ORDER
 from policies.gates import evaluate_gate
 
 log = structlog.get_logger("fairgate.dispatcher")
+
+# How often a waiting request checks that it is still queued in Redis.
+LOST_CHECK_S = 5.0
 
 
 @dataclass(slots=True)
@@ -47,7 +50,8 @@ class Dispatcher:
 
     @property
     def replica_ttl_s(self) -> float:
-        return 5 * self.settings.replica_heartbeat_s
+        # Generous: a replica whose event loop stalls must not lose its queued requests.
+        return max(10.0, 5 * self.settings.replica_heartbeat_s)
 
     def wake(self) -> None:
         self._wake.set()
@@ -73,14 +77,26 @@ class Dispatcher:
                 "queued for this model", retry_after_s=self.settings.retry_after_s)
         self.wake()
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except (TimeoutError, asyncio.CancelledError) as exc:
+            return await self._await_grant(model, req, future, timeout_s)
+        except (QueueTimeout, asyncio.CancelledError):
             await self._withdraw(model, req, future)
-            if isinstance(exc, TimeoutError):
-                raise QueueTimeout(
-                    f"request waited more than {timeout_s:g}s in the {req.klass} queue",
-                    retry_after_s=self.settings.retry_after_s) from None
             raise
+
+    async def _await_grant(self, model: str, req: QueuedRequest,
+                           future: asyncio.Future[Grant], timeout_s: float) -> Grant:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
+            except TimeoutError:
+                if not await self.store.request_exists(model, req.request_id):
+                    # dropped at dispatch (this replica looked dead) or expired: say so now
+                    # instead of waiting out the whole queue timeout
+                    self.waiters.pop(req.request_id, None)
+                    raise Unavailable("the queued request was lost; retry it",
+                                      retry_after_s=self.settings.retry_after_s) from None
+        raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue",
+                           retry_after_s=self.settings.retry_after_s)
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:

@@ -177,6 +177,10 @@ class Store:
         return rid, backend, int(rank)
 
     @_mapped
+    async def request_exists(self, model: str, request_id: str) -> bool:
+        return bool(await self.client.exists(ModelKeys(model).request(request_id)))
+
+    @_mapped
     async def depths(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(ModelKeys(model).depth))
         return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}

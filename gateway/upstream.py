@@ -55,14 +55,20 @@ class Upstream:
         resp = await self._post(handle, creq.path, body, priority)
         try:
             if resp.status != 200 or not creq.stream:
-                data = await resp.read()
-                if resp.status == 200:
-                    _take_usage(data, usage)
+                data = await _read(handle, resp, usage)
                 return web.Response(body=data, status=resp.status,
                                     content_type=resp.content_type or "application/json")
             return await _relay_stream(request, resp, usage, wants_usage)
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"backend {handle.name} failed mid-response: {exc}") from exc
+        finally:
+            resp.release()
+
+    async def fetch(self, handle: BackendHandle, creq: CompletionRequest, priority: int,
+                    usage: Usage) -> tuple[int, bytes]:
+        """A non-streaming call whose answer stays in fairgate (the Batch API)."""
+        body = {**creq.body, "stream": False}
+        resp = await self._post(handle, creq.path, body, priority)
+        try:
+            return resp.status, await _read(handle, resp, usage)
         finally:
             resp.release()
 
@@ -91,6 +97,16 @@ class Upstream:
                                            timeout=self.timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
+
+
+async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse, usage: Usage) -> bytes:
+    try:
+        data = await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise UpstreamError(f"backend {handle.name} failed mid-response: {exc}") from exc
+    if resp.status == 200:
+        _take_usage(data, usage)
+    return data
 
 
 def _take_usage(data: bytes, usage: Usage) -> None:
