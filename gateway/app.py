@@ -8,17 +8,18 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
-import redis.asyncio as aioredis
 import structlog
 from aiohttp import web
 
+from gateway.admin import add_admin_routes
 from gateway.auth import KeyRing
 from gateway.backends import BackendPool
 from gateway.context import CONTEXT, Context
+from gateway.dashboard import add_dashboard_routes
 from gateway.dispatcher import Dispatcher
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.errors import FairgateError, NotFound
-from gateway.observability import GatewayMetrics
+from gateway.observability import GatewayMetrics, error_metrics, timed_redis
 from gateway.routes import add_routes
 from gateway.settings import Settings
 from gateway.store import Store
@@ -54,9 +55,14 @@ def score_rule(settings: Settings) -> ScoreRule:
 
 
 def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=settings.max_body_bytes)
-    app.cleanup_ctx.append(_resources(settings, metrics or GatewayMetrics()))
+    metrics = metrics or GatewayMetrics(top_users=settings.metrics_top_users,
+                                        user_idle_s=settings.metrics_user_idle_s)
+    app = web.Application(middlewares=[openai_errors, error_metrics(metrics)],
+                          client_max_size=settings.max_body_bytes)
+    app.cleanup_ctx.append(_resources(settings, metrics))
     add_routes(app)
+    add_admin_routes(app)
+    add_dashboard_routes(app)
     return app
 
 
@@ -71,8 +77,8 @@ def _resources(settings: Settings, metrics: GatewayMetrics
                 stack.callback(embedded.stop)
                 redis_url = embedded.url
                 log.info("embedded_redis_started", url=redis_url)
-            client = aioredis.Redis.from_url(redis_url, decode_responses=True,
-                                             socket_connect_timeout=2, health_check_interval=10)
+            client = timed_redis(redis_url, metrics, decode_responses=True,
+                                 socket_connect_timeout=2, health_check_interval=10)
             stack.push_async_callback(client.aclose)
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             stack.push_async_callback(session.close)

@@ -9,12 +9,19 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol, cast
 
 import redis.asyncio as aioredis
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from redis.exceptions import RedisError
+
+log = structlog.get_logger("fairgate.request")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
@@ -186,28 +193,26 @@ class GatewayMetrics:
 
     # -- hooks called on the request path ---------------------------------------------
 
-    def on_dispatch(self, model: str, backend: str, klass: str, user: str, rank: int,
-                    waited_s: float) -> None:
-        now = time.monotonic()
-        self.queue_wait.labels(klass).observe(waited_s)
+    def on_dispatch(self, model: str, backend: str, klass: str, user: str, rank: int) -> None:
         self.dispatch_rank.labels(klass).observe(rank)
         recent = self.recent_dispatches.setdefault(backend, deque(maxlen=100_000))
-        recent.append(now)
+        recent.append(time.monotonic())
         self._user_inc(self.user_requests, (model,), user, 1.0)
 
-    def on_finish(self, model: str, klass: str, user: str, timing: StreamTiming | None,
-                  prompt_tokens: int, output_tokens: int, service: float) -> None:
+    def on_finish(self, model: str, klass: str, user: str, usage: TokenCounts,
+                  service: float) -> None:
+        """After the answer went out (or failed): latency histograms, per-user counters."""
+        timing = usage.timing
         if timing is not None:
+            timing.end_s = time.monotonic()
             self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
             if timing.first_token_s is not None:
                 self.ttft.labels(klass).observe(timing.first_token_s - timing.arrived_s)
-                if output_tokens > 1 and timing.last_token_s is not None:
+                if usage.output_tokens > 1 and timing.last_token_s is not None:
                     self.tpot.labels(klass).observe(
-                        (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))
-        self.tokens.labels(model, "prompt").inc(prompt_tokens)
-        self.tokens.labels(model, "completion").inc(output_tokens)
-        self._user_inc(self.user_tokens, (model,), user, prompt_tokens, ("prompt",))
-        self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
+                        (timing.last_token_s - timing.first_token_s) / (usage.output_tokens - 1))
+        self._user_inc(self.user_tokens, (model,), user, usage.prompt_tokens or 0, ("prompt",))
+        self._user_inc(self.user_tokens, (model,), user, usage.output_tokens, ("completion",))
         self._user_inc(self.user_service, (model,), user, service)
         self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
 
@@ -250,6 +255,15 @@ class GatewayMetrics:
                 self.gate_reason.labels(backend, klass, r).set(1 if r == reason else 0)
             if reason is not None:
                 self.gate_closed.labels(backend, klass, reason).inc()
+
+
+class TokenCounts(Protocol):
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def timing(self) -> StreamTiming | None: ...
 
 
 class StreamTiming:
@@ -308,3 +322,37 @@ def exported_names(registry: CollectorRegistry) -> set[str]:
     for family in registry.collect():
         names.update(family.name + s for s in suffixes.get(family.type, ("",)))
     return names
+
+
+def error_metrics(metrics: GatewayMetrics) -> Middleware:
+    """Count error answers and log a ``rejected`` event for each (inside ``openai_errors``).
+
+    Logs status, type and code only: messages may quote what the client sent.
+    """
+
+    @web.middleware
+    async def count_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            _rejected(metrics, request, exc.status, "invalid_request_error" if exc.status < 500
+                      else "server_error", None)
+            raise
+        except Exception as exc:
+            status = getattr(exc, "status", 500)
+            _rejected(metrics, request, status if isinstance(status, int) else 500,
+                      str(getattr(exc, "type", "internal_error")), getattr(exc, "code", None))
+            raise
+        if response.status >= 400:  # an upstream answer passed through unchanged
+            _rejected(metrics, request, response.status, "upstream", None)
+        return response
+
+    return count_errors
+
+
+def _rejected(metrics: GatewayMetrics, request: web.Request, status: int, type_: str,
+              code: object) -> None:
+    code_label = "" if code is None else str(code)
+    metrics.errors.labels(str(status), type_, code_label).inc()
+    log.info("rejected", method=request.method, path=request.path, status=status,
+             error_type=type_, code=code_label or None)

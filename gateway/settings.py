@@ -93,6 +93,10 @@ class Settings(BaseSettings):
     replica_heartbeat_s: float = 1.0
     retry_after_s: int = 1
 
+    metrics_top_users: int = Field(20, ge=0)  # per-user series: this many users, rest "other"
+    metrics_user_idle_s: float = 3600.0  # an idle user's series give way to an active one
+    config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)
+
     @field_validator("classes", mode="before")
     @classmethod
     def _merge_class_defaults(cls, value: Any) -> Any:
@@ -144,4 +148,6 @@ def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Se
                 sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
             return tuple(sources)
 
+    if path is not None:
+        overrides.setdefault("config_file", Path(path))
     return _FromFile(**overrides)
