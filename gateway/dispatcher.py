@@ -50,8 +50,7 @@ class Dispatcher:
 
     @property
     def replica_ttl_s(self) -> float:
-        # Generous: a replica whose event loop stalls must not lose its queued requests.
-        return max(10.0, 5 * self.settings.replica_heartbeat_s)
+        return self.settings.replica_ttl_s
 
     def wake(self) -> None:
         self._wake.set()
@@ -200,7 +199,11 @@ class Dispatcher:
         while True:
             await asyncio.sleep(self.settings.replica_heartbeat_s)
             try:
-                await self.store.heartbeat(models, self.replica_id, time.time())
+                now = time.time()
+                await self.store.heartbeat(models, self.replica_id, now)
+                for model in models:
+                    if await self.store.reap(model, now, self.replica_ttl_s):
+                        log.warning("reaped_dead_replica_requests", model=model)
             except StoreUnavailable as exc:
                 log.warning("heartbeat_failed", error=str(exc))
             self.wake()  # a periodic safety net for enqueues on other replicas

@@ -64,6 +64,10 @@ class ModelKeys:
         """list of grants for requests whose client is held by ``replica``."""
         return self.grants_prefix + replica
 
+    def running(self, replica: str) -> str:
+        """set of dispatched, unsettled request ids whose client ``replica`` holds."""
+        return f"{self.prefix}running:{replica}"
+
     def backend_sent(self, backend: str) -> str:
         """zset request id → dispatch time, dispatches not yet seen by a snapshot."""
         return f"{self.prefix}bk:{backend}:sent"

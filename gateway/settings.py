@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0
     replica_heartbeat_s: float = 1.0
+    # A replica silent this long is dead: its queued requests are dropped and what it
+    # held in flight is released. Generous, so a stalled event loop loses nothing.
+    replica_ttl_s: float = 10.0
     retry_after_s: int = 1
 
     metrics_top_users: int = Field(20, ge=0)  # per-user series: this many users, rest "other"

@@ -78,7 +78,7 @@ class Store:
         self.request_ttl_s = request_ttl_s
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(_load(name))
-            for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot")
+            for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -122,7 +122,15 @@ class Store:
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend)]
-        return bool(await self._run("settle", keys, [grant.user, charge, grant.request_id]))
+        args = [grant.user, charge, grant.request_id, k.prefix]
+        return bool(await self._run("settle", keys, args))
+
+    @_mapped
+    async def reap(self, model: str, now: float, replica_ttl_s: float) -> int:
+        """Release what replicas silent for ``replica_ttl_s`` held; returns the count."""
+        k = ModelKeys(model)
+        return int(await self._run("reap", [k.replicas, k.user_inflight],
+                                   [now, replica_ttl_s, k.prefix]))
 
     @_mapped
     async def cancel(self, model: str, request_id: str, user: str, klass: str) -> bool:

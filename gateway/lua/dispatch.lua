@@ -55,6 +55,7 @@ for i = 1, n do
       redis.call('ZADD', KEYS[1], now, id)
       redis.call('INCR', KEYS[5])
       redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[7], 'rank', rank)
+      redis.call('SADD', prefix .. 'running:' .. fields[1], id)
       if fields[1] ~= ARGV[6] then
         redis.call('RPUSH', prefix .. 'grants:' .. fields[1],
           id .. '\t' .. ARGV[7] .. '\t' .. rank)

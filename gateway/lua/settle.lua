@@ -1,11 +1,13 @@
 -- Release a dispatched request and charge its user's fairness score.
 -- KEYS[1] per-user in-flight (hash)  KEYS[2] backend in-flight  KEYS[3] active zset (class)
 -- KEYS[4] saved-score hash (class)   KEYS[5] request (hash)     KEYS[6] backend sent zset
--- ARGV[1] user  ARGV[2] charge  ARGV[3] request id
+-- ARGV[1] user  ARGV[2] charge  ARGV[3] request id  ARGV[4] model key prefix
 -- Returns 1 when released, 0 when it had been released already.
+local owner = redis.call('HGET', KEYS[5], 'owner')
 if redis.call('DEL', KEYS[5]) == 0 then
   return 0
 end
+if owner then redis.call('SREM', ARGV[4] .. 'running:' .. owner, ARGV[3]) end
 local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
 if left <= 0 then redis.call('HDEL', KEYS[1], ARGV[1]) end
 if redis.call('DECR', KEYS[2]) <= 0 then redis.call('DEL', KEYS[2]) end

@@ -125,6 +125,7 @@ async def test_settle_releases_once_and_charges(redis: aioredis.Redis) -> None:
     assert await store.user_inflight(M) == {}
     assert await redis.get(K.backend_inflight("b1")) is None
     assert await redis.zcard(K.backend_sent("b1")) == 0
+    assert not await redis.exists(K.running("r1"))
 
 
 async def test_settle_charges_idle_user_saved_score(redis: aioredis.Redis) -> None:
@@ -162,3 +163,21 @@ async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis
     states = await store.backend_states(M, ["b1", "b2"])
     assert states["b1"].snapshot == snap and states["b1"].sent_since_snapshot == 1
     assert states["b2"].snapshot is None
+
+
+async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1", "r2")
+    await store.enqueue(M, req("x", "a", owner="r2"), 10)
+    await store.enqueue(M, req("y", "a", owner="r1"), 10)
+    assert (await dispatch(store)) is not None  # x → grant waits in r2's list
+    assert (await dispatch(store)) is not None  # y → r1 (alive)
+    assert await store.user_inflight(M) == {"a": 2}
+    assert await redis.smembers(K.running("r2")) == {"x"}
+    assert await store.reap(M, 1005.0, 10.0) == 0  # r2 not yet silent for 10 s
+    await store.heartbeat([M], "r1", 1020.0)
+    assert await store.reap(M, 1020.0, 10.0) == 1
+    assert await store.user_inflight(M) == {"a": 1}  # y, held by live r1, stays
+    assert not await redis.exists(K.running("r2"), K.grants("r2"), K.request("x"))
+    assert await redis.zscore(K.replicas, "r2") is None
+    assert await redis.get(K.backend_inflight("b1")) == "1"

@@ -1,0 +1,27 @@
+-- Release what dead replicas held: requests dispatched to them (granted, maybe never
+-- forwarded) and their undelivered grants. Queued requests of a dead replica are dropped
+-- lazily by dispatch.lua.
+-- KEYS[1] replica heartbeats (zset)  KEYS[2] per-user in-flight (hash)
+-- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix
+-- Returns the number of requests released.
+local prefix = ARGV[3]
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+local released = 0
+for _, replica in ipairs(dead) do
+  local running = prefix .. 'running:' .. replica
+  for _, id in ipairs(redis.call('SMEMBERS', running)) do
+    local req = prefix .. 'req:' .. id
+    local f = redis.call('HMGET', req, 'user', 'backend')
+    if f[1] and f[2] then
+      if redis.call('HINCRBY', KEYS[2], f[1], -1) <= 0 then redis.call('HDEL', KEYS[2], f[1]) end
+      local inflight = prefix .. 'bk:' .. f[2] .. ':inflight'
+      if redis.call('DECR', inflight) <= 0 then redis.call('DEL', inflight) end
+      redis.call('ZREM', prefix .. 'bk:' .. f[2] .. ':sent', id)
+      released = released + 1
+    end
+    redis.call('DEL', req)
+  end
+  redis.call('DEL', running, prefix .. 'grants:' .. replica)
+  redis.call('ZREM', KEYS[1], replica)
+end
+return released
