@@ -53,6 +53,8 @@ async def read_completion(request: web.Request, path: str, max_bytes: int) -> Co
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. "[[[[…": nested deeper than the decoder can go
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     _validate(body, path)

@@ -56,7 +56,14 @@ class Forbidden(FairgateError):
 
 
 class NotFound(FairgateError):
-    status, type, code = 404, "invalid_request_error", "model_not_found"
+    status, type = 404, "invalid_request_error"
+    code: str | None = "model_not_found"
+
+    def __init__(self, message: str, param: str | None = None,
+                 retry_after_s: int | None = None) -> None:
+        super().__init__(message, param, retry_after_s)
+        if param != "model":  # an unknown route is not a missing model (OpenAI: code null)
+            self.code = None
 
 
 class PayloadTooLarge(FairgateError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json as jsonlib
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -17,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.server import GatewayServer
 from loadtest.sim.server import SimServer
@@ -24,7 +26,7 @@ from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, gateway_se
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-HI = [{"role": "user", "content": "hi"}]
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
 CONDITION_TIMEOUT_S = 15.0
 
 
@@ -139,8 +141,11 @@ class BusyBackend:
         await self.session.close()
 
 
+BusyFactory = Callable[[GatewayServer, SimServer], BusyBackend]
+
+
 @pytest.fixture
-async def busy() -> AsyncIterator[Callable[[GatewayServer, SimServer], BusyBackend]]:
+async def busy() -> AsyncIterator[BusyFactory]:
     made: list[BusyBackend] = []
 
     def make(gw: GatewayServer, backend: SimServer) -> BusyBackend:
@@ -164,6 +169,7 @@ async def test_400_invalid_bodies(sim: SimFactory, gateway: GatewayFactory,
         (CHAT, b"\xff\xfe\x00garbage", None),
         (CHAT, b"", None),
         (CHAT, b"[1, 2]", None),
+        (CHAT, b"[" * 100_000, None),  # deeper than the decoder's recursion limit
         (CHAT, {"messages": HI}, "model"),
         (CHAT, {"model": "", "messages": HI}, "model"),
         (CHAT, {"model": 7, "messages": HI}, "model"),
@@ -283,14 +289,14 @@ async def test_403_raising_the_class_lowering_works(
         msg = assert_error(got, type_="permission_error", code="class_not_allowed")
         assert asked in msg
 
-    requests = gw.context.metrics.registry
+    registry = gw.context.metrics.registry
     for key, asked in (("sk-dflt", "batch"), ("sk-dflt", "default"), ("sk-alice", "batch")):
         status, got, _ = await call(http, "POST", gw.url + CHAT, key=key, json=body,
                                     headers={"X-Priority-Class": asked})
         assert status == 200, (key, asked, got)
         assert got["usage"]["completion_tokens"] == 2
     # the lowered requests really ran in the class they asked for
-    assert requests.get_sample_value(
+    assert registry.get_sample_value(
         "fairgate_requests_total",
         {"model": MODEL, "priority_class": "batch", "status": "200"}) == 2
 
@@ -326,7 +332,7 @@ async def test_404_unknown_model_and_route(sim: SimFactory, gateway: GatewayFact
         assert path in assert_error(got, type_="invalid_request_error", code=None)
 
     # a known route with the wrong method: 405, still in OpenAI's format
-    status, got, headers = await call(http, "GET", gw.url + CHAT)
+    status, got, _ = await call(http, "GET", gw.url + CHAT)
     assert status == 405, got
     assert_error(got, type_="invalid_request_error")
 
@@ -378,12 +384,12 @@ async def test_413_body_too_large(sim: SimFactory, gateway: GatewayFactory,
 
 
 async def test_429_per_user_queue_cap(sim: SimFactory, gateway: GatewayFactory,
-                                      http: aiohttp.ClientSession, busy: Any) -> None:
+                                      http: aiohttp.ClientSession, busy: BusyFactory) -> None:
     backend = await sim(profile="h100-llama3.1-8b", max_num_seqs=1)
     gw = await gateway([backend], max_queued_per_user=1, retry_after_s=2,
                        classes={"interactive": {"max_waiting": 1}})
     store = gw.context.store
-    load: BusyBackend = busy(gw, backend)
+    load = busy(gw, backend)
     await load.fill("sk-alice")
     assert await store.user_inflight(MODEL) == {"alice": 2}
 
@@ -424,11 +430,11 @@ async def _depth(gw: GatewayServer, klass: str, n: int) -> bool:
 
 
 async def test_504_queue_wait_timeout(sim: SimFactory, gateway: GatewayFactory,
-                                      http: aiohttp.ClientSession, busy: Any) -> None:
+                                      http: aiohttp.ClientSession, busy: BusyFactory) -> None:
     backend = await sim(profile="h100-llama3.1-8b", max_num_seqs=1)
     gw = await gateway([backend], retry_after_s=3,
                        classes={"interactive": {"max_queue_wait_s": 0.3, "max_waiting": 1}})
-    load: BusyBackend = busy(gw, backend)
+    load = busy(gw, backend)
     await load.fill("sk-alice")
 
     started = time.monotonic()
@@ -497,19 +503,24 @@ async def test_503_no_healthy_backend_and_ready(sim: SimFactory, gateway: Gatewa
     await store_is_idle(gw)
 
 
-async def test_ready_503_when_the_store_is_down(redis_url: str,
-                                                http: aiohttp.ClientSession) -> None:
+async def _ready_with_dead_store(http: aiohttp.ClientSession
+                                 ) -> tuple[int, dict[str, Any], Mapping[str, str]]:
     dead = f"redis://127.0.0.1:{closed_port()}/0"
     gw = GatewayServer(gateway_settings(dead, [], retry_after_s=5))
     await gw.start()
     try:
-        status, got, headers = await call(http, "GET", gw.url + "/ready", key=None)
-        assert status == 503, got
-        assert headers["Retry-After"] == "1"
-        assert "queue store unavailable" in assert_error(
-            got, type_="server_error", code="queue_store_unavailable")
+        return await call(http, "GET", gw.url + "/ready", key=None)
     finally:
         await gw.stop()
+
+
+async def test_ready_503_when_the_store_is_down(http: aiohttp.ClientSession) -> None:
+    status, got, headers = await _ready_with_dead_store(http)
+    assert status == 503, got
+    assert headers["Retry-After"] == "5"
+    # a Redis outage has its own code: it is not a backend problem
+    assert "queue store unavailable" in assert_error(got, type_="server_error",
+                                                     code="queue_store_unavailable")
 
 
 # --------------------------------------------------------------------------- 502
@@ -547,6 +558,14 @@ class BrokenBackend:
         if self.mode == "drop":  # hang up before any response
             request.transport.abort()
             raise asyncio.CancelledError
+        if self.mode == "midstream":  # one SSE frame, then hang up
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"id": "x", "object": "chat.completion.chunk", '
+                             b'"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+            await resp.drain()
+            request.transport.abort()
+            raise asyncio.CancelledError
         # "truncate": promise 1000 bytes, send 10, hang up
         resp = web.StreamResponse(headers={"Content-Type": "application/json",
                                            "Content-Length": "1000"})
@@ -563,7 +582,7 @@ async def test_502_backend_breaks(mode: str, sim: SimFactory, gateway: GatewayFa
     broken = BrokenBackend(source, mode)
     await broken.start()
     try:
-        gw = await gateway([broken])  # type: ignore[list-item]  # only .url is used
+        gw = await gateway([broken])  # only .url is used
         body = {"model": MODEL, "messages": HI, "max_tokens": 2}
         status, got, _ = await call(http, "POST", gw.url + CHAT, json=body)
         assert status == 502, got
@@ -572,3 +591,32 @@ async def test_502_backend_breaks(mode: str, sim: SimFactory, gateway: GatewayFa
     finally:
         with contextlib.suppress(Exception):
             await broken.stop()
+
+
+async def test_502_mid_stream_failure_ends_the_stream(sim: SimFactory,
+                                                      gateway: GatewayFactory) -> None:
+    """Once the 200 is out, a backend failure ends the SSE stream with an error event."""
+    source = await sim(profile="instant")
+    broken = BrokenBackend(source, "midstream")
+    await broken.start()
+    try:
+        gw = await gateway([broken])  # only .url is used
+        body = {"model": MODEL, "messages": HI, "max_tokens": 3, "stream": True}
+        received = b""
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + CHAT, json=body, headers=auth("sk-alice")) as resp:
+                assert resp.status == 200  # the stream had started before the failure
+                # the client must learn the stream is over, never hang on it, and never
+                # see a second HTTP response inside the body
+                async with asyncio.timeout(10):
+                    async for chunk in resp.content.iter_any():
+                        received += chunk
+        assert b"HTTP/1.1" not in received
+        frames = [f for f in received.split(b"\n\n") if f]
+        assert frames[0].startswith(b"data: {") and b'"content": "a"' in frames[0]
+        assert frames[-1].startswith(b"data: "), frames
+        error = jsonlib.loads(frames[-1][len(b"data: "):])
+        assert_error(error, type_="server_error", code="upstream_error")
+        await store_is_idle(gw)
+    finally:
+        await broken.stop()
