@@ -147,7 +147,7 @@ async def queue_state(ctx: Context, model: str, now: float) -> dict[str, Any]:
         entry = classes[klass]
         entry["active_users"] += 1
         entry["users"].append({"user": user, "queued": int(heads[2 * i]), "score": score,
-                               "oldest_wait_s": wait})
+                               "oldest_wait_s": wait, "oldest_request_id": heads[2 * i + 1]})
         if wait is not None and (entry["oldest_wait_s"] is None or wait > entry["oldest_wait_s"]):
             entry["oldest_wait_s"] = wait
     for entry in classes.values():
