@@ -30,7 +30,7 @@ def params(opts: Options) -> dict[str, Any]:
         "rates": opts.pick([100, 500], [20, 50]),
         "duration_s": opts.duration_s or opts.pick(6.0, 1.0),
         "max_concurrency": opts.size or opts.pick(64, 8),
-        "prompt_tokens": 16, "max_tokens": 8, "sim": SIM.__dict__,
+        "prompt_tokens": 16, "max_tokens": 8, "users": 64, "sim": SIM.__dict__,
         "processes": "sim, gateway, load generator: three processes (+ Valkey) on this machine",
     }
 
@@ -50,7 +50,9 @@ async def _measured(proc: Proc | None, work: Callable[[], Awaitable[list[Result]
 
 async def _suite(opts: Options, p: dict[str, Any], target: Target, proc: Proc | None,
                  rates: list[int]) -> dict[str, Any]:
-    spec = Spec("u0", "probe", p["prompt_tokens"], p["max_tokens"])
+    specs = [Spec(f"u{i:02d}", "probe", p["prompt_tokens"], p["max_tokens"])
+             for i in range(p["users"])]
+    spec = specs[0]
     out: dict[str, Any] = {}
     async with new_session() as session:
         # warm the connection pool and the gateway's code paths
@@ -61,7 +63,7 @@ async def _suite(opts: Options, p: dict[str, Any], target: Target, proc: Proc | 
             bar = progress(total, f"overhead {target.name} {rate}/s", opts.progress)
 
             def make(i: int) -> Spec:
-                return spec
+                return specs[i % len(specs)]
 
             def open_run(rate: int = rate, bar: Any = bar) -> Awaitable[list[Result]]:
                 return open_loop(session, target, make, rate, p["duration_s"], bar,
@@ -73,8 +75,9 @@ async def _suite(opts: Options, p: dict[str, Any], target: Target, proc: Proc | 
         bar = progress(None, f"overhead {target.name} max", opts.progress)
 
         def closed_run() -> Awaitable[list[Result]]:
-            return closed_loop(session, target, [LoopUser(spec, p["max_concurrency"])],
-                               p["duration_s"], bar)
+            per_user = max(1, p["max_concurrency"] // len(specs))
+            users = [LoopUser(s, per_user) for s in specs[: p["max_concurrency"]]]
+            return closed_loop(session, target, users, p["duration_s"], bar)
 
         results, cpu = await _measured(proc, closed_run)
         bar.close()
@@ -119,10 +122,11 @@ async def run(opts: Options) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     async with Bench(opts) as bench, bench.backend(SIM, "sim") as be:
         runs["direct"] = await _suite(opts, p, be.target(), be.proc, p["rates"])
-        async with bench.gateway(be, [("u0", "interactive")], "gateway") as gw:
+        users = [(f"u{i:02d}", "interactive") for i in range(p["users"])]
+        async with bench.gateway(be, users, "gateway") as gw:
             runs["gateway"] = await _suite(opts, p, gateway_target(gw, be), gw, p["rates"])
         wide = {"classes": {"interactive": {"max_waiting": 100_000}}}
-        async with bench.gateway(be, [("u0", "interactive")], "gateway-wide", **wide) as gw:
+        async with bench.gateway(be, users, "gateway-wide", **wide) as gw:
             runs["gateway_wide"] = await _suite(opts, p, gateway_target(gw, be, "wide"), gw,
                                                 [])
     fig, ax = report.figure("Gateway overhead (instant backend)", "offered req/s",

@@ -45,7 +45,8 @@ def machine() -> dict[str, Any]:
                                 text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(),
+    return {"cpus": os.cpu_count(), "cpu": cpu,
+            "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "python": platform.python_version(),
             "platform": platform.platform(), "commit": commit}
 
 
@@ -62,7 +63,8 @@ def _fmt(value: Any) -> str:
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"### {report['scenario']}", "",
              f"`{report['command']}` — {report['date']}, {report['machine']['cpus']} CPUs "
-             f"({report['machine']['cpu']}), commit {report['machine']['commit']}", "",
+             f"({report['machine']['cpu']}, load avg {report['machine']['loadavg_1m_at_end']} at "
+             f"the end), commit {report['machine']['commit']}", "",
              "| metric | direct | gateway | ratio | target | met |",
              "|---|---:|---:|---:|---|---|"]
     for row in report["headline"]:

@@ -49,3 +49,42 @@ def test_overhead(tmp_path: Path, redis_url: str) -> None:
             assert stats["completed"] == int(rate * report["params"]["duration_s"])
         assert report["runs"][run]["max"]["completed"] > 0
     assert report["runs"]["gateway_wide"]["max"]["completed"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_utilization(tmp_path: Path, redis_url: str) -> None:
+    report = _run("utilization", tmp_path, redis_url)
+    runs = report["runs"]
+    assert set(runs) == {"direct"} | {f"gateway_mw{k}"
+                                      for k in report["params"]["sweep_max_waiting"]}
+    for stats in runs.values():
+        assert stats["completed"] > 0 and stats["output_tok_s"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_mixed(tmp_path: Path, redis_url: str) -> None:
+    report = _run("mixed", tmp_path, redis_url)
+    for run in ("direct", "gateway"):
+        assert report["runs"][run]["interactive"]["requests"] > 0
+        assert report["runs"][run]["batch_idle"]["requests"] > 0
+
+
+@pytest.mark.timeout(90)
+def test_fairness(tmp_path: Path, redis_url: str) -> None:
+    report = _run("fairness", tmp_path, redis_url)
+    for run in ("direct", "round_robin", "vtc"):
+        stats = report["runs"][run]
+        assert stats["windows"] > 0
+        assert stats["jain_mean"] is None or 0.0 < stats["jain_mean"] <= 1.0
+        assert stats["summary"]["completed"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_scheduler(tmp_path: Path, redis_url: str) -> None:
+    report = _run("scheduler", tmp_path, redis_url)
+    redis_run = report["runs"]["redis"]
+    p = report["params"]
+    assert redis_run["queued"] == p["queued"]
+    assert redis_run["active_users"] == p["users"]
+    assert redis_run["queued_after"] == p["queued"] - 3 * p["dispatches"]
+    assert redis_run["bytes_per_queued_request"] > 0

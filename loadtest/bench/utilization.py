@@ -1,0 +1,100 @@
+"""``utilization``: many closed-loop users saturating the backend; does pacing starve it?
+
+Output tokens/s through fairgate ÷ direct, at the default ``max_waiting`` 3 and swept
+over ``max_waiting`` 1..8 (TTFT vs throughput trade-off). Throughput counts tokens
+received inside the measured window (after a warm-up), so the cut-off at the end of a
+bounded run does not bias it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from loadtest.bench import report
+from loadtest.bench.client import Result, Spec, Target, new_session
+from loadtest.bench.env import Bench, Options, gateway_target
+from loadtest.bench.loadgen import LoopUser, closed_loop, progress
+from loadtest.bench.procs import SimSpec
+from loadtest.bench.stats import ratio, summarize
+
+SIM = SimSpec(max_num_seqs=256, max_num_batched_tokens=2048)
+DEFAULT_MAX_WAITING = 3
+
+
+def params(opts: Options) -> dict[str, Any]:
+    return {
+        "users": opts.size or opts.pick(32, 4), "concurrency_per_user": opts.pick(8, 2),
+        "prompt_tokens": 512, "max_tokens": 256,
+        "duration_s": opts.duration_s or opts.pick(15.0, 3.0),
+        "warmup_s": opts.pick(4.0, 1.0),
+        "sweep_max_waiting": opts.pick(list(range(1, 9)), [1, DEFAULT_MAX_WAITING]),
+        "sim": SIM.__dict__,
+        "gateway": "defaults except classes.interactive.max_waiting (swept)",
+    }
+
+
+async def _measure(opts: Options, p: dict[str, Any], target: Target) -> dict[str, Any]:
+    users = [LoopUser(Spec(f"u{i:02d}", "loop", p["prompt_tokens"], p["max_tokens"]),
+                      p["concurrency_per_user"]) for i in range(p["users"])]
+    bar = progress(None, f"utilization {target.name}", opts.progress)
+    results: list[Result] = []
+    async with new_session() as session:
+        start = time.perf_counter()
+        await closed_loop(session, target, users, p["duration_s"], bar, sink=results)
+    bar.close()
+    window = (start + p["warmup_s"], start + p["duration_s"])
+    return summarize(results, window)
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    p = params(opts)
+    users = [(f"u{i:02d}", "interactive") for i in range(p["users"])]
+    runs: dict[str, Any] = {}
+    async with Bench(opts) as bench:
+        async with bench.backend(SIM, "sim-direct") as be:
+            runs["direct"] = await _measure(opts, p, be.target())
+        for k in p["sweep_max_waiting"]:
+            classes = {"interactive": {"max_waiting": k}}
+            async with bench.backend(SIM, f"sim-mw{k}") as be, \
+                    bench.gateway(be, users, f"gateway-mw{k}", classes=classes) as gw:
+                runs[f"gateway_mw{k}"] = await _measure(
+                    opts, p, gateway_target(gw, be, f"gateway mw={k}"))
+    direct = runs["direct"]
+    default = runs[f"gateway_mw{DEFAULT_MAX_WAITING}"]
+    util = ratio(default["output_tok_s"], direct["output_tok_s"])
+    headline = [
+        report.Headline(f"output tok/s, max_waiting {DEFAULT_MAX_WAITING} (gateway ÷ direct)",
+                        direct["output_tok_s"], default["output_tok_s"], util, "≥ 0.97",
+                        None if util is None else util >= 0.97),
+        report.Headline("TTFT p50 (ms), max_waiting 3", direct["ttft_ms"]["p50"],
+                        default["ttft_ms"]["p50"],
+                        ratio(default["ttft_ms"]["p50"], direct["ttft_ms"]["p50"]), "–", None),
+        report.Headline("TPOT p50 (ms), max_waiting 3", direct["tpot_ms"]["p50"],
+                        default["tpot_ms"]["p50"],
+                        ratio(default["tpot_ms"]["p50"], direct["tpot_ms"]["p50"]), "–", None),
+    ]
+    for k in p["sweep_max_waiting"]:
+        if k == DEFAULT_MAX_WAITING:
+            continue
+        run_k = runs[f"gateway_mw{k}"]
+        r = ratio(run_k["output_tok_s"], direct["output_tok_s"])
+        headline.append(report.Headline(
+            f"output tok/s, max_waiting {k} (TTFT p50 {run_k['ttft_ms']['p50']} ms)",
+            direct["output_tok_s"], run_k["output_tok_s"], r, "≥ 0.97 (sweep)",
+            None if r is None else r >= 0.97))
+    fig, ax = report.figure("TTFT vs throughput, sweeping max_waiting", "output tokens/s",
+                            "TTFT (ms)")
+    xs = [runs[f"gateway_mw{k}"]["output_tok_s"] for k in p["sweep_max_waiting"]]
+    for q, style in (("p50", "-o"), ("p99", "--s")):
+        ys = [runs[f"gateway_mw{k}"]["ttft_ms"][q] or 0.0 for k in p["sweep_max_waiting"]]
+        ax.plot(xs, ys, style, label=f"gateway TTFT {q}")
+        ax.plot([direct["output_tok_s"]], [direct["ttft_ms"][q] or 0.0], "*", markersize=12,
+                label=f"direct TTFT {q}")
+        if q == "p50":
+            for k, x, y in zip(p["sweep_max_waiting"], xs, ys, strict=True):
+                ax.annotate(f"mw={k}", (x, y), textcoords="offset points", xytext=(4, 4))
+    ax.set_yscale("log")
+    ax.legend()
+    return report.write(opts, "utilization", p, runs, headline,
+                        {"utilization_sweep.png": fig})
