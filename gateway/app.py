@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.admin import add_admin_routes
 from gateway.auth import KeyRing
 from gateway.backends import BackendPool
+from gateway.batch_routes import add_batch_routes
 from gateway.context import CONTEXT, Context
 from gateway.dashboard import add_dashboard_routes
 from gateway.dispatcher import Dispatcher
@@ -61,6 +62,7 @@ def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web
                           client_max_size=settings.max_body_bytes)
     app.cleanup_ctx.append(_resources(settings, metrics))
     add_routes(app)
+    add_batch_routes(app)
     add_admin_routes(app)
     add_dashboard_routes(app)
     return app

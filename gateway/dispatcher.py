@@ -66,8 +66,12 @@ class Dispatcher:
         self.waiters[req.request_id] = Waiter(req, model, future)
         try:
             position = await self.store.enqueue(model, req, self.settings.max_queued_per_user)
-        except BaseException:
+        except StoreUnavailable:
             self.waiters.pop(req.request_id, None)
+            raise
+        except asyncio.CancelledError:
+            # The script may have run although its reply was never read: take it back.
+            await self._withdraw(model, req, future)
             raise
         if position < 0:
             self.waiters.pop(req.request_id, None)
@@ -161,28 +165,27 @@ class Dispatcher:
             if grant is not None:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
                 if grant.owner == self.replica_id:
-                    self._deliver(grant.request_id, grant.backend, grant.rank)
+                    self._deliver(model, grant.request_id, grant.backend, grant.rank)
                 return True
         return False
 
-    def _deliver(self, request_id: str, backend: str, rank: int) -> None:
+    def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
         waiter = self.waiters.pop(request_id, None)
-        if waiter is None:
-            log.warning("grant_without_waiter", request_id=request_id)
+        if waiter is not None and not waiter.future.done():
+            req = waiter.request
+            waiter.future.set_result(Grant(request_id, req.klass, req.user, rank,
+                                           self.replica_id, backend, req.enqueued_at))
             return
-        req = waiter.request
-        grant = Grant(request_id, req.klass, req.user, rank, self.replica_id, backend,
-                      req.enqueued_at)
-        if waiter.future.done():  # the client left between dispatch and delivery
-            task = asyncio.get_running_loop().create_task(self._quiet_release(waiter.model, grant))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        else:
-            waiter.future.set_result(grant)
+        # Nobody waits (the client left between dispatch and delivery): release it.
+        task = asyncio.get_running_loop().create_task(self._release_orphan(model, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    async def _quiet_release(self, model: str, grant: Grant) -> None:
+    async def _release_orphan(self, model: str, request_id: str) -> None:
         with contextlib.suppress(StoreUnavailable):
-            await self.release(model, grant, 0.0)
+            grant = await self.store.dispatched(model, request_id)
+            if grant is not None:
+                await self.release(model, grant, 0.0)
 
     async def _listen(self, model: str) -> None:
         while True:
@@ -193,7 +196,7 @@ class Dispatcher:
                 await asyncio.sleep(1.0)
                 continue
             if item is not None:
-                self._deliver(*item)
+                self._deliver(model, *item)
 
     async def _heartbeat(self, models: list[str]) -> None:
         while True:

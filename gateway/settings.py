@@ -96,6 +96,12 @@ class Settings(BaseSettings):
     replica_ttl_s: float = 10.0
     retry_after_s: int = 1
 
+    # Batch API
+    max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_in_flight: int = 8  # lines of one batch queued or running at once
+    batch_lease_s: float = 10.0  # a runner silent this long loses its batch to another
+    batch_poll_s: float = 1.0
+
     metrics_top_users: int = Field(20, ge=0)  # per-user series: this many users, rest "other"
     metrics_user_idle_s: float = 3600.0  # an idle user's series give way to an active one
     config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)

@@ -185,6 +185,16 @@ class Store:
         return rid, backend, int(rank)
 
     @_mapped
+    async def dispatched(self, model: str, request_id: str) -> Grant | None:
+        """The grant of a dispatched, unsettled request, read back from Redis."""
+        k = ModelKeys(model)
+        raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(k.request(request_id)))
+        if raw.get("state") != "dispatched":
+            return None
+        return Grant(request_id, raw["class"], raw["user"], int(raw["rank"]), raw["owner"],
+                     raw["backend"], float(raw["enqueued_at"]))
+
+    @_mapped
     async def request_exists(self, model: str, request_id: str) -> bool:
         return bool(await self.client.exists(ModelKeys(model).request(request_id)))
 

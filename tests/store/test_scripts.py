@@ -181,3 +181,16 @@ async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> 
     assert not await redis.exists(K.running("r2"), K.grants("r2"), K.request("x"))
     assert await redis.zscore(K.replicas, "r2") is None
     assert await redis.get(K.backend_inflight("b1")) == "1"
+
+
+async def test_dispatched_reads_a_grant_back_for_orphan_release(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("x", "a"), 10)
+    assert await store.dispatched(M, "x") is None  # queued, not dispatched
+    g = await dispatch(store)
+    back = await store.dispatched(M, "x")
+    assert back is not None and (back.user, back.klass, back.backend, back.rank) == (
+        g.user, g.klass, g.backend, g.rank) if g else False
+    assert await store.settle(M, back, 0.0)
+    assert await store.dispatched(M, "x") is None

@@ -1,0 +1,211 @@
+"""OpenAI Files (``/v1/files``) and Batches (``/v1/batches``) routes.
+
+A user sees only their own files and batches: any other id answers 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from gateway.batch_input import ENDPOINTS, parse_lines
+from gateway.batch_runner import BatchRunner
+from gateway.batches import FINAL, WINDOW_S, BatchStore
+from gateway.context import CONTEXT
+from gateway.errors import BadRequest, FairgateError
+from gateway.files import FileStore
+
+CHUNK = 64 * 1024
+MAX_METADATA_PAIRS = 16
+
+
+@dataclass(slots=True)
+class BatchService:
+    files: FileStore
+    batches: BatchStore
+    runner: BatchRunner
+
+
+BATCH = web.AppKey("fairgate_batch", BatchService)
+
+
+def _user(request: web.Request) -> str:
+    return request.app[CONTEXT].keys.identify(request.headers.get("Authorization")).user
+
+
+async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
+    while chunk := await part.read_chunk(CHUNK):
+        yield chunk
+
+
+async def upload_file(request: web.Request) -> web.Response:
+    user = _user(request)
+    svc = request.app[BATCH]
+    if not request.content_type.startswith("multipart/"):
+        raise BadRequest("upload a file as multipart/form-data with fields 'purpose' and 'file'")
+    reader = await request.multipart()
+    purpose: str | None = None
+    meta = None
+    while (part := await reader.next()) is not None:
+        if not isinstance(part, BodyPartReader):
+            continue
+        if part.name == "purpose":
+            purpose = (await part.text()).strip()
+        elif part.name == "file":
+            if purpose != "batch":
+                raise BadRequest("'purpose' must be \"batch\" and come before 'file'",
+                                 param="purpose")
+            meta = await svc.files.save(user, part.filename or "upload.jsonl", purpose,
+                                        _chunks(part))
+    if meta is None:
+        raise BadRequest("missing 'file' field", param="file")
+    try:
+        _validate_file(svc.files.path(meta.id), request.app[CONTEXT].settings.models())
+    except FairgateError:
+        await svc.files.delete(user, meta.id)
+        raise
+    return web.json_response(meta.to_openai())
+
+
+def _validate_file(path: Path, models: list[str]) -> int:
+    with path.open("rb") as fh:
+        return sum(1 for _ in parse_lines(fh, models))
+
+
+async def list_files(request: web.Request) -> web.Response:
+    metas = await request.app[BATCH].files.owned(_user(request), request.query.get("purpose"))
+    return web.json_response({"object": "list", "data": [m.to_openai() for m in metas],
+                              "has_more": False})
+
+
+async def get_file(request: web.Request) -> web.Response:
+    meta = await request.app[BATCH].files.get(_user(request), request.match_info["file_id"])
+    return web.json_response(meta.to_openai())
+
+
+async def file_content(request: web.Request) -> web.StreamResponse:
+    svc = request.app[BATCH]
+    meta = await svc.files.get(_user(request), request.match_info["file_id"])
+    return web.FileResponse(svc.files.path(meta.id),
+                            headers={"Content-Type": "application/jsonl"})
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    file_id = request.match_info["file_id"]
+    await request.app[BATCH].files.delete(_user(request), file_id)
+    return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def _check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] | None]:
+    file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
+    window, metadata = body.get("completion_window", "24h"), body.get("metadata")
+    if not isinstance(file_id, str) or not file_id:
+        raise BadRequest("'input_file_id' is required", param="input_file_id")
+    if endpoint not in ENDPOINTS:
+        raise BadRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    if window not in WINDOW_S:
+        raise BadRequest("'completion_window' must be \"24h\"", param="completion_window")
+    if metadata is not None and not (
+            isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise BadRequest("'metadata' must map at most 16 strings to strings", param="metadata")
+    return file_id, endpoint, window, metadata
+
+
+async def create_batch(request: web.Request) -> web.Response:
+    ctx = request.app[CONTEXT]
+    key = ctx.keys.identify(request.headers.get("Authorization"))
+    svc = request.app[BATCH]
+    file_id, endpoint, window, metadata = _check_create(await _json_body(request))
+    meta = await svc.files.get(key.user, file_id)
+    if meta.purpose != "batch":
+        raise BadRequest(f"file {file_id} was not uploaded with purpose \"batch\"",
+                         param="input_file_id")
+    with svc.files.path(file_id).open("rb") as fh:
+        lines = list(parse_lines(fh, ctx.settings.models()))
+    wrong = [line for line in lines if line.url != endpoint][:10]
+    if wrong:
+        listed = ", ".join(f"line {w.index + 1} ({w.url})" for w in wrong)
+        raise BadRequest(f"every line's url must match the batch endpoint {endpoint}: {listed}",
+                         param="endpoint")
+    batch = await svc.batches.create(key.user, file_id, endpoint, window, metadata, len(lines),
+                                     key.weight)
+    svc.runner.wake()
+    return web.json_response(batch)
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    batch = await request.app[BATCH].batches.get(_user(request), request.match_info["batch_id"])
+    return web.json_response(batch)
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    try:
+        limit = int(request.query.get("limit", "20"))
+    except ValueError:
+        raise BadRequest("'limit' must be an integer", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise BadRequest("'limit' must be between 1 and 100", param="limit")
+    data, more = await request.app[BATCH].batches.page(_user(request), limit,
+                                                        request.query.get("after"))
+    return web.json_response({"object": "list", "data": data,
+                              "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    user, batch_id = _user(request), request.match_info["batch_id"]
+    svc = request.app[BATCH]
+    batch = await svc.batches.get(user, batch_id)
+    if batch["status"] in FINAL:
+        raise BadRequest(f"batch {batch_id} is already {batch['status']}", param="batch_id")
+    await svc.batches.transition(batch_id, ("validating", "in_progress", "finalizing"),
+                                 "cancelling", "cancelling_at")
+    svc.runner.wake()
+    return web.json_response(await svc.batches.get(user, batch_id))
+
+
+def add_batch_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/files", upload_file)
+    app.router.add_get("/v1/files", list_files)
+    app.router.add_get("/v1/files/{file_id}", get_file)
+    app.router.add_get("/v1/files/{file_id}/content", file_content)
+    app.router.add_delete("/v1/files/{file_id}", delete_file)
+    app.router.add_post("/v1/batches", create_batch)
+    app.router.add_get("/v1/batches", list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", get_batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+    app.cleanup_ctx.append(_batch_service)
+
+
+@contextlib.asynccontextmanager
+async def _batch_service(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[CONTEXT]
+    client = ctx.store.client
+    files = FileStore(client, ctx.settings.data_dir / "files", ctx.settings.max_file_bytes)
+    batches = BatchStore(client)
+    runner = BatchRunner(ctx, files, batches)
+    app[BATCH] = BatchService(files, batches, runner)
+    task = asyncio.create_task(runner.run(), name="batch-runner")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await runner.stop()
+        await asyncio.wait([task], timeout=5.0)

@@ -1,0 +1,228 @@
+"""Runs Batch API jobs through the same fair scheduler as interactive traffic.
+
+Every replica runs a :class:`BatchRunner`; a batch is run by whichever replica holds its
+lease. Lines enter the owner's ``batch`` class queue, at most ``batch_max_in_flight`` at a
+time, so even a 100,000-line file adds only a handful of Redis entries. Each result is
+recorded once (HSETNX on ``custom_id``); after a crash another runner takes the lease and
+runs only the lines without a result. A line that was at the backend when its runner died
+was aborted there (the connection closed) and runs again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+import structlog
+
+from gateway.admission import admitted
+from gateway.batch_input import BatchLine, parse_lines
+from gateway.batches import FINAL, BatchStore
+from gateway.completion_request import CompletionRequest
+from gateway.context import Context
+from gateway.errors import FairgateError, StoreUnavailable, Unavailable
+from gateway.files import FileStore
+
+log = structlog.get_logger("fairgate.batch")
+
+RETRY_PAUSE_S = 1.0
+MAX_ATTEMPTS = 5
+
+
+def output_line(custom_id: str, status: int | None, body: Any,
+                error: dict[str, Any] | None) -> dict[str, Any]:
+    """One line of OpenAI's batch output/error file."""
+    response = None if status is None else {
+        "status_code": status, "request_id": uuid.uuid4().hex, "body": body}
+    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
+            "response": response, "error": error}
+
+
+class BatchRunner:
+    def __init__(self, ctx: Context, files: FileStore, batches: BatchStore) -> None:
+        self.ctx = ctx
+        self.files = files
+        self.batches = batches
+        self.settings = ctx.settings
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._claim_new()
+            except StoreUnavailable as exc:
+                log.warning("batch_poll_failed", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_s)
+            self._wake.clear()
+
+    async def _claim_new(self) -> None:
+        for batch_id in await self.batches.active():
+            if batch_id in self.running:
+                continue
+            if await self.batches.lease(batch_id, self.ctx.replica_id,
+                                        self.settings.batch_lease_s):
+                task = asyncio.create_task(self._run_batch(batch_id), name=batch_id)
+                self.running[batch_id] = task
+                task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.running.pop(task.get_name(), None)
+
+    async def stop(self) -> None:
+        for task in list(self.running.values()):
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+    async def _run_batch(self, batch_id: str) -> None:
+        keeper = asyncio.create_task(self._keep_lease(batch_id))
+        try:
+            await self._execute_batch(batch_id)
+        except Exception:
+            log.exception("batch_failed", batch_id=batch_id)
+        finally:
+            keeper.cancel()
+
+    async def _keep_lease(self, batch_id: str) -> None:
+        me = asyncio.current_task()
+        while True:
+            await asyncio.sleep(self.settings.batch_lease_s / 3)
+            if not await self.batches.lease(batch_id, self.ctx.replica_id,
+                                            self.settings.batch_lease_s):
+                log.warning("batch_lease_lost", batch_id=batch_id)
+                task = self.running.get(batch_id)
+                if task is not None and task is not me:
+                    task.cancel()
+                return
+
+    async def _execute_batch(self, batch_id: str) -> None:
+        raw = await self.batches.raw(batch_id)
+        if raw is None or raw["status"] in FINAL:
+            await self.batches.retire(batch_id)
+            return
+        doc = json.loads(raw["doc"])
+        try:
+            lines = self._load(doc["input_file_id"])
+        except (FairgateError, OSError) as exc:
+            await self._fail(batch_id, str(exc))
+            return
+        await self.batches.transition(batch_id, ("validating",), "in_progress", "in_progress_at")
+        done = await self.batches.done_ids(batch_id)
+        pending = [line for line in lines if line.custom_id not in done]
+        log.info("batch_running", batch_id=batch_id, total=len(lines), pending=len(pending))
+        outcome = await self._feed(batch_id, doc, pending)
+        await self._finalize(batch_id, doc, lines, outcome)
+
+    def _load(self, file_id: str) -> list[BatchLine]:
+        with self.files.path(file_id).open("rb") as fh:
+            return list(parse_lines(fh, self.settings.models()))
+
+    async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
+        """Run the pending lines; returns "completed", "cancelled" or "expired"."""
+        slots = asyncio.Semaphore(self.settings.batch_max_in_flight)
+        tasks: set[asyncio.Task[None]] = set()
+        outcome = "completed"
+        for line in pending:
+            outcome = await self._interruption(batch_id, doc)
+            if outcome != "completed":
+                break
+            await slots.acquire()
+            task = asyncio.create_task(self._execute_line(batch_id, doc, line))
+            tasks.add(task)
+
+            def finished(t: asyncio.Task[None]) -> None:
+                tasks.discard(t)
+                slots.release()
+
+            task.add_done_callback(finished)
+        while tasks and outcome == "completed":
+            await asyncio.wait(tasks, timeout=self.settings.batch_poll_s)
+            outcome = await self._interruption(batch_id, doc)
+        for task in tasks:
+            task.cancel()  # cancel or expiry: queued lines leave the queue, running ones abort
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return outcome
+
+    async def _interruption(self, batch_id: str, doc: dict[str, Any]) -> str:
+        raw = await self.batches.raw(batch_id)
+        if raw is None or raw["status"] == "cancelling":
+            return "cancelled"
+        if time.time() >= doc["expires_at"]:
+            return "expired"
+        return "completed"
+
+    async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine) -> None:
+        creq = CompletionRequest(line.url, line.body)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                async with admitted(self.ctx, line.model, doc["user"], "batch",
+                                    doc.get("weight", 1.0), line.body) as ticket:
+                    status, data = await self.ctx.upstream.fetch(
+                        ticket.backend, creq, ticket.priority, ticket.usage)
+            except Unavailable:
+                if attempt == MAX_ATTEMPTS:
+                    raise
+                await asyncio.sleep(RETRY_PAUSE_S)  # Redis or backends down: try again
+                continue
+            except FairgateError as exc:
+                result = output_line(line.custom_id, None, None,
+                                     {"code": exc.code or exc.type, "message": exc.message})
+                await self.batches.record(batch_id, line.custom_id, result, ok=False)
+                return
+            try:
+                body = json.loads(data)
+            except ValueError:
+                body = {"raw": data.decode(errors="replace")}
+            result = output_line(line.custom_id, status, body, None)
+            await self.batches.record(batch_id, line.custom_id, result, ok=status == 200)
+            return
+
+    async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
+                        outcome: str) -> None:
+        if outcome == "completed":
+            await self.batches.transition(batch_id, ("in_progress",), "finalizing",
+                                          "finalizing_at")
+        ok = await self.batches.results(batch_id, ok=True)
+        failed = await self.batches.results(batch_id, ok=False)
+        if outcome == "expired":
+            for line in lines:
+                if line.custom_id not in ok and line.custom_id not in failed:
+                    failed[line.custom_id] = json.dumps(output_line(
+                        line.custom_id, None, None,
+                        {"code": "batch_expired",
+                         "message": "This request could not be executed before the "
+                                    "completion window expired."}))
+        fields: dict[str, str | int] = {}
+        for name, results, suffix in (("output_file_id", ok, "output"),
+                                      ("error_file_id", failed, "error")):
+            if results:
+                data = "".join(results[line.custom_id] + "\n" for line in lines
+                               if line.custom_id in results).encode()
+                meta = await self.files.create(doc["user"], f"{batch_id}_{suffix}.jsonl",
+                                               "batch_output", data)
+                fields[name] = meta.id
+        if fields:
+            await self.batches.set_fields(batch_id, **fields)
+        final = {"completed": ("completed", "completed_at", ("finalizing",)),
+                 "cancelled": ("cancelled", "cancelled_at", ("cancelling", "in_progress")),
+                 "expired": ("expired", "expired_at", ("in_progress", "validating"))}[outcome]
+        await self.batches.transition(batch_id, final[2], final[0], final[1])
+        await self.batches.retire(batch_id)
+        log.info("batch_finished", batch_id=batch_id, status=final[0], completed=len(ok),
+                 failed=len(failed))
+
+    async def _fail(self, batch_id: str, message: str) -> None:
+        errors = {"object": "list", "data": [{"code": "invalid_input", "message": message,
+                                              "param": None, "line": None}]}
+        await self.batches.set_fields(batch_id, errors=json.dumps(errors))
+        await self.batches.transition(batch_id, ("validating", "in_progress"), "failed",
+                                      "failed_at")
+        await self.batches.retire(batch_id)

@@ -1,0 +1,179 @@
+"""The Batch API through the official openai SDK, on a real gateway + simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.server import GatewayServer
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
+
+CHAT = "/v1/chat/completions"
+
+
+def jsonl(n: int, url: str = CHAT, max_tokens: int = 3, **body: Any) -> bytes:
+    lines = []
+    for i in range(n):
+        request: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens + i % 3,
+                                   "ignore_eos": True, **body}
+        if url == CHAT:
+            request["messages"] = [{"role": "user", "content": f"question {i}"}]
+        else:
+            request["prompt"] = f"question {i}"
+        lines.append(json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": url,
+                                 "body": request}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def client(gw: GatewayServer, key: str = "sk-batch") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+
+async def wait_status(c: openai.AsyncOpenAI, batch_id: str, statuses: set[str],
+                      limit_s: float = 60) -> Any:
+    for _ in range(int(limit_s / 0.05)):
+        batch = await c.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        await asyncio.sleep(0.05)  # polling, as an SDK user does
+    raise AssertionError(f"batch stayed {batch.status}")
+
+
+@pytest.fixture
+async def gw(sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> GatewayServer:
+    backend = await sim(profile="instant")
+    return await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05)
+
+
+async def test_sdk_end_to_end(gw: GatewayServer) -> None:
+    c = client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(20)), purpose="batch")
+    assert f.purpose == "batch" and f.bytes > 0
+    assert (await c.files.retrieve(f.id)).filename == "in.jsonl"
+    batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h",
+                                   metadata={"job": "eval"})
+    assert batch.status == "validating" and batch.metadata == {"job": "eval"}
+    done = await wait_status(c, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (20, 20, 0)
+    assert done.in_progress_at and done.completed_at and done.output_file_id
+    assert done.error_file_id is None
+    text = (await c.files.content(done.output_file_id)).text
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"req-{i}" for i in range(20)]
+    for i, line in enumerate(lines):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert line["response"]["body"]["usage"]["completion_tokens"] == 3 + i % 3
+    assert (await c.files.content(f.id)).content == jsonl(20)
+    ids = [x.id for x in (await c.files.list()).data]
+    assert f.id in ids and done.output_file_id in ids
+    deleted = await c.files.delete(f.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        await c.files.retrieve(f.id)
+    await c.close()
+
+
+async def test_list_batches_paginates_newest_first(gw: GatewayServer) -> None:
+    c = client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(1)), purpose="batch")
+    made = [await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+            for _ in range(3)]
+    first = await c.batches.list(limit=2)
+    assert [b.id for b in first.data] == [made[2].id, made[1].id] and first.has_more
+    rest = await c.batches.list(limit=2, after=made[1].id)
+    assert [b.id for b in rest.data] == [made[0].id] and not rest.has_more
+    seen = [b.id async for b in await c.batches.list(limit=1)]  # SDK auto-pagination
+    assert seen == [m.id for m in reversed(made)]
+    for m in made:
+        await wait_status(c, m.id, {"completed"})
+    await c.close()
+
+
+async def test_cancel_stops_promptly_with_partial_results(sim: SimFactory,
+                                                          gateway: GatewayFactory,
+                                                          tmp_path: Path) -> None:
+    backend = await sim(max_num_seqs=2)
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05, batch_max_in_flight=2)
+    c = client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(40, max_tokens=200)), purpose="batch")
+    batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = backend.engine
+    await engine.wait_until(lambda: sum(r.finished_s is not None for r in
+                                        engine.records.values()) >= 2)
+    cancelling = await c.batches.cancel(batch.id)
+    assert cancelling.status in {"cancelling", "cancelled"}
+    done = await wait_status(c, batch.id, {"cancelled"})
+    assert done.cancelled_at and done.request_counts is not None
+    assert 2 <= done.request_counts.completed < 40
+    started_after_cancel = len(engine.records)
+    await asyncio.sleep(0.3)  # nothing may start once the batch is cancelled
+    assert len(engine.records) == started_after_cancel
+    assert done.output_file_id
+    out = (await c.files.content(done.output_file_id)).text.splitlines()
+    assert len(out) == done.request_counts.completed
+    await c.close()
+
+
+@pytest.mark.parametrize(("content", "needle"), [
+    (b'{"custom_id": "a", "method": "POST"\n', "line 1: not valid JSON"),
+    (jsonl(2).replace(b"req-1", b"req-0"), "duplicate custom_id 'req-0'"),
+    (jsonl(1).replace(MODEL.encode(), b"gpt-9"), "model 'gpt-9' is not served here"),
+    (jsonl(1).replace(b"/v1/chat/completions", b"/v1/embeddings"), "'url' must be one of"),
+    (jsonl(1).replace(b'"POST"', b'"GET"'), "'method' must be"),
+    (b"\n\n", "has no requests"),
+])
+async def test_upload_rejects_bad_jsonl(gw: GatewayServer, content: bytes, needle: str) -> None:
+    c = client(gw)
+    with pytest.raises(openai.BadRequestError) as err:
+        await c.files.create(file=("bad.jsonl", content), purpose="batch")
+    assert needle in err.value.message
+    assert (await c.files.list()).data == []  # nothing kept
+    await c.close()
+
+
+async def test_wrong_endpoint_and_oversize_file(sim: SimFactory, gateway: GatewayFactory,
+                                                tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], data_dir=tmp_path, max_file_bytes=2000)
+    c = client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(2)), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as err:
+        await c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                               completion_window="24h")
+    assert "must match the batch endpoint" in err.value.message
+    with pytest.raises(openai.BadRequestError):
+        await c.batches.create(input_file_id=f.id, endpoint=CHAT,
+                               completion_window="48h")  # type: ignore[arg-type]
+    with pytest.raises(openai.APIStatusError) as big:
+        await c.files.create(file=("big.jsonl", jsonl(40)), purpose="batch")
+    assert big.value.status_code == 413
+    with pytest.raises(openai.BadRequestError):
+        await c.files.create(file=("x.jsonl", jsonl(1)), purpose="fine-tune")
+    await c.close()
+
+
+async def test_other_users_cannot_see_files_or_batches(gw: GatewayServer) -> None:
+    owner, other = client(gw, "sk-batch"), client(gw, "sk-alice")
+    f = await owner.files.create(file=("in.jsonl", jsonl(1)), purpose="batch")
+    batch = await owner.batches.create(input_file_id=f.id, endpoint=CHAT,
+                                       completion_window="24h")
+    for call in (other.files.retrieve(f.id), other.files.content(f.id),
+                 other.files.delete(f.id), other.batches.retrieve(batch.id),
+                 other.batches.cancel(batch.id),
+                 other.batches.create(input_file_id=f.id, endpoint=CHAT,
+                                      completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    assert (await other.files.list()).data == []
+    assert (await other.batches.list()).data == []
+    await wait_status(owner, batch.id, {"completed"})
+    await owner.close()
+    await other.close()
