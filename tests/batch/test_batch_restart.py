@@ -1,0 +1,105 @@
+"""Kill the gateway mid-batch, start it again: the batch completes, nothing lost or doubled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import openai
+import redis.asyncio as aioredis
+import yaml
+
+from gateway.batches import BatchKeys
+from gateway.embedded_redis import free_port
+from tests.gateway.conftest import KEYS, MODEL, SimFactory
+
+LINES = 60
+
+
+def batch_file() -> bytes:
+    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": MODEL, "prompt": f"p{i}", "max_tokens": 40 + i,
+                                  "ignore_eos": True}})
+             for i in range(LINES)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+async def start_gateway(config: Path, port: int) -> asyncio.subprocess.Process:
+    env = {**os.environ, "FAIRGATE_REPLICA_TTL_S": "1", "FAIRGATE_BATCH_LEASE_S": "1",
+           "FAIRGATE_REPLICA_HEARTBEAT_S": "0.2", "FAIRGATE_SCRAPE_INTERVAL_S": "0.02",
+           "FAIRGATE_BATCH_POLL_S": "0.05"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    assert f":{port}" in line.decode(), line
+    return proc
+
+
+async def wait_ready(c: openai.AsyncOpenAI) -> None:
+    for _ in range(500):
+        try:
+            await c.models.list()
+            return
+        except openai.APIError:
+            await asyncio.sleep(0.02)
+    raise AssertionError("gateway did not answer")
+
+
+async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.Redis,
+                                               redis_url: str, tmp_path: Path) -> None:
+    backend = await sim(max_num_seqs=16)
+    port = free_port()
+    config = tmp_path / "fairgate.yaml"
+    config.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "data_dir": str(tmp_path / "data"),
+        "listen": {"host": "127.0.0.1", "port": port},
+        "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-batch",
+                           max_retries=0)
+    first = await start_gateway(config, port)
+    try:
+        await wait_ready(c)
+        f = await c.files.create(file=("in.jsonl", batch_file()), purpose="batch")
+        batch = await c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                       completion_window="24h")
+        out_key = BatchKeys(batch.id).out
+        for _ in range(3000):  # until a quarter of the lines are done
+            if await redis.hlen(out_key) >= LINES // 4:
+                break
+            await asyncio.sleep(0.005)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        await first.wait()
+    done_before = await redis.hlen(out_key)
+    assert LINES // 4 <= done_before < LINES, done_before
+
+    second = await start_gateway(config, port)
+    try:
+        await wait_ready(c)
+        final: Any = None
+        for _ in range(1200):
+            final = await c.batches.retrieve(batch.id)
+            if final.status in {"completed", "failed"}:
+                break
+            await asyncio.sleep(0.05)
+        assert final is not None and final.status == "completed", final
+        assert final.request_counts.completed == LINES and final.request_counts.failed == 0
+        text = (await c.files.content(final.output_file_id)).text
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(second.wait(), 30) == 0
+        await c.close()
+
+    custom_ids = [json.loads(x)["custom_id"] for x in text.splitlines()]
+    assert custom_ids == [f"line-{i}" for i in range(LINES)]  # all there, once, in order
+    finished = Counter(r.max_tokens for r in backend.engine.records.values()
+                       if r.finished_s is not None and not r.aborted)
+    assert finished == Counter({40 + i: 1 for i in range(LINES)})  # executed exactly once
