@@ -11,6 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admin import refresh_queue_metrics
+from gateway.admission import admitted
 from gateway.completion_request import CHAT, COMPLETIONS, CompletionRequest, read_completion
 from gateway.context import CONTEXT, Context
 from gateway.errors import (
@@ -21,11 +22,7 @@ from gateway.errors import (
 )
 from gateway.observability import StreamTiming
 from gateway.settings import ApiKey
-from gateway.store import QueuedRequest
-from gateway.upstream import Usage
 from policies.classes import effective_class
-from policies.cost import estimate_prompt_tokens
-from policies.priority import vllm_priority
 
 log = structlog.get_logger("fairgate.request")
 
@@ -64,43 +61,27 @@ async def _completion(request: web.Request, path: str) -> web.StreamResponse:
     if not ctx.pool.any_healthy(model):
         raise Unavailable(f"no healthy backend serves {model!r}",
                           retry_after_s=ctx.settings.retry_after_s)
-    prompt_est = estimate_prompt_tokens(creq.body)
-    queued = QueuedRequest(uuid.uuid4().hex, user, klass, ctx.replica_id, key.weight,
-                           prompt_est, time.time())
-    structlog.contextvars.bind_contextvars(request_id=queued.request_id, user=user,
-                                           model=model, priority_class=klass)
+    request_id = uuid.uuid4().hex
+    structlog.contextvars.bind_contextvars(request_id=request_id, user=user, model=model,
+                                           priority_class=klass)
     log.info("queued")
     status = "error"
     try:
-        grant = await ctx.dispatcher.acquire(model, queued,
-                                             ctx.settings.classes[klass].max_queue_wait_s)
-        waited = time.time() - queued.enqueued_at
-        ctx.metrics.queue_wait.labels(klass).observe(waited)
-        ctx.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
-        cls_cfg = ctx.settings.classes[klass]
-        priority = vllm_priority(cls_cfg.priority_base, grant.rank,
-                                 ctx.settings.priority_class_gap)
-        log.info("dispatched", backend=grant.backend, wait_s=round(waited, 4),
-                 vllm_priority=priority)
-        usage = Usage(timing=StreamTiming(arrived))
-        try:
-            response = await ctx.upstream.forward(request, ctx.pool.handles[grant.backend],
-                                                  creq, priority, usage)
-            status = str(response.status)
-            return response
-        finally:
-            charge = ctx.rule.completion_charge(usage.prompt_tokens or prompt_est, prompt_est,
-                                                usage.output_tokens, key.weight)
-            await asyncio.shield(ctx.dispatcher.release(model, grant, charge))
-            ctx.metrics.tokens.labels(model, "prompt").inc(usage.prompt_tokens or 0)
-            ctx.metrics.tokens.labels(model, "completion").inc(usage.output_tokens)
-            s = ctx.settings
-            service = ((usage.prompt_tokens or 0) * s.vtc_input_weight
-                       + usage.output_tokens * s.vtc_output_weight) / key.weight
-            ctx.metrics.on_finish(model, klass, user, usage, service)
-            log.info("finished", backend=grant.backend, status=status,
-                     latency_s=round(time.time() - queued.enqueued_at, 4),
-                     output_tokens=usage.output_tokens)
+        async with admitted(ctx, model, user, klass, key.weight, creq.body,
+                            request_id=request_id) as ticket:
+            usage = ticket.usage
+            usage.timing = StreamTiming(arrived)
+            ctx.metrics.on_dispatch(model, ticket.grant.backend, klass, user, ticket.grant.rank)
+            try:
+                response = await ctx.upstream.forward(request, ticket.backend, creq,
+                                                      ticket.priority, usage)
+                status = str(response.status)
+                return response
+            finally:
+                s = ctx.settings
+                service = ((usage.prompt_tokens or 0) * s.vtc_input_weight
+                           + usage.output_tokens * s.vtc_output_weight) / key.weight
+                ctx.metrics.on_finish(model, klass, user, usage, service)
     except asyncio.CancelledError:
         status = "client_closed"
         log.info("client_disconnected")
