@@ -79,17 +79,20 @@ function backendsPanel(backends) {
       el("td", { "data-metric": "dispatch-rate" }, fmt(b.dispatch_rate_per_s, 1)),
       el("td", {}, gateBadges(b.gates)));
   });
-  return el("div", { class: "panel" }, el("h3", {}, "Backends"),
+  return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
     table(["backend", "state", "waiting", "running", "KV", "TPOT ms", "in flight",
            "dispatch/s", "gates"], rows, "no backends"));
 }
 
 function sharesPanel(shares) {
-  const rows = shares.map((s) => el("tr", { "data-user": s.user },
-    el("td", {}, s.user),
-    el("td", { "data-metric": "share" }, fmt(100 * s.share, 1) + "%"),
-    el("td", { style: "width:50%" },
-      el("div", { class: "bar", style: `width:${(100 * s.share).toFixed(1)}%` }))));
+  const rows = shares.map((s) => {
+    const bar = el("div", { class: "bar" });
+    bar.style.width = `${(100 * s.share).toFixed(1)}%`;  // CSSOM: allowed by the page's CSP
+    return el("tr", { "data-user": s.user },
+      el("td", {}, s.user),
+      el("td", { "data-metric": "share" }, fmt(100 * s.share, 1) + "%"),
+      el("td", { class: "barcell" }, bar));
+  });
   return el("div", { class: "panel" }, el("h3", {}, "Service share (last minutes, this replica)"),
     table(["user", "share", ""], rows, "no service yet"));
 }
@@ -100,7 +103,7 @@ function render(state) {
     el("section", { class: "model", "data-model": model },
       el("h2", {}, model),
       el("div", { class: "grid" },
-        queuesPanel(model, m.queues), backendsPanel(m.backends),
+        backendsPanel(m.backends), queuesPanel(model, m.queues),
         usersPanel(m.queues), sharesPanel(m.service_shares))));
   root.replaceChildren(...sections);
   document.getElementById("meta").textContent =

@@ -1,0 +1,101 @@
+"""Structured logs of `fairgate serve` (stderr not a terminal → JSON lines): one event per
+lifecycle step with the request's context, and never a prompt, a completion or a key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from gateway.embedded_redis import free_port
+from tests.gateway.conftest import KEYS, MODEL, SimFactory
+from tests.ops.conftest import ADMIN
+
+PROMPT = "PROMPT-TEXT-0b1c9f must never be logged"
+BOGUS_KEY = "sk-bogus-4f1e7d"
+
+
+async def post(http: aiohttp.ClientSession, url: str, key: str, body: dict[str, Any]
+               ) -> tuple[int, bytes]:
+    async with http.post(url + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {key}"}) as resp:
+        return resp.status, await resp.read()
+
+
+async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_url: str,
+                                                        tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    port = free_port()
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "listen": {"host": "127.0.0.1", "port": port},
+        "backends": [{"name": "b1", "url": backend.url, "model": MODEL}],
+        "api_keys": KEYS, "admin_keys": [ADMIN], "data_dir": str(tmp_path)}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
+    assert proc.stdout is not None and proc.stderr is not None
+    messages = [{"role": "user", "content": PROMPT}]
+    outputs: list[bytes] = []
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.startswith(b"fairgate listening on")
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            for _ in range(300):  # until the first scrape made the backend healthy
+                async with http.get(base + "/ready") as resp:
+                    if resp.status == 200:
+                        break
+                await asyncio.sleep(0.02)
+            for stream in (False, True):
+                status, out = await post(http, base, "sk-alice", {
+                    "model": MODEL, "messages": messages, "max_tokens": 5, "stream": stream})
+                assert status == 200, out
+                outputs.append(out)
+            status, _ = await post(http, base, "sk-bob", {"model": "no-such-model",
+                                                          "messages": messages})
+            assert status == 404
+            status, _ = await post(http, base, BOGUS_KEY, {"model": MODEL, "messages": messages})
+            assert status == 401
+            async with http.get(base + "/admin/state",
+                                headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+                assert resp.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    raw = (await proc.stderr.read()).decode()
+    lines = [x for x in raw.splitlines() if x.strip()]
+    events = [json.loads(x) for x in lines]  # every line is one JSON object
+
+    # nothing the client sent or got back, and no key, is in the logs
+    assert PROMPT not in raw and "PROMPT-TEXT" not in raw
+    completion = json.loads(outputs[0])["choices"][0]["message"]["content"]
+    assert completion and completion not in raw
+    for secret in [k["key"] for k in KEYS] + [ADMIN, BOGUS_KEY]:
+        assert secret not in raw, secret
+
+    ok = [e for e in events if e.get("user") == "alice"]
+    ids = {e["request_id"] for e in ok if e["event"] == "queued"}
+    assert len(ids) == 2
+    for rid in ids:
+        steps = [e for e in ok if e.get("request_id") == rid]
+        assert [e["event"] for e in steps] == ["queued", "dispatched", "finished"], steps
+        for e in steps:
+            assert (e["model"], e["priority_class"], e["level"]) == (MODEL, "interactive", "info")
+            assert "timestamp" in e
+        dispatched, finished = steps[1], steps[2]
+        assert dispatched["backend"] == finished["backend"] == "b1"
+        assert dispatched["wait_s"] >= 0 and finished["latency_s"] >= dispatched["wait_s"]
+        assert finished["output_tokens"] == 5
+    rejected = {e["status"]: e for e in events if e["event"] == "rejected"}
+    assert rejected[404]["code"] == "model_not_found" and rejected[404]["path"] == \
+        "/v1/chat/completions"
+    assert rejected[401]["code"] == "invalid_api_key"
