@@ -9,7 +9,9 @@ Session fixtures:
   priority scheduler, stopped (whole process group) at session end.
 
 Env: ``FAIRGATE_VLLM_VENV`` (default ``<repo>/.venv-vllm``), ``FAIRGATE_VLLM_START_TIMEOUT``
-(seconds, default 240), ``FAIRGATE_VLLM_INSTALL_TIMEOUT`` (seconds, default 1800).
+(seconds, default 240), ``FAIRGATE_VLLM_INSTALL_TIMEOUT`` (seconds, default 1800),
+``FAIRGATE_VLLM_URL`` (use an already running server started with the flags below, serving
+the model as ``tiny``, instead of installing and starting one: for iterating locally).
 """
 
 from __future__ import annotations
@@ -141,8 +143,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(vllm_python: Path, tiny_model_dir: Path,
+def vllm_server(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    if skip_requested():
+        pytest.skip("FAIRGATE_SKIP_VLLM=1")
+    external = os.environ.get("FAIRGATE_VLLM_URL")
+    if external:
+        yield VllmServer(external.rstrip("/"), SERVED_MODEL, Path("/dev/null"), 0)
+        return
+    vllm_python: Path = request.getfixturevalue("vllm_python")
+    tiny_model_dir: Path = request.getfixturevalue("tiny_model_dir")
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [

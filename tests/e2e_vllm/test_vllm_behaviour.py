@@ -46,31 +46,35 @@ async def test_parse_real_metrics(vllm_server: VllmServer) -> None:
 
 
 async def test_priority_honoured(vllm_server: VllmServer) -> None:
-    """16 running + 64 queued at priority 10: a priority-0 newcomer jumps the queue.
+    """16 running + a queue at priority 10: a priority-0 newcomer jumps the queue.
 
-    It starts as soon as a slot frees, so it finishes with the second wave at the
-    latest, well before most of the flood (order, not wall time). Under FCFS it would
-    finish after all 80.
+    It takes the first slot that frees, so every flood request still waiting when it
+    arrived finishes after it; under FCFS none would. Order, not wall time. On 2 shared
+    cores the API server accepts requests and delivers responses with lags of seconds,
+    so the waves are long (1536 tokens each) to keep them apart.
     """
-    flood_n, flood_tokens = 5 * MAX_NUM_SEQS, 128
+    flood_n, flood_tokens = 3 * MAX_NUM_SEQS, 1536
     url = vllm_server.api + "/completions"
     async with httpx.AsyncClient(limits=limits(flood_n + 8)) as client:
         flood = [asyncio.create_task(
             complete(client, url, f"flood{i}",
                      completion_body(vllm_server.model, flood_tokens, priority=10)))
             for i in range(flood_n)]
+        waiting = 0.0
 
         async def queued() -> bool:
+            nonlocal waiting
             m = await scrape(client, vllm_server.url)
-            return m.running == MAX_NUM_SEQS and m.waiting >= flood_n - MAX_NUM_SEQS - 8
+            waiting = m.waiting
+            return m.running == MAX_NUM_SEQS and m.waiting >= MAX_NUM_SEQS
 
-        await wait_until(queued, timeout_s=30)
-        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 16,
+        await wait_until(queued, timeout_s=120, interval_s=0.05)
+        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 8,
                                                                  priority=0))
         flood_done = await asyncio.gather(*flood)
 
-    before = sum(1 for f in flood_done if f.at < vip.at)
-    # Only the first wave (16), plus at most a few that finished in the same moment, may
-    # beat it; most of the flood (64 of 80) finishes after it.
-    assert before <= MAX_NUM_SEQS + 4, (before, flood_n)
-    assert flood_n - before >= 3 * MAX_NUM_SEQS
+    after = sum(1 for f in flood_done if f.at > vip.at)
+    # Priority: after == waiting (16 or 32); FCFS: after == 0. Half of it as the bar: a
+    # loaded 2-core machine delays the newcomer's arrival or the flood's responses by up to
+    # a wave (seen: 17 of 32).
+    assert after >= waiting / 2, (waiting, after, flood_n)
