@@ -22,6 +22,7 @@ from gateway.store import Grant, QueuedRequest, Store
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
 from policies.gates import evaluate_gate
+from policies.starvation import FloorPolicy, owed_class, service_order
 
 log = structlog.get_logger("fairgate.dispatcher")
 
@@ -47,6 +48,8 @@ class Dispatcher:
         self.waiters: dict[str, Waiter] = {}
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
+        self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
+                                  settings.starvation_window)
 
     @property
     def replica_ttl_s(self) -> float:
@@ -145,23 +148,29 @@ class Dispatcher:
     async def dispatch_once(self, model: str) -> bool:
         handles = self.pool.for_model(model)
         states = await self.store.backend_states(model, [h.name for h in handles])
+        since, recent = await self.store.class_service(model)
         now = time.time()
+        owed = owed_class(self.floors, since, recent, now)
+        order = service_order(owed)
         limits: dict[str, dict[str, int]] = {}
         candidates = []
         for h in handles:
             st = states[h.name]
             snap = st.snapshot if h.healthy else None
-            limits[h.name] = {
+            limits[h.name] = gate_limits = {
                 c: evaluate_gate(snap, self.settings.classes[c].gate(), now,
                                  self.settings.snapshot_stale_s, h.drained).limit
                 for c in CLASS_ORDER
             }
-            open_ = any(limit > st.sent_since_snapshot for limit in limits[h.name].values())
+            if owed is not None:  # a starved class borrows the top class's gate
+                gate_limits[owed] = max(gate_limits[owed], gate_limits[CLASS_ORDER[0]])
+            open_ = any(limit > st.sent_since_snapshot for limit in gate_limits.values())
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
             candidates.append(Candidate(h.name, waiting, running, st.sent_since_snapshot, open_))
         for cand in by_load(candidates):
             grant = await self.store.dispatch(model, cand.name, limits[cand.name],
-                                              self.replica_id, now, self.replica_ttl_s)
+                                              self.replica_id, now, self.replica_ttl_s,
+                                              order, self.floors.window)
             if grant is not None:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
                 if grant.owner == self.replica_id:

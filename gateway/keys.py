@@ -47,6 +47,16 @@ class ModelKeys:
         return f"{self.prefix}depth"
 
     @property
+    def backlogged_since(self) -> str:
+        """hash class → when its queue last went from empty to non-empty."""
+        return f"{self.prefix}since"
+
+    @property
+    def recent(self) -> str:
+        """list of the classes of the latest dispatches, newest first."""
+        return f"{self.prefix}recent"
+
+    @property
     def user_inflight(self) -> str:
         """hash user → dispatched, not yet settled requests (for the vLLM priority rank)."""
         return f"{self.prefix}inflight"

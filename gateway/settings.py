@@ -80,6 +80,12 @@ class Settings(BaseSettings):
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
     priority_class_gap: int = 1000
+    # Starvation protection (policies/starvation.py): a class backlogged this long is owed
+    # its floor share of the last `starvation_window` dispatches.
+    starvation_after_s: float = 30.0
+    class_floors: dict[str, float] = Field(
+        default_factory=lambda: {"default": 0.10, "batch": 0.05})
+    starvation_window: int = 100
 
     scrape_interval_s: float = 0.1
     scrape_timeout_s: float = 1.0

@@ -93,7 +93,7 @@ class Store:
         """Queue length after the push, or -1 when the user's cap is reached."""
         k = ModelKeys(model)
         keys = [k.queue(req.klass, req.user), k.active(req.klass), k.saved(req.klass),
-                k.request(req.request_id), k.depth]
+                k.request(req.request_id), k.depth, k.backlogged_since]
         args = [req.request_id, req.user, req.klass, req.owner, req.weight, req.prompt_tokens,
                 req.enqueued_at, max_queued, self.rule.mode, int(self.request_ttl_s)]
         return int(await self._run("enqueue", keys, args))
@@ -101,21 +101,33 @@ class Store:
     @_mapped
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
-        now: float, replica_ttl_s: float,
+        now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
+        recent_window: int = 100,
     ) -> Grant | None:
-        """Atomically pop the fairest request a backend's open gates admit."""
+        """Atomically pop the fairest request a backend's open gates admit, trying the
+        classes in ``order`` with the given per-class gate limits."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
-                k.backend_inflight(backend)]
-        keys += [k.active(c) for c in CLASS_ORDER] + [k.saved(c) for c in CLASS_ORDER]
+                k.backend_inflight(backend), k.backlogged_since, k.recent]
+        keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
-                           replica, backend, *CLASS_ORDER]
-        args += [limits.get(c, 0) for c in CLASS_ORDER]
+                           replica, backend, recent_window, *order]
+        args += [limits.get(c, 0) for c in order]
         found = await self._run("dispatch", keys, args)
         if not found:
             return None
         rid, klass, user, rank, owner, enqueued_at = found
         return Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
+
+    @_mapped
+    async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
+        """(class → backlogged since, classes of the latest dispatches, newest first)."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(k.backlogged_since)
+        pipe.lrange(k.recent, 0, -1)
+        since, recent = await pipe.execute()
+        return {c: float(t) for c, t in since.items()}, list(recent)
 
     @_mapped
     async def settle(self, model: str, grant: Grant, charge: float) -> bool:
@@ -136,7 +148,7 @@ class Store:
     async def cancel(self, model: str, request_id: str, user: str, klass: str) -> bool:
         k = ModelKeys(model)
         keys = [k.queue(klass, user), k.active(klass), k.saved(klass), k.request(request_id),
-                k.depth]
+                k.depth, k.backlogged_since]
         return bool(await self._run("cancel", keys, [request_id, user, klass]))
 
     @_mapped

@@ -2,13 +2,15 @@
 -- user with the smallest fairness score, then that user's oldest request.
 -- KEYS[1] backend sent-since-snapshot (zset id -> t)  KEYS[2] replica heartbeats (zset)
 -- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
--- KEYS[6..5+n] active zset per class, in service order
--- KEYS[6+n..5+2n] saved-score hash per class, same order
+-- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] recent dispatched classes (list)
+-- KEYS[8..7+n] active zset per class, in service order
+-- KEYS[8+n..7+2n] saved-score hash per class, same order
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] mode "rotate"|"charge"  ARGV[4] w_in
 -- ARGV[5] model key prefix  ARGV[6] this replica  ARGV[7] backend name
--- ARGV[8..7+n] class names   ARGV[8+n..7+2n] gate limits (max allowed in sent-since)
+-- ARGV[8] recent-list length kept
+-- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
 -- Returns {id, class, user, rank, owner, enqueued_at} or false.
-local n = (#KEYS - 5) / 2
+local n = (#KEYS - 7) / 2
 local now = tonumber(ARGV[1])
 local prefix = ARGV[5]
 local sent = redis.call('ZCARD', KEYS[1])
@@ -19,9 +21,9 @@ local function alive(owner)
 end
 
 for i = 1, n do
-  local class = ARGV[7 + i]
-  local limit = tonumber(ARGV[7 + n + i])
-  local active, saved = KEYS[5 + i], KEYS[5 + n + i]
+  local class = ARGV[8 + i]
+  local limit = tonumber(ARGV[8 + n + i])
+  local active, saved = KEYS[7 + i], KEYS[7 + n + i]
   local attempts = 0
   while sent < limit and attempts < 64 do
     attempts = attempts + 1
@@ -30,7 +32,9 @@ for i = 1, n do
     local user, score = top[1], tonumber(top[2])
     local queue = prefix .. 'q:' .. class .. ':' .. user
     local id = redis.call('LPOP', queue)
-    if id then redis.call('HINCRBY', KEYS[4], class, -1) end
+    if id and redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then
+      redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
+    end
     local req = id and (prefix .. 'req:' .. id)
     local fields = req and redis.call('HMGET', req, 'owner', 'weight', 'prompt', 'enqueued_at')
     local valid = fields and fields[1] and alive(fields[1])
@@ -56,6 +60,8 @@ for i = 1, n do
       redis.call('INCR', KEYS[5])
       redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[7], 'rank', rank)
       redis.call('SADD', prefix .. 'running:' .. fields[1], id)
+      redis.call('LPUSH', KEYS[7], class)
+      redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[8]) - 1)
       if fields[1] ~= ARGV[6] then
         redis.call('RPUSH', prefix .. 'grants:' .. fields[1],
           id .. '\t' .. ARGV[7] .. '\t' .. rank)

@@ -1,6 +1,7 @@
 -- Queue a request under (model, class, user) and make the user active.
 -- KEYS[1] user queue (list)      KEYS[2] active users (zset)   KEYS[3] saved scores (hash)
 -- KEYS[4] request (hash)         KEYS[5] queue depth (hash class -> n)
+-- KEYS[6] backlogged-since (hash class -> t)
 -- ARGV[1] request id  ARGV[2] user  ARGV[3] class  ARGV[4] owner replica  ARGV[5] weight
 -- ARGV[6] prompt token estimate  ARGV[7] now (s)  ARGV[8] max queued per user
 -- ARGV[9] score mode: "rotate" | "charge"   ARGV[10] request ttl (s)
@@ -13,7 +14,9 @@ redis.call('HSET', KEYS[4], 'user', ARGV[2], 'class', ARGV[3], 'owner', ARGV[4],
   'weight', ARGV[5], 'prompt', ARGV[6], 'enqueued_at', ARGV[7], 'state', 'queued')
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[10]))
 redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('HINCRBY', KEYS[5], ARGV[3], 1)
+if redis.call('HINCRBY', KEYS[5], ARGV[3], 1) == 1 then
+  redis.call('HSET', KEYS[6], ARGV[3], ARGV[7])
+end
 if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then
   local score
   if ARGV[9] == 'rotate' then

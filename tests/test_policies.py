@@ -1,0 +1,80 @@
+"""Pure policy decisions, with plain data."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.backend_choice import Candidate, by_load
+from policies.classes import effective_class
+from policies.cost import estimate_prompt_tokens
+from policies.fairness import join_score, round_robin, vtc
+from policies.gates import BackendSnapshot, GatePolicy, evaluate_gate
+from policies.priority import vllm_priority
+from policies.starvation import FloorPolicy, owed_class, service_order
+
+SNAP = BackendSnapshot(waiting=1, running=10, kv_usage=0.5, tpot_s=0.05, taken_at_s=100.0)
+
+
+@pytest.mark.parametrize(("snap", "policy", "now", "drained", "limit", "reason"), [
+    (SNAP, GatePolicy(), 100.5, False, 2, None),
+    (SNAP, GatePolicy(max_waiting=1), 100.5, False, 0, "waiting"),
+    (SNAP, GatePolicy(), 102.0, False, 0, "stale"),
+    (None, GatePolicy(), 100.0, False, 0, "stale"),
+    (SNAP, GatePolicy(max_tpot_ms=50), 100.5, False, 0, "tpot"),
+    (SNAP, GatePolicy(max_kv_usage=0.4), 100.5, False, 0, "kv"),
+    (SNAP, GatePolicy(), 100.5, True, 0, "drained"),
+])
+def test_gate(snap: BackendSnapshot | None, policy: GatePolicy, now: float, drained: bool,
+              limit: int, reason: str | None) -> None:
+    gate = evaluate_gate(snap, policy, now, stale_after_s=1.0, drained=drained)
+    assert (gate.limit, gate.reason, gate.open) == (limit, reason, limit > 0)
+
+
+def test_class_may_only_be_lowered() -> None:
+    assert effective_class("interactive", None) == "interactive"
+    assert effective_class("interactive", "batch") == "batch"
+    assert effective_class("default", "interactive") is None
+    assert effective_class("default", "nonsense") is None
+
+
+def test_vtc_and_round_robin_rules() -> None:
+    rule = vtc()
+    assert rule.dispatch_charge(100, weight=2.0) == 50.0
+    # output × 2 plus the correction of a prompt estimated at 90 but really 100
+    assert rule.completion_charge(100, 90, 10, weight=1.0) == 30.0
+    assert join_score(rule, saved=5.0, active_min=40.0, active_max=90.0) == 40.0  # lifted
+    assert join_score(rule, saved=70.0, active_min=40.0, active_max=90.0) == 70.0
+    rr = round_robin()
+    assert rr.dispatch_charge(100, 1.0) == 0.0 and rr.completion_charge(1, 1, 9, 1.0) == 0.0
+    assert join_score(rr, saved=5.0, active_min=1.0, active_max=7.0) == 8.0  # at the back
+
+
+def test_priority_class_dominates_rank() -> None:
+    assert [vllm_priority(0, r) for r in range(4)] == [0, 1, 2, 3]
+    assert vllm_priority(0, 10**6) < vllm_priority(1000, 0)
+
+
+def test_least_loaded_open_backend_first() -> None:
+    cands = [Candidate("a", 2, 10, 0, True), Candidate("b", 0, 5, 1, True),
+             Candidate("c", 0, 0, 0, False)]
+    assert [c.name for c in by_load(cands)] == ["b", "a"]
+
+
+def test_prompt_estimate() -> None:
+    chat = {"messages": [{"role": "user", "content": "x" * 400}]}
+    assert estimate_prompt_tokens(chat) == 104
+    assert estimate_prompt_tokens({"prompt": [1, 2, 3]}) == 3
+    assert estimate_prompt_tokens({"prompt": "abcdefgh"}) == 2
+
+
+def test_starved_class_is_owed_its_floor() -> None:
+    policy = FloorPolicy(floors={"default": 0.1, "batch": 0.05}, after_s=30, window=20)
+    flood = ["interactive"] * 20
+    assert owed_class(policy, {"batch": 0.0}, flood, now_s=10.0) is None  # not yet 30 s
+    assert owed_class(policy, {"batch": 0.0}, flood, now_s=31.0) == "batch"
+    served = ["batch"] + ["interactive"] * 19
+    assert owed_class(policy, {"batch": 0.0}, served, now_s=31.0) is None  # 5 % reached
+    assert owed_class(policy, {"batch": 0.0, "default": 0.0}, flood, 31.0) == "default"
+    assert owed_class(policy, {}, flood, 31.0) is None  # nothing backlogged
+    assert service_order("batch") == ["batch", "interactive", "default"]
+    assert service_order(None) == ["interactive", "default", "batch"]
