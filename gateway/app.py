@@ -46,7 +46,13 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         error = FairgateError(exc.reason)
         error.status = exc.status
         error.type = "invalid_request_error" if exc.status < 500 else "server_error"
-        return error.response()
+        response = error.response()
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        return FairgateError("internal error; see the gateway logs").response()
 
 
 def score_rule(settings: Settings) -> ScoreRule:

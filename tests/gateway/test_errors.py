@@ -332,8 +332,9 @@ async def test_404_unknown_model_and_route(sim: SimFactory, gateway: GatewayFact
         assert path in assert_error(got, type_="invalid_request_error", code=None)
 
     # a known route with the wrong method: 405, still in OpenAI's format
-    status, got, _ = await call(http, "GET", gw.url + CHAT)
+    status, got, headers = await call(http, "GET", gw.url + CHAT)
     assert status == 405, got
+    assert headers["Allow"] == "POST"
     assert_error(got, type_="invalid_request_error")
 
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", max_retries=0)
