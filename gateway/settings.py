@@ -104,7 +104,7 @@ class Settings(BaseSettings):
 
     # Batch API
     max_file_bytes: int = 200 * 1024 * 1024
-    batch_max_in_flight: int = 8  # lines of one batch queued or running at once
+    batch_max_in_flight: int = 64  # lines of one batch queued or running at once
     batch_lease_s: float = 10.0  # a runner silent this long loses its batch to another
     batch_poll_s: float = 1.0
 
