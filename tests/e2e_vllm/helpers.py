@@ -62,8 +62,13 @@ class Finished:
     completion_tokens: int
 
 
-async def complete(client: httpx.AsyncClient, url: str, tag: str, body: dict[str, Any],
-                   headers: dict[str, str] | None = None) -> Finished:
+async def complete(
+    client: httpx.AsyncClient,
+    url: str,
+    tag: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> Finished:
     """POST one non-streaming completion; return when (monotonic) it finished."""
     r = await client.post(url, json=body, headers=headers or {}, timeout=300)
     assert r.status_code == 200, f"{tag}: {r.status_code} {r.text[:300]}"
@@ -71,10 +76,16 @@ async def complete(client: httpx.AsyncClient, url: str, tag: str, body: dict[str
     return Finished(tag, time.monotonic(), int(usage["completion_tokens"]))
 
 
-def completion_body(model: str, max_tokens: int, priority: int | None = None,
-                    prompt: str = "the fair queue") -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                            "ignore_eos": True, "temperature": 0.0}
+def completion_body(
+    model: str, max_tokens: int, priority: int | None = None, prompt: str = "the fair queue"
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     if priority is not None:
         body["priority"] = priority
     return body

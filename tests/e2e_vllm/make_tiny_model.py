@@ -44,15 +44,19 @@ def corpus(lines: int = 6000, seed: int = 0) -> list[str]:
     """English-ish lines plus made-up syllable words, enough to fill the BPE vocabulary."""
     rng = random.Random(seed)
     syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
-    invented = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
-                for _ in range(3000)]
+    invented = [
+        "".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(3000)
+    ]
     words = WORDS + invented
     punct = [".", ",", "?", "!", ":", ";", "'", '"', "(", ")", "-", "0", "1", "42", "2024"]
     out = []
     for _ in range(lines):
         n = rng.randint(4, 24)
-        out.append(" ".join(rng.choice(words) if rng.random() > 0.1 else rng.choice(punct)
-                            for _ in range(n)))
+        out.append(
+            " ".join(
+                rng.choice(words) if rng.random() > 0.1 else rng.choice(punct) for _ in range(n)
+            )
+        )
     return out
 
 
@@ -70,49 +74,74 @@ def make_tokenizer(out: Path) -> int:
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": "<pad>",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "model_max_length": 2048,
+                "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "pad_token": "<pad>",
+            },
+            indent=2,
+        )
+    )
     return int(tok.get_vocab_size())
 
 
 def make_config(out: Path, vocab_size: int) -> None:
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "head_dim": 32,  # the CPU attention kernel rejects 16
-        "hidden_act": "silu",
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 3,
-        "torch_dtype": "float32",
-        "initializer_range": 0.02,
-    }, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3,
-    }, indent=2))
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": vocab_size,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "head_dim": 32,  # the CPU attention kernel rejects 16
+                "hidden_act": "silu",
+                "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+                "pad_token_id": 3,
+                "torch_dtype": "float32",
+                "initializer_range": 0.02,
+            },
+            indent=2,
+        )
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+                "pad_token_id": 3,
+            },
+            indent=2,
+        )
+    )
 
 
 def main(argv: list[str]) -> int:

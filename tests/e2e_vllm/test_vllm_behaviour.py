@@ -25,9 +25,12 @@ async def test_parse_real_metrics(vllm_server: VllmServer) -> None:
 
         # 32 requests at once: 16 run, 16 wait; the gauges must show it.
         url = vllm_server.api + "/completions"
-        tasks = [asyncio.create_task(complete(client, url, f"r{i}",
-                                              completion_body(vllm_server.model, 96)))
-                 for i in range(2 * MAX_NUM_SEQS)]
+        tasks = [
+            asyncio.create_task(
+                complete(client, url, f"r{i}", completion_body(vllm_server.model, 96))
+            )
+            for i in range(2 * MAX_NUM_SEQS)
+        ]
         async with Sampler(vllm_server.url, 0.02) as sampler:
             done = await asyncio.gather(*tasks)
         assert all(d.completion_tokens == 96 for d in done)
@@ -56,10 +59,17 @@ async def test_priority_honoured(vllm_server: VllmServer) -> None:
     flood_n, flood_tokens = 3 * MAX_NUM_SEQS, 1536
     url = vllm_server.api + "/completions"
     async with httpx.AsyncClient(limits=limits(flood_n + 8)) as client:
-        flood = [asyncio.create_task(
-            complete(client, url, f"flood{i}",
-                     completion_body(vllm_server.model, flood_tokens, priority=10)))
-            for i in range(flood_n)]
+        flood = [
+            asyncio.create_task(
+                complete(
+                    client,
+                    url,
+                    f"flood{i}",
+                    completion_body(vllm_server.model, flood_tokens, priority=10),
+                )
+            )
+            for i in range(flood_n)
+        ]
         waiting = 0.0
 
         async def queued() -> bool:
@@ -69,8 +79,7 @@ async def test_priority_honoured(vllm_server: VllmServer) -> None:
             return m.running == MAX_NUM_SEQS and m.waiting >= MAX_NUM_SEQS
 
         await wait_until(queued, timeout_s=120, interval_s=0.05)
-        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 8,
-                                                                 priority=0))
+        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 8, priority=0))
         flood_done = await asyncio.gather(*flood)
 
     after = sum(1 for f in flood_done if f.at > vip.at)
