@@ -5,11 +5,13 @@ gateways, a fresh simulated backend per phase (or the external ``--backend``), a
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import redis
 
 from gateway.embedded_redis import EmbeddedRedis
@@ -24,6 +26,36 @@ from loadtest.bench.procs import (
 )
 
 MODEL = "llama-3.1-8b"
+DIAGNOSTICS = "gateway_diagnostics.json"
+# Gateway series worth keeping with a run: why gates were closed, and for how long.
+DIAGNOSTIC_SERIES = ("fairgate_gate_closed_seconds_total", "fairgate_gate_closed_total",
+                     "fairgate_dispatches_total", "fairgate_redis_command_duration_seconds_sum",
+                     "fairgate_redis_command_duration_seconds_count")
+
+
+async def save_diagnostics(url: str, path: Path, label: str) -> None:
+    """Append the gateway's gate and Redis counters (from its /metrics) to ``path``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+            text = await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in DIAGNOSTIC_SERIES and sample.value:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                                  if k not in ("model", "backend"))
+                found[f"{sample.name}{{{labels}}}"] = round(sample.value, 4)
+    _merge_json(path, label, found)
+
+
+def _merge_json(path: Path, label: str, found: dict[str, float]) -> None:
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[label] = found
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 @dataclass
@@ -72,6 +104,7 @@ class Bench:
 
     async def __aenter__(self) -> Bench:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.opts.out / DIAGNOSTICS).unlink(missing_ok=True)
         if not self.redis_url:
             self._redis = EmbeddedRedis().start()
             self.redis_url = self._redis.url
@@ -115,4 +148,7 @@ class Bench:
         try:
             yield proc
         finally:
-            proc.stop()
+            try:
+                await save_diagnostics(proc.url, self.opts.out / DIAGNOSTICS, label)
+            finally:
+                proc.stop()

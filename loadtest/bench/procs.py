@@ -62,7 +62,7 @@ class Proc:
 def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
            ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")
+    log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             env={**os.environ, **(env or {})})

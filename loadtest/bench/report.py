@@ -100,6 +100,9 @@ def write(opts: Options, scenario: str, params: dict[str, Any], runs: dict[str, 
         "notes": notes or [],
         "plots": plots,
     }
+    diagnostics = opts.out / "gateway_diagnostics.json"
+    if diagnostics.exists():
+        report["gateway_diagnostics"] = json.loads(diagnostics.read_text())
     (opts.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (opts.out / "report.md").write_text(markdown(report))
     return report

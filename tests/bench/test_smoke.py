@@ -55,7 +55,7 @@ def test_overhead(tmp_path: Path, redis_url: str) -> None:
 def test_utilization(tmp_path: Path, redis_url: str) -> None:
     report = _run("utilization", tmp_path, redis_url)
     runs = report["runs"]
-    assert set(runs) == {"direct"} | {f"gateway_mw{k}"
+    assert set(runs) == {"direct", "gateway_fast_scrape"} | {f"gateway_mw{k}"
                                       for k in report["params"]["sweep_max_waiting"]}
     for stats in runs.values():
         assert stats["completed"] > 0 and stats["output_tok_s"] > 0
