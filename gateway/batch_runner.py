@@ -5,7 +5,9 @@ lease. Lines enter the owner's ``batch`` class queue, at most ``batch_max_in_fli
 time, so even a 100,000-line file adds only a handful of Redis entries. Each result is
 recorded once (HSETNX on ``custom_id``); after a crash another runner takes the lease and
 runs only the lines without a result. A line that was at the backend when its runner died
-was aborted there (the connection closed) and runs again.
+was aborted there (the connection closed) and runs again; only a line whose answer had
+arrived but was not yet recorded at the moment of the crash (a window of one Redis
+round trip) can have been executed twice — at-least-once there, exactly once elsewhere.
 """
 
 from __future__ import annotations
@@ -167,23 +169,28 @@ class BatchRunner:
                                     doc.get("weight", 1.0), line.body) as ticket:
                     status, data = await self.ctx.upstream.fetch(
                         ticket.backend, creq, ticket.priority, ticket.usage)
+                    # record before releasing: the crash window that would run the line
+                    # again (answer received, not yet recorded) stays as short as it can
+                    await self._record_answer(batch_id, line, status, data)
+                return
             except Unavailable:
                 if attempt == MAX_ATTEMPTS:
                     raise
                 await asyncio.sleep(RETRY_PAUSE_S)  # Redis or backends down: try again
-                continue
             except FairgateError as exc:
                 result = output_line(line.custom_id, None, None,
                                      {"code": exc.code or exc.type, "message": exc.message})
                 await self.batches.record(batch_id, line.custom_id, result, ok=False)
                 return
-            try:
-                body = json.loads(data)
-            except ValueError:
-                body = {"raw": data.decode(errors="replace")}
-            result = output_line(line.custom_id, status, body, None)
-            await self.batches.record(batch_id, line.custom_id, result, ok=status == 200)
-            return
+
+    async def _record_answer(self, batch_id: str, line: BatchLine, status: int,
+                             data: bytes) -> None:
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = {"raw": data.decode(errors="replace")}
+        result = output_line(line.custom_id, status, body, None)
+        await self.batches.record(batch_id, line.custom_id, result, ok=status == 200)
 
     async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
                         outcome: str) -> None:

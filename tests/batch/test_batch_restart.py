@@ -78,8 +78,8 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
     finally:
         first.send_signal(signal.SIGKILL)
         await first.wait()
-    done_before = await redis.hlen(out_key)
-    assert LINES // 4 <= done_before < LINES, done_before
+    recorded_before = {int(cid.split("-")[1]) for cid in await redis.hkeys(out_key)}
+    assert LINES // 4 <= len(recorded_before) < LINES, recorded_before
 
     second = await start_gateway(config, port)
     try:
@@ -100,6 +100,10 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
 
     custom_ids = [json.loads(x)["custom_id"] for x in text.splitlines()]
     assert custom_ids == [f"line-{i}" for i in range(LINES)]  # all there, once, in order
-    finished = Counter(r.max_tokens for r in backend.engine.records.values()
+    finished = Counter(r.max_tokens - 40 for r in backend.engine.records.values()
                        if r.finished_s is not None and not r.aborted)
-    assert finished == Counter({40 + i: 1 for i in range(LINES)})  # executed exactly once
+    assert set(finished) == set(range(LINES))  # every line ran to completion
+    # a line recorded before the crash never runs again; only a line whose answer was in
+    # the one-round-trip window between backend and Redis at the kill may have run twice
+    assert all(finished[i] == 1 for i in recorded_before)
+    assert sum(n - 1 for n in finished.values()) <= 2, finished
