@@ -147,10 +147,10 @@ class Dispatcher:
 
     async def dispatch_once(self, model: str) -> bool:
         handles = self.pool.for_model(model)
-        states = await self.store.backend_states(model, [h.name for h in handles])
-        since, recent = await self.store.class_service(model)
+        view = await self.store.dispatch_view(model, [h.name for h in handles])
+        states = view.backends
         now = time.time()
-        owed = owed_class(self.floors, since, recent, now)
+        owed = owed_class(self.floors, view.backlogged_since, view.recent, now)
         order = service_order(owed)
         limits: dict[str, dict[str, int]] = {}
         candidates = []

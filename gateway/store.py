@@ -65,6 +65,13 @@ class BackendState:
     inflight: int
 
 
+@dataclass(frozen=True, slots=True)
+class DispatchView:
+    backends: dict[str, BackendState]
+    backlogged_since: dict[str, float]  # class → when its queue became non-empty
+    recent: list[str]  # classes of the latest dispatches, newest first
+
+
 def _load(name: str) -> str:
     return (resources.files("gateway") / "lua" / f"{name}.lua").read_text()
 
@@ -120,16 +127,6 @@ class Store:
         return Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
 
     @_mapped
-    async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
-        """(class → backlogged since, classes of the latest dispatches, newest first)."""
-        k = ModelKeys(model)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(k.backlogged_since)
-        pipe.lrange(k.recent, 0, -1)
-        since, recent = await pipe.execute()
-        return {c: float(t) for c, t in since.items()}, list(recent)
-
-    @_mapped
     async def settle(self, model: str, grant: Grant, charge: float) -> bool:
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
@@ -163,19 +160,25 @@ class Store:
         return bool(await self._run("snapshot", keys, args))
 
     @_mapped
-    async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
+    async def dispatch_view(self, model: str, backends: Sequence[str]) -> DispatchView:
+        """Everything one dispatch decision reads, in one round trip."""
         k = ModelKeys(model)
         pipe = self.client.pipeline(transaction=False)
         for name in backends:
             pipe.hgetall(k.backend_snapshot(name))
             pipe.zcard(k.backend_sent(name))
             pipe.get(k.backend_inflight(name))
-        raw = await pipe.execute()
+        pipe.hgetall(k.backlogged_since)
+        pipe.lrange(k.recent, 0, -1)
+        *raw, since, recent = await pipe.execute()
         states = {}
         for i, name in enumerate(backends):
             snap, sent, inflight = raw[3 * i: 3 * i + 3]
             states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0))
-        return states
+        return DispatchView(states, {c: float(t) for c, t in since.items()}, list(recent))
+
+    async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
+        return (await self.dispatch_view(model, backends)).backends
 
     @_mapped
     async def heartbeat(self, models: Sequence[str], replica: str, now: float) -> None:
