@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import json as jsonlib
 import socket
 import time
@@ -554,8 +555,11 @@ class BrokenBackend:
                             content_type="text/plain")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
+        received = await request.read()
         assert request.transport is not None
+        if self.mode == "echo":  # answer with the body exactly as the gateway sent it
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            return web.json_response({"echo": json.loads(received), "usage": usage})
         if self.mode == "drop":  # hang up before any response
             request.transport.abort()
             raise asyncio.CancelledError
