@@ -35,9 +35,11 @@ def start_browser(profile: str) -> webdriver.Chrome:
     return webdriver.Chrome(options=options, service=Service(require_tool("chromedriver")))
 
 
-def text_of(driver: webdriver.Chrome, css: str) -> str:
-    found = driver.find_elements(By.CSS_SELECTOR, css)
-    return found[0].text if found else ""
+def text_of(driver: webdriver.Chrome, css: str, attribute: str | None = None) -> str:
+    """Read in one script call: the page redraws every second, so element handles go stale."""
+    script = ("const e = document.querySelector(arguments[0]);"
+              "return e ? (arguments[1] ? e.getAttribute(arguments[1]) : e.textContent) : '';")
+    return str(driver.execute_script(script, css, attribute) or "")
 
 
 def wait_for(driver: webdriver.Chrome, condition: Callable[[webdriver.Chrome], Any]) -> Any:
@@ -89,8 +91,9 @@ def login_and_see_the_queue(driver: webdriver.Chrome, url: str) -> None:
     assert driver.current_url == url + "/dashboard"  # the key does not stay in the URL
     assert text_of(driver, '[data-user="alice"] [data-metric="user-queued"]') == "6"
     assert text_of(driver, '[data-user="bob"] [data-metric="user-queued"]') == "2"
-    badge = driver.find_element(By.CSS_SELECTOR, '[data-backend="b0"] [data-gate="interactive"]')
-    assert badge.get_attribute("data-reason") == "drained"
+    gate = '[data-backend="b0"] [data-gate="interactive"]'
+    assert text_of(driver, gate, "data-reason") == "drained"
+    assert text_of(driver, gate) == "interactive: drained"
     assert text_of(driver, '[data-backend="b0"] [data-metric="backend-state"]') == "drained"
     ARTIFACTS.mkdir(exist_ok=True)
     assert driver.save_screenshot(str(ARTIFACTS / "dashboard-queued.png"))
