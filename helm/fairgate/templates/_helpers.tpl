@@ -56,10 +56,16 @@ app.kubernetes.io/component: {{ .component }}
 Name of a vLLM pool's StatefulSet and of its headless Service: <release>-<pool>.
 Pod i is then reachable at <release>-<pool>-<i>.<release>-<pool>.
 Call with (dict "root" $ "pool" $pool). 52 chars leave room for the pod ordinal and
-the controller-revision-hash label.
+the controller-revision-hash label; a longer name is cut to 45 and gets a hash of the
+whole, so two pools never collide after truncation.
 */}}
 {{- define "fairgate.poolName" -}}
-{{- printf "%s-%s" .root.Release.Name .pool.name | trunc 52 | trimSuffix "-" -}}
+{{- $full := printf "%s-%s" .root.Release.Name .pool.name -}}
+{{- if le (len $full) 52 -}}
+{{- $full -}}
+{{- else -}}
+{{- printf "%s-%s" ($full | trunc 45 | trimSuffix "-") ($full | sha256sum | trunc 6) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Redis URL the gateway uses: the in-chart StatefulSet, or redis.externalUrl. */}}
@@ -74,6 +80,7 @@ the controller-revision-hash label.
 {{/* The gateway's config.yaml: every pod of every pool is one backend. */}}
 {{- define "fairgate.gatewayConfig" -}}
 redis_url: {{ include "fairgate.redisUrl" . | quote }}
+data_dir: {{ .Values.gateway.dataDir | quote }}
 listen:
   host: 0.0.0.0
   port: {{ .Values.gateway.port }}
@@ -92,4 +99,15 @@ backends:
 classes:
 {{ toYaml .Values.gateway.config.classes | indent 2 }}
 fairness: {{ .Values.gateway.config.fairness | quote }}
+{{- end -}}
+
+{{/* TCP port of a URL: its explicit port, else the scheme's default (redis 6379, http 80, https 443). */}}
+{{- define "fairgate.urlPort" -}}
+{{- $u := urlParse . -}}
+{{- $hostport := splitList ":" $u.host -}}
+{{- if gt (len $hostport) 1 -}}
+{{- last $hostport -}}
+{{- else -}}
+{{- get (dict "redis" "6379" "rediss" "6379" "http" "80" "https" "443") $u.scheme | default "80" -}}
+{{- end -}}
 {{- end -}}
