@@ -7,6 +7,7 @@ request, interactive or batch, is queued, paced, prioritised and charged the sam
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -48,7 +49,8 @@ async def admitted(ctx: Context, model: str, user: str, klass: str, weight: floa
     priority = vllm_priority(cls_cfg.priority_base, grant.rank, ctx.settings.priority_class_gap)
     log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
              wait_s=round(waited, 4), vllm_priority=priority)
-    ticket = Ticket(grant, ctx.pool.handles[grant.backend], priority, Usage())
+    usage = Usage(started=functools.partial(ctx.dispatcher.started, model, grant))
+    ticket = Ticket(grant, ctx.pool.handles[grant.backend], priority, usage)
     try:
         yield ticket
     finally:

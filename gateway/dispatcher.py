@@ -146,16 +146,17 @@ class Dispatcher:
                     log.warning("dispatch_failed", model=model, error=str(exc))
 
     async def dispatch_once(self, model: str) -> bool:
+        """Fill every open backend's gate from the queues. True when another pass is
+        needed right away (a starved class is being served one request at a time)."""
         handles = self.pool.for_model(model)
         view = await self.store.dispatch_view(model, [h.name for h in handles])
-        states = view.backends
         now = time.time()
         owed = owed_class(self.floors, view.backlogged_since, view.recent, now)
         order = service_order(owed)
         limits: dict[str, dict[str, int]] = {}
         candidates = []
         for h in handles:
-            st = states[h.name]
+            st = view.backends[h.name]
             snap = st.snapshot if h.healthy else None
             limits[h.name] = gate_limits = {
                 c: evaluate_gate(snap, self.settings.classes[c].gate(), now,
@@ -167,16 +168,26 @@ class Dispatcher:
             open_ = any(limit > st.sent_since_snapshot for limit in gate_limits.values())
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
             candidates.append(Candidate(h.name, waiting, running, st.sent_since_snapshot, open_))
+        # one grant at a time while a starved class is owed its floor, so it gets no more
+        burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
+                                                for c in CLASS_ORDER)
         for cand in by_load(candidates):
-            grant = await self.store.dispatch(model, cand.name, limits[cand.name],
-                                              self.replica_id, now, self.replica_ttl_s,
-                                              order, self.floors.window)
-            if grant is not None:
+            grants = await self.store.dispatch(model, cand.name, limits[cand.name],
+                                               self.replica_id, now, self.replica_ttl_s,
+                                               order, self.floors.window, burst)
+            for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
                 if grant.owner == self.replica_id:
                     self._deliver(model, grant.request_id, grant.backend, grant.rank)
-                return True
+            if grants and owed is not None:
+                return True  # decide again who is owed after each such dispatch
         return False
+
+    async def started(self, model: str, grant: Grant) -> None:
+        """The backend streams this request's first token: its gate slot frees at once."""
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.mark_started(model, grant)
+        self.wake()
 
     def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
         waiter = self.waiters.pop(request_id, None)

@@ -109,22 +109,25 @@ class Store:
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
-        recent_window: int = 100,
-    ) -> Grant | None:
-        """Atomically pop the fairest request a backend's open gates admit, trying the
-        classes in ``order`` with the given per-class gate limits."""
+        recent_window: int = 100, max_grants: int = 1,
+    ) -> list[Grant]:
+        """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
+        gates admit, trying the classes in ``order`` with the given per-class limits."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
                 k.backend_inflight(backend), k.backlogged_since, k.recent]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
-                           replica, backend, recent_window, *order]
+                           replica, backend, recent_window, max_grants, *order]
         args += [limits.get(c, 0) for c in order]
         found = await self._run("dispatch", keys, args)
-        if not found:
-            return None
-        rid, klass, user, rank, owner, enqueued_at = found
-        return Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
+        return [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
+                for rid, klass, user, rank, owner, enqueued_at in found]
+
+    @_mapped
+    async def mark_started(self, model: str, grant: Grant) -> None:
+        """The backend is running this request: it no longer counts as waiting there."""
+        await self.client.zrem(ModelKeys(model).backend_sent(grant.backend), grant.request_id)
 
     @_mapped
     async def settle(self, model: str, grant: Grant, charge: float) -> bool:

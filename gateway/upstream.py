@@ -8,6 +8,7 @@ frame is dropped on the way out, so the client sees exactly what it asked for.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ class Usage:
     completion_tokens: int = 0
     content_frames: int = 0
     timing: StreamTiming | None = None  # metrics hook: when token frames reached the client
+    # called once when the first token frame passed: the backend is running the request
+    started: Callable[[], Awaitable[None]] | None = None
 
     def take(self, usage: dict[str, Any]) -> None:
         self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -132,8 +135,12 @@ async def _relay_stream(request: web.Request, resp: aiohttp.ClientResponse, usag
             complete, pending = pending[: end + 2], pending[end + 2:]
             frames_before = usage.content_frames
             await out.write(_filter_frames(complete, usage, wants_usage))
-            if usage.timing is not None and usage.content_frames != frames_before:
-                usage.timing.token_frames_sent()
+            if usage.content_frames != frames_before:
+                if usage.timing is not None:
+                    usage.timing.token_frames_sent()
+                if usage.started is not None:
+                    started, usage.started = usage.started, None
+                    await started()
         if pending:
             await out.write(pending)
     except (aiohttp.ClientError, TimeoutError) as exc:

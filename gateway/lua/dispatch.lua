@@ -1,5 +1,5 @@
--- Pick the next request for one backend: highest class whose gate has room, then the
--- user with the smallest fairness score, then that user's oldest request.
+-- Pick the next requests for one backend (up to ARGV[9]): highest class whose gate has
+-- room, then the user with the smallest fairness score, then that user's oldest request.
 -- KEYS[1] backend sent-since-snapshot (zset id -> t)  KEYS[2] replica heartbeats (zset)
 -- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
 -- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] recent dispatched classes (list)
@@ -7,10 +7,12 @@
 -- KEYS[8+n..7+2n] saved-score hash per class, same order
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] mode "rotate"|"charge"  ARGV[4] w_in
 -- ARGV[5] model key prefix  ARGV[6] this replica  ARGV[7] backend name
--- ARGV[8] recent-list length kept
--- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
--- Returns {id, class, user, rank, owner, enqueued_at} or false.
+-- ARGV[8] recent-list length kept  ARGV[9] most grants to return
+-- ARGV[10..9+n] class names   ARGV[10+n..9+2n] gate limits (max allowed in sent-since)
+-- Returns a list of {id, class, user, rank, owner, enqueued_at} (empty: nothing to do).
 local n = (#KEYS - 7) / 2
+local want = tonumber(ARGV[9])
+local grants = {}
 local now = tonumber(ARGV[1])
 local prefix = ARGV[5]
 local sent = redis.call('ZCARD', KEYS[1])
@@ -21,11 +23,11 @@ local function alive(owner)
 end
 
 for i = 1, n do
-  local class = ARGV[8 + i]
-  local limit = tonumber(ARGV[8 + n + i])
+  local class = ARGV[9 + i]
+  local limit = tonumber(ARGV[9 + n + i])
   local active, saved = KEYS[7 + i], KEYS[7 + n + i]
   local attempts = 0
-  while sent < limit and attempts < 64 do
+  while sent < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
     local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
     if not top[1] then break end
@@ -57,6 +59,7 @@ for i = 1, n do
     if valid then
       local rank = redis.call('HINCRBY', KEYS[3], user, 1) - 1
       redis.call('ZADD', KEYS[1], now, id)
+      sent = sent + 1
       redis.call('INCR', KEYS[5])
       redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[7], 'rank', rank)
       redis.call('SADD', prefix .. 'running:' .. fields[1], id)
@@ -66,8 +69,8 @@ for i = 1, n do
         redis.call('RPUSH', prefix .. 'grants:' .. fields[1],
           id .. '\t' .. ARGV[7] .. '\t' .. rank)
       end
-      return {id, class, user, rank, fields[1], fields[4]}
+      grants[#grants + 1] = {id, class, user, rank, fields[1], fields[4]}
     end
   end
 end
-return false
+return grants

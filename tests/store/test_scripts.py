@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from gateway.keys import ModelKeys
-from gateway.store import QueuedRequest, Store
+from gateway.store import Grant, QueuedRequest, Store
 from policies.fairness import round_robin, vtc
 from policies.gates import BackendSnapshot
 
@@ -24,8 +24,11 @@ async def alive(store: Store, *replicas: str) -> None:
         await store.heartbeat([M], r, 1000.0)
 
 
-async def dispatch(store: Store, limits: dict[str, int] = ALL_OPEN, backend: str = "b1"):  # type: ignore[no-untyped-def]
-    return await store.dispatch(M, backend, limits, "r1", 1000.0, 10.0)
+async def dispatch(store: Store, limits: dict[str, int] = ALL_OPEN,
+                   backend: str = "b1") -> Grant | None:
+    grants = await store.dispatch(M, backend, limits, "r1", 1000.0, 10.0)
+    assert len(grants) <= 1
+    return grants[0] if grants else None
 
 
 async def test_enqueue_caps_per_user_and_counts_depth(redis: aioredis.Redis) -> None:
@@ -194,3 +197,18 @@ async def test_dispatched_reads_a_grant_back_for_orphan_release(redis: aioredis.
         g.user, g.klass, g.backend, g.rank) if g else False
     assert await store.settle(M, back, 0.0)
     assert await store.dispatched(M, "x") is None
+
+
+async def test_dispatch_returns_several_grants_up_to_the_gate(redis: aioredis.Redis) -> None:
+    store = Store(redis, round_robin(), 600)
+    await alive(store, "r1")
+    for i in range(3):
+        await store.enqueue(M, req(f"a{i}", "a"), 10)
+        await store.enqueue(M, req(f"b{i}", "b"), 10)
+    grants = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0, max_grants=10)
+    assert [g.request_id for g in grants] == ["a0", "b0", "a1", "b1"]  # stops at the limit
+    assert await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0,
+                                max_grants=10) == []
+    await store.mark_started(M, grants[0])  # running now: one gate slot frees
+    again = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0, max_grants=10)
+    assert [g.request_id for g in again] == ["a2"]
