@@ -47,6 +47,9 @@ class Dispatcher:
         self.replica_id = replica_id
         self.waiters: dict[str, Waiter] = {}
         self._wake = asyncio.Event()
+        self._maybe_work = False
+        self._queued: dict[str, int] = {}  # model → depth seen by the latest dispatch
+        self._class_view: dict[str, tuple[float, dict[str, float], list[str]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
@@ -56,6 +59,12 @@ class Dispatcher:
         return self.settings.replica_ttl_s
 
     def wake(self) -> None:
+        """There may be queued work (an enqueue, a new snapshot, a timer)."""
+        self._maybe_work = True
+        self._wake.set()
+
+    def wake_freed(self) -> None:
+        """A backend slot freed: dispatch only if requests are known to be queued."""
         self._wake.set()
 
     async def acquire(self, model: str, req: QueuedRequest, timeout_s: float) -> Grant:
@@ -118,7 +127,7 @@ class Dispatcher:
         try:
             await self.store.settle(model, grant, charge)
         finally:
-            self.wake()
+            self.wake_freed()
 
     async def run(self) -> None:
         """The dispatch loop; also heartbeats and listens for grants from other replicas."""
@@ -138,7 +147,10 @@ class Dispatcher:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            forced, self._maybe_work = self._maybe_work, False
             for model in models:
+                if not forced and self._queued.get(model, 1) == 0:
+                    continue  # a slot freed but nothing is queued: no Redis round trip
                 try:
                     while await self.dispatch_once(model):
                         pass
@@ -147,17 +159,18 @@ class Dispatcher:
 
     async def dispatch_once(self, model: str) -> bool:
         """Fill every open backend's gate from the queues. True when another pass is
-        needed right away (a starved class is being served one request at a time)."""
-        handles = self.pool.for_model(model)
-        view = await self.store.dispatch_view(model, [h.name for h in handles])
+        needed right away (a starved class is being served one request at a time).
+
+        Gates come from this replica's own latest scrape of each backend; the Lua script
+        re-checks the shared sent-since-snapshot count, so replicas never overshoot."""
         now = time.time()
-        owed = owed_class(self.floors, view.backlogged_since, view.recent, now)
+        since, recent = await self._class_service(model, now)
+        owed = owed_class(self.floors, since, recent, now)
         order = service_order(owed)
         limits: dict[str, dict[str, int]] = {}
         candidates = []
-        for h in handles:
-            st = view.backends[h.name]
-            snap = st.snapshot if h.healthy else None
+        for h in self.pool.for_model(model):
+            snap = h.last if h.healthy else None
             limits[h.name] = gate_limits = {
                 c: evaluate_gate(snap, self.settings.classes[c].gate(), now,
                                  self.settings.snapshot_stale_s, h.drained).limit
@@ -165,29 +178,41 @@ class Dispatcher:
             }
             if owed is not None:  # a starved class borrows the top class's gate
                 gate_limits[owed] = max(gate_limits[owed], gate_limits[CLASS_ORDER[0]])
-            open_ = any(limit > st.sent_since_snapshot for limit in gate_limits.values())
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
-            candidates.append(Candidate(h.name, waiting, running, st.sent_since_snapshot, open_))
+            candidates.append(Candidate(h.name, waiting, running, 0,
+                                        any(v > 0 for v in gate_limits.values())))
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
         for cand in by_load(candidates):
-            grants = await self.store.dispatch(model, cand.name, limits[cand.name],
-                                               self.replica_id, now, self.replica_ttl_s,
-                                               order, self.floors.window, burst)
+            grants, self._queued[model] = await self.store.dispatch(
+                model, cand.name, limits[cand.name], self.replica_id, now,
+                self.replica_ttl_s, order, self.floors.window, burst)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
                 if grant.owner == self.replica_id:
                     self._deliver(model, grant.request_id, grant.backend, grant.rank)
             if grants and owed is not None:
+                self._class_view.pop(model, None)
                 return True  # decide again who is owed after each such dispatch
+            if self._queued[model] == 0:
+                break
         return False
+
+    async def _class_service(self, model: str, now: float
+                             ) -> tuple[dict[str, float], list[str]]:
+        """Backlog times and recent classes, re-read at most once per scrape interval."""
+        cached = self._class_view.get(model)
+        if cached is None or now - cached[0] > self.settings.scrape_interval_s:
+            since, recent = await self.store.class_service(model)
+            cached = self._class_view[model] = (now, since, recent)
+        return cached[1], cached[2]
 
     async def started(self, model: str, grant: Grant) -> None:
         """The backend streams this request's first token: its gate slot frees at once."""
         with contextlib.suppress(StoreUnavailable):
             await self.store.mark_started(model, grant)
-        self.wake()
+        self.wake_freed()
 
     def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
         waiter = self.waiters.pop(request_id, None)

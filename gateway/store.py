@@ -65,13 +65,6 @@ class BackendState:
     inflight: int
 
 
-@dataclass(frozen=True, slots=True)
-class DispatchView:
-    backends: dict[str, BackendState]
-    backlogged_since: dict[str, float]  # class → when its queue became non-empty
-    recent: list[str]  # classes of the latest dispatches, newest first
-
-
 def _load(name: str) -> str:
     return (resources.files("gateway") / "lua" / f"{name}.lua").read_text()
 
@@ -110,9 +103,10 @@ class Store:
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
         recent_window: int = 100, max_grants: int = 1,
-    ) -> list[Grant]:
+    ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
-        gates admit, trying the classes in ``order`` with the given per-class limits."""
+        gates admit, trying the classes in ``order`` with the given per-class limits.
+        Returns the grants and how many requests are still queued for the model."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
                 k.backend_inflight(backend), k.backlogged_since, k.recent]
@@ -120,9 +114,20 @@ class Store:
         args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
                            replica, backend, recent_window, max_grants, *order]
         args += [limits.get(c, 0) for c in order]
-        found = await self._run("dispatch", keys, args)
-        return [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
-                for rid, klass, user, rank, owner, enqueued_at in found]
+        found, depth = await self._run("dispatch", keys, args)
+        grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
+                  for rid, klass, user, rank, owner, enqueued_at in found]
+        return grants, int(depth)
+
+    @_mapped
+    async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
+        """(class → backlogged since, classes of the latest dispatches, newest first)."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(k.backlogged_since)
+        pipe.lrange(k.recent, 0, -1)
+        since, recent = await pipe.execute()
+        return {c: float(t) for c, t in since.items()}, list(recent)
 
     @_mapped
     async def mark_started(self, model: str, grant: Grant) -> None:
@@ -163,25 +168,20 @@ class Store:
         return bool(await self._run("snapshot", keys, args))
 
     @_mapped
-    async def dispatch_view(self, model: str, backends: Sequence[str]) -> DispatchView:
-        """Everything one dispatch decision reads, in one round trip."""
+    async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
+        """What Redis holds about each backend (snapshot, sent-since, in flight)."""
         k = ModelKeys(model)
         pipe = self.client.pipeline(transaction=False)
         for name in backends:
             pipe.hgetall(k.backend_snapshot(name))
             pipe.zcard(k.backend_sent(name))
             pipe.get(k.backend_inflight(name))
-        pipe.hgetall(k.backlogged_since)
-        pipe.lrange(k.recent, 0, -1)
-        *raw, since, recent = await pipe.execute()
+        raw = await pipe.execute()
         states = {}
         for i, name in enumerate(backends):
             snap, sent, inflight = raw[3 * i: 3 * i + 3]
             states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0))
-        return DispatchView(states, {c: float(t) for c, t in since.items()}, list(recent))
-
-    async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
-        return (await self.dispatch_view(model, backends)).backends
+        return states
 
     @_mapped
     async def heartbeat(self, models: Sequence[str], replica: str, now: float) -> None:

@@ -9,7 +9,8 @@
 -- ARGV[5] model key prefix  ARGV[6] this replica  ARGV[7] backend name
 -- ARGV[8] recent-list length kept  ARGV[9] most grants to return
 -- ARGV[10..9+n] class names   ARGV[10+n..9+2n] gate limits (max allowed in sent-since)
--- Returns a list of {id, class, user, rank, owner, enqueued_at} (empty: nothing to do).
+-- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
+-- depth the number of requests still queued for the model (all classes).
 local n = (#KEYS - 7) / 2
 local want = tonumber(ARGV[9])
 local grants = {}
@@ -73,4 +74,6 @@ for i = 1, n do
     end
   end
 end
-return grants
+local depth = 0
+for _, queued in ipairs(redis.call('HVALS', KEYS[4])) do depth = depth + tonumber(queued) end
+return {grants, depth}

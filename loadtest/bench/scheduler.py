@@ -96,11 +96,11 @@ async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> 
     per_phase = p["dispatches"]
 
     async def dispatch(_i: int) -> None:
-        grants = await store.dispatch(MODEL, BACKEND, OPEN, REPLICA, time.time(), 3600.0)
+        grants, _ = await store.dispatch(MODEL, BACKEND, OPEN, REPLICA, time.time(), 3600.0)
         assert grants, "the queue ran dry"
 
     async def dispatch_with_read(_i: int) -> None:
-        await store.dispatch_view(MODEL, [BACKEND])
+        await store.backend_states(MODEL, [BACKEND])
         await dispatch(_i)
 
     phases = (("sequential", dispatch, 1), ("sequential_with_state_read", dispatch_with_read, 1),

@@ -12,8 +12,12 @@ from tests.gateway.conftest import GatewayFactory, SimFactory, complete
 
 FLOOD = 100
 # B and C may start after A's requests already in the backend (4 running + 3 waiting),
-# each other, and a little in-flight slack; straight to vLLM they start after ~all of A's.
-NEWCOMER_BOUND = 4 + 3 + 2 + 3
+# each other, and in-flight slack: up to one burst (3) per replica dispatched just before a
+# snapshot that did not see it yet (more likely on a loaded machine). Straight to vLLM
+# they start after about all of A's 100.
+NEWCOMER_BOUND = 4 + 3 + 2 + 2 * 3
+# vLLM's waiting queue: the threshold (3) plus at most one burst of in-flight slack
+WAITING_BOUND = 3 + 3
 
 
 def started_order(backends: list[SimServer]) -> list[int]:
@@ -58,8 +62,8 @@ async def test_newcomers_start_before_the_flood_drains(sim: SimFactory,
     last_newcomer = max(order.index(21), order.index(22))
     # B and C overtake all but the few of A's requests already admitted to the backend
     assert last_newcomer <= NEWCOMER_BOUND, order[:16]
-    # pacing: vLLM's waiting queue stays at the threshold (3) plus in-flight slack
-    assert max(peaks) <= 3 + 1, max(peaks)
+    # pacing: vLLM's waiting queue stays at the threshold plus in-flight slack
+    assert max(peaks) <= WAITING_BOUND, max(peaks)
 
 
 async def test_direct_flood_makes_newcomers_wait(sim: SimFactory) -> None:

@@ -33,7 +33,7 @@ async def serve_backlog(store: Store, rule: ScoreRule, prompts: dict[str, int],
     done = dict.fromkeys(prompts, 0)
     inflight: deque[Grant] = deque()
     while all(n < per_user for n in done.values()):
-        (grant,) = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+        (grant,), _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
         inflight.append(grant)
         done[grant.user] += 1
         served[grant.user] += (prompts[grant.user] + 2 * OUTPUT) / weights[grant.user]

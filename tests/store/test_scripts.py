@@ -26,7 +26,7 @@ async def alive(store: Store, *replicas: str) -> None:
 
 async def dispatch(store: Store, limits: dict[str, int] = ALL_OPEN,
                    backend: str = "b1") -> Grant | None:
-    grants = await store.dispatch(M, backend, limits, "r1", 1000.0, 10.0)
+    grants, _ = await store.dispatch(M, backend, limits, "r1", 1000.0, 10.0)
     assert len(grants) <= 1
     return grants[0] if grants else None
 
@@ -205,10 +205,13 @@ async def test_dispatch_returns_several_grants_up_to_the_gate(redis: aioredis.Re
     for i in range(3):
         await store.enqueue(M, req(f"a{i}", "a"), 10)
         await store.enqueue(M, req(f"b{i}", "b"), 10)
-    grants = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0, max_grants=10)
+    grants, left = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0,
+                                        max_grants=10)
     assert [g.request_id for g in grants] == ["a0", "b0", "a1", "b1"]  # stops at the limit
+    assert left == 2
     assert await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0,
-                                max_grants=10) == []
+                                max_grants=10) == ([], 2)
     await store.mark_started(M, grants[0])  # running now: one gate slot frees
-    again = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0, max_grants=10)
-    assert [g.request_id for g in again] == ["a2"]
+    again, left = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0,
+                                       max_grants=10)
+    assert [g.request_id for g in again] == ["a2"] and left == 1
