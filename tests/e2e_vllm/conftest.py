@@ -17,6 +17,7 @@ the model as ``tiny``, instead of installing and starting one: for iterating loc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -142,6 +143,14 @@ class VllmServer:
         return self.url + "/v1"
 
 
+def _own_session_dying_with_parent() -> None:
+    """In the child: own process group (killed whole at the end), and SIGTERM when the
+    pytest process dies without its teardown (e.g. killed by a timeout)."""
+    os.setsid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is not None:
         return
@@ -212,7 +221,7 @@ def vllm_server(
             stderr=subprocess.STDOUT,
             env=env,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            preexec_fn=_own_session_dying_with_parent,
         )
     try:
         deadline = started + START_TIMEOUT_S
