@@ -39,6 +39,7 @@ class BackendHandle:
     accepts_priority: bool = True
     drained: bool = False
     last: BackendSnapshot | None = None
+    sent_since_snapshot: int = 0  # this replica's dispatches since ``last``
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -103,6 +104,7 @@ class BackendPool:
         if not handle.healthy:
             log.info("backend_healthy", backend=handle.name)
         handle.healthy, handle.failures, handle.last = True, 0, snap
+        handle.sent_since_snapshot = 0
         self._record(handle, snap)
         handle.scraped.set()
         self.on_snapshot()

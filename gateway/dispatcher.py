@@ -179,7 +179,7 @@ class Dispatcher:
             if owed is not None:  # a starved class borrows the top class's gate
                 gate_limits[owed] = max(gate_limits[owed], gate_limits[CLASS_ORDER[0]])
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
-            candidates.append(Candidate(h.name, waiting, running, 0,
+            candidates.append(Candidate(h.name, waiting, running, h.sent_since_snapshot,
                                         any(v > 0 for v in gate_limits.values())))
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
@@ -188,6 +188,7 @@ class Dispatcher:
             grants, self._queued[model] = await self.store.dispatch(
                 model, cand.name, limits[cand.name], self.replica_id, now,
                 self.replica_ttl_s, order, self.floors.window, burst)
+            self.pool.handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
                 if grant.owner == self.replica_id:
