@@ -25,10 +25,6 @@ from policies.gates import BackendSnapshot, evaluate_gate
 
 log = structlog.get_logger("fairgate.backends")
 
-# Dispatches younger than this at scrape start may not have reached vLLM yet: they stay
-# counted against the gate until the next snapshot.
-ARRIVAL_MARGIN_S = 0.01
-
 
 @dataclass
 class BackendHandle:
@@ -96,8 +92,7 @@ class BackendPool:
         tpot = handle.tpot.add(started, raw.tpot_sums)
         snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
         try:
-            await self.store.store_snapshot(handle.config.model, handle.name, snap,
-                                            ARRIVAL_MARGIN_S)
+            await self.store.store_snapshot(handle.config.model, handle.name, snap)
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
             return

@@ -109,7 +109,8 @@ class Store:
         Returns the grants and how many requests are still queued for the model."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
-                k.backend_inflight(backend), k.backlogged_since, k.recent]
+                k.backend_inflight(backend), k.backlogged_since, k.recent,
+                k.backend_snapshot(backend)]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
                            replica, backend, recent_window, max_grants, *order]
@@ -157,14 +158,11 @@ class Store:
         return bool(await self._run("cancel", keys, [request_id, user, klass]))
 
     @_mapped
-    async def store_snapshot(
-        self, model: str, backend: str, snap: BackendSnapshot, arrival_margin_s: float
-    ) -> bool:
+    async def store_snapshot(self, model: str, backend: str, snap: BackendSnapshot) -> bool:
         k = ModelKeys(model)
         tpot = "" if snap.tpot_s is None else snap.tpot_s
-        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot,
-                arrival_margin_s]
-        keys = [k.backend_snapshot(backend), k.backend_sent(backend)]
+        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot]
+        keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend)]
         return bool(await self._run("snapshot", keys, args))
 
     @_mapped

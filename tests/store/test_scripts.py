@@ -157,15 +157,29 @@ async def test_cancel_removes_queued_only(redis: aioredis.Redis) -> None:
 
 async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis.Redis) -> None:
     store = Store(redis, vtc(), 600)
-    await redis.zadd(K.backend_sent("b1"), {"old": 990.0, "young": 999.99})
+    await redis.zadd(K.backend_sent("b1"), {"old": 990.0, "after_scrape": 1000.5})
+    await redis.set(K.backend_inflight("b1"), 10)
     snap = BackendSnapshot(waiting=2, running=5, kv_usage=0.5, tpot_s=0.02, taken_at_s=1000.0)
-    assert await store.store_snapshot(M, "b1", snap, arrival_margin_s=0.05)
-    assert await redis.zrange(K.backend_sent("b1"), 0, -1) == ["young"]
+    assert await store.store_snapshot(M, "b1", snap)
+    assert await redis.zrange(K.backend_sent("b1"), 0, -1) == ["after_scrape"]
+    # 10 in flight, the backend showed 7, one went out after the scrape: 2 still on the way
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "2"
     older = BackendSnapshot(9, 9, 0.9, None, 999.0)
-    assert not await store.store_snapshot(M, "b1", older, 0.05)
+    assert not await store.store_snapshot(M, "b1", older)
     states = await store.backend_states(M, ["b1", "b2"])
     assert states["b1"].snapshot == snap and states["b1"].sent_since_snapshot == 1
     assert states["b2"].snapshot is None
+
+
+async def test_unseen_requests_count_against_the_gate(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    for i in range(4):
+        await store.enqueue(M, req(f"a{i}", "a"), 10)
+    await redis.set(K.backend_inflight("b1"), 2)  # two sent, the backend shows none yet
+    await store.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1000.0))
+    grants, _ = await store.dispatch(M, "b1", {"default": 3}, "r1", 1000.0, 10.0, max_grants=9)
+    assert len(grants) == 1  # 3 - 2 unseen
 
 
 async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> None:
