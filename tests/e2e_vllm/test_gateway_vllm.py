@@ -107,7 +107,10 @@ async def test_gateway_paces_real_vllm(vllm_server: VllmServer, gw: GatewayServe
     # pacing: vLLM's waiting queue stays at the gate's threshold plus slack
     assert max(through.waiting) <= MAX_WAITING + SLACK, sorted(through.waiting)[-10:]
 
-    # the same flood straight to vLLM piles up in its waiting queue
+
+async def test_direct_flood_piles_up(vllm_server: VllmServer) -> None:
+    """The baseline: the same flood straight to vLLM piles up in its waiting queue.
+    (A test of its own, so no gateway scrapes the busy 2-core API server meanwhile.)"""
     direct = Sampler(vllm_server.url, 0.05)
     done_d, _ = await asyncio.wait_for(
         flood_and_newcomer(vllm_server.url, vllm_server.model, {}, {}, direct), 240
