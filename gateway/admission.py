@@ -18,6 +18,7 @@ import structlog
 
 from gateway.backends import BackendHandle
 from gateway.context import Context
+from gateway.observability import StreamTiming
 from gateway.store import Grant, QueuedRequest
 from gateway.upstream import Usage
 from policies.cost import estimate_prompt_tokens
@@ -36,9 +37,11 @@ class Ticket:
 
 @asynccontextmanager
 async def admitted(ctx: Context, model: str, user: str, klass: str, weight: float,
-                   body: dict[str, object], request_id: str | None = None
-                   ) -> AsyncIterator[Ticket]:
-    """Wait for a grant; on exit release it and charge the user real token counts."""
+                   body: dict[str, object], request_id: str | None = None,
+                   arrived_s: float | None = None) -> AsyncIterator[Ticket]:
+    """Wait for a grant; on exit release it and charge the user real token counts.
+
+    ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream."""
     prompt_est = estimate_prompt_tokens(body)
     queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, ctx.replica_id,
                            weight, prompt_est, time.time())
@@ -49,17 +52,22 @@ async def admitted(ctx: Context, model: str, user: str, klass: str, weight: floa
     priority = vllm_priority(cls_cfg.priority_base, grant.rank, ctx.settings.priority_class_gap)
     log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
              wait_s=round(waited, 4), vllm_priority=priority)
-    usage = Usage(started=functools.partial(ctx.dispatcher.started, model, grant))
+    usage = Usage(started=functools.partial(ctx.dispatcher.started, model, grant),
+                  timing=StreamTiming(arrived_s) if arrived_s is not None else None)
     ticket = Ticket(grant, ctx.pool.handles[grant.backend], priority, usage)
+    ctx.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
     try:
         yield ticket
     finally:
-        usage = ticket.usage
         charge = ctx.rule.completion_charge(usage.prompt_tokens or prompt_est, prompt_est,
                                             usage.output_tokens, weight)
         await asyncio.shield(ctx.dispatcher.release(model, grant, charge))
         ctx.metrics.tokens.labels(model, "prompt").inc(usage.prompt_tokens or 0)
         ctx.metrics.tokens.labels(model, "completion").inc(usage.output_tokens)
+        s = ctx.settings
+        service = ((usage.prompt_tokens or 0) * s.vtc_input_weight
+                   + usage.output_tokens * s.vtc_output_weight) / weight
+        ctx.metrics.on_finish(model, klass, user, usage, service)
         log.info("finished", request_id=queued.request_id, backend=grant.backend,
                  latency_s=round(time.time() - queued.enqueued_at, 4),
                  output_tokens=usage.output_tokens)

@@ -17,6 +17,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import structlog
@@ -67,7 +68,12 @@ class BatchRunner:
             self._wake.clear()
 
     async def _claim_new(self) -> None:
-        for batch_id in await self.batches.active():
+        active = await self.batches.active()
+        statuses = Counter(raw["status"] for raw in
+                           [await self.batches.raw(b) for b in active] if raw is not None)
+        for status in ("validating", "in_progress", "finalizing", "cancelling"):
+            self.ctx.metrics.batch_jobs.labels(status).set(statuses.get(status, 0))
+        for batch_id in active:
             if batch_id in self.running:
                 continue
             if await self.batches.lease(batch_id, self.ctx.replica_id,
@@ -180,7 +186,8 @@ class BatchRunner:
             except FairgateError as exc:
                 result = output_line(line.custom_id, None, None,
                                      {"code": exc.code or exc.type, "message": exc.message})
-                await self.batches.record(batch_id, line.custom_id, result, ok=False)
+                if await self.batches.record(batch_id, line.custom_id, result, ok=False):
+                    self.ctx.metrics.batch_requests.labels("failed").inc()
                 return
 
     async def _record_answer(self, batch_id: str, line: BatchLine, status: int,
@@ -190,7 +197,8 @@ class BatchRunner:
         except ValueError:
             body = {"raw": data.decode(errors="replace")}
         result = output_line(line.custom_id, status, body, None)
-        await self.batches.record(batch_id, line.custom_id, result, ok=status == 200)
+        if await self.batches.record(batch_id, line.custom_id, result, ok=status == 200):
+            self.ctx.metrics.batch_requests.labels("completed" if status == 200 else "failed").inc()
 
     async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
                         outcome: str) -> None:

@@ -20,7 +20,6 @@ from gateway.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from gateway.observability import StreamTiming
 from gateway.settings import ApiKey
 from policies.classes import effective_class
 
@@ -68,20 +67,11 @@ async def _completion(request: web.Request, path: str) -> web.StreamResponse:
     status = "error"
     try:
         async with admitted(ctx, model, user, klass, key.weight, creq.body,
-                            request_id=request_id) as ticket:
-            usage = ticket.usage
-            usage.timing = StreamTiming(arrived)
-            ctx.metrics.on_dispatch(model, ticket.grant.backend, klass, user, ticket.grant.rank)
-            try:
-                response = await ctx.upstream.forward(request, ticket.backend, creq,
-                                                      ticket.priority, usage)
-                status = str(response.status)
-                return response
-            finally:
-                s = ctx.settings
-                service = ((usage.prompt_tokens or 0) * s.vtc_input_weight
-                           + usage.output_tokens * s.vtc_output_weight) / key.weight
-                ctx.metrics.on_finish(model, klass, user, usage, service)
+                            request_id=request_id, arrived_s=arrived) as ticket:
+            response = await ctx.upstream.forward(request, ticket.backend, creq,
+                                                  ticket.priority, ticket.usage)
+            status = str(response.status)
+            return response
     except asyncio.CancelledError:
         status = "client_closed"
         log.info("client_disconnected")

@@ -72,6 +72,11 @@ async def test_sdk_end_to_end(gw: GatewayServer) -> None:
         assert line["error"] is None and line["response"]["status_code"] == 200
         assert line["response"]["body"]["usage"]["completion_tokens"] == 3 + i % 3
     assert (await c.files.content(f.id)).content == jsonl(20)
+    registry = gw.context.metrics.registry
+    assert registry.get_sample_value("fairgate_batch_requests_total",
+                                     {"outcome": "completed"}) == 20
+    assert registry.get_sample_value("fairgate_user_requests_total",
+                                     {"model": MODEL, "user": "bert"}) == 20
     ids = [x.id for x in (await c.files.list()).data]
     assert f.id in ids and done.output_file_id in ids
     deleted = await c.files.delete(f.id)
