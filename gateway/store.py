@@ -78,7 +78,8 @@ class Store:
         self.request_ttl_s = request_ttl_s
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(_load(name))
-            for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap")
+            for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
+                         "started")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -133,13 +134,17 @@ class Store:
     @_mapped
     async def mark_started(self, model: str, grant: Grant) -> None:
         """The backend is running this request: it no longer counts as waiting there."""
-        await self.client.zrem(ModelKeys(model).backend_sent(grant.backend), grant.request_id)
+        k = ModelKeys(model)
+        keys = [k.backend_sent(grant.backend), k.backend_snapshot(grant.backend),
+                k.request(grant.request_id)]
+        await self._run("started", keys, [grant.request_id])
 
     @_mapped
     async def settle(self, model: str, grant: Grant, charge: float) -> bool:
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
-                k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend)]
+                k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
+                k.backend_snapshot(grant.backend)]
         args = [grant.user, charge, grant.request_id, k.prefix]
         return bool(await self._run("settle", keys, args))
 

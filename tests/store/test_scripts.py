@@ -229,3 +229,31 @@ async def test_dispatch_returns_several_grants_up_to_the_gate(redis: aioredis.Re
     again, left = await store.dispatch(M, "b1", {"default": 4}, "r1", 1000.0, 10.0,
                                        max_grants=10)
     assert [g.request_id for g in again] == ["a2"] and left == 1
+
+
+async def test_settle_and_start_free_unseen_slots(redis: aioredis.Redis) -> None:
+    store = Store(redis, vtc(), 600)
+    await alive(store, "r1")
+    for i in range(3):
+        await store.enqueue(M, req(f"a{i}", "a"), 10)
+    g0 = await dispatch(store)
+    g1 = await dispatch(store)
+    assert g0 is not None and g1 is not None
+    # a snapshot that sees neither: both are on their way
+    await store.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1001.0))
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "2"
+    await store.mark_started(M, g0)
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"
+    await store.settle(M, g1, 0.0)
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "0"
+    await store.mark_started(M, g0)  # marked once only
+    await store.settle(M, g0, 0.0)  # its slot was freed when it started
+    await store.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1002.0))
+    await store.enqueue(M, req("b0", "b"), 10)
+    await store.enqueue(M, req("b1", "b"), 10)
+    await redis.hset(K.backend_snapshot("b1"), "unseen", 1)
+    g2 = await dispatch(store)  # dispatched after the snapshot: in sent, not unseen
+    assert g2 is not None
+    await store.mark_started(M, g2)
+    await store.settle(M, g2, 0.0)
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"  # untouched

@@ -1,0 +1,18 @@
+-- A backend streams a request's first token: it runs there, so it no longer counts
+-- against the gate as dispatched-since-snapshot or as on its way ("unseen").
+-- KEYS[1] backend sent-since-snapshot zset  KEYS[2] backend snapshot (hash)
+-- KEYS[3] request (hash)
+-- ARGV[1] request id
+-- Returns 1 when a gate slot was freed, 0 otherwise.
+if redis.call('HSETNX', KEYS[3], 'started', 1) == 0 then
+  return 0  -- already marked
+end
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  return 1
+end
+local unseen = tonumber(redis.call('HGET', KEYS[2], 'unseen')) or 0
+if unseen > 0 then
+  redis.call('HSET', KEYS[2], 'unseen', unseen - 1)
+  return 1
+end
+return 0
