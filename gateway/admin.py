@@ -8,8 +8,10 @@ Limits (one replica's view):
 - drain is per replica: drain a backend on every replica (the flag is not in Redis);
 - cancelling a request held by another replica removes it from the queue, but that
   replica's client only learns at its queue timeout (504);
-- reload re-reads ``api_keys`` and ``admin_keys``; changed backends, classes, fairness,
-  Redis or listen settings are reported under ``restart_required`` and not applied.
+- reload re-reads ``api_keys``, ``admin_keys`` and ``backends`` (added, removed or
+  re-pointed backends of the models already served: queues and connections stay); a new
+  model, or changed classes, fairness, Redis or listen settings are reported under
+  ``restart_required`` and not applied.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from gateway.auth import KeyRing
+from gateway.batch_routes import BATCH
 from gateway.context import CONTEXT, Context
 from gateway.errors import (
     BadRequest,
@@ -221,7 +224,9 @@ async def full_state(ctx: Context) -> dict[str, Any]:
 
 async def get_state(request: web.Request) -> web.Response:
     require_admin(request)
-    return web.json_response(await full_state(request.app[CONTEXT]))
+    state = await full_state(request.app[CONTEXT])
+    state["batches"] = await request.app[BATCH].batches.running()
+    return web.json_response(state)
 
 
 async def get_queues(request: web.Request) -> web.Response:
@@ -314,10 +319,18 @@ async def reload_config(request: web.Request) -> web.Response:
     ctx.keys = KeyRing(new.api_keys, new.admin_keys)
     request.app[ADMIN_KEYS].reloaded = list(new.admin_keys)
     restart = _changed(ctx.settings, new)
+    reloaded = ["api_keys", "admin_keys"]
+    backends: dict[str, list[str]] = {}
+    if "backends" in restart and new.models() == ctx.settings.models():
+        # same models: re-point the pool in place; queues and connections stay
+        backends = ctx.pool.reconcile(new.backends)
+        ctx.settings.backends = new.backends
+        restart.remove("backends")
+        reloaded.append("backends")
     log.info("config_reloaded", api_keys=len(new.api_keys), admin_keys=len(new.admin_keys),
-             restart_required=restart)
-    return web.json_response({"reloaded": ["api_keys", "admin_keys"],
-                              "api_keys": len(new.api_keys), "restart_required": restart})
+             backends=backends, restart_required=restart)
+    return web.json_response({"reloaded": reloaded, "api_keys": len(new.api_keys),
+                              "backends": backends, "restart_required": restart})
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -60,6 +60,7 @@ class BackendPool:
         self.handles = {
             b.name: BackendHandle(b, TpotWindow(settings.tpot_window_s)) for b in settings.backends
         }
+        self._loops: dict[str, asyncio.Task[None]] = {}
 
     def for_model(self, model: str) -> list[BackendHandle]:
         return [h for h in self.handles.values() if h.config.model == model]
@@ -69,7 +70,42 @@ class BackendPool:
         return any(h.healthy for h in handles)
 
     async def run(self) -> None:
-        await asyncio.gather(*(self._loop(h) for h in self.handles.values()))
+        for handle in self.handles.values():
+            self._start(handle)
+        try:
+            await asyncio.Event().wait()  # until cancelled; scrape loops come and go
+        finally:
+            for task in self._loops.values():
+                task.cancel()
+            await asyncio.gather(*self._loops.values(), return_exceptions=True)
+
+    def _start(self, handle: BackendHandle) -> None:
+        self._loops[handle.name] = asyncio.create_task(self._loop(handle),
+                                                       name=f"scrape-{handle.name}")
+
+    def reconcile(self, backends: list[Backend]) -> dict[str, list[str]]:
+        """Apply a reloaded backend list: start, stop and re-point scrape loops. Requests
+        already at a removed backend finish there; queues are untouched."""
+        wanted = {b.name: b for b in backends}
+        report: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        for name in [n for n in self.handles if n not in wanted]:
+            self.handles.pop(name)
+            loop = self._loops.pop(name, None)
+            if loop is not None:
+                loop.cancel()
+            report["removed"].append(name)
+        for name, config in wanted.items():
+            handle = self.handles.get(name)
+            if handle is not None and handle.config == config:
+                continue
+            if handle is not None:
+                loop = self._loops.pop(name, None)
+                if loop is not None:
+                    loop.cancel()
+            self.handles[name] = BackendHandle(config, TpotWindow(self.settings.tpot_window_s))
+            report["changed" if handle is not None else "added"].append(name)
+            self._start(self.handles[name])
+        return report
 
     async def _loop(self, handle: BackendHandle) -> None:
         interval = self.settings.scrape_interval_s

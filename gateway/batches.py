@@ -134,6 +134,18 @@ class BatchStore:
     async def active(self) -> list[str]:
         return sorted(await self.client.smembers(ACTIVE_KEY))
 
+    async def running(self) -> list[dict[str, Any]]:
+        """Unfinished batches with their owner and progress (for operators)."""
+        found = []
+        for batch_id in await self.active():
+            raw = await self.raw(batch_id)
+            if raw is not None:
+                found.append({"id": batch_id, "user": json.loads(raw["doc"])["user"],
+                              "status": raw["status"], "total": int(raw["total"]),
+                              "completed": int(raw["completed"]),
+                              "failed": int(raw["failed"])})
+        return found
+
     async def retire(self, batch_id: str) -> None:
         await self.client.srem(ACTIVE_KEY, batch_id)
 

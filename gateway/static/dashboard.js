@@ -97,6 +97,16 @@ function sharesPanel(shares) {
     table(["user", "share", ""], rows, "no service yet"));
 }
 
+function batchesPanel(batches) {
+  const rows = (batches || []).map((b) => el("tr", { "data-batch": b.id },
+    el("td", {}, b.id), el("td", {}, b.user), el("td", {}, b.status),
+    el("td", { "data-metric": "progress" }, `${b.completed + b.failed} / ${b.total}`),
+    el("td", {}, String(b.failed))));
+  return el("section", { class: "model" }, el("h2", {}, "Running batches"),
+    el("div", { class: "panel" },
+      table(["batch", "owner", "status", "done", "failed"], rows, "no batch running")));
+}
+
 function render(state) {
   const root = document.getElementById("models");
   const sections = Object.entries(state.models).map(([model, m]) =>
@@ -105,7 +115,7 @@ function render(state) {
       el("div", { class: "grid" },
         backendsPanel(m.backends), queuesPanel(model, m.queues),
         usersPanel(m.queues), sharesPanel(m.service_shares))));
-  root.replaceChildren(...sections);
+  root.replaceChildren(...sections, batchesPanel(state.batches));
   document.getElementById("meta").textContent =
     `replica ${state.replica_id} · fairness ${state.fairness}`;
 }

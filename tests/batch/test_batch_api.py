@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -182,3 +183,24 @@ async def test_other_users_cannot_see_files_or_batches(gw: GatewayServer) -> Non
     await wait_status(owner, batch.id, {"completed"})
     await owner.close()
     await other.close()
+
+
+async def test_operators_see_running_batches(sim: SimFactory, gateway: GatewayFactory,
+                                             tmp_path: Path) -> None:
+    backend = await sim(max_num_seqs=2)
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05,
+                       admin_keys=["sk-admin"])
+    c = client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(10, max_tokens=300)), purpose="batch")
+    batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    await wait_status(c, batch.id, {"in_progress"})
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/admin/state",
+                            headers={"Authorization": "Bearer sk-admin"}) as resp:
+            state = await resp.json()
+    (running,) = [b for b in state["batches"] if b["id"] == batch.id]
+    assert running["user"] == "bert" and running["total"] == 10
+    assert running["status"] == "in_progress"
+    await c.batches.cancel(batch.id)
+    await wait_status(c, batch.id, {"cancelled"})
+    await c.close()

@@ -138,7 +138,7 @@ def write_config(path: Path, redis_url: str, backends: list[SimServer],
     }))
 
 
-async def test_reload_rereads_keys_and_reports_what_needs_a_restart(
+async def test_reload_rereads_keys_and_backends(
         sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path) -> None:
     backend = await sim()
     path = tmp_path / "fairgate.yaml"
@@ -163,11 +163,23 @@ async def test_reload_rereads_keys_and_reports_what_needs_a_restart(
         assert (await admin_call(http, "GET", gw.url + "/admin/queues", key="sk-admin-2"))[0] \
             == 200
 
-        # a changed backend list is reported, not applied; a broken file changes nothing
-        write_config(path, redis_url, [backend, backend], [*without_bob, newcomer])
+        # backends of the same model are applied in place: add one, then drop the first
+        second = await sim()
+        write_config(path, redis_url, [backend, second], [*without_bob, newcomer])
         status, got = await admin_call(http, "POST", gw.url + "/admin/reload")
-        assert status == 200 and got["restart_required"] == ["backends"]
-        assert list(gw.context.pool.handles) == ["b0"]
+        assert status == 200 and got["restart_required"] == [], got
+        assert got["backends"] == {"added": ["b1"], "removed": [], "changed": []}
+        await asyncio.wait_for(gw.context.pool.handles["b1"].scraped.wait(), 10)
+        write_config(path, redis_url, [second], [*without_bob, newcomer])
+        path.write_text(path.read_text().replace("name: b0", "name: b1"))
+        status, got = await admin_call(http, "POST", gw.url + "/admin/reload")
+        assert got["backends"]["removed"] == ["b0"], got
+        assert list(gw.context.pool.handles) == ["b1"]
+        before = len(backend.engine.records)
+        await complete(http, gw.url, "sk-new", 3)
+        assert len(backend.engine.records) == before  # the removed backend gets nothing
+        assert any(r.max_tokens == 3 for r in second.engine.records.values())
+        # a broken file changes nothing
         path.write_text("api_keys: [{key: 1}]\n")
         status, got = await admin_call(http, "POST", gw.url + "/admin/reload")
         assert status == 400, got
