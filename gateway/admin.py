@@ -5,7 +5,8 @@ or, for read-only GETs from the dashboard, its session cookie. A missing or unkn
 401, a user's API key 403, both in OpenAI's error format.
 
 Limits (one replica's view):
-- drain is per replica: drain a backend on every replica (the flag is not in Redis);
+- drain is global: the flag lives in Redis, the dispatch script honours it at once and
+  every replica's scraper picks it up within a scrape interval;
 - cancelling a request held by another replica removes it from the queue, but that
   replica's client only learns at its queue timeout (504);
 - reload re-reads ``api_keys``, ``admin_keys`` and ``backends`` (added, removed or
@@ -252,6 +253,7 @@ async def _set_drained(request: web.Request, drained: bool) -> web.Response:
     handle = ctx.pool.handles.get(name)
     if handle is None:
         raise NotFound(f"no backend named {name!r}", param="name")
+    await ctx.store.set_drained(handle.config.model, name, drained)  # every replica
     handle.drained = drained
     ctx.metrics.backend_drained.labels(name).set(1 if drained else 0)
     log.info("backend_drained" if drained else "backend_undrained", backend=name)

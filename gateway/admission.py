@@ -18,6 +18,7 @@ import structlog
 
 from gateway.backends import BackendHandle
 from gateway.context import Context
+from gateway.errors import Unavailable
 from gateway.observability import StreamTiming
 from gateway.store import Grant, QueuedRequest
 from gateway.upstream import Usage
@@ -54,7 +55,12 @@ async def admitted(ctx: Context, model: str, user: str, klass: str, weight: floa
              wait_s=round(waited, 4), vllm_priority=priority)
     usage = Usage(started=functools.partial(ctx.dispatcher.started, model, grant),
                   timing=StreamTiming(arrived_s) if arrived_s is not None else None)
-    ticket = Ticket(grant, ctx.pool.handles[grant.backend], priority, usage)
+    backend = ctx.pool.handles.get(grant.backend)
+    if backend is None:  # removed by a config reload since the dispatch
+        await ctx.dispatcher.release(model, grant, 0.0)
+        raise Unavailable(f"backend {grant.backend} was just removed; retry",
+                          retry_after_s=ctx.settings.retry_after_s)
+    ticket = Ticket(grant, backend, priority, usage)
     ctx.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
     try:
         yield ticket

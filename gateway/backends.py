@@ -128,7 +128,8 @@ class BackendPool:
         tpot = handle.tpot.add(started, raw.tpot_sums)
         snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
         try:
-            await self.store.store_snapshot(handle.config.model, handle.name, snap)
+            _, handle.drained = await self.store.store_snapshot(handle.config.model,
+                                                                handle.name, snap)
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
             return

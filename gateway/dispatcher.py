@@ -156,6 +156,8 @@ class Dispatcher:
                         pass
                 except StoreUnavailable as exc:
                     log.warning("dispatch_failed", model=model, error=str(exc))
+                except Exception:  # the dispatcher must outlive any single bad pass
+                    log.exception("dispatch_crashed", model=model)
 
     async def dispatch_once(self, model: str) -> bool:
         """Fill every open backend's gate from the queues. True when another pass is
@@ -169,7 +171,8 @@ class Dispatcher:
         order = service_order(owed)
         limits: dict[str, dict[str, int]] = {}
         candidates = []
-        for h in self.pool.for_model(model):
+        handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
+        for h in handles.values():
             snap = h.last if h.healthy else None
             limits[h.name] = gate_limits = {
                 c: evaluate_gate(snap, self.settings.classes[c].gate(), now,
@@ -188,7 +191,7 @@ class Dispatcher:
             grants, self._queued[model] = await self.store.dispatch(
                 model, cand.name, limits[cand.name], self.replica_id, now,
                 self.replica_ttl_s, order, self.floors.window, burst)
-            self.pool.handles[cand.name].sent_since_snapshot += len(grants)
+            handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
                 if grant.owner == self.replica_id:

@@ -57,6 +57,11 @@ class ModelKeys:
         return f"{self.prefix}recent"
 
     @property
+    def drained(self) -> str:
+        """set of backend names no replica may dispatch to (operators' drain)."""
+        return f"{self.prefix}drained"
+
+    @property
     def user_inflight(self) -> str:
         """hash user → dispatched, not yet settled requests (for the vLLM priority rank)."""
         return f"{self.prefix}inflight"

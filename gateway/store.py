@@ -111,7 +111,7 @@ class Store:
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
                 k.backend_inflight(backend), k.backlogged_since, k.recent,
-                k.backend_snapshot(backend)]
+                k.backend_snapshot(backend), k.drained]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
                            replica, backend, recent_window, max_grants, *order]
@@ -163,12 +163,23 @@ class Store:
         return bool(await self._run("cancel", keys, [request_id, user, klass]))
 
     @_mapped
-    async def store_snapshot(self, model: str, backend: str, snap: BackendSnapshot) -> bool:
+    async def store_snapshot(self, model: str, backend: str,
+                             snap: BackendSnapshot) -> tuple[bool, bool]:
+        """Store a snapshot unless a newer one is there; returns (stored, drained)."""
         k = ModelKeys(model)
         tpot = "" if snap.tpot_s is None else snap.tpot_s
-        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot]
-        keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend)]
-        return bool(await self._run("snapshot", keys, args))
+        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend]
+        keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
+                k.drained]
+        stored, drained = await self._run("snapshot", keys, args)
+        return bool(stored), bool(drained)
+
+    @_mapped
+    async def set_drained(self, model: str, backend: str, drained: bool) -> None:
+        """Drain (or undrain) a backend for every replica."""
+        key = ModelKeys(model).drained
+        change = self.client.sadd if drained else self.client.srem
+        await cast("Awaitable[int]", change(key, backend))
 
     @_mapped
     async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:

@@ -4,15 +4,16 @@
 -- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
 -- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] recent dispatched classes (list)
 -- KEYS[8] backend snapshot (hash; its "unseen" requests count against every gate)
--- KEYS[9..8+n] active zset per class, in service order
--- KEYS[9+n..8+2n] saved-score hash per class, same order
+-- KEYS[9] drained backends (set): a drained backend gets nothing, whatever a replica thinks
+-- KEYS[10..9+n] active zset per class, in service order
+-- KEYS[10+n..9+2n] saved-score hash per class, same order
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] mode "rotate"|"charge"  ARGV[4] w_in
 -- ARGV[5] model key prefix  ARGV[6] this replica  ARGV[7] backend name
 -- ARGV[8] recent-list length kept  ARGV[9] most grants to return
 -- ARGV[10..9+n] class names   ARGV[10+n..9+2n] gate limits (max allowed in sent-since)
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
 -- depth the number of requests still queued for the model (all classes).
-local n = (#KEYS - 8) / 2
+local n = (#KEYS - 9) / 2
 local want = tonumber(ARGV[9])
 local grants = {}
 local now = tonumber(ARGV[1])
@@ -20,6 +21,10 @@ local prefix = ARGV[5]
 -- counted against the gates: dispatched since the snapshot + still on the way at it
 local sent = redis.call('ZCARD', KEYS[1])
   + (tonumber(redis.call('HGET', KEYS[8], 'unseen')) or 0)
+
+if redis.call('SISMEMBER', KEYS[9], ARGV[7]) == 1 then
+  want = 0
+end
 
 local function alive(owner)
   local beat = redis.call('ZSCORE', KEYS[2], owner)
@@ -29,7 +34,7 @@ end
 for i = 1, n do
   local class = ARGV[9 + i]
   local limit = tonumber(ARGV[9 + n + i])
-  local active, saved = KEYS[8 + i], KEYS[8 + n + i]
+  local active, saved = KEYS[9 + i], KEYS[9 + n + i]
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
