@@ -139,7 +139,7 @@ class BatchRunner:
         tasks: set[asyncio.Task[None]] = set()
         outcome = "completed"
         for line in pending:
-            outcome = await self._interruption(batch_id, doc)
+            outcome = await self._interruption(batch_id)
             if outcome != "completed":
                 break
             await slots.acquire()
@@ -153,17 +153,17 @@ class BatchRunner:
             task.add_done_callback(finished)
         while tasks and outcome == "completed":
             await asyncio.wait(tasks, timeout=self.settings.batch_poll_s)
-            outcome = await self._interruption(batch_id, doc)
+            outcome = await self._interruption(batch_id)
         for task in tasks:
             task.cancel()  # cancel or expiry: queued lines leave the queue, running ones abort
         await asyncio.gather(*tasks, return_exceptions=True)
         return outcome
 
-    async def _interruption(self, batch_id: str, doc: dict[str, Any]) -> str:
+    async def _interruption(self, batch_id: str) -> str:
         raw = await self.batches.raw(batch_id)
         if raw is None or raw["status"] == "cancelling":
             return "cancelled"
-        if time.time() >= doc["expires_at"]:
+        if time.time() >= json.loads(raw["doc"])["expires_at"]:
             return "expired"
         return "completed"
 
@@ -205,16 +205,17 @@ class BatchRunner:
         if outcome == "completed":
             await self.batches.transition(batch_id, ("in_progress",), "finalizing",
                                           "finalizing_at")
-        ok = await self.batches.results(batch_id, ok=True)
-        failed = await self.batches.results(batch_id, ok=False)
-        if outcome == "expired":
+        if outcome == "expired":  # unfinished lines become errors (and count as failed)
+            done = await self.batches.done_ids(batch_id)
             for line in lines:
-                if line.custom_id not in ok and line.custom_id not in failed:
-                    failed[line.custom_id] = json.dumps(output_line(
+                if line.custom_id not in done:
+                    await self.batches.record(batch_id, line.custom_id, output_line(
                         line.custom_id, None, None,
                         {"code": "batch_expired",
                          "message": "This request could not be executed before the "
-                                    "completion window expired."}))
+                                    "completion window expired."}), ok=False)
+        ok = await self.batches.results(batch_id, ok=True)
+        failed = await self.batches.results(batch_id, ok=False)
         fields: dict[str, str | int] = {}
         for name, results, suffix in (("output_file_id", ok, "output"),
                                       ("error_file_id", failed, "error")):

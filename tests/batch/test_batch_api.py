@@ -11,6 +11,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.batches import BatchKeys
 from gateway.server import GatewayServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 
@@ -203,4 +204,29 @@ async def test_operators_see_running_batches(sim: SimFactory, gateway: GatewayFa
     assert running["status"] == "in_progress"
     await c.batches.cancel(batch.id)
     await wait_status(c, batch.id, {"cancelled"})
+    await c.close()
+
+
+async def test_expiry_finalises_with_batch_expired_errors(sim: SimFactory,
+                                                          gateway: GatewayFactory,
+                                                          redis: Any, tmp_path: Path) -> None:
+    backend = await sim(max_num_seqs=1)
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05, batch_max_in_flight=1)
+    c = client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(20, max_tokens=200)), purpose="batch")
+    batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    await backend.engine.wait_until(lambda: any(r.finished_s for r in
+                                                backend.engine.records.values()))
+    # the 24 h window runs out now: move the deadline into the past
+    key = BatchKeys(batch.id).hash
+    doc = json.loads(await redis.hget(key, "doc"))
+    doc["expires_at"] = 0
+    await redis.hset(key, "doc", json.dumps(doc))
+    done = await wait_status(c, batch.id, {"expired"})
+    assert done.expired_at and done.request_counts is not None
+    assert done.request_counts.completed >= 1
+    assert done.request_counts.completed + done.request_counts.failed == 20
+    assert done.error_file_id
+    errors = [json.loads(x) for x in (await c.files.content(done.error_file_id)).text.splitlines()]
+    assert errors and all(e["error"]["code"] == "batch_expired" for e in errors)
     await c.close()
