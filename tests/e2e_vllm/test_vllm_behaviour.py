@@ -74,9 +74,13 @@ async def test_priority_honoured(vllm_server: VllmServer) -> None:
     newcomer reaches the engine only after the queue drained (seen: 1 run in 4 with 0
     overtaken). So the experiment runs up to 3 times: broken priorities fail every time.
     """
-    results = []
+    results: list[object] = []
     for _ in range(3):
-        waiting, after = await _flood_then_vip(vllm_server)
+        try:
+            waiting, after = await _flood_then_vip(vllm_server)
+        except TimeoutError:  # the flood never filled the engine in time: inconclusive
+            results.append("setup timed out")
+            continue
         results.append((waiting, after))
         # Priority: after == waiting (16 or 32); FCFS: after == 0. Half of it as the bar.
         if after >= waiting / 2:
@@ -107,7 +111,13 @@ async def _flood_then_vip(vllm_server: VllmServer) -> tuple[float, int]:
             waiting = m.waiting
             return m.running == MAX_NUM_SEQS and m.waiting >= MAX_NUM_SEQS
 
-        await wait_until(queued, timeout_s=120, interval_s=0.05)
+        try:
+            await wait_until(queued, timeout_s=90, interval_s=0.05)
+        except TimeoutError:
+            for task in flood:
+                task.cancel()
+            await asyncio.gather(*flood, return_exceptions=True)
+            raise
         vip = await complete(client, url, "vip", completion_body(vllm_server.model, 8, priority=0))
         flood_done = await asyncio.gather(*flood)
     return waiting, sum(1 for f in flood_done if f.at > vip.at)
