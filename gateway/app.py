@@ -88,7 +88,10 @@ def _resources(settings: Settings, metrics: GatewayMetrics
             client = timed_redis(redis_url, metrics, decode_responses=True,
                                  socket_connect_timeout=2, health_check_interval=10)
             stack.push_async_callback(client.aclose)
-            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
+            # that moment fails a request, so ours expire first
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=settings.upstream_keepalive_s))
             stack.push_async_callback(session.close)
             replica_id = settings.replica_id or uuid.uuid4().hex[:12]
             rule = score_rule(settings)

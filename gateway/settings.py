@@ -96,6 +96,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0
+    upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
     replica_heartbeat_s: float = 1.0
     # A replica silent this long is dead: its queued requests are dropped and what it
     # held in flight is released. Generous, so a stalled event loop loses nothing.

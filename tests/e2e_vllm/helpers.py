@@ -30,7 +30,7 @@ class Sampler:
     _task: asyncio.Task[None] | None = None
 
     async def _loop(self) -> None:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(limits=limits(4)) as client:
             while True:
                 with contextlib.suppress(httpx.HTTPError):
                     m = await scrape(client, self.base_url)
@@ -99,5 +99,11 @@ async def wait_until(pred: Any, timeout_s: float, interval_s: float = 0.05) -> N
         await asyncio.sleep(interval_s)
 
 
+# vLLM's server (uvicorn) closes idle keep-alive connections after 5 s, httpx's default
+# expiry: reusing one at that moment fails with ReadError. Expire ours well before.
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 def limits(n: int) -> httpx.Limits:
-    return httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    return httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
