@@ -140,6 +140,9 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # a YAML file, when load_settings names one, ranks below the environment
+        if settings_cls.model_config.get("yaml_file"):
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
         return (init_settings, env_settings)
 
 
@@ -150,19 +153,7 @@ def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Se
         raise FileNotFoundError(f"config file not found: {path}")
 
     class _FromFile(Settings):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-            if path is not None:
-                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
-            return tuple(sources)
+        model_config = SettingsConfigDict(yaml_file=path)
 
     if path is not None:
         overrides.setdefault("config_file", Path(path))
