@@ -1,18 +1,25 @@
-"""The ``fairgate`` command line: one subcommand per job."""
+"""``fairgate serve``: the gateway's own command line.
+
+The ``fairgate`` console script (``fairgate.cli``) adds the test rig's subcommands
+(``demo``, ``sim``, ``bench``) through ``build_parser(*commands)``; this module knows only
+the gateway, so ``python -m gateway.cli serve`` runs without the rig installed.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway import demo
 from gateway.logs import configure_logging
 from gateway.server import serve_forever
 from gateway.settings import load_settings
-from loadtest.bench import cli as bench_cli
-from loadtest.sim import cli as sim_cli
+
+DESCRIPTION = "fairgate: a fair-scheduling, OpenAI-compatible gateway in front of vLLM."
+
+AddCommand = Callable[[Any], object]
+"""Registers one subcommand on an argparse subparsers object."""
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -20,27 +27,34 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_serve(sub: Any) -> None:
-    parser = sub.add_parser("serve", help="run the gateway (config: --config or FAIRGATE_CONFIG)")
+def add_serve(sub: Any) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = sub.add_parser(
+        "serve", help="run the gateway (config: --config or FAIRGATE_CONFIG)")
     parser.add_argument("--config", help="YAML config file; FAIRGATE_* env vars override it")
     parser.set_defaults(run=_serve)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fairgate", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve(sub)
-    demo.add_parser(sub)
-    sim_cli.add_parser(sub)
-    bench_cli.add_parser(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def build_parser(*commands: AddCommand) -> argparse.ArgumentParser:
+    """``fairgate serve`` plus ``commands``, in that order."""
+    parser = argparse.ArgumentParser(prog="fairgate", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve(sub)
+    for add in commands:
+        add(sub)
+    return parser
+
+
+def run(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand."""
+    args = parser.parse_args(argv)
     configure_logging()
     result: int = args.run(args)
     return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":
