@@ -1,28 +1,30 @@
 """One scheduled call: queue → grant → (caller talks to the backend) → settle.
 
-Both the OpenAI routes and the Batch API runner go through :func:`admitted`, so every
-request, interactive or batch, is queued, paced, prioritised and charged the same way.
+Both the OpenAI routes and the Batch API runner go through :meth:`Admission.admitted`, so
+every request, interactive or batch, is queued, paced, prioritised and charged the same
+way. The :class:`Ticket` it yields is the relay's listener: it hears the first token (the
+gate slot frees at once), the token counts and the end of the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
-from gateway.backends import BackendHandle
-from gateway.context import Context
-from gateway.errors import Unavailable
-from gateway.observability import StreamTiming
+from gateway.backends import BackendHandle, BackendPool
+from gateway.dispatcher import Dispatcher
+from gateway.errors import BackendRemoved
+from gateway.metrics import GatewayMetrics, StreamTiming
+from gateway.settings import Settings
 from gateway.store import Grant, QueuedRequest
-from gateway.upstream import Usage
 from policies.cost import estimate_prompt_tokens
+from policies.fairness import FairnessPolicy
 from policies.priority import vllm_priority
 
 log = structlog.get_logger("fairgate.request")
@@ -30,50 +32,84 @@ log = structlog.get_logger("fairgate.request")
 
 @dataclass(slots=True)
 class Ticket:
+    """An admitted request: where it runs, with which priority, and what came back."""
+
+    model: str
     grant: Grant
     backend: BackendHandle
     priority: int
-    usage: Usage
+    dispatcher: Dispatcher
+    timing: StreamTiming | None
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    completed: bool = False
+    _started: bool = field(default=False, repr=False)
+
+    async def first_token(self) -> None:
+        if not self._started:
+            self._started = True
+            await self.dispatcher.started(self.model, self.grant)
+
+    def tokens_sent(self, frames: int) -> None:
+        if self.timing is not None:
+            self.timing.token_frames_sent()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens or None
+        self.completion_tokens = completion_tokens
+
+    def end(self, completed: bool) -> None:
+        self.completed = completed
 
 
-@asynccontextmanager
-async def admitted(ctx: Context, model: str, user: str, klass: str, weight: float,
-                   body: dict[str, object], request_id: str | None = None,
-                   arrived_s: float | None = None) -> AsyncIterator[Ticket]:
-    """Wait for a grant; on exit release it and charge the user real token counts.
+class Admission:
+    def __init__(self, settings: Settings, dispatcher: Dispatcher, pool: BackendPool,
+                 policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str) -> None:
+        self.settings = settings
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.replica_id = replica_id
 
-    ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream."""
-    prompt_est = estimate_prompt_tokens(body)
-    queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, ctx.replica_id,
-                           weight, prompt_est, time.time())
-    cls_cfg = ctx.settings.classes[klass]
-    grant = await ctx.dispatcher.acquire(model, queued, cls_cfg.max_queue_wait_s)
-    waited = time.time() - queued.enqueued_at
-    ctx.metrics.queue_wait.labels(klass).observe(waited)
-    priority = vllm_priority(cls_cfg.priority_base, grant.rank, ctx.settings.priority_class_gap)
-    log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
-             wait_s=round(waited, 4), vllm_priority=priority)
-    usage = Usage(started=functools.partial(ctx.dispatcher.started, model, grant),
-                  timing=StreamTiming(arrived_s) if arrived_s is not None else None)
-    backend = ctx.pool.handles.get(grant.backend)
-    if backend is None:  # removed by a config reload since the dispatch
-        await ctx.dispatcher.release(model, grant, 0.0)
-        raise Unavailable(f"backend {grant.backend} was just removed; retry",
-                          retry_after_s=ctx.settings.retry_after_s)
-    ticket = Ticket(grant, backend, priority, usage)
-    ctx.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
-    try:
-        yield ticket
-    finally:
-        charge = ctx.rule.completion_charge(usage.prompt_tokens or prompt_est, prompt_est,
-                                            usage.output_tokens, weight)
-        await asyncio.shield(ctx.dispatcher.release(model, grant, charge))
-        ctx.metrics.tokens.labels(model, "prompt").inc(usage.prompt_tokens or 0)
-        ctx.metrics.tokens.labels(model, "completion").inc(usage.output_tokens)
-        s = ctx.settings
-        service = ((usage.prompt_tokens or 0) * s.vtc_input_weight
-                   + usage.output_tokens * s.vtc_output_weight) / weight
-        ctx.metrics.on_finish(model, klass, user, usage, service)
-        log.info("finished", request_id=queued.request_id, backend=grant.backend,
-                 latency_s=round(time.time() - queued.enqueued_at, 4),
-                 output_tokens=usage.output_tokens)
+    @asynccontextmanager
+    async def admitted(self, model: str, user: str, klass: str, weight: float,
+                       body: dict[str, object], request_id: str | None = None,
+                       arrived_s: float | None = None) -> AsyncIterator[Ticket]:
+        """Wait for a grant; on exit release it and charge the user real token counts.
+
+        ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
+        Metrics and the ``finished`` log are recorded before the release is awaited, so
+        they do not depend on the client staying connected."""
+        prompt_est = estimate_prompt_tokens(body)
+        queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, self.replica_id,
+                               self.policy.dispatch_cost(prompt_est, weight), time.time())
+        cls_cfg = self.settings.classes[klass]
+        grant = await self.dispatcher.acquire(model, queued, cls_cfg.max_queue_wait_s)
+        waited = time.time() - queued.enqueued_at
+        self.metrics.queue_wait.labels(klass).observe(waited)
+        priority = vllm_priority(cls_cfg.priority_base, grant.rank,
+                                 self.settings.priority_class_gap)
+        log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
+                 wait_s=round(waited, 4), vllm_priority=priority)
+        backend = self.pool.handles.get(grant.backend)
+        if backend is None:  # removed by a config reload since the dispatch
+            await self.dispatcher.release(model, grant, 0.0)
+            raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
+                                 retry_after_s=self.settings.retry_after_s)
+        timing = StreamTiming(arrived_s) if arrived_s is not None else None
+        ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing)
+        self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
+        try:
+            yield ticket
+        finally:
+            prompt = ticket.prompt_tokens or prompt_est
+            output = ticket.completion_tokens
+            charge = self.policy.settle_charge(prompt, prompt_est, output, weight)
+            self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
+                                   self.policy.service(ticket.prompt_tokens or 0, output,
+                                                       weight), timing)
+            log.info("finished", request_id=queued.request_id, backend=grant.backend,
+                     latency_s=round(time.time() - queued.enqueued_at, 4),
+                     output_tokens=output, completed=ticket.completed)
+            await asyncio.shield(self.dispatcher.release(model, grant, charge))

@@ -8,6 +8,7 @@ row the backend is also marked unhealthy here.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,11 +18,12 @@ import structlog
 
 from gateway.backend_metrics import MetricsFormatError, TpotWindow, parse_metrics
 from gateway.errors import StoreUnavailable
-from gateway.observability import GatewayMetrics
+from gateway.metrics import GatewayMetrics
 from gateway.settings import Backend, Settings
 from gateway.store import Store
+from gateway.supervise import supervise
 from policies.classes import CLASS_ORDER
-from policies.gates import BackendSnapshot, evaluate_gate
+from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -37,10 +39,21 @@ class BackendHandle:
     last: BackendSnapshot | None = None
     sent_since_snapshot: int = 0  # this replica's dispatches since ``last``
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
+    # each class's gate by the latest snapshot, computed once when it arrives
+    gates: dict[str, Gate] = field(default_factory=lambda: dict.fromkeys(
+        CLASS_ORDER, Gate(0, "stale")))
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    def gates_at(self, now_s: float, stale_after_s: float) -> dict[str, Gate]:
+        """The gates in force now: the snapshot's, unless drained, unhealthy or stale."""
+        if self.drained:
+            return dict.fromkeys(CLASS_ORDER, Gate(0, "drained"))
+        if not self.healthy or self.last is None or now_s - self.last.taken_at_s > stale_after_s:
+            return dict.fromkeys(CLASS_ORDER, Gate(0, "stale"))
+        return self.gates
 
 
 class BackendPool:
@@ -50,13 +63,15 @@ class BackendPool:
         session: aiohttp.ClientSession,
         store: Store,
         metrics: GatewayMetrics,
-        on_snapshot: Callable[[], None],
+        on_snapshot: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings = settings
         self.session = session
         self.store = store
         self.metrics = metrics
         self.on_snapshot = on_snapshot
+        self.gate_policies: dict[str, GatePolicy] = {
+            c: settings.classes[c].gate() for c in CLASS_ORDER}
         self.handles = {
             b.name: BackendHandle(b, TpotWindow(settings.tpot_window_s)) for b in settings.backends
         }
@@ -80,8 +95,12 @@ class BackendPool:
             await asyncio.gather(*self._loops.values(), return_exceptions=True)
 
     def _start(self, handle: BackendHandle) -> None:
-        self._loops[handle.name] = asyncio.create_task(self._loop(handle),
-                                                       name=f"scrape-{handle.name}")
+        loop = supervise("scrape", lambda: self._loop(handle), self.metrics.loop_restarts)
+        self._loops[handle.name] = asyncio.create_task(loop, name=f"scrape-{handle.name}")
+
+    def set_drained(self, handle: BackendHandle, drained: bool) -> None:
+        handle.drained = drained
+        self.metrics.backend_drained.labels(handle.name).set(1 if drained else 0)
 
     def reconcile(self, backends: list[Backend]) -> dict[str, list[str]]:
         """Apply a reloaded backend list: start, stop and re-point scrape loops. Requests
@@ -137,6 +156,8 @@ class BackendPool:
             log.info("backend_healthy", backend=handle.name)
         handle.healthy, handle.failures, handle.last = True, 0, snap
         handle.sent_since_snapshot = 0
+        handle.gates = {c: evaluate_gate(snap, policy, snap.taken_at_s, math.inf)
+                        for c, policy in self.gate_policies.items()}
         self._record(handle, snap)
         handle.scraped.set()
         self.on_snapshot()
@@ -158,9 +179,5 @@ class BackendPool:
         m.backend_tpot.labels(name).set(snap.tpot_s or 0.0)
         m.backend_healthy.labels(name).set(1)
         m.backend_drained.labels(name).set(1 if handle.drained else 0)
-        reasons = {
-            klass: evaluate_gate(snap, self.settings.classes[klass].gate(), snap.taken_at_s,
-                                 self.settings.snapshot_stale_s, handle.drained).reason
-            for klass in CLASS_ORDER
-        }
-        m.record_gates(name, reasons, snap.taken_at_s)
+        gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)
+        m.record_gates(name, {c: g.reason for c, g in gates.items()}, snap.taken_at_s)

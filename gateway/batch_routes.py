@@ -5,38 +5,23 @@ A user sees only their own files and batches: any other id answers 404.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiohttp import BodyPartReader, web
 
 from gateway.batch_input import ENDPOINTS, parse_lines
-from gateway.batch_runner import BatchRunner
-from gateway.batches import FINAL, WINDOW_S, BatchStore
-from gateway.context import CONTEXT
+from gateway.batches import FINAL, WINDOW_S
 from gateway.errors import BadRequest, FairgateError
-from gateway.files import FileStore
+from gateway.services import SERVICES
 
 CHUNK = 64 * 1024
 MAX_METADATA_PAIRS = 16
 
 
-@dataclass(slots=True)
-class BatchService:
-    files: FileStore
-    batches: BatchStore
-    runner: BatchRunner
-
-
-BATCH = web.AppKey("fairgate_batch", BatchService)
-
-
 def _user(request: web.Request) -> str:
-    return request.app[CONTEXT].keys.identify(request.headers.get("Authorization")).user
+    return request.app[SERVICES].keys.identify(request.headers.get("Authorization")).user
 
 
 async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
@@ -46,7 +31,7 @@ async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
 
 async def upload_file(request: web.Request) -> web.Response:
     user = _user(request)
-    svc = request.app[BATCH]
+    svc = request.app[SERVICES]
     if not request.content_type.startswith("multipart/"):
         raise BadRequest("upload a file as multipart/form-data with fields 'purpose' and 'file'")
     reader = await request.multipart()
@@ -66,7 +51,7 @@ async def upload_file(request: web.Request) -> web.Response:
     if meta is None:
         raise BadRequest("missing 'file' field", param="file")
     try:
-        _validate_file(svc.files.path(meta.id), request.app[CONTEXT].settings.models())
+        _validate_file(svc.files.path(meta.id), svc.settings.models())
     except FairgateError:
         await svc.files.delete(user, meta.id)
         raise
@@ -79,18 +64,18 @@ def _validate_file(path: Path, models: list[str]) -> int:
 
 
 async def list_files(request: web.Request) -> web.Response:
-    metas = await request.app[BATCH].files.owned(_user(request), request.query.get("purpose"))
+    metas = await request.app[SERVICES].files.owned(_user(request), request.query.get("purpose"))
     return web.json_response({"object": "list", "data": [m.to_openai() for m in metas],
                               "has_more": False})
 
 
 async def get_file(request: web.Request) -> web.Response:
-    meta = await request.app[BATCH].files.get(_user(request), request.match_info["file_id"])
+    meta = await request.app[SERVICES].files.get(_user(request), request.match_info["file_id"])
     return web.json_response(meta.to_openai())
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
-    svc = request.app[BATCH]
+    svc = request.app[SERVICES]
     meta = await svc.files.get(_user(request), request.match_info["file_id"])
     return web.FileResponse(svc.files.path(meta.id),
                             headers={"Content-Type": "application/jsonl"})
@@ -98,7 +83,7 @@ async def file_content(request: web.Request) -> web.StreamResponse:
 
 async def delete_file(request: web.Request) -> web.Response:
     file_id = request.match_info["file_id"]
-    await request.app[BATCH].files.delete(_user(request), file_id)
+    await request.app[SERVICES].files.delete(_user(request), file_id)
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -129,16 +114,15 @@ def _check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] |
 
 
 async def create_batch(request: web.Request) -> web.Response:
-    ctx = request.app[CONTEXT]
-    key = ctx.keys.identify(request.headers.get("Authorization"))
-    svc = request.app[BATCH]
+    svc = request.app[SERVICES]
+    key = svc.keys.identify(request.headers.get("Authorization"))
     file_id, endpoint, window, metadata = _check_create(await _json_body(request))
     meta = await svc.files.get(key.user, file_id)
     if meta.purpose != "batch":
         raise BadRequest(f"file {file_id} was not uploaded with purpose \"batch\"",
                          param="input_file_id")
     with svc.files.path(file_id).open("rb") as fh:
-        lines = list(parse_lines(fh, ctx.settings.models()))
+        lines = list(parse_lines(fh, svc.settings.models()))
     wrong = [line for line in lines if line.url != endpoint][:10]
     if wrong:
         listed = ", ".join(f"line {w.index + 1} ({w.url})" for w in wrong)
@@ -146,12 +130,12 @@ async def create_batch(request: web.Request) -> web.Response:
                          param="endpoint")
     batch = await svc.batches.create(key.user, file_id, endpoint, window, metadata, len(lines),
                                      key.weight)
-    svc.runner.wake()
+    svc.batch_runner.wake()
     return web.json_response(batch)
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    batch = await request.app[BATCH].batches.get(_user(request), request.match_info["batch_id"])
+    batch = await request.app[SERVICES].batches.get(_user(request), request.match_info["batch_id"])
     return web.json_response(batch)
 
 
@@ -162,7 +146,7 @@ async def list_batches(request: web.Request) -> web.Response:
         raise BadRequest("'limit' must be an integer", param="limit") from None
     if not 1 <= limit <= 100:
         raise BadRequest("'limit' must be between 1 and 100", param="limit")
-    data, more = await request.app[BATCH].batches.page(_user(request), limit,
+    data, more = await request.app[SERVICES].batches.page(_user(request), limit,
                                                         request.query.get("after"))
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
@@ -171,13 +155,13 @@ async def list_batches(request: web.Request) -> web.Response:
 
 async def cancel_batch(request: web.Request) -> web.Response:
     user, batch_id = _user(request), request.match_info["batch_id"]
-    svc = request.app[BATCH]
+    svc = request.app[SERVICES]
     batch = await svc.batches.get(user, batch_id)
     if batch["status"] in FINAL:
         raise BadRequest(f"batch {batch_id} is already {batch['status']}", param="batch_id")
     await svc.batches.transition(batch_id, ("validating", "in_progress", "finalizing"),
                                  "cancelling", "cancelling_at")
-    svc.runner.wake()
+    svc.batch_runner.wake()
     return web.json_response(await svc.batches.get(user, batch_id))
 
 
@@ -191,21 +175,3 @@ def add_batch_routes(app: web.Application) -> None:
     app.router.add_get("/v1/batches", list_batches)
     app.router.add_get("/v1/batches/{batch_id}", get_batch)
     app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
-    app.cleanup_ctx.append(_batch_service)
-
-
-@contextlib.asynccontextmanager
-async def _batch_service(app: web.Application) -> AsyncIterator[None]:
-    ctx = app[CONTEXT]
-    client = ctx.store.client
-    files = FileStore(client, ctx.settings.data_dir / "files", ctx.settings.max_file_bytes)
-    batches = BatchStore(client)
-    runner = BatchRunner(ctx, files, batches)
-    app[BATCH] = BatchService(files, batches, runner)
-    task = asyncio.create_task(runner.run(), name="batch-runner")
-    try:
-        yield
-    finally:
-        task.cancel()
-        await runner.stop()
-        await asyncio.wait([task], timeout=5.0)

@@ -22,13 +22,15 @@ from typing import Any
 
 import structlog
 
-from gateway.admission import admitted
+from gateway.admission import Admission
 from gateway.batch_input import BatchLine, parse_lines
 from gateway.batches import FINAL, BatchStore
 from gateway.completion_request import CompletionRequest
-from gateway.context import Context
 from gateway.errors import FairgateError, StoreUnavailable, Unavailable
 from gateway.files import FileStore
+from gateway.metrics import GatewayMetrics
+from gateway.settings import Settings
+from gateway.upstream import Upstream
 
 log = structlog.get_logger("fairgate.batch")
 
@@ -46,11 +48,16 @@ def output_line(custom_id: str, status: int | None, body: Any,
 
 
 class BatchRunner:
-    def __init__(self, ctx: Context, files: FileStore, batches: BatchStore) -> None:
-        self.ctx = ctx
+    def __init__(self, settings: Settings, admission: Admission, upstream: Upstream,
+                 files: FileStore, batches: BatchStore, metrics: GatewayMetrics,
+                 replica_id: str) -> None:
+        self.settings = settings
+        self.admission = admission
+        self.upstream = upstream
         self.files = files
         self.batches = batches
-        self.settings = ctx.settings
+        self.metrics = metrics
+        self.replica_id = replica_id
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
 
@@ -72,11 +79,11 @@ class BatchRunner:
         statuses = Counter(raw["status"] for raw in
                            [await self.batches.raw(b) for b in active] if raw is not None)
         for status in ("validating", "in_progress", "finalizing", "cancelling"):
-            self.ctx.metrics.batch_jobs.labels(status).set(statuses.get(status, 0))
+            self.metrics.batch_jobs.labels(status).set(statuses.get(status, 0))
         for batch_id in active:
             if batch_id in self.running:
                 continue
-            if await self.batches.lease(batch_id, self.ctx.replica_id,
+            if await self.batches.lease(batch_id, self.replica_id,
                                         self.settings.batch_lease_s):
                 task = asyncio.create_task(self._run_batch(batch_id), name=batch_id)
                 self.running[batch_id] = task
@@ -103,8 +110,12 @@ class BatchRunner:
         me = asyncio.current_task()
         while True:
             await asyncio.sleep(self.settings.batch_lease_s / 3)
-            if not await self.batches.lease(batch_id, self.ctx.replica_id,
-                                            self.settings.batch_lease_s):
+            try:
+                held = await self.batches.lease(batch_id, self.replica_id,
+                                                self.settings.batch_lease_s)
+            except StoreUnavailable:
+                continue  # nobody can take it meanwhile; renew once Redis is back
+            if not held:
                 log.warning("batch_lease_lost", batch_id=batch_id)
                 task = self.running.get(batch_id)
                 if task is not None and task is not me:
@@ -123,10 +134,16 @@ class BatchRunner:
             await self._fail(batch_id, str(exc))
             return
         await self.batches.transition(batch_id, ("validating",), "in_progress", "in_progress_at")
-        done = await self.batches.done_ids(batch_id)
-        pending = [line for line in lines if line.custom_id not in done]
-        log.info("batch_running", batch_id=batch_id, total=len(lines), pending=len(pending))
-        outcome = await self._feed(batch_id, doc, pending)
+        while True:  # until every line has a result (a pass may leave some: Redis blips)
+            done = await self.batches.done_ids(batch_id)
+            pending = [line for line in lines if line.custom_id not in done]
+            if not pending:
+                outcome = "completed"
+                break
+            log.info("batch_running", batch_id=batch_id, total=len(lines), pending=len(pending))
+            outcome = await self._feed(batch_id, doc, pending)
+            if outcome != "completed":
+                break
         await self._finalize(batch_id, doc, lines, outcome)
 
     def _load(self, file_id: str) -> list[BatchLine]:
@@ -149,18 +166,27 @@ class BatchRunner:
             def finished(t: asyncio.Task[None]) -> None:
                 tasks.discard(t)
                 slots.release()
+                if not t.cancelled() and t.exception() is not None:
+                    # its line has no result yet: the next pass of _execute_batch runs it
+                    log.warning("batch_line_unrecorded", batch_id=batch_id,
+                                error=str(t.exception()))
 
             task.add_done_callback(finished)
-        while tasks and outcome == "completed":
-            await asyncio.wait(tasks, timeout=self.settings.batch_poll_s)
-            outcome = await self._interruption(batch_id)
-        for task in tasks:
-            task.cancel()  # cancel or expiry: queued lines leave the queue, running ones abort
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            while tasks and outcome == "completed":
+                await asyncio.wait(tasks, timeout=self.settings.batch_poll_s)
+                outcome = await self._interruption(batch_id)
+        finally:
+            for task in tasks:
+                task.cancel()  # cancel or expiry: queued lines leave the queue, running abort
+            await asyncio.gather(*tasks, return_exceptions=True)
         return outcome
 
     async def _interruption(self, batch_id: str) -> str:
-        raw = await self.batches.raw(batch_id)
+        try:
+            raw = await self.batches.raw(batch_id)
+        except StoreUnavailable:
+            return "completed"  # cannot tell while Redis is down: go on, ask again later
         if raw is None or raw["status"] == "cancelling":
             return "cancelled"
         if time.time() >= json.loads(raw["doc"])["expires_at"]:
@@ -168,27 +194,41 @@ class BatchRunner:
         return "completed"
 
     async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine) -> None:
+        """Run one line until it has a result in the output or the error file."""
         creq = CompletionRequest(line.url, line.body)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                async with admitted(self.ctx, line.model, doc["user"], "batch",
-                                    doc.get("weight", 1.0), line.body) as ticket:
-                    status, data = await self.ctx.upstream.fetch(
-                        ticket.backend, creq, ticket.priority, ticket.usage)
+                async with self.admission.admitted(line.model, doc["user"], "batch",
+                                                   doc.get("weight", 1.0), line.body) as ticket:
+                    status, data = await self.upstream.fetch(ticket.backend, creq,
+                                                             ticket.priority, ticket)
                     # record before releasing: the crash window that would run the line
                     # again (answer received, not yet recorded) stays as short as it can
                     await self._record_answer(batch_id, line, status, data)
                 return
-            except Unavailable:
-                if attempt == MAX_ATTEMPTS:
-                    raise
-                await asyncio.sleep(RETRY_PAUSE_S)  # Redis or backends down: try again
+            except StoreUnavailable:
+                pass  # Redis is down: no result can be recorded either; wait for it
+            except Unavailable as exc:
+                if attempt >= MAX_ATTEMPTS:
+                    await self._record_error(batch_id, line, exc.code or exc.type, exc.message)
+                    return
             except FairgateError as exc:
-                result = output_line(line.custom_id, None, None,
-                                     {"code": exc.code or exc.type, "message": exc.message})
-                if await self.batches.record(batch_id, line.custom_id, result, ok=False):
-                    self.ctx.metrics.batch_requests.labels("failed").inc()
+                await self._record_error(batch_id, line, exc.code or exc.type, exc.message)
                 return
+            except Exception:
+                log.exception("batch_line_crashed", batch_id=batch_id, custom_id=line.custom_id)
+                await self._record_error(batch_id, line, "internal_error",
+                                         "the gateway failed to run this request")
+                return
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def _record_error(self, batch_id: str, line: BatchLine, code: str,
+                            message: str) -> None:
+        result = output_line(line.custom_id, None, None, {"code": code, "message": message})
+        if await self.batches.record(batch_id, line.custom_id, result, ok=False):
+            self.metrics.batch_requests.labels("failed").inc()
 
     async def _record_answer(self, batch_id: str, line: BatchLine, status: int,
                              data: bytes) -> None:
@@ -198,7 +238,7 @@ class BatchRunner:
             body = {"raw": data.decode(errors="replace")}
         result = output_line(line.custom_id, status, body, None)
         if await self.batches.record(batch_id, line.custom_id, result, ok=status == 200):
-            self.ctx.metrics.batch_requests.labels("completed" if status == 200 else "failed").inc()
+            self.metrics.batch_requests.labels("completed" if status == 200 else "failed").inc()
 
     async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
                         outcome: str) -> None:

@@ -1,9 +1,9 @@
 """Batch records in Redis, shaped like OpenAI's Batch object.
 
-``fg:batch:{id}`` holds the batch (static fields as JSON in ``doc``, status and
-timestamps as plain fields); results live in ``fg:batch:{id}:out`` / ``:err`` hashes keyed
-by ``custom_id`` and written with HSETNX, so a line is recorded at most once and the
-request counts are simply their sizes.
+``fg:batch:{id}`` holds the batch (static fields as JSON in ``doc``, status and timestamps
+as plain fields); results live in ``fg:batch:{id}:out`` / ``:err`` hashes keyed by
+``custom_id`` and written with HSETNX, so a line is recorded at most once and the request
+counts are simply their sizes. Every key is built in ``gateway/keys.py``.
 """
 
 from __future__ import annotations
@@ -11,51 +11,26 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from gateway.errors import NotFound
+from gateway.keys import ACTIVE_BATCHES, BatchKeys, user_batches
+from gateway.store import load_script
 
-BATCH_KEY = "fg:batch:"
-USER_BATCHES_KEY = "fg:batches:"
-ACTIVE_KEY = "fg:batches:active"
 WINDOW_S = {"24h": 24 * 3600}
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
               "cancelling_at", "cancelled_at")
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
-@dataclass(frozen=True, slots=True)
-class BatchKeys:
-    batch_id: str
-
-    @property
-    def hash(self) -> str:
-        return BATCH_KEY + self.batch_id
-
-    @property
-    def out(self) -> str:
-        return f"{BATCH_KEY}{self.batch_id}:out"
-
-    @property
-    def err(self) -> str:
-        return f"{BATCH_KEY}{self.batch_id}:err"
-
-    @property
-    def lease(self) -> str:
-        return f"{BATCH_KEY}{self.batch_id}:lease"
-
-
 class BatchStore:
     def __init__(self, client: aioredis.Redis) -> None:
         # redis-py's asyncio stubs type every reply as ``Awaitable[T] | T``
         self.client: Any = client
-        lua = resources.files("gateway") / "lua"
-        self._transition = client.register_script((lua / "batch_transition.lua").read_text())
-        self._lease = client.register_script((lua / "lease.lua").read_text())
+        self._transition = client.register_script(load_script("batch_transition"))
+        self._lease = client.register_script(load_script("lease"))
 
     async def create(self, user: str, input_file_id: str, endpoint: str, window: str,
                      metadata: dict[str, str] | None, total: int,
@@ -69,8 +44,8 @@ class BatchStore:
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(BatchKeys(batch_id).hash,
                   mapping={"doc": json.dumps(doc), "status": "validating", "total": total})
-        pipe.zadd(USER_BATCHES_KEY + user, {batch_id: time.time()})  # ties: sub-second order
-        pipe.sadd(ACTIVE_KEY, batch_id)
+        pipe.zadd(user_batches(user), {batch_id: time.time()})  # ties: sub-second order
+        pipe.sadd(ACTIVE_BATCHES, batch_id)
         await pipe.execute()
         return await self.get(user, batch_id)
 
@@ -93,7 +68,7 @@ class BatchStore:
 
     async def page(self, user: str, limit: int,
                    after: str | None) -> tuple[list[dict[str, Any]], bool]:
-        ids: list[str] = await self.client.zrevrange(USER_BATCHES_KEY + user, 0, -1)
+        ids: list[str] = await self.client.zrevrange(user_batches(user), 0, -1)
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
         page = ids[:limit]
@@ -132,7 +107,7 @@ class BatchStore:
         return bool(await self._lease(keys=keys, args=[holder, int(lease_s * 1000)]))
 
     async def active(self) -> list[str]:
-        return sorted(await self.client.smembers(ACTIVE_KEY))
+        return sorted(await self.client.smembers(ACTIVE_BATCHES))
 
     async def running(self) -> list[dict[str, Any]]:
         """Unfinished batches with their owner and progress (for operators)."""
@@ -147,7 +122,7 @@ class BatchStore:
         return found
 
     async def retire(self, batch_id: str) -> None:
-        await self.client.srem(ACTIVE_KEY, batch_id)
+        await self.client.srem(ACTIVE_BATCHES, batch_id)
 
 
 def to_openai(raw: dict[str, str]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``fairgate serve``: the gateway's own command line.
 
-The ``fairgate`` console script (``fairgate.cli``) adds the test rig's subcommands
+The ``fairgate`` console script (``loadtest.cli``) adds the test rig's subcommands
 (``demo``, ``sim``, ``bench``) through ``build_parser(*commands)``; this module knows only
 the gateway, so ``python -m gateway.cli serve`` runs without the rig installed.
 """

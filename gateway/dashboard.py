@@ -12,9 +12,9 @@ from importlib import resources
 
 from aiohttp import web
 
-from gateway.admin import SESSION_COOKIE, require_admin, session_token, valid_session
-from gateway.context import CONTEXT
+from gateway.auth import SESSION_COOKIE, session_token
 from gateway.errors import FairgateError
+from gateway.services import SERVICES
 
 ASSETS = {"dashboard.js": "application/javascript", "dashboard.css": "text/css"}
 SECURITY_HEADERS = {
@@ -39,7 +39,7 @@ def _login_page(status: int, message: str = "") -> web.Response:
 
 def _admin_key_valid(request: web.Request, key: str) -> bool:
     try:
-        return request.app[CONTEXT].keys.is_admin(f"Bearer {key}")
+        return request.app[SERVICES].keys.is_admin(f"Bearer {key}")
     except FairgateError:
         return False
 
@@ -61,9 +61,11 @@ async def dashboard(request: web.Request) -> web.StreamResponse:
         if _admin_key_valid(request, key):
             return _logged_in(key)
         return _login_page(401, "That is not an admin key.")
-    if request.headers.get("Authorization") is not None:
-        require_admin(request)  # 401/403 as JSON for API clients
-    elif not valid_session(request, request.cookies.get(SESSION_COOKIE)):
+    keys = request.app[SERVICES].keys
+    authorization = request.headers.get("Authorization")
+    if authorization is not None:
+        keys.require_admin(authorization)  # 401/403 as JSON for API clients
+    elif not keys.valid_session(request.cookies.get(SESSION_COOKIE)):
         return _login_page(401)
     return web.Response(text=_static("dashboard.html"), content_type="text/html",
                         headers=SECURITY_HEADERS)

@@ -9,19 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import structlog
 
 from gateway.backends import BackendPool
-from gateway.errors import QueueTimeout, RateLimited, StoreUnavailable, Unavailable
-from gateway.observability import GatewayMetrics
+from gateway.errors import (
+    FairgateError,
+    QueueTimeout,
+    RateLimited,
+    RequestLost,
+    StoreUnavailable,
+)
+from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.store import Grant, QueuedRequest, Store
+from gateway.supervise import supervise
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
-from policies.gates import evaluate_gate
 from policies.starvation import FloorPolicy, owed_class, service_order
 
 log = structlog.get_logger("fairgate.dispatcher")
@@ -51,6 +59,8 @@ class Dispatcher:
         self._queued: dict[str, int] = {}  # model → depth seen by the latest dispatch
         self._class_view: dict[str, tuple[float, dict[str, float], list[str]]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
+        self._unsettled: deque[tuple[str, Grant, float]] = deque()  # settles Redis missed
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
 
@@ -104,11 +114,15 @@ class Dispatcher:
             try:
                 return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
             except TimeoutError:
-                if not await self.store.request_exists(model, req.request_id):
+                try:
+                    exists = await self.store.request_exists(model, req.request_id)
+                except StoreUnavailable:
+                    continue  # a Redis blip: the request is still queued there (AOF)
+                if not exists:
                     # dropped at dispatch (this replica looked dead) or expired: say so now
                     # instead of waiting out the whole queue timeout
                     self.waiters.pop(req.request_id, None)
-                    raise Unavailable("the queued request was lost; retry it",
+                    raise RequestLost("the queued request was lost; retry it",
                                       retry_after_s=self.settings.retry_after_s) from None
         raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue",
                            retry_after_s=self.settings.retry_after_s)
@@ -123,18 +137,42 @@ class Dispatcher:
             future.cancel()  # the grant is on its way: _deliver releases it
 
     async def release(self, model: str, grant: Grant, charge: float) -> None:
-        """Settle a dispatched request (idempotent) and let the next one go."""
+        """Settle a dispatched request (idempotent) and let the next one go. While Redis
+        is down the settle waits in memory and is retried by the heartbeat loop, so no
+        in-flight count leaks (a leaked one would hold a gate closed for good)."""
         try:
             await self.store.settle(model, grant, charge)
+        except StoreUnavailable as exc:
+            log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
+            self._unsettled.append((model, grant, charge))
         finally:
             self.wake_freed()
 
+    async def _settle_deferred(self) -> None:
+        while self._unsettled:
+            model, grant, charge = self._unsettled[0]
+            await self.store.settle(model, grant, charge)
+            self._unsettled.popleft()
+            self.wake_freed()
+
+    def cancel(self, request_id: str, error: FairgateError) -> bool:
+        """Fail a request this replica holds while it waits for its grant (an operator
+        removed it from the queue). True when its client was told."""
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is None or waiter.future.done():
+            return False
+        waiter.future.set_exception(error)
+        return True
+
     async def run(self) -> None:
-        """The dispatch loop; also heartbeats and listens for grants from other replicas."""
+        """The dispatch loop, the heartbeat and one grant listener per model, each
+        supervised (restarted after a crash)."""
         models = self.settings.models()
-        await self.store.heartbeat(models, self.replica_id, time.time())
-        loops = [self._heartbeat(models), self._dispatch_loop(models)]
-        loops += [self._listen(model) for model in models]
+        restarts = self.metrics.loop_restarts
+        loops = [supervise("heartbeat", lambda: self._heartbeat(models), restarts),
+                 supervise("dispatch", lambda: self._dispatch_loop(models), restarts)]
+        loops += [supervise("listen", functools.partial(self._listen, model), restarts)
+                  for model in models]
         tasks = [asyncio.create_task(coro) for coro in loops]
         try:
             await asyncio.gather(*tasks)
@@ -144,6 +182,8 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _dispatch_loop(self, models: list[str]) -> None:
+        # the script drops requests of replicas without a heartbeat: ours must be there
+        await self._beating.wait()
         while True:
             await self._wake.wait()
             self._wake.clear()
@@ -156,8 +196,7 @@ class Dispatcher:
                         pass
                 except StoreUnavailable as exc:
                     log.warning("dispatch_failed", model=model, error=str(exc))
-                except Exception:  # the dispatcher must outlive any single bad pass
-                    log.exception("dispatch_crashed", model=model)
+                    self._maybe_work = True  # try again on the next wake-up
 
     async def dispatch_once(self, model: str) -> bool:
         """Fill every open backend's gate from the queues. True when another pass is
@@ -174,11 +213,8 @@ class Dispatcher:
         handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
         for h in handles.values():
             snap = h.last if h.healthy else None
-            limits[h.name] = gate_limits = {
-                c: evaluate_gate(snap, self.settings.classes[c].gate(), now,
-                                 self.settings.snapshot_stale_s, h.drained).limit
-                for c in CLASS_ORDER
-            }
+            gates = h.gates_at(now, self.settings.snapshot_stale_s)
+            limits[h.name] = gate_limits = {c: gates[c].limit for c in CLASS_ORDER}
             if owed is not None:  # a starved class borrows the top class's gate
                 gate_limits[owed] = max(gate_limits[owed], gate_limits[CLASS_ORDER[0]])
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
@@ -249,13 +285,15 @@ class Dispatcher:
 
     async def _heartbeat(self, models: list[str]) -> None:
         while True:
-            await asyncio.sleep(self.settings.replica_heartbeat_s)
             try:
                 now = time.time()
                 await self.store.heartbeat(models, self.replica_id, now)
+                self._beating.set()
+                await self._settle_deferred()
                 for model in models:
                     if await self.store.reap(model, now, self.replica_ttl_s):
                         log.warning("reaped_dead_replica_requests", model=model)
             except StoreUnavailable as exc:
                 log.warning("heartbeat_failed", error=str(exc))
             self.wake()  # a periodic safety net for enqueues on other replicas
+            await asyncio.sleep(self.settings.replica_heartbeat_s)

@@ -62,12 +62,14 @@ class EmbeddedRedis:
         port: int | None = None,
         data_dir: str | Path | None = None,
         start_timeout_s: float = 10.0,
+        append_only: bool = False,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self._owns_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="fairgate-redis-"))
         self.start_timeout_s = start_timeout_s
+        self.append_only = append_only  # an AOF, fsynced per write: survives a kill -9
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -82,7 +84,8 @@ class EmbeddedRedis:
             "--port", str(self.port),
             "--dir", str(self.data_dir),
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.append_only else "no",
+            "--appendfsync", "always",
             "--daemonize", "no",
             "--protected-mode", "no",
             "--logfile", str(self.data_dir / "server.log"),
@@ -127,6 +130,13 @@ class EmbeddedRedis:
         if Path(served_dir).resolve() != self.data_dir.resolve():
             self.stop()
             raise EmbeddedRedisError(f"port {self.port} is already served by another server")
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (the data dir stays)."""
+        proc, self.process = self.process, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
 
     def stop(self) -> None:
         proc, self.process = self.process, None

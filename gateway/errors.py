@@ -1,23 +1,30 @@
-"""Errors fairgate answers with, and the one place library errors map onto them.
+"""Every error fairgate answers with, each with its own OpenAI ``code``.
 
     FairgateError                      -> OpenAI-style JSON error, ``status``
     ├── BadRequest (400)               invalid JSON, missing or malformed fields
     ├── Unauthorized (401)             missing or unknown API key
     ├── Forbidden (403)                class not allowed for this key
-    ├── NotFound (404)                 unknown model or route
+    │   └── AdminRequired (403)        an API key on an admin route
+    ├── NotFound (404)                 unknown model, route, file, batch or request
+    ├── Conflict (409)                 the state forbids it
+    │   ├── RequestCancelled           an operator cancelled the queued request
+    │   ├── NotQueued                  cancel of a request no longer queued
+    │   └── NoConfigFile               reload without a config file
     ├── PayloadTooLarge (413)
     ├── RateLimited (429)              per-user queue cap; carries Retry-After
     ├── Unavailable (503)              no healthy backend; carries Retry-After
-    │   └── StoreUnavailable (503)     Redis unreachable
+    │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/redis_client.py)
+    │   ├── RequestLost (503)          the queued request vanished from Redis
+    │   └── BackendRemoved (503)       its backend left the config after the dispatch
     ├── UpstreamError (502)            backend unreachable or broken
     └── QueueTimeout (504)             waited longer than the class's max_queue_wait_s
+
+Errors are plain exceptions; the HTTP edge (``gateway/edge.py``) renders them.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from aiohttp import web
 
 
 class FairgateError(Exception):
@@ -36,11 +43,10 @@ class FairgateError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> web.Response:
-        headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(self.retry_after_s)
-        return web.json_response(self.body(), status=self.status, headers=headers)
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class BadRequest(FairgateError):
@@ -55,6 +61,10 @@ class Forbidden(FairgateError):
     status, type, code = 403, "permission_error", "class_not_allowed"
 
 
+class AdminRequired(Forbidden):
+    code = "admin_key_required"
+
+
 class NotFound(FairgateError):
     status, type = 404, "invalid_request_error"
     code: str | None = "model_not_found"
@@ -64,6 +74,24 @@ class NotFound(FairgateError):
         super().__init__(message, param, retry_after_s)
         if param != "model":  # an unknown route is not a missing model (OpenAI: code null)
             self.code = None
+
+
+class Conflict(FairgateError):
+    status, type = 409, "invalid_request_error"
+
+
+class RequestCancelled(Conflict):
+    """The client's answer when an operator cancels its queued request."""
+
+    code = "request_cancelled"
+
+
+class NotQueued(Conflict):
+    code = "request_not_queued"
+
+
+class NoConfigFile(Conflict):
+    code = "no_config_file"
 
 
 class PayloadTooLarge(FairgateError):
@@ -83,6 +111,14 @@ class StoreUnavailable(Unavailable):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"queue store unavailable: {message}", retry_after_s=1)
+
+
+class RequestLost(Unavailable):
+    code = "queued_request_lost"
+
+
+class BackendRemoved(Unavailable):
+    code = "backend_removed"
 
 
 class UpstreamError(FairgateError):

@@ -17,9 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.errors import NotFound, PayloadTooLarge
-
-FILE_KEY = "fg:file:"
-USER_FILES_KEY = "fg:files:"
+from gateway.keys import file_meta, user_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,28 +75,28 @@ class FileStore:
 
     async def _record(self, meta: FileMeta) -> FileMeta:
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(FILE_KEY + meta.id, json.dumps(asdict(meta)))
-        pipe.zadd(USER_FILES_KEY + meta.user, {meta.id: time.time()})
+        pipe.set(file_meta(meta.id), json.dumps(asdict(meta)))
+        pipe.zadd(user_files(meta.user), {meta.id: time.time()})
         await pipe.execute()
         return meta
 
     async def get(self, user: str, file_id: str) -> FileMeta:
-        raw = await self.client.get(FILE_KEY + file_id)
+        raw = await self.client.get(file_meta(file_id))
         meta = FileMeta(**json.loads(raw)) if raw else None
         if meta is None or meta.user != user:
             raise NotFound(f"No such File object: {file_id}", param="file_id")
         return meta
 
     async def owned(self, user: str, purpose: str | None = None) -> list[FileMeta]:
-        ids = await self.client.zrevrange(USER_FILES_KEY + user, 0, -1)
-        raws = await self.client.mget([FILE_KEY + i for i in ids]) if ids else []
+        ids = await self.client.zrevrange(user_files(user), 0, -1)
+        raws = await self.client.mget([file_meta(i) for i in ids]) if ids else []
         metas = [FileMeta(**json.loads(r)) for r in raws if r]
         return [m for m in metas if purpose is None or m.purpose == purpose]
 
     async def delete(self, user: str, file_id: str) -> None:
         meta = await self.get(user, file_id)
         pipe = self.client.pipeline(transaction=True)
-        pipe.delete(FILE_KEY + meta.id)
-        pipe.zrem(USER_FILES_KEY + user, meta.id)
+        pipe.delete(file_meta(meta.id))
+        pipe.zrem(user_files(user), meta.id)
         await pipe.execute()
         self.path(meta.id).unlink(missing_ok=True)

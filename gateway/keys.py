@@ -1,15 +1,47 @@
-"""Every Redis key fairgate uses, built in one place.
+"""Every Redis key fairgate uses, built in this module and nowhere else.
 
-All keys of one model share the hash tag ``{model}`` so a pool's keys live on one Redis
-Cluster slot and the multi-key Lua scripts stay legal. Scripts derive per-user queue and
-per-request keys from the prefixes passed in ARGV; those carry the same tag.
+Per-model keys share the hash tag ``{model}`` (prefix ``fg:{model}:``), so a pool's keys
+live in one Redis Cluster slot and the multi-key Lua scripts stay legal. A script that
+must reach a key named by data it reads (a user's queue, a request, a replica's grant
+list) builds it with the functions of :func:`lua_prelude`, generated from the patterns
+below, from the model prefix passed in ARGV. The schema, with each key's type, writer and
+lifetime, is in ``docs/redis-schema.md``.
+
+Batch and file keys are global (``fg:batch:…``, ``fg:file:…``): they are touched by
+plain commands and two single-key scripts only.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 ROOT = "fg"
+
+# Keys under a model's prefix, by name: the pattern after ``fg:{model}:``.
+MODEL_PATTERNS: dict[str, str] = {
+    "queue": "q:{klass}:{user}",          # list: one user's queued request ids (FIFO)
+    "active": "active:{klass}",           # zset: user -> fairness score, users with a queue
+    "saved": "saved:{klass}",             # hash: user -> score kept while idle
+    "request": "req:{request_id}",        # hash: one request's state (TTL)
+    "depth": "depth",                     # hash: class -> queued requests
+    "backlogged_since": "since",          # hash: class -> when its queue became non-empty
+    "recent": "recent",                   # list: classes of the latest dispatches
+    "drained": "drained",                 # set: backends no replica may dispatch to
+    "user_inflight": "inflight",          # hash: user -> dispatched, unsettled requests
+    "replicas": "replicas",               # zset: replica -> last heartbeat (unix s)
+    "grants": "grants:{replica}",         # list: grants for requests a replica holds
+    "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
+    "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
+    "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
+    "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
+}
+
+BATCH_PREFIX = f"{ROOT}:batch:"           # hash fg:batch:{id}; :out, :err hashes; :lease
+USER_BATCHES_PREFIX = f"{ROOT}:batches:"  # zset fg:batches:{user}: batch id -> created
+ACTIVE_BATCHES = f"{ROOT}:batches:active"  # set: unfinished batch ids
+FILE_PREFIX = f"{ROOT}:file:"             # string fg:file:{id}: JSON metadata
+USER_FILES_PREFIX = f"{ROOT}:files:"      # zset fg:files:{user}: file id -> created
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,75 +52,109 @@ class ModelKeys:
     def prefix(self) -> str:
         return f"{ROOT}:{{{self.model}}}:"
 
-    def queue_prefix(self, klass: str) -> str:
-        return f"{self.prefix}q:{klass}:"
+    def _key(self, name: str, **parts: str) -> str:
+        return self.prefix + MODEL_PATTERNS[name].format(**parts)
 
     def queue(self, klass: str, user: str) -> str:
-        return self.queue_prefix(klass) + user
+        return self._key("queue", klass=klass, user=user)
 
     def active(self, klass: str) -> str:
-        """zset user → fairness score, users with queued requests."""
-        return f"{self.prefix}active:{klass}"
+        return self._key("active", klass=klass)
 
     def saved(self, klass: str) -> str:
-        """hash user → score kept while the user is idle."""
-        return f"{self.prefix}saved:{klass}"
+        return self._key("saved", klass=klass)
+
+    def request(self, request_id: str) -> str:
+        return self._key("request", request_id=request_id)
 
     @property
     def request_prefix(self) -> str:
-        return f"{self.prefix}req:"
-
-    def request(self, request_id: str) -> str:
-        return self.request_prefix + request_id
+        """What every request hash's name starts with (for SCAN)."""
+        return self.request("")
 
     @property
     def depth(self) -> str:
-        """hash class → queued request count."""
-        return f"{self.prefix}depth"
+        return self._key("depth")
 
     @property
     def backlogged_since(self) -> str:
-        """hash class → when its queue last went from empty to non-empty."""
-        return f"{self.prefix}since"
+        return self._key("backlogged_since")
 
     @property
     def recent(self) -> str:
-        """list of the classes of the latest dispatches, newest first."""
-        return f"{self.prefix}recent"
+        return self._key("recent")
 
     @property
     def drained(self) -> str:
-        """set of backend names no replica may dispatch to (operators' drain)."""
-        return f"{self.prefix}drained"
+        return self._key("drained")
 
     @property
     def user_inflight(self) -> str:
-        """hash user → dispatched, not yet settled requests (for the vLLM priority rank)."""
-        return f"{self.prefix}inflight"
+        return self._key("user_inflight")
 
     @property
     def replicas(self) -> str:
-        """zset replica id → last heartbeat (unix seconds)."""
-        return f"{self.prefix}replicas"
-
-    @property
-    def grants_prefix(self) -> str:
-        return f"{self.prefix}grants:"
+        return self._key("replicas")
 
     def grants(self, replica: str) -> str:
-        """list of grants for requests whose client is held by ``replica``."""
-        return self.grants_prefix + replica
+        return self._key("grants", replica=replica)
 
     def running(self, replica: str) -> str:
-        """set of dispatched, unsettled request ids whose client ``replica`` holds."""
-        return f"{self.prefix}running:{replica}"
+        return self._key("running", replica=replica)
 
     def backend_sent(self, backend: str) -> str:
-        """zset request id → dispatch time, dispatches not yet seen by a snapshot."""
-        return f"{self.prefix}bk:{backend}:sent"
+        return self._key("backend_sent", backend=backend)
 
     def backend_snapshot(self, backend: str) -> str:
-        return f"{self.prefix}bk:{backend}:snap"
+        return self._key("backend_snapshot", backend=backend)
 
     def backend_inflight(self, backend: str) -> str:
-        return f"{self.prefix}bk:{backend}:inflight"
+        return self._key("backend_inflight", backend=backend)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchKeys:
+    batch_id: str
+
+    @property
+    def hash(self) -> str:
+        return BATCH_PREFIX + self.batch_id
+
+    @property
+    def out(self) -> str:
+        return f"{BATCH_PREFIX}{self.batch_id}:out"
+
+    @property
+    def err(self) -> str:
+        return f"{BATCH_PREFIX}{self.batch_id}:err"
+
+    @property
+    def lease(self) -> str:
+        return f"{BATCH_PREFIX}{self.batch_id}:lease"
+
+
+def user_batches(user: str) -> str:
+    return USER_BATCHES_PREFIX + user
+
+
+def file_meta(file_id: str) -> str:
+    return FILE_PREFIX + file_id
+
+
+def user_files(user: str) -> str:
+    return USER_FILES_PREFIX + user
+
+
+def _lua_function(name: str, pattern: str) -> str:
+    params = re.findall(r"{(\w+)}", pattern)
+    pieces = [f"'{lit}'" if i % 2 == 0 else lit
+              for i, lit in enumerate(re.split(r"{(\w+)}", pattern)) if lit]
+    body = " .. ".join(["prefix", *pieces])
+    return (f"local function key_{name}({', '.join(['prefix', *params])})\n"
+            f"  return {body}\nend\n")
+
+
+def lua_prelude() -> str:
+    """Lua functions ``key_<name>(prefix, …)`` for the per-model keys scripts derive."""
+    return "".join(_lua_function(name, pattern) for name, pattern in MODEL_PATTERNS.items()
+                   if "{" in pattern)

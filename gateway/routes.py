@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -10,16 +11,10 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.admin import refresh_queue_metrics
-from gateway.admission import admitted
+from gateway.admission import Ticket
 from gateway.completion_request import CHAT, COMPLETIONS, CompletionRequest, read_completion
-from gateway.context import CONTEXT, Context
-from gateway.errors import (
-    Forbidden,
-    NotFound,
-    StoreUnavailable,
-    Unavailable,
-)
+from gateway.errors import Forbidden, NotFound, StoreUnavailable, Unavailable
+from gateway.services import SERVICES, Services
 from gateway.settings import ApiKey
 from policies.classes import effective_class
 
@@ -34,10 +29,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _completion(request, COMPLETIONS)
 
 
-def _resolve(ctx: Context, request: web.Request, key: ApiKey,
+def _resolve(svc: Services, request: web.Request, key: ApiKey,
              creq: CompletionRequest) -> tuple[str, str]:
     """(user, class) the request is queued under."""
-    if creq.model not in ctx.settings.models():
+    if creq.model not in svc.settings.models():
         raise NotFound(f"The model '{creq.model}' does not exist", param="model")
     requested = request.headers.get("X-Priority-Class")
     klass = effective_class(key.priority_class, requested)
@@ -52,39 +47,46 @@ def _resolve(ctx: Context, request: web.Request, key: ApiKey,
 
 async def _completion(request: web.Request, path: str) -> web.StreamResponse:
     arrived = time.monotonic()
-    ctx = request.app[CONTEXT]
-    key = ctx.keys.identify(request.headers.get("Authorization"))
-    creq = await read_completion(request, path, ctx.settings.max_body_bytes)
-    user, klass = _resolve(ctx, request, key, creq)
+    svc = request.app[SERVICES]
+    key = svc.keys.identify(request.headers.get("Authorization"))
+    creq = await read_completion(request, path, svc.settings.max_body_bytes)
+    user, klass = _resolve(svc, request, key, creq)
     model = creq.model
-    if not ctx.pool.any_healthy(model):
+    if not svc.pool.any_healthy(model):
         raise Unavailable(f"no healthy backend serves {model!r}",
-                          retry_after_s=ctx.settings.retry_after_s)
+                          retry_after_s=svc.settings.retry_after_s)
     request_id = uuid.uuid4().hex
     structlog.contextvars.bind_contextvars(request_id=request_id, user=user, model=model,
                                            priority_class=klass)
     log.info("queued")
     status = "error"
+    ticket: Ticket | None = None
     try:
-        async with admitted(ctx, model, user, klass, key.weight, creq.body,
-                            request_id=request_id, arrived_s=arrived) as ticket:
-            response = await ctx.upstream.forward(request, ticket.backend, creq,
-                                                  ticket.priority, ticket.usage)
+        async with svc.admission.admitted(model, user, klass, key.weight, creq.body,
+                                          request_id=request_id, arrived_s=arrived) as ticket:
+            response = await svc.upstream.forward(request, ticket.backend, creq,
+                                                  ticket.priority, ticket)
             status = str(response.status)
             return response
     except asyncio.CancelledError:
-        status = "client_closed"
-        log.info("client_disconnected")
+        # a client that hangs up right after the whole answer cancels the handler while
+        # it cleans up: it was still served
+        if status == "error":
+            if ticket is not None and ticket.completed:
+                status = "200"
+            else:
+                status = "client_closed"
+                log.info("client_disconnected")
         raise
     finally:
-        ctx.metrics.requests.labels(model, klass, status).inc()
+        svc.metrics.requests.labels(model, klass, status).inc()
 
 
 async def list_models(request: web.Request) -> web.Response:
-    ctx = request.app[CONTEXT]
-    ctx.keys.identify(request.headers.get("Authorization"))
+    svc = request.app[SERVICES]
+    svc.keys.identify(request.headers.get("Authorization"))
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"}
-            for m in ctx.settings.models()]
+            for m in svc.settings.models()]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -93,21 +95,22 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    ctx = request.app[CONTEXT]
+    svc = request.app[SERVICES]
     try:
-        await ctx.store.ping()
+        await svc.store.ping()
     except StoreUnavailable as exc:
-        exc.retry_after_s = ctx.settings.retry_after_s
+        exc.retry_after_s = svc.settings.retry_after_s
         raise
-    if not ctx.pool.any_healthy():
-        raise Unavailable("no healthy backend", retry_after_s=ctx.settings.retry_after_s)
+    if not svc.pool.any_healthy():
+        raise Unavailable("no healthy backend", retry_after_s=svc.settings.retry_after_s)
     return web.json_response({"status": "ready"})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    ctx = request.app[CONTEXT]
-    await refresh_queue_metrics(ctx)
-    body = generate_latest(ctx.metrics.registry)
+    svc = request.app[SERVICES]
+    with contextlib.suppress(StoreUnavailable):  # the gateway's own series still matter
+        await svc.inspector.refresh_queue_metrics()
+    body = generate_latest(svc.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -8,8 +8,8 @@ import signal
 from aiohttp import web
 
 from gateway.app import create_app
-from gateway.context import CONTEXT, Context
-from gateway.observability import GatewayMetrics
+from gateway.metrics import GatewayMetrics
+from gateway.services import SERVICES, Services
 from gateway.settings import Settings
 
 
@@ -27,8 +27,8 @@ class GatewayServer:
         return f"http://{self.settings.listen.host}:{self.port}"
 
     @property
-    def context(self) -> Context:
-        return self.app[CONTEXT]
+    def services(self) -> Services:
+        return self.app[SERVICES]
 
     async def start(self) -> None:
         await self.runner.setup()

@@ -18,9 +18,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from policies.classes import CLASS_ORDER
+from policies.classes import CLASS_ORDER, CLASSES, default_floors
+from policies.fairness import POLICIES
 from policies.gates import GatePolicy
-from policies.priority import DEFAULT_BASES
 
 
 class Listen(BaseModel):
@@ -37,9 +37,16 @@ class Backend(BaseModel):
 class ApiKey(BaseModel):
     key: str
     user: str
-    priority_class: Literal["interactive", "default", "batch"] = "default"
+    priority_class: str = "default"
     weight: float = Field(1.0, gt=0)
     trusted_end_users: bool = False
+
+    @field_validator("priority_class")
+    @classmethod
+    def _known_class(cls, value: str) -> str:
+        if value not in CLASS_ORDER:
+            raise ValueError(f"priority_class must be one of {', '.join(CLASS_ORDER)}")
+        return value
 
 
 class ClassConfig(BaseModel):
@@ -54,18 +61,13 @@ class ClassConfig(BaseModel):
 
 
 def _default_classes() -> dict[str, ClassConfig]:
-    return {
-        "interactive": ClassConfig(priority_base=DEFAULT_BASES["interactive"]),
-        "default": ClassConfig(priority_base=DEFAULT_BASES["default"]),
-        "batch": ClassConfig(
-            max_waiting=1, max_queue_wait_s=86400.0, priority_base=DEFAULT_BASES["batch"]
-        ),
-    }
+    return {c.name: ClassConfig(max_waiting=c.max_waiting, max_queue_wait_s=c.max_queue_wait_s,
+                                priority_base=c.priority_base) for c in CLASSES}
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="FAIRGATE_", env_nested_delimiter="__", extra="forbid"
+        env_prefix="FAIRGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
     redis_url: str | None = None  # None → embedded Valkey server
@@ -76,15 +78,14 @@ class Settings(BaseSettings):
     api_keys: list[ApiKey] = []
     admin_keys: list[str] = []
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
-    fairness: Literal["vtc", "round_robin"] = "vtc"
+    fairness: str = "vtc"
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
     priority_class_gap: int = 1000
     # Starvation protection (policies/starvation.py): a class backlogged this long is owed
     # its floor share of the last `starvation_window` dispatches.
     starvation_after_s: float = 30.0
-    class_floors: dict[str, float] = Field(
-        default_factory=lambda: {"default": 0.10, "batch": 0.05})
+    class_floors: dict[str, float] = Field(default_factory=default_floors)
     starvation_window: int = 100
 
     scrape_interval_s: float = 0.1
@@ -112,6 +113,14 @@ class Settings(BaseSettings):
     metrics_top_users: int = Field(20, ge=0)  # per-user series: this many users, rest "other"
     metrics_user_idle_s: float = 3600.0  # an idle user's series give way to an active one
     config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("fairness")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"fairness must be one of {', '.join(POLICIES)}")
+        return value
 
     @field_validator("classes", mode="before")
     @classmethod

@@ -1,39 +1,21 @@
 """The Redis store: fairgate's queue verbs, each one atomic (a Lua script) where it
-changes shared state. Redis errors become :class:`~gateway.errors.StoreUnavailable` here
-and nowhere else.
+changes shared state, and the reads operators need. Keys come from ``gateway/keys.py``;
+Redis errors arrive already mapped by the client (``gateway/redis_client.py``).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError
 
-from gateway.errors import StoreUnavailable
-from gateway.keys import ModelKeys
+from gateway.keys import ModelKeys, lua_prelude
 from policies.classes import CLASS_ORDER
-from policies.fairness import ScoreRule
 from policies.gates import BackendSnapshot
-
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-def _mapped(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-        try:
-            return await fn(*args, **kwargs)
-        except RedisError as exc:
-            raise StoreUnavailable(str(exc)) from exc
-
-    return wrapper
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +24,7 @@ class QueuedRequest:
     user: str
     klass: str
     owner: str
-    weight: float
-    prompt_tokens: int
+    cost: float  # the fairness policy's dispatch cost
     enqueued_at: float
 
 
@@ -63,21 +44,33 @@ class BackendState:
     snapshot: BackendSnapshot | None
     sent_since_snapshot: int
     inflight: int
+    unseen: int  # on the way at the snapshot, not yet registered by the server
 
 
-def _load(name: str) -> str:
-    return (resources.files("gateway") / "lua" / f"{name}.lua").read_text()
+def load_script(name: str) -> str:
+    """A script's text, after the generated key functions and the shared helpers."""
+    lua = resources.files("gateway") / "lua"
+    return lua_prelude() + (lua / "_lib.lua").read_text() + (lua / f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedUser:
+    klass: str
+    user: str
+    score: float
+    queued: int
+    oldest_request_id: str | None
+    oldest_enqueued_at: float | None
 
 
 class Store:
     """Domain verbs over one Redis client (``decode_responses=True``)."""
 
-    def __init__(self, client: aioredis.Redis, rule: ScoreRule, request_ttl_s: float) -> None:
+    def __init__(self, client: aioredis.Redis, request_ttl_s: float) -> None:
         self.client = client
-        self.rule = rule
         self.request_ttl_s = request_ttl_s
         self._scripts: dict[str, AsyncScript] = {
-            name: client.register_script(_load(name))
+            name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
                          "started")
         }
@@ -85,21 +78,18 @@ class Store:
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         return await self._scripts[name](keys=list(keys), args=list(args))
 
-    @_mapped
     async def ping(self) -> bool:
         return bool(await cast("Awaitable[bool]", self.client.ping()))
 
-    @_mapped
     async def enqueue(self, model: str, req: QueuedRequest, max_queued: int) -> int:
         """Queue length after the push, or -1 when the user's cap is reached."""
         k = ModelKeys(model)
         keys = [k.queue(req.klass, req.user), k.active(req.klass), k.saved(req.klass),
                 k.request(req.request_id), k.depth, k.backlogged_since]
-        args = [req.request_id, req.user, req.klass, req.owner, req.weight, req.prompt_tokens,
-                req.enqueued_at, max_queued, self.rule.mode, int(self.request_ttl_s)]
+        args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
+                max_queued, int(self.request_ttl_s)]
         return int(await self._run("enqueue", keys, args))
 
-    @_mapped
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
@@ -113,15 +103,14 @@ class Store:
                 k.backend_inflight(backend), k.backlogged_since, k.recent,
                 k.backend_snapshot(backend), k.drained]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
-        args: list[Any] = [now, replica_ttl_s, self.rule.mode, self.rule.w_in, k.prefix,
-                           replica, backend, recent_window, max_grants, *order]
+        args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
+                           max_grants, *order]
         args += [limits.get(c, 0) for c in order]
         found, depth = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]
         return grants, int(depth)
 
-    @_mapped
     async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
         """(class → backlogged since, classes of the latest dispatches, newest first)."""
         k = ModelKeys(model)
@@ -131,7 +120,6 @@ class Store:
         since, recent = await pipe.execute()
         return {c: float(t) for c, t in since.items()}, list(recent)
 
-    @_mapped
     async def mark_started(self, model: str, grant: Grant) -> None:
         """The backend is running this request: it no longer counts as waiting there."""
         k = ModelKeys(model)
@@ -139,7 +127,6 @@ class Store:
                 k.request(grant.request_id)]
         await self._run("started", keys, [grant.request_id])
 
-    @_mapped
     async def settle(self, model: str, grant: Grant, charge: float) -> bool:
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
@@ -148,21 +135,18 @@ class Store:
         args = [grant.user, charge, grant.request_id, k.prefix]
         return bool(await self._run("settle", keys, args))
 
-    @_mapped
     async def reap(self, model: str, now: float, replica_ttl_s: float) -> int:
         """Release what replicas silent for ``replica_ttl_s`` held; returns the count."""
         k = ModelKeys(model)
         return int(await self._run("reap", [k.replicas, k.user_inflight],
                                    [now, replica_ttl_s, k.prefix]))
 
-    @_mapped
     async def cancel(self, model: str, request_id: str, user: str, klass: str) -> bool:
         k = ModelKeys(model)
         keys = [k.queue(klass, user), k.active(klass), k.saved(klass), k.request(request_id),
                 k.depth, k.backlogged_since]
         return bool(await self._run("cancel", keys, [request_id, user, klass]))
 
-    @_mapped
     async def store_snapshot(self, model: str, backend: str,
                              snap: BackendSnapshot) -> tuple[bool, bool]:
         """Store a snapshot unless a newer one is there; returns (stored, drained)."""
@@ -174,14 +158,12 @@ class Store:
         stored, drained = await self._run("snapshot", keys, args)
         return bool(stored), bool(drained)
 
-    @_mapped
     async def set_drained(self, model: str, backend: str, drained: bool) -> None:
         """Drain (or undrain) a backend for every replica."""
         key = ModelKeys(model).drained
         change = self.client.sadd if drained else self.client.srem
         await cast("Awaitable[int]", change(key, backend))
 
-    @_mapped
     async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
         """What Redis holds about each backend (snapshot, sent-since, in flight)."""
         k = ModelKeys(model)
@@ -194,17 +176,16 @@ class Store:
         states = {}
         for i, name in enumerate(backends):
             snap, sent, inflight = raw[3 * i: 3 * i + 3]
-            states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0))
+            states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0),
+                                        int(float(snap.get("unseen") or 0)))
         return states
 
-    @_mapped
     async def heartbeat(self, models: Sequence[str], replica: str, now: float) -> None:
         pipe = self.client.pipeline(transaction=False)
         for model in models:
             pipe.zadd(ModelKeys(model).replicas, {replica: now})
         await pipe.execute()
 
-    @_mapped
     async def next_grant(
         self, model: str, replica: str, timeout_s: float
     ) -> tuple[str, str, int] | None:
@@ -216,7 +197,6 @@ class Store:
         rid, backend, rank = item[1].split("\t")
         return rid, backend, int(rank)
 
-    @_mapped
     async def dispatched(self, model: str, request_id: str) -> Grant | None:
         """The grant of a dispatched, unsettled request, read back from Redis."""
         k = ModelKeys(model)
@@ -226,16 +206,41 @@ class Store:
         return Grant(request_id, raw["class"], raw["user"], int(raw["rank"]), raw["owner"],
                      raw["backend"], float(raw["enqueued_at"]))
 
-    @_mapped
+    async def request_fields(self, model: str, request_id: str) -> dict[str, str]:
+        """A queued or running request's hash (empty when there is none)."""
+        return await cast("Awaitable[dict[str, str]]",
+                          self.client.hgetall(ModelKeys(model).request(request_id)))
+
+    async def queued_users(self, model: str, per_class: int) -> list[QueuedUser]:
+        """The first ``per_class`` active users of each class with their queue heads."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        for klass in CLASS_ORDER:
+            pipe.zrange(k.active(klass), 0, per_class - 1, withscores=True)
+        actives = await pipe.execute()
+        pairs = [(klass, str(user), float(score))
+                 for klass, members in zip(CLASS_ORDER, actives, strict=True)
+                 for user, score in members]
+        pipe = self.client.pipeline(transaction=False)
+        for klass, user, _ in pairs:
+            pipe.llen(k.queue(klass, user))
+            pipe.lindex(k.queue(klass, user), 0)
+        heads = await pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(len(pairs)):
+            pipe.hget(k.request(str(heads[2 * i + 1] or "")), "enqueued_at")
+        enqueued = await pipe.execute()
+        return [QueuedUser(klass, user, score, int(heads[2 * i]), heads[2 * i + 1],
+                           float(enqueued[i]) if enqueued[i] else None)
+                for i, (klass, user, score) in enumerate(pairs)]
+
     async def request_exists(self, model: str, request_id: str) -> bool:
         return bool(await self.client.exists(ModelKeys(model).request(request_id)))
 
-    @_mapped
     async def depths(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(ModelKeys(model).depth))
         return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}
 
-    @_mapped
     async def user_inflight(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]",
                          self.client.hgetall(ModelKeys(model).user_inflight))

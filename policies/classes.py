@@ -1,13 +1,41 @@
-"""Priority classes and their order. Lower index = served first."""
+"""Priority classes: the one table every other module reads.
+
+Lower position = served first. Each row holds the class's defaults: its vLLM priority
+base, its pacing gate, how long a request may wait, and its starvation floor (the share
+of recent dispatches a backlogged class is owed; see ``policies/starvation.py``).
+"""
 
 from __future__ import annotations
 
-CLASS_ORDER: tuple[str, ...] = ("interactive", "default", "batch")
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ClassSpec:
+    name: str
+    priority_base: int
+    max_waiting: int
+    max_queue_wait_s: float
+    floor: float
+
+
+CLASSES: tuple[ClassSpec, ...] = (
+    ClassSpec("interactive", priority_base=0, max_waiting=3, max_queue_wait_s=300.0, floor=0.0),
+    ClassSpec("default", priority_base=1000, max_waiting=3, max_queue_wait_s=300.0, floor=0.10),
+    # batch runs only when the backend queue is empty: a little idle GPU beats a slower user
+    ClassSpec("batch", priority_base=2000, max_waiting=1, max_queue_wait_s=86400.0, floor=0.05),
+)
+CLASS_ORDER: tuple[str, ...] = tuple(c.name for c in CLASSES)
+SPECS: dict[str, ClassSpec] = {c.name: c for c in CLASSES}
 
 
 def class_rank(name: str) -> int:
     """Position of a class in the service order; unknown names raise ValueError."""
     return CLASS_ORDER.index(name)
+
+
+def default_floors() -> dict[str, float]:
+    return {c.name: c.floor for c in CLASSES if c.floor > 0}
 
 
 def effective_class(granted: str, requested: str | None) -> str | None:

@@ -1,21 +1,40 @@
-"""Token-cost estimates made before a backend has tokenized anything."""
+"""What a request costs: token estimates before a backend has tokenized anything, and
+the weighted token cost that VTC fairness and the service metrics both count."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4
 
 
+@dataclass(frozen=True, slots=True)
+class TokenCost:
+    """VTC's cost of service: prompt tokens × ``w_in`` + output tokens × ``w_out``."""
+
+    w_in: float = 1.0
+    w_out: float = 2.0
+
+    def of(self, prompt_tokens: int, output_tokens: int, weight: float = 1.0) -> float:
+        return (prompt_tokens * self.w_in + output_tokens * self.w_out) / weight
+
+
 def _text_len(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_text_len(v) for v in value)
-    if isinstance(value, dict):
-        return _text_len(value.get("text", "")) + _text_len(value.get("content", ""))
-    return 0
+    """Characters of text in a prompt or message content (iterative: any nesting depth)."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.append(item.get("text", ""))
+            stack.append(item.get("content", ""))
+    return total
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:

@@ -1,65 +1,95 @@
-"""Fairness among users of one (model, class) queue.
+"""Fairness among users of one (model, class) queue: what each request costs its user.
 
-Both policies keep one score per active user and serve the smallest score next; they
-differ only in how a score moves, which is all this module decides. The atomic
-bookkeeping runs in Redis (``gateway/lua``), parameterised by :class:`ScoreRule`.
+The Redis scripts (``gateway/lua``) are a generic virtual-time engine: each active user
+has a score, the smallest score is served next, a dispatch adds the request's
+``dispatch_cost`` to its user's score, a settle adds ``settle_charge``, and a user who
+becomes active is lifted to the smallest active score so it cannot bank credit while idle.
+A policy only says what those costs are:
 
-- ``round_robin``: per request. A served user goes to the back (score = max + 1); a new
-  user joins at the back.
-- ``vtc``: Virtual Token Counter (Sheng et al., OSDI 2024). The score is the user's
-  weighted service: prompt tokens × ``w_in`` charged at dispatch, output tokens ×
-  ``w_out`` at completion, divided by the user's weight. A user returning from idle is
-  lifted to the minimum active score so it cannot bank credit while away.
+- :class:`RoundRobin`: per request, 1 / key weight at dispatch, nothing at settle.
+  Backlogged users take turns (weighted by their keys).
+- :class:`Vtc`: Virtual Token Counter (Sheng et al., OSDI 2024). The prompt estimate ×
+  ``w_in`` at dispatch; at settle the output tokens × ``w_out`` plus the correction of the
+  prompt estimate by the real count; all divided by the key weight.
+
+Each policy states its fairness bound (:meth:`FairnessPolicy.bound`): the largest gap in
+weighted service between two continuously backlogged users, given the largest cost of one
+request and how many requests may be in flight (charged only when they settle).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Protocol
 
-Mode = Literal["rotate", "charge"]
+from policies.cost import TokenCost
+
+
+class FairnessPolicy(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def dispatch_cost(self, prompt_tokens: int, weight: float) -> float:
+        """Added to the user's score when the request is dispatched."""
+
+    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
+                      weight: float) -> float:
+        """Added when it settles: real usage, less what dispatch charged."""
+
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+        """Weighted service of one finished request, in the policy's unit."""
+
+    def bound(self, max_request_service: float, in_flight: int,
+              max_unsettled_service: float) -> float:
+        """The policy's fairness bound for two backlogged users."""
 
 
 @dataclass(frozen=True, slots=True)
-class ScoreRule:
-    """Parameters the Redis scripts apply; ``mode`` picks the score movement."""
+class RoundRobin:
+    name: str = "round_robin"
 
-    mode: Mode
-    w_in: float = 0.0
-    w_out: float = 0.0
+    def dispatch_cost(self, prompt_tokens: int, weight: float) -> float:
+        return 1.0 / weight
 
-    def dispatch_charge(self, prompt_tokens: int, weight: float) -> float:
-        return prompt_tokens * self.w_in / weight if self.mode == "charge" else 0.0
+    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
+                      weight: float) -> float:
+        return 0.0
 
-    def completion_charge(
-        self, prompt_tokens: int, charged_prompt: int, output_tokens: int, weight: float
-    ) -> float:
-        """Output cost plus the correction of the prompt estimate charged at dispatch."""
-        if self.mode != "charge":
-            return 0.0
-        return ((prompt_tokens - charged_prompt) * self.w_in + output_tokens * self.w_out) / weight
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+        return 1.0 / weight
 
-
-def round_robin() -> ScoreRule:
-    return ScoreRule("rotate")
+    def bound(self, max_request_service: float, in_flight: int,
+              max_unsettled_service: float) -> float:
+        return 2 * max_request_service  # everything is charged at dispatch
 
 
-def vtc(w_in: float = 1.0, w_out: float = 2.0) -> ScoreRule:
-    return ScoreRule("charge", w_in, w_out)
+@dataclass(frozen=True, slots=True)
+class Vtc:
+    cost: TokenCost = field(default_factory=TokenCost)
+    name: str = "vtc"
+
+    def dispatch_cost(self, prompt_tokens: int, weight: float) -> float:
+        return self.cost.of(prompt_tokens, 0, weight)
+
+    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
+                      weight: float) -> float:
+        return self.cost.of(prompt_tokens - charged_prompt, output_tokens, weight)
+
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+        return self.cost.of(prompt_tokens, output_tokens, weight)
+
+    def bound(self, max_request_service: float, in_flight: int,
+              max_unsettled_service: float) -> float:
+        # VTC's 2·U, plus the output of requests dispatched but not yet settled
+        return 2 * max_request_service + in_flight * max_unsettled_service
 
 
-def rule_for(name: str) -> ScoreRule:
+POLICIES = ("vtc", "round_robin")
+
+
+def policy_for(name: str, cost: TokenCost | None = None) -> FairnessPolicy:
     if name == "round_robin":
-        return round_robin()
+        return RoundRobin()
     if name == "vtc":
-        return vtc()
+        return Vtc(cost or TokenCost())
     raise ValueError(f"unknown fairness policy {name!r}")
-
-
-def join_score(rule: ScoreRule, saved: float | None, active_min: float | None,
-               active_max: float | None) -> float:
-    """Score of a user becoming active (reference for the enqueue script)."""
-    if rule.mode == "rotate":
-        return (active_max or 0.0) + 1.0
-    own = saved or 0.0
-    return own if active_min is None else max(own, active_min)

@@ -1,13 +1,17 @@
 """Dispatch gates: may a backend take more work of a class right now?
 
 A gate is computed from the backend's latest /metrics snapshot. It yields a *limit*:
-the number of requests that may have been dispatched to the backend since that snapshot
-(the burst allowance). Zero means closed, and ``reason`` says why.
+the number of requests that may be on their way to the backend beyond what that snapshot
+shows (the burst allowance). Zero means closed, and ``reason`` says why.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Why a gate is closed. "in_transit": open by the snapshot, but the requests already sent
+# since it (or not yet registered by the server) use up the burst allowance.
+GATE_REASONS = ("waiting", "in_transit", "tpot", "kv", "stale", "drained")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +35,17 @@ class BackendSnapshot:
 @dataclass(frozen=True, slots=True)
 class Gate:
     limit: int
-    reason: str | None = None  # "stale", "drained", "waiting", "tpot", "kv" when closed
+    reason: str | None = None  # one of GATE_REASONS when closed
 
     @property
     def open(self) -> bool:
         return self.limit > 0
+
+    def after(self, in_transit: int) -> Gate:
+        """The gate once ``in_transit`` requests count against its burst allowance."""
+        if self.reason is not None or self.limit > in_transit:
+            return self
+        return Gate(self.limit, "in_transit")
 
 
 def evaluate_gate(

@@ -5,8 +5,9 @@ lower ones forever under sustained load. A lower class that has been backlogged 
 ``after_s`` is owed a floor: whenever its share of the last ``window`` dispatches is below
 its floor, it goes first for one dispatch, using the top class's gate (its own gate, e.g.
 batch's "only when the backend queue is empty", would never open under saturation). So
-under continuous interactive saturation batch gets about its floor (default 5 %) and no
-more; when the load stops, batch's own gate opens and it fills the backend.
+under continuous interactive saturation batch gets about its floor (5 %, set in
+``policies/classes.py``) and no more; when the load stops, batch's own gate opens and it
+fills the backend.
 """
 
 from __future__ import annotations
@@ -14,16 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from policies.classes import CLASS_ORDER
-
-
-def _default_floors() -> dict[str, float]:
-    return {"default": 0.10, "batch": 0.05}
+from policies.classes import CLASS_ORDER, default_floors
 
 
 @dataclass(frozen=True, slots=True)
 class FloorPolicy:
-    floors: Mapping[str, float] = field(default_factory=_default_floors)
+    floors: Mapping[str, float] = field(default_factory=default_floors)
     after_s: float = 30.0
     window: int = 100
 

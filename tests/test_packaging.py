@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IMPORT_NAMES = ("fairgate", "gateway", "policies", "loadtest")
+IMPORT_NAMES = ("gateway", "policies", "loadtest")
 PRODUCT = ("gateway", "policies")
-# The test rig, its extras, the composition root above the product, and a test-only client.
-NOT_FOR_PRODUCT = {"loadtest", "fairgate", "tqdm", "matplotlib", "httpx"}
+# The test rig (with the console script's composition root), its extras, a test-only client.
+NOT_FOR_PRODUCT = {"loadtest", "tqdm", "matplotlib", "httpx"}
+# The rig's parts the console script loads only for demo, sim and bench.
+RIG = ("loadtest.demo", "loadtest.sim", "loadtest.bench")
 
 
 @pytest.mark.parametrize("name", IMPORT_NAMES)
@@ -65,7 +67,7 @@ SCRIPT = """
 import sys
 for name in sys.argv[2:]:
     sys.modules[name] = None
-from fairgate.cli import main
+from loadtest.cli import main
 sys.exit(main(sys.argv[1].split()))
 """
 
@@ -76,22 +78,22 @@ def _fairgate(command: str, *missing: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_serve_works_without_the_test_rig() -> None:
-    result = _fairgate("serve --help", "loadtest")
+    result = _fairgate("serve --help", *RIG)
     assert result.returncode == 0, result.stderr
     assert "--config" in result.stdout
 
 
 def test_help_names_every_command_without_the_test_rig() -> None:
-    result = _fairgate("--help", "loadtest")
+    result = _fairgate("--help", *RIG)
     assert result.returncode == 0, result.stderr
     for command in ("serve", "demo", "sim", "bench"):
         assert command in result.stdout
 
 
 @pytest.mark.parametrize(("command", "missing", "extra"), [
-    ("demo", "loadtest", "sim"),
-    ("sim --model m", "loadtest", "sim"),
-    ("bench all", "loadtest", "bench"),
+    ("demo", "loadtest.demo", "sim"),
+    ("sim --model m", "loadtest.sim", "sim"),
+    ("bench all", "loadtest.bench", "bench"),
     ("bench all --quick", "tqdm", "bench"),
     ("bench newcomer", "matplotlib", "bench"),
 ])
@@ -108,11 +110,12 @@ def test_missing_rig_or_extra_is_one_line_and_exit_2(command: str, missing: str,
 
 
 def test_serve_does_not_load_the_test_rig() -> None:
-    code = ("import sys\nfrom fairgate.cli import main\n"
+    code = ("import sys\nfrom loadtest.cli import main\n"
             "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted({m.split('.')[0] for m in sys.modules}))")
+            "print(sorted(sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=60, check=True)
     loaded = set(ast.literal_eval(result.stdout.splitlines()[-1]))
-    assert "gateway" in loaded
-    assert not loaded & (NOT_FOR_PRODUCT - {"fairgate"})
+    assert "gateway.cli" in loaded
+    assert not {m for m in loaded if m.startswith(RIG) or m.split(".")[0] in
+                NOT_FOR_PRODUCT - {"loadtest"}}

@@ -7,7 +7,7 @@ import pytest
 from policies.backend_choice import Candidate, by_load
 from policies.classes import effective_class
 from policies.cost import estimate_prompt_tokens
-from policies.fairness import join_score, round_robin, vtc
+from policies.fairness import RoundRobin, Vtc
 from policies.gates import BackendSnapshot, GatePolicy, evaluate_gate
 from policies.priority import vllm_priority
 from policies.starvation import FloorPolicy, owed_class, service_order
@@ -37,16 +37,15 @@ def test_class_may_only_be_lowered() -> None:
     assert effective_class("default", "nonsense") is None
 
 
-def test_vtc_and_round_robin_rules() -> None:
-    rule = vtc()
-    assert rule.dispatch_charge(100, weight=2.0) == 50.0
+def test_vtc_and_round_robin_costs() -> None:
+    vtc = Vtc()
+    assert vtc.dispatch_cost(100, weight=2.0) == 50.0
     # output × 2 plus the correction of a prompt estimated at 90 but really 100
-    assert rule.completion_charge(100, 90, 10, weight=1.0) == 30.0
-    assert join_score(rule, saved=5.0, active_min=40.0, active_max=90.0) == 40.0  # lifted
-    assert join_score(rule, saved=70.0, active_min=40.0, active_max=90.0) == 70.0
-    rr = round_robin()
-    assert rr.dispatch_charge(100, 1.0) == 0.0 and rr.completion_charge(1, 1, 9, 1.0) == 0.0
-    assert join_score(rr, saved=5.0, active_min=1.0, active_max=7.0) == 8.0  # at the back
+    assert vtc.settle_charge(100, 90, 10, weight=1.0) == 30.0
+    assert vtc.service(100, 10, weight=2.0) == 60.0
+    rr = RoundRobin()
+    assert rr.dispatch_cost(100, 1.0) == 1.0 and rr.dispatch_cost(100, 2.0) == 0.5
+    assert rr.settle_charge(1, 1, 9, 1.0) == 0.0
 
 
 def test_priority_class_dominates_rank() -> None:

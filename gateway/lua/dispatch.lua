@@ -1,5 +1,6 @@
--- Pick the next requests for one backend (up to ARGV[9]): highest class whose gate has
+-- Pick the next requests for one backend (up to ARGV[7]): highest class whose gate has
 -- room, then the user with the smallest fairness score, then that user's oldest request.
+-- The served user's score grows by the request's dispatch cost (stored at enqueue).
 -- KEYS[1] backend sent-since-snapshot (zset id -> t)  KEYS[2] replica heartbeats (zset)
 -- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
 -- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] recent dispatched classes (list)
@@ -7,22 +8,21 @@
 -- KEYS[9] drained backends (set): a drained backend gets nothing, whatever a replica thinks
 -- KEYS[10..9+n] active zset per class, in service order
 -- KEYS[10+n..9+2n] saved-score hash per class, same order
--- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] mode "rotate"|"charge"  ARGV[4] w_in
--- ARGV[5] model key prefix  ARGV[6] this replica  ARGV[7] backend name
--- ARGV[8] recent-list length kept  ARGV[9] most grants to return
--- ARGV[10..9+n] class names   ARGV[10+n..9+2n] gate limits (max allowed in sent-since)
+-- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix  ARGV[4] this replica
+-- ARGV[5] backend name  ARGV[6] recent-list length kept  ARGV[7] most grants to return
+-- ARGV[8..7+n] class names   ARGV[8+n..7+2n] gate limits (max allowed in sent-since)
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
 -- depth the number of requests still queued for the model (all classes).
 local n = (#KEYS - 9) / 2
-local want = tonumber(ARGV[9])
+local want = tonumber(ARGV[7])
 local grants = {}
 local now = tonumber(ARGV[1])
-local prefix = ARGV[5]
+local prefix = ARGV[3]
 -- counted against the gates: dispatched since the snapshot + still on the way at it
 local sent = redis.call('ZCARD', KEYS[1])
   + (tonumber(redis.call('HGET', KEYS[8], 'unseen')) or 0)
 
-if redis.call('SISMEMBER', KEYS[9], ARGV[7]) == 1 then
+if redis.call('SISMEMBER', KEYS[9], ARGV[5]) == 1 then
   want = 0
 end
 
@@ -32,8 +32,8 @@ local function alive(owner)
 end
 
 for i = 1, n do
-  local class = ARGV[9 + i]
-  local limit = tonumber(ARGV[9 + n + i])
+  local class = ARGV[7 + i]
+  local limit = tonumber(ARGV[7 + n + i])
   local active, saved = KEYS[9 + i], KEYS[9 + n + i]
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
@@ -41,21 +41,16 @@ for i = 1, n do
     local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
     if not top[1] then break end
     local user, score = top[1], tonumber(top[2])
-    local queue = prefix .. 'q:' .. class .. ':' .. user
+    local queue = key_queue(prefix, class, user)
     local id = redis.call('LPOP', queue)
     if id and redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then
       redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
     end
-    local req = id and (prefix .. 'req:' .. id)
-    local fields = req and redis.call('HMGET', req, 'owner', 'weight', 'prompt', 'enqueued_at')
+    local req = id and key_request(prefix, id)
+    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at')
     local valid = fields and fields[1] and alive(fields[1])
     if valid then
-      if ARGV[3] == 'rotate' then
-        local last = redis.call('ZRANGE', active, -1, -1, 'WITHSCORES')
-        score = tonumber(last[2]) + 1
-      else
-        score = score + tonumber(fields[3]) * tonumber(ARGV[4]) / tonumber(fields[2])
-      end
+      score = score + (tonumber(fields[2]) or 0)
     elseif req then
       redis.call('DEL', req)  -- expired, or its replica died: nobody holds the client
     end
@@ -70,15 +65,15 @@ for i = 1, n do
       redis.call('ZADD', KEYS[1], now, id)
       sent = sent + 1
       redis.call('INCR', KEYS[5])
-      redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[7], 'rank', rank)
-      redis.call('SADD', prefix .. 'running:' .. fields[1], id)
+      redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[5], 'rank', rank)
+      redis.call('SADD', key_running(prefix, fields[1]), id)
       redis.call('LPUSH', KEYS[7], class)
-      redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[8]) - 1)
-      if fields[1] ~= ARGV[6] then
-        redis.call('RPUSH', prefix .. 'grants:' .. fields[1],
-          id .. '\t' .. ARGV[7] .. '\t' .. rank)
+      redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[6]) - 1)
+      if fields[1] ~= ARGV[4] then
+        redis.call('RPUSH', key_grants(prefix, fields[1]),
+          id .. '\t' .. ARGV[5] .. '\t' .. rank)
       end
-      grants[#grants + 1] = {id, class, user, rank, fields[1], fields[4]}
+      grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
     end
   end
 end

@@ -2,33 +2,28 @@
 -- KEYS[1] user queue (list)      KEYS[2] active users (zset)   KEYS[3] saved scores (hash)
 -- KEYS[4] request (hash)         KEYS[5] queue depth (hash class -> n)
 -- KEYS[6] backlogged-since (hash class -> t)
--- ARGV[1] request id  ARGV[2] user  ARGV[3] class  ARGV[4] owner replica  ARGV[5] weight
--- ARGV[6] prompt token estimate  ARGV[7] now (s)  ARGV[8] max queued per user
--- ARGV[9] score mode: "rotate" | "charge"   ARGV[10] request ttl (s)
+-- ARGV[1] request id  ARGV[2] user  ARGV[3] class  ARGV[4] owner replica
+-- ARGV[5] dispatch cost (the fairness policy's, added to the user's score at dispatch)
+-- ARGV[6] now (s)  ARGV[7] max queued per user  ARGV[8] request ttl (s)
 -- Returns the user's queue length, or -1 when the per-user cap is reached.
 local queued = redis.call('LLEN', KEYS[1])
-if queued >= tonumber(ARGV[8]) then
+if queued >= tonumber(ARGV[7]) then
   return -1
 end
 redis.call('HSET', KEYS[4], 'user', ARGV[2], 'class', ARGV[3], 'owner', ARGV[4],
-  'weight', ARGV[5], 'prompt', ARGV[6], 'enqueued_at', ARGV[7], 'state', 'queued')
-redis.call('EXPIRE', KEYS[4], tonumber(ARGV[10]))
+  'cost', ARGV[5], 'enqueued_at', ARGV[6], 'state', 'queued')
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[8]))
 redis.call('RPUSH', KEYS[1], ARGV[1])
 if redis.call('HINCRBY', KEYS[5], ARGV[3], 1) == 1 then
-  redis.call('HSET', KEYS[6], ARGV[3], ARGV[7])
+  redis.call('HSET', KEYS[6], ARGV[3], ARGV[6])
 end
 if not redis.call('ZSCORE', KEYS[2], ARGV[2]) then
-  local score
-  if ARGV[9] == 'rotate' then
-    local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
-    score = (tonumber(last[2]) or 0) + 1
-  else
-    -- VTC lift: a returning user starts no lower than the least-served active user.
-    score = tonumber(redis.call('HGET', KEYS[3], ARGV[2])) or 0
-    local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-    if first[2] and tonumber(first[2]) > score then
-      score = tonumber(first[2])
-    end
+  -- Joining: a returning user starts no lower than the least-served active user, so
+  -- it cannot bank credit while idle.
+  local score = tonumber(redis.call('HGET', KEYS[3], ARGV[2])) or 0
+  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if first[2] and tonumber(first[2]) > score then
+    score = tonumber(first[2])
   end
   redis.call('ZADD', KEYS[2], score, ARGV[2])
 end

@@ -8,20 +8,20 @@ local prefix = ARGV[3]
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
 local released = 0
 for _, replica in ipairs(dead) do
-  local running = prefix .. 'running:' .. replica
+  local running = key_running(prefix, replica)
   for _, id in ipairs(redis.call('SMEMBERS', running)) do
-    local req = prefix .. 'req:' .. id
+    local req = key_request(prefix, id)
     local f = redis.call('HMGET', req, 'user', 'backend')
     if f[1] and f[2] then
       if redis.call('HINCRBY', KEYS[2], f[1], -1) <= 0 then redis.call('HDEL', KEYS[2], f[1]) end
-      local inflight = prefix .. 'bk:' .. f[2] .. ':inflight'
+      local inflight = key_backend_inflight(prefix, f[2])
       if redis.call('DECR', inflight) <= 0 then redis.call('DEL', inflight) end
-      redis.call('ZREM', prefix .. 'bk:' .. f[2] .. ':sent', id)
+      redis.call('ZREM', key_backend_sent(prefix, f[2]), id)
       released = released + 1
     end
     redis.call('DEL', req)
   end
-  redis.call('DEL', running, prefix .. 'grants:' .. replica)
+  redis.call('DEL', running, key_grants(prefix, replica))
   redis.call('ZREM', KEYS[1], replica)
 end
 return released

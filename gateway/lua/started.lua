@@ -10,9 +10,4 @@ end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   return 1
 end
-local unseen = tonumber(redis.call('HGET', KEYS[2], 'unseen')) or 0
-if unseen > 0 then
-  redis.call('HSET', KEYS[2], 'unseen', unseen - 1)
-  return 1
-end
-return 0
+return take_unseen(KEYS[2])

@@ -55,10 +55,12 @@ function usersPanel(queues) {
       "nobody is waiting"));
 }
 
-function gateBadges(gates) {
+function gateBadges(gates, inTransit) {
   return CLASSES.map((c) => {
     const g = gates[c];
-    const label = g.open ? `${c}: open` : `${c}: ${g.reason}`;
+    // "in_transit": the snapshot had room, the requests on their way used it up
+    const reason = g.reason === "in_transit" ? `in transit (${inTransit})` : g.reason;
+    const label = g.open ? `${c}: open` : `${c}: ${reason}`;
     return el("span", { class: `gate ${g.open ? "open" : "closed"}`, "data-gate": c,
                         "data-reason": g.reason || "" }, label);
   });
@@ -73,15 +75,16 @@ function backendsPanel(backends) {
       el("td", { class: state, "data-metric": "backend-state" }, state),
       el("td", { "data-metric": "backend-waiting" }, s.waiting ?? "–"),
       el("td", { "data-metric": "backend-running" }, s.running ?? "–"),
+      el("td", { "data-metric": "backend-in-transit" }, b.in_transit),
       el("td", {}, s.kv_usage === undefined ? "–" : fmt(100 * s.kv_usage, 0) + "%"),
       el("td", {}, fmt(s.tpot_ms, 1)),
       el("td", {}, b.inflight),
       el("td", { "data-metric": "dispatch-rate" }, fmt(b.dispatch_rate_per_s, 1)),
-      el("td", {}, gateBadges(b.gates)));
+      el("td", {}, gateBadges(b.gates, b.in_transit)));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
-    table(["backend", "state", "waiting", "running", "KV", "TPOT ms", "in flight",
-           "dispatch/s", "gates"], rows, "no backends"));
+    table(["backend", "state", "waiting", "running", "in transit", "KV", "TPOT ms",
+           "in flight", "dispatch/s", "gates"], rows, "no backends"));
 }
 
 function sharesPanel(shares) {

@@ -1,8 +1,8 @@
 """Backends and gateways as separate processes, so the load generator (this process)
 never shares an event loop or a GIL with what it measures.
 
-- a simulated vLLM: ``python -m fairgate sim …`` (``fairgate sim``);
-- fairgate: ``python -m fairgate serve --config FILE`` (``fairgate serve``), on a
+- a simulated vLLM: ``python -m loadtest sim …`` (``fairgate sim``);
+- fairgate: ``python -m loadtest serve --config FILE`` (``fairgate serve``), on a
   Redis shared by the whole bench run (embedded Valkey unless ``--redis-url``).
 """
 
@@ -63,7 +63,7 @@ def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | Non
            ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "fairgate", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest", *args],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             env={**os.environ, **(env or {})})
     return proc, log

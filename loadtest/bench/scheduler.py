@@ -17,12 +17,13 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
+from gateway.keys import ModelKeys
 from gateway.store import QueuedRequest, Store
 from loadtest.bench import report
 from loadtest.bench.env import Bench, Options
 from loadtest.bench.loadgen import progress
 from policies.classes import CLASS_ORDER
-from policies.fairness import vtc
+from policies.fairness import Vtc
 
 MODEL = "bench-model"
 BACKEND = "b0"
@@ -70,7 +71,8 @@ async def _workers(count: int, concurrency: int, job: Callable[[int], Awaitable[
 
 
 async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> dict[str, Any]:
-    store = Store(client, vtc(), request_ttl_s=3600)
+    store = Store(client, request_ttl_s=3600)
+    policy = Vtc()
     await client.flushdb()
     await store.heartbeat([MODEL], REPLICA, time.time() + 3600)
     base = await _memory(client)
@@ -78,7 +80,7 @@ async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> 
 
     async def enqueue(i: int) -> None:
         req = QueuedRequest(uuid.uuid4().hex, users[i % len(users)], "interactive", REPLICA,
-                            1.0, p["prompt_tokens"], time.time())
+                            policy.dispatch_cost(p["prompt_tokens"], 1.0), time.time())
         await store.enqueue(MODEL, req, p["queued"])
 
     bar = progress(p["queued"], "scheduler enqueue", opts.progress)
@@ -86,7 +88,7 @@ async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> 
     bar.close()
     loaded = await _memory(client)
     depth = (await store.depths(MODEL))["interactive"]
-    active = await cast("Awaitable[int]", client.zcard(f"fg:{{{MODEL}}}:active:interactive"))
+    active = await cast("Awaitable[int]", client.zcard(ModelKeys(MODEL).active("interactive")))
     out: dict[str, Any] = {
         "queued": depth, "active_users": active,
         "enqueue_per_s": round(p["queued"] / enqueue_s, 1),

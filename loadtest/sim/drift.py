@@ -98,7 +98,7 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def _server_command(args: argparse.Namespace, port: int) -> list[str]:
     return [
-        sys.executable, "-m", "fairgate", "sim", "--port", str(port), "--model", MODEL,
+        sys.executable, "-m", "loadtest", "sim", "--port", str(port), "--model", MODEL,
         "--profile", args.profile, "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
     ]  # fmt: skip

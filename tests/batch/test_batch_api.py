@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.batches import BatchKeys
+from gateway.keys import BatchKeys
 from gateway.server import GatewayServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 
@@ -74,7 +74,7 @@ async def test_sdk_end_to_end(gw: GatewayServer) -> None:
         assert line["error"] is None and line["response"]["status_code"] == 200
         assert line["response"]["body"]["usage"]["completion_tokens"] == 3 + i % 3
     assert (await c.files.content(f.id)).content == jsonl(20)
-    registry = gw.context.metrics.registry
+    registry = gw.services.metrics.registry
     assert registry.get_sample_value("fairgate_batch_requests_total",
                                      {"outcome": "completed"}) == 20
     assert registry.get_sample_value("fairgate_user_requests_total",

@@ -15,8 +15,8 @@ import openai
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.batches import BatchKeys
 from gateway.embedded_redis import free_port
+from gateway.keys import BatchKeys
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
 
 LINES = 60

@@ -48,7 +48,7 @@ async def sim() -> AsyncIterator[SimFactory]:
 
 async def assert_settled(server: GatewayServer) -> None:
     """Every exit path must have released its in-flight state and queue entries."""
-    store = server.context.store
+    store = server.services.store
     for _ in range(200):  # settle() runs as the handler unwinds: give it a bounded moment
         if await store.user_inflight(MODEL) == {} and not any(
                 (await store.depths(MODEL)).values()):
@@ -92,7 +92,7 @@ async def gateway(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Gatewa
         server = GatewayServer(gateway_settings(redis_url, backends, **overrides))
         await server.start()
         started.append(server)
-        for handle in server.context.pool.handles.values():
+        for handle in server.services.pool.handles.values():
             await handle.scraped.wait()
         return server
 

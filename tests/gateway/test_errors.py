@@ -51,7 +51,7 @@ async def until(condition: Callable[[], bool | Awaitable[bool]], what: str,
 
 async def store_is_idle(gw: GatewayServer) -> None:
     """Wait (bounded) until nothing is queued or in flight, then assert it."""
-    store = gw.context.store
+    store = gw.services.store
 
     async def idle() -> bool:
         return (await store.user_inflight(MODEL) == {}
@@ -126,7 +126,7 @@ class BusyBackend:
         return task
 
     async def fill(self, key: str = "sk-alice") -> None:
-        engine, handle = self.backend.engine, self.gw.context.pool.handles["b0"]
+        engine, handle = self.backend.engine, self.gw.services.pool.handles["b0"]
         self.send(key)
         await until(lambda: engine.num_running == 1, "first long request running")
         self.send(key)
@@ -290,7 +290,7 @@ async def test_403_raising_the_class_lowering_works(
         msg = assert_error(got, type_="permission_error", code="class_not_allowed")
         assert asked in msg
 
-    registry = gw.context.metrics.registry
+    registry = gw.services.metrics.registry
     for key, asked in (("sk-dflt", "batch"), ("sk-dflt", "default"), ("sk-alice", "batch")):
         status, got, _ = await call(http, "POST", gw.url + CHAT, key=key, json=body,
                                     headers={"X-Priority-Class": asked})
@@ -390,7 +390,7 @@ async def test_429_per_user_queue_cap(sim: SimFactory, gateway: GatewayFactory,
     backend = await sim(profile="h100-llama3.1-8b", max_num_seqs=1)
     gw = await gateway([backend], max_queued_per_user=1, retry_after_s=2,
                        classes={"interactive": {"max_waiting": 1}})
-    store = gw.context.store
+    store = gw.services.store
     load = busy(gw, backend)
     await load.fill("sk-alice")
     assert await store.user_inflight(MODEL) == {"alice": 2}
@@ -425,7 +425,7 @@ async def test_429_per_user_queue_cap(sim: SimFactory, gateway: GatewayFactory,
 
 
 async def _depth(gw: GatewayServer, klass: str, n: int) -> bool:
-    return (await gw.context.store.depths(MODEL))[klass] == n
+    return (await gw.services.store.depths(MODEL))[klass] == n
 
 
 # --------------------------------------------------------------------------- 504
@@ -448,8 +448,8 @@ async def test_504_queue_wait_timeout(sim: SimFactory, gateway: GatewayFactory,
     assert "0.3s" in assert_error(got, type_="server_error", code="queue_timeout")
     assert 0.3 <= waited < 5.0
     # the timed-out request left the queue; alice's two are still in flight
-    assert await gw.context.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
-    assert await gw.context.store.user_inflight(MODEL) == {"alice": 2}
+    assert await gw.services.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await gw.services.store.user_inflight(MODEL) == {"alice": 2}
 
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-carol", max_retries=0)
     try:
@@ -479,7 +479,7 @@ async def test_503_no_healthy_backend_and_ready(sim: SimFactory, gateway: Gatewa
     assert status == 200, got
 
     await backend.stop()
-    await until(lambda: not gw.context.pool.any_healthy(), "the backend marked unhealthy")
+    await until(lambda: not gw.services.pool.any_healthy(), "the backend marked unhealthy")
 
     for path, payload in ((CHAT, body), (COMPLETIONS, {"model": MODEL, "prompt": "p"})):
         status, got, headers = await call(http, "POST", gw.url + path, json=payload)

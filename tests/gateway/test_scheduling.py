@@ -134,7 +134,7 @@ async def test_old_backend_rejecting_priority_gets_requests_without_it(
     async with aiohttp.ClientSession() as session:
         await complete(session, gw.url, "sk-batch", 3)  # priority 2000 → 400 → retried
         await complete(session, gw.url, "sk-batch", 4)
-    assert not gw.context.pool.handles["b0"].accepts_priority
+    assert not gw.services.pool.handles["b0"].accepts_priority
     assert {r.max_tokens for r in backend.engine.records.values()} == {3, 4}
     assert all(r.priority == 0 for r in backend.engine.records.values())
 
@@ -143,7 +143,7 @@ async def test_disconnect_while_queued_leaves_the_queue(sim: SimFactory,
                                                         gateway: GatewayFactory) -> None:
     backend = await sim(max_num_seqs=1)
     gw = await gateway([backend], classes={"interactive": {"max_waiting": 1}})
-    store = gw.context.store
+    store = gw.services.store
     engine = backend.engine
     async with aiohttp.ClientSession() as session:
         busy = asyncio.gather(complete(session, gw.url, "sk-alice", 2000),

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability import GatewayMetrics, exported_names
+from gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_SAMPLE = ROOT / "tests" / "data" / "vllm-0.32-cpu-metrics-under-load.txt"
@@ -34,6 +36,18 @@ def referenced_metrics(expr: str) -> set[str]:
     text = re.sub(r"\$\{?\w+\}?", " ", text)
     names = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", text))
     return {n for n in names if n not in FUNCTIONS and not re.fullmatch(r"e\d*|Inf|NaN", n)}
+
+
+def exported_names(registry: CollectorRegistry) -> set[str]:
+    """Every sample name a registry can export, including families with no samples yet."""
+    suffixes: dict[str, Iterable[str]] = {
+        "counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "summary": ("", "_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",),
+    }
+    names: set[str] = set()
+    for family in registry.collect():
+        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
+    return names
 
 
 def fairgate_names() -> set[str]:

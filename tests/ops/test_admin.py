@@ -118,7 +118,7 @@ async def test_cancel_a_queued_request(sim: SimFactory, gateway: GatewayFactory)
         await other
         long = asyncio.create_task(complete(http, gw.url, "sk-carol", 200))
         await backend.engine.wait_until(lambda: len(backend.engine.records) == 2)
-        keys = [k async for k in gw.context.store.client.scan_iter(
+        keys = [k async for k in gw.services.store.client.scan_iter(
             ModelKeys(MODEL).request_prefix + "*")]
         assert len(keys) == 1
         running_id = keys[0].rsplit(":", 1)[1]
@@ -169,12 +169,12 @@ async def test_reload_rereads_keys_and_backends(
         status, got = await admin_call(http, "POST", gw.url + "/admin/reload")
         assert status == 200 and got["restart_required"] == [], got
         assert got["backends"] == {"added": ["b1"], "removed": [], "changed": []}
-        await asyncio.wait_for(gw.context.pool.handles["b1"].scraped.wait(), 10)
+        await asyncio.wait_for(gw.services.pool.handles["b1"].scraped.wait(), 10)
         write_config(path, redis_url, [second], [*without_bob, newcomer])
         path.write_text(path.read_text().replace("name: b0", "name: b1"))
         status, got = await admin_call(http, "POST", gw.url + "/admin/reload")
         assert got["backends"]["removed"] == ["b0"], got
-        assert list(gw.context.pool.handles) == ["b1"]
+        assert list(gw.services.pool.handles) == ["b1"]
         before = len(backend.engine.records)
         await complete(http, gw.url, "sk-new", 3)
         assert len(backend.engine.records) == before  # the removed backend gets nothing

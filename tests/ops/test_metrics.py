@@ -8,7 +8,8 @@ import subprocess
 
 import aiohttp
 
-from gateway.observability import OTHER_USERS, GatewayMetrics, UserLabels
+from gateway.metrics import GatewayMetrics
+from gateway.user_series import OTHER_USERS, UserLabels
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 from tests.ops.conftest import ADMIN, admin_call, require_tool, samples, total, until, value
 
@@ -98,7 +99,7 @@ async def test_queue_gauges_and_drained_gate_while_held(sim: SimFactory,
                                                         gateway: GatewayFactory) -> None:
     backend = await sim()
     gw = await gateway([backend], admin_keys=[ADMIN])
-    registry = gw.context.metrics.registry
+    registry = gw.services.metrics.registry
     async with aiohttp.ClientSession() as http:
         status, _ = await admin_call(http, "POST", gw.url + "/admin/backends/b0/drain")
         assert status == 200

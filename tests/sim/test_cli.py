@@ -9,7 +9,7 @@ import sys
 
 import aiohttp
 
-from fairgate.cli import build_parser
+from loadtest.cli import build_parser
 from loadtest.sim.cli import config_from_args
 
 
@@ -29,7 +29,7 @@ def test_flags_map_to_engine_config() -> None:
 
 async def test_serves_until_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fairgate", "sim", "--port", "0", "--model", "m",
+        sys.executable, "-m", "loadtest", "sim", "--port", "0", "--model", "m",
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

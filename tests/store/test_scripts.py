@@ -6,17 +6,18 @@ import redis.asyncio as aioredis
 
 from gateway.keys import ModelKeys
 from gateway.store import Grant, QueuedRequest, Store
-from policies.fairness import round_robin, vtc
+from policies.fairness import FairnessPolicy, Vtc
 from policies.gates import BackendSnapshot
 
 M = "m"
 K = ModelKeys(M)
 ALL_OPEN = {"interactive": 100, "default": 100, "batch": 100}
+VTC = Vtc()
 
 
 def req(rid: str, user: str, klass: str = "default", prompt: int = 10, weight: float = 1.0,
-        owner: str = "r1") -> QueuedRequest:
-    return QueuedRequest(rid, user, klass, owner, weight, prompt, 1000.0)
+        owner: str = "r1", policy: FairnessPolicy = VTC) -> QueuedRequest:
+    return QueuedRequest(rid, user, klass, owner, policy.dispatch_cost(prompt, weight), 1000.0)
 
 
 async def alive(store: Store, *replicas: str) -> None:
@@ -32,7 +33,7 @@ async def dispatch(store: Store, limits: dict[str, int] = ALL_OPEN,
 
 
 async def test_enqueue_caps_per_user_and_counts_depth(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     assert await store.enqueue(M, req("a1", "a"), max_queued=2) == 1
     assert await store.enqueue(M, req("a2", "a"), max_queued=2) == 2
     assert await store.enqueue(M, req("a3", "a"), max_queued=2) == -1
@@ -42,7 +43,7 @@ async def test_enqueue_caps_per_user_and_counts_depth(redis: aioredis.Redis) -> 
 
 
 async def test_enqueue_vtc_lifts_returning_user_to_min_active(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await redis.zadd(K.active("default"), {"busy": 500.0})
     await redis.hset(K.saved("default"), "idle", 20.0)
     await store.enqueue(M, req("x", "idle"), 10)
@@ -50,7 +51,7 @@ async def test_enqueue_vtc_lifts_returning_user_to_min_active(redis: aioredis.Re
 
 
 async def test_dispatch_serves_class_order_then_smallest_score(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.enqueue(M, req("b1", "bob", "batch"), 10)
     await store.enqueue(M, req("a1", "alice", prompt=100), 10)
@@ -66,7 +67,7 @@ async def test_dispatch_serves_class_order_then_smallest_score(redis: aioredis.R
 
 
 async def test_dispatch_ranks_grow_with_user_inflight(redis: aioredis.Redis) -> None:
-    store = Store(redis, round_robin(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     for i in range(3):
         await store.enqueue(M, req(f"a{i}", "a"), 10)
@@ -78,7 +79,7 @@ async def test_dispatch_ranks_grow_with_user_inflight(redis: aioredis.Redis) -> 
 
 
 async def test_dispatch_respects_gate_limit_per_class(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     for i in range(5):
         await store.enqueue(M, req(f"d{i}", "u"), 10)
@@ -93,7 +94,7 @@ async def test_dispatch_respects_gate_limit_per_class(redis: aioredis.Redis) -> 
 
 
 async def test_dispatch_skips_requests_of_dead_replicas(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.heartbeat([M], "dead", 900.0)  # older than the 10 s ttl
     await store.enqueue(M, req("x", "a", owner="dead"), 10)
@@ -105,7 +106,7 @@ async def test_dispatch_skips_requests_of_dead_replicas(redis: aioredis.Redis) -
 
 
 async def test_dispatch_pushes_grant_to_owning_replica(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1", "r2")
     await store.enqueue(M, req("x", "a", owner="r2"), 10)
     g = await dispatch(store)
@@ -115,7 +116,7 @@ async def test_dispatch_pushes_grant_to_owning_replica(redis: aioredis.Redis) ->
 
 
 async def test_settle_releases_once_and_charges(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.enqueue(M, req("a0", "a", prompt=10), 10)
     await store.enqueue(M, req("a1", "a", prompt=10), 10)
@@ -132,7 +133,7 @@ async def test_settle_releases_once_and_charges(redis: aioredis.Redis) -> None:
 
 
 async def test_settle_charges_idle_user_saved_score(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.enqueue(M, req("a0", "a", prompt=10), 10)
     g = await dispatch(store)
@@ -142,7 +143,7 @@ async def test_settle_charges_idle_user_saved_score(redis: aioredis.Redis) -> No
 
 
 async def test_cancel_removes_queued_only(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.enqueue(M, req("a0", "a"), 10)
     await store.enqueue(M, req("a1", "a"), 10)
@@ -156,7 +157,7 @@ async def test_cancel_removes_queued_only(redis: aioredis.Redis) -> None:
 
 
 async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await redis.zadd(K.backend_sent("b1"), {"old": 990.0, "after_scrape": 1000.5})
     await redis.set(K.backend_inflight("b1"), 10)
     snap = BackendSnapshot(waiting=2, running=5, kv_usage=0.5, tpot_s=0.02, taken_at_s=1000.0)
@@ -172,7 +173,7 @@ async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis
 
 
 async def test_unseen_requests_count_against_the_gate(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     for i in range(4):
         await store.enqueue(M, req(f"a{i}", "a"), 10)
@@ -183,7 +184,7 @@ async def test_unseen_requests_count_against_the_gate(redis: aioredis.Redis) -> 
 
 
 async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1", "r2")
     await store.enqueue(M, req("x", "a", owner="r2"), 10)
     await store.enqueue(M, req("y", "a", owner="r1"), 10)
@@ -201,7 +202,7 @@ async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> 
 
 
 async def test_dispatched_reads_a_grant_back_for_orphan_release(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.enqueue(M, req("x", "a"), 10)
     assert await store.dispatched(M, "x") is None  # queued, not dispatched
@@ -214,7 +215,7 @@ async def test_dispatched_reads_a_grant_back_for_orphan_release(redis: aioredis.
 
 
 async def test_dispatch_returns_several_grants_up_to_the_gate(redis: aioredis.Redis) -> None:
-    store = Store(redis, round_robin(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     for i in range(3):
         await store.enqueue(M, req(f"a{i}", "a"), 10)
@@ -232,7 +233,7 @@ async def test_dispatch_returns_several_grants_up_to_the_gate(redis: aioredis.Re
 
 
 async def test_settle_and_start_free_unseen_slots(redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     for i in range(3):
         await store.enqueue(M, req(f"a{i}", "a"), 10)
@@ -261,7 +262,7 @@ async def test_settle_and_start_free_unseen_slots(redis: aioredis.Redis) -> None
 
 async def test_a_drained_backend_gets_nothing_and_every_replica_learns_it(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, vtc(), 600)
+    store = Store(redis, 600)
     await alive(store, "r1")
     await store.enqueue(M, req("a0", "a"), 10)
     await store.set_drained(M, "b1", True)

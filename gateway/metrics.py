@@ -1,94 +1,25 @@
-"""The gateway's own Prometheus metrics (``fairgate_*``), on a registry passed in.
-
-Per-user series are bounded: :class:`UserLabels` gives at most ``top_users`` users a
-label of their own and counts everyone else as ``other`` (see its docstring).
+"""The gateway's own Prometheus metrics (``fairgate_*``), on a registry passed in, and the
+hooks the request path, the backend pool and the supervisor call to feed them.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Protocol, cast
+from collections.abc import Mapping
 
-import redis.asyncio as aioredis
-import structlog
-from aiohttp import web
-from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from redis.exceptions import RedisError
 
-log = structlog.get_logger("fairgate.request")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+from gateway.redis_client import RedisMetrics
+from gateway.user_series import OTHER_USERS, ServiceShares, UserLabels
+from policies.gates import GATE_REASONS
 
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
-GATE_REASONS = ("waiting", "tpot", "kv", "stale", "drained")
-OTHER_USERS = "other"
-# Blocking reads wait on purpose: their duration is not Redis latency.
-BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
-SHARE_HALF_LIFE_S = 60.0
-MAX_SHARE_USERS = 1000
 DISPATCH_RATE_WINDOW_S = 10.0
-
-
-class UserLabels:
-    """Bounded user label values for per-user series.
-
-    The first ``top_n`` users seen while a slot is free keep their own label; everyone
-    else is ``other``. A labelled user idle for ``idle_s`` loses its slot (its series are
-    removed) so a currently active user can take it. Labels are sticky while active, so
-    counters stay monotonic per series.
-    """
-
-    def __init__(self, top_n: int, idle_s: float) -> None:
-        self.top_n = top_n
-        self.idle_s = idle_s
-        self.last_seen: dict[str, float] = {}
-        self._next_sweep = 0.0
-
-    def label(self, user: str, now: float) -> tuple[str, list[str]]:
-        """(label for ``user``, users whose slot was just recycled)."""
-        if user in self.last_seen:
-            self.last_seen[user] = now
-            return user, []
-        expired: list[str] = []
-        if len(self.last_seen) >= self.top_n and now >= self._next_sweep:
-            self._next_sweep = now + 1.0  # a flood of `other` users must not scan each time
-            expired = [u for u, t in self.last_seen.items() if now - t > self.idle_s]
-            for u in expired:
-                del self.last_seen[u]
-        if len(self.last_seen) < self.top_n:
-            self.last_seen[user] = now
-            return user, expired
-        return OTHER_USERS, expired
-
-
-class ServiceShares:
-    """Exponentially decayed service per user (this replica's view), for the dashboard."""
-
-    def __init__(self, half_life_s: float = SHARE_HALF_LIFE_S) -> None:
-        self.rate = math.log(2) / half_life_s
-        self.values: dict[str, tuple[float, float]] = {}  # user -> (value, at)
-
-    def add(self, user: str, amount: float, now: float) -> None:
-        value, at = self.values.get(user, (0.0, now))
-        self.values[user] = (value * math.exp(-self.rate * (now - at)) + amount, now)
-        if len(self.values) > MAX_SHARE_USERS:
-            smallest = min(self.values, key=lambda u: self.values[u][0])
-            del self.values[smallest]
-
-    def shares(self, now: float) -> dict[str, float]:
-        decayed = {u: v * math.exp(-self.rate * (now - at)) for u, (v, at) in self.values.items()}
-        total = sum(decayed.values())
-        if total <= 0:
-            return {}
-        return {u: v / total for u, v in sorted(decayed.items(), key=lambda kv: -kv[1])}
 
 
 class GatewayMetrics:
@@ -184,12 +115,20 @@ class GatewayMetrics:
             ["command"], buckets=REDIS_BUCKETS, registry=r)
         self.redis_errors = Counter(
             "fairgate_redis_errors_total", "Redis commands that failed", ["command"], registry=r)
+        self.loop_restarts = Counter(
+            "fairgate_loop_restarts_total",
+            "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
+            "batch)", ["loop"], registry=r)
         # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
         self.batch_jobs = Gauge(
             "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r)
         self.batch_requests = Counter(
             "fairgate_batch_requests_total", "Batch lines finished, by outcome", ["outcome"],
             registry=r)
+
+    @property
+    def redis(self) -> RedisMetrics:
+        return RedisMetrics(self.redis_latency, self.redis_errors)
 
     # -- hooks called on the request path ---------------------------------------------
 
@@ -199,20 +138,21 @@ class GatewayMetrics:
         recent.append(time.monotonic())
         self._user_inc(self.user_requests, (model,), user, 1.0)
 
-    def on_finish(self, model: str, klass: str, user: str, usage: TokenCounts,
-                  service: float) -> None:
+    def on_finish(self, model: str, klass: str, user: str, prompt_tokens: int,
+                  output_tokens: int, service: float, timing: StreamTiming | None) -> None:
         """After the answer went out (or failed): latency histograms, per-user counters."""
-        timing = usage.timing
+        self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        self.tokens.labels(model, "completion").inc(output_tokens)
         if timing is not None:
             timing.end_s = time.monotonic()
             self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
             if timing.first_token_s is not None:
                 self.ttft.labels(klass).observe(timing.first_token_s - timing.arrived_s)
-                if usage.output_tokens > 1 and timing.last_token_s is not None:
+                if output_tokens > 1 and timing.last_token_s is not None:
                     self.tpot.labels(klass).observe(
-                        (timing.last_token_s - timing.first_token_s) / (usage.output_tokens - 1))
-        self._user_inc(self.user_tokens, (model,), user, usage.prompt_tokens or 0, ("prompt",))
-        self._user_inc(self.user_tokens, (model,), user, usage.output_tokens, ("completion",))
+                        (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))
+        self._user_inc(self.user_tokens, (model,), user, prompt_tokens, ("prompt",))
+        self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
         self._user_inc(self.user_service, (model,), user, service)
         self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
 
@@ -257,17 +197,8 @@ class GatewayMetrics:
                 self.gate_closed.labels(backend, klass, reason).inc()
 
 
-class TokenCounts(Protocol):
-    @property
-    def prompt_tokens(self) -> int | None: ...
-    @property
-    def output_tokens(self) -> int: ...
-    @property
-    def timing(self) -> StreamTiming | None: ...
-
-
 class StreamTiming:
-    """Monotonic timestamps of one streamed answer, filled in by the SSE relay."""
+    """Monotonic timestamps of one streamed answer, as the client received it."""
 
     __slots__ = ("arrived_s", "end_s", "first_token_s", "last_token_s")
 
@@ -282,77 +213,3 @@ class StreamTiming:
         if self.first_token_s is None:
             self.first_token_s = now
         self.last_token_s = now
-
-
-class TimedRedis(aioredis.Redis):
-    """A Redis client that records each command's latency and failures."""
-
-    metrics: GatewayMetrics | None = None
-
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        metrics = self.metrics
-        if metrics is None:
-            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
-        command = str(args[0]).upper() if args else "?"
-        started = time.perf_counter()
-        try:
-            result = await super().execute_command(  # type: ignore[no-untyped-call]
-                *args, **options)
-        except RedisError:
-            metrics.redis_errors.labels(command).inc()
-            raise
-        if command not in BLOCKING_COMMANDS:
-            metrics.redis_latency.labels(command).observe(time.perf_counter() - started)
-        return result
-
-
-def timed_redis(url: str, metrics: GatewayMetrics, **kwargs: Any) -> aioredis.Redis:
-    client = cast("TimedRedis", TimedRedis.from_url(url, **kwargs))
-    client.metrics = metrics
-    return client
-
-
-def exported_names(registry: CollectorRegistry) -> set[str]:
-    """Every sample name a registry can export, including families with no samples yet."""
-    suffixes: dict[str, Iterable[str]] = {
-        "counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-        "summary": ("", "_sum", "_count", "_created"), "gauge": ("",), "info": ("_info",),
-    }
-    names: set[str] = set()
-    for family in registry.collect():
-        names.update(family.name + s for s in suffixes.get(family.type, ("",)))
-    return names
-
-
-def error_metrics(metrics: GatewayMetrics) -> Middleware:
-    """Count error answers and log a ``rejected`` event for each (inside ``openai_errors``).
-
-    Logs status, type and code only: messages may quote what the client sent.
-    """
-
-    @web.middleware
-    async def count_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            response = await handler(request)
-        except web.HTTPException as exc:
-            _rejected(metrics, request, exc.status, "invalid_request_error" if exc.status < 500
-                      else "server_error", None)
-            raise
-        except Exception as exc:
-            status = getattr(exc, "status", 500)
-            _rejected(metrics, request, status if isinstance(status, int) else 500,
-                      str(getattr(exc, "type", "internal_error")), getattr(exc, "code", None))
-            raise
-        if response.status >= 400:  # an upstream answer passed through unchanged
-            _rejected(metrics, request, response.status, "upstream", None)
-        return response
-
-    return count_errors
-
-
-def _rejected(metrics: GatewayMetrics, request: web.Request, status: int, type_: str,
-              code: object) -> None:
-    code_label = "" if code is None else str(code)
-    metrics.errors.labels(str(status), type_, code_label).inc()
-    log.info("rejected", method=request.method, path=request.path, status=status,
-             error_type=type_, code=code_label or None)

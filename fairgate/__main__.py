@@ -1,5 +1,0 @@
-"""``python -m fairgate …`` = the ``fairgate`` console script."""
-
-from fairgate.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""The read model: what operators see, for the admin API, the dashboard and ``/metrics``.
+
+One place derives queue and backend state, from Redis (shared by every replica) and from
+this replica's pool (its scrapes, gates and dispatch rates). Gates are read from each
+backend handle, where they were computed once per snapshot; the requests in transit to a
+backend (sent since its snapshot, or not yet registered by it) use up the burst allowance.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.backends import BackendPool
+from gateway.metrics import GatewayMetrics
+from gateway.settings import Settings
+from gateway.store import Store
+from policies.classes import CLASS_ORDER
+
+USERS_SCANNED = 1000  # per (model, class): bounds the Redis reads of one state request
+TOP_USERS = 20
+
+
+class Inspector:
+    def __init__(self, settings: Settings, store: Store, pool: BackendPool,
+                 metrics: GatewayMetrics, replica_id: str) -> None:
+        self.settings = settings
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.replica_id = replica_id
+
+    async def queues(self, model: str, now: float) -> dict[str, dict[str, Any]]:
+        """Per class: depth, oldest wait, and the users with the most queued requests."""
+        depth = await self.store.depths(model)
+        classes: dict[str, dict[str, Any]] = {
+            c: {"depth": depth[c], "oldest_wait_s": None, "active_users": 0, "users": []}
+            for c in CLASS_ORDER}
+        for q in await self.store.queued_users(model, USERS_SCANNED):
+            wait = None if q.oldest_enqueued_at is None else now - q.oldest_enqueued_at
+            entry = classes[q.klass]
+            entry["active_users"] += 1
+            entry["users"].append({"user": q.user, "queued": q.queued, "score": q.score,
+                                   "oldest_wait_s": wait,
+                                   "oldest_request_id": q.oldest_request_id})
+            if wait is not None and (entry["oldest_wait_s"] is None
+                                     or wait > entry["oldest_wait_s"]):
+                entry["oldest_wait_s"] = wait
+        for entry in classes.values():
+            entry["users"].sort(key=lambda u: (-u["queued"], u["score"]))
+            del entry["users"][TOP_USERS:]
+        return classes
+
+    async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
+        handles = self.pool.for_model(model)
+        states = await self.store.backend_states(model, [h.name for h in handles])
+        out = []
+        for h in handles:
+            st = states[h.name]
+            in_transit = st.sent_since_snapshot + st.unseen
+            gates = {c: g.after(in_transit)
+                     for c, g in h.gates_at(now, self.settings.snapshot_stale_s).items()}
+            out.append({
+                "name": h.name, "url": h.config.url, "model": model, "healthy": h.healthy,
+                "drained": h.drained, "accepts_priority": h.accepts_priority,
+                "snapshot": None if st.snapshot is None else {
+                    "waiting": st.snapshot.waiting, "running": st.snapshot.running,
+                    "kv_usage": st.snapshot.kv_usage,
+                    "tpot_ms": None if st.snapshot.tpot_s is None else st.snapshot.tpot_s * 1000,
+                    "age_s": now - st.snapshot.taken_at_s},
+                "sent_since_snapshot": st.sent_since_snapshot, "in_transit": in_transit,
+                "inflight": st.inflight,
+                "gates": {c: {"open": g.reason is None, "limit": g.limit, "reason": g.reason}
+                          for c, g in gates.items()},
+                "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
+            })
+        return out
+
+    async def backend(self, name: str) -> dict[str, Any]:
+        model = self.pool.handles[name].config.model
+        return next(b for b in await self.backends(model, time.time()) if b["name"] == name)
+
+    async def state(self) -> dict[str, Any]:
+        now = time.time()
+        models = {}
+        for model in self.settings.models():
+            shares = self.metrics.shares.get(model)
+            share_list = [] if shares is None else [
+                {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
+            inflight = await self.store.user_inflight(model)
+            models[model] = {
+                "queues": await self.queues(model, now),
+                "backends": await self.backends(model, now),
+                "service_shares": share_list[:TOP_USERS],
+                "inflight_by_user": dict(sorted(inflight.items(),
+                                                key=lambda kv: -kv[1])[:TOP_USERS]),
+            }
+        return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
+                "models": models}
+
+    async def refresh_queue_metrics(self) -> None:
+        """Queue depth and oldest wait gauges, read from Redis at scrape time."""
+        now = time.time()
+        for model in self.settings.models():
+            for klass, entry in (await self.queues(model, now)).items():
+                self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
+                self.metrics.queue_oldest_wait.labels(model, klass).set(
+                    entry["oldest_wait_s"] or 0.0)

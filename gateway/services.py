@@ -1,0 +1,119 @@
+"""The composition root: every service of one gateway process, built here and only here.
+
+:func:`running_services` builds the services into one typed :class:`Services` object,
+starts the long-lived loops (each supervised: scrape, dispatch, heartbeat, listen, batch)
+and stops them on exit. Handlers read what they need from it; nothing else constructs a
+service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from gateway.admission import Admission
+from gateway.auth import KeyRing
+from gateway.backends import BackendPool
+from gateway.batch_runner import BatchRunner
+from gateway.batches import BatchStore
+from gateway.dispatcher import Dispatcher
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.files import FileStore
+from gateway.inspect import Inspector
+from gateway.metrics import GatewayMetrics
+from gateway.redis_client import connect
+from gateway.settings import Settings
+from gateway.store import Store
+from gateway.supervise import supervise
+from gateway.upstream import Upstream
+from policies.cost import TokenCost
+from policies.fairness import FairnessPolicy, policy_for
+
+log = structlog.get_logger("fairgate.app")
+
+SHUTDOWN_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings  # frozen; a reload swaps in a new object (gateway/admin.py)
+    keys: KeyRing  # swapped with the settings
+    policy: FairnessPolicy
+    metrics: GatewayMetrics
+    store: Store
+    pool: BackendPool
+    dispatcher: Dispatcher
+    admission: Admission
+    upstream: Upstream
+    files: FileStore
+    batches: BatchStore
+    batch_runner: BatchRunner
+    inspector: Inspector
+    replica_id: str
+    redis_url: str
+
+
+def fairness_policy(settings: Settings) -> FairnessPolicy:
+    return policy_for(settings.fairness,
+                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight))
+
+
+@contextlib.asynccontextmanager
+async def running_services(settings: Settings, metrics: GatewayMetrics
+                           ) -> AsyncIterator[Services]:
+    async with contextlib.AsyncExitStack() as stack:
+        redis_url = settings.redis_url
+        if redis_url is None:
+            embedded = EmbeddedRedis(data_dir=None).start()
+            stack.callback(embedded.stop)
+            redis_url = embedded.url
+            log.info("embedded_redis_started", url=redis_url)
+        client = connect(redis_url, metrics.redis, socket_connect_timeout=2,
+                         health_check_interval=10)
+        stack.push_async_callback(client.aclose)
+        # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
+        # that moment fails a request, so ours expire first
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=settings.upstream_keepalive_s))
+        stack.push_async_callback(session.close)
+
+        replica_id = settings.replica_id or uuid.uuid4().hex[:12]
+        policy = fairness_policy(settings)
+        longest_wait = max(c.max_queue_wait_s for c in settings.classes.values())
+        store = Store(client, request_ttl_s=longest_wait + settings.upstream_timeout_s + 60)
+        pool = BackendPool(settings, session, store, metrics)
+        dispatcher = Dispatcher(settings, store, pool, metrics, replica_id)
+        pool.on_snapshot = dispatcher.wake
+        admission = Admission(settings, dispatcher, pool, policy, metrics, replica_id)
+        upstream = Upstream(session, settings.upstream_timeout_s)
+        files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
+        batches = BatchStore(client)
+        runner = BatchRunner(settings, admission, upstream, files, batches, metrics,
+                             replica_id)
+        services = Services(
+            settings, KeyRing(settings.api_keys, settings.admin_keys), policy, metrics, store,
+            pool, dispatcher, admission, upstream, files, batches, runner,
+            Inspector(settings, store, pool, metrics, replica_id), replica_id, redis_url)
+
+        restarts = metrics.loop_restarts
+        tasks = [asyncio.create_task(pool.run(), name="scrape"),
+                 asyncio.create_task(dispatcher.run(), name="dispatch"),
+                 asyncio.create_task(supervise("batch", runner.run, restarts), name="batch")]
+        try:
+            yield services
+        finally:
+            for task in tasks:
+                task.cancel()
+            await runner.stop()
+            # bounded: a library that swallows a cancellation must not hang shutdown
+            await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
+
+
+SERVICES = web.AppKey("fairgate_services", Services)
