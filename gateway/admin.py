@@ -3,7 +3,7 @@
 Every route needs an admin key (``admin_keys`` in the settings): ``Authorization: Bearer``
 or, for read-only GETs from the dashboard, its session cookie. A missing or unknown key is
 401, a user's API key 403, both in OpenAI's error format. State comes from the read model
-(``gateway/inspect.py``).
+(``gateway/read_model.py``).
 
 Limits (one replica's view):
 - drain is global: the flag lives in Redis, the dispatch script honours it at once and

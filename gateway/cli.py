@@ -23,7 +23,9 @@ AddCommand = Callable[[Any], object]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    asyncio.run(serve_forever(load_settings(args.config)))
+    settings = load_settings(args.config)
+    configure_logging(settings.log_level)
+    asyncio.run(serve_forever(settings))
     return 0
 
 

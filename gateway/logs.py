@@ -12,7 +12,10 @@ import sys
 import structlog
 
 
-def configure_logging(level: int = logging.INFO) -> None:
+def configure_logging(level: int | str = logging.INFO) -> None:
+    """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``)."""
+    if isinstance(level, str):
+        level = logging.getLevelNamesMapping()[level.upper()]
     renderer: structlog.typing.Processor = (
         structlog.dev.ConsoleRenderer() if sys.stderr.isatty()
         else structlog.processors.JSONRenderer())

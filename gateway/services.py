@@ -26,7 +26,7 @@ from gateway.batches import BatchStore
 from gateway.dispatcher import Dispatcher
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.files import FileStore
-from gateway.inspect import Inspector
+from gateway.read_model import Inspector
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import connect
 from gateway.settings import Settings
