@@ -26,8 +26,8 @@ from gateway.batches import BatchStore
 from gateway.dispatcher import Dispatcher
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.files import FileStore
-from gateway.read_model import Inspector
 from gateway.metrics import GatewayMetrics
+from gateway.read_model import Inspector
 from gateway.redis_client import connect
 from gateway.settings import Settings
 from gateway.store import Store
