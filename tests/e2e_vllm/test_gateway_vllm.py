@@ -50,7 +50,7 @@ async def gw(
     server = GatewayServer(settings.model_copy(update={"backends": [backend]}))
     await server.start()
     try:
-        for handle in server.context.pool.handles.values():
+        for handle in server.services.pool.handles.values():
             await asyncio.wait_for(handle.scraped.wait(), 30)
         yield server
     finally:
