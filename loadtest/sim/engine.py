@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +77,7 @@ class EngineObserver(Protocol):
     def token(self, record: RequestRecord, emit_s: float, prev_emit_s: float | None) -> None: ...
     def finished(self, record: RequestRecord) -> None: ...
     def preempted(self, record: RequestRecord) -> None: ...
+    def step(self, batch_tokens: int) -> None: ...
 
 
 class SimEngine:
@@ -128,28 +130,45 @@ class SimEngine:
         *,
         prompt_tokens: int,
         max_tokens: int,
-        output_tokens: int | None = None,
+        output_tokens: int | Seq[int] | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Queue a request that will generate ``output_tokens`` (default ``max_tokens``)."""
-        target = max_tokens if output_tokens is None else min(output_tokens, max_tokens)
-        if prompt_tokens < 1 or target < 1:
+        """Queue a request that will generate ``output_tokens`` (default ``max_tokens``).
+
+        A sequence of output lengths queues one engine request per choice (vLLM's ``n``),
+        with ids ``"{i}_{request_id}"``, all feeding the one returned stream.
+        """
+        if isinstance(output_tokens, Seq):
+            targets = [min(t, max_tokens) for t in output_tokens]
+        else:
+            targets = [max_tokens if output_tokens is None else min(output_tokens, max_tokens)]
+        if prompt_tokens < 1 or not targets or min(targets) < 1:
             raise ValueError("a request needs at least one prompt and one output token")
-        if prompt_tokens + target > self.config.model_len:
+        if prompt_tokens + max(targets) > self.config.model_len:
             raise ValueError(
-                f"prompt ({prompt_tokens}) + output ({target}) tokens exceed max_model_len "
-                f"{self.config.model_len}"
+                f"prompt ({prompt_tokens}) + output ({max(targets)}) tokens exceed "
+                f"max_model_len {self.config.model_len}"
             )
         now = asyncio.get_running_loop().time()
-        seq = Sequence(request_id, priority, now, prompt_tokens, target)
-        self.scheduler.add(seq)
-        record = RequestRecord(request_id, priority, prompt_tokens, max_tokens, now)
-        self.records[request_id] = record
-        stream = RequestStream(record)
-        self._streams[request_id] = stream
+        n = len(targets)
+        ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        records = [
+            RequestRecord(rid, priority, prompt_tokens, max_tokens, now, choice=i, n=n)
+            for i, rid in enumerate(ids)
+        ]
+        stream = RequestStream(records)
+        for rid, record, target in zip(ids, records, targets, strict=True):
+            self.scheduler.add(Sequence(rid, priority, now, prompt_tokens, target))
+            self.records[rid] = record
+            self._streams[rid] = stream
         self._wake.set()
         self._signal_change()
         return stream
+
+    def abort_stream(self, stream: RequestStream) -> None:
+        """Abort every choice of ``stream`` that has not finished."""
+        for request_id in stream.request_ids:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request and free its KV blocks."""
@@ -157,7 +176,7 @@ class SimEngine:
         if stream is None:
             return False
         self.scheduler.abort(request_id)
-        record = stream.record
+        record = self.records[request_id]
         record.aborted = True
         record.finish_reason = "abort"
         record.finished_s = asyncio.get_running_loop().time()
@@ -208,6 +227,8 @@ class SimEngine:
                 )
             )
             step_start = end
+            if self._observer is not None:
+                self._observer.step(plan.batch_tokens)
             self._emit(self.scheduler.update(plan), end)
 
     def _note_schedule(self, plan: StepPlan, now: float) -> None:
@@ -229,20 +250,22 @@ class SimEngine:
             stream = self._streams.get(seq.request_id)
             if stream is None:
                 continue
-            record = stream.record
+            record = self.records[seq.request_id]
             prev = record.last_token_s
             if prev is None:
                 record.first_token_s = now
             record.last_token_s = now
-            stream.push(Token(record.output_tokens, now))
-            record.output_tokens += 1
-            if observer is not None:
-                observer.token(record, now, prev)
-            if seq.output_tokens >= seq.target_output_tokens:
-                record.finished_s = now
+            finished = seq.output_tokens >= seq.target_output_tokens
+            if finished:
                 record.finish_reason = (
                     "length" if seq.output_tokens >= record.max_tokens else "stop"
                 )
+            stream.push(Token(record.output_tokens, now, record.choice, record.finish_reason))
+            record.output_tokens += 1
+            if observer is not None:
+                observer.token(record, now, prev)
+            if finished:
+                record.finished_s = now
                 del self._streams[seq.request_id]
                 stream.close()
                 if observer is not None:

@@ -2,7 +2,11 @@
 
 Each server owns a ``CollectorRegistry``; nothing is registered globally. Gauges are
 refreshed from the engine at scrape time; histograms and counters are fed by engine
-events through the ``EngineObserver`` methods.
+events through the ``EngineObserver`` methods. Like vLLM, a request aborted by its client
+counts in no per-request histogram and not in ``request_success`` (its prompt and
+generated tokens do count). Families vLLM exports that the simulator does not model
+(prefix and multimodal caches, MFU estimates, admission caps, cache config info) are
+absent; ``tests/e2e_vllm/test_conformance.py`` lists them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ TOKEN_LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
 )  # fmt: skip
+ITERATION_TOKEN_BUCKETS = (
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+)  # fmt: skip
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -99,6 +109,50 @@ class SimMetrics:
             "vllm:request_generation_tokens", "Number of generation tokens processed.",
             token_buckets,
         )  # fmt: skip
+        self.inference = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode = hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.req_preemptions = hist(
+            "vllm:request_num_preemptions",
+            "Histogram of the number of times a request was preempted.", PREEMPTION_BUCKETS,
+        )  # fmt: skip
+        self.req_kv_computed = hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
+        )  # fmt: skip
+        self.req_max_generation = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets,
+        )  # fmt: skip
+        self.params_n = hist(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
+        )
+        self.params_max_tokens = hist(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )  # fmt: skip
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKEN_BUCKETS,
+        )  # fmt: skip
+        sleep = Gauge(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+            "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+            "level 2.", (*LABELS, "sleep_state"), registry=registry,
+        )  # fmt: skip
+        for state in SLEEP_STATES:
+            sleep.labels(sleep_state=state, **labels).set(1 if state == "awake" else 0)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -122,18 +176,32 @@ class SimMetrics:
             self.itl.observe(emit_s - prev_emit_s)
 
     def finished(self, record: RequestRecord) -> None:
-        """A request finished or was aborted."""
-        self.success[record.finish_reason or "error"].inc()
+        """A request finished or was aborted (an abort counts nowhere, as in vLLM)."""
         if record.aborted or record.finished_s is None:
             return
+        self.success[record.finish_reason or "error"].inc()
         self.e2e.observe(record.finished_s - record.arrival_s)
         if record.first_scheduled_s is not None:
             self.queue.observe(record.first_scheduled_s - record.arrival_s)
+            self.inference.observe(record.finished_s - record.first_scheduled_s)
+            if record.first_token_s is not None:
+                self.prefill.observe(record.first_token_s - record.first_scheduled_s)
+        if record.first_token_s is not None:
+            self.decode.observe(record.finished_s - record.first_token_s)
         self.req_prompt.observe(record.prompt_tokens)
         self.req_generation.observe(record.output_tokens)
+        self.req_kv_computed.observe(record.prompt_tokens)
+        self.req_max_generation.observe(record.max_tokens)
+        self.params_max_tokens.observe(record.max_tokens)
+        self.params_n.observe(record.n)
+        self.req_preemptions.observe(record.num_preemptions)
         if record.output_tokens > 1 and record.first_token_s is not None:
             decode_s = record.finished_s - record.first_token_s
             self.tpot.observe(decode_s / (record.output_tokens - 1))
+
+    def step(self, batch_tokens: int) -> None:
+        """An engine step computed ``batch_tokens`` tokens."""
+        self.iteration_tokens.observe(batch_tokens)
 
     def preempted(self, record: RequestRecord) -> None:
         """A running request was preempted."""

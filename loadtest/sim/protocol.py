@@ -1,16 +1,31 @@
 """OpenAI request parsing, token-count approximations and vLLM-style errors.
 
+Validation follows vLLM 0.32 (checked against its source and recorded answers in
+``tests/data/vllm-0.32-conformance.json``), in vLLM's order:
+
+1. body types (pydantic): a wrong type answers 400 ``type: "Bad Request"``, ``param:
+   "body.<field>"``, message ``1 validation error: {...}``; invalid JSON likewise
+   (``json_invalid``);
+2. ``stream_options`` without ``stream`` → 400;
+3. ``max_tokens`` (or ``max_completion_tokens``) above ``max_model_len`` → 400;
+4. a prompt longer than ``max_model_len`` → 400 ``param: "input_tokens"``, or, for prompt
+   text of more than ``max_model_len`` x (the longest token: 4 characters here)
+   characters, ``param: "input_text"`` before any tokenization;
+5. ``max_tokens`` is clamped to ``max_model_len - prompt_tokens`` (never a 400 for the
+   sum), then sampling checks: ``n >= 1``, ``0 <= temperature <= 2``,
+   ``max_tokens >= 1``, and ``n == 1`` under greedy sampling (``temperature`` 0).
+
 Token counts (no tokenizer; deterministic and documented):
 
 - a prompt string costs ``ceil(len(utf8 bytes) / 4)`` tokens (at least 1); a prompt given
   as token ids costs one token per id;
 - a chat request costs, per message, ``4 + ceil(len(utf8 content) / 4)`` tokens, plus 3
   for the assistant reply header (like OpenAI's cookbook formula);
-- the output length is ``max_tokens`` with ``ignore_eos``; otherwise a seeded draw from
-  ``hash(seed, prompt)`` uniform in [16, 512], capped by ``max_tokens`` (whose default is
-  ``max_model_len - prompt_tokens``). It ends with ``finish_reason`` "length" when the cap
-  cut it, else "stop".
-- the output text is one filler word per token, chosen from ``hash(seed, prompt)``.
+- the output length of each of the ``n`` choices is ``max_tokens`` with ``ignore_eos``;
+  otherwise a seeded draw from ``hash(seed, prompt, choice)`` uniform in [16, 512],
+  capped by ``max_tokens`` (whose default is ``max_model_len - prompt_tokens``). It ends
+  with ``finish_reason`` "length" when the cap cut it, else "stop".
+- the output text is one filler word per token, chosen from that hash.
 """
 
 from __future__ import annotations
@@ -25,32 +40,43 @@ CHARS_PER_TOKEN = 4
 CHAT_MESSAGE_OVERHEAD = 4
 CHAT_REPLY_OVERHEAD = 3
 MIN_DRAW, MAX_DRAW = 16, 512
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
+GREEDY_EPS = 1e-5  # vLLM: a temperature below this is greedy sampling
 FILLER = (
     "the", "model", "is", "simulated", "and", "every", "token", "costs", "time", "on",
     "an", "imaginary", "GPU", "while", "fair", "queues", "wait", "patiently",
 )  # fmt: skip
+VALIDATION_TYPE = "Bad Request"  # vLLM's ``type`` for body (pydantic) validation errors
 
 
 class SimError(Exception):
-    """An OpenAI-style error response."""
+    """An OpenAI-style error response, shaped like vLLM's ``ErrorResponse``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self._type = error_type
 
     @property
     def error_type(self) -> str:
-        """vLLM's ``type`` for this status."""
+        """vLLM's ``type`` for this error."""
+        if self._type is not None:
+            return self._type
         return {404: "NotFoundError", 500: "InternalServerError"}.get(
             self.status, "BadRequestError"
         )
 
     def body(self) -> dict[str, Any]:
-        """The JSON body vLLM answers with."""
+        """The JSON body vLLM answers with: ``{"error": {message, type, param, code}}``."""
         return {
-            "object": "error",
             "error": {
                 "message": self.message,
                 "type": self.error_type,
@@ -58,6 +84,22 @@ class SimError(Exception):
                 "code": self.status,
             },
         }
+
+
+def validation_error(param: str, message: str, value: Any = None) -> SimError:
+    """vLLM's ``VLLMValidationError`` text: ``message (parameter=..., value=...)``."""
+    extras = [f"parameter={param}"]
+    if value is not None:
+        extras.append(f"value={value}")
+    return SimError(400, f"{message} ({', '.join(extras)})", param=param)
+
+
+def body_error(field: str, kind: str, msg: str, value: Any) -> SimError:
+    """A pydantic body validation error as vLLM's handler renders it."""
+    detail = {"type": kind, "loc": f"body.{field}", "msg": msg, "input": value}
+    return SimError(
+        400, f"1 validation error:\n  {detail}", param=f"body.{field}", error_type=VALIDATION_TYPE
+    )
 
 
 @dataclass(frozen=True)
@@ -68,66 +110,191 @@ class SimRequest:
     prompt_key: bytes
     prompt_tokens: int
     max_tokens: int
-    output_tokens: int
+    output_tokens: tuple[int, ...]  # per choice
     priority: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool
     seed_hash: int
 
-    def word(self, index: int) -> str:
-        """The filler text of output token ``index``."""
-        return " " + FILLER[(self.seed_hash + index) % len(FILLER)]
+    @property
+    def n(self) -> int:
+        """Number of choices."""
+        return len(self.output_tokens)
 
-    def text(self, count: int) -> str:
-        """The first ``count`` tokens' text."""
-        return "".join(self.word(i) for i in range(count))
+    def word(self, index: int, choice: int = 0) -> str:
+        """The filler text of output token ``index`` of ``choice``."""
+        return " " + FILLER[(self.seed_hash + 7 * choice + index) % len(FILLER)]
+
+    def text(self, count: int, choice: int = 0) -> str:
+        """The first ``count`` tokens' text of ``choice``."""
+        return "".join(self.word(i, choice) for i in range(count))
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body or raise a 400."""
+    """Decode a JSON object body or raise vLLM's 400."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SimError(400, f"Invalid JSON body: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise body_error("0", "json_invalid", "JSON decode error", "<bytes>") from exc
+    except json.JSONDecodeError as exc:
+        detail = {
+            "type": "json_invalid", "loc": f"body.{exc.pos}", "msg": "JSON decode error",
+            "input": "<dict of 0 items>", "ctx": {"error": exc.msg},
+        }  # fmt: skip
+        raise SimError(
+            400, f"1 validation error:\n  {detail}", param=f"body.{exc.pos}",
+            error_type=VALIDATION_TYPE,
+        ) from exc  # fmt: skip
     if not isinstance(body, dict):
-        raise SimError(400, "The request body must be a JSON object")
+        raise body_error("", "model_attributes_type", "Input should be a valid dictionary", body)
     return body
 
 
-def _int_field(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = body.get(name, default)
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    """An optional integer field, with pydantic's lax coercion (``"5"``, ``5.0``)."""
+    value = body.get(name)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float):
+        if value.is_integer():
+            return int(value)
+        raise body_error(
+            name, "int_from_float", "Input should be a valid integer, got a number with a "
+            "fractional part", value,
+        )  # fmt: skip
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise body_error(
+                name, "int_parsing",
+                "Input should be a valid integer, unable to parse string as an integer", value,
+            ) from None  # fmt: skip
+    raise body_error(name, "int_type", "Input should be a valid integer", value)
+
+
+def _float_field(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
     if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SimError(400, f"'{name}' must be an integer", param=name)
-    return value
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            raise body_error(
+                name, "float_parsing",
+                "Input should be a valid number, unable to parse string as a number", value,
+            ) from None  # fmt: skip
+    raise body_error(name, "float_type", "Input should be a valid number", value)
 
 
-def _prompt(body: dict[str, Any], chat: bool) -> tuple[bytes, int]:
+@dataclass(frozen=True)
+class Prompt:
+    """A request's prompt as the simulator sees it."""
+
+    key: bytes  # what the output draw is seeded with
+    tokens: int
+    chars: int | None  # characters of prompt text (None for token ids)
+
+
+def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
     if chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise SimError(400, "'messages' must be a non-empty list", param="messages")
+        if not isinstance(messages, list):
+            raise body_error("messages", "list_type", "Input should be a valid list", messages)
+        if not messages:
+            raise SimError(
+                400,
+                "Cannot apply chat template to an empty conversation. Provide at least one "
+                "message.",
+            )
         key = json.dumps(messages, sort_keys=True).encode()
         tokens = CHAT_REPLY_OVERHEAD
+        chars = CHAT_REPLY_OVERHEAD * CHARS_PER_TOKEN
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             text = content if isinstance(content, str) else ""
             tokens += CHAT_MESSAGE_OVERHEAD + -(-len(text.encode()) // CHARS_PER_TOKEN)
-        return key, tokens
+            chars += CHAT_MESSAGE_OVERHEAD * CHARS_PER_TOKEN + len(text)
+        return Prompt(key, tokens, chars)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
+    if prompt is None or prompt == "" or prompt == []:
+        raise validation_error(
+            "prompt", "Either prompt or prompt_embeds must be provided and non-empty."
+        )
     if isinstance(prompt, str):
         data = prompt.encode()
-        return data, max(1, -(-len(data) // CHARS_PER_TOKEN))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return json.dumps(prompt).encode(), len(prompt)
+        return Prompt(data, max(1, -(-len(data) // CHARS_PER_TOKEN)), len(prompt))
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        return Prompt(json.dumps(prompt).encode(), len(prompt), None)
+    # vLLM batches several prompts in one request; the simulator serves one.
     raise SimError(
         400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
     )
+
+
+def _seed_hash(key: bytes, seed: int, choice: int) -> int:
+    salt = seed.to_bytes(8, "big", signed=True)
+    data = key if choice == 0 else key + b"#" + str(choice).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=salt).digest(), "big")
+
+
+def _check_context(prompt: Prompt, model_len: int) -> None:
+    """vLLM's prompt length checks: characters before tokenizing, then tokens."""
+    max_chars = model_len * CHARS_PER_TOKEN  # vLLM: max_model_len x the longest token
+    if prompt.chars is not None and prompt.chars > max_chars:
+        raise validation_error(
+            "input_text",
+            f"This model's maximum context length is {model_len} tokens. However, your "
+            f"prompt contains {prompt.chars} characters (more than {max_chars} characters, "
+            f"which is the upper bound for {model_len} input tokens). Please reduce the "
+            "length of the input prompt.",
+            prompt.chars,
+        )
+    if prompt.tokens > model_len:
+        # vLLM tokenizes text up to max_model_len + 1 tokens, hence "at least".
+        count = prompt.tokens if prompt.chars is None else min(prompt.tokens, model_len + 1)
+        qualifier = "at least " if prompt.chars is not None and count == model_len + 1 else ""
+        raise validation_error(
+            "input_tokens",
+            f"This model's maximum context length is {model_len} tokens. However, your "
+            f"prompt contains {qualifier}{count} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            count,
+        )
+
+
+def _check_sampling(n: int, temperature: float | None, max_tokens: int) -> None:
+    """vLLM's ``SamplingParams`` checks, in its order."""
+    if n < 1:
+        raise SimError(400, f"n must be at least 1, got {n}.")
+    if n > MAX_N:
+        raise SimError(400, f"n must be at most {MAX_N}, got {n}.")
+    if temperature is not None and temperature < 0.0:
+        raise validation_error(
+            "temperature", f"temperature must be non-negative, got {temperature}.", temperature
+        )
+    if temperature is not None and temperature > 2.0:
+        raise validation_error(
+            "temperature", f"temperature must be in [0, 2], got {temperature}.", temperature
+        )
+    if max_tokens < 1:
+        raise validation_error(
+            "max_tokens", f"max_tokens must be at least 1, got {max_tokens}.", max_tokens
+        )
+    if n > 1 and temperature is not None and temperature < GREEDY_EPS:
+        raise SimError(400, f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def parse_request(
@@ -139,48 +306,55 @@ def parse_request(
     seed: int,
 ) -> SimRequest:
     """Validate a request body and derive token counts; raise ``SimError`` on bad input."""
-    n = _int_field(body, "n", 1)
-    if n != 1:
-        raise SimError(400, f"n={n} is not supported by the simulator: use n=1", param="n")
-    priority = _int_field(body, "priority", 0) or 0
+    n = _int_field(body, "n")
+    priority = _int_field(body, "priority") or 0
+    temperature = _float_field(body, "temperature")
+    limit_name = "max_tokens"
+    max_tokens = _int_field(body, "max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        limit_name = "max_completion_tokens"
+        max_tokens = _int_field(body, "max_completion_tokens")
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise validation_error(
+            "stream_options", "Stream options can only be defined when `stream=True`."
+        )
     if headers_priority is not None:
         try:
             priority = int(headers_priority)
         except ValueError as exc:
             raise SimError(400, f"{PRIORITY_HEADER} must be an integer") from exc
-    key, prompt_tokens = _prompt(body, chat)
-    max_tokens = _int_field(body, "max_tokens", None)
-    if chat:
-        max_tokens = _int_field(body, "max_completion_tokens", max_tokens)
-    if prompt_tokens >= model_len or (
-        max_tokens is not None and prompt_tokens + max_tokens > model_len
-    ):
-        raise SimError(
-            400,
-            f"This model's maximum context length is {model_len} tokens. However, you "
-            f"requested {prompt_tokens + (max_tokens or 0)} tokens ({prompt_tokens} in the "
-            f"input, {max_tokens or 0} in the completion). Please reduce the length of the "
-            "input or completion.",
-            param="messages" if chat else "prompt",
+    if max_tokens is not None and max_tokens > model_len:
+        raise validation_error(
+            limit_name,
+            f"{limit_name}={max_tokens} cannot be greater than max_model_len={model_len}. "
+            "Please request fewer output tokens.",
+            max_tokens,
         )
-    if max_tokens is None:
-        max_tokens = model_len - prompt_tokens
-    if max_tokens < 1:
-        raise SimError(400, "max_tokens must be at least 1", param="max_tokens")
-    digest = hashlib.blake2b(key, digest_size=8, key=seed.to_bytes(8, "big", signed=True))
-    seed_hash = int.from_bytes(digest.digest(), "big")
-    draw = MIN_DRAW + seed_hash % (MAX_DRAW - MIN_DRAW + 1)
-    output_tokens = max_tokens if body.get("ignore_eos") else min(draw, max_tokens)
-    options = body.get("stream_options")
+    prompt = _prompt(body, chat)
+    key, prompt_tokens = prompt.key, prompt.tokens
+    _check_context(prompt, model_len)
+    room = model_len - prompt_tokens
+    max_tokens = room if max_tokens is None else min(max_tokens, room)
+    n = 1 if n is None else n
+    _check_sampling(n, temperature, max_tokens)
+    hashes = [_seed_hash(key, seed, i) for i in range(n)]
+    if body.get("ignore_eos"):
+        outputs = tuple(max_tokens for _ in hashes)
+    else:
+        outputs = tuple(min(MIN_DRAW + h % (MAX_DRAW - MIN_DRAW + 1), max_tokens) for h in hashes)
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
     return SimRequest(
         chat=chat,
         prompt_key=key,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
-        output_tokens=output_tokens,
+        output_tokens=outputs,
         priority=priority,
-        stream=bool(body.get("stream")),
+        stream=stream,
         include_usage=include_usage,
-        seed_hash=seed_hash,
+        continuous_usage=continuous,
+        seed_hash=hashes[0],
     )

@@ -28,6 +28,8 @@ class RequestRecord:
     num_preemptions: int = 0
     aborted: bool = False
     finish_reason: str | None = None
+    choice: int = 0  # index among the request's n choices
+    n: int = 1
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -36,31 +38,54 @@ class RequestRecord:
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    """One generated token: its 0-based position and when the engine emitted it."""
+    """One generated token: its 0-based position in its choice, when the engine emitted
+    it, which of the request's ``n`` choices it belongs to, and the choice's finish reason
+    when it is that choice's last token (vLLM sends the last token and the finish reason
+    in one frame)."""
 
     index: int
     emit_s: float
+    choice: int = 0
+    finish_reason: str | None = None
 
 
 class RequestStream:
     """Tokens of one request as an async iterator; ends when the request finishes.
 
-    ``next_batch()`` returns every token available at once (one wake-up per engine
-    step), which is what the HTTP layer uses to keep per-token work small.
+    A request with ``n`` > 1 is ``n`` engine requests (one per choice, like vLLM's child
+    requests) feeding one stream; it ends when all of them have. ``next_batch()`` returns
+    every token available at once (one wake-up per engine step), which is what the HTTP
+    layer uses to keep per-token work small.
     """
 
-    __slots__ = ("_done", "_event", "_pending", "record")
+    __slots__ = ("_done", "_event", "_open", "_pending", "records")
 
-    def __init__(self, record: RequestRecord) -> None:
-        self.record = record
+    def __init__(self, records: list[RequestRecord]) -> None:
+        self.records = records
         self._pending: deque[Token] = deque()
         self._event = asyncio.Event()
+        self._open = len(records)
         self._done = False
 
     @property
+    def record(self) -> RequestRecord:
+        """The (first choice's) record."""
+        return self.records[0]
+
+    @property
     def request_id(self) -> str:
-        """The request's id."""
-        return self.record.request_id
+        """The (first choice's) engine request id."""
+        return self.records[0].request_id
+
+    @property
+    def request_ids(self) -> list[str]:
+        """The engine request ids of every choice."""
+        return [r.request_id for r in self.records]
+
+    @property
+    def aborted(self) -> bool:
+        """True if any choice was aborted."""
+        return any(r.aborted for r in self.records)
 
     @property
     def finished(self) -> bool:
@@ -73,9 +98,12 @@ class RequestStream:
         self._event.set()
 
     def close(self) -> None:
-        """Engine side: no more tokens (finished or aborted)."""
-        self._done = True
-        self._event.set()
+        """Engine side: one choice ends (finished or aborted); the stream ends with the
+        last one."""
+        self._open -= 1
+        if self._open <= 0:
+            self._done = True
+            self._event.set()
 
     async def next_batch(self) -> list[Token]:
         """Wait for tokens; return all available ones, or ``[]`` at the end."""

@@ -1,25 +1,47 @@
-"""Response bodies and SSE frames shaped like vLLM's OpenAI server.
+"""Response bodies and SSE frames shaped like vLLM 0.32's OpenAI server.
 
-Streaming frames are built from a per-request prefix and suffix around the token text
+Field sets and their order follow vLLM (``chat_completion/serving.py`` and
+``completion/serving.py``) and the recorded answers in
+``tests/data/vllm-0.32-conformance.json``:
+
+- chat streams open with one role frame per choice (``delta: {role: "assistant",
+  content: ""}``), sent together with the first generated tokens, i.e. when the engine
+  returns its first output, never when the request is accepted;
+- each token frame carries its choice's delta; a choice's last token frame also carries
+  ``finish_reason`` and ``stop_reason`` (there is no separate finish frame), plus
+  ``system_fingerprint`` when no usage frame follows;
+- ``stream_options.include_usage`` adds a final ``choices: []`` frame with the usage;
+  ``continuous_usage_stats`` adds the running usage to every frame;
+- the stream ends with ``data: [DONE]``, except when the request was aborted.
+
+Token frames are built from a per-choice prefix and suffix around the token text
 (filler words never need JSON escaping), so a token costs two byte concatenations.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any
 
 from loadtest.sim.protocol import SimRequest
+from loadtest.sim.records import Token
 
 DONE_FRAME = b"data: [DONE]\n\n"
+VLLM_VERSION = "0.32.0"
 
 
-def _usage(req: SimRequest, completion_tokens: int) -> dict[str, int]:
+def system_fingerprint(model: str) -> str:
+    """``vllm-<version>-<8 hex>`` like vLLM's (there a hash of the serving config)."""
+    return f"vllm-{VLLM_VERSION}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
-        "prompt_tokens": req.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "total_tokens": req.prompt_tokens + completion_tokens,
     }
 
 
@@ -28,33 +50,84 @@ def _frame(payload: dict[str, Any]) -> bytes:
 
 
 def full_body(
-    req: SimRequest, request_id: str, model: str, count: int, finish_reason: str
+    req: SimRequest,
+    request_id: str,
+    model: str,
+    counts: list[int],
+    finish_reasons: list[str],
 ) -> dict[str, Any]:
-    """The non-streaming response."""
-    text = req.text(count)
-    base = {"id": request_id, "created": int(time.time()), "model": model}
-    if req.chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "tool_calls": []},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-        }
-        return {
-            **base,
-            "object": "chat.completion",
-            "choices": [choice],
-            "usage": _usage(req, count),
-        }
-    choice = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish_reason,
-        "stop_reason": None,
+    """The non-streaming response (``counts`` and ``finish_reasons`` per choice)."""
+    usage: dict[str, Any] = {
+        **_usage(req.prompt_tokens, sum(counts)),
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
-    return {**base, "object": "text_completion", "choices": [choice], "usage": _usage(req, count)}
+    head = {"id": request_id}
+    fingerprint = system_fingerprint(model)
+    if req.chat:
+        choices: list[dict[str, Any]] = [
+            {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": req.text(count, i),
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": reason,
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
+            }
+            for i, (count, reason) in enumerate(zip(counts, finish_reasons, strict=True))
+        ]
+        return {
+            **head,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": fingerprint,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+    choices = [
+        {
+            "index": i,
+            "text": req.text(count, i),
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        }
+        for i, (count, reason) in enumerate(zip(counts, finish_reasons, strict=True))
+    ]
+    return {
+        **head,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
+        "usage": usage,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
 
 
 class StreamFramer:
@@ -65,17 +138,27 @@ class StreamFramer:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self.fingerprint = system_fingerprint(model)
         self.object = "chat.completion.chunk" if req.chat else "text_completion"
+        self.counts = [0] * req.n
         head = json.dumps(
             {"id": request_id, "object": self.object, "created": self.created, "model": model},
             separators=(",", ":"),
         )[:-1]
         if req.chat:
-            self._prefix = f'data: {head},"choices":[{{"index":0,"delta":{{"content":"'.encode()
-            self._suffix = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+            self._prefixes = [
+                f'data: {head},"choices":[{{"index":{i},"delta":{{"content":"'.encode()
+                for i in range(req.n)
+            ]
+            self._suffix = b'"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
         else:
-            self._prefix = f'data: {head},"choices":[{{"index":0,"text":"'.encode()
-            self._suffix = b'","logprobs":null,"finish_reason":null}]}\n\n'
+            self._prefixes = [
+                f'data: {head},"choices":[{{"index":{i},"text":"'.encode() for i in range(req.n)
+            ]
+            self._suffix = (
+                b'","logprobs":null,"finish_reason":null,"stop_reason":null,'
+                b'"prompt_token_ids":null,"token_ids":null}]}\n\n'
+            )
 
     def _base(self) -> dict[str, Any]:
         return {
@@ -85,42 +168,66 @@ class StreamFramer:
             "model": self.model,
         }
 
+    def _running_usage(self, choice: int) -> dict[str, Any]:
+        usage: dict[str, Any] = _usage(self.req.prompt_tokens, self.counts[choice])
+        if self.req.chat:
+            usage["completion_tokens_details"] = None
+        return usage
+
     def opening(self) -> bytes:
-        """The chat role frame (empty for completions)."""
+        """The chat role frames, one per choice (empty for completions). vLLM sends them
+        when the engine returns the request's first output, before that output's tokens."""
         if not self.req.chat:
             return b""
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return _frame({**self._base(), "choices": [choice]})
-
-    def token(self, index: int) -> bytes:
-        """The frame of output token ``index``."""
-        return self._prefix + self.req.word(index).encode() + self._suffix
-
-    def closing(self, completion_tokens: int, finish_reason: str) -> bytes:
-        """Finish-reason frame, optional usage frame and ``[DONE]``."""
-        if self.req.chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-        else:
+        out = []
+        for i in range(self.req.n):
             choice = {
-                "index": 0,
-                "text": "",
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
+                "finish_reason": None,
             }
-        out = _frame({**self._base(), "choices": [choice]})
-        if self.req.include_usage:
-            usage = _usage(self.req, completion_tokens)
-            out += _frame({**self._base(), "choices": [], "usage": usage})
-        return out + DONE_FRAME
+            payload: dict[str, Any] = {**self._base(), "choices": [choice]}
+            if self.req.continuous_usage:
+                payload["usage"] = self._running_usage(i)
+            payload["prompt_token_ids"] = None
+            payload["prompt_text"] = None
+            out.append(_frame(payload))
+        return b"".join(out)
+
+    def token(self, token: Token) -> bytes:
+        """The frame of one output token (with its choice's finish reason if last)."""
+        choice = token.choice
+        self.counts[choice] += 1
+        text = self.req.word(token.index, choice)
+        if token.finish_reason is None and not self.req.continuous_usage:
+            return self._prefixes[choice] + text.encode() + self._suffix
+        data: dict[str, Any]
+        if self.req.chat:
+            data = {"index": choice, "delta": {"content": text}, "logprobs": None}
+        else:
+            data = {"index": choice, "text": text, "logprobs": None}
+        data["finish_reason"] = token.finish_reason
+        if token.finish_reason is not None or not self.req.chat:
+            data["stop_reason"] = None
+        if not self.req.chat:
+            data["prompt_token_ids"] = None
+        data["token_ids"] = None
+        payload: dict[str, Any] = {**self._base(), "choices": [data]}
+        if self.req.continuous_usage:
+            payload["usage"] = self._running_usage(choice)
+        if token.finish_reason is not None and not self.req.include_usage:
+            payload["system_fingerprint"] = self.fingerprint
+        return _frame(payload)
+
+    def closing(self) -> bytes:
+        """The usage frame (if asked for) and ``[DONE]``."""
+        if not self.req.include_usage:
+            return DONE_FRAME
+        payload = {
+            **self._base(),
+            "choices": [],
+            "usage": _usage(self.req.prompt_tokens, sum(self.counts)),
+            "system_fingerprint": self.fingerprint,
+        }
+        return _frame(payload) + DONE_FRAME

@@ -4,13 +4,21 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 (JSON or SSE), ``GET /health``, ``GET /metrics``, ``GET /debug/requests``,
 ``GET /debug/state``, ``GET /debug/steps``. Handlers are cancelled when the client
 disconnects, and the request is then aborted in the engine (its KV blocks freed).
+
+What goes on the wire, and when, follows vLLM 0.32 (``loadtest/sim/conformance.py``
+checks it against recordings of a real server): a stream's status and headers go out when
+the request is accepted, its first frame (for chat, the role frame followed by the first
+token) only when the engine produced the first token; errors are ``{"error": {...}}``
+with ``application/json``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -24,6 +32,13 @@ from loadtest.sim.responses import StreamFramer, full_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SHUTDOWN_TIMEOUT_S = 2.0
+SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """JSON as vLLM (Starlette's JSONResponse) sends it: ``application/json``, compact."""
+    body = json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
 @web.middleware
@@ -32,7 +47,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except SimError as exc:
-        return web.json_response(exc.body(), status=exc.status)
+        return json_response(exc.body(), status=exc.status)
 
 
 class SimServer:
@@ -98,16 +113,32 @@ class SimServer:
             self._runner = None
 
     async def _models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        permission = {
+            "id": "modelperm-" + uuid.uuid4().hex[:16],
+            "object": "model_permission",
+            "created": now,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
         card = {
             "id": self.config.model,
             "object": "model",
-            "created": int(time.time()),
+            "created": now,
             "owned_by": "vllm",
             "root": self.config.model,
             "parent": None,
             "max_model_len": self.config.model_len,
+            "permission": [permission],
         }
-        return web.json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -142,8 +173,12 @@ class SimServer:
     def _parse(self, request: web.Request, raw: bytes, chat: bool) -> SimRequest:
         body = parse_json(raw)
         model = body.get("model")
-        if model is not None and model != self.config.model:
-            raise SimError(404, f"The model `{model}` does not exist.", param="model")
+        if model and model != self.config.model:
+            raise SimError(
+                404,
+                f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
+                param="model",
+            )
         req = parse_request(
             body,
             chat=chat,
@@ -159,7 +194,7 @@ class SimServer:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         req = self._parse(request, await request.read(), chat)
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
         try:
             stream = self._engine.add_request(
                 request_id,
@@ -172,38 +207,42 @@ class SimServer:
             raise SimError(400, str(exc)) from exc
         try:
             if req.stream:
-                return await self._stream(request, req, stream)
-            count = 0
+                return await self._stream(request, req, request_id, stream)
+            counts = [0] * req.n
+            reasons = ["stop"] * req.n
             while batch := await stream.next_batch():
-                count += len(batch)
-            if stream.record.aborted:
+                for token in batch:
+                    counts[token.choice] += 1
+                    if token.finish_reason is not None:
+                        reasons[token.choice] = token.finish_reason
+            if stream.aborted:
                 raise SimError(500, "The request was aborted: the engine is shutting down.")
-            reason = stream.record.finish_reason or "stop"
-            return web.json_response(full_body(req, request_id, self.config.model, count, reason))
+            body = full_body(req, request_id, self.config.model, counts, reasons)
+            return json_response(body)
         finally:
             if not stream.finished:
-                self._engine.abort(request_id)
+                self._engine.abort_stream(stream)
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, stream: RequestStream
+        self, request: web.Request, req: SimRequest, request_id: str, stream: RequestStream
     ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        # Like vLLM (a Starlette StreamingResponse): status and headers go out at once,
+        # the first frame only when the engine returns the request's first output.
+        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         await response.prepare(request)
-        framer = StreamFramer(req, stream.request_id, self.config.model)
-        count = 0
+        framer = StreamFramer(req, request_id, self.config.model)
+        first = True
         try:
-            opening = framer.opening()
-            if opening:
-                await response.write(opening)
             while batch := await stream.next_batch():
-                await response.write(b"".join([framer.token(t.index) for t in batch]))
-                count += len(batch)
-            if not stream.record.aborted:
-                reason = stream.record.finish_reason or "stop"
-                await response.write(framer.closing(count, reason))
+                frames = [framer.token(t) for t in batch]
+                if first:
+                    # The chat role frame goes out with the first output, not at accept.
+                    frames.insert(0, framer.opening())
+                    first = False
+                await response.write(b"".join(frames))
+            if not stream.aborted:
+                await response.write(framer.closing())
             await response.write_eof()
         except ConnectionError:
-            self._engine.abort(stream.request_id)
+            self._engine.abort_stream(stream)
         return response

@@ -108,24 +108,68 @@ async def test_too_long_prompt_is_400(make_server: ServerFactory) -> None:
     status, body = await post(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 800})
     assert_error(status, body, 400, "BadRequestError")
     assert "maximum context length is 100" in body["error"]["message"]
+    assert body["error"]["param"] == "input_text"  # over 4 characters per token: untokenized
+    # Exactly max_model_len tokens: no room left for output (vLLM: max_tokens clamps to 0).
+    status, body = await post(server, "/v1/completions", {"model": MODEL, "prompt": "x" * 399})
+    assert_error(status, body, 400, "BadRequestError")
+    assert body["error"]["message"].startswith("max_tokens must be at least 1, got 0.")
     status, body = await post(
-        server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100}
+        server, "/v1/completions", {"model": MODEL, "prompt": list(range(101))}
     )
     assert_error(status, body, 400, "BadRequestError")
-
-
-async def test_n_greater_than_one_is_400(server: SimServer) -> None:
+    assert "contains 101 input tokens" in body["error"]["message"]
+    assert body["error"]["param"] == "input_tokens"
     status, body = await post(
-        server, "/v1/chat/completions",
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2},
-    )  # fmt: skip
+        server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 101}
+    )
     assert_error(status, body, 400, "BadRequestError")
-    assert "n=2" in body["error"]["message"]
+    assert body["error"]["param"] == "max_tokens"
+
+
+async def test_prompt_plus_max_tokens_over_context_is_clamped(make_server: ServerFactory) -> None:
+    """vLLM 0.32 clamps max_tokens to what the context leaves instead of answering 400."""
+    server = await make_server(max_model_len=100)
+    body = {"model": MODEL, "prompt": "x" * 160, "max_tokens": 100, "ignore_eos": True}
+    status, answer = await post(server, "/v1/completions", body)
+    assert status == 200
+    assert answer["usage"] == {
+        "prompt_tokens": 40, "total_tokens": 100, "completion_tokens": 60,
+        "prompt_tokens_details": None, "completion_tokens_details": None,
+    }  # fmt: skip
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+async def test_n_choices(server: SimServer) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3,
+            "max_tokens": 4, "ignore_eos": True}  # fmt: skip
+    status, answer = await post(server, "/v1/chat/completions", body)
+    assert status == 200
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert answer["usage"]["completion_tokens"] == 12
+    status, answer = await post(server, "/v1/chat/completions", {**body, "n": 0})
+    assert_error(status, answer, 400, "BadRequestError")
+    assert answer["error"]["message"] == "n must be at least 1, got 0."
+
+
+async def test_bad_parameters_are_400(server: SimServer) -> None:
+    base = {"model": MODEL, "prompt": "hi"}
+    status, body = await post(server, "/v1/completions", {**base, "temperature": -1})
+    assert_error(status, body, 400, "BadRequestError")
+    assert body["error"]["param"] == "temperature"
+    status, body = await post(server, "/v1/completions", {**base, "max_tokens": "many"})
+    assert_error(status, body, 400, "Bad Request")
+    assert body["error"]["param"] == "body.max_tokens"
+    status, body = await post(
+        server, "/v1/completions", {**base, "stream_options": {"include_usage": True}}
+    )
+    assert_error(status, body, 400, "BadRequestError")
+    assert body["error"]["param"] == "stream_options"
 
 
 async def test_invalid_json_is_400(server: SimServer) -> None:
     status, body = await post(server, "/v1/completions", b"{not json")
-    assert_error(status, body, 400, "BadRequestError")
+    assert_error(status, body, 400, "Bad Request")
+    assert body["error"]["param"] == "body.1"
 
 
 async def test_reject_priority_emulates_old_server(make_server: ServerFactory) -> None:
