@@ -10,152 +10,35 @@ import asyncio
 import contextlib
 import json
 import json as jsonlib
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.server import GatewayServer
 from loadtest.sim.server import SimServer
-from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, gateway_settings
+from tests.gateway.conftest import (
+    HI,
+    MODEL,
+    BusyFactory,
+    GatewayFactory,
+    SimFactory,
+    assert_error,
+    auth,
+    call,
+    dead_redis_url,
+    gateway_settings,
+    long_chat,
+    store_is_idle,
+    until,
+)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
-CONDITION_TIMEOUT_S = 15.0
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-async def until(condition: Callable[[], bool | Awaitable[bool]], what: str,
-                timeout_s: float = CONDITION_TIMEOUT_S) -> None:
-    """Await a condition (polled), failing the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if not isinstance(value, bool):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for: {what}")
-        await asyncio.sleep(0.01)
-
-
-async def store_is_idle(gw: GatewayServer) -> None:
-    """Wait (bounded) until nothing is queued or in flight, then assert it."""
-    store = gw.services.store
-
-    async def idle() -> bool:
-        return (await store.user_inflight(MODEL) == {}
-                and all(n == 0 for n in (await store.depths(MODEL)).values()))
-
-    await until(idle, "store counters back to zero")
-    assert await store.user_inflight(MODEL) == {}
-    assert await store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
-
-
-def auth(key: str | None) -> dict[str, str]:
-    return {} if key is None else {"Authorization": f"Bearer {key}"}
-
-
-async def call(session: aiohttp.ClientSession, method: str, url: str, *,
-               key: str | None = "sk-alice", json: Any = None, data: Any = None,
-               headers: dict[str, str] | None = None
-               ) -> tuple[int, dict[str, Any], Mapping[str, str]]:
-    """One raw request; returns (status, decoded JSON body, response headers)."""
-    hdrs = {**auth(key), **(headers or {})}
-    async with session.request(method, url, json=json, data=data, headers=hdrs) as resp:
-        body = await resp.json(content_type=None)
-        return resp.status, body, resp.headers
-
-
-def assert_error(body: dict[str, Any], *, type_: str, param: str | None = None,
-                 code: str | None = None) -> str:
-    """Check the OpenAI error shape exactly; returns the message."""
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert err["type"] == type_, err
-    assert err["param"] == param, err
-    assert err["code"] == code, err
-    return str(err["message"])
-
-
-def long_chat(tokens: int = 2000) -> dict[str, Any]:
-    return {"model": MODEL, "messages": HI, "max_tokens": tokens, "ignore_eos": True}
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-        yield session
-
-
-class BusyBackend:
-    """Long requests occupying a ``max_num_seqs=1`` backend: one running, one waiting.
-
-    With the interactive gate at ``max_waiting=1`` the gateway then sends nothing more,
-    so further requests stay queued in Redis. Uses its own session so that closing it
-    drops the long requests (the gateway then aborts them upstream and settles).
-    """
-
-    def __init__(self, gw: GatewayServer, backend: SimServer) -> None:
-        self.gw, self.backend = gw, backend
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
-        self.tasks: list[asyncio.Task[Any]] = []
-
-    def send(self, key: str, body: dict[str, Any] | None = None) -> asyncio.Task[Any]:
-        task = asyncio.create_task(call(self.session, "POST", self.gw.url + CHAT, key=key,
-                                        json=body or long_chat()))
-        self.tasks.append(task)
-        return task
-
-    async def fill(self, key: str = "sk-alice") -> None:
-        engine, handle = self.backend.engine, self.gw.services.pool.handles["b0"]
-        self.send(key)
-        await until(lambda: engine.num_running == 1, "first long request running")
-        self.send(key)
-        await until(lambda: engine.num_waiting == 1, "second long request waiting in vLLM")
-        # the gateway's own view: a snapshot showing the waiting request closes the gate
-        await until(lambda: handle.last is not None and handle.last.waiting == 1
-                    and handle.last.running == 1, "a snapshot with the backend full")
-
-    async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.session.close()
-
-
-BusyFactory = Callable[[GatewayServer, SimServer], BusyBackend]
-
-
-@pytest.fixture
-async def busy() -> AsyncIterator[BusyFactory]:
-    made: list[BusyBackend] = []
-
-    def make(gw: GatewayServer, backend: SimServer) -> BusyBackend:
-        made.append(BusyBackend(gw, backend))
-        return made[-1]
-
-    yield make
-    for b in made:
-        await b.close()
 
 
 # --------------------------------------------------------------------------- 400
@@ -507,8 +390,7 @@ async def test_503_no_healthy_backend_and_ready(sim: SimFactory, gateway: Gatewa
 
 async def _ready_with_dead_store(http: aiohttp.ClientSession
                                  ) -> tuple[int, dict[str, Any], Mapping[str, str]]:
-    dead = f"redis://127.0.0.1:{closed_port()}/0"
-    gw = GatewayServer(gateway_settings(dead, [], retry_after_s=5))
+    gw = GatewayServer(gateway_settings(dead_redis_url(), [], retry_after_s=5))
     await gw.start()
     try:
         return await call(http, "GET", gw.url + "/ready", key=None)
