@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
 SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler")
@@ -35,6 +36,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="scenario size (flood length, queued requests, …)")
     parser.add_argument("--duration", type=float, default=None,
                         help="seconds per measured run (closed/open-loop scenarios)")
+    parser.add_argument("--endpoint", choices=(*ENDPOINTS, "both"), default="both",
+                        help="newcomer and mixed: run on /v1/chat/completions, "
+                             "/v1/completions or both (default both)")
     parser.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
@@ -48,6 +52,7 @@ def options(args: argparse.Namespace, scenario: str) -> Options:
     return Options(out=out, backend=args.backend, quick=args.quick, size=args.size,
                    duration_s=args.duration, progress=not args.no_progress,
                    redis_url=args.redis_url,
+                   endpoints=tuple(ENDPOINTS) if args.endpoint == "both" else (args.endpoint,),
                    command="fairgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2
                                                           else [scenario]))
 

@@ -17,6 +17,8 @@ from typing import Any
 import aiohttp
 
 PROMPT_WORD = " the"  # 4 bytes: the simulator counts one token, Llama's tokenizer too
+# The OpenAI endpoints a scenario can run on (``fairgate bench … --endpoint``).
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +139,7 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
     The result goes into ``sink`` before the request is sent, so a request cancelled at
     the end of a bounded run still counts the tokens it received (marked "cancelled").
     """
-    path = "/v1/chat/completions" if spec.chat else "/v1/completions"
+    path = ENDPOINTS["chat" if spec.chat else "completions"]
     result = Result(spec.user, spec.tag, spec.prompt_tokens, time.perf_counter())
     if sink is not None:
         sink.append(result)

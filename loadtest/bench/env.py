@@ -68,6 +68,9 @@ class Options:
     progress: bool = True
     redis_url: str | None = None
     command: str = ""
+    # Endpoints of the scenarios that run per endpoint (newcomer, mixed): "chat",
+    # "completions" (see client.ENDPOINTS).
+    endpoints: tuple[str, ...] = ("chat", "completions")
     extra: dict[str, Any] = field(default_factory=dict)
 
     def pick(self, full: Any, quick: Any) -> Any:

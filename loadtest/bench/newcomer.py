@@ -3,6 +3,12 @@
 Direct, the newcomers queue behind the whole flood in vLLM's waiting queue; through
 fairgate the flood waits in the gateway (backend waiting < 3) and a newcomer is next
 in line, with vLLM priority 0 against the flood's growing ranks.
+
+Runs once per endpoint (``--endpoint``, default both ``/v1/chat/completions`` and
+``/v1/completions``): the gateway's pacing reads the stream's frames, and chat streams
+open with a role frame that carries no token, so each endpoint is its own result. The
+backend's waiting gauge is sampled throughout (``backend_waiting``): through fairgate it
+should stay at ``max_waiting`` 3 plus what is in transit.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 from typing import Any
 
 from loadtest.bench import report
+from loadtest.bench.backend_load import WaitingSampler
 from loadtest.bench.client import Result, Spec, Target, new_session
 from loadtest.bench.env import Bench, Options, gateway_target
 from loadtest.bench.loadgen import cancel_all, fire, progress
@@ -18,6 +25,7 @@ from loadtest.bench.procs import SimSpec
 from loadtest.bench.stats import percentile, ratio, summarize
 
 SIM = SimSpec(max_num_seqs=256, max_num_batched_tokens=2048)
+RUNS = ("direct", "gateway")
 
 
 def params(opts: Options) -> dict[str, Any]:
@@ -27,21 +35,24 @@ def params(opts: Options) -> dict[str, Any]:
         "newcomer_prompt_tokens": 200, "newcomer_max_tokens": 32,
         "newcomer_delay_s": opts.pick(1.0, 0.3), "newcomer_spacing_s": 0.1,
         "sim": SIM.__dict__, "gateway": "defaults (interactive: max_waiting 3, TPOT 150 ms)",
-        "time_bound_s": opts.pick(120.0, 20.0),
+        "time_bound_s": opts.pick(120.0, 20.0), "endpoints": list(opts.endpoints),
     }
 
 
-async def _phase(opts: Options, p: dict[str, Any], target: Target) -> list[Result]:
-    flood = [Spec("heavy", "flood", p["flood_prompt_tokens"], p["flood_max_tokens"])
+async def _phase(opts: Options, p: dict[str, Any], target: Target, backend_url: str,
+                 chat: bool) -> tuple[list[Result], dict[str, Any]]:
+    flood = [Spec("heavy", "flood", p["flood_prompt_tokens"], p["flood_max_tokens"], chat)
              for _ in range(p["flood"])]
     results: list[Result] = []
-    bar = progress(p["flood"] + p["newcomers"], f"newcomer {target.name}", opts.progress)
-    async with new_session() as session:
+    endpoint = "chat" if chat else "completions"
+    bar = progress(p["flood"] + p["newcomers"], f"newcomer {endpoint} {target.name}",
+                   opts.progress)
+    async with new_session() as session, WaitingSampler(backend_url) as waiting:
         tasks = await fire(session, target, flood, bar, results)
         await asyncio.sleep(p["newcomer_delay_s"])
         for i in range(p["newcomers"]):
             spec = Spec(f"new{i}", "newcomer", p["newcomer_prompt_tokens"],
-                        p["newcomer_max_tokens"])
+                        p["newcomer_max_tokens"], chat)
             tasks += await fire(session, target, [spec], bar, results)
             await asyncio.sleep(p["newcomer_spacing_s"])
         newcomers = tasks[p["flood"]:]
@@ -50,7 +61,7 @@ async def _phase(opts: Options, p: dict[str, Any], target: Target) -> list[Resul
         await asyncio.wait(tasks, timeout=5.0)
         await cancel_all(tasks)
     bar.close()
-    return results
+    return results, waiting.summary()
 
 
 def _ttft(results: list[Result], q: float) -> float | None:
@@ -59,41 +70,65 @@ def _ttft(results: list[Result], q: float) -> float | None:
     return None if p is None else round(p * 1000, 2)
 
 
+def _headline(endpoint: str, p: dict[str, Any], runs: dict[str, list[Result]],
+              summary: dict[str, Any]) -> list[report.Headline]:
+    d50, g50 = _ttft(runs["direct"], 50), _ttft(runs["gateway"], 50)
+    d99, g99 = _ttft(runs["direct"], 99), _ttft(runs["gateway"], 99)
+    r50 = ratio(d50, g50)
+    waiting = [summary[r]["backend_waiting"]["max"] for r in RUNS]
+    return [
+        report.Headline(f"{endpoint}: newcomer TTFT p50 (ms); ratio = direct ÷ gateway", d50,
+                        g50, r50, "≥ 10× lower", None if r50 is None else r50 >= 10),
+        report.Headline(f"{endpoint}: newcomer TTFT p99 (ms); ratio = direct ÷ gateway", d99,
+                        g99, ratio(d99, g99), "–", None),
+        report.Headline(f"{endpoint}: newcomers completed",
+                        summary["direct"]["newcomer"]["completed"],
+                        summary["gateway"]["newcomer"]["completed"], None,
+                        f"{p['newcomers']} of {p['newcomers']}", None),
+        report.Headline(f"{endpoint}: backend waiting, max sampled", waiting[0], waiting[1],
+                        None, "gateway ≤ 3 + in transit", None),
+    ]
+
+
 async def run(opts: Options) -> dict[str, Any]:
     p = params(opts)
     users = [("heavy", "interactive")] + [(f"new{i}", "interactive")
                                          for i in range(p["newcomers"])]
-    runs: dict[str, list[Result]] = {}
+    runs: dict[str, dict[str, list[Result]]] = {}
+    waiting: dict[str, dict[str, Any]] = {}
     async with Bench(opts) as bench:
-        async with bench.backend(SIM, "sim-direct") as be:
-            runs["direct"] = await _phase(opts, p, be.target())
-        async with bench.backend(SIM, "sim-gateway") as be, \
-                bench.gateway(be, users, "gateway") as gw:
-            runs["gateway"] = await _phase(opts, p, gateway_target(gw, be))
+        for endpoint in opts.endpoints:
+            chat = endpoint == "chat"
+            runs[endpoint], waiting[endpoint] = {}, {}
+            async with bench.backend(SIM, f"sim-direct-{endpoint}") as be:
+                runs[endpoint]["direct"], waiting[endpoint]["direct"] = await _phase(
+                    opts, p, be.target(), be.url, chat)
+            async with bench.backend(SIM, f"sim-gateway-{endpoint}") as be, \
+                    bench.gateway(be, users, f"gateway-{endpoint}") as gw:
+                runs[endpoint]["gateway"], waiting[endpoint]["gateway"] = await _phase(
+                    opts, p, gateway_target(gw, be), be.url, chat)
     summary: dict[str, Any] = {}
-    for name, results in runs.items():
-        summary[name] = {
-            "newcomer": summarize([r for r in results if r.tag == "newcomer"]),
-            "flood": summarize([r for r in results if r.tag == "flood"]),
-            "newcomer_ttft_ms": sorted(round((r.ttft or 0) * 1000, 2) for r in results
-                                       if r.tag == "newcomer" and r.ttft is not None),
+    headline: list[report.Headline] = []
+    for endpoint, by_run in runs.items():
+        summary[endpoint] = {
+            name: {
+                "newcomer": summarize([r for r in results if r.tag == "newcomer"]),
+                "flood": summarize([r for r in results if r.tag == "flood"]),
+                "newcomer_ttft_ms": sorted(round((r.ttft or 0) * 1000, 2) for r in results
+                                           if r.tag == "newcomer" and r.ttft is not None),
+                "backend_waiting": waiting[endpoint][name],
+            }
+            for name, results in by_run.items()
         }
-    d50, g50 = _ttft(runs["direct"], 50), _ttft(runs["gateway"], 50)
-    d99, g99 = _ttft(runs["direct"], 99), _ttft(runs["gateway"], 99)
-    r50 = ratio(d50, g50)
-    headline = [
-        report.Headline("newcomer TTFT p50 (ms); ratio = direct ÷ gateway", d50, g50, r50,
-                        "≥ 10× lower", None if r50 is None else r50 >= 10),
-        report.Headline("newcomer TTFT p99 (ms); ratio = direct ÷ gateway", d99, g99,
-                        ratio(d99, g99), "–", None),
-        report.Headline("newcomers completed", summary["direct"]["newcomer"]["completed"],
-                        summary["gateway"]["newcomer"]["completed"], None,
-                        f"{p['newcomers']} of {p['newcomers']}", None),
-    ]
+        headline += _headline(endpoint, p, by_run, summary[endpoint])
     fig, ax = report.figure("Newcomer TTFT behind a flood", "newcomer", "TTFT (ms, log)")
-    for name, marker in (("direct", "o"), ("gateway", "s")):
-        values = summary[name]["newcomer_ttft_ms"]
-        ax.plot(range(len(values)), values, marker=marker, linestyle="", label=name)
+    markers = {"direct": "o", "gateway": "s"}
+    for endpoint in summary:
+        for name in RUNS:
+            values = summary[endpoint][name]["newcomer_ttft_ms"]
+            ax.plot(range(len(values)), values, marker=markers[name], linestyle="",
+                    fillstyle="full" if endpoint == "chat" else "none",
+                    label=f"{endpoint} {name}")
     ax.set_yscale("log")
     ax.legend()
     return report.write(opts, "newcomer", p, summary, headline,

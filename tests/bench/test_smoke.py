@@ -12,14 +12,15 @@ from typing import Any
 import pytest
 
 from loadtest.bench.cli import run_scenario
+from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
 HEADLINE_KEYS = {"metric", "direct", "gateway", "ratio", "target", "met"}
 
 
-def _run(name: str, tmp_path: Path, redis_url: str) -> dict[str, Any]:
+def _run(name: str, tmp_path: Path, redis_url: str, **options: Any) -> dict[str, Any]:
     opts = Options(out=tmp_path / name, quick=True, progress=False, redis_url=redis_url,
-                   command=f"fairgate bench {name} --quick")
+                   command=f"fairgate bench {name} --quick", **options)
     report = run_scenario(name, opts)
     on_disk = json.loads((tmp_path / name / "report.json").read_text())
     assert on_disk["scenario"] == name
@@ -31,12 +32,24 @@ def _run(name: str, tmp_path: Path, redis_url: str) -> dict[str, Any]:
     return report
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_newcomer(tmp_path: Path, redis_url: str) -> None:
     report = _run("newcomer", tmp_path, redis_url)
-    for run in ("direct", "gateway"):
-        assert report["runs"][run]["newcomer"]["completed"] == report["params"]["newcomers"]
-        assert len(report["runs"][run]["newcomer_ttft_ms"]) == report["params"]["newcomers"]
+    assert set(report["runs"]) == set(ENDPOINTS)  # chat and completions by default
+    for endpoint in ENDPOINTS:
+        for run in ("direct", "gateway"):
+            stats = report["runs"][endpoint][run]
+            assert stats["newcomer"]["completed"] == report["params"]["newcomers"]
+            assert len(stats["newcomer_ttft_ms"]) == report["params"]["newcomers"]
+            assert stats["backend_waiting"]["samples"] > 0
+    assert {row["metric"].split(":")[0] for row in report["headline"]} == set(ENDPOINTS)
+
+
+@pytest.mark.timeout(60)
+def test_newcomer_one_endpoint(tmp_path: Path, redis_url: str) -> None:
+    report = _run("newcomer", tmp_path, redis_url, endpoints=("chat",))
+    assert set(report["runs"]) == {"chat"}
+    assert report["params"]["endpoints"] == ["chat"]
 
 
 @pytest.mark.timeout(60)
@@ -61,12 +74,16 @@ def test_utilization(tmp_path: Path, redis_url: str) -> None:
         assert stats["completed"] > 0 and stats["output_tok_s"] > 0
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_mixed(tmp_path: Path, redis_url: str) -> None:
     report = _run("mixed", tmp_path, redis_url)
-    for run in ("direct", "gateway"):
-        assert report["runs"][run]["interactive"]["requests"] > 0
-        assert report["runs"][run]["batch_idle"]["requests"] > 0
+    assert set(report["runs"]) == set(ENDPOINTS)
+    for endpoint in ENDPOINTS:
+        for run in ("direct", "gateway"):
+            stats = report["runs"][endpoint][run]
+            assert stats["interactive"]["requests"] > 0
+            assert stats["batch_idle"]["requests"] > 0
+            assert stats["backend_waiting"]["samples"] > 0
 
 
 @pytest.mark.timeout(90)
