@@ -1,0 +1,387 @@
+"""``gateway.dispatcher.Dispatcher``'s decisions on a real Redis, backends set by hand.
+
+No scraping and no dispatch loop: each test sets the backend handles' snapshots and
+gates itself, queues requests through :meth:`Dispatcher.acquire` and calls
+:meth:`Dispatcher.dispatch_once`. Waits are on events and futures, never on the clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.backends import BackendPool
+from gateway.dispatcher import Dispatcher
+from gateway.errors import (
+    QueueTimeout,
+    RateLimited,
+    RequestCancelled,
+    StoreUnavailable,
+)
+from gateway.keys import ModelKeys
+from gateway.metrics import GatewayMetrics
+from gateway.redis_client import connect
+from gateway.settings import Settings, load_settings
+from gateway.store import Grant, QueuedRequest, Store
+from policies.classes import CLASS_ORDER
+from policies.gates import BackendSnapshot, evaluate_gate
+from tests.gateway.conftest import KEYS, MODEL, dead_redis_url
+
+REPLICA = "replica-test"
+K = ModelKeys(MODEL)
+ENQUEUE_WAIT_S = 10.0  # bound on one Redis round trip, never reached when things work
+
+
+@dataclass
+class Pending:
+    """A request queued through ``acquire``; its grant arrives on ``future``."""
+
+    request_id: str
+    task: asyncio.Task[Grant]
+    future: asyncio.Future[Grant]
+
+    @property
+    def delivered(self) -> bool:
+        """The dispatcher handed it a grant (or failed it): decided synchronously."""
+        return self.future.done()
+
+    async def grant(self) -> Grant:
+        assert self.delivered, f"no grant was delivered to {self.request_id}"
+        return await asyncio.wait_for(self.task, ENQUEUE_WAIT_S)
+
+
+@dataclass
+class Rig:
+    settings: Settings
+    store: Store
+    pool: BackendPool
+    metrics: GatewayMetrics
+    dispatcher: Dispatcher
+    woken: asyncio.Event  # set when the dispatcher is told of new queued work
+    pending: list[Pending] = field(default_factory=list)
+
+    async def close(self) -> None:
+        """Drop the acquires still waiting (they leave the queue), close the client."""
+        for p in self.pending:
+            p.task.cancel()
+        await asyncio.gather(*(p.task for p in self.pending), return_exceptions=True)
+        await self.store.client.aclose()
+
+
+def make_rig(redis_url: str, session: aiohttp.ClientSession, **overrides: object) -> Rig:
+    settings = load_settings(None, **{
+        "redis_url": redis_url,
+        "backends": [{"name": f"b{i}", "url": f"http://127.0.0.1:9/b{i}", "model": MODEL}
+                     for i in range(2)],
+        "api_keys": KEYS,
+        "snapshot_stale_s": 3600.0,  # hand-made snapshots never go stale mid-test
+        **overrides})
+    store = Store(connect(redis_url), request_ttl_s=600)
+    metrics = GatewayMetrics()
+    pool = BackendPool(settings, session, store, metrics)  # the session is never used
+    dispatcher = Dispatcher(settings, store, pool, metrics, REPLICA)
+    woken = asyncio.Event()
+    wake = dispatcher.wake
+
+    def hooked_wake() -> None:  # acquire() wakes the dispatcher once its enqueue is done
+        wake()
+        woken.set()
+
+    dispatcher.wake = hooked_wake  # type: ignore[method-assign]
+    return Rig(settings, store, pool, metrics, dispatcher, woken)
+
+
+@pytest.fixture
+async def rig(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Rig]:
+    async with aiohttp.ClientSession() as session:
+        made = make_rig(redis_url, session)
+        # dispatch drops requests of replicas without a heartbeat: this one has one
+        await made.store.heartbeat([MODEL], REPLICA, time.time())
+        try:
+            yield made
+        finally:
+            await made.close()
+
+
+async def set_backend(rig: Rig, name: str, waiting: int, running: int) -> None:
+    """What a fresh scrape of ``name`` leaves behind, minus the HTTP: the snapshot in
+    Redis (which forgets the dispatches it reflects) and on the handle, with its gates.
+    ``handle.drained`` is left as the test set it."""
+    handle = rig.pool.handles[name]
+    snap = BackendSnapshot(waiting, running, 0.2, 0.02, time.time())
+    stored, _ = await rig.store.store_snapshot(MODEL, name, snap)
+    assert stored
+    handle.healthy, handle.last, handle.sent_since_snapshot = True, snap, 0
+    handle.gates = {c: evaluate_gate(snap, rig.pool.gate_policies[c], snap.taken_at_s,
+                                     math.inf) for c in CLASS_ORDER}
+
+
+async def queue(rig: Rig, request_id: str, user: str = "alice", klass: str = "interactive",
+                timeout_s: float = 120.0) -> Pending:
+    """Start an acquire and return once its request is queued in Redis."""
+    rig.woken.clear()
+    req = QueuedRequest(request_id, user, klass, REPLICA, 1.0, time.time())
+    task = asyncio.create_task(rig.dispatcher.acquire(MODEL, req, timeout_s))
+    woken = asyncio.create_task(rig.woken.wait())
+    await asyncio.wait({task, woken}, timeout=ENQUEUE_WAIT_S,
+                       return_when=asyncio.FIRST_COMPLETED)
+    woken.cancel()
+    if task.done():
+        task.result()  # raises what acquire raised (no task is left behind then)
+    assert rig.woken.is_set(), f"{request_id} was not queued within {ENQUEUE_WAIT_S}s"
+    pending = Pending(request_id, task, rig.dispatcher.waiters[request_id].future)
+    rig.pending.append(pending)
+    return pending
+
+
+def dispatches(rig: Rig, backend: str, klass: str = "interactive") -> float:
+    value = rig.metrics.registry.get_sample_value(
+        "fairgate_dispatches_total",
+        {"model": MODEL, "backend": backend, "priority_class": klass})
+    return value or 0.0
+
+
+# --------------------------------------------------------------------------- backend choice
+
+
+async def test_dispatch_picks_the_least_loaded_open_backend(rig: Rig) -> None:
+    await set_backend(rig, "b0", waiting=1, running=6)
+    await set_backend(rig, "b1", waiting=0, running=2)
+    pending = await queue(rig, "r1")
+    assert not pending.delivered
+    assert await rig.dispatcher.dispatch_once(MODEL) is False
+    grant = await pending.grant()
+    assert (grant.request_id, grant.backend, grant.user, grant.klass, grant.rank,
+            grant.owner) == ("r1", "b1", "alice", "interactive", 0, REPLICA)
+    assert await rig.store.dispatched(MODEL, "r1") == grant  # Redis agrees
+    assert rig.pool.handles["b1"].sent_since_snapshot == 1
+    assert rig.pool.handles["b0"].sent_since_snapshot == 0
+    assert (dispatches(rig, "b0"), dispatches(rig, "b1")) == (0.0, 1.0)
+    assert rig.dispatcher.waiters == {}
+
+
+async def test_equal_load_breaks_ties_by_name(rig: Rig) -> None:
+    await set_backend(rig, "b0", waiting=0, running=3)
+    await set_backend(rig, "b1", waiting=1, running=2)
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await pending.grant()).backend == "b0"
+
+
+async def test_a_full_gate_passes_the_rest_to_the_next_backend(rig: Rig) -> None:
+    # b1 is the least loaded but has room for one more waiting request only
+    await set_backend(rig, "b1", waiting=2, running=0)
+    await set_backend(rig, "b0", waiting=0, running=9)
+    first = await queue(rig, "r1", user="alice")
+    second = await queue(rig, "r2", user="bob")
+    assert await rig.dispatcher.dispatch_once(MODEL) is False
+    grants = {g.request_id: g for g in (await first.grant(), await second.grant())}
+    assert sorted(g.backend for g in grants.values()) == ["b0", "b1"]
+    assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+
+
+async def test_a_closed_gate_dispatches_nothing(rig: Rig) -> None:
+    max_waiting = rig.settings.classes["interactive"].max_waiting
+    await set_backend(rig, "b0", waiting=max_waiting, running=1)
+    await set_backend(rig, "b1", waiting=max_waiting + 2, running=0)
+    pending = await queue(rig, "r1")
+    assert await rig.dispatcher.dispatch_once(MODEL) is False
+    assert not pending.delivered
+    assert (await rig.store.depths(MODEL))["interactive"] == 1
+    assert (await rig.store.request_fields(MODEL, "r1"))["state"] == "queued"
+    assert rig.dispatcher.waiters.keys() == {"r1"}
+    # the gate opens (a new snapshot): the same request goes out
+    await set_backend(rig, "b1", waiting=max_waiting - 1, running=0)
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await pending.grant()).backend == "b1"
+
+
+async def test_unhealthy_or_stale_backends_get_nothing(rig: Rig) -> None:
+    await set_backend(rig, "b0", waiting=0, running=0)
+    await set_backend(rig, "b1", waiting=0, running=0)
+    rig.pool.handles["b0"].healthy = False
+    old = rig.pool.handles["b1"].last
+    assert old is not None
+    rig.pool.handles["b1"].last = BackendSnapshot(0, 0, 0.0, None,
+                                                  time.time() - 2 * rig.settings.snapshot_stale_s)
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert not pending.delivered
+    rig.pool.handles["b1"].last = old
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await pending.grant()).backend == "b1"
+
+
+async def test_a_drained_handle_gets_nothing(rig: Rig) -> None:
+    await set_backend(rig, "b0", waiting=0, running=0)  # the least loaded, but drained
+    await set_backend(rig, "b1", waiting=0, running=5)
+    rig.pool.set_drained(rig.pool.handles["b0"], True)
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await pending.grant()).backend == "b1"
+    # drained everywhere: nothing goes out at all
+    rig.pool.set_drained(rig.pool.handles["b1"], True)
+    waiting = await queue(rig, "r2")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert not waiting.delivered
+    assert (await rig.store.depths(MODEL))["interactive"] == 1
+
+
+async def test_drained_in_redis_wins_over_the_handle(rig: Rig) -> None:
+    """Another replica drained b0: this replica's handle does not know yet, the script
+    does (the drained set in Redis)."""
+    await set_backend(rig, "b0", waiting=0, running=0)
+    await set_backend(rig, "b1", waiting=0, running=5)
+    await rig.store.set_drained(MODEL, "b0", True)
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await pending.grant()).backend == "b1"
+
+
+# --------------------------------------------------------------------------- grants
+
+
+async def test_grants_follow_fairness_and_reach_each_waiter(rig: Rig) -> None:
+    await set_backend(rig, "b0", waiting=2, running=0)  # room for one at a time
+    alice = [await queue(rig, f"a{i}", user="alice") for i in range(2)]
+    bob = await queue(rig, "b0-req", user="bob")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert alice[0].delivered and not alice[1].delivered and not bob.delivered
+    await set_backend(rig, "b0", waiting=2, running=1)  # the next snapshot: room for one again
+    await rig.dispatcher.dispatch_once(MODEL)
+    # alice was charged for her first request: bob goes before her second
+    assert bob.delivered and not alice[1].delivered
+    assert (await bob.grant()).request_id == "b0-req"
+    await set_backend(rig, "b0", waiting=2, running=2)
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await alice[1].grant()).rank == 1  # alice's second in flight: rank 1
+
+
+async def test_a_grant_for_another_replica_goes_to_its_grant_list(
+        rig: Rig, redis: aioredis.Redis) -> None:
+    other = "replica-other"
+    await rig.store.heartbeat([MODEL], other, time.time())
+    await rig.store.enqueue(MODEL, QueuedRequest("theirs", "carol", "interactive", other,
+                                                 1.0, time.time()), 10)
+    await set_backend(rig, "b0", waiting=0, running=0)
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert rig.dispatcher.waiters == {}
+    assert await redis.lrange(K.grants(other), 0, -1) == ["theirs\tb0\t0"]
+    assert await redis.llen(K.grants(REPLICA)) == 0
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+async def test_cancel_fails_a_waiting_acquire_with_the_error(rig: Rig) -> None:
+    pending = await queue(rig, "r1")
+    error = RequestCancelled("an operator cancelled it")
+    assert rig.dispatcher.cancel("r1", error) is True
+    with pytest.raises(RequestCancelled) as raised:
+        await pending.task
+    assert raised.value is error
+    assert rig.dispatcher.waiters == {}
+    assert rig.dispatcher.cancel("r1", error) is False  # told once
+
+
+async def test_cancel_of_an_unknown_or_granted_request_is_false(rig: Rig) -> None:
+    assert rig.dispatcher.cancel("nobody", RequestCancelled("x")) is False
+    await set_backend(rig, "b0", waiting=0, running=0)
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    await pending.grant()
+    assert rig.dispatcher.cancel("r1", RequestCancelled("x")) is False
+    assert (await pending.task).request_id == "r1"
+
+
+# --------------------------------------------------------------------------- leaving
+
+
+async def test_a_cancelled_acquire_leaves_the_queue(rig: Rig) -> None:
+    pending = await queue(rig, "r1")
+    pending.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await pending.task
+    assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await rig.store.request_fields(MODEL, "r1") == {}
+    assert rig.dispatcher.waiters == {}
+
+
+async def test_queue_timeout_leaves_the_queue(rig: Rig) -> None:
+    pending = await queue(rig, "r1", timeout_s=0.05)
+    with pytest.raises(QueueTimeout):
+        await pending.task
+    assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await rig.store.request_fields(MODEL, "r1") == {}
+    assert rig.dispatcher.waiters == {}
+
+
+async def test_per_user_queue_cap(redis: aioredis.Redis, redis_url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        capped = make_rig(redis_url, session, max_queued_per_user=1, retry_after_s=7)
+        try:
+            await queue(capped, "r1", user="alice")
+            with pytest.raises(RateLimited) as raised:
+                await queue(capped, "r2", user="alice")
+            assert raised.value.retry_after_s == 7
+            assert capped.dispatcher.waiters.keys() == {"r1"}
+            await queue(capped, "r3", user="bob")  # the cap is per user
+        finally:
+            await capped.close()
+
+
+# --------------------------------------------------------------------------- Redis down
+
+
+async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
+    await set_backend(rig, "b0", waiting=0, running=0)
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    grant = await pending.grant()
+    live = rig.dispatcher.store
+    dead = Store(connect(dead_redis_url()), request_ttl_s=600)
+    rig.dispatcher.store = dead
+    try:
+        await rig.dispatcher.release(MODEL, grant, 5.0)  # must not raise
+    finally:
+        rig.dispatcher.store = live
+        await dead.client.aclose()
+    # nothing was settled, and the dispatcher still knows it owes the settle
+    assert await live.user_inflight(MODEL) == {"alice": 1}
+    assert (await live.request_fields(MODEL, "r1"))["state"] == "dispatched"
+    assert list(rig.dispatcher._unsettled) == [(MODEL, grant, 5.0)]
+    # Redis is back: the heartbeat's retry settles it, charge included
+    await rig.dispatcher._settle_deferred()
+    assert await live.user_inflight(MODEL) == {}
+    assert await live.request_fields(MODEL, "r1") == {}
+    saved = await live.client.hget(K.saved("interactive"), "alice")
+    assert float(saved) == pytest.approx(1.0 + 5.0)  # dispatch cost + settle charge
+    assert not rig.dispatcher._unsettled
+
+
+async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
+    """Every call fails fast with StoreUnavailable or is deferred; none hangs or leaks."""
+    dead = Store(connect(dead_redis_url()), request_ttl_s=600)
+    dispatcher = Dispatcher(rig.settings, dead, rig.pool, rig.metrics, REPLICA)
+    try:
+        req = QueuedRequest("r1", "alice", "interactive", REPLICA, 1.0, time.time())
+        with pytest.raises(StoreUnavailable):
+            await dispatcher.acquire(MODEL, req, 60.0)
+        assert dispatcher.waiters == {}
+        grant = Grant("r2", "interactive", "alice", 0, REPLICA, "b0", time.time())
+        await dispatcher.release(MODEL, grant, 1.0)
+        await dispatcher.release(MODEL, grant, 1.0)
+        assert len(dispatcher._unsettled) == 2
+        await dispatcher.started(MODEL, grant)  # swallowed: only a gate slot at stake
+        await set_backend(rig, "b0", waiting=0, running=0)
+        with pytest.raises(StoreUnavailable):
+            await dispatcher.dispatch_once(MODEL)
+    finally:
+        await dead.client.aclose()
