@@ -4,10 +4,19 @@ For streams fairgate always asks vLLM for ``stream_options.include_usage`` so it
 charge real token counts; when the client did not ask for usage, the usage-only final
 frame is dropped on the way out (``gateway/relay.py``), so the client sees exactly what it
 asked for.
+
+A whole answer (non-streamed, or an error) passes unchanged when it is what vLLM sends: a
+JSON object, and for an error OpenAI's ``{"error": {...}}`` or vLLM's older top-level
+``{"object": "error", "message": ...}``. Anything else — a text/plain 413 or an HTML 502
+from a proxy in front of vLLM, FastAPI's ``{"detail": ...}`` — is wrapped in OpenAI's error
+format (type and code ``upstream_error``), keeping the upstream status as the status code
+(502 for a success that is not JSON) and in the message.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import aiohttp
@@ -16,7 +25,7 @@ from aiohttp import web
 from gateway.backends import BackendHandle
 from gateway.completion_request import CompletionRequest
 from gateway.errors import UpstreamError
-from gateway.relay import RelayListener, read_usage, relay_stream
+from gateway.relay import RelayListener, relay_stream, report_usage
 
 
 class Upstream:
@@ -33,9 +42,8 @@ class Upstream:
         resp = await self._post(handle, creq.path, body, priority)
         try:
             if resp.status != 200 or not creq.stream:
-                data = await _read(handle, resp, listener)
-                return web.Response(body=data, status=resp.status,
-                                    content_type=resp.content_type or "application/json")
+                status, data, content_type = await _read(handle, resp, listener)
+                return web.Response(body=data, status=status, content_type=content_type)
             return await relay_stream(request, resp, listener, wants_usage)
         finally:
             resp.release()
@@ -46,7 +54,8 @@ class Upstream:
         body = {**creq.body, "stream": False}
         resp = await self._post(handle, creq.path, body, priority)
         try:
-            return resp.status, await _read(handle, resp, listener)
+            status, data, _ = await _read(handle, resp, listener)
+            return status, data
         finally:
             resp.release()
 
@@ -78,14 +87,63 @@ class Upstream:
 
 
 async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,
-                listener: RelayListener) -> bytes:
-    """A whole (non-streamed or error) body; its usage reported when it succeeded."""
+                listener: RelayListener) -> tuple[int, bytes, str]:
+    """(status, body, content type) of a whole (non-streamed or error) answer for the
+    client, in OpenAI's format; its usage reported when it succeeded."""
     try:
         data = await resp.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
         listener.end(False)
         raise UpstreamError(f"backend {handle.name} failed mid-response: {exc}") from exc
-    if resp.status == 200:
-        read_usage(data, listener)
+    content_type = resp.content_type or "application/json"
+    parsed = _json(data)
+    if resp.status == 200 and isinstance(parsed, dict):
+        report_usage(parsed.get("usage"), listener)
     listener.end(True)
-    return data
+    if isinstance(parsed, dict) and (resp.status == 200 or is_openai_error(parsed)):
+        return resp.status, data, content_type
+    return _wrapped(handle, resp, data)
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def is_openai_error(body: dict[str, Any]) -> bool:
+    """vLLM's error shapes: ``{"error": {"message": …}}`` (OpenAI's, vLLM ≥ 0.10) or the
+    older top-level ``{"object": "error", "message": …}``."""
+    error = body.get("error")
+    if isinstance(error, dict):
+        return isinstance(error.get("message"), str)
+    return body.get("object") == "error" and isinstance(body.get("message"), str)
+
+
+SNIPPET_CHARS = 200
+
+
+class ForeignAnswer(UpstreamError):
+    """A backend answer that is not OpenAI-shaped; rendered with the upstream's status."""
+
+    type = "upstream_error"
+
+
+def _wrapped(handle: BackendHandle, resp: aiohttp.ClientResponse,
+             data: bytes) -> tuple[int, bytes, str]:
+    """A foreign answer in OpenAI's error format, its status and (text) body quoted."""
+    content_type = resp.content_type or "no content type"
+    said = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+    if resp.status == 200:
+        status = UpstreamError.status
+        message = (f"backend {handle.name} answered {said} with a body that is not a JSON "
+                   f"object ({content_type})")
+    else:
+        status = resp.status
+        message = f"backend {handle.name} answered {said} ({content_type})"
+        text = re.sub(r"\s+", " ", data[: SNIPPET_CHARS * 4].decode(errors="replace")).strip()
+        if text and "html" not in content_type:
+            message += ": " + text[:SNIPPET_CHARS]
+    error = ForeignAnswer(message)
+    return status, json.dumps(error.body()).encode(), "application/json"
