@@ -36,6 +36,9 @@ log = structlog.get_logger("fairgate.dispatcher")
 
 # How often a waiting request checks that it is still queued in Redis.
 LOST_CHECK_S = 5.0
+STORE_RETRY_S = 0.2  # pause of the grant listener while Redis is unreachable
+RECONCILE_EVERY = 30  # heartbeats between reconciliations (and after every outage)
+RECONCILE_GRACE_S = 5.0
 
 
 @dataclass(slots=True)
@@ -61,6 +64,11 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
         self._unsettled: deque[tuple[str, Grant, float]] = deque()  # settles Redis missed
+        # grants this replica holds (delivered, not yet released): what "running:<me>"
+        # in Redis should say, and what reconcile() makes it say after a Redis restart
+        self.held: dict[str, Grant] = {}
+        self._store_down = False
+        self._beats = 0
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
 
@@ -103,8 +111,10 @@ class Dispatcher:
         self.wake()
         try:
             return await self._await_grant(model, req, future, timeout_s)
-        except (QueueTimeout, asyncio.CancelledError):
-            await self._withdraw(model, req, future)
+        except (FairgateError, asyncio.CancelledError):
+            with contextlib.suppress(StoreUnavailable):  # Redis down: AOF keeps it queued
+                await self._withdraw(model, req, future)  # and _deliver releases it later
+            self.waiters.pop(req.request_id, None)
             raise
 
     async def _await_grant(self, model: str, req: QueuedRequest,
@@ -114,11 +124,7 @@ class Dispatcher:
             try:
                 return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
             except TimeoutError:
-                try:
-                    exists = await self.store.request_exists(model, req.request_id)
-                except StoreUnavailable:
-                    continue  # a Redis blip: the request is still queued there (AOF)
-                if not exists:
+                if not await self.store.request_exists(model, req.request_id):
                     # dropped at dispatch (this replica looked dead) or expired: say so now
                     # instead of waiting out the whole queue timeout
                     self.waiters.pop(req.request_id, None)
@@ -131,15 +137,16 @@ class Dispatcher:
                         future: asyncio.Future[Grant]) -> None:
         if await self.store.cancel(model, req.request_id, req.user, req.klass):
             self.waiters.pop(req.request_id, None)
-        elif future.done():
+        elif future.done() and not future.cancelled() and future.exception() is None:
             await self.release(model, future.result(), 0.0)
-        else:
+        elif not future.done():
             future.cancel()  # the grant is on its way: _deliver releases it
 
     async def release(self, model: str, grant: Grant, charge: float) -> None:
         """Settle a dispatched request (idempotent) and let the next one go. While Redis
         is down the settle waits in memory and is retried by the heartbeat loop, so no
         in-flight count leaks (a leaked one would hold a gate closed for good)."""
+        self.held.pop(grant.request_id, None)
         try:
             await self.store.settle(model, grant, charge)
         except StoreUnavailable as exc:
@@ -154,6 +161,15 @@ class Dispatcher:
             await self.store.settle(model, grant, charge)
             self._unsettled.popleft()
             self.wake_freed()
+
+    def store_lost(self, error: StoreUnavailable) -> None:
+        """Redis is unreachable: every queued client of this replica gets a 503 now
+        rather than waiting blind (a batch line retries; running streams go on)."""
+        if not self._store_down:
+            log.warning("store_lost", waiting=len(self.waiters), error=error.message)
+        self._store_down = True
+        for request_id in list(self.waiters):
+            self.cancel(request_id, StoreUnavailable("connection lost while queued; retry"))
 
     def cancel(self, request_id: str, error: FairgateError) -> bool:
         """Fail a request this replica holds while it waits for its grant (an operator
@@ -258,8 +274,10 @@ class Dispatcher:
         waiter = self.waiters.pop(request_id, None)
         if waiter is not None and not waiter.future.done():
             req = waiter.request
-            waiter.future.set_result(Grant(request_id, req.klass, req.user, rank,
-                                           self.replica_id, backend, req.enqueued_at))
+            grant = Grant(request_id, req.klass, req.user, rank, self.replica_id, backend,
+                          req.enqueued_at)
+            self.held[request_id] = grant
+            waiter.future.set_result(grant)
             return
         # Nobody waits (the client left between dispatch and delivery): release it.
         task = asyncio.get_running_loop().create_task(self._release_orphan(model, request_id))
@@ -277,11 +295,28 @@ class Dispatcher:
             try:
                 item = await self.store.next_grant(model, self.replica_id, 1.0)
             except StoreUnavailable as exc:
-                log.warning("grant_listen_failed", error=str(exc))
-                await asyncio.sleep(1.0)
+                self.store_lost(exc)
+                await asyncio.sleep(STORE_RETRY_S)
                 continue
             if item is not None:
                 self._deliver(model, *item)
+
+    async def reconcile(self, model: str, now: float) -> int:
+        """Release what Redis says this replica holds but it does not: requests whose
+        settle a Redis restart lost (an AOF replays up to its last fsync). Returns the
+        count. Grants younger than RECONCILE_GRACE_S may still be on their way here."""
+        unsettled = {g.request_id for _, g, _ in self._unsettled}
+        released = 0
+        for grant, dispatched_at in await self.store.held_by(model, self.replica_id):
+            if (grant.request_id in self.held or grant.request_id in unsettled
+                    or now - dispatched_at < RECONCILE_GRACE_S):
+                continue
+            if await self.store.settle(model, grant, 0.0):
+                released += 1
+        if released:
+            log.warning("reconciled_inflight", model=model, released=released)
+            self.wake_freed()
+        return released
 
     async def _heartbeat(self, models: list[str]) -> None:
         while True:
@@ -290,10 +325,14 @@ class Dispatcher:
                 await self.store.heartbeat(models, self.replica_id, now)
                 self._beating.set()
                 await self._settle_deferred()
+                recovered, self._store_down = self._store_down, False
+                self._beats += 1
                 for model in models:
                     if await self.store.reap(model, now, self.replica_ttl_s):
                         log.warning("reaped_dead_replica_requests", model=model)
+                    if recovered or self._beats % RECONCILE_EVERY == 0:
+                        await self.reconcile(model, now)
             except StoreUnavailable as exc:
-                log.warning("heartbeat_failed", error=str(exc))
+                self.store_lost(exc)
             self.wake()  # a periodic safety net for enqueues on other replicas
             await asyncio.sleep(self.settings.replica_heartbeat_s)

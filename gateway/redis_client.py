@@ -17,6 +17,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Histogram
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from gateway.errors import StoreUnavailable
@@ -68,7 +70,13 @@ class BoundaryRedis(aioredis.Redis):
 
 
 def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> BoundaryRedis:
-    """A client on ``url`` (``decode_responses`` on: fairgate stores text)."""
+    """A client on ``url`` (``decode_responses`` on: fairgate stores text).
+
+    A broken connection is retried once, at once (a server that closed an idle connection);
+    then the error surfaces. redis-py's default (3 retries, exponential backoff up to 10 s)
+    would hide a Redis outage for seconds: queued clients would wait instead of getting a
+    503, and every loop would stall; fairgate's own loops back off instead."""
+    kwargs.setdefault("retry", Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), 1))
     client = cast("BoundaryRedis", BoundaryRedis.from_url(url, decode_responses=True, **kwargs))
     client.metrics = metrics
     return client

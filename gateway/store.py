@@ -85,7 +85,7 @@ class Store:
         """Queue length after the push, or -1 when the user's cap is reached."""
         k = ModelKeys(model)
         keys = [k.queue(req.klass, req.user), k.active(req.klass), k.saved(req.klass),
-                k.request(req.request_id), k.depth, k.backlogged_since]
+                k.request(req.request_id), k.depth, k.backlogged_since, k.replicas]
         args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
                 max_queued, int(self.request_ttl_s)]
         return int(await self._run("enqueue", keys, args))
@@ -197,14 +197,27 @@ class Store:
         rid, backend, rank = item[1].split("\t")
         return rid, backend, int(rank)
 
+    async def held_by(self, model: str, replica: str) -> list[tuple[Grant, float]]:
+        """The dispatched, unsettled requests whose client ``replica`` holds, by Redis,
+        each with its dispatch time."""
+        k = ModelKeys(model)
+        ids = await cast("Awaitable[set[str]]", self.client.smembers(k.running(replica)))
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.hgetall(k.request(request_id))
+        found = []
+        for request_id, raw in zip(ids, await pipe.execute(), strict=True):
+            if raw.get("state") == "dispatched":
+                found.append((_grant(request_id, raw), float(raw.get("dispatched_at") or 0)))
+        return found
+
     async def dispatched(self, model: str, request_id: str) -> Grant | None:
         """The grant of a dispatched, unsettled request, read back from Redis."""
         k = ModelKeys(model)
         raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(k.request(request_id)))
         if raw.get("state") != "dispatched":
             return None
-        return Grant(request_id, raw["class"], raw["user"], int(raw["rank"]), raw["owner"],
-                     raw["backend"], float(raw["enqueued_at"]))
+        return _grant(request_id, raw)
 
     async def request_fields(self, model: str, request_id: str) -> dict[str, str]:
         """A queued or running request's hash (empty when there is none)."""
@@ -245,6 +258,11 @@ class Store:
         raw = await cast("Awaitable[dict[str, str]]",
                          self.client.hgetall(ModelKeys(model).user_inflight))
         return {u: int(v) for u, v in raw.items()}
+
+
+def _grant(request_id: str, raw: Mapping[str, str]) -> Grant:
+    return Grant(request_id, raw["class"], raw["user"], int(raw["rank"]), raw["owner"],
+                 raw["backend"], float(raw["enqueued_at"]))
 
 
 def _snapshot(raw: Mapping[str, str]) -> BackendSnapshot | None:

@@ -22,6 +22,9 @@ local prefix = ARGV[3]
 local sent = redis.call('ZCARD', KEYS[1])
   + (tonumber(redis.call('HGET', KEYS[8], 'unseen')) or 0)
 
+-- the dispatching replica is alive: a Redis restarted empty learns it at once
+redis.call('ZADD', KEYS[2], 'GT', now, ARGV[4])
+
 if redis.call('SISMEMBER', KEYS[9], ARGV[5]) == 1 then
   want = 0
 end
@@ -65,7 +68,8 @@ for i = 1, n do
       redis.call('ZADD', KEYS[1], now, id)
       sent = sent + 1
       redis.call('INCR', KEYS[5])
-      redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[5], 'rank', rank)
+      redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[5], 'rank', rank,
+        'dispatched_at', now)
       redis.call('SADD', key_running(prefix, fields[1]), id)
       redis.call('LPUSH', KEYS[7], class)
       redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[6]) - 1)

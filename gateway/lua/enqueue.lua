@@ -1,7 +1,7 @@
 -- Queue a request under (model, class, user) and make the user active.
 -- KEYS[1] user queue (list)      KEYS[2] active users (zset)   KEYS[3] saved scores (hash)
 -- KEYS[4] request (hash)         KEYS[5] queue depth (hash class -> n)
--- KEYS[6] backlogged-since (hash class -> t)
+-- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] replica heartbeats (zset)
 -- ARGV[1] request id  ARGV[2] user  ARGV[3] class  ARGV[4] owner replica
 -- ARGV[5] dispatch cost (the fairness policy's, added to the user's score at dispatch)
 -- ARGV[6] now (s)  ARGV[7] max queued per user  ARGV[8] request ttl (s)
@@ -10,6 +10,8 @@ local queued = redis.call('LLEN', KEYS[1])
 if queued >= tonumber(ARGV[7]) then
   return -1
 end
+-- the owner is alive (it is enqueueing): a Redis restarted empty learns it at once
+redis.call('ZADD', KEYS[7], 'GT', ARGV[6], ARGV[4])
 redis.call('HSET', KEYS[4], 'user', ARGV[2], 'class', ARGV[3], 'owner', ARGV[4],
   'cost', ARGV[5], 'enqueued_at', ARGV[6], 'state', 'queued')
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[8]))

@@ -16,8 +16,8 @@ VTC = Vtc()
 
 
 def req(rid: str, user: str, klass: str = "default", prompt: int = 10, weight: float = 1.0,
-        owner: str = "r1", policy: FairnessPolicy = VTC) -> QueuedRequest:
-    return QueuedRequest(rid, user, klass, owner, policy.dispatch_cost(prompt, weight), 1000.0)
+        owner: str = "r1", policy: FairnessPolicy = VTC, at: float = 1000.0) -> QueuedRequest:
+    return QueuedRequest(rid, user, klass, owner, policy.dispatch_cost(prompt, weight), at)
 
 
 async def alive(store: Store, *replicas: str) -> None:
@@ -97,12 +97,22 @@ async def test_dispatch_skips_requests_of_dead_replicas(redis: aioredis.Redis) -
     store = Store(redis, 600)
     await alive(store, "r1")
     await store.heartbeat([M], "dead", 900.0)  # older than the 10 s ttl
-    await store.enqueue(M, req("x", "a", owner="dead"), 10)
-    await store.enqueue(M, req("y", "a", owner="r2"), 10)  # never beat
+    await store.enqueue(M, req("x", "a", owner="dead", at=850.0), 10)
+    await store.enqueue(M, req("y", "a", owner="gone", at=890.0), 10)  # enqueued, then died
     await store.enqueue(M, req("z", "a", owner="r1"), 10)
     g = await dispatch(store)
     assert g is not None and g.request_id == "z"
     assert not await redis.exists(K.request("x"), K.request("y"))
+
+
+async def test_enqueue_and_dispatch_register_the_replica(redis: aioredis.Redis) -> None:
+    # a Redis restarted empty has no heartbeats: the enqueueing replica is alive anyway
+    store = Store(redis, 600)
+    await store.enqueue(M, req("a1", "a", owner="r1"), 10)
+    assert await redis.zscore(K.replicas, "r1") == 1000.0
+    g = await dispatch(store)
+    assert g is not None and g.request_id == "a1"
+    assert float((await redis.hgetall(K.request("a1")))["dispatched_at"]) == 1000.0
 
 
 async def test_dispatch_pushes_grant_to_owning_replica(redis: aioredis.Redis) -> None:

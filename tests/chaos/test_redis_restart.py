@@ -1,0 +1,134 @@
+"""Redis SIGKILLed under a flood, then restarted empty or from its AOF.
+
+Every request sent is counted: answered OK, answered with a clear error (a status and an
+OpenAI error body), or hung (no answer within its bound: must be none). Queued clients
+get a 503 ``queue_store_unavailable`` with Retry-After at once; streams already running
+finish; the gateway serves again right after Redis returns, without a restart; and the
+in-flight counters in Redis return to zero (settles that failed during the outage are
+retried, or reconciled against what the replica really holds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.embedded_redis import EmbeddedRedis
+from gateway.keys import ModelKeys
+from gateway.server import GatewayServer
+from tests.gateway.conftest import MODEL, SimFactory, gateway_settings
+
+STREAMS, USERS = 24, ("sk-alice", "sk-bob", "sk-carol")
+HUNG_AFTER_S = 30.0
+
+
+@dataclass
+class Outcome:
+    status: int | None  # None: hung
+    code: str | None = None
+    tokens: int = 0
+    done: bool = False  # a stream that reached [DONE]
+    answered_at: float = 0.0
+    retry_after: str | None = None
+    max_tokens: int = 0
+
+
+async def stream(session: aiohttp.ClientSession, url: str, key: str, i: int) -> Outcome:
+    body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 200 + i, "ignore_eos": True,
+            "stream": True}
+    try:
+        async with asyncio.timeout(HUNG_AFTER_S):
+            async with session.post(url + "/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+                if resp.status != 200:
+                    error = (await resp.json())["error"]
+                    return Outcome(resp.status, error["code"], answered_at=time.monotonic(),
+                                   retry_after=resp.headers.get("Retry-After"))
+                out = Outcome(200, answered_at=time.monotonic(), max_tokens=200 + i)
+                async for line in resp.content:
+                    if line.startswith(b"data: [DONE]"):
+                        out.done = True
+                    elif line.startswith(b"data: {"):
+                        out.tokens += bool(json.loads(line[6:])["choices"])
+                return out
+    except TimeoutError:
+        return Outcome(None)
+
+
+async def until(predicate: object, what: str) -> None:
+    for _ in range(3000):
+        if await predicate():  # type: ignore[operator]
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.parametrize("restart", ["empty", "aof"])
+async def test_redis_killed_under_a_flood(sim: SimFactory, tmp_path: Path,
+                                          restart: str) -> None:
+    redis = EmbeddedRedis(data_dir=tmp_path / "redis", append_only=restart == "aof").start()
+    backend = await sim(max_num_seqs=4)
+    gw = GatewayServer(gateway_settings(redis.url, [backend]))
+    await gw.start()
+    for handle in gw.services.pool.handles.values():
+        await handle.scraped.wait()
+    dispatcher = gw.services.dispatcher
+    probe = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    try:
+        async with aiohttp.ClientSession() as session:
+            flood = [asyncio.create_task(stream(session, gw.url, USERS[i % len(USERS)], i))
+                     for i in range(STREAMS)]
+
+            async def running_and_queued() -> bool:
+                return backend.engine.num_running >= 2 and len(dispatcher.waiters) >= 5
+
+            await until(running_and_queued, "streams running and clients queued")
+            running_at_kill = sum(r.finished_s is None for r in backend.engine.records.values())
+            redis.kill()
+            killed_at = time.monotonic()
+
+            async def nobody_queued() -> bool:
+                return not dispatcher.waiters
+
+            await until(nobody_queued, "queued clients answered")
+            redis = EmbeddedRedis(port=redis.port, data_dir=redis.data_dir,
+                                  append_only=restart == "aof").start()
+            back_at = time.monotonic()
+            after = await stream(session, gw.url, "sk-dflt", STREAMS)
+            outcomes = await asyncio.gather(*flood)
+
+        k = ModelKeys(MODEL)
+
+        async def drained() -> bool:  # deferred settles retried, or reconciled
+            return not await probe.exists(k.user_inflight, k.backend_inflight("b0"))
+
+        await until(drained, "in-flight counters back to zero")
+    finally:
+        await probe.aclose()
+        await gw.stop()
+        redis.stop()
+
+    counts = Counter("hung" if o.status is None else "ok" if o.status == 200 and o.done
+                     else "clear_error" if o.code else "other" for o in outcomes)
+    assert counts["hung"] == 0 and counts["other"] == 0, counts
+    errors = [o for o in outcomes if o.code]
+    assert errors and all(o.status == 503 and o.code == "queue_store_unavailable"
+                          and o.retry_after for o in errors), errors
+    # answered promptly, not at a 5 s lost-check or after a client's multi-second retries
+    assert max(o.answered_at for o in errors) - killed_at < 1.5, counts
+    # the streams running at the kill all finished, with every token
+    ok = [o for o in outcomes if o.status == 200]
+    assert len(ok) >= running_at_kill and all(o.tokens == o.max_tokens for o in ok), ok
+    assert after.status == 200 and after.done, after  # served right after the restart
+    assert after.answered_at - back_at < 2.0
+    ran = Counter(r.max_tokens for r in backend.engine.records.values()
+                  if r.finished_s is not None and not r.aborted)
+    assert all(n == 1 for n in ran.values()), ran  # nothing ran twice
