@@ -100,8 +100,9 @@ class Settings(BaseSettings):
     upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
     replica_heartbeat_s: float = 1.0
     # A replica silent this long is dead: its queued requests are dropped and what it
-    # held in flight is released. Generous, so a stalled event loop loses nothing.
-    replica_ttl_s: float = 10.0
+    # held in flight is released (sooner when it leaves a grant unread for 2 s). Three
+    # heartbeats: a killed replica's slots must not hold the survivors' gates for long.
+    replica_ttl_s: float = 3.0
     retry_after_s: int = 1
 
     # Batch API

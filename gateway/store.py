@@ -47,6 +47,11 @@ class BackendState:
     unseen: int  # on the way at the snapshot, not yet registered by the server
 
 
+# A replica's grant listener waits on its grant list all the time: a grant unread this long
+# means the replica died (scripts: replica_alive in gateway/lua/_lib.lua).
+GRANT_PICKUP_S = 2.0
+
+
 def load_script(name: str) -> str:
     """A script's text, after the generated key functions and the shared helpers."""
     lua = resources.files("gateway") / "lua"
@@ -93,7 +98,7 @@ class Store:
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
-        recent_window: int = 100, max_grants: int = 1,
+        recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
         gates admit, trying the classes in ``order`` with the given per-class limits.
@@ -104,7 +109,7 @@ class Store:
                 k.backend_snapshot(backend), k.drained]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
-                           max_grants, *order]
+                           max_grants, grant_pickup_s, *order]
         args += [limits.get(c, 0) for c in order]
         found, depth = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
@@ -135,11 +140,13 @@ class Store:
         args = [grant.user, charge, grant.request_id, k.prefix]
         return bool(await self._run("settle", keys, args))
 
-    async def reap(self, model: str, now: float, replica_ttl_s: float) -> int:
-        """Release what replicas silent for ``replica_ttl_s`` held; returns the count."""
+    async def reap(self, model: str, now: float, replica_ttl_s: float,
+                   grant_pickup_s: float = GRANT_PICKUP_S) -> int:
+        """Release what dead replicas held (silent for ``replica_ttl_s``, or leaving a
+        grant unread for ``grant_pickup_s``); returns the count."""
         k = ModelKeys(model)
         return int(await self._run("reap", [k.replicas, k.user_inflight],
-                                   [now, replica_ttl_s, k.prefix]))
+                                   [now, replica_ttl_s, k.prefix, grant_pickup_s]))
 
     async def cancel(self, model: str, request_id: str, user: str, klass: str) -> bool:
         k = ModelKeys(model)
@@ -194,7 +201,7 @@ class Store:
             [ModelKeys(model).grants(replica)], timeout=timeout_s))
         if item is None:
             return None
-        rid, backend, rank = item[1].split("\t")
+        rid, backend, rank, _ = item[1].split("\t")
         return rid, backend, int(rank)
 
     async def held_by(self, model: str, replica: str) -> list[tuple[Grant, float]]:

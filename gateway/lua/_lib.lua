@@ -12,3 +12,18 @@ local function take_unseen(snapshot)
   end
   return 0
 end
+
+-- A replica is alive while its heartbeat is fresher than `ttl` seconds and it picks up
+-- the grants other replicas push to it (its listener waits on that list all the time):
+-- a grant left unread for `pickup` seconds means the replica died, whatever its last
+-- heartbeat says. A grant entry is "id\tbackend\trank\tpushed_at".
+local function replica_alive(replicas, prefix, replica, now, ttl, pickup)
+  local beat = redis.call('ZSCORE', replicas, replica)
+  if not beat or tonumber(beat) < now - ttl then return false end
+  local head = redis.call('LINDEX', key_grants(prefix, replica), 0)
+  if head then
+    local pushed_at = tonumber(string.match(head, '([^\t]+)$'))
+    if pushed_at and pushed_at < now - pickup then return false end
+  end
+  return true
+end

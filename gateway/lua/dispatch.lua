@@ -10,7 +10,8 @@
 -- KEYS[10+n..9+2n] saved-score hash per class, same order
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix  ARGV[4] this replica
 -- ARGV[5] backend name  ARGV[6] recent-list length kept  ARGV[7] most grants to return
--- ARGV[8..7+n] class names   ARGV[8+n..7+2n] gate limits (max allowed in sent-since)
+-- ARGV[8] grant pickup limit (s): see replica_alive in _lib.lua
+-- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
 -- depth the number of requests still queued for the model (all classes).
 local n = (#KEYS - 9) / 2
@@ -30,13 +31,12 @@ if redis.call('SISMEMBER', KEYS[9], ARGV[5]) == 1 then
 end
 
 local function alive(owner)
-  local beat = redis.call('ZSCORE', KEYS[2], owner)
-  return beat and tonumber(beat) >= now - tonumber(ARGV[2])
+  return replica_alive(KEYS[2], prefix, owner, now, tonumber(ARGV[2]), tonumber(ARGV[8]))
 end
 
 for i = 1, n do
-  local class = ARGV[7 + i]
-  local limit = tonumber(ARGV[7 + n + i])
+  local class = ARGV[8 + i]
+  local limit = tonumber(ARGV[8 + n + i])
   local active, saved = KEYS[9 + i], KEYS[9 + n + i]
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
@@ -75,7 +75,7 @@ for i = 1, n do
       redis.call('LTRIM', KEYS[7], 0, tonumber(ARGV[6]) - 1)
       if fields[1] ~= ARGV[4] then
         redis.call('RPUSH', key_grants(prefix, fields[1]),
-          id .. '\t' .. ARGV[5] .. '\t' .. rank)
+          id .. '\t' .. ARGV[5] .. '\t' .. rank .. '\t' .. ARGV[1])
       end
       grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
     end

@@ -1,11 +1,18 @@
 -- Release what dead replicas held: requests dispatched to them (granted, maybe never
 -- forwarded) and their undelivered grants. Queued requests of a dead replica are dropped
--- lazily by dispatch.lua.
+-- lazily by dispatch.lua. Dead: see replica_alive in _lib.lua.
 -- KEYS[1] replica heartbeats (zset)  KEYS[2] per-user in-flight (hash)
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix
+-- ARGV[4] grant pickup limit (s)
 -- Returns the number of requests released.
 local prefix = ARGV[3]
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', tonumber(ARGV[1]) - tonumber(ARGV[2]))
+local now, ttl, pickup = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[4])
+local dead = {}
+for _, replica in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if not replica_alive(KEYS[1], prefix, replica, now, ttl, pickup) then
+    dead[#dead + 1] = replica
+  end
+end
 local released = 0
 for _, replica in ipairs(dead) do
   local running = key_running(prefix, replica)

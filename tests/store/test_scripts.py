@@ -202,13 +202,31 @@ async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> 
     assert (await dispatch(store)) is not None  # y → r1 (alive)
     assert await store.user_inflight(M) == {"a": 2}
     assert await redis.smembers(K.running("r2")) == {"x"}
-    assert await store.reap(M, 1005.0, 10.0) == 0  # r2 not yet silent for 10 s
+    assert await store.reap(M, 1001.0, 10.0) == 0  # r2 not yet silent for 10 s
     await store.heartbeat([M], "r1", 1020.0)
     assert await store.reap(M, 1020.0, 10.0) == 1
     assert await store.user_inflight(M) == {"a": 1}  # y, held by live r1, stays
     assert not await redis.exists(K.running("r2"), K.grants("r2"), K.request("x"))
     assert await redis.zscore(K.replicas, "r2") is None
     assert await redis.get(K.backend_inflight("b1")) == "1"
+
+
+async def test_a_replica_leaving_its_grants_unread_is_dead(redis: aioredis.Redis) -> None:
+    # killed a moment after its last heartbeat: the grants pushed to it go unread
+    store = Store(redis, 600)
+    await alive(store, "r1", "r2")
+    await store.enqueue(M, req("x1", "a", owner="r2"), 10)
+    await store.enqueue(M, req("x2", "a", owner="r2"), 10)
+    await store.enqueue(M, req("y", "b", owner="r1"), 10)
+    assert (g := await dispatch(store)) is not None and g.request_id == "x1"
+    await store.heartbeat([M], "r2", 1001.0)  # still beating...
+    await store.heartbeat([M], "r1", 1003.0)
+    # ...but x1's grant has waited 3 s (> 2 s): x2 is dropped, not granted to r2
+    grants, _ = await store.dispatch(M, "b1", ALL_OPEN, "r1", 1003.0, 10.0, max_grants=5)
+    assert [g.request_id for g in grants] == ["y"]
+    assert await store.reap(M, 1003.0, 10.0) == 1  # x1's slot is released at once
+    assert await store.user_inflight(M) == {"b": 1}
+    assert await redis.zscore(K.replicas, "r2") is None
 
 
 async def test_dispatched_reads_a_grant_back_for_orphan_release(redis: aioredis.Redis) -> None:
