@@ -1,20 +1,45 @@
 """Validation of an incoming ``/v1/completions`` or ``/v1/chat/completions`` body.
 
 Only what fairgate needs is checked; every other field passes through to vLLM untouched.
+:class:`Limits` bounds what a client may send beyond the body's size (settings
+``max_json_depth``, ``max_output_tokens``, ``max_end_user_chars``): nesting depth (deeper
+JSON would make encoding it for the backend recurse past Python's limit), requested
+output tokens, and the end-user id (``user``: a Redis key and a metrics label for trusted
+keys), which must also be printable text.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from gateway.errors import BadRequest, PayloadTooLarge
 
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on a body beyond its size; ``None``: unchecked."""
+
+    max_json_depth: int | None = None  # the body object is depth 1
+    max_output_tokens: int | None = None  # max_tokens, max_completion_tokens
+    max_end_user_chars: int | None = None  # body field ``user``
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(settings.max_json_depth, settings.max_output_tokens,
+                   settings.max_end_user_chars)
+
+
+NO_LIMITS = Limits()
 
 
 @dataclass(slots=True)
@@ -36,7 +61,8 @@ class CompletionRequest:
         return user if isinstance(user, str) and user else None
 
 
-async def read_completion(request: web.Request, path: str, max_bytes: int) -> CompletionRequest:
+async def read_completion(request: web.Request, path: str, max_bytes: int,
+                          limits: Limits = NO_LIMITS) -> CompletionRequest:
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     # StreamReader.read(n) returns whatever has arrived (up to n), not n bytes: read to EOF,
@@ -57,11 +83,14 @@ async def read_completion(request: web.Request, path: str, max_bytes: int) -> Co
         raise BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    _validate(body, path)
+    validate_body(body, path, limits)
     return CompletionRequest(path, body)
 
 
-def _validate(body: dict[str, Any], path: str) -> None:
+def validate_body(body: dict[str, Any], path: str, limits: Limits = NO_LIMITS) -> None:
+    """Raises :class:`BadRequest` naming the first field that is wrong."""
+    if limits.max_json_depth is not None:
+        check_depth(body, limits.max_json_depth)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("you must provide a model parameter", param="model")
@@ -75,11 +104,56 @@ def _validate(body: dict[str, Any], path: str) -> None:
         raise BadRequest("'prompt' must be a string or an array", param="prompt")
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise BadRequest(f"'{name}' must be a positive integer", param=name)
+    _check_output_tokens(body, limits.max_output_tokens)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if limits.max_end_user_chars is not None:
+        check_end_user(body.get("user"), limits.max_end_user_chars)
+
+
+def _check_output_tokens(body: dict[str, Any], cap: int | None) -> None:
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BadRequest(f"'{name}' must be a positive integer", param=name)
+        if cap is not None and value > cap:
+            raise BadRequest(f"'{name}' must be at most {cap} (got {value})", param=name)
+
+
+def check_end_user(user: Any, max_chars: int) -> None:
+    """``user`` names the end user: a string of at most ``max_chars`` printable characters
+    (no control or format characters, no lone surrogates), or absent/null."""
+    if user is None:
+        return
+    if not isinstance(user, str):
+        raise BadRequest("'user' must be a string", param="user")
+    if len(user) > max_chars:
+        raise BadRequest(f"'user' must be at most {max_chars} characters "
+                         f"(got {len(user)})", param="user")
+    if not user.isprintable():
+        raise BadRequest("'user' must be printable text, without control characters",
+                         param="user")
+
+
+_CONTAINERS = frozenset((dict, list))
+
+
+def check_depth(body: dict[str, Any], max_depth: int) -> None:
+    """Raises :class:`BadRequest` (``param``: the top-level field) when ``body`` nests
+    deeper than ``max_depth`` levels. Iterative: any depth that decoded is safe here."""
+    for name, value in body.items():
+        if type(value) not in _CONTAINERS:
+            continue
+        stack: list[tuple[Any, int]] = [(value, 2)]
+        while stack:
+            item, depth = stack.pop()
+            if depth > max_depth:
+                raise BadRequest(f"request body is nested too deeply: '{name}' goes deeper "
+                                 f"than {max_depth} levels", param=name)
+            children = item.values() if type(item) is dict else item
+            if _CONTAINERS.isdisjoint(map(type, children)):  # C speed: token id lists
+                continue
+            stack.extend((c, depth + 1) for c in children if type(c) in _CONTAINERS)

@@ -12,7 +12,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import Ticket
-from gateway.completion_request import CHAT, COMPLETIONS, CompletionRequest, read_completion
+from gateway.completion_request import (
+    CHAT,
+    COMPLETIONS,
+    CompletionRequest,
+    Limits,
+    read_completion,
+)
 from gateway.errors import Forbidden, NotFound, StoreUnavailable, Unavailable
 from gateway.services import SERVICES, Services
 from gateway.settings import ApiKey
@@ -49,7 +55,8 @@ async def _completion(request: web.Request, path: str) -> web.StreamResponse:
     arrived = time.monotonic()
     svc = request.app[SERVICES]
     key = svc.keys.identify(request.headers.get("Authorization"))
-    creq = await read_completion(request, path, svc.settings.max_body_bytes)
+    creq = await read_completion(request, path, svc.settings.max_body_bytes,
+                                 Limits.of(svc.settings))
     user, klass = _resolve(svc, request, key, creq)
     model = creq.model
     if not svc.pool.any_healthy(model):

@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     unhealthy_after_failures: int = 3
     tpot_window_s: float = 5.0
 
+    # Client connections (gateway/server.py): a cap with a clear 503, and a deadline for
+    # a connection to complete a request's headers (also closes idle keep-alives).
+    max_client_connections: int = Field(10000, ge=1)
+    client_idle_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0
@@ -115,6 +119,12 @@ class Settings(BaseSettings):
     metrics_user_idle_s: float = 3600.0  # an idle user's series give way to an active one
     config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    # Hostile input: bounds on what one client may send, each refused with a clear 400
+    # (413 for the file quota) instead of reaching Redis, the metrics or vLLM.
+    max_json_depth: int = Field(64, ge=2)  # nesting of a request body or batch line body
+    max_output_tokens: int = Field(131072, ge=1)  # max_tokens / max_completion_tokens
+    max_end_user_chars: int = Field(256, ge=1)  # body field `user`, printable text only
 
     @field_validator("fairness")
     @classmethod

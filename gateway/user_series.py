@@ -1,16 +1,30 @@
 """Bounded per-user views: label values for per-user series, and service shares.
 
 Per-user series are bounded: :class:`UserLabels` gives at most ``top_users`` users a
-label of their own and counts everyone else as ``other`` (see its docstring).
+label of their own and counts everyone else as ``other`` (see its docstring), and no label
+is longer than ``MAX_LABEL_CHARS`` whatever a client names its end users.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 OTHER_USERS = "other"
 SHARE_HALF_LIFE_S = 60.0
 MAX_SHARE_USERS = 1000
+MAX_LABEL_CHARS = 128
+_DIGEST_BYTES = 4  # 8 hex characters keep two long names that share a prefix apart
+
+
+def label_value(user: str) -> str:
+    """``user`` as a label value of at most ``MAX_LABEL_CHARS`` characters: a longer name
+    keeps its head and ends with ``~`` and a digest of the whole name."""
+    if len(user) <= MAX_LABEL_CHARS:
+        return user
+    digest = hashlib.blake2b(user.encode(errors="surrogatepass"),
+                             digest_size=_DIGEST_BYTES).hexdigest()
+    return f"{user[:MAX_LABEL_CHARS - 1 - len(digest)]}~{digest}"
 
 
 class UserLabels:
@@ -29,7 +43,8 @@ class UserLabels:
         self._next_sweep = 0.0
 
     def label(self, user: str, now: float) -> tuple[str, list[str]]:
-        """(label for ``user``, users whose slot was just recycled)."""
+        """(label for ``user``, labels whose slot was just recycled)."""
+        user = label_value(user)
         if user in self.last_seen:
             self.last_seen[user] = now
             return user, []
