@@ -24,8 +24,10 @@ from aiohttp import web
 
 from gateway.backends import BackendHandle
 from gateway.completion_request import CompletionRequest
-from gateway.errors import UpstreamError
+from gateway.errors import BadRequest, UpstreamError
 from gateway.relay import RelayListener, relay_stream, report_usage
+
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class Upstream:
@@ -80,8 +82,13 @@ class Upstream:
     async def _send(self, handle: BackendHandle, path: str,
                     body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
-            return await self.session.post(handle.config.url + path, json=body,
-                                           timeout=self.timeout)
+            data = json.dumps(body).encode()
+        except RecursionError:  # only if max_json_depth was raised past what Python encodes
+            raise BadRequest("request body is nested too deeply to be sent to the backend"
+                             ) from None
+        try:
+            return await self.session.post(handle.config.url + path, data=data,
+                                           headers=JSON_HEADERS, timeout=self.timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
 
