@@ -15,7 +15,8 @@
     ├── Unavailable (503)              no healthy backend; carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/redis_client.py)
     │   ├── RequestLost (503)          the queued request vanished from Redis
-    │   └── BackendRemoved (503)       its backend left the config after the dispatch
+    │   ├── BackendRemoved (503)       its backend left the config after the dispatch
+    │   └── TooManyConnections (503)   the gateway's client connection cap is reached
     ├── UpstreamError (502)            backend unreachable or broken
     └── QueueTimeout (504)             waited longer than the class's max_queue_wait_s
 
@@ -119,6 +120,10 @@ class RequestLost(Unavailable):
 
 class BackendRemoved(Unavailable):
     code = "backend_removed"
+
+
+class TooManyConnections(Unavailable):
+    code = "too_many_connections"
 
 
 class UpstreamError(FairgateError):

@@ -1,16 +1,62 @@
-"""Run the gateway on a TCP port, in-process (tests, demo) or as ``fairgate serve``."""
+"""Run the gateway on a TCP port, in-process (tests, demo) or as ``fairgate serve``.
+
+Client connections are bounded: at most ``max_client_connections`` are open at once (a
+connection over the cap gets a 503 in OpenAI's format and is closed before anything is
+read), a connection that sends no complete request within ``client_idle_timeout_s`` is
+closed (slow or idle headers, idle keep-alive), and the process's open-file limit is
+raised to its hard limit at start so the cap, not the kernel, refuses first.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import resource
 import signal
 
+import structlog
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.errors import TooManyConnections
 from gateway.metrics import GatewayMetrics
 from gateway.services import SERVICES, Services
 from gateway.settings import Settings
+
+log = structlog.get_logger("fairgate.server")
+
+FD_HEADROOM = 512  # files kept free for backends, Redis, logs and the batch files
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def _refusal() -> bytes:
+    error = TooManyConnections("too many open connections to the gateway; retry",
+                               retry_after_s=1)
+    body = json.dumps(error.body()).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over the cap: answer 503 and close, reading nothing."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(_refusal())
+        transport.close()
 
 
 class GatewayServer:
@@ -19,8 +65,12 @@ class GatewayServer:
         self.app = create_app(settings, metrics)
         # Cancel the handler when its client disconnects: a queued request then leaves
         # the queue and a streaming one closes its upstream connection (vLLM aborts it).
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        # keepalive_timeout also closes a connection that never completes its headers.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    keepalive_timeout=settings.client_idle_timeout_s)
         self.port = settings.listen.port
+        self.refused = 0
+        self._listener: asyncio.Server | None = None
 
     @property
     def url(self) -> str:
@@ -30,14 +80,37 @@ class GatewayServer:
     def services(self) -> Services:
         return self.app[SERVICES]
 
+    def max_connections(self) -> int:
+        return max(1, min(self.settings.max_client_connections,
+                          raise_open_file_limit() - FD_HEADROOM))
+
     async def start(self) -> None:
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.settings.listen.host, self.settings.listen.port)
-        await site.start()
-        self.port = int(self.runner.addresses[0][1])
+        server = self.runner.server
+        assert server is not None
+        cap = self.max_connections()
+
+        def protocol() -> asyncio.BaseProtocol:
+            if len(server.connections) >= cap:
+                self.refused += 1
+                if self.refused % 1000 == 1:  # a flood must not flood the log too
+                    log.warning("connection_refused", open=len(server.connections), cap=cap,
+                                refused=self.refused)
+                return _Refuse()
+            return server()
+
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            protocol, self.settings.listen.host, self.settings.listen.port,
+            reuse_address=True, backlog=1024)
+        self.port = int(self._listener.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()  # accept no more; the runner closes the open ones
         await self.runner.cleanup()
+        if self._listener is not None:
+            await asyncio.wait_for(self._listener.wait_closed(), 5.0)
 
 
 async def serve_forever(settings: Settings) -> None:

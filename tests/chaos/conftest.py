@@ -1,1 +1,1 @@
-from tests.gateway.conftest import sim  # noqa: F401  (shared fixtures)
+from tests.gateway.conftest import gateway, sim  # noqa: F401  (shared fixtures)

@@ -1,0 +1,62 @@
+"""Hostile connections: idle or half-sent headers are closed after client_idle_timeout_s,
+and connections over max_client_connections get a clear 503 instead of exhausting the
+process's files; the gateway keeps serving everyone else throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from tests.gateway.conftest import GatewayFactory, SimFactory, complete
+
+IDLE = 40
+
+
+async def open_idle(port: int, partial: bytes) -> tuple[asyncio.StreamReader,
+                                                        asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(partial)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_idle_and_half_sent_connections_are_closed(sim: SimFactory,
+                                                         gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], client_idle_timeout_s=0.5)
+    conns = [await open_idle(gw.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                             if i % 2 else b"") for i in range(IDLE)]
+    async with aiohttp.ClientSession() as session:  # others are served meanwhile
+        assert (await complete(session, gw.url, "sk-alice", 3))["usage"]["completion_tokens"] == 3
+    for reader, writer in conns:  # the server hangs up on every one (EOF), unprompted
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+
+
+async def test_connections_over_the_cap_get_a_503(sim: SimFactory,
+                                                  gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], max_client_connections=5)
+    held = [await open_idle(gw.port, b"") for _ in range(5)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    raw = await asyncio.wait_for(reader.read(), 10)  # answered and closed, nothing sent
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in head
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "too_many_connections")
+    assert "too many open connections" in error["message"]
+    for _, w in held:
+        w.close()
+        await w.wait_closed()
+    async with aiohttp.ClientSession() as session:  # room again once they are gone
+        for _ in range(200):
+            try:
+                await complete(session, gw.url, "sk-alice", 2)
+                break
+            except (AssertionError, aiohttp.ClientError):
+                await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("never served again after the held connections closed")
