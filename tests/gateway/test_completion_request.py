@@ -6,6 +6,7 @@ A tiny app calls ``read_completion`` and answers with what it read, or renders t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -222,5 +223,24 @@ async def test_one_byte_over_the_limit_without_content_length(client: Client) ->
         yield raw
 
     status, got = await post(client, COMPLETIONS, whole())
+    assert status == 413, got
+    assert_error(got, type_="invalid_request_error", code="request_too_large")
+
+
+async def test_declared_too_large_is_refused_before_the_body_arrives(client: Client) -> None:
+    """A Content-Length over the limit is answered at once: nothing of the body is read
+    (the rest of it is only sent after the answer arrived)."""
+    answered = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        await answered.wait()
+        yield b"x" * MAX_BYTES + b'"}'
+
+    headers = {"Content-Length": str(MAX_BYTES + 1), "Content-Type": "application/json"}
+    async with asyncio.timeout(10):  # a bound: without the check the server waits forever
+        async with client.post(COMPLETIONS, data=body(), headers=headers) as resp:
+            answered.set()
+            status, got = resp.status, await resp.json()
     assert status == 413, got
     assert_error(got, type_="invalid_request_error", code="request_too_large")
