@@ -227,7 +227,7 @@ def test_n2_interleaved_choices() -> None:
 
 
 def test_continuous_usage_keeps_every_frame_and_takes_the_last_usage() -> None:
-    """``continuous_usage_stats``: every frame has a running usage and choices."""
+    """``include_usage`` + ``continuous_usage_stats``: every frame has a running usage."""
     frames = [chat_chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}}],
                          usage={"prompt_tokens": 11, "total_tokens": 11,
                                 "completion_tokens": 0})]
@@ -237,9 +237,14 @@ def test_continuous_usage_keeps_every_frame_and_takes_the_last_usage() -> None:
                                         "completion_tokens": i}))
     final = {"prompt_tokens": 11, "total_tokens": 14, "completion_tokens": 3}
     frames += [chat_chunk([], usage=final), DONE]
-    f, out = run(frames, wants_usage=False)
-    assert out == b"".join(frames[:-2]) + DONE  # only the choices-less frame is dropped
-    assert state(f) == (True, 3, final, True)
+    f, out = run(frames, wants_usage=True)
+    assert out == b"".join(frames)
+    assert (f.started, f.usage, f.done) == (True, final, True)
+    # the first output frame's running usage was taken on the way, before the last one
+    g = FrameFilter(wants_usage=True)
+    g.feed(b"".join(frames[:2]))
+    assert g.started and g.usage == {"prompt_tokens": 11, "total_tokens": 12,
+                                     "completion_tokens": 1}
 
 
 # --------------------------------------------------------------------------- completions
