@@ -1,8 +1,9 @@
 """The backend pool: one scrape loop per vLLM server, snapshots stored in Redis.
 
-A scrape that fails or times out stores nothing, so the shared snapshot goes stale and
-every replica's gate for that backend closes; after ``unhealthy_after_failures`` in a
-row the backend is also marked unhealthy here.
+A scrape that fails or times out closes this replica's gates to that backend at once and
+stores nothing, so the shared snapshot goes stale and every other replica's gate closes
+too; after ``unhealthy_after_failures`` in a row the backend is also marked unhealthy here.
+A request that cannot connect to the backend closes its gates the same way.
 """
 
 from __future__ import annotations
@@ -162,7 +163,15 @@ class BackendPool:
         handle.scraped.set()
         self.on_snapshot()
 
+    def unreachable(self, handle: BackendHandle, exc: BaseException) -> None:
+        """A request could not connect to the backend: close its gates now, as a failed
+        scrape does, instead of waiting for its snapshot to go stale."""
+        self._failed(handle, exc)
+
     def _failed(self, handle: BackendHandle, exc: BaseException) -> None:
+        # a failed scrape (or connection) closes the gates at once; the next good scrape
+        # opens them again
+        handle.gates = dict.fromkeys(CLASS_ORDER, Gate(0, "stale"))
         handle.failures += 1
         if handle.healthy and handle.failures >= self.settings.unhealthy_after_failures:
             handle.healthy = False

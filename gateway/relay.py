@@ -86,7 +86,9 @@ class FrameFilter:
             return b""
         complete, self._pending = self._pending[: end + 2], self._pending[end + 2:]
         if self.started and b'"usage"' not in complete and DONE not in complete:
-            self.output_frames += complete.count(b"data: {")  # the hot path: no parsing
+            # the hot path, no parsing: lines that start a JSON payload (a JSON string
+            # cannot hold a raw newline, so generated text never matches)
+            self.output_frames += (b"\n" + complete).count(b"\ndata: {")
             return complete
         return b"".join(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
 
