@@ -36,37 +36,41 @@ RESTART_FIELDS = ("backends", "classes", "fairness", "redis_url", "listen", "rep
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap")
 
 
-def admin_services(request: web.Request) -> Services:
-    """The services, once the caller proved to be an operator."""
+async def admin_services(request: web.Request) -> Services:
+    """The services, once the caller proved to be an operator: an admin key, or for a
+    read-only GET without one, a dashboard session."""
     svc = request.app[SERVICES]
-    session = request.cookies.get(SESSION_COOKIE) if request.method == "GET" else None
-    svc.keys.require_admin(request.headers.get("Authorization"), session)
+    authorization = request.headers.get("Authorization")
+    if authorization is None and request.method == "GET" and await svc.sessions.valid(
+            request.cookies.get(SESSION_COOKIE), svc.keys):
+        return svc
+    svc.keys.require_admin(authorization)
     return svc
 
 
 async def get_state(request: web.Request) -> web.Response:
-    svc = admin_services(request)
+    svc = await admin_services(request)
     state = await svc.inspector.state()
     state["batches"] = await svc.batches.running()
     return web.json_response(state)
 
 
 async def get_queues(request: web.Request) -> web.Response:
-    svc = admin_services(request)
+    svc = await admin_services(request)
     now = time.time()
     data = {m: await svc.inspector.queues(m, now) for m in svc.settings.models()}
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_backends(request: web.Request) -> web.Response:
-    svc = admin_services(request)
+    svc = await admin_services(request)
     now = time.time()
     data = [b for m in svc.settings.models() for b in await svc.inspector.backends(m, now)]
     return web.json_response({"object": "list", "data": data})
 
 
 async def _set_drained(request: web.Request, drained: bool) -> web.Response:
-    svc = admin_services(request)
+    svc = await admin_services(request)
     name = request.match_info["name"]
     handle = svc.pool.handles.get(name)
     if handle is None:
@@ -87,7 +91,7 @@ async def undrain(request: web.Request) -> web.Response:
 
 
 async def cancel_request(request: web.Request) -> web.Response:
-    svc = admin_services(request)
+    svc = await admin_services(request)
     request_id = request.match_info["id"]
     for model in svc.settings.models():
         fields = await svc.store.request_fields(model, request_id)
@@ -113,7 +117,7 @@ def _changed(old: Settings, new: Settings) -> list[str]:
 
 
 async def reload_config(request: web.Request) -> web.Response:
-    svc = admin_services(request)
+    svc = await admin_services(request)
     current = svc.settings
     if current.config_file is None:
         raise NoConfigFile("the gateway was started without a config file: nothing to reload")

@@ -1,14 +1,17 @@
 """API keys → identity, and admin keys → the operator's routes.
 
-Keys come from the settings (swapped whole by a reload); lookups are constant time.
-Admin routes take ``Authorization: Bearer <admin key>`` or, for the dashboard's read-only
-GETs, a session cookie derived from an admin key (so the key itself is never stored).
+Keys come from the settings (swapped whole by a reload). They are kept only as keyed
+hashes (HMAC-SHA256 with a secret drawn at start), so a lookup never compares a key in
+clear and takes the same time whatever the key; admin keys are compared in constant time.
+Admin routes take ``Authorization: Bearer <admin key>``, or for the dashboard's read-only
+GETs a session (``gateway/sessions.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections.abc import Iterable
 
 from gateway.errors import AdminRequired, Unauthorized
@@ -19,36 +22,46 @@ UNKNOWN_KEY = "Incorrect API key provided."
 SESSION_COOKIE = "fairgate_admin"
 
 
-def session_token(admin_key: str) -> str:
-    """The dashboard cookie for an admin key."""
-    return hmac.new(admin_key.encode(), b"fairgate-dashboard", hashlib.sha256).hexdigest()
+def admin_key_id(admin_key: str) -> str:
+    """A stable fingerprint of an admin key (the same on every replica): what a session
+    records of the key that opened it."""
+    return hmac.new(b"fairgate-admin-key", admin_key.encode(), hashlib.sha256).hexdigest()
 
 
 class KeyRing:
     def __init__(self, keys: Iterable[ApiKey], admin_keys: Iterable[str] = ()) -> None:
-        self._keys = {k.key: k for k in keys}
-        self._admin = list(admin_keys)
-        self._sessions = [session_token(k) for k in self._admin]
+        self._secret = secrets.token_bytes(32)
+        self._keys = {self._digest(k.key): k for k in keys}
+        self._admin = {self._digest(k): admin_key_id(k) for k in admin_keys}
+        self._admin_ids = set(self._admin.values())
+
+    def _digest(self, key: str) -> bytes:
+        return hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
 
     def identify(self, authorization: str | None) -> ApiKey:
-        token = _bearer(authorization)
-        found = self._keys.get(token)
+        found = self._keys.get(self._digest(_bearer(authorization)))
         if found is None:
             raise Unauthorized(UNKNOWN_KEY)
         return found
 
+    def admin_id(self, authorization: str | None) -> str | None:
+        """The admin key's fingerprint, or None when it is not an admin key."""
+        digest = self._digest(_bearer(authorization))
+        found = None
+        for known, key_id in self._admin.items():  # all compared: constant time
+            if hmac.compare_digest(digest, known):
+                found = key_id
+        return found
+
     def is_admin(self, authorization: str | None) -> bool:
-        token = _bearer(authorization)
-        return any(hmac.compare_digest(token, k) for k in self._admin)
+        return self.admin_id(authorization) is not None
 
-    def valid_session(self, token: str | None) -> bool:
-        return bool(token) and any(hmac.compare_digest(str(token), s) for s in self._sessions)
+    def owns(self, key_id: str) -> bool:
+        """Is ``key_id`` the fingerprint of a current admin key?"""
+        return key_id in self._admin_ids
 
-    def require_admin(self, authorization: str | None, session: str | None = None) -> None:
-        """401 without a valid key, 403 for a user's key; ``session`` is a dashboard
-        cookie, accepted only when no Authorization header was sent."""
-        if authorization is None and self.valid_session(session):
-            return
+    def require_admin(self, authorization: str | None) -> None:
+        """401 without a valid key, 403 for a user's key."""
         if self.is_admin(authorization):  # raises Unauthorized when missing
             return
         self.identify(authorization)  # Unauthorized for an unknown key

@@ -1,18 +1,20 @@
 """``/dashboard``: a live page for operators, plain HTML/JS/CSS shipped in the package.
 
 Browsers cannot easily send ``Authorization`` headers, so besides the header the page
-accepts the admin key from a login form (POST) or ``?key=`` once; either sets an HttpOnly,
-SameSite=Strict session cookie derived from the key and redirects to the bare URL. The
-page then polls ``GET /admin/state`` with that cookie.
+accepts the admin key from a login form (POST) or, on loopback only, ``?key=`` once;
+either opens a server-side session (``gateway/sessions.py``: it expires, logout ends it,
+removing the key ends it) in an HttpOnly, SameSite=Strict cookie and redirects to the
+bare URL. The page then polls ``GET /admin/state`` with that cookie.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from importlib import resources
 
 from aiohttp import web
 
-from gateway.auth import SESSION_COOKIE, session_token
+from gateway.auth import SESSION_COOKIE
 from gateway.errors import FairgateError
 from gateway.services import SERVICES
 
@@ -24,7 +26,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-COOKIE_MAX_AGE_S = 12 * 3600
 
 
 def _static(name: str) -> str:
@@ -37,35 +38,47 @@ def _login_page(status: int, message: str = "") -> web.Response:
                         headers=SECURITY_HEADERS)
 
 
-def _admin_key_valid(request: web.Request, key: str) -> bool:
+def _loopback(remote: str | None) -> bool:
     try:
-        return request.app[SERVICES].keys.is_admin(f"Bearer {key}")
-    except FairgateError:
+        return remote is not None and ipaddress.ip_address(remote).is_loopback
+    except ValueError:
         return False
+
+
+def _admin_key_id(request: web.Request, key: str) -> str | None:
+    try:
+        return request.app[SERVICES].keys.admin_id(f"Bearer {key}")
+    except FairgateError:
+        return None
 
 
 def _see_dashboard() -> web.Response:
     return web.Response(status=303, headers={**SECURITY_HEADERS, "Location": "/dashboard"})
 
 
-def _logged_in(key: str) -> web.Response:
+async def _logged_in(request: web.Request, key_id: str) -> web.Response:
+    sessions = request.app[SERVICES].sessions
     response = _see_dashboard()
-    response.set_cookie(SESSION_COOKIE, session_token(key), max_age=COOKIE_MAX_AGE_S,
-                        path="/", httponly=True, samesite="Strict")
+    response.set_cookie(SESSION_COOKIE, await sessions.open(key_id),
+                        max_age=int(sessions.ttl_s), path="/", httponly=True,
+                        samesite="Strict")
     return response
 
 
 async def dashboard(request: web.Request) -> web.StreamResponse:
     key = request.query.get("key")
     if key is not None:
-        if _admin_key_valid(request, key):
-            return _logged_in(key)
+        # a key in a URL ends up in histories and proxy logs: loopback only
+        if not _loopback(request.remote):
+            return _login_page(403, "Sign in with the form; ?key= works only on loopback.")
+        if (key_id := _admin_key_id(request, key)) is not None:
+            return await _logged_in(request, key_id)
         return _login_page(401, "That is not an admin key.")
-    keys = request.app[SERVICES].keys
+    svc = request.app[SERVICES]
     authorization = request.headers.get("Authorization")
     if authorization is not None:
-        keys.require_admin(authorization)  # 401/403 as JSON for API clients
-    elif not keys.valid_session(request.cookies.get(SESSION_COOKIE)):
+        svc.keys.require_admin(authorization)  # 401/403 as JSON for API clients
+    elif not await svc.sessions.valid(request.cookies.get(SESSION_COOKIE), svc.keys):
         return _login_page(401)
     return web.Response(text=_static("dashboard.html"), content_type="text/html",
                         headers=SECURITY_HEADERS)
@@ -74,12 +87,13 @@ async def dashboard(request: web.Request) -> web.StreamResponse:
 async def login(request: web.Request) -> web.StreamResponse:
     form = await request.post()
     key = str(form.get("key", ""))
-    if key and _admin_key_valid(request, key):
-        return _logged_in(key)
+    if key and (key_id := _admin_key_id(request, key)) is not None:
+        return await _logged_in(request, key_id)
     return _login_page(401, "That is not an admin key.")
 
 
 async def logout(request: web.Request) -> web.StreamResponse:
+    await request.app[SERVICES].sessions.close(request.cookies.get(SESSION_COOKIE))
     response = _see_dashboard()
     response.del_cookie(SESSION_COOKIE, path="/")
     return response

@@ -42,6 +42,7 @@ USER_BATCHES_PREFIX = f"{ROOT}:batches:"  # zset fg:batches:{user}: batch id -> 
 ACTIVE_BATCHES = f"{ROOT}:batches:active"  # set: unfinished batch ids
 FILE_PREFIX = f"{ROOT}:file:"             # string fg:file:{id}: JSON metadata
 USER_FILES_PREFIX = f"{ROOT}:files:"      # zset fg:files:{user}: file id -> created
+SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,10 @@ def file_meta(file_id: str) -> str:
 
 def user_files(user: str) -> str:
     return USER_FILES_PREFIX + user
+
+
+def session(token_hash: str) -> str:
+    return SESSION_PREFIX + token_hash
 
 
 def _lua_function(name: str, pattern: str) -> str:

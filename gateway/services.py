@@ -29,6 +29,7 @@ from gateway.files import FileStore
 from gateway.metrics import GatewayMetrics
 from gateway.read_model import Inspector
 from gateway.redis_client import connect
+from gateway.sessions import SessionStore
 from gateway.settings import Settings
 from gateway.store import Store
 from gateway.supervise import supervise
@@ -56,6 +57,7 @@ class Services:
     batches: BatchStore
     batch_runner: BatchRunner
     inspector: Inspector
+    sessions: SessionStore
     replica_id: str
     redis_url: str
 
@@ -100,7 +102,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         services = Services(
             settings, KeyRing(settings.api_keys, settings.admin_keys), policy, metrics, store,
             pool, dispatcher, admission, upstream, files, batches, runner,
-            Inspector(settings, store, pool, metrics, replica_id), replica_id, redis_url)
+            Inspector(settings, store, pool, metrics, replica_id),
+            SessionStore(client, settings.session_ttl_s), replica_id, redis_url)
 
         restarts = metrics.loop_restarts
         tasks = [asyncio.create_task(pool.run(), name="scrape"),

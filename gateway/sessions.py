@@ -1,0 +1,45 @@
+"""Dashboard sessions: random tokens kept in Redis, so they expire and can be revoked.
+
+A session names the admin key that opened it by a fingerprint, never the key. It is valid
+while it exists (``session_ttl_s``; logout deletes it) and while that key is still an
+admin key (a reload that removes the key ends its sessions on every replica).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Awaitable
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from gateway.auth import KeyRing
+from gateway.keys import session
+
+
+def _hashed(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class SessionStore:
+    def __init__(self, client: aioredis.Redis, ttl_s: float) -> None:
+        self.client = client
+        self.ttl_s = ttl_s
+
+    async def open(self, owner: str) -> str:
+        """A new session for the admin key with fingerprint ``owner``; returns its token."""
+        token = secrets.token_urlsafe(32)
+        await self.client.set(session(_hashed(token)), owner, ex=int(self.ttl_s))
+        return token
+
+    async def valid(self, token: str | None, keys: KeyRing) -> bool:
+        if not token:
+            return False
+        owner = await cast("Awaitable[str | None]",
+                           self.client.get(session(_hashed(token))))
+        return owner is not None and keys.owns(owner)
+
+    async def close(self, token: str | None) -> None:
+        if token:
+            await self.client.delete(session(_hashed(token)))

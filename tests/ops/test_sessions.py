@@ -1,0 +1,81 @@
+"""Dashboard sessions are server-side: random tokens that expire, that logout ends on
+every replica, and that end when their admin key is removed by a reload. Keys are held
+only as keyed hashes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from gateway.auth import SESSION_COOKIE, KeyRing
+from gateway.keys import SESSION_PREFIX
+from gateway.settings import ApiKey
+from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory
+
+ADMIN, OTHER_ADMIN = "sk-admin", "sk-admin-2"
+
+
+async def login(http: aiohttp.ClientSession, url: str, key: str) -> str:
+    async with http.post(url + "/dashboard/login", data={"key": key},
+                         allow_redirects=False) as resp:
+        assert resp.status == 303
+        return resp.cookies[SESSION_COOKIE].value
+
+
+async def state_status(http: aiohttp.ClientSession, url: str, token: str) -> int:
+    async with http.get(url + "/admin/state", cookies={SESSION_COOKIE: token}) as resp:
+        return resp.status
+
+
+async def test_sessions_expire_end_at_logout_and_at_key_removal(
+        sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path,
+        redis: object) -> None:
+    backend = await sim(profile="instant")
+    path = tmp_path / "fairgate.yaml"
+
+    def write(admins: list[str]) -> None:
+        path.write_text(yaml.safe_dump({
+            "redis_url": redis_url,
+            "backends": [{"name": "b0", "url": backend.url, "model": MODEL}],
+            "api_keys": KEYS, "admin_keys": admins}))
+
+    write([ADMIN, OTHER_ADMIN])
+    gw = await gateway([backend], admin_keys=[ADMIN, OTHER_ADMIN], config_file=path,
+                       session_ttl_s=600)
+    client = gw.services.store.client
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+        first, second = await login(http, gw.url, ADMIN), await login(http, gw.url, ADMIN)
+        assert first != second  # random per login, not derived from the key
+        assert ADMIN not in first
+        assert await state_status(http, gw.url, first) == 200
+        stored = [k async for k in client.scan_iter(SESSION_PREFIX + "*")]
+        assert len(stored) == 2 and not any(first in k for k in stored)  # hashed in Redis
+        assert all(0 < ttl <= 600 for ttl in [await client.ttl(k) for k in stored])  # expires
+
+        async with http.post(gw.url + "/dashboard/logout",
+                             cookies={SESSION_COOKIE: first}, allow_redirects=False) as r:
+            assert r.status == 303
+        assert await state_status(http, gw.url, first) == 401  # the old cookie is dead
+        assert await state_status(http, gw.url, second) == 200
+
+        other = await login(http, gw.url, OTHER_ADMIN)
+        write([ADMIN])  # OTHER_ADMIN is revoked
+        async with http.post(gw.url + "/admin/reload",
+                             headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+            assert resp.status == 200
+        assert await state_status(http, gw.url, other) == 401
+        assert await state_status(http, gw.url, second) == 200
+        assert await state_status(http, gw.url, "forged-token") == 401
+
+
+def test_keys_are_held_only_as_keyed_hashes() -> None:
+    ring = KeyRing([ApiKey(key="sk-secret-1", user="u")], ["sk-admin-secret"])
+    lookup_keys = [*ring._keys, *ring._admin]  # what lookups compare
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in lookup_keys)
+    assert not any(b"secret" in k for k in lookup_keys)
+    assert ring.identify("Bearer sk-secret-1").user == "u"
+    assert ring.is_admin("Bearer sk-admin-secret") and not ring.is_admin("Bearer sk-secret-1")
+    # another process draws another secret: the hashes are useless elsewhere
+    assert set(KeyRing([ApiKey(key="sk-secret-1", user="u")])._keys) != set(ring._keys)
