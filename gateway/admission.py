@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import structlog
 
 from gateway.backends import BackendHandle, BackendPool
 from gateway.dispatcher import Dispatcher
-from gateway.errors import BackendRemoved
+from gateway.errors import BackendRemoved, BackendUnreachable
 from gateway.metrics import GatewayMetrics, StreamTiming
 from gateway.settings import Settings
 from gateway.store import Grant, QueuedRequest
@@ -28,6 +29,8 @@ from policies.fairness import FairnessPolicy
 from policies.priority import vllm_priority
 
 log = structlog.get_logger("fairgate.request")
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class Ticket:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     completed: bool = False
+    unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
     _started: bool = field(default=False, repr=False)
 
     async def first_token(self) -> None:
@@ -71,6 +75,25 @@ class Admission:
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
+
+    async def call(self, model: str, user: str, klass: str, weight: float,
+                   body: dict[str, object], send: Callable[[Ticket], Awaitable[T]],
+                   request_id: str | None = None, arrived_s: float | None = None) -> T:
+        """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
+        fails before anything was sent (nothing reached its engine), the backend's gates
+        close and the request is queued once more, for another backend."""
+        for attempt in (1, 2):
+            async with self.admitted(model, user, klass, weight, body, request_id,
+                                     arrived_s) as ticket:
+                try:
+                    return await send(ticket)
+                except BackendUnreachable as exc:
+                    ticket.unsent = True
+                    self.pool.unreachable(ticket.backend, exc)
+                    if attempt == 2:
+                        raise
+            log.warning("backend_unreachable_retry", backend=ticket.grant.backend)
+        raise AssertionError("unreachable")
 
     @asynccontextmanager
     async def admitted(self, model: str, user: str, klass: str, weight: float,
@@ -105,7 +128,8 @@ class Admission:
         finally:
             prompt = ticket.prompt_tokens or prompt_est
             output = ticket.completion_tokens
-            charge = self.policy.settle_charge(prompt, prompt_est, output, weight)
+            charge = (-queued.cost if ticket.unsent
+                      else self.policy.settle_charge(prompt, prompt_est, output, weight))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
                                    self.policy.service(ticket.prompt_tokens or 0, output,
                                                        weight), timing)

@@ -17,7 +17,8 @@
     │   ├── RequestLost (503)          the queued request vanished from Redis
     │   ├── BackendRemoved (503)       its backend left the config after the dispatch
     │   └── TooManyConnections (503)   the gateway's client connection cap is reached
-    ├── UpstreamError (502)            backend unreachable or broken
+    ├── UpstreamError (502)            backend broken or failed mid-answer
+    │   └── BackendUnreachable (502)   no connection: nothing reached the backend
     └── QueueTimeout (504)             waited longer than the class's max_queue_wait_s
 
 Errors are plain exceptions; the HTTP edge (``gateway/edge.py``) renders them.
@@ -128,6 +129,12 @@ class TooManyConnections(Unavailable):
 
 class UpstreamError(FairgateError):
     status, type, code = 502, "server_error", "upstream_error"
+
+
+class BackendUnreachable(UpstreamError):
+    """The connection to the backend failed before anything was sent: safe to retry."""
+
+    code = "backend_unreachable"
 
 
 class QueueTimeout(FairgateError):

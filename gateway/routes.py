@@ -67,19 +67,23 @@ async def _completion(request: web.Request, path: str) -> web.StreamResponse:
                                            priority_class=klass)
     log.info("queued")
     status = "error"
-    ticket: Ticket | None = None
+    tickets: list[Ticket] = []
+
+    async def forward(ticket: Ticket) -> web.StreamResponse:
+        tickets.append(ticket)
+        return await svc.upstream.forward(request, ticket.backend, creq, ticket.priority,
+                                          ticket)
+
     try:
-        async with svc.admission.admitted(model, user, klass, key.weight, creq.body,
-                                          request_id=request_id, arrived_s=arrived) as ticket:
-            response = await svc.upstream.forward(request, ticket.backend, creq,
-                                                  ticket.priority, ticket)
-            status = str(response.status)
-            return response
+        response = await svc.admission.call(model, user, klass, key.weight, creq.body,
+                                            forward, request_id=request_id, arrived_s=arrived)
+        status = str(response.status)
+        return response
     except asyncio.CancelledError:
         # a client that hangs up right after the whole answer cancels the handler while
         # it cleans up: it was still served
         if status == "error":
-            if ticket is not None and ticket.completed:
+            if tickets and tickets[-1].completed:
                 status = "200"
             else:
                 status = "client_closed"

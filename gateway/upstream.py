@@ -24,7 +24,7 @@ from aiohttp import web
 
 from gateway.backends import BackendHandle
 from gateway.completion_request import CompletionRequest
-from gateway.errors import BadRequest, UpstreamError
+from gateway.errors import BackendUnreachable, BadRequest, UpstreamError
 from gateway.relay import RelayListener, relay_stream, report_usage
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -89,6 +89,8 @@ class Upstream:
         try:
             return await self.session.post(handle.config.url + path, data=data,
                                            headers=JSON_HEADERS, timeout=self.timeout)
+        except aiohttp.ClientConnectorError as exc:
+            raise BackendUnreachable(f"backend {handle.name} unreachable: {exc}") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
 

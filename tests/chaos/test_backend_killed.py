@@ -1,0 +1,124 @@
+"""One of a model's two backends (a real process) SIGKILLed mid-stream.
+
+Its streams end with a clean SSE error event, not a silent truncation; requests not yet
+sent, and those whose connection failed before anything was sent, go to the other
+backend; its gates close at once and reopen when it returns. No request hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from gateway.embedded_redis import free_port
+from gateway.server import GatewayServer
+from gateway.settings import Backend
+from tests.gateway.conftest import MODEL, assert_settled, gateway_settings
+
+STREAMS = 24
+
+
+async def start_sim(port: int) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "sim", "--port", str(port), "--model", MODEL,
+        "--max-num-seqs", "4", "--scheduling-policy", "priority",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    assert re.search(r"on http://\S+", line), line
+    return proc
+
+
+@dataclass
+class Outcome:
+    status: int | None = None  # None: hung
+    done: bool = False  # reached [DONE]
+    error_event: bool = False  # ended with an OpenAI error event
+    tokens: int = 0
+
+
+async def stream(session: aiohttp.ClientSession, url: str, i: int) -> Outcome:
+    body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 200 + i, "ignore_eos": True,
+            "stream": True}
+    key = ("sk-alice", "sk-bob", "sk-carol")[i % 3]
+    out = Outcome()
+    try:
+        async with asyncio.timeout(60):
+            async with session.post(url + "/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {key}"}) as resp:
+                out.status = resp.status
+                async for line in resp.content:
+                    if line.startswith(b"data: [DONE]"):
+                        out.done = True
+                    elif line.startswith(b"data: {"):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            out.error_event = True
+                        elif event.get("choices"):
+                            out.tokens += 1
+    except TimeoutError:
+        out.status = None
+    return out
+
+
+async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str) -> None:
+    ports = [free_port(), free_port()]
+    sims = [await start_sim(p) for p in ports]
+    settings = gateway_settings(redis_url, [], scrape_interval_s=0.05)
+    gw = GatewayServer(settings.model_copy(update={"backends": [
+        Backend(name=f"b{i}", url=f"http://127.0.0.1:{p}", model=MODEL)
+        for i, p in enumerate(ports)]}))
+    await gw.start()
+    pool = gw.services.pool
+    try:
+        for handle in pool.handles.values():
+            await asyncio.wait_for(handle.scraped.wait(), 30)
+        async with aiohttp.ClientSession() as session:
+            flood = [asyncio.create_task(stream(session, gw.url, i)) for i in range(STREAMS)]
+
+            async def both_busy() -> bool:
+                return all(h.last is not None and h.last.running >= 2
+                           for h in pool.handles.values())
+
+            for _ in range(3000):
+                if await both_busy():
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("both backends never ran requests")
+            sims[0].send_signal(signal.SIGKILL)
+            await sims[0].wait()
+            killed_at = time.monotonic()
+            b0 = pool.handles["b0"]
+            while b0.gates_at(time.time(), 1.0)["interactive"].open:
+                assert time.monotonic() - killed_at < 5, "b0's gate stayed open"
+                await asyncio.sleep(0.005)
+            closed_after = time.monotonic() - killed_at
+            outcomes = await asyncio.gather(*flood)
+            sims[0] = await start_sim(ports[0])  # back on the same port
+            while not b0.gates_at(time.time(), 1.0)["interactive"].open:
+                assert time.monotonic() - killed_at < 30, "b0's gate never reopened"
+                await asyncio.sleep(0.01)
+        await assert_settled(gw)
+    finally:
+        await gw.stop()
+        for proc in sims:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    kinds = Counter("hung" if o.status is None else "ok" if o.done and o.tokens == 200 + i
+                    else "clean_error" if o.error_event and not o.done else "other"
+                    for i, o in enumerate(outcomes))
+    assert kinds["hung"] == 0 and kinds["other"] == 0, (kinds, outcomes)
+    assert kinds["clean_error"] >= 1  # b0's streams ended with an error event
+    assert kinds["ok"] >= STREAMS - 8  # the rest were served, by b1
+    assert closed_after < 0.5, closed_after  # a few scrape intervals, not a stale second
