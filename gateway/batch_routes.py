@@ -5,16 +5,18 @@ A user sees only their own files and batches: any other id answers 404.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.batch_input import ENDPOINTS, parse_lines
+from gateway.batch_input import ENDPOINTS, summarize_file
 from gateway.batches import FINAL, WINDOW_S
 from gateway.errors import BadRequest, FairgateError
-from gateway.services import SERVICES
+from gateway.files import FileMeta
+from gateway.services import SERVICES, Services
 
 CHUNK = 64 * 1024
 MAX_METADATA_PAIRS = 16
@@ -34,33 +36,48 @@ async def upload_file(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     if not request.content_type.startswith("multipart/"):
         raise BadRequest("upload a file as multipart/form-data with fields 'purpose' and 'file'")
-    reader = await request.multipart()
-    purpose: str | None = None
-    meta = None
-    while (part := await reader.next()) is not None:
-        if not isinstance(part, BodyPartReader):
-            continue
-        if part.name == "purpose":
-            purpose = (await part.text()).strip()
-        elif part.name == "file":
-            if purpose != "batch":
-                raise BadRequest("'purpose' must be \"batch\" and come before 'file'",
-                                 param="purpose")
-            meta = await svc.files.save(user, part.filename or "upload.jsonl", purpose,
-                                        _chunks(part))
-    if meta is None:
-        raise BadRequest("missing 'file' field", param="file")
-    try:
-        _validate_file(svc.files.path(meta.id), svc.settings.models())
+    meta = await _receive(request, svc, user)
+    try:  # parsing takes seconds for a large file: off the event loop
+        await asyncio.to_thread(summarize_file, svc.files.path(meta.id), svc.settings.models(),
+                                svc.settings.max_json_depth)
     except FairgateError:
         await svc.files.delete(user, meta.id)
         raise
     return web.json_response(meta.to_openai())
 
 
-def _validate_file(path: Path, models: list[str]) -> int:
-    with path.open("rb") as fh:
-        return sum(1 for _ in parse_lines(fh, models))
+async def _receive(request: web.Request, svc: Services, user: str) -> FileMeta:
+    """The uploaded file, stored; a malformed multipart body (no or bad boundary, cut
+    short, broken part headers) is a 400 and leaves nothing behind."""
+    purpose: str | None = None
+    meta: FileMeta | None = None
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                if purpose != "batch":
+                    raise BadRequest("'purpose' must be \"batch\" and come before 'file'",
+                                     param="purpose")
+                if meta is not None:
+                    raise BadRequest("send one 'file' per upload", param="file")
+                meta = await svc.files.save(user, part.filename or "upload.jsonl", purpose,
+                                            _chunks(part),
+                                            quota=svc.settings.max_files_bytes_per_user)
+    except (ValueError, HttpProcessingError) as exc:
+        if meta is not None:
+            await svc.files.delete(user, meta.id)
+        raise BadRequest(f"malformed multipart/form-data body: {exc}") from None
+    except BaseException:
+        if meta is not None:
+            await asyncio.shield(svc.files.delete(user, meta.id))
+        raise
+    if meta is None:
+        raise BadRequest("missing 'file' field", param="file")
+    return meta
 
 
 async def list_files(request: web.Request) -> web.Response:
@@ -121,14 +138,16 @@ async def create_batch(request: web.Request) -> web.Response:
     if meta.purpose != "batch":
         raise BadRequest(f"file {file_id} was not uploaded with purpose \"batch\"",
                          param="input_file_id")
-    with svc.files.path(file_id).open("rb") as fh:
-        lines = list(parse_lines(fh, svc.settings.models()))
-    wrong = [line for line in lines if line.url != endpoint][:10]
+    summary = await asyncio.to_thread(summarize_file, svc.files.path(file_id),
+                                      svc.settings.models(), svc.settings.max_json_depth)
+    wrong = sorted((index, url) for url, first in summary.lines_by_url.items()
+                   if url != endpoint for index in first)[:10]
     if wrong:
-        listed = ", ".join(f"line {w.index + 1} ({w.url})" for w in wrong)
+        listed = ", ".join(f"line {index + 1} ({url})" for index, url in wrong)
         raise BadRequest(f"every line's url must match the batch endpoint {endpoint}: {listed}",
                          param="endpoint")
-    batch = await svc.batches.create(key.user, file_id, endpoint, window, metadata, len(lines),
+    batch = await svc.batches.create(key.user, file_id, endpoint, window, metadata,
+                                     summary.requests,
                                      key.weight)
     svc.batch_runner.wake()
     return web.json_response(batch)

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from gateway.admission import Admission
-from gateway.batch_input import BatchLine, parse_lines
+from gateway.batch_input import BatchLine, load_file
 from gateway.batches import FINAL, BatchStore
 from gateway.completion_request import CompletionRequest
 from gateway.errors import FairgateError, StoreUnavailable, Unavailable
@@ -128,8 +128,10 @@ class BatchRunner:
             await self.batches.retire(batch_id)
             return
         doc = json.loads(raw["doc"])
-        try:
-            lines = self._load(doc["input_file_id"])
+        try:  # parsing takes seconds for a large file: off the event loop
+            lines = await asyncio.to_thread(load_file, self.files.path(doc["input_file_id"]),
+                                            self.settings.models(),
+                                            self.settings.max_json_depth)
         except (FairgateError, OSError) as exc:
             await self._fail(batch_id, str(exc))
             return
@@ -145,10 +147,6 @@ class BatchRunner:
             if outcome != "completed":
                 break
         await self._finalize(batch_id, doc, lines, outcome)
-
-    def _load(self, file_id: str) -> list[BatchLine]:
-        with self.files.path(file_id).open("rb") as fh:
-            return list(parse_lines(fh, self.settings.models()))
 
     async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
         """Run the pending lines; returns "completed", "cancelled" or "expired"."""

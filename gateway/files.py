@@ -1,6 +1,9 @@
 """OpenAI Files API storage: bytes on disk under ``data_dir/files``, metadata in Redis.
 
 A user sees only their own files; someone else's id answers 404 as if it did not exist.
+An upload is refused (413) when it is larger than ``max_file_bytes`` or would take the
+user's files past ``max_files_bytes_per_user``; files the gateway writes (batch results)
+count towards that quota but are never refused.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ import redis.asyncio as aioredis
 
 from gateway.errors import NotFound, PayloadTooLarge
 from gateway.keys import file_meta, user_files
+
+
+class FileQuotaExceeded(PayloadTooLarge):
+    code = "file_quota_exceeded"
+
+
+def _over_quota(quota: int, used: int) -> FileQuotaExceeded:
+    return FileQuotaExceeded(
+        f"this upload would take your files past their quota of {quota} bytes "
+        f"({used} bytes in use); delete files you no longer need", param="file")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +59,15 @@ class FileStore:
         return self.root / f"{file_id}.jsonl"
 
     async def save(self, user: str, filename: str, purpose: str,
-                   chunks: AsyncIterator[bytes]) -> FileMeta:
-        """Stream an upload to disk (size-capped), then record it."""
+                   chunks: AsyncIterator[bytes], quota: int | None = None) -> FileMeta:
+        """Stream an upload to disk (size-capped, and within the user's ``quota`` of bytes
+        over all their files), then record it."""
+        room = None
+        if quota is not None:
+            used = await self.used_bytes(user)
+            room = quota - used
+            if room <= 0:
+                raise _over_quota(quota, used)
         file_id = "file-" + uuid.uuid4().hex
         tmp = self.root / f".{file_id}.part"
         size = 0
@@ -58,12 +78,17 @@ class FileStore:
                     if size > self.max_bytes:
                         raise PayloadTooLarge(f"file is larger than {self.max_bytes} bytes",
                                               param="file")
+                    if room is not None and quota is not None and size > room:
+                        raise _over_quota(quota, quota - room)
                     out.write(chunk)
             os.replace(tmp, self.path(file_id))
         finally:
             tmp.unlink(missing_ok=True)
         return await self._record(FileMeta(file_id, user, filename, purpose, size,
                                            int(time.time())))
+
+    async def used_bytes(self, user: str) -> int:
+        return sum(meta.bytes for meta in await self.owned(user))
 
     async def create(self, user: str, filename: str, purpose: str, data: bytes) -> FileMeta:
         file_id = "file-" + uuid.uuid4().hex

@@ -99,11 +99,6 @@ class Settings(BaseSettings):
     max_client_connections: int = Field(10000, ge=1)
     client_idle_timeout_s: float = Field(30.0, gt=0)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
-    # Client connections (gateway/server.py): a cap with a clear 503, and a deadline for
-    # a connection to complete a request's headers (also closes idle keep-alives).
-    max_client_connections: int = Field(10000, ge=1)
-    client_idle_timeout_s: float = Field(30.0, gt=0)
-    session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0
@@ -131,6 +126,7 @@ class Settings(BaseSettings):
     max_json_depth: int = Field(64, ge=2)  # nesting of a request body or batch line body
     max_output_tokens: int = Field(131072, ge=1)  # max_tokens / max_completion_tokens
     max_end_user_chars: int = Field(256, ge=1)  # body field `user`, printable text only
+    max_files_bytes_per_user: int = Field(2 * 1024**3, ge=0)  # all of a user's files → 413
 
     @field_validator("fairness")
     @classmethod

@@ -1,0 +1,172 @@
+"""Hostile uploads to ``POST /v1/files`` (issue 10, items 2 and 10): malformed multipart
+bodies are 400s in OpenAI's format, a user's files are bounded by a quota, and validating
+a large input file does not stall the event loop (``/health`` stays responsive)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.server import GatewayServer
+from tests.batch.test_batch_api import CHAT, client, jsonl
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_error, auth
+
+BOUNDARY = "fgboundary7c1e"
+
+
+def multipart(*parts: tuple[str, str | None, bytes], close: bool = True) -> bytes:
+    """A multipart/form-data body; ``close=False`` leaves out the closing boundary."""
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (
+            f'; filename="{filename}"' if filename else "")
+        out += (f"--{BOUNDARY}\r\nContent-Disposition: {disposition}\r\n\r\n").encode()
+        out += data + b"\r\n"
+    if close:
+        out += f"--{BOUNDARY}--\r\n".encode()
+    return out
+
+
+VALID = multipart(("purpose", None, b"batch"), ("file", "in.jsonl", jsonl(2)))
+
+
+@pytest.fixture
+async def gw(sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> GatewayServer:
+    return await gateway([await sim(profile="instant")], data_dir=tmp_path, batch_poll_s=0.05)
+
+
+async def upload(gw: GatewayServer, body: bytes, content_type: str
+                 ) -> tuple[int, dict[str, Any]]:
+    headers = {**auth("sk-batch"), "Content-Type": content_type}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/files", data=body,
+                                                          headers=headers) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def files_of(gw: GatewayServer) -> list[Any]:
+    c = client(gw)
+    try:
+        return (await c.files.list()).data
+    finally:
+        await c.close()
+
+
+async def test_valid_raw_multipart_is_accepted(gw: GatewayServer) -> None:
+    status, got = await upload(gw, VALID, f"multipart/form-data; boundary={BOUNDARY}")
+    assert status == 200, got
+    assert got["purpose"] == "batch" and got["bytes"] == len(jsonl(2))
+
+
+@pytest.mark.parametrize(("body", "content_type"), [
+    (VALID, "multipart/form-data"),  # no boundary
+    (VALID, "multipart/form-data; boundary="),  # empty boundary
+    (VALID, "multipart/form-data; boundary=" + "b" * 200),  # longer than RFC 2046 allows
+    (VALID[: len(VALID) // 2], f"multipart/form-data; boundary={BOUNDARY}"),  # truncated
+    (multipart(("purpose", None, b"batch"), ("file", "in.jsonl", jsonl(2)), close=False),
+     f"multipart/form-data; boundary={BOUNDARY}"),  # no closing boundary
+    (b"garbage without any boundary", f"multipart/form-data; boundary={BOUNDARY}"),
+    (b"", f"multipart/form-data; boundary={BOUNDARY}"),
+    (f"--{BOUNDARY}\r\nno headers end".encode(), f"multipart/form-data; boundary={BOUNDARY}"),
+])
+async def test_malformed_multipart_is_a_400(gw: GatewayServer, body: bytes,
+                                           content_type: str) -> None:
+    status, got = await upload(gw, body, content_type)
+    assert status == 400, got
+    assert_error(got, type_="invalid_request_error", param=got["error"]["param"])
+    assert got["error"]["param"] in (None, "file"), got
+    assert await files_of(gw) == []  # nothing kept, no partial file on disk
+    parts = list((gw.settings.data_dir / "files").iterdir())
+    assert parts == [], parts
+
+
+async def test_deep_lines_are_refused_at_upload(gw: GatewayServer) -> None:
+    """Lines nested deeper than ``max_json_depth`` (or than Python can decode) are named
+    at upload, so no accepted line can fail on its depth later."""
+    deep = "[" * 949 + '[{"type": "text", "text": "x"}]' + "]" * 949
+    line = json.dumps({"custom_id": "deep", "method": "POST", "url": CHAT,
+                       "body": {"model": MODEL, "messages": [{"role": "user",
+                                                              "content": "@"}]}})
+    body = (line.replace('"@"', deep) + "\n" + line.replace('"@"', "[" * 50_000) + "\n"
+            + line.replace('"@"', '"fine"').replace('"deep"', '"ok"') + "\n").encode()
+    c = client(gw)
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            await c.files.create(file=("deep.jsonl", body), purpose="batch")
+    finally:
+        await c.close()
+    assert "line 1:" in err.value.message and "64 levels" in err.value.message
+    assert "line 2:" in err.value.message and "line 3" not in err.value.message
+    assert await files_of(gw) == []
+
+
+async def test_per_user_file_quota(sim: SimFactory, gateway: GatewayFactory,
+                                   tmp_path: Path) -> None:
+    one = len(jsonl(10))
+    gw = await gateway([await sim(profile="instant")], data_dir=tmp_path,
+                       max_files_bytes_per_user=2 * one + 10)
+    owner, other = client(gw), client(gw, "sk-alice")
+    try:
+        first = await owner.files.create(file=("a.jsonl", jsonl(10)), purpose="batch")
+        await owner.files.create(file=("b.jsonl", jsonl(10)), purpose="batch")
+        with pytest.raises(openai.APIStatusError) as err:
+            await owner.files.create(file=("c.jsonl", jsonl(10)), purpose="batch")
+        assert err.value.status_code == 413
+        assert err.value.code == "file_quota_exceeded" and err.value.param == "file"
+        assert f"{2 * one + 10} bytes" in err.value.message
+        assert len((await owner.files.list()).data) == 2
+        await other.files.create(file=("c.jsonl", jsonl(10)), purpose="batch")  # per user
+        await owner.files.delete(first.id)  # room again
+        await owner.files.create(file=("c.jsonl", jsonl(10)), purpose="batch")
+    finally:
+        await owner.close()
+        await other.close()
+    assert sorted(p.name.startswith(".") for p in (tmp_path / "files").iterdir()) == [
+        False, False, False]  # no partial file left behind
+
+
+def probe_health(url: str, stop: threading.Event, latencies: list[float]) -> None:
+    """From another thread, so a blocked event loop cannot hide its own stall."""
+    while not stop.is_set():
+        started = time.monotonic()
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            assert resp.status == 200
+        latencies.append(time.monotonic() - started)
+        time.sleep(0.01)
+
+
+async def test_health_stays_responsive_while_a_large_file_is_validated(
+        sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> None:
+    gw = await gateway([await sim(profile="instant")], data_dir=tmp_path, batch_poll_s=0.05)
+    lines = 120_000
+    data = jsonl(lines)
+    latencies: list[float] = []
+    stop = threading.Event()
+    prober = threading.Thread(target=probe_health, args=(gw.url, stop, latencies))
+    c = client(gw)
+    try:
+        started = time.monotonic()
+        prober.start()
+        meta = await c.files.create(file=("big.jsonl", data), purpose="batch")
+        batch = await c.batches.create(input_file_id=meta.id, endpoint=CHAT,
+                                       completion_window="24h")
+        took = time.monotonic() - started
+        stop.set()
+        await asyncio.to_thread(prober.join)
+        assert meta.bytes == len(data)
+        assert batch.request_counts is not None and batch.request_counts.total == lines
+        await c.batches.cancel(batch.id)
+    finally:
+        stop.set()
+        await c.close()
+    worst = max(latencies)
+    assert worst < 0.5, (f"/health took up to {worst:.3f}s during {took:.2f}s of upload "
+                          f"and batch creation ({len(latencies)} probes)")
