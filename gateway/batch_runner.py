@@ -2,7 +2,10 @@
 
 Every replica runs a :class:`BatchRunner`; a batch is run by whichever replica holds its
 lease. Lines enter the owner's ``batch`` class queue, at most ``batch_max_in_flight`` at a
-time, so even a 100,000-line file adds only a handful of Redis entries. Each result is
+time and never more than the user's queue cap (``max_queued_per_user``), so even a
+100,000-line file adds only a handful of Redis entries. A line that finds the user's queue
+full anyway (other batches or requests of the same user) waits and tries again: a full
+queue is back-pressure, never a failed line. Each result is
 recorded once (HSETNX on ``custom_id``); after a crash another runner takes the lease and
 runs only the lines without a result. A line that was at the backend when its runner died
 was aborted there (the connection closed) and runs again; only a line whose answer had
@@ -26,7 +29,7 @@ from gateway.admission import Admission
 from gateway.batch_input import BatchLine, load_file
 from gateway.batches import FINAL, BatchStore
 from gateway.completion_request import CompletionRequest
-from gateway.errors import FairgateError, StoreUnavailable, Unavailable
+from gateway.errors import FairgateError, RateLimited, StoreUnavailable, Unavailable
 from gateway.files import FileStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
@@ -35,6 +38,7 @@ from gateway.upstream import Upstream
 log = structlog.get_logger("fairgate.batch")
 
 RETRY_PAUSE_S = 1.0
+QUEUE_FULL_PAUSE_S = 0.25  # one enqueue attempt per line this often while the queue is full
 MAX_ATTEMPTS = 5
 
 
@@ -150,7 +154,7 @@ class BatchRunner:
 
     async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
         """Run the pending lines; returns "completed", "cancelled" or "expired"."""
-        slots = asyncio.Semaphore(self.settings.batch_max_in_flight)
+        slots = asyncio.Semaphore(self.feed_limit())
         tasks: set[asyncio.Task[None]] = set()
         outcome = "completed"
         for line in pending:
@@ -180,6 +184,11 @@ class BatchRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
         return outcome
 
+    def feed_limit(self) -> int:
+        """Lines of one batch queued or running at once: never more than the user may
+        queue, so a batch alone cannot fill its own user's queue."""
+        return max(1, min(self.settings.batch_max_in_flight, self.settings.max_queued_per_user))
+
     async def _interruption(self, batch_id: str) -> str:
         try:
             raw = await self.batches.raw(batch_id)
@@ -208,6 +217,11 @@ class BatchRunner:
                 return
             except StoreUnavailable:
                 pass  # Redis is down: no result can be recorded either; wait for it
+            except RateLimited:
+                # the user's queue is full (their other batches or requests): wait for room
+                attempt -= 1
+                await asyncio.sleep(QUEUE_FULL_PAUSE_S)
+                continue
             except Unavailable as exc:
                 if attempt >= MAX_ATTEMPTS:
                     await self._record_error(batch_id, line, exc.code or exc.type, exc.message)
