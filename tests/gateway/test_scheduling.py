@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 
 import aiohttp
+import pytest
 
 from loadtest.sim.server import SimServer
-from tests.gateway.conftest import GatewayFactory, SimFactory, complete
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 
 FLOOD = 100
 # B and C may start after A's requests already in the backend (4 running + 3 waiting),
@@ -200,3 +201,45 @@ async def test_trusted_key_is_fair_among_its_end_users(sim: SimFactory,
         await asyncio.gather(*flood, complete(session, gw.url, "sk-app", 21, user="u2"))
     order = started_order([backend])
     assert order.index(21) <= NEWCOMER_BOUND, order[:16]
+
+
+async def stream(session: aiohttp.ClientSession, url: str, key: str, max_tokens: int,
+                 chat: bool) -> None:
+    body: dict[str, object] = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True,
+                               "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with session.post(url + path, json=body,
+                            headers={"Authorization": f"Bearer {key}"}) as resp:
+        assert resp.status == 200
+        async for _ in resp.content:
+            pass
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+async def test_a_streamed_flood_is_paced_on_every_endpoint(
+        sim: SimFactory, gateway: GatewayFactory, chat: bool) -> None:
+    """A chat flood is paced like a completions one, and newcomers still overtake it (the
+    relay frees a stream's gate slot at its first generated token: tests/gateway/
+    test_relay.py; the simulator sends the role frame with it, as vLLM does:
+    tests/sim/test_conformance.py)."""
+    backend = await sim(max_num_seqs=4)
+    gw = await gateway([backend])
+    peaks: list[int] = []
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        sampler = asyncio.create_task(sample_waiting(backend, peaks, stop))
+        flood = [asyncio.create_task(stream(session, gw.url, "sk-alice", 20, chat))
+                 for _ in range(FLOOD // 2)]
+        await backend.engine.wait_until(lambda: len(backend.engine.records) >= 3)
+        newcomers = [asyncio.create_task(stream(session, gw.url, key, n, chat))
+                     for key, n in (("sk-bob", 21), ("sk-carol", 22))]
+        await asyncio.gather(*flood, *newcomers)
+        stop.set()
+        await sampler
+    order = started_order([backend])
+    assert max(order.index(21), order.index(22)) <= NEWCOMER_BOUND, order[:16]
+    assert max(peaks) <= WAITING_BOUND, max(peaks)
