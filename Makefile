@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check fairgate gateway policies loadtest tests
+	$(BIN)/ruff check gateway policies loadtest tests
 	$(BIN)/mypy
 
 bench: $(STAMP)
