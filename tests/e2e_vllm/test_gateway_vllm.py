@@ -117,3 +117,31 @@ async def test_direct_flood_piles_up(vllm_server: VllmServer) -> None:
     )
     assert all(d.completion_tokens == FLOOD_TOKENS for d in done_d)
     assert max(direct.waiting) >= FLOOD // 2, max(direct.waiting)
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, model: str) -> int:
+    """One streamed chat completion; returns the content frames received."""
+    body = {"model": model, "messages": [{"role": "user", "content": "the fair queue"}],
+            "max_tokens": FLOOD_TOKENS // 2, "ignore_eos": True, "temperature": 0.0,
+            "stream": True}
+    frames = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": "Bearer sk-alice"},
+                             timeout=300) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            frames += line.startswith("data: {") and '"content":"' in line
+    return frames
+
+
+async def test_gateway_paces_a_chat_stream_flood(vllm_server: VllmServer,
+                                                 gw: GatewayServer) -> None:
+    """vLLM sends the chat role frame with the first output; the gate slot frees at the
+    first generated token either way, so a chat flood keeps vLLM's queue as short as a
+    completions one."""
+    sampler = Sampler(vllm_server.url, 0.05)
+    async with httpx.AsyncClient(limits=limits(FLOOD // 2 + 4)) as client, sampler:
+        frames = await asyncio.wait_for(asyncio.gather(*(
+            stream_chat(client, gw.url, vllm_server.model) for _ in range(FLOOD // 2))), 240)
+    assert all(n >= 1 for n in frames)
+    assert max(sampler.waiting) <= MAX_WAITING + SLACK, sorted(sampler.waiting)[-10:]
