@@ -19,7 +19,9 @@ from gateway.files import FileMeta
 from gateway.services import SERVICES, Services
 
 CHUNK = 64 * 1024
-MAX_METADATA_PAIRS = 16
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on batch metadata
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def _user(request: web.Request) -> str:
@@ -109,6 +111,8 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         body = await request.json()
     except ValueError:
         raise BadRequest("request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -125,8 +129,12 @@ def _check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] |
         raise BadRequest("'completion_window' must be \"24h\"", param="completion_window")
     if metadata is not None and not (
             isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise BadRequest("'metadata' must map at most 16 strings to strings", param="metadata")
+            and all(isinstance(k, str) and isinstance(v, str)
+                    and len(k) <= MAX_METADATA_KEY_CHARS and len(v) <= MAX_METADATA_VALUE_CHARS
+                    for k, v in metadata.items())):
+        raise BadRequest(f"'metadata' must map at most {MAX_METADATA_PAIRS} strings of at most "
+                         f"{MAX_METADATA_KEY_CHARS} characters to strings of at most "
+                         f"{MAX_METADATA_VALUE_CHARS}", param="metadata")
     return file_id, endpoint, window, metadata
 
 

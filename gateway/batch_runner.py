@@ -246,7 +246,7 @@ class BatchRunner:
                              data: bytes) -> None:
         try:
             body = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             body = {"raw": data.decode(errors="replace")}
         result = output_line(line.custom_id, status, body, None)
         if await self.batches.record(batch_id, line.custom_id, result, ok=status == 200):

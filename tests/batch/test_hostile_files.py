@@ -209,3 +209,28 @@ async def test_input_files_are_parsed_off_the_event_loop(gw: GatewayServer,
     assert done.status == "completed", done
     # upload, batch creation and the runner each parsed the 50 lines, none on the loop
     assert (where.on_loop, where.off_loop) == (0, 150)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b"[" * 100_000, None),
+    (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, None),
+    (None, "metadata"),  # a key longer than OpenAI's 64 characters
+    ({"job": "v" * 513}, "metadata"),  # a value longer than OpenAI's 512 characters
+])
+async def test_hostile_batch_creation_is_a_400(gw: GatewayServer, body: Any,
+                                               param: str | None) -> None:
+    c = client(gw)
+    try:
+        meta = await c.files.create(file=("in.jsonl", jsonl(1)), purpose="batch")
+    finally:
+        await c.close()
+    if not isinstance(body, bytes):
+        metadata = body if body is not None else {"k" * 65: "v"}
+        body = json.dumps({"input_file_id": meta.id, "endpoint": CHAT,
+                           "completion_window": "24h", "metadata": metadata}).encode()
+    async with aiohttp.ClientSession() as http, http.post(
+            gw.url + "/v1/batches", data=body,
+            headers={**auth("sk-batch"), "Content-Type": "application/json"}) as resp:
+        status, got = resp.status, await resp.json(content_type=None)
+    assert status == 400, got
+    assert_error(got, type_="invalid_request_error", param=param)
