@@ -106,3 +106,8 @@ async def test_survivor_serves_at_once_and_nothing_leaks(
     ran = Counter(r.max_tokens for r in backend.engine.records.values()
                   if r.finished_s is not None and not r.aborted)
     assert all(n == 1 for n in ran.values()), ran
+    print(f"SCENARIO replica_killed: sent={FLOOD + NEWCOMERS} "
+          f"newcomers_ok={sum(s == 200 for s, _ in newcomers)}/{NEWCOMERS} "
+          f"newcomer_max_s={max(e for _, e in newcomers):.2f} "
+          f"dead_replica_clients_disconnected={len(lost)} hung=0 "
+          f"duplicated={sum(n - 1 for n in ran.values())}")
