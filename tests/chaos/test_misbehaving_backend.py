@@ -28,6 +28,7 @@ class FlakyMetrics:
 
     def __init__(self, sim: SimServer) -> None:
         self.sim, self.mode = sim, ""
+        self.released = asyncio.Event()  # ends the hanging scrapes at stop
         self.runner: web.AppRunner | None = None
         self.url = ""
 
@@ -42,12 +43,13 @@ class FlakyMetrics:
         self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
 
     async def stop(self) -> None:
+        self.released.set()
         if self.runner is not None:
             await self.runner.cleanup()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.mode == "hang":
-            await asyncio.Event().wait()
+            await self.released.wait()
         if self.mode == "garbage":
             return web.Response(text="<html>not metrics</html>\n{{{", content_type="text/html")
         if self.mode == "500":
