@@ -107,7 +107,7 @@ class FrameFilter:
         if not self.started or b'"usage"' in payload:
             try:
                 event = json.loads(payload)
-            except ValueError:
+            except (ValueError, RecursionError):  # not ours to judge: relay it as it came
                 return frame
             if not isinstance(event, dict):
                 return frame
@@ -127,16 +127,6 @@ def report_usage(usage: Any, listener: RelayListener) -> None:
     if isinstance(usage, dict):
         listener.usage(int(usage.get("prompt_tokens") or 0),
                        int(usage.get("completion_tokens") or 0))
-
-
-def read_usage(data: bytes, listener: RelayListener) -> None:
-    """Report the usage of a non-streamed answer."""
-    try:
-        body = json.loads(data)
-    except ValueError:
-        return
-    if isinstance(body, dict):
-        report_usage(body.get("usage"), listener)
 
 
 async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
