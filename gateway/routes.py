@@ -119,6 +119,8 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
+    if svc.settings.metrics_auth:  # off by default: scrapers on a private network
+        svc.keys.require_admin(request.headers.get("Authorization"))
     with contextlib.suppress(StoreUnavailable):  # the gateway's own series still matter
         await svc.inspector.refresh_queue_metrics()
     body = generate_latest(svc.metrics.registry)

@@ -99,6 +99,7 @@ class Settings(BaseSettings):
     max_client_connections: int = Field(10000, ge=1)
     client_idle_timeout_s: float = Field(30.0, gt=0)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
+    metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0

@@ -79,3 +79,18 @@ def test_keys_are_held_only_as_keyed_hashes() -> None:
     assert ring.is_admin("Bearer sk-admin-secret") and not ring.is_admin("Bearer sk-secret-1")
     # another process draws another secret: the hashes are useless elsewhere
     assert set(KeyRing([ApiKey(key="sk-secret-1", user="u")])._keys) != set(ring._keys)
+
+
+async def test_metrics_can_require_an_admin_key(sim: SimFactory,
+                                                gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], admin_keys=[ADMIN], metrics_auth=True)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/metrics") as resp:
+            assert resp.status == 401 and (await resp.json())["error"]["code"]
+        async with http.get(gw.url + "/metrics",
+                            headers={"Authorization": "Bearer sk-alice"}) as resp:
+            assert resp.status == 403
+        async with http.get(gw.url + "/metrics",
+                            headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
+            assert resp.status == 200 and "fairgate_requests_total" in await resp.text()
