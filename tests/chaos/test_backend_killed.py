@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import free_port
+from gateway.embedded_redis import die_with_parent, free_port
 from gateway.server import GatewayServer
 from gateway.settings import Backend
 from tests.gateway.conftest import MODEL, assert_settled, gateway_settings
@@ -30,7 +30,8 @@ async def start_sim(port: int) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest", "sim", "--port", str(port), "--model", MODEL,
         "--max-num-seqs", "4", "--scheduling-policy", "priority",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=die_with_parent)
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
     assert re.search(r"on http://\S+", line), line
@@ -75,14 +76,15 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int) -> Outcome:
 
 async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str) -> None:
     ports = [free_port(), free_port()]
-    sims = [await start_sim(p) for p in ports]
+    sims: list[asyncio.subprocess.Process] = []
     settings = gateway_settings(redis_url, [], scrape_interval_s=0.05)
     gw = GatewayServer(settings.model_copy(update={"backends": [
         Backend(name=f"b{i}", url=f"http://127.0.0.1:{p}", model=MODEL)
         for i, p in enumerate(ports)]}))
-    await gw.start()
-    pool = gw.services.pool
     try:
+        sims += [await start_sim(p) for p in ports]
+        await gw.start()
+        pool = gw.services.pool
         for handle in pool.handles.values():
             await asyncio.wait_for(handle.scraped.wait(), 30)
         async with aiohttp.ClientSession() as session:

@@ -17,7 +17,7 @@ import openai
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.embedded_redis import EmbeddedRedis, free_port
+from gateway.embedded_redis import EmbeddedRedis, die_with_parent, free_port
 from gateway.keys import BatchKeys
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
 
@@ -38,7 +38,8 @@ async def start_gateway(config: Path, port: int) -> asyncio.subprocess.Process:
            "FAIRGATE_REPLICA_TTL_S": "1", "FAIRGATE_LOG_LEVEL": "warning"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=die_with_parent, env=env)
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
     assert f":{port}" in line.decode(), line

@@ -19,7 +19,7 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.embedded_redis import free_port
+from gateway.embedded_redis import die_with_parent, free_port
 from gateway.keys import ModelKeys
 from gateway.server import GatewayServer
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, gateway_settings
@@ -31,7 +31,8 @@ async def start_replica(config: Path, port: int) -> asyncio.subprocess.Process:
     env = {**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=die_with_parent, env=env)
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
     assert f":{port}" in line.decode(), line
