@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,39 +16,9 @@ import yaml
 from gateway.embedded_redis import free_port
 from gateway.keys import BatchKeys
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
+from tests.processes import FAST, batch_file, start_gateway, wait_ready
 
 LINES = 60
-
-
-def batch_file() -> bytes:
-    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"model": MODEL, "prompt": f"p{i}", "max_tokens": 40 + i,
-                                  "ignore_eos": True}})
-             for i in range(LINES)]
-    return ("\n".join(lines) + "\n").encode()
-
-
-async def start_gateway(config: Path, port: int) -> asyncio.subprocess.Process:
-    env = {**os.environ, "FAIRGATE_REPLICA_TTL_S": "1", "FAIRGATE_BATCH_LEASE_S": "1",
-           "FAIRGATE_REPLICA_HEARTBEAT_S": "0.2", "FAIRGATE_SCRAPE_INTERVAL_S": "0.02",
-           "FAIRGATE_BATCH_POLL_S": "0.05"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 30)
-    assert f":{port}" in line.decode(), line
-    return proc
-
-
-async def wait_ready(c: openai.AsyncOpenAI) -> None:
-    for _ in range(500):
-        try:
-            await c.models.list()
-            return
-        except openai.APIError:
-            await asyncio.sleep(0.02)
-    raise AssertionError("gateway did not answer")
 
 
 async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.Redis,
@@ -64,10 +32,11 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
         "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-batch",
                            max_retries=0)
-    first = await start_gateway(config, port)
+    first = await start_gateway(config, port, FAST)
     try:
         await wait_ready(c)
-        f = await c.files.create(file=("in.jsonl", batch_file()), purpose="batch")
+        f = await c.files.create(file=("in.jsonl", batch_file(LINES, lambda i: 40 + i)),
+                                 purpose="batch")
         batch = await c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                                        completion_window="24h")
         out_key = BatchKeys(batch.id).out
@@ -81,7 +50,7 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
     recorded_before = {int(cid.split("-")[1]) for cid in await redis.hkeys(out_key)}
     assert LINES // 4 <= len(recorded_before) < LINES, recorded_before
 
-    second = await start_gateway(config, port)
+    second = await start_gateway(config, port, FAST)
     try:
         await wait_ready(c)
         final: Any = None

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,43 +15,12 @@ import openai
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.embedded_redis import EmbeddedRedis, die_with_parent, free_port
+from gateway.embedded_redis import EmbeddedRedis, free_port
 from gateway.keys import BatchKeys
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
+from tests.processes import FAST, batch_file, start_gateway, wait_ready
 
 LINES = 500
-
-
-def batch_file() -> bytes:
-    lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                         "body": {"model": MODEL, "prompt": f"p{i}", "max_tokens": 8,
-                                  "ignore_eos": True}})
-             for i in range(LINES)]
-    return ("\n".join(lines) + "\n").encode()
-
-
-async def start_gateway(config: Path, port: int) -> asyncio.subprocess.Process:
-    env = {**os.environ, "FAIRGATE_BATCH_LEASE_S": "1", "FAIRGATE_BATCH_POLL_S": "0.05",
-           "FAIRGATE_SCRAPE_INTERVAL_S": "0.02", "FAIRGATE_REPLICA_HEARTBEAT_S": "0.2",
-           "FAIRGATE_REPLICA_TTL_S": "1", "FAIRGATE_LOG_LEVEL": "warning"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        preexec_fn=die_with_parent, env=env)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 30)
-    assert f":{port}" in line.decode(), line
-    return proc
-
-
-async def until_ok(c: openai.AsyncOpenAI, tries: int = 1000) -> None:
-    for _ in range(tries):
-        try:
-            await c.models.list()
-            return
-        except openai.APIError:
-            await asyncio.sleep(0.02)
-    raise AssertionError("gateway did not answer")
 
 
 async def test_batch_survives_gateway_and_redis_kills(sim: SimFactory, tmp_path: Path) -> None:
@@ -67,10 +34,10 @@ async def test_batch_survives_gateway_and_redis_kills(sim: SimFactory, tmp_path:
         "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-batch",
                            max_retries=0)
-    gw = await start_gateway(config, port)
+    gw = await start_gateway(config, port, {**FAST, "FAIRGATE_LOG_LEVEL": "warning"})
     try:
-        await until_ok(c)
-        f = await c.files.create(file=("in.jsonl", batch_file()), purpose="batch")
+        await wait_ready(c)
+        f = await c.files.create(file=("in.jsonl", batch_file(LINES, lambda i: 8)), purpose="batch")
         batch = await c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
                                        completion_window="24h")
         probe = aioredis.Redis.from_url(redis.url, decode_responses=True)
@@ -85,8 +52,8 @@ async def test_batch_survives_gateway_and_redis_kills(sim: SimFactory, tmp_path:
         redis.kill()  # ...and so does Redis
         redis = EmbeddedRedis(port=redis.port, data_dir=redis.data_dir,
                               append_only=True).start()
-        gw = await start_gateway(config, port)
-        await until_ok(c)
+        gw = await start_gateway(config, port, {**FAST, "FAIRGATE_LOG_LEVEL": "warning"})
+        await wait_ready(c)
         final: Any = None
         for _ in range(3000):
             final = await c.batches.retrieve(batch.id)

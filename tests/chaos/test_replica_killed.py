@@ -8,9 +8,7 @@ within the heartbeat TTL so no gate stays closed, and no request runs twice.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,24 +17,13 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.embedded_redis import die_with_parent, free_port
+from gateway.embedded_redis import free_port
 from gateway.keys import ModelKeys
 from gateway.server import GatewayServer
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, gateway_settings
+from tests.processes import start_gateway
 
 FLOOD, NEWCOMERS = 24, 4
-
-
-async def start_replica(config: Path, port: int) -> asyncio.subprocess.Process:
-    env = {**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        preexec_fn=die_with_parent, env=env)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 30)
-    assert f":{port}" in line.decode(), line
-    return proc
 
 
 async def complete(session: aiohttp.ClientSession, url: str, key: str,
@@ -69,7 +56,7 @@ async def test_survivor_serves_at_once_and_nothing_leaks(
         "redis_url": redis_url, "data_dir": str(tmp_path / "a"),
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
-    doomed = await start_replica(config, port)
+    doomed = await start_gateway(config, port, {"FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
     survivor = GatewayServer(gateway_settings(redis_url, [backend],
                                               replica_heartbeat_s=1.0, replica_ttl_s=3.0))
     await survivor.start()

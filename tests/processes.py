@@ -1,0 +1,53 @@
+"""Gateway replicas and batch files for tests that kill real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+
+from gateway.embedded_redis import die_with_parent
+from tests.gateway.conftest import MODEL
+
+# fast enough for a test to see a dead replica, a lost lease and a new snapshot
+FAST = {"FAIRGATE_REPLICA_TTL_S": "1", "FAIRGATE_BATCH_LEASE_S": "1",
+        "FAIRGATE_REPLICA_HEARTBEAT_S": "0.2", "FAIRGATE_SCRAPE_INTERVAL_S": "0.02",
+        "FAIRGATE_BATCH_POLL_S": "0.05"}
+
+
+async def start_gateway(config: Path, port: int, env: dict[str, str] | None = None
+                        ) -> asyncio.subprocess.Process:
+    """``fairgate serve --config`` in a process that dies with the test; returns once it
+    listens on ``port``."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=die_with_parent, env={**os.environ, **(env or {})})
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    assert f":{port}" in line.decode(), line
+    return proc
+
+
+async def wait_ready(c: openai.AsyncOpenAI) -> None:
+    for _ in range(1000):
+        try:
+            await c.models.list()
+            return
+        except openai.APIError:
+            await asyncio.sleep(0.02)
+    raise AssertionError("gateway did not answer")
+
+
+def batch_file(lines: int, max_tokens: Callable[[int], int]) -> bytes:
+    """A /v1/completions batch input: ``line-<i>`` with ``max_tokens(i)``."""
+    rows = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
+                        "body": {"model": MODEL, "prompt": f"p{i}",
+                                 "max_tokens": max_tokens(i), "ignore_eos": True}})
+            for i in range(lines)]
+    return ("\n".join(rows) + "\n").encode()
