@@ -125,7 +125,7 @@ def _check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] |
         raise BadRequest("'input_file_id' is required", param="input_file_id")
     if endpoint not in ENDPOINTS:
         raise BadRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
-    if window not in WINDOW_S:
+    if not isinstance(window, str) or window not in WINDOW_S:
         raise BadRequest("'completion_window' must be \"24h\"", param="completion_window")
     if metadata is not None and not (
             isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_PAIRS

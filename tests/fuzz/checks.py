@@ -50,20 +50,12 @@ def _json(response: Response) -> Any:
         return None
 
 
-def batch_window_not_a_string(case: Case, response: Response) -> bool:
-    """DEFECT: ``POST /v1/batches`` whose ``completion_window`` is an object or an array
-    answers 500 ``internal_error``: ``window not in WINDOW_S`` hashes it and raises
-    TypeError (gateway/batch_routes.py, ``_check_create``). Should be a 400."""
-    return (case.operation.label == "POST /v1/batches" and response.status_code == 500
-            and isinstance(case.body, dict)
-            and isinstance(case.body.get("completion_window"), dict | list))
-
-
 def backend_error_integer_code(case: Case, response: Response) -> bool:
-    """DEFECT: a backend's own 4xx passes through byte for byte (gateway/upstream.py), and
-    vLLM (≥ 0.10, like the simulator) sends ``"code"`` as the integer HTTP status, where
-    OpenAI's format has a string or null. E.g. ``stream_options`` with ``stream: false``
-    on the served model: vLLM's 400 ``{"error": {..., "code": 400}}``."""
+    """BY DESIGN: a backend's own error passes through byte for byte (gateway/upstream.py,
+    issue 10: "relay vLLM's OpenAI errors untouched"), and vLLM (≥ 0.10, like the
+    simulator) sends ``"code"`` as the integer HTTP status where OpenAI's format has a
+    string or null; the openai SDK reads it either way. E.g. ``stream_options`` with
+    ``stream: false``: vLLM's 400 ``{"error": {..., "code": 400}}``."""
     body = _json(response)
     err = body.get("error") if isinstance(body, dict) else None
     return (case.operation.label in ("POST /v1/chat/completions", "POST /v1/completions")
@@ -72,7 +64,6 @@ def backend_error_integer_code(case: Case, response: Response) -> bool:
 
 
 KNOWN_DEFECTS: list[Callable[[Case, Response], bool]] = [
-    batch_window_not_a_string,
     backend_error_integer_code,
 ]
 
