@@ -16,9 +16,38 @@ from types import TracebackType
 from typing import Any
 
 import structlog
+from aiohttp.http_exceptions import BadHttpMessage
 from structlog.typing import EventDict, WrappedLogger
 
 ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
+
+MALFORMED_HTTP_LOG_EVERY_S = 60.0
+
+
+class MalformedHttpLogs(logging.Filter):
+    """aiohttp logs every malformed HTTP request (a NUL in a header, a bad Content-Length)
+    with a full traceback, so any client could flood the log: keep one such line per
+    ``every_s``, without the traceback, counting the ones left out."""
+
+    def __init__(self, every_s: float = MALFORMED_HTTP_LOG_EVERY_S) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.next_at = 0.0
+        self.left_out = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, BadHttpMessage):
+            return True
+        if record.created < self.next_at:
+            self.left_out += 1
+            return False
+        self.next_at = record.created + self.every_s
+        record.msg = (f"malformed HTTP request answered 400: {exc.message} "
+                      f"({self.left_out} more like it not logged since the last one)")
+        record.args, record.exc_info, record.exc_text = (), None, None
+        self.left_out = 0
+        return True
 
 
 def _exc_info(value: Any) -> ExcInfo | None:
@@ -52,6 +81,9 @@ def configure_logging(level: int | str = logging.INFO) -> None:
     """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``)."""
     if isinstance(level, str):
         level = logging.getLevelNamesMapping()[level.upper()]
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedHttpLogs) for f in server_log.filters):
+        server_log.addFilter(MalformedHttpLogs())
     tail: list[structlog.typing.Processor]
     if sys.stderr.isatty():  # the console renderer prints the exception itself
         tail = [structlog.dev.ConsoleRenderer()]
