@@ -7,12 +7,14 @@ import asyncio
 import signal
 from typing import Any
 
+from gateway.cli import fail, port_in_use, port_taken, port_taken_message
 from gateway.server import GatewayServer
 from gateway.settings import load_settings
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 
 DEMO_MODEL = "llama-3.1-8b"
+DEMO_ADMIN_KEY = "sk-admin"
 DEMO_KEYS: list[dict[str, Any]] = [
     {"key": "sk-alice", "user": "alice", "priority_class": "interactive"},
     {"key": "sk-bob", "user": "bob", "priority_class": "interactive"},
@@ -23,39 +25,53 @@ DEMO_KEYS: list[dict[str, Any]] = [
 BANNER = """\
 fairgate demo is up: {url}/v1  (model {model}, backends {backends})
 keys: sk-alice, sk-bob (interactive), sk-app (default, end users via "user"), sk-batch (batch)
-try:
-  python -c 'import openai; c = openai.OpenAI(base_url="{url}/v1", api_key="sk-alice"); \\
-print(c.chat.completions.create(model="{model}", \\
-messages=[{{"role": "user", "content": "hi"}}]).choices[0].message.content)'
+dashboard: {url}/dashboard?key={admin}  (admin key {admin})
+try it from another terminal: make try{port_arg}  (one chat request with the openai SDK)
 metrics: {url}/metrics   ready: {url}/ready   stop: Ctrl-C
 """
 
 
-async def run_demo(host: str, port: int) -> None:
+PORT_CHANGE = "pick another with --port (make run PORT=...)"
+
+
+async def run_demo(host: str, port: int) -> int:
+    """Serve until SIGINT/SIGTERM (0), or 2 with one line when ``port`` is taken."""
+    if port_taken(host, port):
+        return fail(port_taken_message(host, port, PORT_CHANGE))
     sims = [SimServer(EngineConfig(model=DEMO_MODEL, scheduling_policy="priority"))
             for _ in range(2)]
-    for sim in sims:
-        await sim.start()
-    settings = load_settings(
-        None,
-        listen={"host": host, "port": port},
-        backends=[{"name": f"sim{i}", "url": s.url, "model": DEMO_MODEL}
-                  for i, s in enumerate(sims)],
-        api_keys=DEMO_KEYS,
-        admin_keys=["sk-admin"],
-    )
-    gateway = GatewayServer(settings)
-    await gateway.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(BANNER.format(url=gateway.url, model=DEMO_MODEL,
-                        backends=", ".join(s.url for s in sims)), flush=True)
+    gateway: GatewayServer | None = None
     try:
+        for sim in sims:
+            await sim.start()
+        settings = load_settings(
+            None,
+            listen={"host": host, "port": port},
+            backends=[{"name": f"sim{i}", "url": s.url, "model": DEMO_MODEL}
+                      for i, s in enumerate(sims)],
+            api_keys=DEMO_KEYS,
+            admin_keys=[DEMO_ADMIN_KEY],
+        )
+        gateway = GatewayServer(settings)
+        try:
+            await gateway.start()
+        except OSError as exc:
+            if not port_in_use(exc):
+                raise
+            return fail(port_taken_message(host, port, PORT_CHANGE))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print(BANNER.format(url=gateway.url, model=DEMO_MODEL, admin=DEMO_ADMIN_KEY,
+                            backends=", ".join(s.url for s in sims),
+                            port_arg="" if gateway.port == 8000 else f" PORT={gateway.port}"),
+              flush=True)
         await stop.wait()
+        return 0
     finally:
-        await gateway.stop()
+        if gateway is not None:
+            await gateway.stop()
         for sim in sims:
             await sim.stop()
 
@@ -65,5 +81,5 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "demo", help="embedded Redis + two simulated backends + the gateway")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.set_defaults(run=lambda args: asyncio.run(run_demo(args.host, args.port)) or 0)
+    parser.set_defaults(run=lambda args: asyncio.run(run_demo(args.host, args.port)))
     return parser

@@ -1,4 +1,5 @@
-"""`fairgate serve --config FILE` as a real process, on embedded Redis defaults."""
+"""`fairgate serve --config FILE` (and `fairgate demo`) as real processes: embedded Redis
+defaults, and the one-line refusals of a setup that cannot work."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 import yaml
 
+from gateway import cli
 from gateway.embedded_redis import free_port
+from gateway.settings import load_settings
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, complete
 
 
@@ -58,3 +63,128 @@ async def test_serve_from_yaml_with_embedded_redis(sim: SimFactory, tmp_path: Pa
     finally:
         await client.aclose()
     assert not any(e.get("level") == "error" for e in logs)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without FAIRGATE_* settings (a developer's shell may set some)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FAIRGATE_") or k.startswith("FAIRGATE_TEST_")}
+    return {**env, **extra}
+
+
+FAIRGATE = str(Path(sys.executable).with_name("fairgate"))  # the console script
+
+
+async def _run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=env or _env())
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _listening_socket() -> socket.socket:
+    """A port some other program already listens on."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+async def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path: Path) -> None:
+    with _listening_socket() as taken:
+        port = taken.getsockname()[1]
+        path = tmp_path / "fairgate.yaml"
+        path.write_text(yaml.safe_dump({
+            "listen": {"host": "127.0.0.1", "port": port},
+            "backends": [{"name": "b1", "url": "http://127.0.0.1:9", "model": MODEL}],
+            "api_keys": KEYS, "data_dir": str(tmp_path), "log_level": "warning"}))
+        code, out, err = await _run(sys.executable, "-m", "gateway.cli", "serve", "--config",
+                                     str(path))
+    assert code == 2
+    assert out == ""
+    line = _one_line(err)
+    assert f"port {port} on 127.0.0.1 is already in use" in line
+    assert "listen.port" in line and "FAIRGATE_LISTEN__PORT" in line
+
+
+@pytest.mark.parametrize(("config", "missing"), [
+    ({"api_keys": KEYS}, "no backends configured"),
+    ({"backends": [{"name": "b1", "url": "http://127.0.0.1:9", "model": MODEL}]},
+     "no api_keys configured"),
+    (None, "no backends and no api_keys configured"),
+])
+async def test_serve_without_backends_or_keys_refuses_to_start(
+        tmp_path: Path, config: dict[str, object] | None, missing: str) -> None:
+    args = [sys.executable, "-m", "gateway.cli", "serve"]
+    if config is not None:
+        path = tmp_path / "fairgate.yaml"
+        path.write_text(yaml.safe_dump(config))
+        args += ["--config", str(path)]
+    code, out, err = await _run(*args)
+    assert code == 2
+    assert out == ""
+    line = _one_line(err)
+    assert missing in line
+    assert (str(tmp_path / "fairgate.yaml") if config is not None else "--config") in line
+
+
+async def test_serve_with_a_missing_config_file_says_so(tmp_path: Path) -> None:
+    code, _, err = await _run(sys.executable, "-m", "gateway.cli", "serve", "--config",
+                              str(tmp_path / "nope.yaml"))
+    assert code == 2
+    assert "config file not found" in _one_line(err)
+
+
+async def test_demo_on_a_port_in_use_names_the_port_and_the_flag(tmp_path: Path) -> None:
+    with _listening_socket() as taken:
+        port = taken.getsockname()[1]
+        code, out, err = await _run(FAIRGATE, "demo", "--port", str(port),
+                                    env=_env(FAIRGATE_LOG_LEVEL="warning"))
+    assert code == 2
+    assert "fairgate demo is up" not in out
+    line = _one_line(err)
+    assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line
+
+
+async def test_demo_banner_names_the_dashboard_and_the_admin_key(tmp_path: Path) -> None:
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        FAIRGATE, "demo", "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=tmp_path,
+        env=_env(FAIRGATE_LOG_LEVEL="warning"))
+    assert proc.stdout is not None
+    try:
+        banner = [(await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+                  for _ in range(5)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    url = f"http://127.0.0.1:{port}"
+    assert banner[0].startswith(f"fairgate demo is up: {url}/v1")
+    assert f"dashboard: {url}/dashboard?key=sk-admin" in banner[2]
+    assert "admin key sk-admin" in banner[2]
+    assert f"make try PORT={port}" in banner[3]
+
+
+async def test_a_bind_lost_after_the_check_stops_what_started(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with _listening_socket() as taken:
+        port = taken.getsockname()[1]
+        settings = load_settings(
+            None, redis_url=redis_url, listen={"host": "127.0.0.1", "port": port},
+            backends=[{"name": "b1", "url": "http://127.0.0.1:9", "model": MODEL}],
+            api_keys=KEYS, data_dir=tmp_path)
+        before = set(asyncio.all_tasks())
+        assert await cli.run_gateway(settings) == 2
+    assert set(asyncio.all_tasks()) == before  # scrape, dispatch and batch loops stopped
+    line = _one_line(capsys.readouterr().err)
+    assert f"port {port} on 127.0.0.1 is already in use" in line
