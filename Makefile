@@ -3,19 +3,29 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PORT ?= 8000
 
-.PHONY: run test lint bench clean
+.PHONY: run try test test-deps lint bench clean
 
 $(STAMP): pyproject.toml
+	@echo "installing fairgate[dev] into $(VENV) (once per pyproject.toml change, about a minute)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fairgate demo
+	$(BIN)/fairgate demo --port $(PORT)
 
-test: $(STAMP)
+# one chat request with the openai SDK to the demo that `make run` started
+try: $(STAMP)
+	$(BIN)/python scripts/try.py --port $(PORT)
+
+# promtool, chromium and chromedriver from Debian (apt-get as root; otherwise says what to install)
+test-deps:
+	bash scripts/test-deps.sh
+
+test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
@@ -26,4 +36,6 @@ bench: $(STAMP)
 	$(BIN)/fairgate bench all
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .fairgate test-artifacts results build *.egg-info \
+		.pytest_cache .mypy_cache .ruff_cache .hypothesis .schemathesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
