@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import Any
 
+from loadtest.sim.embeddings import DEFAULT_DIMENSIONS
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES
 from loadtest.sim.scheduler import POLICIES
@@ -32,6 +33,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--reject-priority", action="store_true", help="answer 400 to non-zero priority"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--embedding-dimensions", type=int, default=DEFAULT_DIMENSIONS,
+        help="length of /v1/embeddings vectors",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -71,6 +76,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fairgate sim: {exc}", file=sys.stderr)
         return 2
-    server = SimServer(config, host=args.host, port=args.port, reject_priority=args.reject_priority)
+    if args.embedding_dimensions < 1:
+        print("fairgate sim: --embedding-dimensions must be at least 1", file=sys.stderr)
+        return 2
+    server = SimServer(
+        config,
+        host=args.host,
+        port=args.port,
+        reject_priority=args.reject_priority,
+        embedding_dimensions=args.embedding_dimensions,
+    )
     asyncio.run(serve(server))
     return 0

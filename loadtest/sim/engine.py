@@ -132,19 +132,30 @@ class SimEngine:
         max_tokens: int,
         output_tokens: int | Seq[int] | None = None,
         priority: int = 0,
+        pooling: bool = False,
     ) -> RequestStream:
         """Queue a request that will generate ``output_tokens`` (default ``max_tokens``).
 
         A sequence of output lengths queues one engine request per choice (vLLM's ``n``),
         with ids ``"{i}_{request_id}"``, all feeding the one returned stream.
+
+        ``pooling`` (an embedding): prefill only, like vLLM's pooling requests (there
+        ``max_tokens`` is 1): the request finishes when its prompt is computed; the one
+        token its stream delivers then is the pooled output, not a generated token.
         """
+        if pooling:
+            max_tokens = output_tokens = 1
+            if prompt_tokens > self.config.model_len:
+                raise ValueError(
+                    f"prompt ({prompt_tokens}) tokens exceed max_model_len {self.config.model_len}"
+                )
         if isinstance(output_tokens, Seq):
             targets = [min(t, max_tokens) for t in output_tokens]
         else:
             targets = [max_tokens if output_tokens is None else min(output_tokens, max_tokens)]
         if prompt_tokens < 1 or not targets or min(targets) < 1:
             raise ValueError("a request needs at least one prompt and one output token")
-        if prompt_tokens + max(targets) > self.config.model_len:
+        if not pooling and prompt_tokens + max(targets) > self.config.model_len:
             raise ValueError(
                 f"prompt ({prompt_tokens}) + output ({max(targets)}) tokens exceed "
                 f"max_model_len {self.config.model_len}"
@@ -153,7 +164,9 @@ class SimEngine:
         n = len(targets)
         ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         records = [
-            RequestRecord(rid, priority, prompt_tokens, max_tokens, now, choice=i, n=n)
+            RequestRecord(
+                rid, priority, prompt_tokens, max_tokens, now, choice=i, n=n, pooling=pooling
+            )
             for i, rid in enumerate(ids)
         ]
         stream = RequestStream(records)
@@ -258,8 +271,9 @@ class SimEngine:
             finished = seq.output_tokens >= seq.target_output_tokens
             if finished:
                 record.finish_reason = (
-                    "length" if seq.output_tokens >= record.max_tokens else "stop"
-                )
+                    "length" if seq.output_tokens >= record.max_tokens and not record.pooling
+                    else "stop"
+                )  # fmt: skip
             stream.push(Token(record.output_tokens, now, record.choice, record.finish_reason))
             record.output_tokens += 1
             if observer is not None:

@@ -167,8 +167,9 @@ class SimMetrics:
         self.success = {r: success.labels(finished_reason=r, **labels) for r in FINISH_REASONS}
 
     def token(self, record: RequestRecord, emit_s: float, prev_emit_s: float | None) -> None:
-        """A token was emitted."""
-        self.generation_tokens.inc()
+        """A token was emitted (for a pooling request: its prompt was computed)."""
+        if not record.pooling:
+            self.generation_tokens.inc()
         if prev_emit_s is None:
             self.ttft.observe(emit_s - record.arrival_s)
             self.prompt_tokens.inc(record.prompt_tokens)
@@ -189,12 +190,14 @@ class SimMetrics:
         if record.first_token_s is not None:
             self.decode.observe(record.finished_s - record.first_token_s)
         self.req_prompt.observe(record.prompt_tokens)
-        self.req_generation.observe(record.output_tokens)
+        self.req_generation.observe(0 if record.pooling else record.output_tokens)
         self.req_kv_computed.observe(record.prompt_tokens)
+        self.req_preemptions.observe(record.num_preemptions)
+        if record.pooling:  # no sampling parameters
+            return
         self.req_max_generation.observe(record.max_tokens)
         self.params_max_tokens.observe(record.max_tokens)
         self.params_n.observe(record.n)
-        self.req_preemptions.observe(record.num_preemptions)
         if record.output_tokens > 1 and record.first_token_s is not None:
             decode_s = record.finished_s - record.first_token_s
             self.tpot.observe(decode_s / (record.output_tokens - 1))

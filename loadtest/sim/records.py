@@ -30,6 +30,7 @@ class RequestRecord:
     finish_reason: str | None = None
     choice: int = 0  # index among the request's n choices
     n: int = 1
+    pooling: bool = False  # an embedding: prefill only, nothing generated
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""

@@ -1,9 +1,12 @@
 """``SimServer``: vLLM's OpenAI-compatible HTTP surface over a ``SimEngine`` (aiohttp).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(JSON or SSE), ``GET /health``, ``GET /metrics``, ``GET /debug/requests``,
-``GET /debug/state``, ``GET /debug/steps``. Handlers are cancelled when the client
-disconnects, and the request is then aborted in the engine (its KV blocks freed).
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /v1/responses`` (JSON or SSE), ``POST /v1/embeddings`` (prefill-only engine
+requests, ``loadtest/sim/embeddings.py``), ``POST /tokenize``, ``POST /detokenize``
+(``loadtest/sim/tokenizer.py``, no engine), ``GET /health``, ``GET /metrics``,
+``GET /debug/requests``, ``GET /debug/state``, ``GET /debug/steps``. Handlers are
+cancelled when the client disconnects, and the request is then aborted in the engine
+(its KV blocks freed).
 
 What goes on the wire, and when, follows vLLM 0.32 (``loadtest/sim/conformance.py``
 checks it against recordings of a real server): a stream's status and headers go out when
@@ -24,11 +27,22 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from loadtest.sim import tokenizer
+from loadtest.sim.embeddings import DEFAULT_DIMENSIONS, embedding_body, parse_embedding
 from loadtest.sim.engine import EngineConfig, SimEngine
 from loadtest.sim.metrics import SimMetrics
-from loadtest.sim.protocol import PRIORITY_HEADER, SimError, SimRequest, parse_json, parse_request
+from loadtest.sim.protocol import (
+    PRIORITY_HEADER,
+    SimError,
+    SimRequest,
+    body_error,
+    parse_json,
+    parse_request,
+    validation_error,
+)
 from loadtest.sim.records import RequestStream
 from loadtest.sim.responses import StreamFramer, full_body
+from loadtest.sim.responses_api import ResponseBuilder, parse_responses
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SHUTDOWN_TIMEOUT_S = 2.0
@@ -59,11 +73,13 @@ class SimServer:
         host: str = "127.0.0.1",
         port: int = 0,
         reject_priority: bool = False,
+        embedding_dimensions: int = DEFAULT_DIMENSIONS,
     ) -> None:
         self.config = config
         self.host = host
         self.port = port
         self.reject_priority = reject_priority
+        self.embedding_dimensions = embedding_dimensions
         self.metrics = SimMetrics(config.model, config.model_len, CollectorRegistry())
         self._engine = SimEngine(config, observer=self.metrics)
         self._runner: web.AppRunner | None = None
@@ -84,6 +100,10 @@ class SimServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/debug/requests", self._debug_requests)
@@ -170,8 +190,9 @@ class SimServer:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    def _parse(self, request: web.Request, raw: bytes, chat: bool) -> SimRequest:
-        body = parse_json(raw)
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The JSON body, its ``model`` (if given) the one served here."""
+        body = parse_json(await request.read())
         model = body.get("model")
         if model and model != self.config.model:
             raise SimError(
@@ -179,24 +200,17 @@ class SimServer:
                 f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
                 param="model",
             )
-        req = parse_request(
-            body,
-            chat=chat,
-            headers_priority=request.headers.get(PRIORITY_HEADER),
-            model_len=self.config.model_len,
-            seed=self.config.seed,
-        )
-        if self.reject_priority and req.priority != 0:
+        return body
+
+    def _check_priority(self, priority: int) -> None:
+        if self.reject_priority and priority != 0:
             raise SimError(
                 400, "Priority scheduling is not enabled on this server.", param="priority"
             )
-        return req
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        req = self._parse(request, await request.read(), chat)
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+    def _add(self, request_id: str, req: SimRequest) -> RequestStream:
         try:
-            stream = self._engine.add_request(
+            return self._engine.add_request(
                 request_id,
                 prompt_tokens=req.prompt_tokens,
                 max_tokens=req.max_tokens,
@@ -205,23 +219,151 @@ class SimServer:
             )
         except ValueError as exc:
             raise SimError(400, str(exc)) from exc
+
+    async def _collect(self, req: SimRequest, stream: RequestStream) -> tuple[list[int], list[str]]:
+        """Token counts and finish reasons per choice of a request answered whole."""
+        counts = [0] * req.n
+        reasons = ["stop"] * req.n
+        while batch := await stream.next_batch():
+            for token in batch:
+                counts[token.choice] += 1
+                if token.finish_reason is not None:
+                    reasons[token.choice] = token.finish_reason
+        if stream.aborted:
+            raise SimError(500, "The request was aborted: the engine is shutting down.")
+        return counts, reasons
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        req = parse_request(
+            await self._body(request),
+            chat=chat,
+            headers_priority=request.headers.get(PRIORITY_HEADER),
+            model_len=self.config.model_len,
+            seed=self.config.seed,
+        )
+        self._check_priority(req.priority)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
+        stream = self._add(request_id, req)
         try:
             if req.stream:
                 return await self._stream(request, req, request_id, stream)
-            counts = [0] * req.n
-            reasons = ["stop"] * req.n
-            while batch := await stream.next_batch():
-                for token in batch:
-                    counts[token.choice] += 1
-                    if token.finish_reason is not None:
-                        reasons[token.choice] = token.finish_reason
-            if stream.aborted:
-                raise SimError(500, "The request was aborted: the engine is shutting down.")
+            counts, reasons = await self._collect(req, stream)
             body = full_body(req, request_id, self.config.model, counts, reasons)
             return json_response(body)
         finally:
             if not stream.finished:
                 self._engine.abort_stream(stream)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        req = parse_responses(
+            body,
+            headers_priority=request.headers.get(PRIORITY_HEADER),
+            model_len=self.config.model_len,
+            seed=self.config.seed,
+        )
+        self._check_priority(req.priority)
+        given = body.get("request_id")
+        response_id = given if isinstance(given, str) and given else "resp_" + uuid.uuid4().hex
+        builder = ResponseBuilder(req, body, response_id, self.config.model)
+        stream = self._add(response_id, req)
+        try:
+            if req.stream:
+                return await self._responses_stream(request, builder, stream)
+            counts, reasons = await self._collect(req, stream)
+            return json_response(builder.final(counts[0], reasons[0]))
+        finally:
+            if not stream.finished:
+                self._engine.abort_stream(stream)
+
+    async def _responses_stream(
+        self, request: web.Request, builder: ResponseBuilder, stream: RequestStream
+    ) -> web.StreamResponse:
+        # vLLM yields response.created and response.in_progress before it awaits the
+        # engine: they go out at accept, the message item with the first output.
+        response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+        await response.prepare(request)
+        finish_reason = "stop"
+        try:
+            await response.write(builder.opening())
+            first = True
+            while batch := await stream.next_batch():
+                frames = [builder.first_output()] if first else []
+                first = False
+                frames += [builder.token(t) for t in batch]
+                finish_reason = batch[-1].finish_reason or finish_reason
+                await response.write(b"".join(frames))
+            if not stream.aborted:
+                await response.write(builder.closing(finish_reason))
+            await response.write_eof()
+        except ConnectionError:
+            self._engine.abort_stream(stream)
+        return response
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        req = parse_embedding(
+            await self._body(request),
+            headers_priority=request.headers.get(PRIORITY_HEADER),
+            model_len=self.config.model_len,
+            dimensions=self.embedding_dimensions,
+        )
+        self._check_priority(req.priority)
+        request_id = "embd-" + uuid.uuid4().hex
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(req.prompts):
+                try:
+                    streams.append(self._engine.add_request(
+                        f"{request_id}-{i}", prompt_tokens=len(ids), max_tokens=1,
+                        priority=req.priority, pooling=True,
+                    ))  # fmt: skip
+                except ValueError as exc:
+                    raise SimError(400, str(exc)) from exc
+            for stream in streams:
+                while await stream.next_batch():
+                    pass
+            if any(s.aborted for s in streams):
+                raise SimError(500, "The request was aborted: the engine is shutting down.")
+            return json_response(
+                embedding_body(req, request_id, self.config.model, self.config.seed)
+            )
+        finally:
+            for stream in streams:
+                if not stream.finished:
+                    self._engine.abort_stream(stream)
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if "messages" in body:
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise body_error("messages", "list_type", "Input should be a valid list", messages)
+            add_prompt = body.get("add_generation_prompt")
+            tokens = tokenizer.encode_chat(messages, add_prompt is None or bool(add_prompt))
+        elif isinstance(body.get("prompt"), str):
+            tokens = tokenizer.encode(body["prompt"])
+        else:
+            raise body_error("prompt", "string_type", "Input should be a valid string",
+                             body.get("prompt"))  # fmt: skip
+        strs = [tokenizer.token_str(t) for t in tokens] if body.get("return_token_strs") else None
+        return json_response({
+            "count": len(tokens), "max_model_len": self.config.model_len, "tokens": tokens,
+            "token_strs": strs,
+        })  # fmt: skip
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in tokens
+        ):
+            raise body_error("tokens", "list_type", "Input should be a valid list of integers",
+                             tokens)  # fmt: skip
+        try:
+            text = tokenizer.decode(tokens)
+        except ValueError as exc:
+            raise validation_error("tokens", str(exc)) from exc
+        return json_response({"prompt": text})
 
     async def _stream(
         self, request: web.Request, req: SimRequest, request_id: str, stream: RequestStream
