@@ -1,23 +1,56 @@
-"""Shared fixtures: a real Redis server (embedded Valkey, or FAIRGATE_TEST_REDIS_URL)."""
+"""Shared fixtures: a real Redis server (embedded Valkey, or FAIRGATE_TEST_REDIS_URL).
+
+Temporary files: the session works in one directory, removed at its end, so a run leaves
+nothing under /tmp. ``tmp_path``/``tmp_path_factory`` live in it (unless ``--basetemp``
+names another place, which pytest then keeps), and so does ``TMPDIR`` for this process and
+every process it starts (gateways, embedded Redis, Chromium, vLLM and its compiler caches).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.embedded_redis import EmbeddedRedis
 
+_SESSION_TMP = pytest.StashKey[tuple[Path, str | None]]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads --basetemp
+def pytest_configure(config: pytest.Config) -> None:
+    root = Path(tempfile.mkdtemp(prefix="fairgate-tests-"))
+    config.stash[_SESSION_TMP] = (root, os.environ.get("TMPDIR"))
+    if config.option.basetemp is None:
+        config.option.basetemp = str(root / "pytest")
+    (root / "tmp").mkdir()
+    os.environ["TMPDIR"] = tempfile.tempdir = str(root / "tmp")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root, tmpdir = config.stash.get(_SESSION_TMP, (None, None))
+    if root is None:
+        return
+    tempfile.tempdir = None
+    if tmpdir is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = tmpdir
+    shutil.rmtree(root, ignore_errors=True)
+
 
 @pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     external = os.environ.get("FAIRGATE_TEST_REDIS_URL")
     if external:
         yield external
         return
-    with EmbeddedRedis() as server:
+    with EmbeddedRedis(data_dir=tmp_path_factory.mktemp("redis")) as server:
         yield server.url
 
 
