@@ -157,14 +157,16 @@ def run_install(script: Path, log: Path, say: Callable[[str], None]) -> int:
         with log.open("w") as out:
             while True:
                 now = time.monotonic()
-                if now - started > INSTALL_TIMEOUT_S:
+                left = started + INSTALL_TIMEOUT_S - now
+                if left <= 0:
                     raise subprocess.TimeoutExpired(proc.args, INSTALL_TIMEOUT_S)
                 try:
-                    line = lines.get(timeout=max(0.1, shown + HEARTBEAT_S - now))
+                    line = lines.get(timeout=max(0.01, min(left, shown + HEARTBEAT_S - now)))
                 except queue.Empty:
-                    say(f"vllm-install: still working ({now - started:.0f} s, "
-                        f"{collected} packages collected)")
-                    shown = time.monotonic()
+                    if (now := time.monotonic()) >= shown + HEARTBEAT_S:
+                        say(f"vllm-install: still working ({now - started:.0f} s, "
+                            f"{collected} packages collected)")
+                        shown = now
                     continue
                 if line is None:
                     break
