@@ -1,6 +1,10 @@
-"""Validation of an incoming ``/v1/completions`` or ``/v1/chat/completions`` body.
+"""Validation of an incoming body for the OpenAI routes fairgate schedules
+(``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``) and
+for vLLM's ``/tokenize`` and ``/detokenize``, which it forwards unscheduled.
 
-Only what fairgate needs is checked; every other field passes through to vLLM untouched.
+Only what fairgate needs is checked (the model it routes by, the fields it estimates the
+prompt from, ``stream``, the output-token bound, the end user); every other field passes
+through to vLLM untouched.
 :class:`Limits` bounds what a client may send beyond the body's size (settings
 ``max_json_depth``, ``max_output_tokens``, ``max_end_user_chars``): nesting depth (deeper
 JSON would make encoding it for the backend recurse past Python's limit), requested
@@ -23,6 +27,14 @@ if TYPE_CHECKING:
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"  # never streamed
+RESPONSES = "/v1/responses"
+TOKENIZE = "/tokenize"  # vLLM's own, not queued
+DETOKENIZE = "/detokenize"
+# the fields that bound a request's output tokens, per route
+OUTPUT_TOKEN_FIELDS = {CHAT: ("max_tokens", "max_completion_tokens"),
+                       COMPLETIONS: ("max_tokens", "max_completion_tokens"),
+                       RESPONSES: ("max_output_tokens",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +42,7 @@ class Limits:
     """Bounds on a body beyond its size; ``None``: unchecked."""
 
     max_json_depth: int | None = None  # the body object is depth 1
-    max_output_tokens: int | None = None  # max_tokens, max_completion_tokens
+    max_output_tokens: int | None = None  # max_tokens, max_completion_tokens, max_output_tokens
     max_end_user_chars: int | None = None  # body field ``user``
 
     @classmethod
@@ -44,6 +56,8 @@ NO_LIMITS = Limits()
 
 @dataclass(slots=True)
 class CompletionRequest:
+    """A validated body of one of the scheduled routes (``path``)."""
+
     path: str
     body: dict[str, Any]
 
@@ -63,6 +77,13 @@ class CompletionRequest:
 
 async def read_completion(request: web.Request, path: str, max_bytes: int,
                           limits: Limits = NO_LIMITS) -> CompletionRequest:
+    body = await read_json_object(request, max_bytes)
+    validate_body(body, path, limits)
+    return CompletionRequest(path, body)
+
+
+async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The request's body, a JSON object of at most ``max_bytes`` bytes."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     # StreamReader.read(n) returns whatever has arrived (up to n), not n bytes: read to EOF,
@@ -83,37 +104,60 @@ async def read_completion(request: web.Request, path: str, max_bytes: int,
         raise BadRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    validate_body(body, path, limits)
-    return CompletionRequest(path, body)
+    return body
 
 
 def validate_body(body: dict[str, Any], path: str, limits: Limits = NO_LIMITS) -> None:
     """Raises :class:`BadRequest` naming the first field that is wrong."""
     if limits.max_json_depth is not None:
         check_depth(body, limits.max_json_depth)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("you must provide a model parameter", param="model")
+    check_model(body)
+    _check_prompt(body, path)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    if path == EMBEDDINGS and stream:
+        raise BadRequest("embeddings are not streamed: 'stream' must be false or absent",
+                         param="stream")
+    _check_output_tokens(body, OUTPUT_TOKEN_FIELDS.get(path, ()), limits.max_output_tokens)
+    if path in (CHAT, COMPLETIONS):
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object", param="stream_options")
+    if limits.max_end_user_chars is not None:
+        check_end_user(body.get("user"), limits.max_end_user_chars)
+
+
+def _check_prompt(body: dict[str, Any], path: str) -> None:
+    """The field the prompt is estimated from: ``messages``, ``prompt`` or ``input``."""
     if path == CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty array", param="messages")
         if not all(isinstance(m, dict) and "role" in m for m in messages):
             raise BadRequest("each message must be an object with a 'role'", param="messages")
+    elif path in (EMBEDDINGS, RESPONSES):
+        if not isinstance(body.get("input"), str | list):
+            raise BadRequest("'input' must be a string or an array", param="input")
     elif "prompt" not in body or not isinstance(body["prompt"], str | list):
         raise BadRequest("'prompt' must be a string or an array", param="prompt")
-    if not isinstance(body.get("stream", False), bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    _check_output_tokens(body, limits.max_output_tokens)
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise BadRequest("'stream_options' must be an object", param="stream_options")
-    if limits.max_end_user_chars is not None:
-        check_end_user(body.get("user"), limits.max_end_user_chars)
 
 
-def _check_output_tokens(body: dict[str, Any], cap: int | None) -> None:
-    for name in ("max_tokens", "max_completion_tokens"):
+def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> None:
+    """``/tokenize`` and ``/detokenize``: only the model to route by (vLLM checks the rest)."""
+    if limits.max_json_depth is not None:
+        check_depth(body, limits.max_json_depth)
+    check_model(body)
+
+
+def check_model(body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("you must provide a model parameter", param="model")
+
+
+def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int | None) -> None:
+    for name in names:
         value = body.get(name)
         if value is None:
             continue

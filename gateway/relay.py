@@ -7,7 +7,9 @@ frames to the client, the token usage the backend reported, and the end of the a
 
 :class:`FrameFilter` is the pure part: it splits SSE bytes into frames, finds the first
 output frame, takes the usage frame, and drops the usage-only frame fairgate asked for
-when the client did not.
+when the client did not. A Responses API stream has no usage frame and no ``[DONE]``: its
+final event (``response.completed``) carries the usage in ``response.usage``
+(``input_tokens``/``output_tokens``) and ends the answer.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ DONE = b"data: [DONE]"
 # delta fields that carry generated output (chat); a role-only or empty delta does not
 OUTPUT_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls",
                        "function_call")
+# the Responses API's final events: the whole response, with its usage
+RESPONSE_FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
+                                   "response.failed"))
+RESPONSE_OBJECT = b'"response":'  # in those events (generated text has its quotes escaped)
 
 
 class RelayListener(Protocol):
@@ -85,7 +91,8 @@ class FrameFilter:
         if end < 0:
             return b""
         complete, self._pending = self._pending[: end + 2], self._pending[end + 2:]
-        if self.started and b'"usage"' not in complete and DONE not in complete:
+        if (self.started and b'"usage"' not in complete and DONE not in complete
+                and RESPONSE_OBJECT not in complete):
             # the hot path, no parsing: lines that start a JSON payload (a JSON string
             # cannot hold a raw newline, so generated text never matches)
             self.output_frames += (b"\n" + complete).count(b"\ndata: {")
@@ -113,20 +120,40 @@ class FrameFilter:
                 return frame
             if carries_output(event):
                 self.started = True
+            if event.get("type") in RESPONSE_FINAL_EVENTS:
+                self.done = True
+                response = event.get("response")
+                usage = response.get("usage") if isinstance(response, dict) else None
+                if isinstance(usage, dict) and usage:
+                    self.usage = usage
+                return self._counted(frame)
             usage = event.get("usage")
             if isinstance(usage, dict) and usage:
                 self.usage = usage
                 if not (self.wants_usage or event.get("choices")):
                     return b""  # the usage-only frame fairgate asked for, not the client
+        return self._counted(frame)
+
+    def _counted(self, frame: bytes) -> bytes:
         if self.started:
             self.output_frames += 1
         return frame
 
 
 def report_usage(usage: Any, listener: RelayListener) -> None:
+    """Chat, completions and embeddings count ``prompt_tokens``/``completion_tokens``
+    (embeddings: no completion tokens); the Responses API ``input_tokens``/``output_tokens``."""
     if isinstance(usage, dict):
-        listener.usage(int(usage.get("prompt_tokens") or 0),
-                       int(usage.get("completion_tokens") or 0))
+        listener.usage(_count(usage, "prompt_tokens", "input_tokens"),
+                       _count(usage, "completion_tokens", "output_tokens"))
+
+
+def _count(usage: dict[str, Any], *names: str) -> int:
+    for name in names:
+        value = usage.get(name)
+        if type(value) is int:
+            return value
+    return 0
 
 
 async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,

@@ -1,4 +1,10 @@
-"""HTTP routes: the OpenAI-compatible surface plus health, readiness and metrics."""
+"""HTTP routes: the OpenAI-compatible surface plus health, readiness and metrics.
+
+Chat, completions, embeddings and the Responses API are scheduled: each goes through
+:meth:`Admission.call` in its key's class (queued fairly, paced, charged its tokens).
+vLLM's ``/tokenize`` and ``/detokenize`` are cheap and go straight to a healthy backend of
+the model, authenticated but not queued.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +18,21 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import Ticket
+from gateway.backends import BackendHandle
 from gateway.completion_request import (
     CHAT,
     COMPLETIONS,
+    DETOKENIZE,
+    EMBEDDINGS,
+    RESPONSES,
+    TOKENIZE,
     CompletionRequest,
     Limits,
     read_completion,
+    read_json_object,
+    validate_unscheduled,
 )
-from gateway.errors import Forbidden, NotFound, StoreUnavailable, Unavailable
+from gateway.errors import BackendUnreachable, Forbidden, NotFound, StoreUnavailable, Unavailable
 from gateway.services import SERVICES, Services
 from gateway.settings import ApiKey
 from policies.classes import effective_class
@@ -28,18 +41,38 @@ log = structlog.get_logger("fairgate.request")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, CHAT)
+    return await _scheduled(request, CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _completion(request, COMPLETIONS)
+    return await _scheduled(request, COMPLETIONS)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _scheduled(request, EMBEDDINGS)
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _scheduled(request, RESPONSES)
+
+
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    return await _unscheduled(request, TOKENIZE)
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    return await _unscheduled(request, DETOKENIZE)
+
+
+def _known_model(svc: Services, model: str) -> None:
+    if model not in svc.settings.models():
+        raise NotFound(f"The model '{model}' does not exist", param="model")
 
 
 def _resolve(svc: Services, request: web.Request, key: ApiKey,
              creq: CompletionRequest) -> tuple[str, str]:
     """(user, class) the request is queued under."""
-    if creq.model not in svc.settings.models():
-        raise NotFound(f"The model '{creq.model}' does not exist", param="model")
+    _known_model(svc, creq.model)
     requested = request.headers.get("X-Priority-Class")
     klass = effective_class(key.priority_class, requested)
     if klass is None:
@@ -51,7 +84,7 @@ def _resolve(svc: Services, request: web.Request, key: ApiKey,
     return user, klass
 
 
-async def _completion(request: web.Request, path: str) -> web.StreamResponse:
+async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
     arrived = time.monotonic()
     svc = request.app[SERVICES]
     key = svc.keys.identify(request.headers.get("Authorization"))
@@ -93,6 +126,35 @@ async def _completion(request: web.Request, path: str) -> web.StreamResponse:
         svc.metrics.requests.labels(model, klass, status).inc()
 
 
+async def _unscheduled(request: web.Request, path: str) -> web.StreamResponse:
+    """Any API key; straight to the least loaded healthy backend of the model (another
+    one if the connection is refused)."""
+    svc = request.app[SERVICES]
+    svc.keys.identify(request.headers.get("Authorization"))
+    body = await read_json_object(request, svc.settings.max_body_bytes)
+    validate_unscheduled(body, Limits.of(svc.settings))
+    model = str(body["model"])
+    _known_model(svc, model)
+    candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
+    if not candidates:
+        raise Unavailable(f"no healthy backend serves {model!r}",
+                          retry_after_s=svc.settings.retry_after_s)
+    for handle in candidates:
+        try:
+            return await svc.upstream.unscheduled(handle, path, body)
+        except BackendUnreachable as exc:
+            svc.pool.unreachable(handle, exc)
+            if handle is candidates[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load(handle: BackendHandle) -> tuple[bool, int]:
+    """Undrained first, then by the latest snapshot's waiting + running."""
+    snap = handle.last
+    return handle.drained, (snap.waiting + snap.running) if snap is not None else 0
+
+
 async def list_models(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     svc.keys.identify(request.headers.get("Authorization"))
@@ -130,6 +192,10 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)
+    app.router.add_post(EMBEDDINGS, embeddings)
+    app.router.add_post(RESPONSES, responses)
+    app.router.add_post(TOKENIZE, tokenize)
+    app.router.add_post(DETOKENIZE, detokenize)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -1,9 +1,11 @@
 """Forwarding to a vLLM backend: inject ``priority``, then relay the answer.
 
-For streams fairgate always asks vLLM for ``stream_options.include_usage`` so it can
-charge real token counts; when the client did not ask for usage, the usage-only final
-frame is dropped on the way out (``gateway/relay.py``), so the client sees exactly what it
-asked for.
+For chat and completion streams fairgate always asks vLLM for
+``stream_options.include_usage`` so it can charge real token counts; when the client did
+not ask for usage, the usage-only final frame is dropped on the way out
+(``gateway/relay.py``), so the client sees exactly what it asked for. A Responses API
+stream carries its usage in its final event anyway; embeddings are never streamed.
+``/tokenize`` and ``/detokenize`` go to a backend as they came, unscheduled.
 
 A whole answer (non-streamed, or an error) passes unchanged when it is what vLLM sends: a
 JSON object, and for an error OpenAI's ``{"error": {...}}`` or vLLM's older top-level
@@ -23,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.backends import BackendHandle
-from gateway.completion_request import CompletionRequest
+from gateway.completion_request import CHAT, COMPLETIONS, CompletionRequest
 from gateway.errors import BackendUnreachable, BadRequest, UpstreamError
 from gateway.relay import RelayListener, relay_stream, report_usage
 
@@ -37,10 +39,13 @@ class Upstream:
 
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener) -> web.StreamResponse:
-        wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
         body = dict(creq.body)
-        if creq.stream:
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        wants_usage = True  # a Responses stream has no usage frame to drop
+        if creq.path in (CHAT, COMPLETIONS):
+            wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
+            if creq.stream:
+                body["stream_options"] = {**(body.get("stream_options") or {}),
+                                          "include_usage": True}
         resp = await self._post(handle, creq.path, body, priority)
         try:
             if resp.status != 200 or not creq.stream:
@@ -58,6 +63,17 @@ class Upstream:
         try:
             status, data, _ = await _read(handle, resp, listener)
             return status, data
+        finally:
+            resp.release()
+
+    async def unscheduled(self, handle: BackendHandle, path: str,
+                          body: dict[str, Any]) -> web.Response:
+        """A cheap call that is not queued (``/tokenize``, ``/detokenize``): the body as it
+        came, the answer as vLLM gave it (a foreign error wrapped in OpenAI's format)."""
+        resp = await self._send(handle, path, body)
+        try:
+            status, data, content_type = await _read(handle, resp, NO_LISTENER)
+            return web.Response(body=data, status=status, content_type=content_type)
         finally:
             resp.release()
 
@@ -93,6 +109,25 @@ class Upstream:
             raise BackendUnreachable(f"backend {handle.name} unreachable: {exc}") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
+
+
+class _NoListener:
+    """For answers nobody is charged for."""
+
+    async def first_token(self) -> None:
+        pass
+
+    def tokens_sent(self, frames: int) -> None:
+        pass
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        pass
+
+    def end(self, completed: bool) -> None:
+        pass
+
+
+NO_LISTENER = _NoListener()
 
 
 async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,

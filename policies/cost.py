@@ -37,12 +37,40 @@ def _text_len(value: Any) -> int:
     return total
 
 
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        type(t) is int for t in value)
+
+
+def _input_tokens(value: Any) -> int:
+    """Tokens of an embeddings or Responses ``input``: a string, token ids, or an array
+    of strings, token-id arrays or (Responses) message items."""
+    if _is_token_ids(value):
+        return len(value)
+    if not isinstance(value, list):
+        return max(1, _text_len(value) // CHARS_PER_TOKEN)
+    tokens = 0
+    for item in value:
+        if _is_token_ids(item):
+            tokens += len(item)
+        elif isinstance(item, dict):  # a Responses input item: a message, a tool output
+            tokens += _text_len(item) // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS
+        else:
+            tokens += max(1, _text_len(item) // CHARS_PER_TOKEN)
+    return max(1, tokens)
+
+
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """≈ characters / 4 (+4 per chat message); corrected by real usage at completion."""
+    """≈ characters / 4 (+4 per chat message or Responses input item; token ids count
+    one each); corrected by real usage at completion."""
     if "messages" in body:
         messages = body["messages"]
         chars = sum(_text_len(m.get("content", "")) for m in messages if isinstance(m, dict))
         return chars // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * len(messages)
+    if "input" in body:  # /v1/embeddings, /v1/responses
+        instructions = body.get("instructions")
+        extra = len(instructions) // CHARS_PER_TOKEN if isinstance(instructions, str) else 0
+        return _input_tokens(body["input"]) + extra
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return len(prompt)  # already token ids

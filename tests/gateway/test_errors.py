@@ -208,7 +208,7 @@ async def test_404_unknown_model_and_route(sim: SimFactory, gateway: GatewayFact
         assert "gpt-17" in assert_error(got, type_="invalid_request_error", param="model",
                                         code="model_not_found")
 
-    for method, path in (("POST", "/v1/embeddings"), ("GET", "/v2/models"),
+    for method, path in (("POST", "/v1/images/generations"), ("GET", "/v2/models"),
                          ("GET", "/nothing/here")):
         status, got, _ = await call(http, method, gw.url + path, json={})
         assert status == 404, (path, got)
@@ -227,7 +227,7 @@ async def test_404_unknown_model_and_route(sim: SimFactory, gateway: GatewayFact
             await client.chat.completions.create(model="gpt-17", messages=HI, max_tokens=2)
         assert exc.value.code == "model_not_found" and exc.value.param == "model"
         with pytest.raises(openai.NotFoundError):
-            await client.embeddings.create(model=MODEL, input="x")
+            await client.images.generate(model=MODEL, prompt="x")
     finally:
         await client.close()
     await store_is_idle(gw)

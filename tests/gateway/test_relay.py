@@ -313,7 +313,8 @@ def test_responses_api_events() -> None:
     for wants_usage in (False, True):
         f2, out = run(RESPONSE_STREAM, wants_usage)
         assert out == b"".join(RESPONSE_STREAM)  # nothing dropped: no top-level usage
-        assert f2.started and f2.usage is None and not f2.done
+        # response.completed carries the usage and ends the answer
+        assert f2.started and f2.usage == {"input_tokens": 5, "output_tokens": 2} and f2.done
 
 
 # --------------------------------------------------------------------------- chunking
