@@ -19,6 +19,9 @@ import schemathesis
 from schemathesis import Case, CheckContext, Response
 
 FIELDS = {"message", "type", "param", "code"}
+# the operations whose backend answers reach the client as the backend sent them
+FORWARDED = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/embeddings",
+             "POST /v1/responses", "POST /tokenize", "POST /detokenize"}
 
 
 def error_shape_problem(status: int, content_type: str, raw: bytes) -> str | None:
@@ -58,7 +61,7 @@ def backend_error_integer_code(case: Case, response: Response) -> bool:
     ``stream: false``: vLLM's 400 ``{"error": {..., "code": 400}}``."""
     body = _json(response)
     err = body.get("error") if isinstance(body, dict) else None
-    return (case.operation.label in ("POST /v1/chat/completions", "POST /v1/completions")
+    return (case.operation.label in FORWARDED
             and isinstance(err, dict) and set(err) == FIELDS
             and type(err["code"]) is int and err["code"] == response.status_code)
 
