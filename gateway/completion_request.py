@@ -14,13 +14,14 @@ keys), which must also be printable text.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gateway.errors import BadRequest, PayloadTooLarge
+from gateway.errors import BadRequest, PayloadTooLarge, RequestTimeout
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -76,21 +77,24 @@ class CompletionRequest:
 
 
 async def read_completion(request: web.Request, path: str, max_bytes: int,
-                          limits: Limits = NO_LIMITS) -> CompletionRequest:
-    body = await read_json_object(request, max_bytes)
+                          limits: Limits = NO_LIMITS,
+                          idle_timeout_s: float | None = None) -> CompletionRequest:
+    body = await read_json_object(request, max_bytes, idle_timeout_s)
     validate_body(body, path, limits)
     return CompletionRequest(path, body)
 
 
-async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The request's body, a JSON object of at most ``max_bytes`` bytes."""
+async def read_json_object(request: web.Request, max_bytes: int,
+                           idle_timeout_s: float | None = None) -> dict[str, Any]:
+    """The request's body, a JSON object of at most ``max_bytes`` bytes. A client that
+    sends nothing for ``idle_timeout_s`` while the body is incomplete gets a 408."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     # StreamReader.read(n) returns whatever has arrived (up to n), not n bytes: read to EOF,
     # stopping as soon as the body is known to be too large.
     parts: list[bytes] = []
     size = 0
-    while chunk := await request.content.read(max_bytes + 1 - size):
+    while chunk := await _read(request, max_bytes + 1 - size, idle_timeout_s):
         parts.append(chunk)
         size += len(chunk)
         if size > max_bytes:
@@ -105,6 +109,15 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, An
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
+
+
+async def _read(request: web.Request, n: int, idle_timeout_s: float | None) -> bytes:
+    try:
+        async with asyncio.timeout(idle_timeout_s):
+            return await request.content.read(n)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body stopped arriving for {idle_timeout_s:g}s"
+                             ) from None
 
 
 def validate_body(body: dict[str, Any], path: str, limits: Limits = NO_LIMITS) -> None:

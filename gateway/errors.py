@@ -10,6 +10,7 @@
     │   ├── RequestCancelled           an operator cancelled the queued request
     │   ├── NotQueued                  cancel of a request no longer queued
     │   └── NoConfigFile               reload without a config file
+    ├── RequestTimeout (408)           the body stopped arriving (client_idle_timeout_s)
     ├── PayloadTooLarge (413)
     ├── RateLimited (429)              per-user queue cap; carries Retry-After
     ├── Unavailable (503)              no healthy backend; carries Retry-After
@@ -94,6 +95,10 @@ class NotQueued(Conflict):
 
 class NoConfigFile(Conflict):
     code = "no_config_file"
+
+
+class RequestTimeout(FairgateError):
+    status, type, code = 408, "invalid_request_error", "request_timeout"
 
 
 class PayloadTooLarge(FairgateError):

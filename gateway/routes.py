@@ -89,7 +89,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
     svc = request.app[SERVICES]
     key = svc.keys.identify(request.headers.get("Authorization"))
     creq = await read_completion(request, path, svc.settings.max_body_bytes,
-                                 Limits.of(svc.settings))
+                                 Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
     user, klass = _resolve(svc, request, key, creq)
     model = creq.model
     if not svc.pool.any_healthy(model):
@@ -131,7 +131,8 @@ async def _unscheduled(request: web.Request, path: str) -> web.StreamResponse:
     one if the connection is refused)."""
     svc = request.app[SERVICES]
     svc.keys.identify(request.headers.get("Authorization"))
-    body = await read_json_object(request, svc.settings.max_body_bytes)
+    body = await read_json_object(request, svc.settings.max_body_bytes,
+                                  svc.settings.client_idle_timeout_s)
     validate_unscheduled(body, Limits.of(svc.settings))
     model = str(body["model"])
     _known_model(svc, model)

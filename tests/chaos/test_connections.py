@@ -60,3 +60,16 @@ async def test_connections_over_the_cap_get_a_503(sim: SimFactory,
                 await asyncio.sleep(0.01)
         else:
             raise AssertionError("never served again after the held connections closed")
+
+
+async def test_a_body_that_stops_arriving_gets_a_408(sim: SimFactory,
+                                                    gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], client_idle_timeout_s=0.5)
+    reader, writer = await open_idle(
+        gw.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Authorization: Bearer sk-alice\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")  # ...and nothing more
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 408")
+    writer.close()
