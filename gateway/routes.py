@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import time
 import uuid
+from importlib import resources
 
 import structlog
+import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -164,6 +168,18 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+@functools.cache
+def _openapi() -> bytes:
+    spec = yaml.safe_load((resources.files("gateway") / "static" / "openapi.yaml").read_text())
+    return json.dumps(spec).encode()
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """fairgate's own surface (gateway/static/openapi.yaml, kept in sync with the routes
+    by tests/fuzz/test_http_fuzz.py)."""
+    return web.Response(body=_openapi(), content_type="application/json")
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
@@ -198,6 +214,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(TOKENIZE, tokenize)
     app.router.add_post(DETOKENIZE, detokenize)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

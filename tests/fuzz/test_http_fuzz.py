@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the HTTP surface described by docs/openapi.yaml.
+"""Property-based fuzzing of the HTTP surface described by gateway/static/openapi.yaml.
 
 A real gateway runs in this test's event loop on loopback, in front of two simulated vLLM
 backends (``instant`` profile) and a real Redis. Schemathesis' CLI runs in a subprocess
@@ -51,7 +51,7 @@ from tests.gateway.conftest import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = ROOT / "docs" / "openapi.yaml"
+SPEC = ROOT / "gateway" / "static" / "openapi.yaml"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 
 EXAMPLES = int(os.environ.get("FAIRGATE_FUZZ_EXAMPLES", "25"))
@@ -132,7 +132,7 @@ def served(gw: GatewayServer) -> float:
 
 
 def test_openapi_describes_every_route() -> None:
-    """docs/openapi.yaml is valid OpenAPI and describes every API route the app serves
+    """gateway/static/openapi.yaml is valid OpenAPI and describes every API route the app serves
     (the operators' HTML dashboard aside)."""
     schema = schemathesis.openapi.from_path(SPEC)
     schema.validate()
@@ -141,8 +141,8 @@ def test_openapi_describes_every_route() -> None:
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()
               if r.method != "HEAD" and r.resource is not None
               and not r.resource.canonical.startswith("/dashboard")}
-    assert routes - described == set(), "routes missing from docs/openapi.yaml"
-    assert described - routes == set(), "docs/openapi.yaml describes routes nobody serves"
+    assert routes - described == set(), "routes missing from gateway/static/openapi.yaml"
+    assert described - routes == set(), "gateway/static/openapi.yaml describes routes nobody serves"
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)

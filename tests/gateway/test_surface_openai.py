@@ -295,3 +295,15 @@ async def test_tokenize_goes_to_a_healthy_backend(sim: SimFactory, gateway: Gate
                                       json={"model": MODEL, "tokens": [1]})
     assert status == 503 and "Retry-After" in headers, got
     assert_error(got, type_="server_error", code="no_healthy_backend")
+
+
+async def test_openapi_json_describes_the_surface(sim: SimFactory,
+                                                  gateway: GatewayFactory) -> None:
+    gw = await gateway([await sim(profile="instant")])
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/openapi.json") as resp:
+        assert resp.status == 200
+        spec = await resp.json()
+    assert spec["openapi"].startswith("3.")
+    for path in ("/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
+                 "/v1/batches", "/admin/state", "/openapi.json"):
+        assert path in spec["paths"], path
