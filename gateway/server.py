@@ -1,4 +1,5 @@
-"""Run the gateway on a TCP port, in-process (tests, demo) or as ``fairgate serve``.
+"""Run the gateway on a TCP port, in-process (tests, demo) or as ``fairgate serve``
+(``gateway/cli.py``).
 
 Client connections are bounded: at most ``max_client_connections`` are open at once (a
 connection over the cap gets a 503 in OpenAI's format and is closed before anything is
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
-import signal
 
 import structlog
 from aiohttp import web
@@ -112,16 +112,3 @@ class GatewayServer:
         if self._listener is not None:
             await asyncio.wait_for(self._listener.wait_closed(), 5.0)
 
-
-async def serve_forever(settings: Settings) -> None:
-    server = GatewayServer(settings)
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"fairgate listening on {server.url}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
