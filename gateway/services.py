@@ -94,7 +94,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         dispatcher = Dispatcher(settings, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake
         admission = Admission(settings, dispatcher, pool, policy, metrics, replica_id)
-        upstream = Upstream(session, settings.upstream_timeout_s)
+        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
         runner = BatchRunner(settings, admission, upstream, files, batches, metrics,

@@ -102,7 +102,8 @@ class Settings(BaseSettings):
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
     max_body_bytes: int = 4 * 1024 * 1024
     max_queued_per_user: int = 1000
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
+    max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
     upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
     replica_heartbeat_s: float = 1.0
     # A replica silent this long is dead: its queued requests are dropped and what it

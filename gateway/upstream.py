@@ -33,9 +33,13 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float,
+                 max_request_s: float | None = None) -> None:
         self.session = session
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout_s)
+        # sock_read: the backend went quiet; total: no answer, streamed or not, runs longer
+        # than max_request_s (a stream then ends with an error event)
+        self.timeout = aiohttp.ClientTimeout(total=max_request_s, sock_connect=10,
+                                             sock_read=read_timeout_s)
 
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener) -> web.StreamResponse:

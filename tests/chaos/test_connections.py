@@ -73,3 +73,24 @@ async def test_a_body_that_stops_arriving_gets_a_408(sim: SimFactory,
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     assert head.startswith(b"HTTP/1.1 408")
     writer.close()
+
+
+async def test_a_stream_longer_than_max_request_s_ends_with_an_error_event(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=4)  # ~5 ms a token: 2,000 tokens take ~10 s
+    gw = await gateway([backend], max_request_s=0.5)
+    body = {"model": "llama-3.1-8b", "prompt": "x", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    events = []
+    async with aiohttp.ClientSession() as session, session.post(
+            gw.url + "/v1/completions", json=body,
+            headers={"Authorization": "Bearer sk-alice"}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                events.append(line)
+    last = json.loads(events[-1][6:])
+    assert last["error"]["code"] == "upstream_error", last  # not a silent truncation
+    assert 1 < len(events) < 2000
+    await backend.engine.wait_until(lambda: backend.engine.num_running == 0)
+    assert all(r.aborted for r in backend.engine.records.values())  # vLLM stops too
