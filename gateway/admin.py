@@ -1,9 +1,11 @@
 """The admin API: queue and backend state, drain, cancel, config reload.
 
 Every route needs an admin key (``admin_keys`` in the settings): ``Authorization: Bearer``
-or, for read-only GETs from the dashboard, its session cookie. A missing or unknown key is
-401, a user's API key 403, both in OpenAI's error format. State comes from the read model
-(``gateway/read_model.py``).
+or, from the dashboard, its session cookie: for the GETs, and for drain, undrain and
+cancel only with the session's CSRF token in ``X-CSRF-Token`` (``gateway/sessions.py``;
+``GET /admin/state`` gives it to the page as ``csrf_token``). Reload takes the key only. A
+missing or unknown key is 401, a user's API key or a missing or wrong CSRF token 403, in
+OpenAI's error format. State comes from the read model (``gateway/read_model.py``).
 
 Limits (one replica's view):
 - drain is global: the flag lives in Redis, the dispatch script honours it at once and
@@ -26,8 +28,16 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from gateway.auth import SESSION_COOKIE, KeyRing
-from gateway.errors import BadRequest, NoConfigFile, NotFound, NotQueued, RequestCancelled
+from gateway.errors import (
+    AdminRequired,
+    BadRequest,
+    NoConfigFile,
+    NotFound,
+    NotQueued,
+    RequestCancelled,
+)
 from gateway.services import SERVICES, Services
+from gateway.sessions import CSRF_HEADER, csrf_token, csrf_valid
 from gateway.settings import Settings, load_settings
 
 log = structlog.get_logger("fairgate.admin")
@@ -36,14 +46,22 @@ RESTART_FIELDS = ("backends", "classes", "fairness", "redis_url", "listen", "rep
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap")
 
 
-async def admin_services(request: web.Request) -> Services:
-    """The services, once the caller proved to be an operator: an admin key, or for a
-    read-only GET without one, a dashboard session."""
+class CsrfRejected(AdminRequired):
+    code = "csrf_token_invalid"
+
+
+async def admin_services(request: web.Request, page_action: bool = False) -> Services:
+    """The services, once the caller proved to be an operator: an admin key, or without
+    one a dashboard session, for a GET, or for a ``page_action`` with its CSRF token."""
     svc = request.app[SERVICES]
     authorization = request.headers.get("Authorization")
-    if authorization is None and request.method == "GET" and await svc.sessions.valid(
-            request.cookies.get(SESSION_COOKIE), svc.keys):
-        return svc
+    token = request.cookies.get(SESSION_COOKIE)
+    if authorization is None and token and (request.method == "GET" or page_action) \
+            and await svc.sessions.valid(token, svc.keys):
+        if request.method == "GET" or csrf_valid(token, request.headers.get(CSRF_HEADER)):
+            return svc
+        raise CsrfRejected(f"a dashboard session needs its {CSRF_HEADER} header "
+                           "(csrf_token in GET /admin/state) for this request")
     svc.keys.require_admin(authorization)
     return svc
 
@@ -52,6 +70,10 @@ async def get_state(request: web.Request) -> web.Response:
     svc = await admin_services(request)
     state = await svc.inspector.state()
     state["batches"] = await svc.batches.running()
+    token = request.cookies.get(SESSION_COOKIE)
+    # the page's token for drain/undrain/cancel; a Bearer caller needs none
+    state["csrf_token"] = (csrf_token(token) if token and "Authorization" not in request.headers
+                           else None)
     return web.json_response(state)
 
 
@@ -70,7 +92,7 @@ async def get_backends(request: web.Request) -> web.Response:
 
 
 async def _set_drained(request: web.Request, drained: bool) -> web.Response:
-    svc = await admin_services(request)
+    svc = await admin_services(request, page_action=True)
     name = request.match_info["name"]
     handle = svc.pool.handles.get(name)
     if handle is None:
@@ -91,7 +113,7 @@ async def undrain(request: web.Request) -> web.Response:
 
 
 async def cancel_request(request: web.Request) -> web.Response:
-    svc = await admin_services(request)
+    svc = await admin_services(request, page_action=True)
     request_id = request.match_info["id"]
     for model in svc.settings.models():
         fields = await svc.store.request_fields(model, request_id)

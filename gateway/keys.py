@@ -35,6 +35,8 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
+    "service": "service",                 # zset: user -> forward-decayed service, all replicas
+    "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
 }
 
 BATCH_PREFIX = f"{ROOT}:batch:"           # hash fg:batch:{id}; :out, :err hashes; :lease
@@ -111,6 +113,14 @@ class ModelKeys:
 
     def backend_inflight(self, backend: str) -> str:
         return self._key("backend_inflight", backend=backend)
+
+    @property
+    def service(self) -> str:
+        return self._key("service")
+
+    @property
+    def service_epoch(self) -> str:
+        return self._key("service_epoch")
 
 
 @dataclass(frozen=True, slots=True)

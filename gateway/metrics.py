@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.redis_client import RedisMetrics
-from gateway.user_series import OTHER_USERS, ServiceShares, UserLabels
+from gateway.user_series import MAX_SHARE_USERS, OTHER_USERS, ServiceShares, UserLabels
 from policies.gates import GATE_REASONS
 
 WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -28,6 +28,8 @@ class GatewayMetrics:
         self.registry = registry or CollectorRegistry()
         self.users = UserLabels(top_users, user_idle_s)
         self.shares: dict[str, ServiceShares] = {}
+        # service not yet added to the cross-replica shares in Redis (gateway/history.py)
+        self.pending_service: dict[str, dict[str, float]] = {}
         self.recent_dispatches: dict[str, deque[float]] = {}
         self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
         self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
@@ -118,7 +120,7 @@ class GatewayMetrics:
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
-            "batch)", ["loop"], registry=r)
+            "batch, history)", ["loop"], registry=r)
         # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
         self.batch_jobs = Gauge(
             "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r)
@@ -155,6 +157,9 @@ class GatewayMetrics:
         self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
         self._user_inc(self.user_service, (model,), user, service)
         self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
+        pending = self.pending_service.setdefault(model, {})
+        if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
+            pending[user] = pending.get(user, 0.0) + service
 
     def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
                   tail: tuple[str, ...] = ()) -> None:

@@ -4,6 +4,8 @@ One place derives queue and backend state, from Redis (shared by every replica) 
 this replica's pool (its scrapes, gates and dispatch rates). Gates are read from each
 backend handle, where they were computed once per snapshot; the requests in transit to a
 backend (sent since its snapshot, or not yet registered by it) use up the burst allowance.
+Service shares are every replica's (a decayed zset in Redis, fed by ``gateway/history.py``),
+with this replica's own view beside them; the last 15 minutes come from its ``History``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from typing import Any
 
 from gateway.backends import BackendPool
+from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.store import Store
@@ -29,6 +32,7 @@ class Inspector:
         self.pool = pool
         self.metrics = metrics
         self.replica_id = replica_id
+        self.history = History(settings, store, metrics)
 
     async def queues(self, model: str, now: float) -> dict[str, dict[str, Any]]:
         """Per class: depth, oldest wait, and the users with the most queued requests."""
@@ -83,20 +87,24 @@ class Inspector:
     async def state(self) -> dict[str, Any]:
         now = time.time()
         models = {}
+        await self.history.flush_service()  # this replica's latest service counts at once
         for model in self.settings.models():
             shares = self.metrics.shares.get(model)
             share_list = [] if shares is None else [
                 {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
+            everyone = await self.store.service_shares(model)
             inflight = await self.store.user_inflight(model)
             models[model] = {
                 "queues": await self.queues(model, now),
                 "backends": await self.backends(model, now),
-                "service_shares": share_list[:TOP_USERS],
+                "service_shares": [{"user": u, "share": s}
+                                   for u, s in list(everyone.items())[:TOP_USERS]],
+                "replica_service_shares": share_list[:TOP_USERS],
                 "inflight_by_user": dict(sorted(inflight.items(),
                                                 key=lambda kv: -kv[1])[:TOP_USERS]),
             }
         return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
-                "models": models}
+                "models": models, "history": self.history.view()}
 
     async def refresh_queue_metrics(self) -> None:
         """Queue depth and oldest wait gauges, read from Redis at scrape time."""

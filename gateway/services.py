@@ -1,7 +1,8 @@
 """The composition root: every service of one gateway process, built here and only here.
 
 :func:`running_services` builds the services into one typed :class:`Services` object,
-starts the long-lived loops (each supervised: scrape, dispatch, heartbeat, listen, batch)
+starts the long-lived loops (each supervised: scrape, dispatch, heartbeat, listen, batch,
+history)
 and stops them on exit. Handlers read what they need from it; nothing else constructs a
 service.
 """
@@ -108,7 +109,9 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         restarts = metrics.loop_restarts
         tasks = [asyncio.create_task(pool.run(), name="scrape"),
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
-                 asyncio.create_task(supervise("batch", runner.run, restarts), name="batch")]
+                 asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
+                 asyncio.create_task(supervise("history", services.inspector.history.run,
+                                               restarts), name="history")]
         try:
             yield services
         finally:

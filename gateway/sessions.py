@@ -3,11 +3,18 @@
 A session names the admin key that opened it by a fingerprint, never the key. It is valid
 while it exists (``session_ttl_s``; logout deletes it) and while that key is still an
 admin key (a reload that removes the key ends its sessions on every replica).
+
+Writes from the page (drain, undrain, cancel) also need the session's CSRF token in the
+``X-CSRF-Token`` header: an HMAC of the session token, so every replica derives the same
+one without storing it, and a page that can read it (``GET /admin/state`` gives it to the
+session's own page) cannot recover the HttpOnly cookie from it. Another site can neither
+read it nor, with the SameSite=Strict cookie, send the cookie at all: two locks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 from collections.abc import Awaitable
 from typing import cast
@@ -17,9 +24,22 @@ import redis.asyncio as aioredis
 from gateway.auth import KeyRing
 from gateway.keys import session
 
+CSRF_HEADER = "X-CSRF-Token"
+_CSRF_LABEL = b"fairgate-dashboard-csrf"
+
 
 def _hashed(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def csrf_token(token: str) -> str:
+    """The CSRF token of the session whose (secret) token is ``token``."""
+    return hmac.new(_CSRF_LABEL, token.encode(), hashlib.sha256).hexdigest()
+
+
+def csrf_valid(token: str, presented: str | None) -> bool:
+    return bool(presented) and hmac.compare_digest(csrf_token(token).encode(),
+                                                   str(presented).encode())
 
 
 class SessionStore:

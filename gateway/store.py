@@ -77,7 +77,7 @@ class Store:
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
-                         "started")
+                         "started", "share")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -164,6 +164,24 @@ class Store:
                 k.drained]
         stored, drained = await self._run("snapshot", keys, args)
         return bool(stored), bool(drained)
+
+    async def add_service(self, model: str, amounts: Mapping[str, float], now: float,
+                          half_life_s: float, cap: int, ttl_s: float) -> int:
+        """Add each user's service to the model's decayed shares (every replica's);
+        returns the number of users kept (at most ``cap``)."""
+        k = ModelKeys(model)
+        args: list[Any] = [now, half_life_s, cap, int(ttl_s)]
+        for user, amount in amounts.items():
+            args += [user, amount]
+        return int(await self._run("share", [k.service, k.service_epoch], args))
+
+    async def service_shares(self, model: str) -> dict[str, float]:
+        """Each user's share of the model's decayed service across replicas, largest
+        first (at most the cap kept by ``add_service``)."""
+        raw = await cast("Awaitable[list[tuple[str, float]]]", self.client.zrange(
+            ModelKeys(model).service, 0, -1, desc=True, withscores=True))
+        total = sum(score for _, score in raw)
+        return {} if total <= 0 else {user: score / total for user, score in raw}
 
     async def set_drained(self, model: str, backend: str, drained: bool) -> None:
         """Drain (or undrain) a backend for every replica."""
