@@ -1,8 +1,15 @@
-// fairgate live dashboard: polls /admin/state (session cookie) and redraws.
+// fairgate live dashboard: polls /admin/state (session cookie) and redraws; charts the
+// last 15 minutes in inline SVG (no library); drains, undrains and cancels after a
+// confirmation, sending the session's CSRF token.
 "use strict";
 
 const REFRESH_MS = 1000;
 const CLASSES = ["interactive", "default", "batch"];
+const SVG = "http://www.w3.org/2000/svg";
+const CHART_W = 360;
+const CHART_H = 110;
+const PAD = { left: 38, right: 6, top: 6, bottom: 16 };
+let csrfToken = null;  // from /admin/state: the page's writes send it as X-CSRF-Token
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -39,19 +46,28 @@ function queuesPanel(model, queues) {
     table(["class", "queued", "oldest wait s", "users"], rows, ""));
 }
 
+function actionButton(action, label, attrs) {
+  return el("button", { type: "button", class: "action", "data-action": action, ...attrs },
+    label);
+}
+
 function usersPanel(queues) {
   const rows = [];
   for (const c of CLASSES) {
     for (const u of queues[c].users) {
+      const cancel = u.oldest_request_id ? actionButton("cancel", "cancel oldest",
+        { "data-request": u.oldest_request_id, "data-label": `${u.user}'s oldest ${c} request` })
+        : "";
       rows.push(el("tr", { "data-user": u.user },
         el("td", {}, u.user), el("td", {}, c),
         el("td", { "data-metric": "user-queued" }, u.queued),
-        el("td", {}, fmt(u.oldest_wait_s, 2)), el("td", {}, fmt(u.score, 0))));
+        el("td", {}, fmt(u.oldest_wait_s, 2)), el("td", {}, fmt(u.score, 0)),
+        el("td", {}, cancel)));
     }
   }
   rows.sort((a, b) => Number(b.children[2].textContent) - Number(a.children[2].textContent));
   return el("div", { class: "panel" }, el("h3", {}, "Top queued users"),
-    table(["user", "class", "queued", "oldest wait s", "fairness score"], rows.slice(0, 20),
+    table(["user", "class", "queued", "oldest wait s", "fairness score", ""], rows.slice(0, 20),
       "nobody is waiting"));
 }
 
@@ -80,11 +96,14 @@ function backendsPanel(backends) {
       el("td", {}, fmt(s.tpot_ms, 1)),
       el("td", {}, b.inflight),
       el("td", { "data-metric": "dispatch-rate" }, fmt(b.dispatch_rate_per_s, 1)),
-      el("td", {}, gateBadges(b.gates, b.in_transit)));
+      el("td", {}, gateBadges(b.gates, b.in_transit)),
+      el("td", {}, b.drained
+        ? actionButton("undrain", "undrain", { "data-backend": b.name })
+        : actionButton("drain", "drain", { "data-backend": b.name })));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
     table(["backend", "state", "waiting", "running", "in transit", "KV", "TPOT ms",
-           "in flight", "dispatch/s", "gates"], rows, "no backends"));
+           "in flight", "dispatch/s", "gates", ""], rows, "no backends"));
 }
 
 function sharesPanel(shares) {
@@ -96,7 +115,8 @@ function sharesPanel(shares) {
       el("td", { "data-metric": "share" }, fmt(100 * s.share, 1) + "%"),
       el("td", { class: "barcell" }, bar));
   });
-  return el("div", { class: "panel" }, el("h3", {}, "Service share (last minutes, this replica)"),
+  return el("div", { class: "panel" },
+    el("h3", {}, "Service share (decayed, all replicas)"),
     table(["user", "share", ""], rows, "no service yet"));
 }
 
@@ -110,7 +130,160 @@ function batchesPanel(batches) {
       table(["batch", "owner", "status", "done", "failed"], rows, "no batch running")));
 }
 
+// ---------------------------------------------------------------- history charts (SVG)
+
+function svg(tag, attrs, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs || {})) node.setAttribute(k, String(v));
+  for (const child of children.flat()) {
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+// series: [{name, points: [[t, value|null], …]}]; a null value breaks the line
+function chart(id, title, series, now, windowS, unit) {
+  const values = series.flatMap((s) => s.points.map((p) => p[1])).filter((v) => v !== null);
+  const top = Math.max(...values, 0) || 1;
+  const w = CHART_W - PAD.left - PAD.right;
+  const h = CHART_H - PAD.top - PAD.bottom;
+  const x = (t) => PAD.left + w * Math.min(1, Math.max(0, 1 - (now - t) / windowS));
+  const y = (v) => PAD.top + h * (1 - v / top);
+  const shapes = [];
+  let drawn = 0;
+  series.forEach((s, i) => {
+    let run = [];
+    const flush = () => {
+      if (run.length > 1) shapes.push(svg("polyline", { class: `line s${i % 5}`, points: run.join(" ") }));
+      run = [];
+    };
+    for (const [t, v] of s.points) {
+      if (v === null || v === undefined) { flush(); continue; }
+      run.push(`${x(t).toFixed(1)},${y(v).toFixed(1)}`);
+      drawn += 1;
+    }
+    flush();
+    const last = [...s.points].reverse().find((p) => p[1] !== null && p[1] !== undefined);
+    if (last) shapes.push(svg("circle", { class: `dot s${i % 5}`, cx: x(last[0]), cy: y(last[1]), r: 2 }));
+  });
+  const axis = [
+    svg("line", { class: "axis", x1: PAD.left, y1: PAD.top + h, x2: PAD.left + w, y2: PAD.top + h }),
+    svg("line", { class: "axis", x1: PAD.left, y1: PAD.top, x2: PAD.left, y2: PAD.top + h }),
+    svg("text", { class: "tick", x: PAD.left - 3, y: PAD.top + 8, "text-anchor": "end" },
+      Number(top.toPrecision(2))),
+    svg("text", { class: "tick", x: PAD.left - 3, y: PAD.top + h, "text-anchor": "end" }, 0),
+    svg("text", { class: "tick", x: PAD.left, y: CHART_H - 3 }, `−${Math.round(windowS / 60)} min`),
+    svg("text", { class: "tick", x: PAD.left + w, y: CHART_H - 3, "text-anchor": "end" }, "now"),
+  ];
+  const legend = el("div", { class: "legend" }, series.map((s, i) => {
+    const last = [...s.points].reverse().find((p) => p[1] !== null && p[1] !== undefined);
+    return el("span", { class: `key s${i % 5}`, "data-series": s.name },
+      `${s.name} ${last ? fmt(last[1], unit === "s" ? 3 : 1) : "–"}`);
+  }));
+  return el("div", { class: "chart", "data-chart": id, "data-points": drawn },
+    el("h4", {}, title),
+    svg("svg", { viewBox: `0 0 ${CHART_W} ${CHART_H}`, width: CHART_W, height: CHART_H,
+                 role: "img", "aria-label": title }, axis, shapes),
+    legend);
+}
+
+function historySection(history, models) {
+  const samples = (history && history.samples) || [];
+  const now = samples.length ? Math.max(samples[samples.length - 1].t, Date.now() / 1000) : Date.now() / 1000;
+  const windowS = (history && history.window_s) || 900;
+  const at = (f) => samples.map((s) => [s.t, f(s)]);
+  const charts = [];
+  for (const model of Object.keys(models)) {
+    charts.push(chart(`queue-depth:${model}`, `Queued by class · ${model}`,
+      CLASSES.map((c) => ({ name: c,
+        points: at((s) => (s.models[model] && s.models[model].depth ? s.models[model].depth[c] : null)) })),
+      now, windowS, ""));
+  }
+  charts.push(chart("dispatch-rate", "Dispatches/s (this replica)",
+    Object.keys(models).map((m) => ({ name: m,
+      points: at((s) => (s.models[m] ? s.models[m].dispatch_rate_per_s : null)) })),
+    now, windowS, ""));
+  charts.push(chart("ttft", "Time to first token, s (streams, this replica)",
+    [{ name: "p50", points: at((s) => s.ttft_p50_s) },
+     { name: "p99", points: at((s) => s.ttft_p99_s) }], now, windowS, "s"));
+  const backends = [...new Set(samples.flatMap((s) => Object.keys(s.gate_closed_s)))].sort();
+  charts.push(chart("gate-closed", "Gates closed, % of the time (all classes)",
+    backends.map((b) => ({ name: b, points: at((s) => {
+      const closed = s.gate_closed_s[b];
+      if (!closed) return null;
+      const sum = Object.values(closed).reduce((a, v) => a + v, 0);
+      // closed time is charged at each snapshot, so an interval may get a bit of the last
+      return Math.min(100, (100 * sum) / (Object.keys(closed).length * s.interval_s));
+    }) })), now, windowS, ""));
+  return [el("h2", {}, `Last ${Math.round(windowS / 60)} minutes`,
+    el("span", { class: "meta" }, ` · a sample every ${history ? history.interval_s : "?"} s`)),
+    el("div", { class: "charts" }, charts)];
+}
+
+// ---------------------------------------------------------------- actions (confirmed)
+
+function flash(text, ok) {
+  const node = document.getElementById("flash");
+  node.textContent = text;
+  node.className = `flash ${ok ? "ok" : "bad"}`;
+}
+
+function describe(button) {
+  const action = button.dataset.action;
+  if (action === "cancel") {
+    return { text: `Cancel ${button.dataset.label} (${button.dataset.request})? Its client gets a 409.`,
+             method: "DELETE", url: `/admin/requests/${encodeURIComponent(button.dataset.request)}`,
+             done: "cancelled" };
+  }
+  const name = button.dataset.backend;
+  return { text: action === "drain"
+             ? `Drain ${name}? No new requests go to it; requests in flight finish.`
+             : `Undrain ${name}? Requests are dispatched to it again.`,
+           method: "POST", url: `/admin/backends/${encodeURIComponent(name)}/${action}`,
+           done: `${action}ed ${name}` };
+}
+
+async function perform(what) {
+  try {
+    const resp = await fetch(what.url, { method: what.method, credentials: "same-origin",
+                                         headers: { "X-CSRF-Token": csrfToken || "" } });
+    const body = await resp.json().catch(() => ({}));
+    if (resp.ok) flash(what.done, true);
+    else flash(`failed: ${(body.error && body.error.message) || `HTTP ${resp.status}`}`, false);
+  } catch (err) {
+    flash(`failed: ${err.message}`, false);
+  }
+  await load();
+}
+
+let pending = null;
+
+function confirmAction(button) {
+  pending = describe(button);
+  const dialog = document.getElementById("confirm");
+  document.getElementById("confirm-text").textContent = pending.text;
+  dialog.returnValue = "";
+  dialog.showModal();
+}
+
+document.addEventListener("click", (event) => {
+  const button = event.target.closest("button[data-action]");
+  if (button) confirmAction(button);
+});
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.getElementById("confirm").addEventListener("close", (event) => {
+    const what = pending;
+    pending = null;
+    if (what && event.target.returnValue === "yes") perform(what);
+  });
+});
+
+// ---------------------------------------------------------------- refresh
+
 function render(state) {
+  csrfToken = state.csrf_token;
+  document.getElementById("history").replaceChildren(...historySection(state.history, state.models));
   const root = document.getElementById("models");
   const sections = Object.entries(state.models).map(([model, m]) =>
     el("section", { class: "model", "data-model": model },
@@ -123,7 +296,7 @@ function render(state) {
     `replica ${state.replica_id} · fairness ${state.fairness}`;
 }
 
-async function refresh() {
+async function load() {
   const status = document.getElementById("status");
   try {
     const resp = await fetch("/admin/state", { credentials: "same-origin", cache: "no-store" });
@@ -139,9 +312,12 @@ async function refresh() {
   } catch (err) {
     status.textContent = `error: ${err.message}`;
     status.className = "status bad";
-  } finally {
-    setTimeout(refresh, REFRESH_MS);
   }
+}
+
+async function refresh() {
+  await load();
+  setTimeout(refresh, REFRESH_MS);
 }
 
 document.addEventListener("DOMContentLoaded", refresh);

@@ -1,6 +1,7 @@
-"""/dashboard: login, cookie, and live numbers in a real headless Chromium (Selenium +
-Debian's chromium and chromedriver; nothing is downloaded). The screenshot lands in
-test-artifacts/dashboard.png."""
+"""/dashboard: login, cookie, live numbers, the 15-minute charts, shares, and drain,
+undrain and cancel from the page (confirmed in its dialog, CSRF token sent) in a real
+headless Chromium (Selenium + Debian's chromium and chromedriver; nothing is downloaded).
+The screenshots land in test-artifacts/ (dashboard.png, dashboard-queued.png)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 from tests.ops.conftest import ADMIN, admin_call, require_tool, until
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -25,6 +26,18 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-component-update", "--disable-sync", "--window-size=1400,1100")
 WAIT_S = 20
 DEPTH = f'[data-metric="depth"][data-model="{MODEL}"][data-class="interactive"]'
+B0_STATE = '[data-backend="b0"] [data-metric="backend-state"]'
+CHARTS = (f"queue-depth:{MODEL}", "dispatch-rate", "ttft", "gate-closed")
+
+
+async def completion_status(http: aiohttp.ClientSession, url: str, key: str,
+                            stream: bool = False) -> int:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "ignore_eos": True,
+            "stream": stream}
+    async with http.post(url + "/v1/completions", json=body,
+                         headers={"Authorization": f"Bearer {key}"}) as resp:
+        await resp.read()
+        return resp.status
 
 
 def start_browser(profile: str) -> webdriver.Chrome:
@@ -52,6 +65,7 @@ async def test_dashboard_shows_live_state_in_chromium(sim: SimFactory,
     require_tool("chromedriver")
     backend = await sim()
     gw = await gateway([backend], admin_keys=[ADMIN])
+    gw.services.inspector.history.interval_s = 0.25  # the charts fill in seconds, not minutes
     async with aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/dashboard") as resp:
             assert resp.status == 401 and 'name="key"' in await resp.text()
@@ -60,7 +74,7 @@ async def test_dashboard_shows_live_state_in_chromium(sim: SimFactory,
             assert resp.status == 403
         # hold a small flood in the queue: the backend is drained
         assert (await admin_call(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
-        flood = [asyncio.create_task(complete(http, gw.url, key, 5))
+        flood = [asyncio.create_task(completion_status(http, gw.url, key))
                  for key in ["sk-alice"] * 6 + ["sk-bob"] * 2]
 
         async def queued() -> bool:
@@ -73,10 +87,15 @@ async def test_dashboard_shows_live_state_in_chromium(sim: SimFactory,
             try:
                 # every WebDriver call runs in a thread: the gateway shares this event loop
                 await asyncio.to_thread(login_and_see_the_queue, driver, gw.url)
-                assert (await admin_call(
-                    http, "POST", gw.url + "/admin/backends/b0/undrain"))[0] == 200
-                await asyncio.gather(*flood)
+                await asyncio.to_thread(cancel_bobs_oldest_from_the_page, driver)
+                await asyncio.to_thread(act_from_the_page, driver, "b0", "undrain")
+                await asyncio.to_thread(wait_for, driver,
+                                        lambda d: text_of(d, B0_STATE) == "healthy")
+                statuses = await asyncio.gather(*flood)
+                assert sorted(statuses) == [200] * 7 + [409]  # bob's cancelled one: 409
+                assert await completion_status(http, gw.url, "sk-alice", stream=True) == 200
                 await asyncio.to_thread(see_the_flood_served, driver)
+                await asyncio.to_thread(drain_and_undrain_from_the_page, driver)
                 await asyncio.to_thread(forged_cookie_gets_the_login_form, driver, gw.url)
             finally:
                 await asyncio.to_thread(driver.quit)
@@ -99,6 +118,53 @@ def login_and_see_the_queue(driver: webdriver.Chrome, url: str) -> None:
     assert driver.save_screenshot(str(ARTIFACTS / "dashboard-queued.png"))
 
 
+def act_from_the_page(driver: webdriver.Chrome, target: str, action: str,
+                      confirm: bool = True) -> None:
+    """Click an action button (found afresh: rows are redrawn every second), then answer
+    the confirmation dialog."""
+    attribute = "data-request" if action == "cancel" else "data-backend"
+    button = f'button[data-action="{action}"][{attribute}="{target}"]'
+    wait_for(driver, lambda d: d.execute_script(
+        "const b = document.querySelector(arguments[0]); if (b) b.click(); return !!b;",
+        button))
+    wait_for(driver, lambda d: d.execute_script(
+        "return document.getElementById('confirm').open"))
+    assert action in text_of(driver, "#confirm-text").lower()
+    driver.find_element(By.ID, "confirm-yes" if confirm else "confirm-no").click()
+    wait_for(driver, lambda d: not d.execute_script(
+        "return document.getElementById('confirm').open"))
+
+
+def cancel_bobs_oldest_from_the_page(driver: webdriver.Chrome) -> None:
+    bob_queued = '[data-user="bob"] [data-metric="user-queued"]'
+    request_id = text_of(driver, '[data-user="bob"] button[data-action="cancel"]',
+                         "data-request")
+    assert len(request_id) == 32
+    act_from_the_page(driver, request_id, "cancel", confirm=False)  # "keep as is"
+    assert text_of(driver, bob_queued) == "2" and text_of(driver, DEPTH) == "8"
+    act_from_the_page(driver, request_id, "cancel")
+    wait_for(driver, lambda d: text_of(d, bob_queued) == "1" and text_of(d, DEPTH) == "7")
+    assert text_of(driver, "#flash") == "cancelled"
+
+
+def drain_and_undrain_from_the_page(driver: webdriver.Chrome) -> None:
+    act_from_the_page(driver, "b0", "drain")
+    wait_for(driver, lambda d: text_of(d, B0_STATE) == "drained" and text_of(
+        d, '[data-backend="b0"] [data-gate="interactive"]', "data-reason") == "drained")
+    assert text_of(driver, "#flash") == "drained b0"
+    act_from_the_page(driver, "b0", "undrain")
+    wait_for(driver, lambda d: text_of(d, B0_STATE) == "healthy")
+    assert text_of(driver, "#flash") == "undrained b0"
+
+
+def chart_points(driver: webdriver.Chrome, chart: str) -> int:
+    """Values a chart plotted (0 unless its SVG holds a line or a point)."""
+    return int(driver.execute_script(
+        "const c = document.querySelector(`[data-chart=\"${arguments[0]}\"]`);"
+        "if (!c || !c.querySelector('svg polyline, svg circle')) return 0;"
+        "return Number(c.dataset.points);", chart))
+
+
 def see_the_flood_served(driver: webdriver.Chrome) -> None:
     """The page follows without a reload: queue empty, dispatch rate and shares shown."""
     wait_for(driver, lambda d: (
@@ -108,6 +174,13 @@ def see_the_flood_served(driver: webdriver.Chrome) -> None:
     alice = float(text_of(driver, '[data-user="alice"] [data-metric="share"]')[:-1])
     bob = float(text_of(driver, '[data-user="bob"] [data-metric="share"]')[:-1])
     assert alice > bob > 0 and abs(alice + bob - 100) < 0.5
+    assert driver.execute_script(  # the shares are every replica's, read from Redis
+        "return [...document.querySelectorAll('h3')].some(h => /all replicas/.test(h.textContent))")
+    # the charts: lines drawn from the server's samples, the TTFT one from the stream
+    # TTFT has a value only in the intervals where a stream started: one here
+    wait_for(driver, lambda d: all(chart_points(d, c) >= (1 if c == "ttft" else 2)
+                                   for c in CHARTS))
+    assert float(text_of(driver, '[data-chart="ttft"] [data-series="p50"]').split()[1]) > 0
     assert "live" in text_of(driver, "#status")
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
