@@ -4,7 +4,9 @@ Browsers cannot easily send ``Authorization`` headers, so besides the header the
 accepts the admin key from a login form (POST) or, on loopback only, ``?key=`` once;
 either opens a server-side session (``gateway/sessions.py``: it expires, logout ends it,
 removing the key ends it) in an HttpOnly, SameSite=Strict cookie and redirects to the
-bare URL. The page then polls ``GET /admin/state`` with that cookie.
+bare URL. The page then polls ``GET /admin/state`` with that cookie, and drains, undrains
+and cancels, after a confirmation, with the cookie plus the session's CSRF token that
+``/admin/state`` hands it (checked in ``gateway/admin.py``).
 """
 
 from __future__ import annotations
