@@ -187,9 +187,8 @@ function chart(id, title, series, now, windowS, unit) {
     legend);
 }
 
-function historySection(history, models) {
+function historySection(history, models, now) {  // now: the server's clock, not the browser's
   const samples = (history && history.samples) || [];
-  const now = samples.length ? Math.max(samples[samples.length - 1].t, Date.now() / 1000) : Date.now() / 1000;
   const windowS = (history && history.window_s) || 900;
   const at = (f) => samples.map((s) => [s.t, f(s)]);
   const charts = [];
@@ -283,7 +282,7 @@ document.addEventListener("DOMContentLoaded", () => {
 
 function render(state) {
   csrfToken = state.csrf_token;
-  document.getElementById("history").replaceChildren(...historySection(state.history, state.models));
+  document.getElementById("history").replaceChildren(...historySection(state.history, state.models, state.time));
   const root = document.getElementById("models");
   const sections = Object.entries(state.models).map(([model, m]) =>
     el("section", { class: "model", "data-model": model },

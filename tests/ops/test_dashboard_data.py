@@ -79,8 +79,9 @@ async def test_shares_cover_every_replica_and_history_samples(
             assert len(model["replica_service_shares"]) == 1  # its own client only
             history = state["history"]
             assert history["window_s"] == 900 and history["samples"][-1]["t"] == sample["t"]
-        dispatched = [s["models"][MODEL]["dispatch_rate_per_s"]
-                      for s in first.services.inspector.history.samples]
+        # either replica's dispatcher may have granted a request (grants go to the owner)
+        dispatched = [s["models"][MODEL]["dispatch_rate_per_s"] for gw in (first, second)
+                      for s in gw.services.inspector.history.samples]
         assert sum(dispatched) > 0
 
 
