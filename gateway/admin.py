@@ -29,8 +29,8 @@ from pydantic import ValidationError
 
 from gateway.auth import SESSION_COOKIE, KeyRing
 from gateway.errors import (
-    AdminRequired,
     BadRequest,
+    CsrfRejected,
     NoConfigFile,
     NotFound,
     NotQueued,
@@ -44,10 +44,6 @@ log = structlog.get_logger("fairgate.admin")
 
 RESTART_FIELDS = ("backends", "classes", "fairness", "redis_url", "listen", "replica_id",
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap")
-
-
-class CsrfRejected(AdminRequired):
-    code = "csrf_token_invalid"
 
 
 async def admin_services(request: web.Request, page_action: bool = False) -> Services:

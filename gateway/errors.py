@@ -5,6 +5,7 @@
     ├── Unauthorized (401)             missing or unknown API key
     ├── Forbidden (403)                class not allowed for this key
     │   └── AdminRequired (403)        an API key on an admin route
+    │       └── CsrfRejected (403)     a dashboard action without its session's CSRF token
     ├── NotFound (404)                 unknown model, route, file, batch or request
     ├── Conflict (409)                 the state forbids it
     │   ├── RequestCancelled           an operator cancelled the queued request
@@ -66,6 +67,10 @@ class Forbidden(FairgateError):
 
 class AdminRequired(Forbidden):
     code = "admin_key_required"
+
+
+class CsrfRejected(AdminRequired):
+    code = "csrf_token_invalid"
 
 
 class NotFound(FairgateError):
