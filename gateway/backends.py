@@ -39,6 +39,8 @@ class BackendHandle:
     drained: bool = False
     last: BackendSnapshot | None = None
     sent_since_snapshot: int = 0  # this replica's dispatches since ``last``
+    max_model_len: int | None = None  # from its /v1/models, once it is healthy
+    model_card_read: bool = False
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
     # each class's gate by the latest snapshot, computed once when it arrives
     gates: dict[str, Gate] = field(default_factory=lambda: dict.fromkeys(
@@ -155,6 +157,8 @@ class BackendPool:
             return
         if not handle.healthy:
             log.info("backend_healthy", backend=handle.name)
+        if not handle.model_card_read:
+            await self._read_model_card(handle)
         handle.healthy, handle.failures, handle.last = True, 0, snap
         handle.sent_since_snapshot = 0
         handle.gates = {c: evaluate_gate(snap, policy, snap.taken_at_s, math.inf)
@@ -162,6 +166,31 @@ class BackendPool:
         self._record(handle, snap)
         handle.scraped.set()
         self.on_snapshot()
+
+    def max_model_len(self, model: str) -> int | None:
+        """The smallest context length the model's backends report (None: unknown)."""
+        known = [h.max_model_len for h in self.for_model(model) if h.max_model_len]
+        return min(known) if known else None
+
+    async def _read_model_card(self, handle: BackendHandle) -> None:
+        """vLLM's /v1/models names each model's ``max_model_len``: read it once."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            async with self.session.get(handle.config.url + "/v1/models",
+                                        timeout=timeout) as resp:
+                if resp.status != 200:
+                    handle.model_card_read = True  # it has none: the context stays unknown
+                    return
+                cards = (await resp.json(content_type=None)).get("data") or []
+        except (aiohttp.ClientError, TimeoutError):
+            return  # tried again with the next scrape
+        except (ValueError, AttributeError):
+            cards = []  # not vLLM's format: the context stays unknown
+        handle.model_card_read = True
+        for card in cards:
+            if isinstance(card, dict) and card.get("id") == handle.config.model:
+                value = card.get("max_model_len")
+                handle.max_model_len = value if isinstance(value, int) and value > 0 else None
 
     def unreachable(self, handle: BackendHandle, exc: BaseException) -> None:
         """A request could not connect to the backend: close its gates now, as a failed

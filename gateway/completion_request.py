@@ -180,6 +180,18 @@ def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int 
             raise BadRequest(f"'{name}' must be at most {cap} (got {value})", param=name)
 
 
+def check_context(body: dict[str, Any], path: str, max_model_len: int | None) -> None:
+    """Output limits beyond the model's context length can never be met (vLLM answers
+    400): refused before the request waits in the queue."""
+    if max_model_len is None:
+        return
+    for name in OUTPUT_TOKEN_FIELDS.get(path, ()):
+        value = body.get(name)
+        if isinstance(value, int) and value > max_model_len:
+            raise BadRequest(f"'{name}' ({value}) is larger than the model's context length "
+                             f"({max_model_len} tokens)", param=name)
+
+
 def check_end_user(user: Any, max_chars: int) -> None:
     """``user`` names the end user: a string of at most ``max_chars`` printable characters
     (no control or format characters, no lone surrogates), or absent/null."""

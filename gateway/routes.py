@@ -32,6 +32,7 @@ from gateway.completion_request import (
     TOKENIZE,
     CompletionRequest,
     Limits,
+    check_context,
     read_completion,
     read_json_object,
     validate_unscheduled,
@@ -96,6 +97,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
                                  Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
     user, klass = _resolve(svc, request, key, creq)
     model = creq.model
+    check_context(creq.body, path, svc.pool.max_model_len(model))
     if not svc.pool.any_healthy(model):
         raise Unavailable(f"no healthy backend serves {model!r}",
                           retry_after_s=svc.settings.retry_after_s)

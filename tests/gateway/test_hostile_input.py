@@ -26,7 +26,9 @@ from tests.gateway.conftest import (
     SimFactory,
     assert_error,
     auth,
+    call,
     store_is_idle,
+    until,
 )
 from tests.ops.conftest import samples
 
@@ -226,3 +228,30 @@ async def test_output_token_cap_is_a_setting(sim: SimFactory, gateway: GatewayFa
     finally:
         await client.close()
     await store_is_idle(gw)
+
+
+@pytest.mark.parametrize(("path", "field"), [
+    ("/v1/chat/completions", "max_tokens"), ("/v1/completions", "max_completion_tokens"),
+    ("/v1/responses", "max_output_tokens")])
+async def test_output_beyond_the_models_context_is_refused_before_the_queue(
+        sim: SimFactory, gateway: GatewayFactory, path: str, field: str) -> None:
+    backend = await sim(profile="instant", max_model_len=1024)
+    gw = await gateway([backend])
+    handle = gw.services.pool.handles["b0"]
+    await until(lambda: handle.model_card_read, "the model card read")
+    assert gw.services.pool.max_model_len(MODEL) == 1024
+    body: dict[str, object] = {"model": MODEL, field: 1025}
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    elif path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["input"] = "hi"
+    async with aiohttp.ClientSession() as http:
+        status, data, _ = await call(http, "POST", gw.url + path, json=body)
+        assert status == 400 and data["error"]["param"] == field, data
+        assert "context length (1024 tokens)" in data["error"]["message"]
+        body[field] = 1024  # at the limit: accepted and served
+        status, data, _ = await call(http, "POST", gw.url + path, json=body)
+        assert status == 200, data
+    assert len(backend.engine.records) == 1  # the refused one never reached the backend
