@@ -14,6 +14,7 @@ final event (``response.completed``) carries the usage in ``response.usage``
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Protocol
 
@@ -156,27 +157,53 @@ def _count(usage: dict[str, Any], *names: str) -> int:
     return 0
 
 
+class ClientGone(Exception):
+    """The client's connection closed while the relay wrote to it."""
+
+
+async def _write(out: web.StreamResponse, data: bytes) -> None:
+    try:
+        await out.write(data)
+    except ConnectionResetError as exc:  # aiohttp's: "Cannot write to closing transport"
+        raise ClientGone from exc
+
+
 async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
                        listener: RelayListener, wants_usage: bool) -> web.StreamResponse:
+    """Relay the backend's SSE stream. A client that hangs up is handled like the handler's
+    cancellation (its request settles as ``client_closed`` and the backend connection
+    closes, so vLLM aborts it), not as a gateway error."""
+    try:
+        return await _relay(request, resp, listener, wants_usage)
+    except ClientGone:
+        raise asyncio.CancelledError from None
+
+
+async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
+                 listener: RelayListener, wants_usage: bool) -> web.StreamResponse:
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    await out.prepare(request)
+    try:
+        await out.prepare(request)
+    except ConnectionResetError as exc:
+        listener.end(False)
+        raise ClientGone from exc
     frames = FrameFilter(wants_usage)
     try:
         async for chunk in resp.content.iter_any():
             was_started, sent_before = frames.started, frames.output_frames
             data = frames.feed(chunk)
             if data:
-                await out.write(data)
+                await _write(out, data)
             if frames.output_frames != sent_before:
                 listener.tokens_sent(frames.output_frames - sent_before)
             if frames.started and not was_started:
                 await listener.first_token()
         if rest := frames.rest():
-            await out.write(rest)
+            await _write(out, rest)
     except (aiohttp.ClientError, TimeoutError) as exc:
         # The status line is gone already: end the stream with an error event instead.
         error = UpstreamError(f"backend failed mid-stream: {exc!r}")
-        await out.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        await _write(out, b"data: " + json.dumps(error.body()).encode() + b"\n\n")
     finally:
         report_usage(frames.usage, listener)
         if not frames.usage:
@@ -186,6 +213,6 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
         await out.write_eof()
     except ConnectionError:
         if not frames.done:
-            raise
+            raise ClientGone from None
         # the client hung up after reading [DONE]: the answer was delivered
     return out
