@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import aiohttp
 import openai
 
 from gateway.embedded_redis import die_with_parent
@@ -32,6 +33,20 @@ async def start_gateway(config: Path, port: int, env: dict[str, str] | None = No
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
     assert f":{port}" in line.decode(), line
     return proc
+
+
+async def until_ready(url: str) -> None:
+    """Until ``GET /ready`` answers 200 (Redis reachable, a backend scraped healthy)."""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(1000):
+            try:
+                async with http.get(url + "/ready") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"{url} never became ready")
 
 
 async def wait_ready(c: openai.AsyncOpenAI) -> None:

@@ -21,7 +21,7 @@ from gateway.embedded_redis import free_port
 from gateway.keys import ModelKeys
 from gateway.server import GatewayServer
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, gateway_settings
-from tests.processes import start_gateway
+from tests.processes import start_gateway, until_ready
 
 FLOOD, NEWCOMERS = 24, 4
 
@@ -57,6 +57,7 @@ async def test_survivor_serves_at_once_and_nothing_leaks(
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
     doomed = await start_gateway(config, port, {"FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
+    await until_ready(f"http://127.0.0.1:{port}")  # it has scraped the backend
     survivor = GatewayServer(gateway_settings(redis_url, [backend],
                                               replica_heartbeat_s=1.0, replica_ttl_s=3.0))
     await survivor.start()

@@ -68,9 +68,19 @@ async def complete(
     tag: str,
     body: dict[str, Any],
     headers: dict[str, str] | None = None,
+    retry_dropped: bool = False,
 ) -> Finished:
-    """POST one non-streaming completion; return when (monotonic) it finished."""
-    r = await client.post(url, json=body, headers=headers or {}, timeout=300)
+    """POST one non-streaming completion; return when (monotonic) it finished.
+
+    ``retry_dropped``: straight to vLLM, whose CPU build's API server (2 cores, a burst of
+    dozens of long requests) now and then closes a connection before answering; such a
+    request is sent once more. Never set through fairgate, which must not drop any."""
+    try:
+        r = await client.post(url, json=body, headers=headers or {}, timeout=300)
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        if not retry_dropped:
+            raise
+        r = await client.post(url, json=body, headers=headers or {}, timeout=300)
     assert r.status_code == 200, f"{tag}: {r.status_code} {r.text[:300]}"
     usage = r.json()["usage"]
     return Finished(tag, time.monotonic(), int(usage["completion_tokens"]))

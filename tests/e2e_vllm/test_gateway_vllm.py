@@ -63,12 +63,14 @@ async def flood_and_newcomer(
     headers_flood: dict[str, str],
     headers_new: dict[str, str],
     sampler: Sampler,
+    direct: bool = False,
 ) -> tuple[list[Finished], Finished]:
     url = base + "/v1/completions"
     async with httpx.AsyncClient(limits=limits(FLOOD + 8)) as client, sampler:
         flood = [
             asyncio.create_task(
-                complete(client, url, f"a{i}", completion_body(model, FLOOD_TOKENS), headers_flood)
+                complete(client, url, f"a{i}", completion_body(model, FLOOD_TOKENS), headers_flood,
+                         retry_dropped=direct)
             )
             for i in range(FLOOD)
         ]
@@ -81,7 +83,8 @@ async def flood_and_newcomer(
 
         await wait_until(busy, timeout_s=60)
         await asyncio.sleep(0.3)
-        newcomer = await complete(client, url, "bob", completion_body(model, 16), headers_new)
+        newcomer = await complete(client, url, "bob", completion_body(model, 16), headers_new,
+                                  retry_dropped=direct)
         done = await asyncio.gather(*flood)
     return done, newcomer
 
@@ -113,7 +116,7 @@ async def test_direct_flood_piles_up(vllm_server: VllmServer) -> None:
     (A test of its own, so no gateway scrapes the busy 2-core API server meanwhile.)"""
     direct = Sampler(vllm_server.url, 0.05)
     done_d, _ = await asyncio.wait_for(
-        flood_and_newcomer(vllm_server.url, vllm_server.model, {}, {}, direct), 240
+        flood_and_newcomer(vllm_server.url, vllm_server.model, {}, {}, direct, direct=True), 240
     )
     assert all(d.completion_tokens == FLOOD_TOKENS for d in done_d)
     assert max(direct.waiting) >= FLOOD // 2, max(direct.waiting)

@@ -31,7 +31,8 @@ async def test_parse_real_metrics(vllm_server: VllmServer) -> None:
         url = vllm_server.api + "/completions"
         tasks = [
             asyncio.create_task(
-                complete(client, url, f"r{i}", completion_body(vllm_server.model, 512))
+                complete(client, url, f"r{i}", completion_body(vllm_server.model, 512),
+                         retry_dropped=True)
             )
             for i in range(3 * MAX_NUM_SEQS)
         ]
@@ -97,6 +98,7 @@ async def _flood_then_vip(vllm_server: VllmServer) -> tuple[float, int]:
                     url,
                     f"flood{i}",
                     completion_body(vllm_server.model, flood_tokens, priority=10),
+                    retry_dropped=True,
                 )
             )
             for i in range(flood_n)
@@ -116,6 +118,7 @@ async def _flood_then_vip(vllm_server: VllmServer) -> tuple[float, int]:
                 task.cancel()
             await asyncio.gather(*flood, return_exceptions=True)
             raise
-        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 8, priority=0))
+        vip = await complete(client, url, "vip", completion_body(vllm_server.model, 8, priority=0),
+                             retry_dropped=True)
         flood_done = await asyncio.gather(*flood)
     return waiting, sum(1 for f in flood_done if f.at > vip.at)
