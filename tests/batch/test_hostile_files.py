@@ -1,14 +1,12 @@
 """Hostile uploads to ``POST /v1/files`` (issue 10, items 2 and 10): malformed multipart
-bodies are 400s in OpenAI's format, a user's files are bounded by a quota, and validating
-a large input file does not stall the event loop (``/health`` stays responsive)."""
+bodies are 400s in OpenAI's format, a user's files are bounded by a quota, and input
+files are parsed off the event loop (counted, not timed: a wall-clock bound on
+``/health`` latency was flaky on a loaded 2-core machine)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -132,48 +130,6 @@ async def test_per_user_file_quota(sim: SimFactory, gateway: GatewayFactory,
         await other.close()
     assert sorted(p.name.startswith(".") for p in (tmp_path / "files").iterdir()) == [
         False, False, False]  # no partial file left behind
-
-
-def probe_health(url: str, stop: threading.Event, latencies: list[float]) -> None:
-    """From another thread, so a blocked event loop cannot hide its own stall."""
-    while not stop.is_set():
-        started = time.monotonic()
-        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
-            assert resp.status == 200
-        latencies.append(time.monotonic() - started)
-        time.sleep(0.01)
-
-
-async def test_health_stays_responsive_while_a_large_file_is_validated(
-        sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> None:
-    gw = await gateway([await sim(profile="instant")], data_dir=tmp_path, batch_poll_s=0.05)
-    lines = 120_000
-    data = jsonl(lines)
-    latencies: list[float] = []
-    stop = threading.Event()
-    prober = threading.Thread(target=probe_health, args=(gw.url, stop, latencies))
-    c = client(gw)
-    try:
-        started = time.monotonic()
-        prober.start()
-        meta = await c.files.create(file=("big.jsonl", data), purpose="batch")
-        batch = await c.batches.create(input_file_id=meta.id, endpoint=CHAT,
-                                       completion_window="24h")
-        took = time.monotonic() - started
-        stop.set()  # before the runner loads the file (its own worker thread)
-        await asyncio.to_thread(prober.join)
-        assert meta.bytes == len(data)
-        assert batch.request_counts is not None and batch.request_counts.total == lines
-        await c.batches.cancel(batch.id)
-    finally:
-        stop.set()
-        await c.close()
-    # Before: the loop stalled for a whole parse (~45 % of ``took``). The bound scales with
-    # ``took`` so that a loaded machine (both slower) does not make it flaky.
-    worst = max(latencies)
-    assert worst < max(0.5, took / 4), (
-        f"/health took up to {worst:.3f}s during {took:.2f}s of upload and batch creation "
-        f"({len(latencies)} probes)")
 
 
 class WhereJsonRuns:
