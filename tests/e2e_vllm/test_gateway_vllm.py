@@ -4,6 +4,7 @@ overtake a flood. The same flood sent straight to vLLM piles up in its waiting q
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
@@ -81,7 +82,10 @@ async def flood_and_newcomer(
         async def busy() -> bool:
             return max(sampler.running, default=0) >= 1
 
-        await wait_until(busy, timeout_s=60)
+        # (vLLM's CPU API server may answer no /metrics at all for a while during the
+        # burst: then the newcomer simply comes later; the assertions read the samples)
+        with contextlib.suppress(TimeoutError):
+            await wait_until(busy, timeout_s=60)
         await asyncio.sleep(0.3)
         newcomer = await complete(client, url, "bob", completion_body(model, 16), headers_new,
                                   retry_dropped=direct)
