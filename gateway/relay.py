@@ -96,7 +96,8 @@ class FrameFilter:
                 and RESPONSE_OBJECT not in complete):
             # the hot path, no parsing: lines that start a JSON payload (a JSON string
             # cannot hold a raw newline, so generated text never matches)
-            self.output_frames += (b"\n" + complete).count(b"\ndata: {")
+            self.output_frames += (complete.count(b"\ndata: {")
+                                   + complete.startswith(b"data: {"))
             return complete
         return b"".join(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
 
