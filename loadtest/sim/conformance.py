@@ -411,9 +411,13 @@ async def _queued_attempt(
             waiting = _gauge(await _scrape(http, base), "vllm:num_requests_waiting")
             if waiting < 1:
                 await asyncio.sleep(0.05)
-        out["waited_in_engine_queue"] = waiting >= 1
         await asyncio.sleep(QUEUED_OBSERVE_S)
+        # Still queued when the flood is dropped? (A flood stream may end or be preempted
+        # early on a busy host and let the probe in: then the attempt says nothing.) Frames
+        # that came before this check came while the probe was queued.
         released_at.append(time.monotonic())
+        still = _gauge(await _scrape(http, base), "vllm:num_requests_waiting")
+        out["waited_in_engine_queue"] = waiting >= 1 and still >= 1
         for resp in flood:
             resp.close()
         await asyncio.wait_for(probe_task, IDLE_TIMEOUT_S)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backend_metrics import RawMetrics, parse_metrics
 
@@ -17,6 +18,31 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> RawMetrics:
     r = await client.get(base_url + "/metrics", timeout=5)
     r.raise_for_status()
     return parse_metrics(r.text)
+
+
+async def histogram_totals(base_url: str, names: tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of vLLM's histograms ``names`` (the ``vllm:`` ones, all label sets
+    added up). Cumulative, so unlike a sampled gauge no burst is missed while the CPU
+    build's API server answers no /metrics; retried until it answers."""
+    totals = {n: (0.0, 0.0) for n in names}
+    async with httpx.AsyncClient() as client:
+        for _ in range(60):
+            with contextlib.suppress(httpx.HTTPError):
+                r = await client.get(base_url + "/metrics", timeout=10)
+                r.raise_for_status()
+                break
+            await asyncio.sleep(1)
+        else:
+            raise AssertionError(f"{base_url}/metrics answered nothing for a minute")
+    for family in text_string_to_metric_families(r.text):
+        if family.name in names:
+            for s in family.samples:
+                total, count = totals[family.name]
+                if s.name.endswith("_sum"):
+                    totals[family.name] = (total + s.value, count)
+                elif s.name.endswith("_count"):
+                    totals[family.name] = (total, count + s.value)
+    return totals
 
 
 @dataclass
