@@ -272,6 +272,21 @@ class Store:
                            float(enqueued[i]) if enqueued[i] else None)
                 for i, (klass, user, score) in enumerate(pairs)]
 
+    async def queue_place(self, model: str, klass: str, user: str,
+                          request_id: str | None) -> tuple[float | None, int | None]:
+        """(the user's score among its class's active users, the request's index in its
+        user's queue, or without ``request_id`` the queue's length); None when absent.
+        For the wait estimate."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(k.active(klass), user)
+        if request_id is None:
+            pipe.llen(k.queue(klass, user))
+        else:
+            pipe.lpos(k.queue(klass, user), request_id)
+        score, index = await pipe.execute()
+        return (None if score is None else float(score)), (None if index is None else int(index))
+
     async def request_exists(self, model: str, request_id: str) -> bool:
         return bool(await self.client.exists(ModelKeys(model).request(request_id)))
 
