@@ -3,7 +3,8 @@
 Sums over the ``engine`` label (data-parallel ranks), ignores ``*_created`` samples,
 accepts the names of old servers (``vllm:gpu_cache_usage_perc``,
 ``vllm:time_per_output_token_seconds``), and turns the TPOT histogram into a *recent* mean
-by differencing ``_sum``/``_count`` over a sliding window.
+(and the TTFT histogram, which the adaptive pacing reads) into a *recent* mean by
+differencing ``_sum``/``_count`` over a sliding window.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ TPOT_HISTOGRAMS = (
     "vllm:inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds",
 )
+TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
+HISTOGRAMS = TPOT_HISTOGRAMS + TTFT_HISTOGRAMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +32,7 @@ class RawMetrics:
     waiting: float
     running: float
     kv_usage: float
-    tpot_sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
+    sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
 
 
 class MetricsFormatError(ValueError):
@@ -39,7 +42,7 @@ class MetricsFormatError(ValueError):
 def parse_metrics(text: str) -> RawMetrics:
     totals: dict[str, float] = {}
     wanted = {RUNNING, WAITING, *KV_USAGE}
-    wanted |= {h + "_sum" for h in TPOT_HISTOGRAMS} | {h + "_count" for h in TPOT_HISTOGRAMS}
+    wanted |= {h + "_sum" for h in HISTOGRAMS} | {h + "_count" for h in HISTOGRAMS}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -50,19 +53,21 @@ def parse_metrics(text: str) -> RawMetrics:
     if RUNNING not in totals or WAITING not in totals:
         raise MetricsFormatError("no vllm:num_requests_running/waiting in /metrics")
     kv = next((totals[name] for name in KV_USAGE if name in totals), 0.0)
-    tpot = {
+    sums = {
         h: (totals[h + "_sum"], totals[h + "_count"])
-        for h in TPOT_HISTOGRAMS
+        for h in HISTOGRAMS
         if h + "_count" in totals
     }
-    return RawMetrics(totals[WAITING], totals[RUNNING], kv, tpot)
+    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums)
 
 
 @dataclass
-class TpotWindow:
-    """Recent mean TPOT from cumulative histogram samples within ``window_s``."""
+class HistogramWindow:
+    """Recent mean of one histogram (the first of ``names`` the server has) from
+    cumulative samples within ``window_s``."""
 
     window_s: float
+    names: tuple[str, ...] = TPOT_HISTOGRAMS
     _points: deque[tuple[float, dict[str, tuple[float, float]]]] = field(default_factory=deque)
 
     def add(self, now_s: float, sums: dict[str, tuple[float, float]]) -> float | None:
@@ -70,7 +75,7 @@ class TpotWindow:
         while len(self._points) > 2 and self._points[1][0] <= now_s - self.window_s:
             self._points.popleft()
         oldest = self._points[0][1]
-        for name in TPOT_HISTOGRAMS:
+        for name in self.names:
             if name in sums and name in oldest:
                 d_sum = sums[name][0] - oldest[name][0]
                 d_count = sums[name][1] - oldest[name][1]

@@ -9,6 +9,7 @@ A request that cannot connect to the backend closes its gates the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -17,7 +18,12 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
-from gateway.backend_metrics import MetricsFormatError, TpotWindow, parse_metrics
+from gateway.backend_metrics import (
+    TTFT_HISTOGRAMS,
+    HistogramWindow,
+    MetricsFormatError,
+    parse_metrics,
+)
 from gateway.errors import StoreUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Backend, Settings
@@ -25,6 +31,7 @@ from gateway.store import Store
 from gateway.supervise import supervise
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate
+from policies.pacing import Pacing, PacingTargets, adjust
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -32,7 +39,9 @@ log = structlog.get_logger("fairgate.backends")
 @dataclass
 class BackendHandle:
     config: Backend
-    tpot: TpotWindow
+    tpot: HistogramWindow
+    ttft: HistogramWindow
+    pacing: dict[str, Pacing]  # each class's allowance (adaptive pacing)
     healthy: bool = False
     failures: int = 0
     accepts_priority: bool = True
@@ -75,10 +84,17 @@ class BackendPool:
         self.on_snapshot = on_snapshot
         self.gate_policies: dict[str, GatePolicy] = {
             c: settings.classes[c].gate() for c in CLASS_ORDER}
-        self.handles = {
-            b.name: BackendHandle(b, TpotWindow(settings.tpot_window_s)) for b in settings.backends
-        }
+        self.pacing_targets: dict[str, PacingTargets] | None = None
+        if settings.pacing == "adaptive":
+            self.pacing_targets = {c: settings.classes[c].pacing_targets() for c in CLASS_ORDER}
+        self.handles = {b.name: self._handle(b) for b in settings.backends}
         self._loops: dict[str, asyncio.Task[None]] = {}
+
+    def _handle(self, config: Backend) -> BackendHandle:
+        window_s = self.settings.tpot_window_s
+        pacing = {c: Pacing(float(p.max_waiting)) for c, p in self.gate_policies.items()}
+        return BackendHandle(config, HistogramWindow(window_s),
+                             HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing)
 
     def for_model(self, model: str) -> list[BackendHandle]:
         return [h for h in self.handles.values() if h.config.model == model]
@@ -124,7 +140,7 @@ class BackendPool:
                 loop = self._loops.pop(name, None)
                 if loop is not None:
                     loop.cancel()
-            self.handles[name] = BackendHandle(config, TpotWindow(self.settings.tpot_window_s))
+            self.handles[name] = self._handle(config)
             report["changed" if handle is not None else "added"].append(name)
             self._start(self.handles[name])
         return report
@@ -147,7 +163,8 @@ class BackendPool:
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError) as exc:
             self._failed(handle, exc)
             return
-        tpot = handle.tpot.add(started, raw.tpot_sums)
+        tpot = handle.tpot.add(started, raw.sums)
+        ttft = handle.ttft.add(started, raw.sums)
         snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
         try:
             _, handle.drained = await self.store.store_snapshot(handle.config.model,
@@ -161,11 +178,24 @@ class BackendPool:
             await self._read_model_card(handle)
         handle.healthy, handle.failures, handle.last = True, 0, snap
         handle.sent_since_snapshot = 0
-        handle.gates = {c: evaluate_gate(snap, policy, snap.taken_at_s, math.inf)
-                        for c, policy in self.gate_policies.items()}
+        handle.gates = {c: evaluate_gate(snap, self._paced(handle, c, snap, ttft),
+                                         snap.taken_at_s, math.inf)
+                        for c in self.gate_policies}
         self._record(handle, snap)
         handle.scraped.set()
         self.on_snapshot()
+
+    def _paced(self, handle: BackendHandle, cls: str, snap: BackendSnapshot,
+               ttft_s: float | None) -> GatePolicy:
+        """The class's gate policy, its ``max_waiting`` moved by adaptive pacing."""
+        policy = self.gate_policies[cls]
+        if self.pacing_targets is None:
+            return policy
+        before = handle.pacing[cls]
+        after = handle.pacing[cls] = adjust(before, snap, ttft_s, self.pacing_targets[cls])
+        if after.allowance != before.allowance:
+            self.metrics.record_pacing(handle.name, cls, after.allowance, after.reason)
+        return dataclasses.replace(policy, max_waiting=after.max_waiting)
 
     def max_model_len(self, model: str) -> int | None:
         """The smallest context length the model's backends report (None: unknown)."""

@@ -82,9 +82,13 @@ def missing_setup(settings: Settings) -> str | None:
 SERVE_PORT_CHANGE = "choose another with listen.port in the config or FAIRGATE_LISTEN__PORT"
 
 
-async def run_gateway(settings: Settings) -> int:
-    """Serve until SIGINT/SIGTERM (0); a port taken at bind time → one line, 2."""
-    server = GatewayServer(settings)
+async def run_gateway(settings: Settings, server: GatewayServer | None = None,
+                      ready: Callable[[GatewayServer], None] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (0); a port taken at bind time → one line, 2.
+
+    ``ready`` is called once the server listens (default: print where); a worker of
+    ``gateway/workers.py`` passes its own ``server`` and ``ready``."""
+    server = server or GatewayServer(settings)
     try:
         await server.start()
     except OSError as exc:
@@ -97,7 +101,10 @@ async def run_gateway(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print(f"fairgate listening on {server.url}", flush=True)
+    if ready is None:
+        print(f"fairgate listening on {server.url}", flush=True)
+    else:
+        ready(server)
     try:
         await stop.wait()
     finally:
@@ -116,14 +123,34 @@ def _serve(args: argparse.Namespace) -> int:
     if port_taken(settings.listen.host, settings.listen.port):
         return fail(port_taken_message(settings.listen.host, settings.listen.port,
                                        SERVE_PORT_CHANGE))
+    workers = args.workers or settings.workers
+    if workers is None:
+        from gateway.workers import default_workers
+
+        workers = default_workers()
     configure_logging(settings.log_level)
+    if workers > 1:
+        from gateway.workers import serve_workers
+
+        return serve_workers(settings, args.config, workers)
     return asyncio.run(run_gateway(settings))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def add_serve(sub: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = sub.add_parser(
         "serve", help="run the gateway (config: --config or FAIRGATE_CONFIG)")
     parser.add_argument("--config", help="YAML config file; FAIRGATE_* env vars override it")
+    parser.add_argument(
+        "--workers", type=_positive, default=None,
+        help="gateway processes on the port (default: setting `workers`, else one per "
+             "core; 1: serve in this process)")
     parser.set_defaults(run=_serve)
     return parser
 

@@ -94,6 +94,13 @@ class GatewayMetrics:
         self.backend_drained = Gauge(
             "fairgate_backend_drained", "1 when an operator drained the backend (this replica)",
             ["backend"], registry=r)
+        self.pacing_allowance = Gauge(
+            "fairgate_pacing_allowance",
+            "Requests of the class adaptive pacing lets wait at the backend (ceiling: "
+            "max_waiting)", ["backend", "priority_class"], registry=r)
+        self.pacing_changes = Counter(
+            "fairgate_pacing_changes_total", "Changes of the pacing allowance, by reason",
+            ["backend", "priority_class", "reason"], registry=r)
         self.requests = Counter(
             "fairgate_requests_total", "Finished client requests by status",
             ["model", "priority_class", "status"], registry=r)
@@ -183,6 +190,10 @@ class GatewayMetrics:
         return len(recent) / DISPATCH_RATE_WINDOW_S
 
     # -- gates ----------------------------------------------------------------------------
+
+    def record_pacing(self, backend: str, cls: str, allowance: float, reason: str) -> None:
+        self.pacing_allowance.labels(backend, cls).set(allowance)
+        self.pacing_changes.labels(backend, cls, reason).inc()
 
     def record_gates(self, backend: str, reasons: Mapping[str, str | None], now: float) -> None:
         """Record each class's gate state; the time since the last call is charged to the

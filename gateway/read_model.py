@@ -76,6 +76,8 @@ class Inspector:
                 "inflight": st.inflight,
                 "gates": {c: {"open": g.reason is None, "limit": g.limit, "reason": g.reason}
                           for c, g in gates.items()},
+                "pacing": {c: {"allowance": p.allowance, "reason": p.reason}
+                           for c, p in h.pacing.items()},
                 "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
             })
         return out

@@ -60,8 +60,10 @@ class _Refuse(asyncio.Protocol):
 
 
 class GatewayServer:
-    def __init__(self, settings: Settings, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(self, settings: Settings, metrics: GatewayMetrics | None = None,
+                 reuse_port: bool = False) -> None:
         self.settings = settings
+        self.reuse_port = reuse_port  # several workers on one port (gateway/workers.py)
         self.app = create_app(settings, metrics)
         # Cancel the handler when its client disconnects: a queued request then leaves
         # the queue and a streaming one closes its upstream connection (vLLM aborts it).
@@ -86,6 +88,8 @@ class GatewayServer:
 
     async def start(self) -> None:
         await self.runner.setup()
+        if self.reuse_port:
+            await self._first_scrapes()
         server = self.runner.server
         assert server is not None
         cap = self.max_connections()
@@ -102,8 +106,19 @@ class GatewayServer:
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(
             protocol, self.settings.listen.host, self.settings.listen.port,
-            reuse_address=True, backlog=1024)
+            reuse_address=True, reuse_port=self.reuse_port or None, backlog=1024)
         self.port = int(self._listener.sockets[0].getsockname()[1])
+
+    async def _first_scrapes(self) -> None:
+        """A worker joining a shared port (its siblings serve already) takes connections
+        once each backend was scraped, or tried for the scrape timeout: not before, or it
+        would answer "no healthy backend" while its siblings know better."""
+        waits = [asyncio.create_task(h.scraped.wait())
+                 for h in self.services.pool.handles.values()]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.settings.scrape_timeout_s * 2)
+            for task in pending:
+                task.cancel()
 
     async def stop(self) -> None:
         if self._listener is not None:

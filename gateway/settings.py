@@ -21,6 +21,7 @@ from pydantic_settings import (
 from policies.classes import CLASS_ORDER, CLASSES, default_floors
 from policies.fairness import POLICIES
 from policies.gates import GatePolicy
+from policies.pacing import PacingTargets
 
 
 class Listen(BaseModel):
@@ -55,14 +56,21 @@ class ClassConfig(BaseModel):
     max_kv_usage: float | None = None
     max_queue_wait_s: float = 300.0
     priority_base: int = 0
+    # default first-token deadline of the class's requests (X-Fairgate-Deadline-Ms wins)
+    ttft_slo_ms: int | None = Field(None, gt=0)
 
     def gate(self) -> GatePolicy:
         return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)
 
+    def pacing_targets(self) -> PacingTargets:
+        ttft_slo_s = None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000.0
+        return PacingTargets(self.max_waiting, self.max_tpot_ms / 1000.0, ttft_slo_s)
+
 
 def _default_classes() -> dict[str, ClassConfig]:
     return {c.name: ClassConfig(max_waiting=c.max_waiting, max_queue_wait_s=c.max_queue_wait_s,
-                                priority_base=c.priority_base) for c in CLASSES}
+                                priority_base=c.priority_base, ttft_slo_ms=c.ttft_slo_ms)
+            for c in CLASSES}
 
 
 class Settings(BaseSettings):
@@ -74,6 +82,9 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
     listen: Listen = Listen()
+    # `fairgate serve` processes on the listen port (gateway/workers.py); None: one per
+    # core; 1: the gateway in the serving process itself
+    workers: int | None = Field(None, ge=1)
     backends: list[Backend] = []
     api_keys: list[ApiKey] = []
     admin_keys: list[str] = []
@@ -93,6 +104,9 @@ class Settings(BaseSettings):
     snapshot_stale_s: float = 1.0
     unhealthy_after_failures: int = 3
     tpot_window_s: float = 5.0
+    # "adaptive": each class's max_waiting is the ceiling of an allowance tuned per backend
+    # from its TPOT, TTFT and batch room (policies/pacing.py); "fixed": max_waiting as is
+    pacing: Literal["adaptive", "fixed"] = "adaptive"
 
     # Client connections (gateway/server.py): a cap with a clear 503, and a deadline for
     # a connection to complete a request's headers (also closes idle keep-alives).

@@ -1,8 +1,9 @@
 """Priority classes: the one table every other module reads.
 
 Lower position = served first. Each row holds the class's defaults: its vLLM priority
-base, its pacing gate, how long a request may wait, and its starvation floor (the share
-of recent dispatches a backlogged class is owed; see ``policies/starvation.py``).
+base, its pacing gate, how long a request may wait, its starvation floor (the share of
+recent dispatches a backlogged class is owed; see ``policies/starvation.py``) and its
+default first-token deadline (``ttft_slo_ms``; None: none, a client may still send one).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class ClassSpec:
     max_waiting: int
     max_queue_wait_s: float
     floor: float
+    ttft_slo_ms: int | None = None
 
 
 CLASSES: tuple[ClassSpec, ...] = (

@@ -27,6 +27,7 @@ async def start_gateway(config: Path, port: int, env: dict[str, str] | None = No
     listens on ``port``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+        "--workers", "1",  # one replica per process: a kill here is a replica's crash
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         preexec_fn=die_with_parent, env={**os.environ, **(env or {})})
     assert proc.stdout is not None

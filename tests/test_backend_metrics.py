@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backend_metrics import MetricsFormatError, TpotWindow, parse_metrics
+from gateway.backend_metrics import MetricsFormatError, HistogramWindow, parse_metrics
 
 # a real vLLM 0.32 CPU server's /metrics with 16 running and 16 waiting
 REFERENCE = Path(__file__).parent / "data" / "vllm-0.32-cpu-metrics-under-load.txt"
@@ -14,7 +14,7 @@ def test_parses_real_vllm_output() -> None:
     raw = parse_metrics(REFERENCE.read_text())
     assert raw.running == 16 and raw.waiting == 16
     assert 0.0 <= raw.kv_usage <= 1.0
-    s, c = raw.tpot_sums["vllm:request_time_per_output_token_seconds"]
+    s, c = raw.sums["vllm:request_time_per_output_token_seconds"]
     assert c > 0 and s > 0
 
 
@@ -35,7 +35,7 @@ def test_sums_over_engines_and_reads_old_names() -> None:
     ])
     raw = parse_metrics(text)
     assert (raw.running, raw.waiting, raw.kv_usage) == (5, 5, 0.25)
-    assert raw.tpot_sums == {"vllm:time_per_output_token_seconds": (2.0, 40)}
+    assert raw.sums == {"vllm:time_per_output_token_seconds": (2.0, 40)}
 
 
 def test_rejects_non_vllm_text() -> None:
@@ -45,7 +45,7 @@ def test_rejects_non_vllm_text() -> None:
 
 def test_tpot_window_uses_recent_delta_not_lifetime_mean() -> None:
     name = "vllm:request_time_per_output_token_seconds"
-    w = TpotWindow(window_s=5.0)
+    w = HistogramWindow(window_s=5.0)
     assert w.add(0.0, {name: (100.0, 100)}) is None  # lifetime mean 1 s is ignored
     assert w.add(1.0, {name: (101.0, 200)}) == pytest.approx(0.01)
     assert w.add(10.0, {name: (111.0, 300)}) == pytest.approx(0.1)  # old point expired

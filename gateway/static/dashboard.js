@@ -82,6 +82,12 @@ function gateBadges(gates, inTransit) {
   });
 }
 
+function pacingCell(pacing) {
+  // adaptive pacing: how many of each class may wait at the backend, and why it last moved
+  return CLASSES.map((c) => el("div", { "data-pacing": c },
+    `${c}: ${fmt(pacing[c].allowance, 1)} (${pacing[c].reason})`));
+}
+
 function backendsPanel(backends) {
   const rows = backends.map((b) => {
     const s = b.snapshot || {};
@@ -97,13 +103,14 @@ function backendsPanel(backends) {
       el("td", {}, b.inflight),
       el("td", { "data-metric": "dispatch-rate" }, fmt(b.dispatch_rate_per_s, 1)),
       el("td", {}, gateBadges(b.gates, b.in_transit)),
+      el("td", {}, pacingCell(b.pacing)),
       el("td", {}, b.drained
         ? actionButton("undrain", "undrain", { "data-backend": b.name })
         : actionButton("drain", "drain", { "data-backend": b.name })));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
     table(["backend", "state", "waiting", "running", "in transit", "KV", "TPOT ms",
-           "in flight", "dispatch/s", "gates", ""], rows, "no backends"));
+           "in flight", "dispatch/s", "gates", "pacing allowance", ""], rows, "no backends"));
 }
 
 function sharesPanel(shares) {

@@ -32,7 +32,7 @@ def broken(*args, **kwargs):
 
 gateway.routes.effective_class = broken
 from gateway.cli import main
-sys.exit(main(["serve", "--config", sys.argv[1]]))
+sys.exit(main(["serve", "--config", sys.argv[1], "--workers", "1"]))
 """
 
 

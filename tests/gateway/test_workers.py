@@ -1,0 +1,223 @@
+"""``fairgate serve --workers N`` as real processes on the real Redis, in front of the
+simulator: several workers share the port and one scheduler, a killed worker is replaced,
+SIGTERM stops them all, and ``--workers 1`` serves in the process itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.embedded_redis import free_port
+from gateway.store import Store
+from gateway.workers import WORKER_HEADER
+from tests.gateway.conftest import KEYS, MODEL, SimFactory, until
+
+START_TIMEOUT_S = 60.0
+
+
+class Served:
+    """A ``fairgate serve`` process: its URL and its log events as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
+        self.proc = proc
+        self.url = url
+        self.events: list[dict[str, Any]] = []
+        self._new = asyncio.Condition()
+        self._reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        assert self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            if line.startswith(b"{"):
+                async with self._new:
+                    self.events.append(json.loads(line))
+                    self._new.notify_all()
+
+    async def event(self, name: str, after: int = 0, **fields: Any) -> dict[str, Any]:
+        """The first log event ``name`` with ``fields`` from the ``after``-th on (awaited
+        until it comes)."""
+        def match() -> dict[str, Any] | None:
+            return next((e for e in self.events[after:] if e["event"] == name
+                         and all(e.get(k) == v for k, v in fields.items())), None)
+        async with self._new:
+            await asyncio.wait_for(self._new.wait_for(lambda: match() is not None),
+                                   START_TIMEOUT_S)
+        found = match()
+        assert found is not None
+        return found
+
+    def ready_pids(self) -> dict[int, int]:
+        """worker index → pid of its latest ready process."""
+        return {e["worker"]: e["pid"] for e in self.events if e["event"] == "worker_ready"}
+
+
+@contextlib.asynccontextmanager
+async def serve(backend_url: str, redis_url: str, tmp_path: Path, workers: int
+                ) -> AsyncIterator[Served]:
+    port = free_port()
+    config = {"listen": {"host": "127.0.0.1", "port": port}, "redis_url": redis_url,
+              "backends": [{"name": "b0", "url": backend_url, "model": MODEL}],
+              "api_keys": KEYS, "data_dir": str(tmp_path), "scrape_interval_s": 0.02,
+              "replica_heartbeat_s": 0.2}
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FAIRGATE_", "PROMETHEUS_MULTIPROC")) or
+           k.startswith("FAIRGATE_TEST_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+        "--workers", str(workers), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    served = Served(proc, f"http://127.0.0.1:{port}")
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), START_TIMEOUT_S)
+        assert line.decode().strip() == f"fairgate listening on {served.url}"
+        async with aiohttp.ClientSession() as session:
+            async def ready() -> bool:
+                async with session.get(served.url + "/ready") as resp:
+                    return resp.status == 200
+            await until(ready, "the backend scraped healthy")
+        yield served
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 60)
+        served._reader.cancel()
+
+
+async def one_request(url: str, key: str, prompt: str) -> tuple[int, str | None]:
+    """A completion on its own connection (the kernel picks the worker per connection)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "ignore_eos": True}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.post(url + "/v1/completions", json=body,
+                   headers={"Authorization": f"Bearer {key}"}) as resp:
+        data = await resp.json()
+        assert resp.status == 200, data
+        assert data["usage"]["completion_tokens"] == 2
+        return resp.status, resp.headers.get(WORKER_HEADER)
+
+
+async def scrape(url: str) -> tuple[dict[str, float], str | None]:
+    """Samples of one ``/metrics`` scrape on a new connection, and the worker that answered."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.get(url + "/metrics") as resp:
+        text = await resp.text()
+        worker = resp.headers.get(WORKER_HEADER)
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + json.dumps(sample.labels, sort_keys=True)
+            samples[key] = sample.value
+    return samples, worker
+
+
+def total(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(name + "{"))
+
+
+async def backend_successes(url: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples if sample.name == "vllm:request_success_total")
+
+
+def children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError):  # a zombie is dead
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
+
+
+async def test_two_workers_serve_every_request_once_and_share_one_metrics_view(
+        sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    before = await backend_successes(backend.url)
+    n = 120
+    async with serve(backend.url, redis_url, tmp_path, workers=2) as gw:
+        assert set(gw.ready_pids()) == {0, 1}
+        keys = [k["key"] for k in KEYS]
+        results = await asyncio.gather(*(one_request(gw.url, keys[i % len(keys)], f"p{i}")
+                                         for i in range(n)))
+        by_worker = {w: sum(1 for _, x in results if x == w) for w in ("0", "1")}
+        assert sum(by_worker.values()) == n and all(by_worker.values()), by_worker
+        assert await backend_successes(backend.url) - before == n  # none twice, none lost
+        store = Store(redis, request_ttl_s=60)
+
+        async def settled() -> bool:  # settle runs as each handler unwinds
+            return (await store.user_inflight(MODEL) == {}
+                    and not any((await store.depths(MODEL)).values()))
+        await until(settled, "every request settled in the one shared scheduler")
+        # one view: a scrape through either worker counts both workers' requests
+        seen: dict[str, float] = {}
+        while len(seen) < 2:
+            samples, worker = await scrape(gw.url)
+            assert worker is not None
+            seen[worker] = total(samples, "fairgate_requests_total")
+        assert seen == {"0": n, "1": n}
+
+
+async def test_a_killed_worker_is_replaced_and_sigterm_stops_all(
+        sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    async with serve(backend.url, redis_url, tmp_path, workers=2) as gw:
+        old = gw.ready_pids()
+        mark = len(gw.events)
+        os.kill(old[0], signal.SIGKILL)
+        exited = await gw.event("worker_exited", mark, worker=0, pid=old[0])
+        assert exited["code"] == -signal.SIGKILL
+        await gw.event("worker_ready", mark, worker=0)  # the replacement listens
+        pids = gw.ready_pids()
+        assert pids[0] != old[0] and pids[1] == old[1]
+        assert alive(pids[0]) and not alive(old[0])
+        results = await asyncio.gather(*(one_request(gw.url, "sk-alice", f"p{i}")
+                                         for i in range(40)))
+        assert {w for _, w in results} == {"0", "1"}  # the new worker serves too
+        gw.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(gw.proc.wait(), 60) == 0
+        for pid in pids.values():
+            assert not alive(pid)
+    assert not any(e.get("level") == "error" for e in gw.events), gw.events
+
+
+async def test_one_worker_serves_in_the_process_itself(
+        sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    async with serve(backend.url, redis_url, tmp_path, workers=1) as gw:
+        _, worker = await one_request(gw.url, "sk-alice", "hello")
+        assert worker is None  # no worker processes, no worker header
+        assert children(gw.proc.pid) == []  # no worker processes (the Redis is the test's)
+        assert not any(e["event"].startswith("worker_") for e in gw.events)
+        gw.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(gw.proc.wait(), 60) == 0
+
+
+@pytest.mark.parametrize("workers", ["0", "-1"])
+async def test_workers_must_be_positive(workers: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", "--workers", workers,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await proc.communicate()
+    assert proc.returncode == 2
+    assert b"--workers" in err and b"at least 1" in err
