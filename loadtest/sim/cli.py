@@ -34,6 +34,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="automatic prefix caching, as in vLLM V1 (default: on)",
+    )  # fmt: skip
+    parser.add_argument(
         "--embedding-dimensions", type=int, default=DEFAULT_DIMENSIONS,
         help="length of /v1/embeddings vectors",
     )  # fmt: skip
@@ -52,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_blocks=args.kv_blocks,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

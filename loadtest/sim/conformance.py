@@ -60,15 +60,10 @@ ALLOWED: dict[str, str] = {
 }
 # vLLM families the simulator does not export, each with the reason.
 ALLOWED_MISSING_FAMILIES: dict[str, str] = {
-    "vllm:prefix_cache_queries": "no prefix cache modelled (zeros would read as a cold cache)",
-    "vllm:prefix_cache_hits": "no prefix cache modelled",
     "vllm:external_prefix_cache_queries": "no KV connector modelled",
     "vllm:external_prefix_cache_hits": "no KV connector modelled",
     "vllm:mm_cache_queries": "text only: no multimodal cache",
     "vllm:mm_cache_hits": "text only: no multimodal cache",
-    "vllm:prompt_tokens_by_source": "splits prompt tokens by cache source: no cache modelled",
-    "vllm:prompt_tokens_cached": "no prefix cache modelled",
-    "vllm:prompt_tokens_cached_by_source": "no prefix cache modelled",
     "vllm:estimated_flops_per_gpu": "MFU estimates: not modelled",
     "vllm:estimated_read_bytes_per_gpu": "MFU estimates: not modelled",
     "vllm:estimated_write_bytes_per_gpu": "MFU estimates: not modelled",

@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loadtest.sim.prefix_cache import BlockTable, hash_blocks
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.records import RequestRecord, RequestStream, Token
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits, Sequence, StepPlan
@@ -41,6 +42,7 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
     cost: Profile = field(init=False)
     num_kv_blocks: int = field(init=False)
     model_len: int = field(init=False)
@@ -68,6 +70,7 @@ class EngineConfig:
             policy=self.scheduling_policy,
             kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 
@@ -78,6 +81,8 @@ class EngineObserver(Protocol):
     def finished(self, record: RequestRecord) -> None: ...
     def preempted(self, record: RequestRecord) -> None: ...
     def step(self, batch_tokens: int) -> None: ...
+
+    def prefix_cache(self, queries: int, hits: int) -> None: ...
 
 
 class SimEngine:
@@ -93,6 +98,8 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._reported_queries = 0
+        self._reported_hits = 0
 
     @property
     def num_waiting(self) -> int:
@@ -108,6 +115,16 @@ class SimEngine:
     def kv_usage(self) -> float:
         """KV-cache usage, 0..1."""
         return self.scheduler.kv_usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far."""
+        return self.scheduler.pool.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the prefix cache so far."""
+        return self.scheduler.pool.hits
 
     def start(self) -> None:
         """Start the step loop on the running event loop."""
@@ -133,6 +150,7 @@ class SimEngine:
         output_tokens: int | Seq[int] | None = None,
         priority: int = 0,
         pooling: bool = False,
+        prompt_ids: Seq[int] | None = None,
     ) -> RequestStream:
         """Queue a request that will generate ``output_tokens`` (default ``max_tokens``).
 
@@ -142,6 +160,9 @@ class SimEngine:
         ``pooling`` (an embedding): prefill only, like vLLM's pooling requests (there
         ``max_tokens`` is 1): the request finishes when its prompt is computed; the one
         token its stream delivers then is the pooled output, not a generated token.
+
+        ``prompt_ids`` (the prompt's token ids, one per prompt token) make the request's
+        full blocks findable in the prefix cache; without them it is computed in full.
         """
         if pooling:
             max_tokens = output_tokens = 1
@@ -170,8 +191,13 @@ class SimEngine:
             for i, rid in enumerate(ids)
         ]
         stream = RequestStream(records)
+        hashes: list[bytes] = []
+        cache = self.scheduler.pool
+        if cache.enable_caching and prompt_ids is not None and len(prompt_ids) == prompt_tokens:
+            hashes = hash_blocks(prompt_ids, cache.block_size)
         for rid, record, target in zip(ids, records, targets, strict=True):
-            self.scheduler.add(Sequence(rid, priority, now, prompt_tokens, target))
+            table = BlockTable(hashes)
+            self.scheduler.add(Sequence(rid, priority, now, prompt_tokens, target, table=table))
             self.records[rid] = record
             self._streams[rid] = stream
         self._wake.set()
@@ -248,7 +274,15 @@ class SimEngine:
         self._note_preemptions(plan)
         for chunk in plan.chunks:
             if chunk.first_schedule:
-                self.records[chunk.seq.request_id].first_scheduled_s = now
+                record = self.records[chunk.seq.request_id]
+                record.first_scheduled_s = now
+                record.cached_tokens = chunk.seq.num_cached_tokens
+        queries, hits = self.prefix_cache_queries, self.prefix_cache_hits
+        if queries != self._reported_queries and self._observer is not None:
+            self._observer.prefix_cache(
+                queries - self._reported_queries, hits - self._reported_hits
+            )
+        self._reported_queries, self._reported_hits = queries, hits
 
     def _note_preemptions(self, plan: StepPlan) -> None:
         for seq in plan.preempted:

@@ -4,9 +4,11 @@ Each server owns a ``CollectorRegistry``; nothing is registered globally. Gauges
 refreshed from the engine at scrape time; histograms and counters are fed by engine
 events through the ``EngineObserver`` methods. Like vLLM, a request aborted by its client
 counts in no per-request histogram and not in ``request_success`` (its prompt and
-generated tokens do count). Families vLLM exports that the simulator does not model
-(prefix and multimodal caches, MFU estimates, admission caps, cache config info) are
-absent; ``tests/e2e_vllm/test_conformance.py`` lists them.
+generated tokens do count). The prefix cache's families count as vLLM's do: queries and
+hits (tokens) at a request's first admission, cached and computed prompt tokens at its
+first token. Families vLLM exports that the simulator does not model (KV connector and
+multimodal caches, MFU estimates, admission caps, cache config info) are absent;
+``loadtest/sim/conformance.py`` lists them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ ITERATION_TOKEN_BUCKETS = (
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+CACHE_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
 REQUEST_LATENCY_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
@@ -160,6 +164,31 @@ class SimMetrics:
         self.preemptions = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
         )
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.", (*LABELS, "source"), registry=registry,
+        )  # fmt: skip
+        self.prompt_computed = by_source.labels(source="local_compute", **labels)
+        self.prompt_local_hit = by_source.labels(source="local_cache_hit", **labels)
+        by_source.labels(source="external_kv_transfer", **labels)
+        cached_by_source = Counter(
+            "vllm:prompt_tokens_cached_by_source",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+            (*LABELS, "source"), registry=registry,
+        )  # fmt: skip
+        self.cached_device = cached_by_source.labels(source="device", **labels)
+        for source in CACHE_SOURCES[1:]:
+            cached_by_source.labels(source=source, **labels)
         success = Counter(
             "vllm:request_success", "Count of successfully processed requests.",
             (*LABELS, "finished_reason"), registry=registry,
@@ -173,6 +202,9 @@ class SimMetrics:
         if prev_emit_s is None:
             self.ttft.observe(emit_s - record.arrival_s)
             self.prompt_tokens.inc(record.prompt_tokens)
+            self.prompt_cached.inc(record.cached_tokens)
+            self.prompt_local_hit.inc(record.cached_tokens)
+            self.prompt_computed.inc(record.prompt_tokens - record.cached_tokens)
         else:
             self.itl.observe(emit_s - prev_emit_s)
 
@@ -191,7 +223,7 @@ class SimMetrics:
             self.decode.observe(record.finished_s - record.first_token_s)
         self.req_prompt.observe(record.prompt_tokens)
         self.req_generation.observe(0 if record.pooling else record.output_tokens)
-        self.req_kv_computed.observe(record.prompt_tokens)
+        self.req_kv_computed.observe(record.prompt_tokens - record.cached_tokens)
         self.req_preemptions.observe(record.num_preemptions)
         if record.pooling:  # no sampling parameters
             return
@@ -205,6 +237,13 @@ class SimMetrics:
     def step(self, batch_tokens: int) -> None:
         """An engine step computed ``batch_tokens`` tokens."""
         self.iteration_tokens.observe(batch_tokens)
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """Requests admitted for the first time looked up ``queries`` prompt tokens in the
+        prefix cache and found ``hits`` of them."""
+        self.prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
+        self.cached_device.inc(hits)
 
     def preempted(self, record: RequestRecord) -> None:
         """A running request was preempted."""

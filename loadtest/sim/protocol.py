@@ -21,6 +21,8 @@ Token counts (no tokenizer; deterministic and documented):
   as token ids costs one token per id;
 - a chat request costs, per message, ``4 + ceil(len(utf8 content) / 4)`` tokens, plus 3
   for the assistant reply header (like OpenAI's cookbook formula);
+- the prompt's token ids (``SimRequest.prompt_ids()``, for the prefix cache) are
+  ``loadtest/sim/tokenizer.py``'s for the same split, so equal text prefixes share ids;
 - the output length of each of the ``n`` choices is ``max_tokens`` with ``ignore_eos``;
   otherwise a seeded draw from ``hash(seed, prompt, choice)`` uniform in [16, 512],
   capped by ``max_tokens`` (whose default is ``max_model_len - prompt_tokens``). It ends
@@ -32,8 +34,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from loadtest.sim import tokenizer
 
 PRIORITY_HEADER = "X-Vllm-Priority"
 CHARS_PER_TOKEN = 4
@@ -116,6 +120,11 @@ class SimRequest:
     include_usage: bool
     continuous_usage: bool
     seed_hash: int
+    prompt: Prompt | None = field(default=None, compare=False, repr=False)
+
+    def prompt_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids (derived on demand: only the prefix cache needs them)."""
+        return () if self.prompt is None else self.prompt.token_ids()
 
     @property
     def n(self) -> int:
@@ -200,6 +209,17 @@ class Prompt:
     key: bytes  # what the output draw is seeded with
     tokens: int
     chars: int | None  # characters of prompt text (None for token ids)
+    body: Any = field(default=None, compare=False, repr=False)  # messages, text or ids
+
+    def token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids (``tokens`` of them)."""
+        if isinstance(self.body, str):
+            return tuple(tokenizer.encode(self.body))
+        if isinstance(self.body, list) and self.chars is None:
+            return tuple(self.body)
+        if isinstance(self.body, list):
+            return tuple(tokenizer.encode_chat(self.body))
+        return ()
 
 
 def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
@@ -223,7 +243,7 @@ def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
             text = content if isinstance(content, str) else ""
             tokens += CHAT_MESSAGE_OVERHEAD + -(-len(text.encode()) // CHARS_PER_TOKEN)
             chars += CHAT_MESSAGE_OVERHEAD * CHARS_PER_TOKEN + len(text)
-        return Prompt(key, tokens, chars)
+        return Prompt(key, tokens, chars, messages)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
@@ -233,11 +253,11 @@ def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
         )
     if isinstance(prompt, str):
         data = prompt.encode()
-        return Prompt(data, max(1, -(-len(data) // CHARS_PER_TOKEN)), len(prompt))
+        return Prompt(data, max(1, -(-len(data) // CHARS_PER_TOKEN)), len(prompt), prompt)
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        return Prompt(json.dumps(prompt).encode(), len(prompt), None)
+        return Prompt(json.dumps(prompt).encode(), len(prompt), None, prompt)
     # vLLM batches several prompts in one request; the simulator serves one.
     raise SimError(
         400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
@@ -357,4 +377,5 @@ def parse_request(
         include_usage=include_usage,
         continuous_usage=continuous,
         seed_hash=hashes[0],
+        prompt=prompt,
     )

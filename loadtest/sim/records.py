@@ -31,6 +31,7 @@ class RequestRecord:
     choice: int = 0  # index among the request's n choices
     n: int = 1
     pooling: bool = False  # an embedding: prefill only, nothing generated
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""

@@ -14,13 +14,17 @@ Per step (as in ``vllm/v1/core/sched/scheduler.py``):
    queue; later it recomputes its prompt plus the tokens it already generated.
 2. Only if nothing was preempted: waiting requests, in queue order (``fcfs``: arrival;
    ``priority``: ``(priority, arrival)``), get (chunked) prefill with the budget left,
-   while ``len(running) < max_num_seqs`` and their blocks fit.
+   while ``len(running) < max_num_seqs`` and their blocks fit. With prefix caching
+   (``loadtest/sim/prefix_cache.py``) a request admitted with nothing computed first
+   reuses the longest cached prefix of its prompt: those tokens count as computed and
+   only the tail is scheduled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from loadtest.sim.prefix_cache import BlockPool, BlockTable
 from loadtest.sim.waiting import FcfsQueue, PriorityQueue, WaitingQueue
 
 POLICIES = ("fcfs", "priority")
@@ -37,9 +41,15 @@ class Sequence:
     target_output_tokens: int
     output_tokens: int = 0
     num_computed: int = 0
-    num_blocks: int = 0
     num_preemptions: int = 0
     ever_scheduled: bool = False
+    table: BlockTable = field(default_factory=BlockTable)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks the request holds."""
+        return len(self.table.blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +103,7 @@ class SchedulerLimits:
     policy: str = "fcfs"
     kv_blocks: int = 25_000
     block_size: int = 16
+    enable_prefix_caching: bool = True
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks needed to hold ``num_tokens`` tokens."""
@@ -108,13 +119,18 @@ class Scheduler:
         self.limits = limits
         self.waiting: WaitingQueue = PriorityQueue() if limits.policy == "priority" else FcfsQueue()
         self.running: list[Sequence] = []
-        self.free_blocks = limits.kv_blocks
+        self.pool = BlockPool(limits.kv_blocks, limits.block_size, limits.enable_prefix_caching)
         self._live: dict[str, Sequence] = {}
+
+    @property
+    def free_blocks(self) -> int:
+        """KV blocks no request holds (cached free blocks included: they are evictable)."""
+        return self.pool.num_free_blocks
 
     @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use (0..1)."""
-        return 1.0 - self.free_blocks / self.limits.kv_blocks
+        return self.pool.usage
 
     def has_work(self) -> bool:
         """True when a step would compute something."""
@@ -204,14 +220,20 @@ class Scheduler:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             seq = self.waiting.peek()
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._allocate(seq, seq.num_computed + num_new):
+            hit = self.pool.find_hit(seq.table.hashes, seq.num_tokens)
+            num_cached = len(hit) * self.limits.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.pool.allocate(seq.table, num_cached + num_new, hit):
                 break
+            seq.num_computed = num_cached
             self.waiting.pop()
             self.running.append(seq)
             if not seq.ever_scheduled:
                 seq.ever_scheduled = True
+                seq.num_cached_tokens = num_cached
                 first.add(seq)
+            if seq.num_preemptions == 0:
+                self.pool.record(seq.num_tokens, num_cached)
             scheduled[seq] = num_new
             budget -= num_new
         return budget
@@ -230,15 +252,7 @@ class Scheduler:
         self.waiting.prepend(seq)
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        need = self.limits.blocks_for(num_tokens) - seq.num_blocks
-        if need <= 0:
-            return True
-        if need > self.free_blocks:
-            return False
-        self.free_blocks -= need
-        seq.num_blocks += need
-        return True
+        return self.pool.allocate(seq.table, num_tokens)
 
     def _free(self, seq: Sequence) -> None:
-        self.free_blocks += seq.num_blocks
-        seq.num_blocks = 0
+        self.pool.free(seq.table)

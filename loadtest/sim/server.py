@@ -178,6 +178,8 @@ class SimServer:
                 "num_waiting": engine.num_waiting,
                 "num_running": engine.num_running,
                 "kv_usage": engine.kv_usage,
+                "prefix_cache_queries": engine.prefix_cache_queries,
+                "prefix_cache_hits": engine.prefix_cache_hits,
             }
         )
 
@@ -216,6 +218,7 @@ class SimServer:
                 max_tokens=req.max_tokens,
                 output_tokens=req.output_tokens,
                 priority=req.priority,
+                prompt_ids=req.prompt_ids() if self.config.enable_prefix_caching else None,
             )
         except ValueError as exc:
             raise SimError(400, str(exc)) from exc

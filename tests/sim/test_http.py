@@ -203,4 +203,7 @@ async def test_debug_endpoints(server: SimServer) -> None:
     assert {"request_id", "priority", "prompt_tokens", "max_tokens", "arrival_s",
             "first_scheduled_s", "first_token_s", "finished_s", "num_preemptions",
             "aborted"} <= set(records[0])  # fmt: skip
-    assert state == {"num_waiting": 0, "num_running": 0, "kv_usage": 0.0}
+    assert state == {
+        "num_waiting": 0, "num_running": 0, "kv_usage": 0.0,
+        "prefix_cache_queries": 1, "prefix_cache_hits": 0,
+    }  # fmt: skip
