@@ -157,7 +157,7 @@ async def test_two_workers_serve_every_request_once_and_share_one_metrics_view(
     n = 120
     async with serve(backend.url, redis_url, tmp_path, workers=2) as gw:
         assert set(gw.ready_pids()) == {0, 1}
-        keys = [k["key"] for k in KEYS]
+        keys = ["sk-alice", "sk-bob", "sk-carol", "sk-dflt", "sk-batch"]
         results = await asyncio.gather(*(one_request(gw.url, keys[i % len(keys)], f"p{i}")
                                          for i in range(n)))
         by_worker = {w: sum(1 for _, x in results if x == w) for w in ("0", "1")}
