@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from typing import Any
 import aiohttp
 
 MODEL = "drift"
+_PROMPT_IDS = itertools.count()
 
 
 def _free_port() -> int:
@@ -55,7 +57,9 @@ async def _wait_ready(http: aiohttp.ClientSession, url: str, timeout_s: float = 
 async def _client(http: aiohttp.ClientSession, url: str, body: dict[str, Any], n: int) -> int:
     frames = 0
     for _ in range(n):
-        async with http.post(url + "/v1/completions", json=body) as resp:
+        # A distinct first block per request: no prefix-cache hits, every prompt computed.
+        prompt = f"{next(_PROMPT_IDS):08d}{body['prompt'][8:]}"
+        async with http.post(url + "/v1/completions", json={**body, "prompt": prompt}) as resp:
             resp.raise_for_status()
             async for line in resp.content:
                 if b'"finish_reason":null' in line:
