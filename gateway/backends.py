@@ -193,8 +193,8 @@ class BackendPool:
             return policy
         before = handle.pacing[cls]
         after = handle.pacing[cls] = adjust(before, snap, ttft_s, self.pacing_targets[cls])
-        if after.allowance != before.allowance:
-            self.metrics.record_pacing(handle.name, cls, after.allowance, after.reason)
+        self.metrics.record_pacing(handle.name, cls, after.allowance,
+                                   after.reason if after.allowance != before.allowance else None)
         return dataclasses.replace(policy, max_waiting=after.max_waiting)
 
     def max_model_len(self, model: str) -> int | None:

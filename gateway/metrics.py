@@ -191,9 +191,12 @@ class GatewayMetrics:
 
     # -- gates ----------------------------------------------------------------------------
 
-    def record_pacing(self, backend: str, cls: str, allowance: float, reason: str) -> None:
+    def record_pacing(self, backend: str, cls: str, allowance: float,
+                      changed_for: str | None) -> None:
+        """The allowance now, and the reason it just changed (None: unchanged)."""
         self.pacing_allowance.labels(backend, cls).set(allowance)
-        self.pacing_changes.labels(backend, cls, reason).inc()
+        if changed_for is not None:
+            self.pacing_changes.labels(backend, cls, changed_for).inc()
 
     def record_gates(self, backend: str, reasons: Mapping[str, str | None], now: float) -> None:
         """Record each class's gate state; the time since the last call is charged to the
