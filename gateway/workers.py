@@ -37,7 +37,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +109,7 @@ class Supervisor:
     def url(self) -> str:
         return f"http://{self.settings.listen.host}:{self.port}"
 
-    async def run(self, banner: str | None = None) -> int:
+    async def run(self, banner: Callable[[Supervisor], str] | None = None) -> int:
         """Serve until SIGINT/SIGTERM: 0; a worker that cannot start: its exit status (2
         with one line for a taken port). ``banner`` replaces the "listening" line."""
         host = self.settings.listen.host
@@ -141,7 +141,7 @@ class Supervisor:
             return await self._supervise(env, ready_w, ready_r, banner)
 
     async def _supervise(self, env: dict[str, str], ready_w: int, ready_r: int,
-                         banner: str | None) -> int:
+                         banner: Callable[[Supervisor], str] | None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -157,7 +157,8 @@ class Supervisor:
             await asyncio.wait([all_ready, stopped], return_when=asyncio.FIRST_COMPLETED)
             all_ready.cancel()
             if not self.stopping.is_set():
-                print(banner or f"fairgate listening on {self.url}", flush=True)
+                print(banner(self) if banner else f"fairgate listening on {self.url}",
+                      flush=True)
                 log.info("workers_ready", workers=self.count, url=self.url)
             await stopped
             await self._stop_all()

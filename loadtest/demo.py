@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import tempfile
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from gateway.cli import fail, port_in_use, port_taken, port_taken_message
 from gateway.server import GatewayServer
 from gateway.settings import load_settings
+from gateway.workers import Supervisor, default_workers
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 
@@ -34,8 +39,17 @@ metrics: {url}/metrics   ready: {url}/ready   stop: Ctrl-C
 PORT_CHANGE = "pick another with --port (make run PORT=...)"
 
 
-async def run_demo(host: str, port: int) -> int:
-    """Serve until SIGINT/SIGTERM (0), or 2 with one line when ``port`` is taken."""
+def banner(url: str, port: int, sims: list[SimServer]) -> str:
+    return BANNER.format(url=url, model=DEMO_MODEL, admin=DEMO_ADMIN_KEY,
+                         backends=", ".join(s.url for s in sims),
+                         port_arg="" if port == 8000 else f" PORT={port}")
+
+
+async def run_demo(host: str, port: int, workers: int = 1) -> int:
+    """Serve until SIGINT/SIGTERM (0), or 2 with one line when ``port`` is taken.
+
+    ``workers`` > 1: that many gateway processes (``gateway/workers.py``) in front of the
+    simulated backends, which stay in this process."""
     if port_taken(host, port):
         return fail(port_taken_message(host, port, PORT_CHANGE))
     sims = [SimServer(EngineConfig(model=DEMO_MODEL, scheduling_policy="priority"))
@@ -44,14 +58,20 @@ async def run_demo(host: str, port: int) -> int:
     try:
         for sim in sims:
             await sim.start()
-        settings = load_settings(
-            None,
-            listen={"host": host, "port": port},
-            backends=[{"name": f"sim{i}", "url": s.url, "model": DEMO_MODEL}
-                      for i, s in enumerate(sims)],
-            api_keys=DEMO_KEYS,
-            admin_keys=[DEMO_ADMIN_KEY],
-        )
+        config: dict[str, Any] = {
+            "listen": {"host": host, "port": port},
+            "backends": [{"name": f"sim{i}", "url": s.url, "model": DEMO_MODEL}
+                         for i, s in enumerate(sims)],
+            "api_keys": DEMO_KEYS,
+            "admin_keys": [DEMO_ADMIN_KEY],
+        }
+        if workers > 1:
+            with tempfile.TemporaryDirectory(prefix="fairgate-demo-") as tmp:
+                path = Path(tmp) / "fairgate.yaml"
+                path.write_text(yaml.safe_dump(config))
+                supervisor = Supervisor(load_settings(path), str(path), workers)
+                return await supervisor.run(lambda s: banner(s.url, s.port, sims))
+        settings = load_settings(None, **config)
         gateway = GatewayServer(settings)
         try:
             await gateway.start()
@@ -63,10 +83,7 @@ async def run_demo(host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        print(BANNER.format(url=gateway.url, model=DEMO_MODEL, admin=DEMO_ADMIN_KEY,
-                            backends=", ".join(s.url for s in sims),
-                            port_arg="" if gateway.port == 8000 else f" PORT={gateway.port}"),
-              flush=True)
+        print(banner(gateway.url, gateway.port, sims), flush=True)
         await stop.wait()
         return 0
     finally:
@@ -81,5 +98,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "demo", help="embedded Redis + two simulated backends + the gateway")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.set_defaults(run=lambda args: asyncio.run(run_demo(args.host, args.port)))
+    parser.add_argument("--workers", type=int, default=default_workers(),
+                        help="gateway processes (default: one per core; 1: in this process)")
+    parser.set_defaults(
+        run=lambda args: asyncio.run(run_demo(args.host, args.port, max(1, args.workers))))
     return parser

@@ -542,7 +542,9 @@ def test_gateway_wiring(releases: dict[str, Release], case_id: str) -> None:
     volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
     (config_mount,) = [m for m in gw["volumeMounts"] if m["mountPath"] == "/etc/fairgate"]
     assert volumes[config_mount["name"]]["configMap"]["name"] == cm["metadata"]["name"]
-    assert gw["args"] == ["serve", "--config", "/etc/fairgate/config.yaml"]
+    workers = RENDERS[case_id].get("values", {}).get("gateway", {}).get("workers", 2)
+    assert gw["args"] == ["serve", "--config", "/etc/fairgate/config.yaml",
+                          "--workers", str(workers)]
     # keys from the Secret (rendered or existing) via envFrom
     (env_from,) = gw["envFrom"]
     existing = (
