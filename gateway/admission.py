@@ -4,6 +4,12 @@ Both the OpenAI routes and the Batch API runner go through :meth:`Admission.admi
 every request, interactive or batch, is queued, paced, prioritised and charged the same
 way. The :class:`Ticket` it yields is the relay's listener: it hears the first token (the
 gate slot frees at once), the token counts and the end of the answer.
+
+A request may carry a deadline for its first token (``X-Fairgate-Deadline-Ms``, or its
+class's ``ttft_slo_ms``): refused at once when the wait estimate (``gateway/waits.py``)
+already exceeds it, and taken out of the queue, never dispatched, when it passes while
+queued (the path of the ``max_queue_wait_s`` timeout). Both answer 429
+``deadline_unmeetable``; every ``Retry-After`` comes from the measured dispatch rate.
 """
 
 from __future__ import annotations
@@ -20,10 +26,19 @@ import structlog
 
 from gateway.backends import BackendHandle, BackendPool
 from gateway.dispatcher import Dispatcher
-from gateway.errors import BackendRemoved, BackendUnreachable
+from gateway.errors import (
+    BackendRemoved,
+    BackendUnreachable,
+    DeadlineUnmeetable,
+    QueueTimeout,
+    RateLimited,
+    StoreUnavailable,
+    Unavailable,
+)
 from gateway.metrics import GatewayMetrics, StreamTiming
 from gateway.settings import Settings
 from gateway.store import Grant, QueuedRequest
+from gateway.waits import Waits
 from policies.cost import estimate_prompt_tokens
 from policies.fairness import FairnessPolicy
 from policies.priority import vllm_priority
@@ -75,16 +90,18 @@ class Admission:
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
+        self.waits = Waits(settings, dispatcher.store)
 
     async def call(self, model: str, user: str, klass: str, weight: float,
                    body: dict[str, object], send: Callable[[Ticket], Awaitable[T]],
-                   request_id: str | None = None, arrived_s: float | None = None) -> T:
+                   request_id: str | None = None, arrived_s: float | None = None,
+                   deadline_ms: int | None = None) -> T:
         """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
         fails before anything was sent (nothing reached its engine), the backend's gates
         close and the request is queued once more, for another backend."""
         for attempt in (1, 2):
             async with self.admitted(model, user, klass, weight, body, request_id,
-                                     arrived_s) as ticket:
+                                     arrived_s, deadline_ms=deadline_ms) as ticket:
                 try:
                     return await send(ticket)
                 except BackendUnreachable as exc:
@@ -98,17 +115,44 @@ class Admission:
     @asynccontextmanager
     async def admitted(self, model: str, user: str, klass: str, weight: float,
                        body: dict[str, object], request_id: str | None = None,
-                       arrived_s: float | None = None) -> AsyncIterator[Ticket]:
+                       arrived_s: float | None = None, *, deadline_ms: int | None = None
+                       ) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user real token counts.
 
         ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
-        Metrics and the ``finished`` log are recorded before the release is awaited, so
-        they do not depend on the client staying connected."""
+        ``deadline_ms``: the first-token deadline from arrival (default: the class's
+        ``ttft_slo_ms``). Metrics and the ``finished`` log are recorded before the release
+        is awaited, so they do not depend on the client staying connected."""
         prompt_est = estimate_prompt_tokens(body)
         queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time())
         cls_cfg = self.settings.classes[klass]
-        grant = await self.dispatcher.acquire(model, queued, cls_cfg.max_queue_wait_s)
+        if deadline_ms is None:
+            deadline_ms = cls_cfg.ttft_slo_ms
+        timeout_s = cls_cfg.max_queue_wait_s
+        if deadline_ms is not None:
+            left_s = deadline_ms / 1000 - (time.monotonic() - (arrived_s or time.monotonic()))
+            await self._refuse_unmeetable(model, queued, left_s, deadline_ms)
+            timeout_s = min(timeout_s, left_s)
+        try:
+            grant = await self.dispatcher.acquire(model, queued, timeout_s)
+        except QueueTimeout as exc:
+            if timeout_s < cls_cfg.max_queue_wait_s:  # the deadline, not the class's limit
+                raise DeadlineUnmeetable(
+                    f"the first-token deadline of {deadline_ms} ms passed while the request "
+                    "was queued; it left the queue before dispatch", retry_after_s=
+                    await self.waits.drain_retry_after(model, klass)) from None
+            exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
+            raise
+        except RateLimited as exc:  # the user's queue is full
+            exc.retry_after_s = await self.waits.next_turn_retry_after(model, klass, user,
+                                                                       queued.cost)
+            raise
+        except Unavailable as exc:  # the queued request was lost (Redis is reachable)
+            if exc.retry_after_s is not None and not isinstance(exc, StoreUnavailable):
+                exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
+            raise
+        self.waits.dispatched(model, klass)
         waited = time.time() - queued.enqueued_at
         self.metrics.queue_wait.labels(klass).observe(waited)
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
@@ -119,7 +163,7 @@ class Admission:
         if backend is None:  # removed by a config reload since the dispatch
             await self.dispatcher.release(model, grant, 0.0)
             raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
-                                 retry_after_s=self.settings.retry_after_s)
+                                 retry_after_s=self.waits.retry_after(None))
         timing = StreamTiming(arrived_s) if arrived_s is not None else None
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing)
         self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
@@ -137,3 +181,21 @@ class Admission:
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
             await asyncio.shield(self.dispatcher.release(model, grant, charge))
+
+    async def _refuse_unmeetable(self, model: str, queued: QueuedRequest, left_s: float,
+                                 deadline_ms: int) -> None:
+        """429 ``deadline_unmeetable`` before queueing when the estimate exceeds what is
+        left of the deadline; ``Retry-After``: when the estimate would fit."""
+        if left_s > 0:
+            place = await self.waits.place(model, queued.klass, queued.user, queued.cost)
+            if place.wait_s is None or place.wait_s <= left_s:
+                return
+            wait_ms = round(place.wait_s * 1000)
+            message = (f"the estimated queue wait ({wait_ms} ms, {place.position} requests "
+                       f"ahead) exceeds the first-token deadline of {deadline_ms} ms")
+            retry = place.wait_s - left_s
+        else:
+            message = f"the first-token deadline of {deadline_ms} ms passed before queueing"
+            retry = None
+        log.info("deadline_unmeetable", request_id=queued.request_id, deadline_ms=deadline_ms)
+        raise DeadlineUnmeetable(message, retry_after_s=self.waits.retry_after(retry))

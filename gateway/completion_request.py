@@ -9,7 +9,8 @@ through to vLLM untouched.
 ``max_json_depth``, ``max_output_tokens``, ``max_end_user_chars``): nesting depth (deeper
 JSON would make encoding it for the backend recurse past Python's limit), requested
 output tokens, and the end-user id (``user``: a Redis key and a metrics label for trusted
-keys), which must also be printable text.
+keys), which must also be printable text. The header ``X-Fairgate-Deadline-Ms`` (a
+first-token deadline, milliseconds from arrival) is read here too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ DETOKENIZE = "/detokenize"
 OUTPUT_TOKEN_FIELDS = {CHAT: ("max_tokens", "max_completion_tokens"),
                        COMPLETIONS: ("max_tokens", "max_completion_tokens"),
                        RESPONSES: ("max_output_tokens",)}
+DEADLINE_HEADER = "X-Fairgate-Deadline-Ms"
+MAX_DEADLINE_MS = 86_400_000  # one day, batch's longest queue wait
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +157,22 @@ def _check_prompt(body: dict[str, Any], path: str) -> None:
             raise BadRequest("'input' must be a string or an array", param="input")
     elif "prompt" not in body or not isinstance(body["prompt"], str | list):
         raise BadRequest("'prompt' must be a string or an array", param="prompt")
+
+
+def read_deadline_ms(value: str | None) -> int | None:
+    """The ``X-Fairgate-Deadline-Ms`` header: a whole number of milliseconds from 1 to
+    ``MAX_DEADLINE_MS``, or absent (None)."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:
+        raise BadRequest(f"header {DEADLINE_HEADER} must be a positive integer "
+                         "(milliseconds)")
+    deadline = int(text)
+    if not 1 <= deadline <= MAX_DEADLINE_MS:
+        raise BadRequest(f"header {DEADLINE_HEADER} must be between 1 and "
+                         f"{MAX_DEADLINE_MS} milliseconds (got {deadline})")
+    return deadline
 
 
 def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> None:

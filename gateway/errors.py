@@ -14,6 +14,8 @@
     ├── RequestTimeout (408)           the body stopped arriving (client_idle_timeout_s)
     ├── PayloadTooLarge (413)
     ├── RateLimited (429)              per-user queue cap; carries Retry-After
+    │   └── DeadlineUnmeetable (429)   its first-token deadline cannot be met (or passed
+    │                                  while queued); Retry-After from the wait estimate
     ├── Unavailable (503)              no healthy backend; carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/redis_client.py)
     │   ├── RequestLost (503)          the queued request vanished from Redis
@@ -112,6 +114,10 @@ class PayloadTooLarge(FairgateError):
 
 class RateLimited(FairgateError):
     status, type, code = 429, "rate_limit_error", "queue_full"
+
+
+class DeadlineUnmeetable(RateLimited):
+    code = "deadline_unmeetable"
 
 
 class Unavailable(FairgateError):

@@ -4,6 +4,11 @@ Chat, completions, embeddings and the Responses API are scheduled: each goes thr
 :meth:`Admission.call` in its key's class (queued fairly, paced, charged its tokens).
 vLLM's ``/tokenize`` and ``/detokenize`` are cheap and go straight to a healthy backend of
 the model, authenticated but not queued.
+
+Every scheduled answer carries ``X-Request-Id`` from the moment the request is queued (in a
+stream's headers too, and on its errors), and ``X-Fairgate-Queue-Wait-Ms`` once it was
+dispatched; ``GET /v1/fairgate/requests/{id}`` tells its owner (or an admin) where it stands
+while it is queued.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import re
 import time
 import uuid
 from importlib import resources
@@ -26,6 +32,7 @@ from gateway.backends import BackendHandle
 from gateway.completion_request import (
     CHAT,
     COMPLETIONS,
+    DEADLINE_HEADER,
     DETOKENIZE,
     EMBEDDINGS,
     RESPONSES,
@@ -34,6 +41,7 @@ from gateway.completion_request import (
     Limits,
     check_context,
     read_completion,
+    read_deadline_ms,
     read_json_object,
     validate_unscheduled,
 )
@@ -43,6 +51,12 @@ from gateway.settings import ApiKey
 from policies.classes import effective_class
 
 log = structlog.get_logger("fairgate.request")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+QUEUE_WAIT_HEADER = "X-Fairgate-Queue-Wait-Ms"
+# headers a scheduled request's answer carries, whoever prepares it (relay, edge, route)
+ANSWER_HEADERS = web.RequestKey("fairgate_answer_headers", dict[str, str])
+REQUEST_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -96,12 +110,16 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
     creq = await read_completion(request, path, svc.settings.max_body_bytes,
                                  Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
     user, klass = _resolve(svc, request, key, creq)
+    deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
     check_context(creq.body, path, svc.pool.max_model_len(model))
     if not svc.pool.any_healthy(model):
         raise Unavailable(f"no healthy backend serves {model!r}",
-                          retry_after_s=svc.settings.retry_after_s)
+                          retry_after_s=await svc.admission.waits.drain_retry_after(
+                              model, klass))
     request_id = uuid.uuid4().hex
+    headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
+    queued_at = time.monotonic()
     structlog.contextvars.bind_contextvars(request_id=request_id, user=user, model=model,
                                            priority_class=klass)
     log.info("queued")
@@ -110,12 +128,14 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
 
     async def forward(ticket: Ticket) -> web.StreamResponse:
         tickets.append(ticket)
+        headers[QUEUE_WAIT_HEADER] = str(round((time.monotonic() - queued_at) * 1000))
         return await svc.upstream.forward(request, ticket.backend, creq, ticket.priority,
                                           ticket)
 
     try:
         response = await svc.admission.call(model, user, klass, key.weight, creq.body,
-                                            forward, request_id=request_id, arrived_s=arrived)
+                                            forward, request_id=request_id, arrived_s=arrived,
+                                            deadline_ms=deadline_ms)
         status = str(response.status)
         return response
     except asyncio.CancelledError:
@@ -160,6 +180,39 @@ def _load(handle: BackendHandle) -> tuple[bool, int]:
     """Undrained first, then by the latest snapshot's waiting + running."""
     snap = handle.last
     return handle.drained, (snap.waiting + snap.running) if snap is not None else 0
+
+
+async def _answer_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Adds a scheduled request's headers to its answer as it is prepared."""
+    if isinstance(request, web.Request):
+        for name, value in request.get(ANSWER_HEADERS, {}).items():
+            response.headers[name] = value
+
+
+async def request_status(request: web.Request) -> web.Response:
+    """Where a queued request stands: its owner's key or an admin key; 404 once it is no
+    longer queued (or was never this key's)."""
+    svc = request.app[SERVICES]
+    authorization = request.headers.get("Authorization")
+    owner = None if svc.keys.is_admin(authorization) else svc.keys.identify(authorization)
+    request_id = request.match_info["id"]
+    status = None
+    if REQUEST_ID.fullmatch(request_id):
+        status = await svc.admission.waits.status(svc.settings.models(), request_id)
+    if status is None or (owner is not None and not _owns(owner, status.user)):
+        raise NotFound(f"no queued request {request_id!r} for this key: it was dispatched, "
+                       "has finished, or is unknown")
+    place = status.place
+    return web.json_response({
+        "id": status.request_id, "object": "fairgate.queued_request",
+        "model": status.model, "priority_class": status.klass, "status": "queued",
+        "position": place.position, "ahead_in_class": place.ahead_in_class,
+        "queued_ms": max(0, round((time.time() - status.enqueued_at) * 1000)),
+        "estimated_wait_ms": None if place.wait_s is None else round(place.wait_s * 1000)})
+
+
+def _owns(key: ApiKey, user: str) -> bool:
+    return user == key.user or (key.trusted_end_users and user.startswith(key.user + "/"))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -209,12 +262,14 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    app.on_response_prepare.append(_answer_headers)
     app.router.add_post(CHAT, chat_completions)
     app.router.add_post(COMPLETIONS, completions)
     app.router.add_post(EMBEDDINGS, embeddings)
     app.router.add_post(RESPONSES, responses)
     app.router.add_post(TOKENIZE, tokenize)
     app.router.add_post(DETOKENIZE, detokenize)
+    app.router.add_get("/v1/fairgate/requests/{id}", request_status)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
