@@ -128,7 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
         from gateway.workers import default_workers
 
         workers = default_workers()
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_sample_above_per_s)
     if workers > 1:
         from gateway.workers import serve_workers
 

@@ -3,6 +3,10 @@
 Request context (request_id, user, model, class) is bound with contextvars per request.
 Prompt/completion text and API keys are never logged.
 
+Per-request ``info`` lines (``queued``, ``dispatched``, ``finished``) can be sampled at high
+rates (:class:`RequestLogSampler`, setting ``log_sample_above_per_s``); errors, warnings,
+rejections and unfinished requests are always logged.
+
 An event logged with an exception (``log.exception(...)``) carries ``exc_type``,
 ``exc_message`` and ``exception``, the formatted traceback (frames and source lines, no
 local variables: those may hold prompts or keys).
@@ -11,7 +15,11 @@ local variables: those may hold prompts or keys).
 from __future__ import annotations
 
 import logging
+import math
 import sys
+import time
+import zlib
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -77,8 +85,55 @@ def exception_fields(logger: WrappedLogger, method: str, event: EventDict) -> Ev
     return event
 
 
-def configure_logging(level: int | str = logging.INFO) -> None:
-    """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``)."""
+SAMPLED_EVENTS = frozenset({"queued", "dispatched", "finished"})
+"""The per-request ``info`` lines a sampler may leave out."""
+
+
+class RequestLogSampler:
+    """Keeps about ``per_s`` per-request lines a second, whole requests at a time.
+
+    While the previous second had at most ``per_s`` such lines every line is kept. Above
+    that, one request in ``k`` (``k`` = last second's lines ÷ ``per_s``, rounded up) keeps
+    all its lines, chosen by a hash of its ``request_id``, so a kept request's queued,
+    dispatched and finished lines stay together; each kept line then carries
+    ``sampled_one_in=k``. Never left out: any level but ``info``, any other event
+    (``rejected``, ``client_disconnected``, …) and a ``finished`` line of a request that
+    did not complete."""
+
+    def __init__(self, per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_s = per_s
+        self.clock = clock
+        self.window_start = clock()
+        self.count = 0  # sampleable lines in the current window
+        self.one_in = 1
+        self.left_out = 0
+
+    def __call__(self, logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+        if (method != "info" or event.get("event") not in SAMPLED_EVENTS
+                or event.get("completed") is False):
+            return event
+        now = self.clock()
+        elapsed = now - self.window_start
+        if elapsed >= 1.0:
+            rate = self.count / elapsed if elapsed < 2.0 else 0.0  # idle since: no sampling
+            self.one_in = max(1, math.ceil(rate / self.per_s))
+            self.window_start, self.count = now, 0
+        self.count += 1
+        if self.one_in == 1:
+            return event
+        request_id = event.get("request_id")
+        key = zlib.crc32(str(request_id).encode()) if request_id is not None else self.count
+        if key % self.one_in:
+            self.left_out += 1
+            raise structlog.DropEvent
+        event["sampled_one_in"] = self.one_in
+        return event
+
+
+def configure_logging(level: int | str = logging.INFO,
+                      sample_above_per_s: float | None = None) -> None:
+    """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``);
+    ``sample_above_per_s``: see :class:`RequestLogSampler` (None: every line)."""
     if isinstance(level, str):
         level = logging.getLevelNamesMapping()[level.upper()]
     server_log = logging.getLogger("aiohttp.server")
@@ -93,6 +148,7 @@ def configure_logging(level: int | str = logging.INFO) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            *([RequestLogSampler(sample_above_per_s)] if sample_above_per_s else []),
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *tail,

@@ -281,7 +281,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     index = int(os.environ[WORKER_INDEX_ENV])
     ready_fd = int(os.environ[READY_FD_ENV])
     settings = load_settings(config)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_sample_above_per_s)
     structlog.contextvars.bind_contextvars(worker=index)
     return asyncio.run(_run_worker(settings, index, ready_fd))
 
