@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from gateway import event_loop
 from gateway.logs import configure_logging
 from gateway.server import GatewayServer
 from gateway.settings import Settings, load_settings
@@ -133,7 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         from gateway.workers import serve_workers
 
         return serve_workers(settings, args.config, workers)
-    return asyncio.run(run_gateway(settings))
+    return event_loop.run(run_gateway(settings), settings.event_loop)
 
 
 def _positive(text: str) -> int:

@@ -136,6 +136,8 @@ class Settings(BaseSettings):
     metrics_user_idle_s: float = 3600.0  # an idle user's series give way to an active one
     config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # `fairgate serve`'s event loop: uvloop when installed (extra `fast`), else asyncio's
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # above this many per-request info lines a second, keep about this many (whole
     # requests); errors and rejections always logged. None: every line (gateway/logs.py)
     log_sample_above_per_s: float | None = Field(None, gt=0)

@@ -44,6 +44,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from gateway import event_loop
 from gateway.cli import EXIT_USAGE, SERVE_PORT_CHANGE, fail, port_in_use, port_taken_message
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.logs import configure_logging
@@ -283,7 +284,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     settings = load_settings(config)
     configure_logging(settings.log_level, settings.log_sample_above_per_s)
     structlog.contextvars.bind_contextvars(worker=index)
-    return asyncio.run(_run_worker(settings, index, ready_fd))
+    return event_loop.run(_run_worker(settings, index, ready_fd), settings.event_loop)
 
 
 if __name__ == "__main__":
