@@ -41,6 +41,7 @@ from gateway.store import Grant, QueuedRequest
 from gateway.waits import Waits
 from policies.cost import estimate_prompt_tokens
 from policies.fairness import FairnessPolicy
+from policies.locality import prefix_chain
 from policies.priority import vllm_priority
 
 log = structlog.get_logger("fairgate.request")
@@ -125,7 +126,8 @@ class Admission:
         is awaited, so they do not depend on the client staying connected."""
         prompt_est = estimate_prompt_tokens(body)
         queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, self.replica_id,
-                               self.policy.dispatch_cost(prompt_est, weight), time.time())
+                               self.policy.dispatch_cost(prompt_est, weight), time.time(),
+                               prefix_chain(body) if self.settings.routing == "locality" else ())
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms

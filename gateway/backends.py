@@ -9,6 +9,7 @@ A request that cannot connect to the backend closes its gates the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import time
@@ -174,6 +175,9 @@ class BackendPool:
             return
         if not handle.healthy:
             log.info("backend_healthy", backend=handle.name)
+            if handle.failures:  # it was down, perhaps restarted: its prefix cache is gone
+                with contextlib.suppress(StoreUnavailable):
+                    await self.store.forget_prefixes(handle.config.model, handle.name)
         if not handle.model_card_read:
             await self._read_model_card(handle)
         handle.healthy, handle.failures, handle.last = True, 0, snap

@@ -26,7 +26,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
-from gateway.store import Grant, QueuedRequest, Store
+from gateway.store import Grant, Locality, QueuedRequest, Store
 from gateway.supervise import supervise
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
@@ -71,6 +71,9 @@ class Dispatcher:
         self._beats = 0
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
+        self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
+                                  settings.prefix_index_size, settings.prefix_index_ttl_s)
+                         if settings.routing == "locality" else None)
 
     @property
     def replica_ttl_s(self) -> float:
@@ -242,7 +245,8 @@ class Dispatcher:
         for cand in by_load(candidates):
             grants, self._queued[model] = await self.store.dispatch(
                 model, cand.name, limits[cand.name], self.replica_id, now,
-                self.replica_ttl_s, order, self.floors.window, burst)
+                self.replica_ttl_s, order, self.floors.window, burst,
+                locality=self.locality)
             handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()

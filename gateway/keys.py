@@ -35,6 +35,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
+    "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
 }
@@ -113,6 +114,9 @@ class ModelKeys:
 
     def backend_inflight(self, backend: str) -> str:
         return self._key("backend_inflight", backend=backend)
+
+    def backend_prefixes(self, backend: str) -> str:
+        return self._key("backend_prefixes", backend=backend)
 
     @property
     def service(self) -> str:

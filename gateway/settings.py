@@ -107,6 +107,17 @@ class Settings(BaseSettings):
     # "adaptive": each class's max_waiting is the ceiling of an allowance tuned per backend
     # from its TPOT, TTFT and batch room (policies/pacing.py); "fixed": max_waiting as is
     pacing: Literal["adaptive", "fixed"] = "adaptive"
+    # Where work goes (policies/locality.py). "least_loaded": backends least loaded first,
+    # each takes requests in strict fairness order. "locality": each backend's prefix
+    # index (Redis) records what it was sent, and among the users within `locality_slack`
+    # (service units: VTC tokens, or requests under round_robin) of the least-served one,
+    # the head whose prompt prefix is best cached there goes first; 0 = strict order. The
+    # fairness bound grows by the slack (policies/fairness.py).
+    routing: Literal["least_loaded", "locality"] = "least_loaded"
+    locality_slack: float = Field(4096.0, ge=0)
+    locality_candidates: int = Field(8, ge=1, le=64)  # users compared within the slack
+    prefix_index_size: int = Field(8192, ge=1)  # block hashes kept per backend (≈ 64 tokens each)
+    prefix_index_ttl_s: float = Field(600.0, gt=0)  # a hash not sent again this long is dropped
 
     # Client connections (gateway/server.py): a cap with a clear 503, and a deadline for
     # a connection to complete a request's headers (also closes idle keep-alives).

@@ -26,6 +26,7 @@ class QueuedRequest:
     owner: str
     cost: float  # the fairness policy's dispatch cost
     enqueued_at: float
+    prefix: tuple[str, ...] = ()  # the prompt's block-hash chain (policies/locality.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,18 @@ class Grant:
     owner: str
     backend: str
     enqueued_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Locality:
+    """Locality-aware dispatch (``routing: locality``): the fairness slack (service
+    units), how many users within it are compared, and the bounds of each backend's
+    prefix index (block hashes kept, seconds an unused hash lives)."""
+
+    slack: float
+    candidates: int
+    index_size: int
+    index_ttl_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +105,20 @@ class Store:
         keys = [k.queue(req.klass, req.user), k.active(req.klass), k.saved(req.klass),
                 k.request(req.request_id), k.depth, k.backlogged_since, k.replicas]
         args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
-                max_queued, int(self.request_ttl_s)]
+                max_queued, int(self.request_ttl_s), " ".join(req.prefix)]
         return int(await self._run("enqueue", keys, args))
 
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
         recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
+        locality: Locality | None = None,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
         gates admit, trying the classes in ``order`` with the given per-class limits.
+        With ``locality``, among the users within its slack of the smallest score the one
+        whose head prompt is best cached on the backend goes first, and the backend's
+        prefix index records what it was sent (``policies/locality.py``).
         Returns the grants and how many requests are still queued for the model."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
@@ -111,6 +128,8 @@ class Store:
         args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
                            max_grants, grant_pickup_s, *order]
         args += [limits.get(c, 0) for c in order]
+        loc = locality or Locality(0.0, 0, 0, 0.0)
+        args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s)]
         found, depth = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]
@@ -182,6 +201,10 @@ class Store:
             ModelKeys(model).service, 0, -1, desc=True, withscores=True))
         total = sum(score for _, score in raw)
         return {} if total <= 0 else {user: score / total for user, score in raw}
+
+    async def forget_prefixes(self, model: str, backend: str) -> None:
+        """Drop a backend's prefix index (it restarted or went away: its cache is gone)."""
+        await cast("Awaitable[int]", self.client.delete(ModelKeys(model).backend_prefixes(backend)))
 
     async def set_drained(self, model: str, backend: str, drained: bool) -> None:
         """Drain (or undrain) a backend for every replica."""

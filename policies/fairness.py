@@ -15,6 +15,13 @@ A policy only says what those costs are:
 Each policy states its fairness bound (:meth:`FairnessPolicy.bound`): the largest gap in
 weighted service between two continuously backlogged users, given the largest cost of one
 request and how many requests may be in flight (charged only when they settle).
+
+With ``routing: locality`` (``policies/locality.py``) a backend may serve, instead of the
+least-served user, another whose score is at most ``locality_slack`` above the smallest
+active score (the one whose prompt prefix it has cached), as D²LPM does (Cao et al.,
+"Locality-aware Fair Scheduling in LLM Serving", 2025). A user more than the slack above
+the minimum is never served before the least-served user, so every bound below grows by
+the slack at most (:func:`with_locality`); ``locality_slack: 0`` is the strict order.
 """
 
 from __future__ import annotations
@@ -82,6 +89,12 @@ class Vtc:
               max_unsettled_service: float) -> float:
         # VTC's 2·U, plus the output of requests dispatched but not yet settled
         return 2 * max_request_service + in_flight * max_unsettled_service
+
+
+def with_locality(bound: float, slack: float) -> float:
+    """A policy's fairness bound when locality may serve users within ``slack`` of the
+    least-served one first."""
+    return bound + slack
 
 
 POLICIES = ("vtc", "round_robin")

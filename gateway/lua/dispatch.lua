@@ -12,6 +12,10 @@
 -- ARGV[5] backend name  ARGV[6] recent-list length kept  ARGV[7] most grants to return
 -- ARGV[8] grant pickup limit (s): see replica_alive in _lib.lua
 -- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
+-- ARGV[9+2n] locality slack (score units; 0: strict fairness order)  ARGV[10+2n] users
+-- compared within it  ARGV[11+2n] prefix index size (hashes; 0: no index)  ARGV[12+2n]
+-- its TTL (s). The index (key_backend_prefixes) holds the block hashes of the prompts sent
+-- to this backend, scored by last use; the choice mirrors policies/locality.py choose().
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
 -- depth the number of requests still queued for the model (all classes).
 local n = (#KEYS - 9) / 2
@@ -30,6 +34,41 @@ if redis.call('SISMEMBER', KEYS[9], ARGV[5]) == 1 then
   want = 0
 end
 
+local slack = tonumber(ARGV[9 + 2 * n]) or 0
+local compared = tonumber(ARGV[10 + 2 * n]) or 0
+local index_size = tonumber(ARGV[11 + 2 * n]) or 0
+local index_ttl = tonumber(ARGV[12 + 2 * n]) or 0
+local index = key_backend_prefixes(prefix, ARGV[5])
+
+-- leading block hashes of a queued request's prompt found in this backend's index
+local function matched(id)
+  local chain = redis.call('HGET', key_request(prefix, id), 'prefix')
+  local m = 0
+  if not chain then return m end
+  for h in string.gmatch(chain, '%S+') do
+    if not redis.call('ZSCORE', index, h) then break end
+    m = m + 1
+  end
+  return m
+end
+
+-- the user to serve: the smallest score, or within `slack` of it the best cached head
+local function pick(active, class)
+  local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
+  if not top[1] or slack <= 0 or compared < 2 then return top[1], tonumber(top[2]) end
+  local near = redis.call('ZRANGEBYSCORE', active, top[2], tonumber(top[2]) + slack,
+    'WITHSCORES', 'LIMIT', 0, compared)
+  local best, best_score, best_len = top[1], tonumber(top[2]), -1
+  for j = 1, #near, 2 do
+    local head = redis.call('LINDEX', key_queue(prefix, class, near[j]), 0)
+    local length = head and matched(head) or 0
+    if length > best_len then
+      best, best_score, best_len = near[j], tonumber(near[j + 1]), length
+    end
+  end
+  return best, best_score
+end
+
 local function alive(owner)
   return replica_alive(KEYS[2], prefix, owner, now, tonumber(ARGV[2]), tonumber(ARGV[8]))
 end
@@ -41,16 +80,15 @@ for i = 1, n do
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
-    local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
-    if not top[1] then break end
-    local user, score = top[1], tonumber(top[2])
+    local user, score = pick(active, class)
+    if not user then break end
     local queue = key_queue(prefix, class, user)
     local id = redis.call('LPOP', queue)
     if id and redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then
       redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
     end
     local req = id and key_request(prefix, id)
-    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at')
+    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix')
     local valid = fields and fields[1] and alive(fields[1])
     if valid then
       score = score + (tonumber(fields[2]) or 0)
@@ -77,9 +115,17 @@ for i = 1, n do
         redis.call('RPUSH', key_grants(prefix, fields[1]),
           id .. '\t' .. ARGV[5] .. '\t' .. rank .. '\t' .. ARGV[1])
       end
+      if index_size > 0 and fields[4] then
+        for h in string.gmatch(fields[4], '%S+') do redis.call('ZADD', index, now, h) end
+      end
       grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
     end
   end
+end
+if index_size > 0 and #grants > 0 then  -- LRU-trimmed and expiring, like a cache
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', now - index_ttl)
+  redis.call('ZREMRANGEBYRANK', index, 0, -index_size - 1)
+  redis.call('EXPIRE', index, index_ttl)
 end
 local depth = 0
 for _, queued in ipairs(redis.call('HVALS', KEYS[4])) do depth = depth + tonumber(queued) end

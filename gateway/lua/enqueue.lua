@@ -5,6 +5,7 @@
 -- ARGV[1] request id  ARGV[2] user  ARGV[3] class  ARGV[4] owner replica
 -- ARGV[5] dispatch cost (the fairness policy's, added to the user's score at dispatch)
 -- ARGV[6] now (s)  ARGV[7] max queued per user  ARGV[8] request ttl (s)
+-- ARGV[9] the prompt's block-hash chain, space-separated ("" when not hashed)
 -- Returns the user's queue length, or -1 when the per-user cap is reached.
 local queued = redis.call('LLEN', KEYS[1])
 if queued >= tonumber(ARGV[7]) then
@@ -14,6 +15,7 @@ end
 redis.call('ZADD', KEYS[7], 'GT', ARGV[6], ARGV[4])
 redis.call('HSET', KEYS[4], 'user', ARGV[2], 'class', ARGV[3], 'owner', ARGV[4],
   'cost', ARGV[5], 'enqueued_at', ARGV[6], 'state', 'queued')
+if ARGV[9] and ARGV[9] ~= '' then redis.call('HSET', KEYS[4], 'prefix', ARGV[9]) end
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[8]))
 redis.call('RPUSH', KEYS[1], ARGV[1])
 if redis.call('HINCRBY', KEYS[5], ARGV[3], 1) == 1 then

@@ -1,0 +1,119 @@
+"""Prefix locality: a prompt's chain of block hashes, and which queued head a backend
+takes when fairness leaves a choice (``routing: locality``).
+
+**The chain.** A prompt's text (chat messages in order, each its role and content; a
+completion prompt; an embeddings/Responses input after its instructions) is cut into
+chunks of :data:`BLOCK_CHARS` characters (≈ 64 tokens, four of vLLM's 16-token blocks);
+each chunk's hash covers its bytes and the previous hash, so two prompts share the first
+``n`` hashes exactly when their first ``n`` chunks are equal, as vLLM's chained block
+hashes do. Only full chunks count (vLLM caches only full blocks), and only the first
+:data:`MAX_BLOCKS` (≈ 2k tokens: enough to tell sessions' system prompts and early turns
+apart, bounded in Redis). These hashes are consistent only with themselves: they are not
+vLLM's hashes (fairgate does not tokenize), they only predict where an equal prefix went.
+
+**The choice** (:func:`choose`, mirrored by ``gateway/lua/dispatch.lua``): when a backend
+can take a request of a class, the users whose fairness score is within ``slack`` of the
+smallest (at most ``candidates`` of them, in fairness order) are considered; the one whose
+head request's chain has the longest prefix in the backend's index is served, ties to the
+fairness order. ``slack`` 0 is the strict fairness order. A user more than ``slack`` above
+the smallest score is never served before the least-served user, so the fairness bound of
+the policy grows by ``slack`` at most (``policies/fairness.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Container, Iterator, Sequence
+from typing import Any
+
+BLOCK_CHARS = 256
+MAX_BLOCKS = 32
+HASH_BYTES = 8  # 16 hex characters per block hash
+
+
+def _pieces(value: Any) -> Iterator[str]:
+    """Text of a prompt, message content or input, in order (content parts, nesting)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            stack.append(item.get("content", ""))
+            stack.append(item.get("text", ""))
+        elif isinstance(item, int):
+            yield f"{item} "  # token ids: equal ids, equal text
+
+
+def _prompt_pieces(body: dict[str, Any]) -> Iterator[str]:
+    if isinstance(messages := body.get("messages"), list):
+        for message in messages:
+            if isinstance(message, dict):
+                yield f"\x1e{message.get('role', '')}\x1f"
+                yield from _pieces(message.get("content", ""))
+        return
+    if "input" in body:
+        if isinstance(instructions := body.get("instructions"), str):
+            yield instructions
+        yield from _pieces(body["input"])
+        return
+    yield from _pieces(body.get("prompt", ""))
+
+
+def prompt_text(body: dict[str, Any], limit: int = BLOCK_CHARS * MAX_BLOCKS) -> str:
+    """The first ``limit`` characters of the prompt a request body carries."""
+    out: list[str] = []
+    size = 0
+    for piece in _prompt_pieces(body):
+        out.append(piece[: limit - size])
+        size += len(out[-1])
+        if size >= limit:
+            break
+    return "".join(out)
+
+
+def chain(text: str, max_blocks: int = MAX_BLOCKS) -> tuple[str, ...]:
+    """Chained hashes of the text's full :data:`BLOCK_CHARS`-character chunks (at most
+    ``max_blocks``), each a hex string; a stable function of the text alone."""
+    hashes: list[str] = []
+    previous = b""
+    # chunks by characters, not bytes: equal text prefixes give equal chunks
+    for i in range(min(len(text) // BLOCK_CHARS, max_blocks)):
+        chunk = text[i * BLOCK_CHARS:(i + 1) * BLOCK_CHARS].encode("utf-8", "surrogatepass")
+        previous = hashlib.blake2b(previous + chunk, digest_size=HASH_BYTES).digest()
+        hashes.append(previous.hex())
+    return tuple(hashes)
+
+
+def prefix_chain(body: dict[str, Any]) -> tuple[str, ...]:
+    """The block-hash chain of a request body's prompt (computed once, at admission)."""
+    return chain(prompt_text(body))
+
+
+def matched(hashes: Sequence[str], cached: Container[str]) -> int:
+    """How many leading hashes of a chain a backend's index holds."""
+    n = 0
+    for h in hashes:
+        if h not in cached:
+            break
+        n += 1
+    return n
+
+
+def choose(heads: Sequence[tuple[float, Sequence[str]]], cached: Container[str],
+           slack: float, candidates: int) -> int:
+    """Index of the head to serve among ``heads`` (score, chain) in fairness order
+    (smallest score first; the first is the strict fairness choice)."""
+    if not heads or slack <= 0:
+        return 0
+    floor = heads[0][0]
+    best, best_len = 0, -1
+    for i, (score, hashes) in enumerate(heads[:candidates]):
+        if score > floor + slack:
+            break
+        length = matched(hashes, cached)
+        if length > best_len:
+            best, best_len = i, length
+    return best

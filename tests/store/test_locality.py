@@ -1,0 +1,88 @@
+"""The locality choice inside dispatch.lua and the per-backend prefix index, on Redis."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from gateway.keys import ModelKeys
+from gateway.store import Locality, QueuedRequest, Store
+from policies.locality import choose
+
+M = "m"
+K = ModelKeys(M)
+OPEN = {"interactive": 100, "default": 100, "batch": 100}
+LOCAL = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0)
+
+
+def req(rid: str, user: str, prefix: tuple[str, ...], cost: float = 10.0) -> QueuedRequest:
+    return QueuedRequest(rid, user, "default", "r1", cost, 1000.0, prefix)
+
+
+async def grant_user(store: Store, backend: str, locality: Locality | None = LOCAL,
+                     now: float = 1000.0) -> str:
+    grants, _ = await store.dispatch(M, backend, OPEN, "r1", now, 10.0, locality=locality)
+    assert len(grants) == 1
+    return grants[0].user
+
+
+async def test_dispatch_records_the_prefix_index_bounded_and_expiring(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await store.enqueue(M, req("a1", "alice", ("p1", "p2", "p3")), 10)
+    small = Locality(slack=50.0, candidates=8, index_size=2, index_ttl_s=60.0)
+    assert await grant_user(store, "b1", small) == "alice"
+    assert await redis.zrange(K.backend_prefixes("b1"), 0, -1) == ["p2", "p3"]  # LRU-trimmed
+    assert 0 < await redis.ttl(K.backend_prefixes("b1")) <= 60
+    assert not await redis.exists(K.backend_prefixes("b2"))
+    await store.forget_prefixes(M, "b1")
+    assert not await redis.exists(K.backend_prefixes("b1"))
+
+
+async def test_least_loaded_routing_keeps_no_index(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await store.enqueue(M, req("a1", "alice", ("p1",)), 10)
+    assert await grant_user(store, "b1", None) == "alice"
+    assert not await redis.exists(K.backend_prefixes("b1"))
+
+
+async def test_within_the_slack_the_cached_head_goes_first(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("b1"), {"s1": 1000.0, "s2": 1000.0})
+    await redis.zadd(K.backend_prefixes("b2"), {"t1": 1000.0})
+    await store.enqueue(M, req("a1", "alice", ("n1", "n2")), 10)
+    await store.enqueue(M, req("b1", "bob", ("s1", "s2", "s3")), 10)
+    await store.enqueue(M, req("c1", "carol", ("t1",)), 10)
+    await redis.zadd(K.active("default"), {"alice": 100.0, "bob": 140.0, "carol": 149.0})
+    # b2 holds carol's prefix, b1 bob's (longer); alice, least served, has none cached
+    assert await grant_user(store, "b1") == "bob"
+    assert await grant_user(store, "b2") == "carol"
+    assert await grant_user(store, "b2") == "alice"
+
+
+async def test_a_user_beyond_the_slack_is_not_served_first(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("b1"), {"s1": 1000.0})
+    await store.enqueue(M, req("a1", "alice", ("n1",)), 10)
+    await store.enqueue(M, req("b1", "bob", ("s1",)), 10)
+    await redis.zadd(K.active("default"), {"alice": 100.0, "bob": 150.5})
+    assert await grant_user(store, "b1") == "alice"  # bob is 50.5 above, the slack is 50
+
+
+async def test_the_script_mirrors_the_pure_choice(redis: aioredis.Redis) -> None:
+    cached = {"c1", "c2", "c3"}
+    users = {"u0": (100.0, ("x",)), "u1": (110.0, ("c1",)), "u2": (120.0, ("c1", "c2")),
+             "u3": (160.0, ("c1", "c2", "c3")), "u4": (120.0, ("c1", "c2", "x"))}
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("b1"), dict.fromkeys(cached, 1000.0))
+    for user, (_, chain) in users.items():
+        await store.enqueue(M, req(f"{user}-r", user, chain), 10)
+    await redis.zadd(K.active("default"), {u: s for u, (s, _) in users.items()})
+    order = sorted(users, key=lambda u: (users[u][0], u))
+    expected = order[choose([users[u] for u in order], cached, LOCAL.slack, LOCAL.candidates)]
+    assert expected == "u2"
+    assert await grant_user(store, "b1") == expected

@@ -1,0 +1,102 @@
+"""The prompt's block-hash chain and the locality choice, on plain data."""
+
+from __future__ import annotations
+
+from policies.fairness import Vtc
+from policies.locality import (
+    BLOCK_CHARS,
+    MAX_BLOCKS,
+    chain,
+    choose,
+    matched,
+    prefix_chain,
+    prompt_text,
+)
+
+SYSTEM_A = "You are the billing assistant. " * 40
+SYSTEM_B = "You are the travel assistant!! " * 40
+
+
+def chat(system: str, *turns: str) -> dict[str, object]:
+    return {"messages": [{"role": "system", "content": system},
+                         *({"role": "user", "content": t} for t in turns)]}
+
+
+def test_chain_is_stable_chained_and_counts_full_blocks_only() -> None:
+    text = "x" * (3 * BLOCK_CHARS + 10)
+    hashes = chain(text)
+    assert len(hashes) == 3  # the partial fourth block is not hashed
+    assert chain(text) == hashes
+    assert len(set(hashes)) == 3  # equal chunks, different hashes: each covers its prefix
+    assert chain("y" + text[1:])[1:] != hashes[1:]  # a change early changes every later hash
+    assert chain("z" * BLOCK_CHARS * (MAX_BLOCKS + 5)).__len__() == MAX_BLOCKS
+
+
+def test_sessions_share_their_system_prompt_prefix() -> None:
+    first = prefix_chain(chat(SYSTEM_A, "What is my balance?"))
+    later = prefix_chain(chat(SYSTEM_A, "What is my balance?", "And last month's?"))
+    other = prefix_chain(chat(SYSTEM_B, "What is my balance?"))
+    assert len(first) >= 4
+    assert later[:len(first)] == first
+    assert matched(later, set(first)) == len(first)
+    assert matched(other, set(first)) == 0
+
+
+def test_prompt_text_of_each_body_shape() -> None:
+    assert prompt_text({"prompt": "hello"}) == "hello"
+    assert prompt_text({"prompt": ["a", "b"]}) == "ab"
+    assert prompt_text({"input": "doc", "instructions": "sum: "}) == "sum: doc"
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert prompt_text(parts).endswith("hi")
+    assert prompt_text({"prompt": [1, 2]}) == prompt_text({"prompt": [1, 2, 3]})[:4]
+    assert len(prompt_text({"prompt": "q" * 100_000})) == BLOCK_CHARS * MAX_BLOCKS
+
+
+CACHED = {"h1", "h2", "h3"}
+
+
+def test_slack_zero_is_strict_fairness_order() -> None:
+    heads = [(10.0, ("n1",)), (10.5, ("h1", "h2"))]
+    assert choose(heads, CACHED, slack=0.0, candidates=8) == 0
+
+
+def test_within_the_slack_the_longest_cached_prefix_wins() -> None:
+    heads = [(10.0, ("n1",)), (12.0, ("h1",)), (13.0, ("h1", "h2", "h3")), (14.0, ("h1", "h2"))]
+    assert choose(heads, CACHED, slack=5.0, candidates=8) == 2
+
+
+def test_ties_go_to_the_fairness_order() -> None:
+    heads = [(10.0, ("h1", "x")), (11.0, ("h1", "y")), (12.0, ())]
+    assert choose(heads, CACHED, slack=5.0, candidates=8) == 0
+    heads = [(10.0, ("n",)), (11.0, ("h1",)), (12.0, ("h1",))]
+    assert choose(heads, CACHED, slack=5.0, candidates=8) == 1
+
+
+def test_a_user_further_than_the_slack_behind_is_never_overtaken() -> None:
+    # the least-served user (score 10) has nothing cached; one beyond the slack has all
+    heads = [(10.0, ("n1",)), (15.01, ("h1", "h2", "h3"))]
+    assert choose(heads, CACHED, slack=5.0, candidates=8) == 0
+    assert choose(heads, CACHED, slack=5.01, candidates=8) == 1
+
+
+def test_only_the_first_candidates_are_compared() -> None:
+    heads = [(10.0, ()), (10.0, ()), (10.0, ("h1",))]
+    assert choose(heads, CACHED, slack=5.0, candidates=2) == 0
+    assert choose(heads, CACHED, slack=5.0, candidates=3) == 2
+
+
+def test_backlogged_users_all_cached_stay_within_bound_plus_slack() -> None:
+    """Serving by ``choose`` with every prompt cached on the backend (so locality always
+    prefers user "hot") keeps the service gap within the policy's bound plus the slack."""
+    vtc, slack, cost = Vtc(), 3000.0, 500.0
+    scores = {"hot": 0.0, "cold": 0.0, "warm": 0.0}
+    chains = {"hot": ("h1", "h2", "h3"), "warm": ("h1",), "cold": ("n",)}
+    bound = vtc.bound(cost, 0, 0.0) + slack
+    served = {u: 0.0 for u in scores}
+    for _ in range(300):
+        order = sorted(scores, key=lambda u: (scores[u], u))
+        pick = order[choose([(scores[u], chains[u]) for u in order], CACHED, slack, 8)]
+        scores[pick] += cost
+        served[pick] += cost
+        assert max(served.values()) - min(served.values()) <= bound
+    assert served["hot"] > served["cold"]  # locality did bend the order, within the bound
