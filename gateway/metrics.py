@@ -1,14 +1,28 @@
 """The gateway's own Prometheus metrics (``fairgate_*``), on a registry passed in, and the
 hooks the request path, the backend pool and the supervisor call to feed them.
+
+Several worker processes (``fairgate serve --workers N``, ``gateway/workers.py``) share
+one view through prometheus_client's multiprocess mode: each worker writes its values to
+files in ``PROMETHEUS_MULTIPROC_DIR`` and ``registry`` then collects every worker's files,
+so a scrape through any worker sees the same totals. Counters and histograms sum across
+workers (a dead worker's counts stay in the sums); the gauges are set from shared state
+(queue depths read from Redis, backend scrapes every worker makes), so they report the
+most recent value any live worker set (``livemostrecent``). In that mode an idle user's
+per-user series are not removed (prometheus_client cannot remove a label set there); the
+number of user label values is still bounded by ``metrics_top_users``.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections import deque
 from collections.abc import Mapping
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.redis_client import RedisMetrics
 from gateway.user_series import MAX_SHARE_USERS, OTHER_USERS, ServiceShares, UserLabels
@@ -20,12 +34,28 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
 DISPATCH_RATE_WINDOW_S = 10.0
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+SHARED: Final = "livemostrecent"
+"""Multiprocess mode of a gauge set from state every worker sees alike."""
+
+
+def multiprocess_dir() -> str | None:
+    """The directory workers share their metrics through, or None (one process)."""
+    return os.environ.get(MULTIPROC_DIR_ENV) or None
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, top_users: int = 20,
                  user_idle_s: float = 3600.0) -> None:
         self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.multiprocess = multiprocess_dir() is not None
+        if self.multiprocess:
+            # the metrics write to this process's files (their registry is never
+            # scraped); the registry scraped collects every worker's files
+            r = CollectorRegistry()
+            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
+            warnings.filterwarnings("ignore", "Removal of labels", UserWarning)
         self.users = UserLabels(top_users, user_idle_s)
         self.shares: dict[str, ServiceShares] = {}
         # service not yet added to the cross-replica shares in Redis (gateway/history.py)
@@ -33,13 +63,13 @@ class GatewayMetrics:
         self.recent_dispatches: dict[str, deque[float]] = {}
         self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
         self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
-        r = self.registry
+        self._redis: RedisMetrics | None = None
         self.queue_depth = Gauge(
             "fairgate_queue_depth", "Requests queued in Redis", ["model", "priority_class"],
-            registry=r)
+            registry=r, multiprocess_mode=SHARED)
         self.queue_oldest_wait = Gauge(
             "fairgate_queue_oldest_wait_seconds", "Age of the oldest queued request",
-            ["model", "priority_class"], registry=r)
+            ["model", "priority_class"], registry=r, multiprocess_mode=SHARED)
         self.queue_wait = Histogram(
             "fairgate_queue_wait_seconds", "Time from enqueue to dispatch", ["priority_class"],
             buckets=WAIT_BUCKETS, registry=r)
@@ -71,29 +101,29 @@ class GatewayMetrics:
             ["backend", "priority_class", "reason"], registry=r)
         self.gate_open = Gauge(
             "fairgate_gate_open", "1 when the class's gate to the backend is open",
-            ["backend", "priority_class"], registry=r)
+            ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
         self.gate_reason = Gauge(
             "fairgate_gate_closed_reason",
             "1 for the reason a class's gate to the backend is closed now",
-            ["backend", "priority_class", "reason"], registry=r)
+            ["backend", "priority_class", "reason"], registry=r, multiprocess_mode=SHARED)
         self.backend_waiting = Gauge(
             "fairgate_backend_waiting_requests", "vllm:num_requests_waiting at last scrape",
-            ["backend"], registry=r)
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.backend_running = Gauge(
             "fairgate_backend_running_requests", "vllm:num_requests_running at last scrape",
-            ["backend"], registry=r)
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.backend_kv = Gauge(
             "fairgate_backend_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc at last scrape",
-            ["backend"], registry=r)
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.backend_tpot = Gauge(
             "fairgate_backend_tpot_seconds", "Recent mean time per output token", ["backend"],
-            registry=r)
+            registry=r, multiprocess_mode=SHARED)
         self.backend_healthy = Gauge(
             "fairgate_backend_healthy", "1 when the last scrapes succeeded", ["backend"],
-            registry=r)
+            registry=r, multiprocess_mode=SHARED)
         self.backend_drained = Gauge(
             "fairgate_backend_drained", "1 when an operator drained the backend (this replica)",
-            ["backend"], registry=r)
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.pacing_allowance = Gauge(
             "fairgate_pacing_allowance",
             "Requests of the class adaptive pacing lets wait at the backend (ceiling: "
@@ -124,20 +154,28 @@ class GatewayMetrics:
             ["command"], buckets=REDIS_BUCKETS, registry=r)
         self.redis_errors = Counter(
             "fairgate_redis_errors_total", "Redis commands that failed", ["command"], registry=r)
+        self.redis_commands = Counter(
+            "fairgate_redis_commands_total",
+            "Redis commands sent (pipelined ones too); a Lua script by its name",
+            ["command", "script"], registry=r)
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
             "batch, history)", ["loop"], registry=r)
         # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
         self.batch_jobs = Gauge(
-            "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r)
+            "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r,
+            multiprocess_mode=SHARED)
         self.batch_requests = Counter(
             "fairgate_batch_requests_total", "Batch lines finished, by outcome", ["outcome"],
             registry=r)
 
     @property
     def redis(self) -> RedisMetrics:
-        return RedisMetrics(self.redis_latency, self.redis_errors)
+        if self._redis is None:
+            self._redis = RedisMetrics(self.redis_latency, self.redis_errors,
+                                       self.redis_commands)
+        return self._redis
 
     # -- hooks called on the request path ---------------------------------------------
 

@@ -3,7 +3,9 @@
 Every adapter that talks to Redis (the queue store, batches, files, the admin read model)
 uses the client built here, so "Redis is down" is one exception everywhere:
 :class:`~gateway.errors.StoreUnavailable` (503 at the edge). The client also records each
-command's latency and failures.
+command's latency and failures, and counts every command sent (pipelined ones too), a
+script by its name (``gateway/lua/<name>.lua``): ``fairgate_redis_commands_total``. A
+pipeline is one round trip, recorded in the latency histogram as ``PIPELINE``.
 
 ``NoScriptError`` is let through on purpose: redis-py's script objects catch it to load
 the script again (a restarted Redis has an empty script cache).
@@ -11,7 +13,9 @@ the script again (a restarted Redis has an empty script cache).
 
 from __future__ import annotations
 
+import hashlib
 import time
+from importlib import resources
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -27,29 +31,70 @@ from gateway.errors import StoreUnavailable
 BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
 
 
+SCRIPT_COMMANDS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"})
+
+
 class RedisMetrics:
     """Where the boundary reports (owned by :class:`~gateway.metrics.GatewayMetrics`)."""
 
-    def __init__(self, latency: Histogram, errors: Counter) -> None:
+    def __init__(self, latency: Histogram, errors: Counter,
+                 commands: Counter | None = None) -> None:
         self.latency = latency
         self.errors = errors
+        self.commands = commands  # labels: command, script ("" for a plain command)
+        self._counters: dict[tuple[str, str], Any] = {}
+
+    def count(self, args: tuple[Any, ...], scripts: dict[str, str]) -> None:
+        if self.commands is None or not args:
+            return
+        command = str(args[0]).upper()
+        script = ""
+        if command in SCRIPT_COMMANDS and len(args) > 1:
+            script = scripts.get(str(args[1]), "?")
+        key = (command, script)
+        counter = self._counters.get(key)
+        if counter is None:  # labels() costs more than inc(): resolve each pair once
+            counter = self._counters[key] = self.commands.labels(command, script)
+        counter.inc()
+
+
+def script_name(text: str) -> str:
+    """The ``gateway/lua/<name>.lua`` a registered script's text ends with, or "?"."""
+    for entry in (resources.files("gateway") / "lua").iterdir():
+        if entry.name.endswith(".lua") and text.endswith(entry.read_text()):
+            return entry.name.removesuffix(".lua")
+    return "?"
 
 
 class BoundaryPipeline(Pipeline):
+    metrics: RedisMetrics | None = None
+    script_names: dict[str, str] = {}  # noqa: RUF012 - replaced per pipeline
+
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        metrics = self.metrics
+        if metrics is not None:
+            for args, _ in self.command_stack:
+                metrics.count(args, self.script_names)
+        started = time.perf_counter()
         try:
-            return await super().execute(raise_on_error)
+            result = await super().execute(raise_on_error)
         except RedisError as exc:
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
+        if metrics is not None:
+            metrics.latency.labels("PIPELINE").observe(time.perf_counter() - started)
+        return result
 
 
 class BoundaryRedis(aioredis.Redis):
     """redis-py's asyncio client with errors mapped once and latency recorded."""
 
     metrics: RedisMetrics | None = None
+    script_names: dict[str, str]  # script SHA1 → name, filled by register_script
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         command = str(args[0]).upper() if args else "?"
+        if self.metrics is not None:
+            self.metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
             result = await super().execute_command(  # type: ignore[no-untyped-call]
@@ -65,8 +110,16 @@ class BoundaryRedis(aioredis.Redis):
         return result
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
-        return BoundaryPipeline(self.connection_pool, self.response_callbacks, transaction,
+        pipe = BoundaryPipeline(self.connection_pool, self.response_callbacks, transaction,
                                 shard_hint)
+        pipe.metrics, pipe.script_names = self.metrics, self.script_names
+        return pipe
+
+    def register_script(self, script: Any) -> Any:
+        text = script.decode() if isinstance(script, bytes) else str(script)
+        names: dict[str, str] = self.__dict__.setdefault("script_names", {})
+        names[hashlib.sha1(text.encode()).hexdigest()] = script_name(text)
+        return super().register_script(script)
 
 
 def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> BoundaryRedis:
@@ -79,4 +132,5 @@ def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> Bou
     kwargs.setdefault("retry", Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), 1))
     client = cast("BoundaryRedis", BoundaryRedis.from_url(url, decode_responses=True, **kwargs))
     client.metrics = metrics
+    client.script_names = {}
     return client
