@@ -43,6 +43,7 @@ class Spec:
     prompt_tokens: int
     max_tokens: int
     chat: bool = False
+    deadline_ms: int | None = None  # sent as X-Fairgate-Deadline-Ms (first-token deadline)
 
 
 @dataclass(slots=True)
@@ -145,8 +146,11 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
         sink.append(result)
     usage_tokens: int | None = None
     try:
+        headers = target.headers(spec.user)
+        if spec.deadline_ms is not None:
+            headers["X-Fairgate-Deadline-Ms"] = str(spec.deadline_ms)
         async with session.post(target.url + path, json=body_for(spec, target.model),
-                                headers=target.headers(spec.user)) as resp:
+                                headers=headers) as resp:
             result.status = resp.status
             if resp.status != 200:
                 result.error = (await resp.text())[:300]

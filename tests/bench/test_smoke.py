@@ -68,10 +68,26 @@ def test_overhead(tmp_path: Path, redis_url: str) -> None:
 def test_utilization(tmp_path: Path, redis_url: str) -> None:
     report = _run("utilization", tmp_path, redis_url)
     runs = report["runs"]
-    assert set(runs) == {"direct", "gateway_fast_scrape"} | {f"gateway_mw{k}"
-                                      for k in report["params"]["sweep_max_waiting"]}
+    assert set(runs) == {"direct", "gateway_fast_scrape", "gateway_fixed"} | {
+        f"gateway_mw{k}" for k in report["params"]["sweep_max_waiting"]}
     for stats in runs.values():
         assert stats["completed"] > 0 and stats["output_tok_s"] > 0
+    # the default (adaptive) run sampled the allowance, within 1..max_waiting
+    timeline = runs["gateway_mw3"]["pacing_timeline"]
+    allowances = [pt["allowance"] for pt in timeline if "allowance" in pt]
+    assert allowances and all(1 <= a <= 3 for a in allowances)
+
+
+@pytest.mark.timeout(120)
+def test_deadlines(tmp_path: Path, redis_url: str) -> None:
+    report = _run("deadlines", tmp_path, redis_url)
+    runs = report["runs"]
+    assert set(runs) == {"direct", "gateway_no_deadline", "gateway_deadline"}
+    assert report["params"]["rate_req_s"] > report["params"]["capacity_req_s"] > 0
+    for stats in runs.values():
+        assert stats["requests"] > 0
+        assert sum(stats["outcomes"].values()) == stats["requests"]
+        assert stats["outcomes"]["error"] == 0, stats["error_sample"]
 
 
 @pytest.mark.timeout(120)
