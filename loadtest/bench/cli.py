@@ -18,7 +18,8 @@ from typing import Any
 from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
-SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines")
+SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
+             "locality")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -40,6 +41,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="newcomer and mixed: run on /v1/chat/completions, "
                              "/v1/completions or both (default both)")
     parser.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="gateway processes (fairgate serve --workers); overhead measures "
+                             "one worker and, when N > 1, N workers too (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
     return parser
@@ -51,7 +55,7 @@ def options(args: argparse.Namespace, scenario: str) -> Options:
         out = args.out / scenario
     return Options(out=out, backend=args.backend, quick=args.quick, size=args.size,
                    duration_s=args.duration, progress=not args.no_progress,
-                   redis_url=args.redis_url,
+                   redis_url=args.redis_url, workers=max(1, args.workers),
                    endpoints=tuple(ENDPOINTS) if args.endpoint == "both" else (args.endpoint,),
                    command="fairgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2
                                                           else [scenario]))

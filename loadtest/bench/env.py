@@ -71,6 +71,8 @@ class Options:
     # Endpoints of the scenarios that run per endpoint (newcomer, mixed): "chat",
     # "completions" (see client.ENDPOINTS).
     endpoints: tuple[str, ...] = ("chat", "completions")
+    # gateway processes (`fairgate serve --workers`); overhead also measures 1 beside it
+    workers: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def pick(self, full: Any, quick: Any) -> Any:
@@ -133,9 +135,9 @@ class Bench:
 
     @contextlib.asynccontextmanager
     async def gateway(self, backend: Backend, users: Sequence[tuple[str, str]], label: str,
-                      **settings: Any) -> AsyncIterator[Proc]:
+                      workers: int | None = None, **settings: Any) -> AsyncIterator[Proc]:
         """``fairgate serve`` in front of ``backend`` with one key per user, on a clean
-        Redis database."""
+        Redis database; ``workers`` processes (default: ``--workers``)."""
         client = redis.Redis.from_url(self.redis_url)
         try:
             client.flushdb()
@@ -147,7 +149,8 @@ class Bench:
             "api_keys": api_keys(users),
             **settings,
         }
-        proc = await start_gateway(config, self.log_dir, label)
+        proc = await start_gateway(config, self.log_dir, label,
+                                   workers or self.opts.workers)
         try:
             yield proc
         finally:

@@ -40,13 +40,13 @@ class Proc:
         return self.process.pid
 
     def cpu_seconds(self) -> float:
-        """User + system CPU seconds used so far (Linux /proc)."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU seconds used so far by the process and its live children
+        (``fairgate serve --workers N``: the supervisor and its workers; Linux /proc)."""
+        return sum(self.cpu_split().values())
+
+    def cpu_split(self) -> dict[int, float]:
+        """CPU seconds so far of each process of the tree, by pid."""
+        return {pid: _cpu_seconds(pid) for pid in _tree(self.pid)}
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -57,6 +57,29 @@ class Proc:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its live descendants."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            with open(f"/proc/{current}/task/{current}/children") as handle:
+                todo.extend(int(x) for x in handle.read().split())
+        except OSError:
+            pass
+    return found
 
 
 def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
@@ -113,15 +136,18 @@ async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Pro
     return Proc(label, url, proc, log)
 
 
-async def start_gateway(config: dict[str, Any], log_dir: Path, label: str) -> Proc:
-    """``fairgate serve`` with ``config`` (YAML written next to its log); waits for /ready."""
+async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1
+                        ) -> Proc:
+    """``fairgate serve --workers N`` with ``config`` (YAML written next to its log); waits
+    for /ready."""
     port = free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port},
               "data_dir": str(log_dir / f"{label}-data")}
     path = log_dir / f"{label}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    proc, log = _spawn(label, ["serve", "--config", str(path)], log_dir / f"{label}.log")
+    proc, log = _spawn(label, ["serve", "--config", str(path), "--workers", str(workers)],
+                       log_dir / f"{label}.log")
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_http(url, "/ready", proc)

@@ -62,6 +62,23 @@ def test_overhead(tmp_path: Path, redis_url: str) -> None:
             assert stats["completed"] == int(rate * report["params"]["duration_s"])
         assert report["runs"][run]["max"]["completed"] > 0
     assert report["runs"]["gateway_wide"]["max"]["completed"] > 0
+    cpu = report["runs"]["gateway"][f"rate_{report['params']['rates'][0]}"]["cpu"]
+    assert cpu["process_cpu_ms_per_req"] > 0
+    assert cpu["redis_commands_per_req"] >= 3  # enqueue, dispatch, settle at least
+    assert "gateway_workers" not in report["runs"]
+
+
+@pytest.mark.timeout(90)
+def test_overhead_with_two_workers(tmp_path: Path, redis_url: str) -> None:
+    report = _run("overhead", tmp_path, redis_url, workers=2)
+    many = report["runs"]["gateway_workers"]
+    for rate in report["params"]["rates"]:
+        assert many[f"rate_{rate}"]["errors"] == 0
+    cpu = many["max"]["cpu"]
+    assert many["max"]["completed"] > 0
+    assert len(cpu["process_split_cores"]) == 3  # the supervisor and two workers
+    assert cpu["redis_commands_per_req"] >= 3
+    assert any("--workers 2" in row["metric"] for row in report["headline"])
 
 
 @pytest.mark.timeout(90)
