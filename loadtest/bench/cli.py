@@ -18,8 +18,7 @@ from typing import Any
 from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
-SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
-             "locality")
+SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
