@@ -130,7 +130,8 @@ async def test_an_unmeetable_deadline_is_refused_at_once_through_the_sdk(
     for _ in range(3):
         held.send("sk-bob", chat_body(5))
     await queued_ids(gw, "bob", 3)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-bob", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-bob", max_retries=0,
+                                timeout=30)
     try:
         with pytest.raises(openai.RateLimitError) as refused:
             await client.chat.completions.create(
@@ -159,7 +160,8 @@ async def test_a_deadline_that_passes_while_queued_leaves_the_queue_undispatched
     gw = await gateway([backend], classes=classes)
     held = busy(gw, backend)
     await held.fill()
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-bob", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-bob", max_retries=0,
+                                timeout=30)
     headers = {"X-Fairgate-Deadline-Ms": "400"} if via == "header" else {}
     try:
         late = asyncio.create_task(client.chat.completions.create(
