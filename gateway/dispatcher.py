@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections import deque
@@ -72,7 +73,8 @@ class Dispatcher:
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
         self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
-                                  settings.prefix_index_size, settings.prefix_index_ttl_s)
+                                  settings.prefix_index_size, settings.prefix_index_ttl_s,
+                                  settings.locality_max_imbalance)
                          if settings.routing == "locality" else None)
 
     @property
@@ -242,11 +244,12 @@ class Dispatcher:
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
+        locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
         for cand in by_load(candidates):
             grants, self._queued[model] = await self.store.dispatch(
                 model, cand.name, limits[cand.name], self.replica_id, now,
                 self.replica_ttl_s, order, self.floors.window, burst,
-                locality=self.locality)
+                locality=locality)
             handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()

@@ -118,6 +118,9 @@ class Settings(BaseSettings):
     locality_candidates: int = Field(8, ge=1, le=64)  # users compared within the slack
     prefix_index_size: int = Field(8192, ge=1)  # block hashes kept per backend (≈ 64 tokens each)
     prefix_index_ttl_s: float = Field(600.0, gt=0)  # a hash not sent again this long is dropped
+    # a request whose prefix another backend holds waits for that one unless it has more
+    # than this many requests in flight beyond the backend with room (bounded load)
+    locality_max_imbalance: int = Field(4, ge=0)
 
     # Client connections (gateway/server.py): a cap with a clear 503, and a deadline for
     # a connection to complete a request's headers (also closes idle keep-alives).

@@ -43,13 +43,16 @@ class Grant:
 @dataclass(frozen=True, slots=True)
 class Locality:
     """Locality-aware dispatch (``routing: locality``): the fairness slack (service
-    units), how many users within it are compared, and the bounds of each backend's
-    prefix index (block hashes kept, seconds an unused hash lives)."""
+    units), how many users within it are compared, the bounds of each backend's prefix
+    index (block hashes kept, seconds an unused hash lives), and the bounded-load
+    affinity (the model's backends, the in-flight imbalance a request waits out)."""
 
     slack: float
     candidates: int
     index_size: int
     index_ttl_s: float
+    max_imbalance: int = 0  # a head whose prefix another backend holds waits for it unless
+    others: tuple[str, ...] = ()  # that one has more in flight than this one + this
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,8 @@ class Store:
                            max_grants, grant_pickup_s, *order]
         args += [limits.get(c, 0) for c in order]
         loc = locality or Locality(0.0, 0, 0, 0.0)
-        args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s)]
+        args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
+                 loc.max_imbalance, *(b for b in loc.others if b != backend)]
         found, depth = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]

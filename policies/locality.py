@@ -15,15 +15,19 @@ vLLM's hashes (fairgate does not tokenize), they only predict where an equal pre
 can take a request of a class, the users whose fairness score is within ``slack`` of the
 smallest (at most ``candidates`` of them, in fairness order) are considered; the one whose
 head request's chain has the longest prefix in the backend's index is served, ties to the
-fairness order. ``slack`` 0 is the strict fairness order. A user more than ``slack`` above
-the smallest score is never served before the least-served user, so the fairness bound of
-the policy grows by ``slack`` at most (``policies/fairness.py``).
+fairness order. A head with nothing cached here whose first block another backend holds
+is left to that backend unless it is busier than this one by more than
+``locality_max_imbalance`` in-flight requests (bounded-load affinity); when every head
+within the slack is left so, the backend takes none of that class now. ``slack`` 0 is the
+strict fairness order. A user more than ``slack`` above the smallest score is never
+served before the least-served user, so the fairness bound of the policy grows by
+``slack`` at most (``policies/fairness.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 BLOCK_CHARS = 256
@@ -102,18 +106,32 @@ def matched(hashes: Sequence[str], cached: Container[str]) -> int:
     return n
 
 
+def held_elsewhere(hashes: Sequence[str], others: Sequence[tuple[Container[str], int]],
+                   load: int, max_imbalance: int) -> bool:
+    """Whether another backend holds the chain's first block and is not busier than this
+    one (``load``: its dispatched, unsettled requests) by more than ``max_imbalance``:
+    then the request is left for it (bounded-load affinity, as SGLang's router does)."""
+    return bool(hashes) and any(hashes[0] in index and other_load <= load + max_imbalance
+                                for index, other_load in others)
+
+
 def choose(heads: Sequence[tuple[float, Sequence[str]]], cached: Container[str],
-           slack: float, candidates: int) -> int:
+           slack: float, candidates: int,
+           elsewhere: Callable[[Sequence[str]], bool] = lambda _: False) -> int | None:
     """Index of the head to serve among ``heads`` (score, chain) in fairness order
-    (smallest score first; the first is the strict fairness choice)."""
+    (smallest score first; the first is the strict fairness choice), or None when every
+    head within the slack is better left to another backend (``elsewhere``: see
+    :func:`held_elsewhere`)."""
     if not heads or slack <= 0:
-        return 0
+        return 0 if heads else None
     floor = heads[0][0]
-    best, best_len = 0, -1
+    best, best_len = None, -1
     for i, (score, hashes) in enumerate(heads[:candidates]):
         if score > floor + slack:
             break
         length = matched(hashes, cached)
+        if length == 0 and elsewhere(hashes):
+            continue
         if length > best_len:
             best, best_len = i, length
     return best

@@ -8,6 +8,7 @@ from policies.locality import (
     MAX_BLOCKS,
     chain,
     choose,
+    held_elsewhere,
     matched,
     prefix_chain,
     prompt_text,
@@ -95,8 +96,30 @@ def test_backlogged_users_all_cached_stay_within_bound_plus_slack() -> None:
     served = {u: 0.0 for u in scores}
     for _ in range(300):
         order = sorted(scores, key=lambda u: (scores[u], u))
-        pick = order[choose([(scores[u], chains[u]) for u in order], CACHED, slack, 8)]
+        chosen = choose([(scores[u], chains[u]) for u in order], CACHED, slack, 8)
+        assert chosen is not None
+        pick = order[chosen]
         scores[pick] += cost
         served[pick] += cost
         assert max(served.values()) - min(served.values()) <= bound
     assert served["hot"] > served["cold"]  # locality did bend the order, within the bound
+
+
+def test_a_head_held_by_a_not_busier_backend_is_left_to_it() -> None:
+    other = {"o1"}
+    assert held_elsewhere(("o1", "o2"), [(other, 5)], load=2, max_imbalance=4)
+    assert not held_elsewhere(("o1", "o2"), [(other, 7)], load=2, max_imbalance=4)  # busier
+    assert not held_elsewhere(("x1",), [(other, 0)], load=2, max_imbalance=4)
+    assert not held_elsewhere((), [(other, 0)], load=2, max_imbalance=4)
+
+    def elsewhere(hashes: object) -> bool:
+        return hashes == ("o1",)
+
+    # the least-served head lives on another backend: the next one within the slack goes
+    heads = [(10.0, ("o1",)), (11.0, ("n1",))]
+    assert choose(heads, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) == 1
+    # only such heads within the slack: this backend takes none now
+    heads = [(10.0, ("o1",)), (16.0, ("n1",))]
+    assert choose(heads, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) is None
+    # strict order (slack 0) ignores locality altogether
+    assert choose(heads, CACHED, slack=0.0, candidates=8, elsewhere=elsewhere) == 0

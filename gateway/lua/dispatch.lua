@@ -14,8 +14,9 @@
 -- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
 -- ARGV[9+2n] locality slack (score units; 0: strict fairness order)  ARGV[10+2n] users
 -- compared within it  ARGV[11+2n] prefix index size (hashes; 0: no index)  ARGV[12+2n]
--- its TTL (s). The index (key_backend_prefixes) holds the block hashes of the prompts sent
--- to this backend, scored by last use; the choice mirrors policies/locality.py choose().
+-- its TTL (s)  ARGV[13+2n] max in-flight imbalance  ARGV[14+2n..] the model's other backends.
+-- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a backend,
+-- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere().
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
 -- depth the number of requests still queued for the model (all classes).
 local n = (#KEYS - 9) / 2
@@ -38,31 +39,46 @@ local slack = tonumber(ARGV[9 + 2 * n]) or 0
 local compared = tonumber(ARGV[10 + 2 * n]) or 0
 local index_size = tonumber(ARGV[11 + 2 * n]) or 0
 local index_ttl = tonumber(ARGV[12 + 2 * n]) or 0
+local max_imbalance = tonumber(ARGV[13 + 2 * n]) or 0
 local index = key_backend_prefixes(prefix, ARGV[5])
+local load = tonumber(redis.call('GET', KEYS[5])) or 0
 
--- leading block hashes of a queued request's prompt found in this backend's index
+-- leading block hashes of a queued request's prompt found in this backend's index, and
+-- whether another backend, not busier than this one by more than max_imbalance, holds
+-- its first block (then it is left for that one)
 local function matched(id)
   local chain = redis.call('HGET', key_request(prefix, id), 'prefix')
   local m = 0
-  if not chain then return m end
+  if not chain then return m, false end
+  local first = nil
   for h in string.gmatch(chain, '%S+') do
+    first = first or h
     if not redis.call('ZSCORE', index, h) then break end
     m = m + 1
   end
-  return m
+  if m > 0 or not first then return m, false end
+  for j = 14 + 2 * n, #ARGV do
+    if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
+      local other = tonumber(redis.call('GET', key_backend_inflight(prefix, ARGV[j]))) or 0
+      if other <= load + max_imbalance then return 0, true end
+    end
+  end
+  return 0, false
 end
 
--- the user to serve: the smallest score, or within `slack` of it the best cached head
+-- the user to serve: the smallest score, or within `slack` of it the best cached head;
+-- nil when none (every head within the slack is left to its own backend)
 local function pick(active, class)
   local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
-  if not top[1] or slack <= 0 or compared < 2 then return top[1], tonumber(top[2]) end
+  if not top[1] or slack <= 0 then return top[1], tonumber(top[2]) end
   local near = redis.call('ZRANGEBYSCORE', active, top[2], tonumber(top[2]) + slack,
     'WITHSCORES', 'LIMIT', 0, compared)
-  local best, best_score, best_len = top[1], tonumber(top[2]), -1
+  local best, best_score, best_len = nil, nil, -1
   for j = 1, #near, 2 do
     local head = redis.call('LINDEX', key_queue(prefix, class, near[j]), 0)
-    local length = head and matched(head) or 0
-    if length > best_len then
+    local length, elsewhere = 0, false
+    if head then length, elsewhere = matched(head) end
+    if not elsewhere and length > best_len then
       best, best_score, best_len = near[j], tonumber(near[j + 1]), length
     end
   end

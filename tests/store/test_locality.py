@@ -83,6 +83,25 @@ async def test_the_script_mirrors_the_pure_choice(redis: aioredis.Redis) -> None
         await store.enqueue(M, req(f"{user}-r", user, chain), 10)
     await redis.zadd(K.active("default"), {u: s for u, (s, _) in users.items()})
     order = sorted(users, key=lambda u: (users[u][0], u))
-    expected = order[choose([users[u] for u in order], cached, LOCAL.slack, LOCAL.candidates)]
+    chosen = choose([users[u] for u in order], cached, LOCAL.slack, LOCAL.candidates)
+    assert chosen is not None
+    expected = order[chosen]
     assert expected == "u2"
     assert await grant_user(store, "b1") == expected
+
+
+async def test_a_session_waits_for_its_backend_unless_that_one_is_overloaded(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    affinity = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0,
+                        max_imbalance=2, others=("b1", "b2"))
+    await redis.zadd(K.backend_prefixes("b2"), {"s1": 1000.0})
+    await store.enqueue(M, req("a1", "alice", ("s1", "s2")), 10)
+    # b1 has room, b2 holds alice's prefix and is not much busier: b1 leaves it
+    await redis.set(K.backend_inflight("b2"), 2)
+    grants, depth = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=affinity)
+    assert grants == [] and depth == 1
+    # b2 is now 3 requests busier than b1 (more than 2): b1 takes it
+    await redis.set(K.backend_inflight("b2"), 3)
+    assert await grant_user(store, "b1", affinity) == "alice"
