@@ -18,7 +18,8 @@ from typing import Any
 from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
-SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines")
+SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
+             "locality")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

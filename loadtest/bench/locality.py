@@ -1,0 +1,273 @@
+"""``locality``: multi-turn chat sessions with per-session system prompts on several
+simulated backends: direct round-robin vs fairgate ``routing: least_loaded`` vs
+``routing: locality``.
+
+Each session has its own long system prompt and runs its turns one after the other (each
+turn adds the previous answer and a new question), all sessions at once; two users own
+half of the sessions. The backends are small enough to be saturated, so requests queue
+and where each goes matters. Prefix hits come from the simulators' own vLLM counters
+(``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``); prompt tokens
+computed = queries − hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from loadtest.bench import report
+from loadtest.bench.client import new_session
+from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
+from loadtest.bench.loadgen import progress
+from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim
+from loadtest.bench.stats import percentile
+
+WORD = " the"  # one simulator token
+ROUTINGS = ("least_loaded", "locality")
+
+
+def params(opts: Options) -> dict[str, Any]:
+    return {
+        "backends": opts.pick(4, 2), "sessions": opts.size or opts.pick(32, 6),
+        "users": opts.pick(8, 3), "turns": opts.pick(6, 3),
+        "system_prompt_tokens": opts.pick(1500, 400), "question_tokens": 100,
+        "max_tokens": opts.pick(64, 8),
+        "sim": SimSpec(max_num_seqs=opts.pick(6, 2)).__dict__,
+        "gateway": "defaults; routing = least_loaded | locality",
+    }
+
+
+@dataclass
+class Turn:
+    user: str
+    session: int
+    turn: int
+    sent_s: float
+    first_token_s: float | None = None
+    end_s: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+    text: list[str] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.sent_s
+
+
+def owner(session: int, p: dict[str, Any]) -> str:
+    """Two users own half the sessions; the others share the rest."""
+    half = p["sessions"] // 2
+    if session < half:
+        return f"u{session % 2:02d}"
+    return f"u{2 + (session - half) % (p['users'] - 2):02d}"
+
+
+def system_prompt(session: int, tokens: int) -> str:
+    return f"Session {session:04d} house rules." + WORD * tokens
+
+
+async def chat_turn(http: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                    messages: list[dict[str, str]], turn: Turn, max_tokens: int) -> None:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    try:
+        async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            if resp.status != 200:
+                turn.error = (await resp.text())[:300]
+                return
+            pending = b""
+            async for chunk in resp.content.iter_any():
+                pending += chunk
+                *frames, pending = pending.split(b"\n\n")
+                for frame in frames:
+                    if not frame.startswith(b"data: {"):
+                        continue
+                    obj = json.loads(frame[6:])
+                    for choice in obj.get("choices") or ():
+                        if text := (choice.get("delta") or {}).get("content"):
+                            turn.first_token_s = turn.first_token_s or time.perf_counter()
+                            turn.text.append(text)
+                    if usage := obj.get("usage"):
+                        turn.output_tokens = int(usage.get("completion_tokens") or 0)
+                        turn.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        turn.error = repr(exc)[:300]
+    finally:
+        turn.end_s = time.perf_counter()
+
+
+async def run_sessions(urls: list[str], via_gateway: bool, p: dict[str, Any],
+                       label: str, show: bool) -> list[Turn]:
+    """Every session at once, turns in order; direct: each request to the next backend
+    (round-robin), through fairgate: all to the gateway (``urls[0]``)."""
+    turns: list[Turn] = []
+    next_backend = itertools.cycle(urls)
+    bar = progress(p["sessions"] * p["turns"], f"locality {label}", show)
+
+    async def session(http: aiohttp.ClientSession, i: int) -> None:
+        user = owner(i, p)
+        headers = {"Authorization": f"Bearer sk-{user}"} if via_gateway else {}
+        messages = [{"role": "system", "content": system_prompt(i, p["system_prompt_tokens"])}]
+        for t in range(p["turns"]):
+            messages.append({"role": "user",
+                             "content": f"Question {t}:" + WORD * p["question_tokens"]})
+            turn = Turn(user, i, t, time.perf_counter())
+            turns.append(turn)
+            await chat_turn(http, next(next_backend), headers, messages, turn, p["max_tokens"])
+            bar.update(1)
+            if turn.error:
+                return
+            messages.append({"role": "assistant", "content": "".join(turn.text)})
+
+    async with new_session() as http:
+        await asyncio.gather(*(session(http, i) for i in range(p["sessions"])))
+    bar.close()
+    return turns
+
+
+async def prefix_counters(urls: list[str]) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {"queries": 0.0, "hits": 0.0, "prompt_tokens": 0.0}
+    names = {"vllm:prefix_cache_queries_total": "queries",
+             "vllm:prefix_cache_hits_total": "hits", "vllm:prompt_tokens_total": "prompt_tokens"}
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(url + "/metrics") as resp:
+                text = await resp.text()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in names:
+                        totals[names[sample.name]] += sample.value
+    return totals
+
+
+def analyse(turns: list[Turn], counters: dict[str, float]) -> dict[str, Any]:
+    ok = [t for t in turns if t.error is None and t.first_token_s is not None]
+    start = min(t.sent_s for t in turns)
+    end = max(t.end_s for t in turns)
+    ttfts = [t.ttft for t in ok if t.ttft is not None]
+    later = [t.ttft for t in ok if t.ttft is not None and t.turn > 0]
+    queries, hits = counters["queries"], counters["hits"]
+    return {
+        "requests": len(turns), "completed": len(ok), "errors": len(turns) - len(ok),
+        "error_sample": next((t.error for t in turns if t.error), None),
+        "makespan_s": round(end - start, 3),
+        "output_tok_s": round(sum(t.output_tokens for t in ok) / max(end - start, 1e-9), 2),
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)), "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "ttft_later_turns_p50_ms": _ms(percentile(later, 50)),
+        "ttft_later_turns_p99_ms": _ms(percentile(later, 99)),
+        "prefix_queries": queries, "prefix_hits": hits,
+        "prefix_hit_rate": round(hits / queries, 4) if queries else None,
+        "prompt_tokens_computed": queries - hits,
+        "ttft_series_ms": [_ms(t.ttft) for t in sorted(ok, key=lambda t: t.sent_s)],
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+@contextlib.asynccontextmanager
+async def sims(bench: Bench, p: dict[str, Any], label: str) -> AsyncIterator[list[Proc]]:
+    procs: list[Proc] = []
+    try:
+        for i in range(p["backends"]):
+            procs.append(await start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
+                                         f"{label}-b{i}"))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+async def _direct(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
+    async with sims(bench, p, "sim-direct") as procs:
+        urls = [s.url for s in procs]
+        turns = await run_sessions(urls, False, p, "direct", bench.opts.progress)
+        return analyse(turns, await prefix_counters(urls))
+
+
+async def _gateway(bench: Bench, p: dict[str, Any], routing: str) -> dict[str, Any]:
+    import redis
+
+    client = redis.Redis.from_url(bench.redis_url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    users = sorted({owner(i, p) for i in range(p["sessions"])})
+    async with sims(bench, p, f"sim-{routing}") as procs:
+        config = {"redis_url": bench.redis_url, "routing": routing,
+                  "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL}
+                               for i, s in enumerate(procs)],
+                  "api_keys": api_keys([(u, "interactive") for u in users])}
+        gw = await start_gateway(config, bench.log_dir, f"gateway-{routing}",
+                                 bench.opts.workers)
+        try:
+            turns = await run_sessions([gw.url], True, p, routing, bench.opts.progress)
+            await save_diagnostics(gw.url, bench.opts.out / "gateway_diagnostics.json",
+                                   routing)
+        finally:
+            gw.stop()
+        return analyse(turns, await prefix_counters([s.url for s in procs]))
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    if opts.backend:
+        raise SystemExit("bench locality runs its own simulated backends (no --backend)")
+    p = params(opts)
+    runs: dict[str, Any] = {}
+    async with Bench(opts) as bench:
+        runs["direct_round_robin"] = await _direct(bench, p)
+        for routing in ROUTINGS:
+            runs[routing] = await _gateway(bench, p, routing)
+    d, blind, local = runs["direct_round_robin"], runs["least_loaded"], runs["locality"]
+
+    def row(metric: str, key: str, target: str = "–", good: str | None = None,
+            factor: float = 1.0) -> report.Headline:
+        ratio = round(local[key] / blind[key], 3) if blind[key] and local[key] is not None \
+            else None
+        met = None
+        if good == "lower" and ratio is not None:
+            met = ratio <= factor
+        elif good == "higher" and ratio is not None:
+            met = ratio >= factor
+        return report.Headline(metric, blind[key], local[key], ratio, target, met)
+
+    headline = [
+        row("prefix cache hit rate (vLLM counters)", "prefix_hit_rate"),
+        row("prompt tokens computed (queries − hits)", "prompt_tokens_computed",
+            "≤ 0.5× least_loaded", "lower", 0.5),
+        row("TTFT p50 of chat turns (ms)", "ttft_p50_ms", "≥ 2× lower", "lower", 0.5),
+        row("TTFT p99 of chat turns (ms)", "ttft_p99_ms"),
+        row("output tok/s", "output_tok_s", "≥ least_loaded", "higher", 1.0),
+        report.Headline("prefix hit rate, direct round-robin", d["prefix_hit_rate"],
+                        None, None, "–", None),
+    ]
+    fig, ax = report.figure("Prompt tokens computed vs cached (all backends)", "run", "tokens")
+    names = list(runs)
+    computed = [runs[n]["prompt_tokens_computed"] for n in names]
+    cached = [runs[n]["prefix_hits"] for n in names]
+    ax.bar(names, computed, label="computed")
+    ax.bar(names, cached, bottom=computed, label="cached (prefix hits)")
+    ax.legend()
+    fig2, ax2 = report.figure("TTFT of chat turns, in send order", "turn", "TTFT (ms)")
+    for name in names:
+        ax2.plot(runs[name]["ttft_series_ms"], label=name, linewidth=0.8)
+    ax2.set_yscale("log")
+    ax2.legend()
+    notes = ["Columns: **direct** = fairgate `routing: least_loaded`, **gateway** = "
+             "`routing: locality`, ratio = locality ÷ least_loaded. Direct round-robin "
+             "(no gateway) is in report.json under `direct_round_robin`."]
+    return report.write(opts, "locality", p, runs, headline,
+                        {"locality_prefill.png": fig, "locality_ttft.png": fig2}, notes)

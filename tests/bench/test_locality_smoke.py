@@ -1,0 +1,25 @@
+"""``fairgate bench locality`` at ``--quick`` size: the report has its runs and counts.
+
+A benchmark, not a test of speed: nothing here asserts a timing or a target being met.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.bench.test_smoke import _run
+
+
+@pytest.mark.timeout(180)
+def test_locality(tmp_path: Path, redis_url: str) -> None:
+    report = _run("locality", tmp_path, redis_url)
+    runs = report["runs"]
+    assert set(runs) == {"direct_round_robin", "least_loaded", "locality"}
+    p = report["params"]
+    for stats in runs.values():
+        assert stats["errors"] == 0, stats["error_sample"]
+        assert stats["completed"] == p["sessions"] * p["turns"]
+        assert 0 < stats["prefix_hits"] < stats["prefix_queries"]
+        assert stats["prompt_tokens_computed"] == stats["prefix_queries"] - stats["prefix_hits"]
