@@ -6,6 +6,7 @@ import redis.asyncio as aioredis
 
 from gateway.keys import ModelKeys
 from gateway.store import Locality, QueuedRequest, Store
+from policies.fairness import Vtc, with_locality
 from policies.locality import choose
 
 M = "m"
@@ -105,3 +106,31 @@ async def test_a_session_waits_for_its_backend_unless_that_one_is_overloaded(
     # b2 is now 3 requests busier than b1 (more than 2): b1 takes it
     await redis.set(K.backend_inflight("b2"), 3)
     assert await grant_user(store, "b1", affinity) == "alice"
+
+
+async def test_fairness_bound_holds_when_one_users_prompts_are_all_cached(
+        redis: aioredis.Redis) -> None:
+    """Backlogged users on one backend whose index holds every prompt of "hot" (and none
+    of the others'): locality serves "hot" ahead, but the gap in weighted service between
+    any two users never exceeds VTC's bound plus the slack."""
+    vtc = Vtc()
+    prompt, output, slack = 500, 100, 2000.0
+    locality = Locality(slack=slack, candidates=8, index_size=1000, index_ttl_s=600.0)
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("b1"), {"hot1": 1000.0, "hot2": 1000.0})
+    users = ("hot", "cold1", "cold2")
+    for i in range(40):
+        for user in users:
+            chain = ("hot1", "hot2") if user == "hot" else (f"{user}-{i}",)
+            await store.enqueue(M, req(f"{user}-{i}", user, chain,
+                                       vtc.dispatch_cost(prompt, 1.0)), 100)
+    served = dict.fromkeys(users, 0.0)
+    bound = with_locality(vtc.bound(vtc.service(prompt, output, 1.0), 0, 0.0), slack)
+    for _ in range(60):
+        grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=locality)
+        (grant,) = grants
+        await store.settle(M, grant, vtc.settle_charge(prompt, prompt, output, 1.0))
+        served[grant.user] += vtc.service(prompt, output, 1.0)
+        assert max(served.values()) - min(served.values()) <= bound
+    assert served["hot"] > served["cold1"] + vtc.service(prompt, output, 1.0)  # it did bend
