@@ -17,8 +17,13 @@ decrease (AIMD, as TCP congestion control does):
   nothing waits;
 - otherwise hold.
 
-``max_waiting`` stays the ceiling, so adaptive pacing never queues more at vLLM than fixed
-pacing would; it backs off earlier and recovers within a few snapshots.
+The allowance caps what may *wait* at vLLM. When the batch has free slots (nothing waits,
+fewer run than the most seen, KV below ``KV_ROOM``) requests sent now go straight into the
+running batch, so the snapshot's burst may also fill up to ``ceiling`` of those slots (the
+``bonus``): the gate's dispatch rate is otherwise capped at ``max_waiting`` per snapshot,
+which leaves a fast backend's batch short between two scrapes. A snapshot with a degraded
+backend gets no bonus. Waiting is never allowed above the allowance when the batch is
+full, so adaptive pacing queues no more at vLLM than fixed pacing would.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ PACING_REASONS = ("start", "headroom", "tpot", "ttft", "waiting")
 TPOT_MARGIN = 0.8  # back off at 80 % of the TPOT limit, before the gate shuts
 STEP = 1.0  # additive increase per snapshot
 DECREASE = 0.5  # multiplicative decrease
+KV_ROOM = 0.9  # free batch slots count only while KV usage is below this
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +53,7 @@ class Pacing:
     allowance: float
     reason: str = "start"
     peak_running: int = 0  # the most requests seen running at once (the batch's size)
+    bonus: int = 0  # free batch slots this snapshot's burst may fill too
 
     @classmethod
     def start(cls, targets: PacingTargets) -> Pacing:
@@ -54,8 +61,8 @@ class Pacing:
 
     @property
     def max_waiting(self) -> int:
-        """The allowance as the gate's ``max_waiting``."""
-        return int(self.allowance)
+        """The gate's ``max_waiting``: the allowance plus the free slots' bonus."""
+        return int(self.allowance) + self.bonus
 
 
 def adjust(
@@ -68,11 +75,14 @@ def adjust(
     if reason is not None:
         lowered = max(float(floor), pacing.allowance * DECREASE)
         return Pacing(lowered, reason, peak)
+    bonus = 0
+    if snap.waiting == 0 and snap.kv_usage < KV_ROOM:
+        bonus = min(peak - snap.running, targets.ceiling)
     has_room = snap.running < peak or snap.waiting == 0
     if has_room and pacing.allowance < targets.ceiling:
         raised = min(float(targets.ceiling), pacing.allowance + STEP)
-        return Pacing(raised, "headroom", peak)
-    return Pacing(pacing.allowance, pacing.reason, peak)
+        return Pacing(raised, "headroom", peak, bonus)
+    return Pacing(pacing.allowance, pacing.reason, peak, bonus)
 
 
 def _degraded(snap: BackendSnapshot, ttft_s: float | None, t: PacingTargets) -> str | None:

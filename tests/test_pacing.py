@@ -11,8 +11,9 @@ from policies.pacing import Pacing, PacingTargets, adjust
 TARGETS = PacingTargets(ceiling=4, max_tpot_s=0.150, ttft_slo_s=2.0)
 
 
-def snap(waiting: int = 0, running: int = 8, tpot_s: float | None = 0.05) -> BackendSnapshot:
-    return BackendSnapshot(waiting, running, 0.5, tpot_s, 0.0)
+def snap(waiting: int = 0, running: int = 8, tpot_s: float | None = 0.05,
+         kv: float = 0.5) -> BackendSnapshot:
+    return BackendSnapshot(waiting, running, kv, tpot_s, 0.0)
 
 
 def test_starts_at_the_ceiling() -> None:
@@ -76,4 +77,15 @@ def test_the_allowance_stays_between_floor_and_ceiling(
     p = Pacing.start(targets)
     for waiting, running, tpot, ttft in steps:
         p = adjust(p, snap(waiting, running, tpot), ttft, targets)
-        assert 1 <= p.max_waiting <= ceiling
+        assert 1 <= int(p.allowance) <= ceiling
+        assert 0 <= p.bonus <= ceiling and (p.bonus == 0 or waiting == 0)
+
+
+def test_free_batch_slots_add_a_bonus_only_while_nothing_waits_and_kv_has_room() -> None:
+    p = adjust(Pacing.start(TARGETS), snap(running=20), None, TARGETS)  # batch of 20 seen
+    p = adjust(p, snap(running=12), None, TARGETS)
+    assert (p.bonus, p.max_waiting) == (4, 8)  # 8 slots free, capped at the ceiling
+    assert adjust(p, snap(running=18), None, TARGETS).bonus == 2
+    assert adjust(p, snap(waiting=1, running=12), None, TARGETS).bonus == 0
+    assert adjust(p, snap(running=12, kv=0.95), None, TARGETS).bonus == 0
+    assert adjust(p, snap(running=12, tpot_s=0.130), None, TARGETS).bonus == 0  # degraded
