@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gateway.errors import StoreUnavailable
 from gateway.settings import Settings
-from gateway.store import Store
+from gateway.store import QueuedUser, Store
 from policies.classes import CLASS_ORDER, class_rank
 from policies.wait_estimate import (
     DispatchMeter,
@@ -28,7 +28,8 @@ from policies.wait_estimate import (
     retry_after_s,
 )
 
-PICTURE_USERS = 256  # users read per class for an estimate (the smallest scores)
+PICTURE_USERS = 128  # users read per class for an estimate (the smallest scores)
+PICTURE_TTL_S = 0.1  # the other users' queues are re-read at most this often per model
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,7 @@ class Waits:
         self.settings = settings
         self.store = store
         self.meter = DispatchMeter()
+        self._pictures: dict[str, tuple[float, list[QueuedUser], dict[str, float]]] = {}
 
     def dispatched(self, model: str, klass: str) -> None:
         self.meter.record((model, klass), time.monotonic())
@@ -74,24 +76,34 @@ class Waits:
         if higher == 0 and depths[klass] == 0:
             return Place(0, 0, 0.0)
         score, index = await self.store.queue_place(model, klass, user, request_id)
-        users = [u for u in await self.store.queued_users(model, PICTURE_USERS)
-                 if u.klass == klass]
+        queued, since = await self._picture(model)
+        users = [u for u in queued if u.klass == klass]
         others = [UserQueue(u.score, u.queued) for u in users if u.user != user]
         if score is None:  # a newcomer is lifted to the smallest active score
             score = min((u.score for u in users), default=0.0)
         ahead = ahead_in_class(score, 0 if head else index or 0, cost, others)
-        floor_in_s, lower_share = await self._floors(model, klass, depths)
+        floor_in_s, lower_share = self._floors(klass, depths, since)
         wait = estimate_wait_s(ahead, higher, self.rate(model),
                                self.settings.class_floors.get(klass, 0.0), floor_in_s,
                                lower_share)
         return Place(higher + ahead, ahead, wait)
 
-    async def _floors(self, model: str, klass: str, depths: dict[str, int]
-                      ) -> tuple[float, float]:
+    async def _picture(self, model: str) -> tuple[list[QueuedUser], dict[str, float]]:
+        """The active users of every class and since when each class is backlogged,
+        re-read at most every ``PICTURE_TTL_S`` (many deadlines arriving at once)."""
+        now = time.monotonic()
+        cached = self._pictures.get(model)
+        if cached is None or now - cached[0] > PICTURE_TTL_S:
+            users = await self.store.queued_users(model, PICTURE_USERS)
+            since, _ = await self.store.class_service(model)
+            cached = self._pictures[model] = (now, users, since)
+        return cached[1], cached[2]
+
+    def _floors(self, klass: str, depths: dict[str, int], since: dict[str, float]
+                ) -> tuple[float, float]:
         """(seconds until ``klass`` is owed its floor, the share lower classes owed
         theirs take now)."""
         after = self.settings.starvation_after_s
-        since, _ = await self.store.class_service(model)
         now = time.time()
         began = since.get(klass)
         floor_in_s = after if began is None else max(0.0, began + after - now)
@@ -127,10 +139,12 @@ class Waits:
         wait: float | None = None
         with contextlib.suppress(StoreUnavailable):
             depths = await self.store.depths(model)
-            rank = class_rank(klass)
-            higher = sum(depths[c] for c in CLASS_ORDER[:rank])
+            higher = sum(depths[c] for c in CLASS_ORDER[:class_rank(klass)])
+            _, since = await self._picture(model)
+            floor_in_s, lower_share = self._floors(klass, depths, since)
             wait = estimate_wait_s(depths[klass], higher, self.rate(model),
-                                   self.settings.class_floors.get(klass, 0.0))
+                                   self.settings.class_floors.get(klass, 0.0), floor_in_s,
+                                   lower_share)
         return self.retry_after(wait)
 
     async def next_turn_retry_after(self, model: str, klass: str, user: str,

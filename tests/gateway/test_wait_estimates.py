@@ -25,7 +25,7 @@ from tests.gateway.conftest import (
 )
 
 ADMIN = "sk-admin-1"
-QUEUE = f"fg:{{{MODEL}}}:q:interactive:"
+QUEUE = f"fg:{{{MODEL}}}:q:"
 HELD = {"interactive": {"max_waiting": 1}}
 
 
@@ -33,19 +33,19 @@ def chat_body(max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL, "messages": HI, "max_tokens": max_tokens, "ignore_eos": True}
 
 
-async def queue_len(gw: Any, user: str) -> int:
-    return int(await gw.services.store.client.llen(QUEUE + user))
+async def queue_len(gw: Any, user: str, klass: str = "interactive") -> int:
+    return int(await gw.services.store.client.llen(f"{QUEUE}{klass}:{user}"))
 
 
-async def queued_ids(gw: Any, user: str, n: int) -> list[str]:
+async def queued_ids(gw: Any, user: str, n: int, klass: str = "interactive") -> list[str]:
     """Wait until ``user`` has ``n`` requests queued in Redis; their ids, oldest first."""
     client = gw.services.store.client
 
     async def ready() -> bool:
-        return await queue_len(gw, user) == n
+        return await queue_len(gw, user, klass) == n
 
     await until(ready, f"{n} requests of {user} queued")
-    return [str(x) for x in await client.lrange(QUEUE + user, 0, -1)]
+    return [str(x) for x in await client.lrange(f"{QUEUE}{klass}:{user}", 0, -1)]
 
 
 async def test_request_id_and_queue_wait_on_streamed_and_whole_answers(
@@ -121,6 +121,34 @@ async def test_status_shows_position_and_estimate_while_queued_to_its_owner_only
         assert "no queued request" in assert_error(body, type_="invalid_request_error")
 
 
+async def test_a_lower_class_request_counts_the_higher_backlog_ahead(
+        sim: SimFactory, gateway: GatewayFactory, busy: BusyFactory) -> None:
+    backend = await sim(max_num_seqs=1)
+    gw = await gateway([backend], classes={"interactive": {"max_waiting": 1},
+                                           "default": {"max_waiting": 1}})
+    held = busy(gw, backend)
+    await held.fill()
+    async with aiohttp.ClientSession() as http:
+        tasks = [asyncio.create_task(call(http, "POST", gw.url + CHAT, key=key,
+                                          json=chat_body(3)))
+                 for key in ("sk-carol", "sk-carol", "sk-bob")]
+        await queued_ids(gw, "carol", 2)
+        await queued_ids(gw, "bob", 1)
+        tasks.append(asyncio.create_task(call(http, "POST", gw.url + CHAT, key="sk-dflt",
+                                              json=chat_body(3))))
+        [dave_id] = await queued_ids(gw, "dave", 1, "default")
+        status, body, _ = await call(http, "GET", gw.url + "/v1/fairgate/requests/" + dave_id,
+                                     key="sk-dflt")
+        assert status == 200, body
+        assert body["priority_class"] == "default"
+        # three interactive requests go first (no floor owed yet), nobody in its class
+        assert (body["position"], body["ahead_in_class"]) == (3, 0)
+        assert body["estimated_wait_ms"] > 0
+        await held.close()
+        results = await asyncio.gather(*tasks)
+    assert [r[0] for r in results] == [200] * 4
+
+
 async def test_an_unmeetable_deadline_is_refused_at_once_through_the_sdk(
         sim: SimFactory, gateway: GatewayFactory, busy: BusyFactory) -> None:
     backend = await sim(max_num_seqs=1)
@@ -136,13 +164,14 @@ async def test_an_unmeetable_deadline_is_refused_at_once_through_the_sdk(
         with pytest.raises(openai.RateLimitError) as refused:
             await client.chat.completions.create(
                 model=MODEL, messages=HI, max_tokens=9, extra_body={"ignore_eos": True},
-                extra_headers={"X-Fairgate-Deadline-Ms": "50"})
+                extra_headers={"X-Fairgate-Deadline-Ms": "1000"})
     finally:
         await client.close()
     assert refused.value.code == "deadline_unmeetable"
     headers = refused.value.response.headers
     assert int(headers["retry-after"]) >= 1
     assert re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"])
+    # three ahead at a rate of at most 2/s (two dispatches, measured over at least 1 s)
     assert "3 requests ahead" in refused.value.message
     # refused before queueing: bob's three are all that is queued
     assert await queue_len(gw, "bob") == 3
@@ -156,13 +185,13 @@ async def test_a_deadline_that_passes_while_queued_leaves_the_queue_undispatched
     backend = await sim(max_num_seqs=1)
     classes: dict[str, dict[str, Any]] = {"interactive": {"max_waiting": 1}}
     if via == "class":
-        classes["interactive"]["ttft_slo_ms"] = 400
+        classes["interactive"]["ttft_slo_ms"] = 1500
     gw = await gateway([backend], classes=classes)
     held = busy(gw, backend)
     await held.fill()
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-bob", max_retries=0,
                                 timeout=30)
-    headers = {"X-Fairgate-Deadline-Ms": "400"} if via == "header" else {}
+    headers = {"X-Fairgate-Deadline-Ms": "1500"} if via == "header" else {}
     try:
         late = asyncio.create_task(client.chat.completions.create(
             model=MODEL, messages=HI, max_tokens=7, extra_body={"ignore_eos": True},
@@ -200,19 +229,23 @@ async def test_a_malformed_deadline_is_a_400(sim: SimFactory, gateway: GatewayFa
 
 async def test_queue_timeout_retry_after_comes_from_the_drain_rate(
         sim: SimFactory, gateway: GatewayFactory, busy: BusyFactory) -> None:
-    """Six queued behind a backend that served two: the first to time out is told to come
-    back when the measured rate drains the others, not after the 1 s constant."""
+    """Three interactive requests queued ahead of a default one, behind a backend that
+    served two: when the default one times out it is told to come back once the measured
+    rate drained them (at most 2/s: at least 2 s), not after the 1 s constant."""
     backend = await sim(max_num_seqs=1)
-    gw = await gateway([backend], classes={"interactive": {"max_waiting": 1,
-                                                           "max_queue_wait_s": 0.5}})
+    gw = await gateway([backend], classes={
+        "interactive": {"max_waiting": 1},
+        "default": {"max_waiting": 1, "max_queue_wait_s": 0.5}})
     held = busy(gw, backend)
     await held.fill()
     async with aiohttp.ClientSession() as http:
-        tasks = [asyncio.create_task(call(http, "POST", gw.url + CHAT, key=key,
-                                          json=chat_body(3)))
-                 for key in ("sk-bob", "sk-carol") for _ in range(3)]
-        results = await asyncio.gather(*tasks)
-    timed_out = [r for r in results if r[0] == 504]
-    assert len(timed_out) == 6, [r[0] for r in results]
-    assert max(int(r[2]["Retry-After"]) for r in timed_out) >= 2
-    await held.close()
+        ahead = [asyncio.create_task(call(http, "POST", gw.url + CHAT, key="sk-carol",
+                                          json=chat_body(3))) for _ in range(3)]
+        await queued_ids(gw, "carol", 3)
+        status, body, headers = await call(http, "POST", gw.url + CHAT, key="sk-dflt",
+                                           json=chat_body(3))
+        assert status == 504
+        assert_error(body, type_="server_error", code="queue_timeout")
+        assert int(headers["Retry-After"]) >= 2
+        await held.close()
+        assert [r[0] for r in await asyncio.gather(*ahead)] == [200] * 3
