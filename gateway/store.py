@@ -53,6 +53,7 @@ class Locality:
     index_ttl_s: float
     max_imbalance: int = 0  # a head whose prefix another backend holds waits for it unless
     others: tuple[str, ...] = ()  # that one has more in flight than this one + this
+    lookahead: int = 4  # requests of each user's queue compared (its oldest first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,7 @@ class Store:
         args += [limits.get(c, 0) for c in order]
         loc = locality or Locality(0.0, 0, 0, 0.0)
         args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
-                 loc.max_imbalance, *(b for b in loc.others if b != backend)]
+                 loc.max_imbalance, loc.lookahead, *(b for b in loc.others if b != backend)]
         found, depth = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]

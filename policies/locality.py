@@ -13,13 +13,15 @@ vLLM's hashes (fairgate does not tokenize), they only predict where an equal pre
 
 **The choice** (:func:`choose`, mirrored by ``gateway/lua/dispatch.lua``): when a backend
 can take a request of a class, the users whose fairness score is within ``slack`` of the
-smallest (at most ``candidates`` of them, in fairness order) are considered; the one whose
-head request's chain has the longest prefix in the backend's index is served, ties to the
-fairness order. A head with nothing cached here whose first block another backend holds
-is left to that backend unless it is busier than this one by more than
-``locality_max_imbalance`` in-flight requests (bounded-load affinity); when every head
-within the slack is left so, the backend takes none of that class now. ``slack`` 0 is the
-strict fairness order. A user more than ``slack`` above the smallest score is never
+smallest (at most ``candidates`` of them, in fairness order) are considered, each with the
+first few requests of its queue (``lookahead``, 4: a user's own requests may pass each
+other, users may not); the request whose chain has the longest prefix in the backend's
+index is served, ties to the fairness order (then to the user's oldest). A request with
+nothing cached here whose first block another backend holds is left to that backend
+unless it is busier than this one by more than ``locality_max_imbalance`` in-flight
+requests (bounded-load affinity); when every request within the slack is left so, the
+backend takes none of that class now. ``slack`` 0 is the strict fairness order (each
+user's oldest request first). A user more than ``slack`` above the smallest score is never
 served before the least-served user, so the fairness bound of the policy grows by
 ``slack`` at most (``policies/fairness.py``).
 """
@@ -115,23 +117,25 @@ def held_elsewhere(hashes: Sequence[str], others: Sequence[tuple[Container[str],
                                 for index, other_load in others)
 
 
-def choose(heads: Sequence[tuple[float, Sequence[str]]], cached: Container[str],
+def choose(users: Sequence[tuple[float, Sequence[Sequence[str]]]], cached: Container[str],
            slack: float, candidates: int,
-           elsewhere: Callable[[Sequence[str]], bool] = lambda _: False) -> int | None:
-    """Index of the head to serve among ``heads`` (score, chain) in fairness order
-    (smallest score first; the first is the strict fairness choice), or None when every
-    head within the slack is better left to another backend (``elsewhere``: see
-    :func:`held_elsewhere`)."""
-    if not heads or slack <= 0:
-        return 0 if heads else None
-    floor = heads[0][0]
+           elsewhere: Callable[[Sequence[str]], bool] = lambda _: False
+           ) -> tuple[int, int] | None:
+    """(user, request) to serve among ``users`` — each (score, the chains of the first
+    requests of its queue, oldest first) in fairness order, smallest score first — or
+    None when every request within the slack is better left to another backend
+    (``elsewhere``: see :func:`held_elsewhere`). (0, 0) is the strict fairness choice."""
+    if not users or slack <= 0:
+        return (0, 0) if users else None
+    floor = users[0][0]
     best, best_len = None, -1
-    for i, (score, hashes) in enumerate(heads[:candidates]):
+    for i, (score, chains) in enumerate(users[:candidates]):
         if score > floor + slack:
             break
-        length = matched(hashes, cached)
-        if length == 0 and elsewhere(hashes):
-            continue
-        if length > best_len:
-            best, best_len = i, length
+        for j, hashes in enumerate(chains):
+            length = matched(hashes, cached)
+            if length == 0 and elsewhere(hashes):
+                continue
+            if length > best_len:
+                best, best_len = (i, j), length
     return best

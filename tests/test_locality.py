@@ -54,36 +54,43 @@ def test_prompt_text_of_each_body_shape() -> None:
 
 
 CACHED = {"h1", "h2", "h3"}
+Users = list[tuple[float, list[tuple[str, ...]]]]
 
 
 def test_slack_zero_is_strict_fairness_order() -> None:
-    heads = [(10.0, ("n1",)), (10.5, ("h1", "h2"))]
-    assert choose(heads, CACHED, slack=0.0, candidates=8) == 0
+    users: Users = [(10.0, [("n1",), ("h1",)]), (10.5, [("h1", "h2")])]
+    assert choose(users, CACHED, slack=0.0, candidates=8) == (0, 0)
 
 
 def test_within_the_slack_the_longest_cached_prefix_wins() -> None:
-    heads = [(10.0, ("n1",)), (12.0, ("h1",)), (13.0, ("h1", "h2", "h3")), (14.0, ("h1", "h2"))]
-    assert choose(heads, CACHED, slack=5.0, candidates=8) == 2
+    users: Users = [(10.0, [("n1",)]), (12.0, [("h1",)]), (13.0, [("h1", "h2", "h3")]),
+             (14.0, [("h1", "h2")])]
+    assert choose(users, CACHED, slack=5.0, candidates=8) == (2, 0)
+
+
+def test_a_users_later_request_may_pass_its_older_one() -> None:
+    users: Users = [(10.0, [("n1",), ("h1", "h2")]), (11.0, [("h1",)])]
+    assert choose(users, CACHED, slack=5.0, candidates=8) == (0, 1)
 
 
 def test_ties_go_to_the_fairness_order() -> None:
-    heads = [(10.0, ("h1", "x")), (11.0, ("h1", "y")), (12.0, ())]
-    assert choose(heads, CACHED, slack=5.0, candidates=8) == 0
-    heads = [(10.0, ("n",)), (11.0, ("h1",)), (12.0, ("h1",))]
-    assert choose(heads, CACHED, slack=5.0, candidates=8) == 1
+    users: Users = [(10.0, [("h1", "x")]), (11.0, [("h1", "y")]), (12.0, [()])]
+    assert choose(users, CACHED, slack=5.0, candidates=8) == (0, 0)
+    users = [(10.0, [("n",)]), (11.0, [("h1",), ("h1",)]), (12.0, [("h1",)])]
+    assert choose(users, CACHED, slack=5.0, candidates=8) == (1, 0)
 
 
 def test_a_user_further_than_the_slack_behind_is_never_overtaken() -> None:
     # the least-served user (score 10) has nothing cached; one beyond the slack has all
-    heads = [(10.0, ("n1",)), (15.01, ("h1", "h2", "h3"))]
-    assert choose(heads, CACHED, slack=5.0, candidates=8) == 0
-    assert choose(heads, CACHED, slack=5.01, candidates=8) == 1
+    users: Users = [(10.0, [("n1",)]), (15.01, [("h1", "h2", "h3")])]
+    assert choose(users, CACHED, slack=5.0, candidates=8) == (0, 0)
+    assert choose(users, CACHED, slack=5.01, candidates=8) == (1, 0)
 
 
 def test_only_the_first_candidates_are_compared() -> None:
-    heads = [(10.0, ()), (10.0, ()), (10.0, ("h1",))]
-    assert choose(heads, CACHED, slack=5.0, candidates=2) == 0
-    assert choose(heads, CACHED, slack=5.0, candidates=3) == 2
+    users: Users = [(10.0, [()]), (10.0, [()]), (10.0, [("h1",)])]
+    assert choose(users, CACHED, slack=5.0, candidates=2) == (0, 0)
+    assert choose(users, CACHED, slack=5.0, candidates=3) == (2, 0)
 
 
 def test_backlogged_users_all_cached_stay_within_bound_plus_slack() -> None:
@@ -96,9 +103,9 @@ def test_backlogged_users_all_cached_stay_within_bound_plus_slack() -> None:
     served = {u: 0.0 for u in scores}
     for _ in range(300):
         order = sorted(scores, key=lambda u: (scores[u], u))
-        chosen = choose([(scores[u], chains[u]) for u in order], CACHED, slack, 8)
+        chosen = choose([(scores[u], [chains[u]]) for u in order], CACHED, slack, 8)
         assert chosen is not None
-        pick = order[chosen]
+        pick = order[chosen[0]]
         scores[pick] += cost
         served[pick] += cost
         assert max(served.values()) - min(served.values()) <= bound
@@ -116,10 +123,10 @@ def test_a_head_held_by_a_not_busier_backend_is_left_to_it() -> None:
         return hashes == ("o1",)
 
     # the least-served head lives on another backend: the next one within the slack goes
-    heads = [(10.0, ("o1",)), (11.0, ("n1",))]
-    assert choose(heads, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) == 1
-    # only such heads within the slack: this backend takes none now
-    heads = [(10.0, ("o1",)), (16.0, ("n1",))]
-    assert choose(heads, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) is None
+    users: Users = [(10.0, [("o1",)]), (11.0, [("n1",)])]
+    assert choose(users, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) == (1, 0)
+    # only such requests within the slack: this backend takes none now
+    users = [(10.0, [("o1",)]), (16.0, [("n1",)])]
+    assert choose(users, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) is None
     # strict order (slack 0) ignores locality altogether
-    assert choose(heads, CACHED, slack=0.0, candidates=8, elsewhere=elsewhere) == 0
+    assert choose(users, CACHED, slack=0.0, candidates=8, elsewhere=elsewhere) == (0, 0)

@@ -14,7 +14,8 @@
 -- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
 -- ARGV[9+2n] locality slack (score units; 0: strict fairness order)  ARGV[10+2n] users
 -- compared within it  ARGV[11+2n] prefix index size (hashes; 0: no index)  ARGV[12+2n]
--- its TTL (s)  ARGV[13+2n] max in-flight imbalance  ARGV[14+2n..] the model's other backends.
+-- its TTL (s)  ARGV[13+2n] max in-flight imbalance  ARGV[14+2n] requests looked at in
+-- each user's queue  ARGV[15+2n..] the model's other backends.
 -- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a backend,
 -- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere().
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
@@ -40,6 +41,7 @@ local compared = tonumber(ARGV[10 + 2 * n]) or 0
 local index_size = tonumber(ARGV[11 + 2 * n]) or 0
 local index_ttl = tonumber(ARGV[12 + 2 * n]) or 0
 local max_imbalance = tonumber(ARGV[13 + 2 * n]) or 0
+local lookahead = tonumber(ARGV[14 + 2 * n]) or 1
 local index = key_backend_prefixes(prefix, ARGV[5])
 local load = tonumber(redis.call('GET', KEYS[5])) or 0
 
@@ -57,7 +59,7 @@ local function matched(id)
     m = m + 1
   end
   if m > 0 or not first then return m, false end
-  for j = 14 + 2 * n, #ARGV do
+  for j = 15 + 2 * n, #ARGV do
     if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
       local other = tonumber(redis.call('GET', key_backend_inflight(prefix, ARGV[j]))) or 0
       if other <= load + max_imbalance then return 0, true end
@@ -66,23 +68,25 @@ local function matched(id)
   return 0, false
 end
 
--- the user to serve: the smallest score, or within `slack` of it the best cached head;
--- nil when none (every head within the slack is left to its own backend)
+-- the user to serve: the smallest score, or within `slack` of it the user with the best
+-- cached request among the first `lookahead` of its queue (returned as the third value;
+-- nil: the queue's head); nil when none (every such request is left to its own backend)
 local function pick(active, class)
   local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
-  if not top[1] or slack <= 0 then return top[1], tonumber(top[2]) end
+  if not top[1] or slack <= 0 then return top[1], tonumber(top[2]), nil end
   local near = redis.call('ZRANGEBYSCORE', active, top[2], tonumber(top[2]) + slack,
     'WITHSCORES', 'LIMIT', 0, compared)
-  local best, best_score, best_len = nil, nil, -1
+  local best, best_score, best_id, best_len = nil, nil, nil, -1
   for j = 1, #near, 2 do
-    local head = redis.call('LINDEX', key_queue(prefix, class, near[j]), 0)
-    local length, elsewhere = 0, false
-    if head then length, elsewhere = matched(head) end
-    if not elsewhere and length > best_len then
-      best, best_score, best_len = near[j], tonumber(near[j + 1]), length
+    local ids = redis.call('LRANGE', key_queue(prefix, class, near[j]), 0, lookahead - 1)
+    for _, id in ipairs(ids) do
+      local length, elsewhere = matched(id)
+      if not elsewhere and length > best_len then
+        best, best_score, best_id, best_len = near[j], tonumber(near[j + 1]), id, length
+      end
     end
   end
-  return best, best_score
+  return best, best_score, best_id
 end
 
 local function alive(owner)
@@ -96,10 +100,15 @@ for i = 1, n do
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
-    local user, score = pick(active, class)
+    local user, score, chosen = pick(active, class)
     if not user then break end
     local queue = key_queue(prefix, class, user)
-    local id = redis.call('LPOP', queue)
+    local id
+    if chosen and redis.call('LREM', queue, 1, chosen) == 1 then
+      id = chosen
+    else
+      id = redis.call('LPOP', queue)
+    end
     if id and redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then
       redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
     end

@@ -84,9 +84,10 @@ async def test_the_script_mirrors_the_pure_choice(redis: aioredis.Redis) -> None
         await store.enqueue(M, req(f"{user}-r", user, chain), 10)
     await redis.zadd(K.active("default"), {u: s for u, (s, _) in users.items()})
     order = sorted(users, key=lambda u: (users[u][0], u))
-    chosen = choose([users[u] for u in order], cached, LOCAL.slack, LOCAL.candidates)
+    chosen = choose([(users[u][0], [users[u][1]]) for u in order], cached, LOCAL.slack,
+                    LOCAL.candidates)
     assert chosen is not None
-    expected = order[chosen]
+    expected = order[chosen[0]]
     assert expected == "u2"
     assert await grant_user(store, "b1") == expected
 
@@ -134,3 +135,17 @@ async def test_fairness_bound_holds_when_one_users_prompts_are_all_cached(
         served[grant.user] += vtc.service(prompt, output, 1.0)
         assert max(served.values()) - min(served.values()) <= bound
     assert served["hot"] > served["cold1"] + vtc.service(prompt, output, 1.0)  # it did bend
+
+
+async def test_a_users_cached_later_request_passes_its_older_one(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("b1"), {"s1": 1000.0})
+    await store.enqueue(M, req("a1", "alice", ("n1",)), 10)
+    await store.enqueue(M, req("a2", "alice", ("s1",)), 10)
+    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=LOCAL)
+    assert [g.request_id for g in grants] == ["a2"]
+    assert await redis.lrange(K.queue("default", "alice"), 0, -1) == ["a1"]
+    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=LOCAL)
+    assert [g.request_id for g in grants] == ["a1"]
