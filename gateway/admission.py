@@ -146,9 +146,10 @@ class Admission:
                     await self.waits.drain_retry_after(model, klass)) from None
             exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
             raise
-        except RateLimited as exc:  # the user's queue is full
-            exc.retry_after_s = await self.waits.next_turn_retry_after(model, klass, user,
-                                                                       queued.cost)
+        except RateLimited as exc:
+            if exc.code == RateLimited.code:  # the user's queue is full (not a subclass's)
+                exc.retry_after_s = await self.waits.next_turn_retry_after(
+                    model, klass, user, queued.cost)
             raise
         except Unavailable as exc:  # the queued request was lost (Redis is reachable)
             if exc.retry_after_s is not None and not isinstance(exc, StoreUnavailable):
