@@ -154,6 +154,8 @@ def configure_logging(level: int | str = logging.INFO,
             *tail,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # one write per line (print() writes the newline apart): the workers of
+        # `fairgate serve --workers N` share stderr, and their lines must not interleave
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -43,6 +43,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from structlog.typing import EventDict
 
 from gateway import event_loop
 from gateway.cli import EXIT_USAGE, SERVE_PORT_CHANGE, fail, port_in_use, port_taken_message
@@ -275,6 +276,18 @@ async def _run_worker(settings: Settings, index: int, ready_fd: int) -> int:
     return await run_gateway(settings, server, ready)
 
 
+def _tag_logs(index: int) -> None:
+    """Every log line of this worker says ``"worker": index`` (request lines clear their
+    context variables, so not through those)."""
+
+    def add_worker(_: Any, __: str, event: EventDict) -> EventDict:
+        event.setdefault("worker", index)
+        return event
+
+    config = structlog.get_config()
+    structlog.configure(processors=[add_worker, *config["processors"]])
+
+
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """``python -m gateway.workers [--config FILE]``, started by :class:`Supervisor`."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -283,7 +296,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     ready_fd = int(os.environ[READY_FD_ENV])
     settings = load_settings(config)
     configure_logging(settings.log_level, settings.log_sample_above_per_s)
-    structlog.contextvars.bind_contextvars(worker=index)
+    _tag_logs(index)
     return event_loop.run(_run_worker(settings, index, ready_fd), settings.event_loop)
 
 

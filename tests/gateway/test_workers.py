@@ -24,6 +24,12 @@ from gateway.embedded_redis import free_port
 from gateway.store import Store
 from gateway.workers import WORKER_HEADER
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, until
+from tests.gateway.test_scheduling import (
+    FLOOD,
+    NEWCOMER_BOUND,
+    flood_then_newcomers,
+    started_order,
+)
 
 START_TIMEOUT_S = 60.0
 
@@ -35,6 +41,7 @@ class Served:
         self.proc = proc
         self.url = url
         self.events: list[dict[str, Any]] = []
+        self.bad: list[bytes] = []
         self._new = asyncio.Condition()
         self._reader = asyncio.create_task(self._read())
 
@@ -42,8 +49,13 @@ class Served:
         assert self.proc.stderr is not None
         while line := await self.proc.stderr.readline():
             if line.startswith(b"{"):
+                try:
+                    event = json.loads(line)
+                except ValueError:  # two workers' lines run together
+                    self.bad.append(line)
+                    continue
                 async with self._new:
-                    self.events.append(json.loads(line))
+                    self.events.append(event)
                     self._new.notify_all()
 
     async def event(self, name: str, after: int = 0, **fields: Any) -> dict[str, Any]:
@@ -92,6 +104,7 @@ async def serve(backend_url: str, redis_url: str, tmp_path: Path, workers: int
                     return resp.status == 200
             await until(ready, "the backend scraped healthy")
         yield served
+        assert not served.bad, served.bad[:3]  # every log line whole, one JSON object
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
@@ -176,6 +189,20 @@ async def test_two_workers_serve_every_request_once_and_share_one_metrics_view(
             assert worker is not None
             seen[worker] = total(samples, "fairgate_requests_total")
         assert seen == {"0": n, "1": n}
+
+
+async def test_two_workers_are_one_fair_scheduler(sim: SimFactory, redis: aioredis.Redis,
+                                                  redis_url: str, tmp_path: Path) -> None:
+    """A's flood and the newcomers B and C spread over both workers' connections; the
+    newcomers still overtake the flood, within the bound of two replicas."""
+    backend = await sim(max_num_seqs=4)
+    async with serve(backend.url, redis_url, tmp_path, workers=2) as gw:
+        await flood_then_newcomers(gw.url, gw.url, backend)
+        dispatched = {e["worker"] for e in gw.events if e["event"] == "dispatched"}
+    order = started_order([backend])
+    assert len(order) == FLOOD + 2  # each request reached vLLM exactly once
+    assert max(order.index(21), order.index(22)) <= NEWCOMER_BOUND, order[:16]
+    assert dispatched == {0, 1}  # both workers took part
 
 
 async def test_a_killed_worker_is_replaced_and_sigterm_stops_all(
