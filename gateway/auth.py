@@ -1,8 +1,11 @@
 """API keys → identity, and admin keys → the operator's routes.
 
-Keys come from the settings (swapped whole by a reload). They are kept only as keyed
-hashes (HMAC-SHA256 with a secret drawn at start), so a lookup never compares a key in
-clear and takes the same time whatever the key; admin keys are compared in constant time.
+Keys come from the settings (swapped whole by a reload) and, created at runtime, from
+Redis (``gateway/keyring.py``, HMAC under the server's pepper). Config keys are kept only
+as keyed hashes (HMAC-SHA256 with a secret drawn at start), so a lookup never compares a
+key in clear and takes the same time whatever the key; admin keys are compared in
+constant time. A config key without an ``id`` gets a stable one derived from it
+(``cfg-…``): what limits and usage records name it by.
 Admin routes take ``Authorization: Bearer <admin key>``, or for the dashboard's read-only
 GETs a session (``gateway/sessions.py``).
 """
@@ -13,9 +16,13 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from gateway.errors import AdminRequired, Unauthorized
 from gateway.settings import ApiKey
+
+if TYPE_CHECKING:
+    from gateway.keyring import RuntimeKeys
 
 MISSING_KEY = ("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
 UNKNOWN_KEY = "Incorrect API key provided."
@@ -29,17 +36,25 @@ def admin_key_id(admin_key: str) -> str:
 
 
 class KeyRing:
-    def __init__(self, keys: Iterable[ApiKey], admin_keys: Iterable[str] = ()) -> None:
+    def __init__(self, keys: Iterable[ApiKey], admin_keys: Iterable[str] = (),
+                 runtime: RuntimeKeys | None = None) -> None:
         self._secret = secrets.token_bytes(32)
-        self._keys = {self._digest(k.key): k for k in keys}
+        self.runtime = runtime
+        self._keys = {self._digest(k.key): _with_id(k) for k in keys}
         self._admin = {self._digest(k): admin_key_id(k) for k in admin_keys}
         self._admin_ids = set(self._admin.values())
 
     def _digest(self, key: str) -> bytes:
         return hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
 
-    def identify(self, authorization: str | None) -> ApiKey:
-        found = self._keys.get(self._digest(_bearer(authorization)))
+    def config_keys(self) -> list[ApiKey]:
+        return list(self._keys.values())
+
+    async def identify(self, authorization: str | None) -> ApiKey:
+        token = _bearer(authorization)
+        found = self._keys.get(self._digest(token))
+        if found is None and self.runtime is not None:
+            found = await self.runtime.lookup(token)
         if found is None:
             raise Unauthorized(UNKNOWN_KEY)
         return found
@@ -60,12 +75,21 @@ class KeyRing:
         """Is ``key_id`` the fingerprint of a current admin key?"""
         return key_id in self._admin_ids
 
-    def require_admin(self, authorization: str | None) -> None:
+    async def require_admin(self, authorization: str | None) -> None:
         """401 without a valid key, 403 for a user's key."""
         if self.is_admin(authorization):  # raises Unauthorized when missing
             return
-        self.identify(authorization)  # Unauthorized for an unknown key
+        await self.identify(authorization)  # Unauthorized for an unknown key
         raise AdminRequired("this route needs an admin key")
+
+
+def _with_id(key: ApiKey) -> ApiKey:
+    """A config key with its stable id (the same on every replica; limits and usage name
+    the key by it)."""
+    if key.id is not None:
+        return key
+    digest = hmac.new(b"fairgate-key-id", key.key.encode(), hashlib.sha256).hexdigest()
+    return key.model_copy(update={"id": "cfg-" + digest[:12]})
 
 
 def _bearer(authorization: str | None) -> str:

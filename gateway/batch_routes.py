@@ -24,8 +24,9 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 
 
-def _user(request: web.Request) -> str:
-    return request.app[SERVICES].keys.identify(request.headers.get("Authorization")).user
+async def _user(request: web.Request) -> str:
+    key = await request.app[SERVICES].keys.identify(request.headers.get("Authorization"))
+    return key.user
 
 
 async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
@@ -34,7 +35,7 @@ async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
 
 
 async def upload_file(request: web.Request) -> web.Response:
-    user = _user(request)
+    user = await _user(request)
     svc = request.app[SERVICES]
     if not request.content_type.startswith("multipart/"):
         raise BadRequest("upload a file as multipart/form-data with fields 'purpose' and 'file'")
@@ -83,26 +84,28 @@ async def _receive(request: web.Request, svc: Services, user: str) -> FileMeta:
 
 
 async def list_files(request: web.Request) -> web.Response:
-    metas = await request.app[SERVICES].files.owned(_user(request), request.query.get("purpose"))
+    user = await _user(request)
+    metas = await request.app[SERVICES].files.owned(user, request.query.get("purpose"))
     return web.json_response({"object": "list", "data": [m.to_openai() for m in metas],
                               "has_more": False})
 
 
 async def get_file(request: web.Request) -> web.Response:
-    meta = await request.app[SERVICES].files.get(_user(request), request.match_info["file_id"])
+    user = await _user(request)
+    meta = await request.app[SERVICES].files.get(user, request.match_info["file_id"])
     return web.json_response(meta.to_openai())
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
     svc = request.app[SERVICES]
-    meta = await svc.files.get(_user(request), request.match_info["file_id"])
+    meta = await svc.files.get(await _user(request), request.match_info["file_id"])
     return web.FileResponse(svc.files.path(meta.id),
                             headers={"Content-Type": "application/jsonl"})
 
 
 async def delete_file(request: web.Request) -> web.Response:
     file_id = request.match_info["file_id"]
-    await request.app[SERVICES].files.delete(_user(request), file_id)
+    await request.app[SERVICES].files.delete(await _user(request), file_id)
     return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
 
@@ -140,7 +143,7 @@ def _check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] |
 
 async def create_batch(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    key = svc.keys.identify(request.headers.get("Authorization"))
+    key = await svc.keys.identify(request.headers.get("Authorization"))
     file_id, endpoint, window, metadata = _check_create(await _json_body(request))
     meta = await svc.files.get(key.user, file_id)
     if meta.purpose != "batch":
@@ -162,7 +165,8 @@ async def create_batch(request: web.Request) -> web.Response:
 
 
 async def get_batch(request: web.Request) -> web.Response:
-    batch = await request.app[SERVICES].batches.get(_user(request), request.match_info["batch_id"])
+    user = await _user(request)
+    batch = await request.app[SERVICES].batches.get(user, request.match_info["batch_id"])
     return web.json_response(batch)
 
 
@@ -173,7 +177,7 @@ async def list_batches(request: web.Request) -> web.Response:
         raise BadRequest("'limit' must be an integer", param="limit") from None
     if not 1 <= limit <= 100:
         raise BadRequest("'limit' must be between 1 and 100", param="limit")
-    data, more = await request.app[SERVICES].batches.page(_user(request), limit,
+    data, more = await request.app[SERVICES].batches.page(await _user(request), limit,
                                                         request.query.get("after"))
     return web.json_response({"object": "list", "data": data,
                               "first_id": data[0]["id"] if data else None,
@@ -181,7 +185,7 @@ async def list_batches(request: web.Request) -> web.Response:
 
 
 async def cancel_batch(request: web.Request) -> web.Response:
-    user, batch_id = _user(request), request.match_info["batch_id"]
+    user, batch_id = await _user(request), request.match_info["batch_id"]
     svc = request.app[SERVICES]
     batch = await svc.batches.get(user, batch_id)
     if batch["status"] in FINAL:

@@ -79,7 +79,7 @@ async def dashboard(request: web.Request) -> web.StreamResponse:
     svc = request.app[SERVICES]
     authorization = request.headers.get("Authorization")
     if authorization is not None:
-        svc.keys.require_admin(authorization)  # 401/403 as JSON for API clients
+        await svc.keys.require_admin(authorization)  # 401/403 as JSON for API clients
     elif not await svc.sessions.valid(request.cookies.get(SESSION_COOKIE), svc.keys):
         return _login_page(401)
     return web.Response(text=_static("dashboard.html"), content_type="text/html",

@@ -10,12 +10,15 @@
     ├── Conflict (409)                 the state forbids it
     │   ├── RequestCancelled           an operator cancelled the queued request
     │   ├── NotQueued                  cancel of a request no longer queued
-    │   └── NoConfigFile               reload without a config file
+    │   ├── NoConfigFile               reload without a config file
+    │   └── KeyInConfig                revoke/rotate of a key the config file defines
     ├── RequestTimeout (408)           the body stopped arriving (client_idle_timeout_s)
     ├── PayloadTooLarge (413)
     ├── RateLimited (429)              per-user queue cap; carries Retry-After
-    │   └── DeadlineUnmeetable (429)   its first-token deadline cannot be met (or passed
-    │                                  while queued); Retry-After from the wait estimate
+    │   ├── DeadlineUnmeetable (429)   its first-token deadline cannot be met (or passed
+    │   │                              while queued); Retry-After from the wait estimate
+    │   ├── RateLimitExceeded (429)    a key's or tenant's rpm, tpm or max_concurrent
+    │   └── InsufficientQuota (429)    a key's or tenant's daily or monthly token budget
     ├── Unavailable (503)              no healthy backend; carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/redis_client.py)
     │   ├── RequestLost (503)          the queued request vanished from Redis
@@ -104,6 +107,10 @@ class NoConfigFile(Conflict):
     code = "no_config_file"
 
 
+class KeyInConfig(Conflict):
+    code = "key_in_config"
+
+
 class RequestTimeout(FairgateError):
     status, type, code = 408, "invalid_request_error", "request_timeout"
 
@@ -118,6 +125,26 @@ class RateLimited(FairgateError):
 
 class DeadlineUnmeetable(RateLimited):
     code = "deadline_unmeetable"
+
+
+class RateLimitExceeded(RateLimited):
+    """Over a rate limit (policies/limits.py); carries the x-ratelimit-* headers."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, retry_after_s: int | None = None,
+                 limit_headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.limit_headers = dict(limit_headers or {})
+
+    def headers(self) -> dict[str, str]:
+        return {**self.limit_headers, **super().headers()}
+
+
+class InsufficientQuota(RateLimitExceeded):
+    """Over a token budget: OpenAI's ``insufficient_quota`` (same status, other code)."""
+
+    type = code = "insufficient_quota"
 
 
 class Unavailable(FairgateError):

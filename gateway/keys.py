@@ -47,6 +47,13 @@ FILE_PREFIX = f"{ROOT}:file:"             # string fg:file:{id}: JSON metadata
 USER_FILES_PREFIX = f"{ROOT}:files:"      # zset fg:files:{user}: file id -> created
 SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
 
+# API keys created at runtime (gateway/keyring.py): one hash tag, so a key's records
+# change in one MULTI/Lua call on a Redis Cluster too. Secrets only as HMAC digests.
+KEYRING_PREFIX = f"{ROOT}:{{keys}}:"
+KEY_IDS = KEYRING_PREFIX + "ids"          # zset: key id -> created (unix s)
+KEY_PEPPER = KEYRING_PREFIX + "pepper"    # string: the HMAC pepper when none is configured
+USAGE_PREFIX = f"{ROOT}:usage:"           # hash fg:usage:{YYYYMMDD}: usage row -> count
+
 
 @dataclass(frozen=True, slots=True)
 class ModelKeys:
@@ -162,6 +169,38 @@ def user_files(user: str) -> str:
 
 def session(token_hash: str) -> str:
     return SESSION_PREFIX + token_hash
+
+
+def key_record(key_id: str) -> str:
+    """Hash: one runtime key (user, tenant, class, weight, limits, digest, created, …)."""
+    return f"{KEYRING_PREFIX}id:{key_id}"
+
+
+def key_digest(digest_hex: str) -> str:
+    """String: HMAC digest of a secret -> key id (with a TTL for a rotated-out secret)."""
+    return f"{KEYRING_PREFIX}hash:{digest_hex}"
+
+
+def quota_prefix(tenant: str) -> str:
+    """The prefix of a tenant's limit counters and of its keys' (one hash tag: a request's
+    check of its key and its tenant is one Lua call)."""
+    return f"{ROOT}:{{q:{tenant}}}:"
+
+
+def quota_keys(tenant: str, scope: str) -> tuple[str, str, str]:
+    """(rpm bucket hash, tpm bucket hash, concurrency zset) of a scope: ``t`` for the
+    tenant, ``k:<key id>`` for a key."""
+    p = quota_prefix(tenant) + scope
+    return f"{p}:rpm", f"{p}:tpm", f"{p}:conc"
+
+
+def quota_budget(tenant: str, scope: str, period: str) -> str:
+    """String: tokens spent in ``period`` (``d20261129`` or ``m202611``), with a TTL."""
+    return f"{quota_prefix(tenant)}{scope}:{period}"
+
+
+def usage_day(day: str) -> str:
+    return USAGE_PREFIX + day
 
 
 def _lua_function(name: str, pattern: str) -> str:

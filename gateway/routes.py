@@ -106,7 +106,7 @@ def _resolve(svc: Services, request: web.Request, key: ApiKey,
 async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
     arrived = time.monotonic()
     svc = request.app[SERVICES]
-    key = svc.keys.identify(request.headers.get("Authorization"))
+    key = await svc.keys.identify(request.headers.get("Authorization"))
     creq = await read_completion(request, path, svc.settings.max_body_bytes,
                                  Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
     user, klass = _resolve(svc, request, key, creq)
@@ -156,7 +156,7 @@ async def _unscheduled(request: web.Request, path: str) -> web.StreamResponse:
     """Any API key; straight to the least loaded healthy backend of the model (another
     one if the connection is refused)."""
     svc = request.app[SERVICES]
-    svc.keys.identify(request.headers.get("Authorization"))
+    await svc.keys.identify(request.headers.get("Authorization"))
     body = await read_json_object(request, svc.settings.max_body_bytes,
                                   svc.settings.client_idle_timeout_s)
     validate_unscheduled(body, Limits.of(svc.settings))
@@ -194,7 +194,8 @@ async def request_status(request: web.Request) -> web.Response:
     longer queued (or was never this key's)."""
     svc = request.app[SERVICES]
     authorization = request.headers.get("Authorization")
-    owner = None if svc.keys.is_admin(authorization) else svc.keys.identify(authorization)
+    owner = (None if svc.keys.is_admin(authorization)
+             else await svc.keys.identify(authorization))
     request_id = request.match_info["id"]
     status = None
     if REQUEST_ID.fullmatch(request_id):
@@ -217,7 +218,7 @@ def _owns(key: ApiKey, user: str) -> bool:
 
 async def list_models(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    svc.keys.identify(request.headers.get("Authorization"))
+    await svc.keys.identify(request.headers.get("Authorization"))
     data = [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"}
             for m in svc.settings.models()]
     return web.json_response({"object": "list", "data": data})
@@ -254,7 +255,7 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     if svc.settings.metrics_auth:  # off by default: scrapers on a private network
-        svc.keys.require_admin(request.headers.get("Authorization"))
+        await svc.keys.require_admin(request.headers.get("Authorization"))
     with contextlib.suppress(StoreUnavailable):  # the gateway's own series still matter
         await svc.inspector.refresh_queue_metrics()
     body = generate_latest(svc.metrics.registry)

@@ -27,6 +27,7 @@ from gateway.batches import BatchStore
 from gateway.dispatcher import Dispatcher
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.files import FileStore
+from gateway.keyring import RuntimeKeys
 from gateway.metrics import GatewayMetrics
 from gateway.read_model import Inspector
 from gateway.redis_client import connect
@@ -100,8 +101,10 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         batches = BatchStore(client)
         runner = BatchRunner(settings, admission, upstream, files, batches, metrics,
                              replica_id)
+        keyring = KeyRing(settings.api_keys, settings.admin_keys,
+                          RuntimeKeys(client, settings))
         services = Services(
-            settings, KeyRing(settings.api_keys, settings.admin_keys), policy, metrics, store,
+            settings, keyring, policy, metrics, store,
             pool, dispatcher, admission, upstream, files, batches, runner,
             Inspector(settings, store, pool, metrics, replica_id),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url)

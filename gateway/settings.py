@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -35,12 +35,44 @@ class Backend(BaseModel):
     model: str
 
 
+class UsageLimits(BaseModel):
+    """Optional limits of a key or a tenant (policies/limits.py); tokens are prompt +
+    completion as vLLM reports them. None: no limit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rpm: int | None = Field(None, ge=1)  # requests per minute
+    tpm: int | None = Field(None, ge=1)  # tokens per minute
+    max_concurrent: int | None = Field(None, ge=1)  # requests admitted, not yet finished
+    daily_tokens: int | None = Field(None, ge=1)  # budget per UTC day
+    monthly_tokens: int | None = Field(None, ge=1)  # budget per UTC calendar month
+
+    def any(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
+
+
+class Tenant(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float = Field(1.0, gt=0)
+    limits: UsageLimits | None = None
+
+
 class ApiKey(BaseModel):
     key: str
     user: str
+    tenant: str | None = None  # None: a tenant named after the user
     priority_class: str = "default"
     weight: float = Field(1.0, gt=0)
     trusted_end_users: bool = False
+    limits: UsageLimits | None = None
+    # the key's stable id (limits, usage); None: derived from the key (gateway/auth.py).
+    # Keys created at runtime (POST /admin/keys) have theirs from the key store.
+    id: str | None = None
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.user
 
     @field_validator("priority_class")
     @classmethod
@@ -88,6 +120,15 @@ class Settings(BaseSettings):
     backends: list[Backend] = []
     api_keys: list[ApiKey] = []
     admin_keys: list[str] = []
+    tenants: dict[str, Tenant] = {}  # a key's tenant not listed here: weight 1, no limits
+    # HMAC pepper of the API keys created at runtime (gateway/keyring.py);
+    # set it (FAIRGATE_KEY_PEPPER) outside Redis in production. None: a random pepper
+    # kept in Redis, shared by the replicas.
+    key_pepper: SecretStr | None = None
+    key_cache_s: float = Field(0.5, gt=0, le=1.0)  # runtime keys: local cache lifetime
+    key_rotate_grace_s: float = Field(3600.0, ge=0)  # old secret valid this long by default
+    quota_lease_s: float = Field(30.0, gt=0)  # a concurrency slot expires unless renewed
+    usage_retention_days: int = Field(400, ge=1)  # daily usage records kept in Redis
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
     fairness: str = "vtc"
     vtc_input_weight: float = 1.0

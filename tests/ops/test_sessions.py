@@ -70,12 +70,12 @@ async def test_sessions_expire_end_at_logout_and_at_key_removal(
         assert await state_status(http, gw.url, "forged-token") == 401
 
 
-def test_keys_are_held_only_as_keyed_hashes() -> None:
+async def test_keys_are_held_only_as_keyed_hashes() -> None:
     ring = KeyRing([ApiKey(key="sk-secret-1", user="u")], ["sk-admin-secret"])
     lookup_keys = [*ring._keys, *ring._admin]  # what lookups compare
     assert all(isinstance(k, bytes) and len(k) == 32 for k in lookup_keys)
     assert not any(b"secret" in k for k in lookup_keys)
-    assert ring.identify("Bearer sk-secret-1").user == "u"
+    assert (await ring.identify("Bearer sk-secret-1")).user == "u"
     assert ring.is_admin("Bearer sk-admin-secret") and not ring.is_admin("Bearer sk-secret-1")
     # another process draws another secret: the hashes are useless elsewhere
     assert set(KeyRing([ApiKey(key="sk-secret-1", user="u")])._keys) != set(ring._keys)
