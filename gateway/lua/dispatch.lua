@@ -43,7 +43,7 @@ local index_ttl = tonumber(ARGV[12 + 2 * n]) or 0
 local max_imbalance = tonumber(ARGV[13 + 2 * n]) or 0
 local lookahead = tonumber(ARGV[14 + 2 * n]) or 1
 local index = key_backend_prefixes(prefix, ARGV[5])
-local load = tonumber(redis.call('GET', KEYS[5])) or 0
+local load = slack > 0 and (tonumber(redis.call('GET', KEYS[5])) or 0) or 0
 
 -- leading block hashes of a queued request's prompt found in this backend's index, and
 -- whether another backend, not busier than this one by more than max_imbalance, holds
