@@ -59,6 +59,8 @@ class Ticket:
     priority: int
     dispatcher: Dispatcher
     timing: StreamTiming | None
+    waits: Waits | None = None  # hears the dispatch-to-first-token time of a stream
+    dispatched_s: float = field(default_factory=time.monotonic)
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     completed: bool = False
@@ -68,6 +70,8 @@ class Ticket:
     async def first_token(self) -> None:
         if not self._started:
             self._started = True
+            if self.waits is not None and self.timing is not None:
+                self.waits.first_token(self.model, time.monotonic() - self.dispatched_s)
             await self.dispatcher.started(self.model, self.grant)
 
     def tokens_sent(self, frames: int) -> None:
@@ -133,7 +137,10 @@ class Admission:
             deadline_ms = cls_cfg.ttft_slo_ms
         timeout_s = cls_cfg.max_queue_wait_s
         if deadline_ms is not None:
-            left_s = deadline_ms / 1000 - (time.monotonic() - (arrived_s or time.monotonic()))
+            # what the queue may use: the deadline left minus the measured time from
+            # dispatch to first token
+            left_s = (deadline_ms / 1000 - (time.monotonic() - (arrived_s or time.monotonic()))
+                      - self.waits.to_first_token_s(model))
             await self._refuse_unmeetable(model, queued, left_s, deadline_ms)
             timeout_s = min(timeout_s, left_s)
         try:
@@ -168,7 +175,7 @@ class Admission:
             raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
                                  retry_after_s=self.waits.retry_after(None))
         timing = StreamTiming(arrived_s) if arrived_s is not None else None
-        ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing)
+        ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits)
         self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
         try:
             yield ticket
@@ -198,7 +205,9 @@ class Admission:
                        f"ahead) exceeds the first-token deadline of {deadline_ms} ms")
             retry = place.wait_s - left_s
         else:
-            message = f"the first-token deadline of {deadline_ms} ms passed before queueing"
+            message = (f"the first-token deadline of {deadline_ms} ms leaves no time to queue "
+                       f"(dispatch to first token takes about "
+                       f"{round(self.waits.to_first_token_s(model) * 1000)} ms)")
             retry = None
         log.info("deadline_unmeetable", request_id=queued.request_id, deadline_ms=deadline_ms)
         raise DeadlineUnmeetable(message, retry_after_s=self.waits.retry_after(retry))

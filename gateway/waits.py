@@ -22,6 +22,7 @@ from gateway.store import QueuedUser, Store
 from policies.classes import CLASS_ORDER, class_rank
 from policies.wait_estimate import (
     DispatchMeter,
+    Ewma,
     UserQueue,
     ahead_in_class,
     estimate_wait_s,
@@ -57,9 +58,20 @@ class Waits:
         self.store = store
         self.meter = DispatchMeter()
         self._pictures: dict[str, tuple[float, list[QueuedUser], dict[str, float]]] = {}
+        self._to_first_token: dict[str, Ewma] = {}
 
     def dispatched(self, model: str, klass: str) -> None:
         self.meter.record((model, klass), time.monotonic())
+
+    def first_token(self, model: str, after_dispatch_s: float) -> None:
+        """A stream's first token came ``after_dispatch_s`` after its dispatch."""
+        self._to_first_token.setdefault(model, Ewma()).add(after_dispatch_s)
+
+    def to_first_token_s(self, model: str) -> float:
+        """The recent time from dispatch to first token (0 before any was measured): the
+        part of a first-token deadline the queue cannot use."""
+        ewma = self._to_first_token.get(model)
+        return 0.0 if ewma is None or ewma.value is None else ewma.value
 
     def rate(self, model: str) -> float | None:
         """The model's measured dispatches per second (every class)."""

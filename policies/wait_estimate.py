@@ -131,3 +131,14 @@ class DispatchMeter:
             del self._events[key]
             return None
         return events
+
+
+class Ewma:
+    """Exponentially weighted mean of observations; ``None`` before the first."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)

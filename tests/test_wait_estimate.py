@@ -8,6 +8,7 @@ from policies.wait_estimate import (
     MIN_SPAN_S,
     RETRY_AFTER_CEILING_S,
     DispatchMeter,
+    Ewma,
     UserQueue,
     ahead_in_class,
     estimate_wait_s,
@@ -153,3 +154,12 @@ def test_the_meter_sums_keys() -> None:
     # at t=9 the meter is 9 s old: 10 events of each class over 9 s
     assert meter.total([("m", "interactive"), ("m", "batch"), ("m", "default")],
                        9.0) == pytest.approx(20 / 9)
+
+
+def test_ewma_starts_at_the_first_observation_and_moves_a_fifth_each_time() -> None:
+    e = Ewma()
+    assert e.value is None
+    e.add(1.0)
+    assert e.value == 1.0
+    e.add(2.0)
+    assert e.value == pytest.approx(1.2)

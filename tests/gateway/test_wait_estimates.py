@@ -249,3 +249,27 @@ async def test_queue_timeout_retry_after_comes_from_the_drain_rate(
         assert int(headers["Retry-After"]) >= 2
         await held.close()
         assert [r[0] for r in await asyncio.gather(*ahead)] == [200] * 3
+
+
+async def test_a_deadline_shorter_than_dispatch_to_first_token_is_refused_at_once(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """The queue is empty, but a long prompt's prefill alone outlasts the deadline: the
+    measured time from dispatch to first token counts against it."""
+    gw = await gateway([await sim()])  # the H100 profile: a 12k-token prefill takes ~0.2 s
+    long_prompt = [{"role": "user", "content": "tok " * 12000}]
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", timeout=30)
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=long_prompt, max_tokens=2, stream=True)  # type: ignore[arg-type]
+        [_ async for _ in stream]
+        after = gw.services.admission.waits.to_first_token_s(MODEL)
+        assert after > 0.05, after
+        deadline_ms = int(after * 1000 / 2)
+        with pytest.raises(openai.RateLimitError) as err:
+            await client.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2,
+                extra_headers={"X-Fairgate-Deadline-Ms": str(deadline_ms)})
+        assert err.value.code == "deadline_unmeetable"
+        assert "dispatch to first token" in err.value.message
+    finally:
+        await client.close()
