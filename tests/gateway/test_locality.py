@@ -9,9 +9,11 @@ from typing import Any
 
 import aiohttp
 import openai
+import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_settled
+from gateway.keys import ModelKeys
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_settled, until
 
 SESSIONS = 12
 TURNS = 4
@@ -81,3 +83,19 @@ async def test_locality_keeps_sessions_on_their_cached_prefix(
     # computed prompt tokens (queries − hits) clearly lower with locality
     assert local_hits > 1.2 * blind_hits
     assert local_queries - local_hits < 0.75 * (blind_queries - blind_hits)
+
+
+async def test_a_backend_back_from_failed_scrapes_loses_its_prefix_index(
+        sim: SimFactory, gateway: GatewayFactory, redis: aioredis.Redis) -> None:
+    """A backend that went unhealthy may have restarted with an empty cache: its first
+    good scrape drops its prefix index, for every replica."""
+    gw = await gateway([await sim()], routing="locality")
+    key = ModelKeys(MODEL).backend_prefixes("b0")
+    await redis.zadd(key, {"h1": 1.0})
+    pool = gw.services.pool
+    handle = pool.handles["b0"]
+    for _ in range(gw.services.settings.unhealthy_after_failures):
+        pool.unreachable(handle, ConnectionError("gone"))  # as failed scrapes do
+    assert not handle.healthy
+    await until(lambda: handle.healthy, "the backend scraped healthy again")
+    assert not await redis.exists(key)
