@@ -1,5 +1,6 @@
 -- Pick the next requests for one backend (up to ARGV[7]): highest class whose gate has
--- room, then the user with the smallest fairness score, then that user's oldest request.
+-- room, then the user with the smallest fairness score, then that user's oldest request
+-- (with a locality slack: the best cached request of the users within it, see pick()).
 -- The served user's score grows by the request's dispatch cost (stored at enqueue).
 -- KEYS[1] backend sent-since-snapshot (zset id -> t)  KEYS[2] replica heartbeats (zset)
 -- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
