@@ -43,6 +43,7 @@ from policies.cost import estimate_prompt_tokens
 from policies.fairness import FairnessPolicy
 from policies.locality import prefix_chain
 from policies.priority import vllm_priority
+from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
 
 log = structlog.get_logger("fairgate.request")
 
@@ -198,12 +199,12 @@ class Admission:
         left of the deadline; ``Retry-After``: when the estimate would fit."""
         if left_s > 0:
             place = await self.waits.place(model, queued.klass, queued.user, queued.cost)
-            if place.wait_s is None or place.wait_s <= left_s:
-                return
+            if place.wait_s is None or fits_deadline(place.wait_s, left_s):
+                return  # (nothing measured yet: admitted)
             wait_ms = round(place.wait_s * 1000)
             message = (f"the estimated queue wait ({wait_ms} ms, {place.position} requests "
                        f"ahead) exceeds the first-token deadline of {deadline_ms} ms")
-            retry = place.wait_s - left_s
+            retry = place.wait_s - left_s * DEADLINE_MARGIN
         else:
             message = (f"the first-token deadline of {deadline_ms} ms leaves no time to queue "
                        f"(dispatch to first token takes about "

@@ -142,3 +142,14 @@ class Ewma:
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+# A queued request can still be overtaken after the estimate: users who arrive later with
+# smaller fairness scores go first. A deadline is taken as meetable only when the estimate
+# leaves this share of the time left unused (measured: `fairgate bench deadlines`).
+DEADLINE_MARGIN = 0.8
+
+
+def fits_deadline(wait_s: float, left_s: float) -> bool:
+    """Whether a queue wait estimate fits ``left_s`` (with the margin)."""
+    return wait_s <= left_s * DEADLINE_MARGIN

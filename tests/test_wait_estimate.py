@@ -12,6 +12,7 @@ from policies.wait_estimate import (
     UserQueue,
     ahead_in_class,
     estimate_wait_s,
+    fits_deadline,
     retry_after_s,
 )
 
@@ -163,3 +164,8 @@ def test_ewma_starts_at_the_first_observation_and_moves_a_fifth_each_time() -> N
     assert e.value == 1.0
     e.add(2.0)
     assert e.value == pytest.approx(1.2)
+
+
+def test_a_deadline_fits_only_with_the_margin_for_later_overtakers() -> None:
+    assert fits_deadline(0.8, 1.0)
+    assert not fits_deadline(0.81, 1.0)
