@@ -57,6 +57,7 @@ class Waits:
         self.settings = settings
         self.store = store
         self.meter = DispatchMeter()
+        self.started_s = time.monotonic()
         self._pictures: dict[str, tuple[float, list[QueuedUser], dict[str, float]]] = {}
         self._to_first_token: dict[str, Ewma] = {}
 
@@ -74,8 +75,11 @@ class Waits:
         return 0.0 if ewma is None or ewma.value is None else ewma.value
 
     def rate(self, model: str) -> float | None:
-        """The model's measured dispatches per second (every class)."""
-        return self.meter.total([(model, c) for c in CLASS_ORDER], time.monotonic())
+        """The model's measured dispatches per second (every class); with none in the
+        window, the fastest rate consistent with that."""
+        now = time.monotonic()
+        measured = self.meter.total([(model, c) for c in CLASS_ORDER], now)
+        return measured if measured is not None else self.meter.idle_bound(self.started_s, now)
 
     async def place(self, model: str, klass: str, user: str, cost: float,
                     request_id: str | None = None, head: bool = False) -> Place:

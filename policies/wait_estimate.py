@@ -15,7 +15,8 @@ and the dispatch rate it measured (:class:`DispatchMeter`), and asks:
   (``policies/starvation.py``): from then on it drains at ``floor × rate`` while the
   higher backlog lasts. Lower classes owed their floor take their share of the rate too.
   Requests that arrive later in higher classes are not foreseen: an estimate, not a
-  promise. ``None`` when nothing was measured yet (the gateway then refuses nothing early).
+  promise. ``None`` when nothing was measured yet (the gateway then refuses nothing early);
+  when nothing was dispatched for a while, :meth:`DispatchMeter.idle_bound` stands in.
 - :func:`retry_after_s` — a ``Retry-After`` from an estimate, within a floor and ceiling.
 """
 
@@ -120,6 +121,15 @@ class DispatchMeter:
         """The summed rate of ``keys``; ``None`` when none has an event."""
         rates = [r for r in (self.rate(k, now) for k in keys) if r is not None]
         return sum(rates) if rates else None
+
+    def idle_bound(self, started_s: float, now: float) -> float | None:
+        """With no event in the window: the fastest rate that is consistent with it (at
+        most one event over the time watched since ``started_s``, at most the window) —
+        so requests queued behind others while nothing is dispatched (a cold start
+        behind a full backend) are not estimated to wait nothing. ``None`` within
+        ``MIN_SPAN_S`` of ``started_s``."""
+        watched = min(self.window_s, now - started_s)
+        return None if watched < MIN_SPAN_S else 1.0 / watched
 
     def _prune(self, key: Hashable, now: float) -> deque[float] | None:
         events = self._events.get(key)

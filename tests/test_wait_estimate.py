@@ -169,3 +169,10 @@ def test_ewma_starts_at_the_first_observation_and_moves_a_fifth_each_time() -> N
 def test_a_deadline_fits_only_with_the_margin_for_later_overtakers() -> None:
     assert fits_deadline(0.8, 1.0)
     assert not fits_deadline(0.81, 1.0)
+
+
+def test_idle_bound_is_one_event_over_the_time_watched() -> None:
+    meter = DispatchMeter(window_s=10.0)
+    assert meter.idle_bound(100.0, 100.5) is None  # watched less than MIN_SPAN_S
+    assert meter.idle_bound(100.0, 102.0) == pytest.approx(0.5)
+    assert meter.idle_bound(100.0, 200.0) == pytest.approx(0.1)  # at most the window
