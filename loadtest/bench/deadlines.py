@@ -30,6 +30,7 @@ from loadtest.bench.client import Result, Spec, Target, new_session
 from loadtest.bench.env import Bench, Options, gateway_target
 from loadtest.bench.loadgen import LoopUser, closed_loop, open_loop, progress
 from loadtest.bench.procs import SimSpec
+from loadtest.bench.stats import dist_ms
 
 # A small batch (8 sequences) keeps the request rate at 1.5× its capacity low enough that
 # the load generator and the gateway on a 2-core host are not what limits the run.
@@ -74,6 +75,8 @@ def tally(results: list[Result], deadline_s: float) -> dict[str, Any]:
         "shares": {k: round(counts.get(k, 0) / total, 4) for k in OUTCOMES},
         "met_or_refused_fast": round((counts["met"] + counts["refused_fast"]) / total, 4),
         "wasted_tokens": wasted,
+        # how long a refusal took, as the client saw it (the 50 ms budget is this)
+        "refusal_ms": dist_ms([r.end_s - r.sent_s for r in results if r.status == 429]),
         "error_sample": next((r.error for r in results if outcome(r, deadline_s) == "error"),
                              None),
     }
