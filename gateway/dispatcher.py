@@ -65,6 +65,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
         self._unsettled: deque[tuple[str, Grant, float]] = deque()  # settles Redis missed
+        self._tenant_charges: dict[str, float] = {}  # their tenant-level charges, by id
         # grants this replica holds (delivered, not yet released): what "running:<me>"
         # in Redis should say, and what reconcile() makes it say after a Redis restart
         self.held: dict[str, Grant] = {}
@@ -140,30 +141,36 @@ class Dispatcher:
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:
-        if await self.store.cancel(model, req.request_id, req.user, req.klass):
+        if await self.store.cancel(model, req.request_id, req.user, req.klass,
+                                   req.tenant_name):
             self.waiters.pop(req.request_id, None)
         elif future.done() and not future.cancelled() and future.exception() is None:
             await self.release(model, future.result(), 0.0)
         elif not future.done():
             future.cancel()  # the grant is on its way: _deliver releases it
 
-    async def release(self, model: str, grant: Grant, charge: float) -> None:
+    async def release(self, model: str, grant: Grant, charge: float,
+                      tenant_charge: float | None = None) -> None:
         """Settle a dispatched request (idempotent) and let the next one go. While Redis
         is down the settle waits in memory and is retried by the heartbeat loop, so no
         in-flight count leaks (a leaked one would hold a gate closed for good)."""
         self.held.pop(grant.request_id, None)
         try:
-            await self.store.settle(model, grant, charge)
+            await self.store.settle(model, grant, charge, tenant_charge)
         except StoreUnavailable as exc:
             log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
             self._unsettled.append((model, grant, charge))
+            if tenant_charge is not None:
+                self._tenant_charges[grant.request_id] = tenant_charge
         finally:
             self.wake_freed()
 
     async def _settle_deferred(self) -> None:
         while self._unsettled:
             model, grant, charge = self._unsettled[0]
-            await self.store.settle(model, grant, charge)
+            await self.store.settle(model, grant, charge,
+                                    self._tenant_charges.get(grant.request_id))
+            self._tenant_charges.pop(grant.request_id, None)
             self._unsettled.popleft()
             self.wake_freed()
 

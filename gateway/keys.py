@@ -20,9 +20,12 @@ ROOT = "fg"
 
 # Keys under a model's prefix, by name: the pattern after ``fg:{model}:``.
 MODEL_PATTERNS: dict[str, str] = {
-    "queue": "q:{klass}:{user}",          # list: one user's queued request ids (FIFO)
-    "active": "active:{klass}",           # zset: user -> fairness score, users with a queue
-    "saved": "saved:{klass}",             # hash: user -> score kept while idle
+    "queue": "q:{klass}:{tenant}:{user}",  # list: one user's queued request ids (FIFO)
+    "active": "active:{klass}",           # zset: tenant -> tenant score, tenants with a queue
+    "saved": "saved:{klass}",             # hash: tenant -> tenant score kept while idle
+    "users": "users:{klass}:{tenant}",    # zset: user -> user score, a tenant's queued users
+    "user_saved": "usaved:{klass}:{tenant}",  # hash: user -> user score kept while idle
+    "user_floor": "ufloor:{klass}",       # hash: tenant -> user score its last user left at
     "request": "req:{request_id}",        # hash: one request's state (TTL)
     "depth": "depth",                     # hash: class -> queued requests
     "backlogged_since": "since",          # hash: class -> when its queue became non-empty
@@ -66,14 +69,26 @@ class ModelKeys:
     def _key(self, name: str, **parts: str) -> str:
         return self.prefix + MODEL_PATTERNS[name].format(**parts)
 
-    def queue(self, klass: str, user: str) -> str:
-        return self._key("queue", klass=klass, user=user)
+    def queue(self, klass: str, user: str, tenant: str | None = None) -> str:
+        """A user's queue in its tenant (None: the tenant named after the user)."""
+        return self._key("queue", klass=klass, tenant=tenant or user, user=user)
 
     def active(self, klass: str) -> str:
+        """The class's tenants with a queued request, by tenant score (with no tenants
+        configured every user is its own tenant, so these are the users)."""
         return self._key("active", klass=klass)
 
     def saved(self, klass: str) -> str:
         return self._key("saved", klass=klass)
+
+    def users(self, klass: str, tenant: str) -> str:
+        return self._key("users", klass=klass, tenant=tenant)
+
+    def user_saved(self, klass: str, tenant: str) -> str:
+        return self._key("user_saved", klass=klass, tenant=tenant)
+
+    def user_floor(self, klass: str) -> str:
+        return self._key("user_floor", klass=klass)
 
     def request(self, request_id: str) -> str:
         return self._key("request", request_id=request_id)

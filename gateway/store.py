@@ -24,9 +24,19 @@ class QueuedRequest:
     user: str
     klass: str
     owner: str
-    cost: float  # the fairness policy's dispatch cost
+    cost: float  # the fairness policy's dispatch cost, at the user level
     enqueued_at: float
     prefix: tuple[str, ...] = ()  # the prompt's block-hash chain (policies/locality.py)
+    tenant: str = ""  # "": the tenant named after the user
+    tenant_cost: float | None = None  # the dispatch cost at the tenant level (None: cost)
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.user
+
+    @property
+    def tenant_charge(self) -> float:
+        return self.cost if self.tenant_cost is None else self.tenant_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +93,7 @@ class QueuedUser:
     queued: int
     oldest_request_id: str | None
     oldest_enqueued_at: float | None
+    tenant: str = ""  # "": the tenant named after the user (score: the tenant's)
 
 
 class Store:
@@ -106,10 +117,14 @@ class Store:
     async def enqueue(self, model: str, req: QueuedRequest, max_queued: int) -> int:
         """Queue length after the push, or -1 when the user's cap is reached."""
         k = ModelKeys(model)
-        keys = [k.queue(req.klass, req.user), k.active(req.klass), k.saved(req.klass),
-                k.request(req.request_id), k.depth, k.backlogged_since, k.replicas]
+        tenant = req.tenant_name
+        keys = [k.queue(req.klass, req.user, tenant), k.active(req.klass), k.saved(req.klass),
+                k.request(req.request_id), k.depth, k.backlogged_since, k.replicas,
+                k.users(req.klass, tenant), k.user_saved(req.klass, tenant),
+                k.user_floor(req.klass)]
         args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
-                max_queued, int(self.request_ttl_s), " ".join(req.prefix)]
+                max_queued, int(self.request_ttl_s), " ".join(req.prefix), tenant,
+                req.tenant_charge]
         return int(await self._run("enqueue", keys, args))
 
     async def dispatch(
@@ -119,8 +134,10 @@ class Store:
         locality: Locality | None = None,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
-        gates admit, trying the classes in ``order`` with the given per-class limits.
-        With ``locality``, among the users within its slack of the smallest score the one
+        gates admit, trying the classes in ``order`` with the given per-class limits: the
+        least-served tenant's least-served user's oldest request (two levels,
+        ``policies/fairness.py``). With ``locality``, among the users within its slack of
+        the smallest score at both levels (``policies/locality.py`` within_slack) the one
         whose head prompt is best cached on the backend goes first, and the backend's
         prefix index records what it was sent (``policies/locality.py``).
         Returns the grants and how many requests are still queued for the model."""
@@ -156,12 +173,17 @@ class Store:
                 k.request(grant.request_id)]
         await self._run("started", keys, [grant.request_id])
 
-    async def settle(self, model: str, grant: Grant, charge: float) -> bool:
+    async def settle(self, model: str, grant: Grant, charge: float,
+                     tenant_charge: float | None = None) -> bool:
+        """Release a dispatched request: ``charge`` is added to its user's score in its
+        tenant, ``tenant_charge`` (None: ``charge``) to its tenant's (the request's, kept
+        in its hash). False when it had been released already."""
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
                 k.backend_snapshot(grant.backend)]
-        args = [grant.user, charge, grant.request_id, k.prefix]
+        args = [grant.user, charge, grant.request_id, k.prefix,
+                charge if tenant_charge is None else tenant_charge]
         return bool(await self._run("settle", keys, args))
 
     async def reap(self, model: str, now: float, replica_ttl_s: float,
@@ -172,11 +194,18 @@ class Store:
         return int(await self._run("reap", [k.replicas, k.user_inflight],
                                    [now, replica_ttl_s, k.prefix, grant_pickup_s]))
 
-    async def cancel(self, model: str, request_id: str, user: str, klass: str) -> bool:
+    async def cancel(self, model: str, request_id: str, user: str, klass: str,
+                     tenant: str | None = None) -> bool:
+        """Take a queued request out of its user's queue in ``tenant`` (None: the tenant
+        its hash names, else the user's own)."""
         k = ModelKeys(model)
-        keys = [k.queue(klass, user), k.active(klass), k.saved(klass), k.request(request_id),
-                k.depth, k.backlogged_since]
-        return bool(await self._run("cancel", keys, [request_id, user, klass]))
+        if tenant is None:
+            tenant = await cast("Awaitable[str | None]", self.client.hget(
+                k.request(request_id), "tenant")) or user
+        keys = [k.queue(klass, user, tenant), k.active(klass), k.saved(klass),
+                k.request(request_id), k.depth, k.backlogged_since, k.users(klass, tenant),
+                k.user_saved(klass, tenant), k.user_floor(klass)]
+        return bool(await self._run("cancel", keys, [request_id, user, klass, tenant]))
 
     async def store_snapshot(self, model: str, backend: str,
                              snap: BackendSnapshot) -> tuple[bool, bool]:
@@ -278,40 +307,51 @@ class Store:
                           self.client.hgetall(ModelKeys(model).request(request_id)))
 
     async def queued_users(self, model: str, per_class: int) -> list[QueuedUser]:
-        """The first ``per_class`` active users of each class with their queue heads."""
+        """The first ``per_class`` active users of each class, in the first ``per_class``
+        active tenants, with their queue heads; each with its tenant's score."""
         k = ModelKeys(model)
         pipe = self.client.pipeline(transaction=False)
         for klass in CLASS_ORDER:
             pipe.zrange(k.active(klass), 0, per_class - 1, withscores=True)
         actives = await pipe.execute()
-        pairs = [(klass, str(user), float(score))
-                 for klass, members in zip(CLASS_ORDER, actives, strict=True)
-                 for user, score in members]
+        tenants = [(klass, str(tenant), float(score))
+                   for klass, members in zip(CLASS_ORDER, actives, strict=True)
+                   for tenant, score in members]
         pipe = self.client.pipeline(transaction=False)
-        for klass, user, _ in pairs:
-            pipe.llen(k.queue(klass, user))
-            pipe.lindex(k.queue(klass, user), 0)
+        for klass, tenant, _ in tenants:
+            pipe.zrange(k.users(klass, tenant), 0, per_class - 1)
+        members = await pipe.execute()
+        pairs = [(klass, str(user), score, tenant)
+                 for (klass, tenant, score), users in zip(tenants, members, strict=True)
+                 for user in users]
+        pipe = self.client.pipeline(transaction=False)
+        for klass, user, _, tenant in pairs:
+            pipe.llen(k.queue(klass, user, tenant))
+            pipe.lindex(k.queue(klass, user, tenant), 0)
         heads = await pipe.execute()
         pipe = self.client.pipeline(transaction=False)
         for i in range(len(pairs)):
             pipe.hget(k.request(str(heads[2 * i + 1] or "")), "enqueued_at")
         enqueued = await pipe.execute()
         return [QueuedUser(klass, user, score, int(heads[2 * i]), heads[2 * i + 1],
-                           float(enqueued[i]) if enqueued[i] else None)
-                for i, (klass, user, score) in enumerate(pairs)]
+                           float(enqueued[i]) if enqueued[i] else None,
+                           "" if tenant == user else tenant)
+                for i, (klass, user, score, tenant) in enumerate(pairs)]
 
     async def queue_place(self, model: str, klass: str, user: str,
-                          request_id: str | None) -> tuple[float | None, int | None]:
-        """(the user's score among its class's active users, the request's index in its
-        user's queue, or without ``request_id`` the queue's length); None when absent.
-        For the wait estimate."""
+                          request_id: str | None, tenant: str | None = None
+                          ) -> tuple[float | None, int | None]:
+        """(the score of the user's tenant (None: the user's own) among its class's active
+        tenants, the request's index in its user's queue, or without ``request_id`` the
+        queue's length); None when absent. For the wait estimate."""
         k = ModelKeys(model)
+        tenant = tenant or user
         pipe = self.client.pipeline(transaction=False)
-        pipe.zscore(k.active(klass), user)
+        pipe.zscore(k.active(klass), tenant)
         if request_id is None:
-            pipe.llen(k.queue(klass, user))
+            pipe.llen(k.queue(klass, user, tenant))
         else:
-            pipe.lpos(k.queue(klass, user), request_id)
+            pipe.lpos(k.queue(klass, user, tenant), request_id)
         score, index = await pipe.execute()
         return (None if score is None else float(score)), (None if index is None else int(index))
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 BLOCK_CHARS = 256
 MAX_BLOCKS = 32
@@ -139,3 +139,29 @@ def choose(users: Sequence[tuple[float, Sequence[Sequence[str]]]], cached: Conta
             if length > best_len:
                 best, best_len = (i, j), length
     return best
+
+T = TypeVar("T")
+
+
+def within_slack(tenants: Sequence[tuple[float, Sequence[tuple[float, T]]]], slack: float,
+                 candidates: int) -> list[T]:
+    """The users locality compares under tenants (``gateway/lua/dispatch.lua`` pick()):
+    ``tenants`` in fairness order, each (its score, its users in fairness order, each
+    (score, user)). The tenants within ``slack`` of the least-served one, and in each the
+    users within ``slack`` of its least-served user, at most ``candidates`` users in all,
+    in that order; :func:`choose` then picks among them (with no tenants configured each
+    tenant has one user and these are the users within the slack, as before)."""
+    if not tenants:
+        return []
+    floor = tenants[0][0]
+    found: list[T] = []
+    for score, users in tenants[:candidates]:
+        if score > floor + slack:
+            break
+        if not users:
+            continue
+        least = users[0][0]
+        found += [user for s, user in users[:candidates - len(found)] if s <= least + slack]
+        if len(found) >= candidates:
+            break
+    return found

@@ -27,3 +27,38 @@ local function replica_alive(replicas, prefix, replica, now, ttl, pickup)
   end
   return true
 end
+
+-- Fair share at two levels (policies/fairness.py): tenants in a class's active zset by
+-- tenant score, each tenant's users in its users zset by user score. A member that
+-- becomes active starts at its saved score lifted to the smallest active score of its
+-- level (for a user of a tenant with no active user: the score its last user left at,
+-- the tenant's user-level virtual time), so it cannot bank credit while idle.
+local function join(zset, saved, member, floor, field)
+  if redis.call('ZSCORE', zset, member) then return end
+  local score = tonumber(redis.call('HGET', saved, member)) or 0
+  local first = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
+  local lift = tonumber(first[2])
+  if not lift and floor then lift = tonumber(redis.call('HGET', floor, field)) end
+  if lift and lift > score then score = lift end
+  redis.call('ZADD', zset, score, member)
+end
+
+-- Set an active member's score, or (idle: `keep` false) take it out and save the score.
+local function place(zset, saved, member, score, keep)
+  if keep then
+    redis.call('ZADD', zset, score, member)
+  else
+    redis.call('ZREM', zset, member)
+    redis.call('HSET', saved, member, score)
+  end
+end
+
+-- Add a charge to a member's score, active or saved.
+local function charge(zset, saved, member, amount)
+  if amount == 0 then return end
+  if redis.call('ZSCORE', zset, member) then
+    redis.call('ZINCRBY', zset, amount, member)
+  else
+    redis.call('HINCRBYFLOAT', saved, member, amount)
+  end
+end

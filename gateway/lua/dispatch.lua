@@ -1,14 +1,19 @@
 -- Pick the next requests for one backend (up to ARGV[7]): highest class whose gate has
--- room, then the user with the smallest fairness score, then that user's oldest request
--- (with a locality slack: the best cached request of the users within it, see pick()).
--- The served user's score grows by the request's dispatch cost (stored at enqueue).
+-- room, then the tenant with the smallest tenant score, then its user with the smallest
+-- user score, then that user's oldest request (with a locality slack at both levels:
+-- the best cached request of the users within it, see pick()). The served user's score
+-- grows by the request's user-level dispatch cost, its tenant's by the tenant-level one
+-- (both stored at enqueue). With no tenants configured every user is its own tenant:
+-- the tenant level is the old user order and each tenant has one user.
 -- KEYS[1] backend sent-since-snapshot (zset id -> t)  KEYS[2] replica heartbeats (zset)
 -- KEYS[3] per-user in-flight (hash)  KEYS[4] queue depth (hash)  KEYS[5] backend in-flight
 -- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] recent dispatched classes (list)
 -- KEYS[8] backend snapshot (hash; its "unseen" requests count against every gate)
 -- KEYS[9] drained backends (set): a drained backend gets nothing, whatever a replica thinks
--- KEYS[10..9+n] active zset per class, in service order
--- KEYS[10+n..9+2n] saved-score hash per class, same order
+-- KEYS[10..9+n] active tenants zset per class, in service order
+-- KEYS[10+n..9+2n] saved tenant-score hash per class, same order
+-- (a tenant's users zset, saved user scores and the class's user-level floors are derived
+-- from the model prefix: key_users, key_user_saved, key_user_floor)
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix  ARGV[4] this replica
 -- ARGV[5] backend name  ARGV[6] recent-list length kept  ARGV[7] most grants to return
 -- ARGV[8] grant pickup limit (s): see replica_alive in _lib.lua
@@ -18,9 +23,11 @@
 -- its TTL (s)  ARGV[13+2n] max in-flight imbalance  ARGV[14+2n] requests looked at in
 -- each user's queue  ARGV[15+2n..] the model's other backends.
 -- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a backend,
--- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere().
+-- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere()
+-- over the candidates of policies/locality.py within_slack().
 -- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
--- depth the number of requests still queued for the model (all classes).
+-- depth the number of requests still queued for the model (all classes). A request's
+-- tenant stays in its hash (settle.lua reads it there).
 local n = (#KEYS - 9) / 2
 local want = tonumber(ARGV[7])
 local grants = {}
@@ -69,25 +76,55 @@ local function matched(id)
   return 0, false
 end
 
--- the user to serve: the smallest score, or within `slack` of it the user with the best
--- cached request among the first `lookahead` of its queue (returned as the third value;
--- nil: the queue's head); nil when none (every such request is left to its own backend)
+-- the smallest score of a zset: {member, score} or nil
+local function least(zset)
+  local top = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
+  if not top[1] then return nil end
+  return top[1], tonumber(top[2])
+end
+
+-- (tenant, user, request) to serve: the least-served user of the least-served tenant, or,
+-- with a slack, among the users within it of their tenant's least-served user, of the
+-- tenants within it of the least-served tenant (at most `compared` users in all, in
+-- fairness order), the one with the best cached request among the first `lookahead` of
+-- its queue (request nil: the queue's head); nil when none (every such request is left to
+-- its own backend). An active tenant without users (never left by the scripts) is dropped.
 local function pick(active, class)
-  local top = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
-  if not top[1] or slack <= 0 then return top[1], tonumber(top[2]), nil end
-  local near = redis.call('ZRANGEBYSCORE', active, top[2], tonumber(top[2]) + slack,
-    'WITHSCORES', 'LIMIT', 0, compared)
-  local best, best_score, best_id, best_len = nil, nil, nil, -1
-  for j = 1, #near, 2 do
-    local ids = redis.call('LRANGE', key_queue(prefix, class, near[j]), 0, lookahead - 1)
-    for _, id in ipairs(ids) do
-      local length, elsewhere = matched(id)
-      if not elsewhere and length > best_len then
-        best, best_score, best_id, best_len = near[j], tonumber(near[j + 1]), id, length
-      end
+  if slack <= 0 then
+    while true do
+      local tenant = least(active)
+      if not tenant then return nil end
+      local user = least(key_users(prefix, class, tenant))
+      if user then return tenant, user, nil end
+      redis.call('ZREM', active, tenant)
     end
   end
-  return best, best_score, best_id
+  local top, top_score = least(active)
+  if not top then return nil end
+  local tenants = redis.call('ZRANGEBYSCORE', active, top_score, top_score + slack,
+    'LIMIT', 0, compared)
+  local best_tenant, best, best_id, best_len = nil, nil, nil, -1
+  local left = compared
+  for _, tenant in ipairs(tenants) do
+    local users = key_users(prefix, class, tenant)
+    local _, floor = least(users)
+    if floor then
+      local near = redis.call('ZRANGEBYSCORE', users, floor, floor + slack, 'LIMIT', 0, left)
+      for _, user in ipairs(near) do
+        local ids = redis.call('LRANGE', key_queue(prefix, class, tenant, user), 0,
+          lookahead - 1)
+        for _, id in ipairs(ids) do
+          local length, elsewhere = matched(id)
+          if not elsewhere and length > best_len then
+            best_tenant, best, best_id, best_len = tenant, user, id, length
+          end
+        end
+      end
+      left = left - #near
+      if left <= 0 then break end
+    end
+  end
+  return best_tenant, best, best_id
 end
 
 local function alive(owner)
@@ -98,12 +135,15 @@ for i = 1, n do
   local class = ARGV[8 + i]
   local limit = tonumber(ARGV[8 + n + i])
   local active, saved = KEYS[9 + i], KEYS[9 + n + i]
+  local floors = key_user_floor(prefix, class)
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
-    local user, score, chosen = pick(active, class)
-    if not user then break end
-    local queue = key_queue(prefix, class, user)
+    local tenant, user, chosen = pick(active, class)
+    if not tenant then break end
+    local queue = key_queue(prefix, class, tenant, user)
+    local users = key_users(prefix, class, tenant)
+    local users_saved = key_user_saved(prefix, class, tenant)
     local id
     if chosen and redis.call('LREM', queue, 1, chosen) == 1 then
       id = chosen
@@ -114,19 +154,21 @@ for i = 1, n do
       redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
     end
     local req = id and key_request(prefix, id)
-    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix')
+    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
+      'tcost')
     local valid = fields and fields[1] and alive(fields[1])
+    local score = tonumber(redis.call('ZSCORE', users, user)) or 0
+    local tscore = tonumber(redis.call('ZSCORE', active, tenant)) or 0
     if valid then
       score = score + (tonumber(fields[2]) or 0)
+      tscore = tscore + (tonumber(fields[5]) or tonumber(fields[2]) or 0)
     elseif req then
       redis.call('DEL', req)  -- expired, or its replica died: nobody holds the client
     end
-    if redis.call('LLEN', queue) > 0 then
-      redis.call('ZADD', active, score, user)
-    else
-      redis.call('ZREM', active, user)
-      redis.call('HSET', saved, user, score)
-    end
+    place(users, users_saved, user, score, redis.call('LLEN', queue) > 0)
+    local tenant_active = redis.call('ZCARD', users) > 0
+    if not tenant_active then redis.call('HSET', floors, tenant, score) end
+    place(active, saved, tenant, tscore, tenant_active)
     if valid then
       local rank = redis.call('HINCRBY', KEYS[3], user, 1) - 1
       redis.call('ZADD', KEYS[1], now, id)

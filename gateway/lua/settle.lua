@@ -1,11 +1,13 @@
--- Release a dispatched request and add the fairness policy's settle charge to its user's
--- score (to the saved score when the user is idle).
--- KEYS[1] per-user in-flight (hash)  KEYS[2] backend in-flight  KEYS[3] active zset (class)
--- KEYS[4] saved-score hash (class)   KEYS[5] request (hash)     KEYS[6] backend sent zset
+-- Release a dispatched request and add the fairness policy's settle charges to its
+-- user's score in its tenant and to the tenant's score (each to the saved score when
+-- idle, see charge in _lib.lua). The tenant is the request's (its hash, set at enqueue).
+-- KEYS[1] per-user in-flight (hash)  KEYS[2] backend in-flight  KEYS[3] active tenants
+-- KEYS[4] saved tenant scores        KEYS[5] request (hash)     KEYS[6] backend sent zset
 -- KEYS[7] backend snapshot (hash)
--- ARGV[1] user  ARGV[2] charge  ARGV[3] request id  ARGV[4] model key prefix
+-- ARGV[1] user  ARGV[2] user-level charge  ARGV[3] request id  ARGV[4] model key prefix
+-- ARGV[5] tenant-level charge (default: the user-level one)
 -- Returns 1 when released, 0 when it had been released already.
-local info = redis.call('HMGET', KEYS[5], 'owner', 'started')
+local info = redis.call('HMGET', KEYS[5], 'owner', 'started', 'tenant', 'class')
 if redis.call('DEL', KEYS[5]) == 0 then
   return 0
 end
@@ -19,12 +21,10 @@ if redis.call('ZREM', KEYS[6], ARGV[3]) == 0 and not info[2] then
   -- snapshot's "unseen", and is gone now
   take_unseen(KEYS[7])
 end
-local charge = tonumber(ARGV[2])
-if charge ~= 0 then
-  if redis.call('ZSCORE', KEYS[3], ARGV[1]) then
-    redis.call('ZINCRBY', KEYS[3], charge, ARGV[1])
-  else
-    redis.call('HINCRBYFLOAT', KEYS[4], ARGV[1], charge)
-  end
+local tenant = info[3] or ARGV[1]
+if info[4] then
+  charge(key_users(ARGV[4], info[4], tenant), key_user_saved(ARGV[4], info[4], tenant),
+    ARGV[1], tonumber(ARGV[2]))
 end
+charge(KEYS[3], KEYS[4], tenant, tonumber(ARGV[5] or ARGV[2]))
 return 1

@@ -6,20 +6,38 @@ A new policy is one class plus one name in ``POLICIES``; this suite then checks 
   stated bound (VTC, Sheng et al., OSDI 2024: 2·U, plus the output of the requests in
   flight, which is charged only when they settle), with different prompt sizes and weights;
 - a user idle while another was served cannot bank credit: when it returns it gets its
-  fair share from then on, not a burst that makes up for the time away.
+  fair share from then on, not a burst that makes up for the time away;
+- with tenants, the same at both levels (backlogged tenants in tenant-weighted service,
+  whatever their numbers of users; the users of one tenant in user-weighted service; no
+  credit banked by an idle tenant, nor by an idle user within its tenant), the scripts
+  follow the plain-data model of policies/fairness.py, and locality bends both levels
+  only within its slack.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
+from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.store import Grant, QueuedRequest, Store
-from policies.fairness import POLICIES, FairnessPolicy, RoundRobin, Vtc, policy_for
+from gateway.keys import ModelKeys
+from gateway.store import Grant, Locality, QueuedRequest, Store
+from policies.fairness import (
+    POLICIES,
+    FairnessPolicy,
+    RoundRobin,
+    TwoLevel,
+    Vtc,
+    level_bounds,
+    policy_for,
+)
+from policies.locality import within_slack
 
 M = "m"
+K = ModelKeys(M)
 OPEN = {"interactive": 10**9, "default": 10**9, "batch": 10**9}
 OUTPUT = 100
 IN_FLIGHT = 4
@@ -129,3 +147,198 @@ async def test_vtc_equalises_tokens_where_round_robin_equalises_requests(
     # round robin serves equal request counts, so the long-prompt user gets more tokens
     assert served["round_robin"]["a"] - served["round_robin"]["b"] > token_bound, served
     assert isinstance(policy_for("round_robin"), RoundRobin)
+
+
+# --- hierarchical fair share: tenants, then users within a tenant -----------------------
+
+class TenantBench:
+    """Dispatch and settle on a real Redis with tenants: each user belongs to one tenant
+    and is charged at its key weight, its tenant at the tenant's weight."""
+
+    def __init__(self, store: Store, policy: FairnessPolicy,
+                 users: dict[str, tuple[str, int, float]], tenants: dict[str, float]) -> None:
+        self.store, self.policy = store, policy
+        self.users, self.tenants = users, tenants  # user -> (tenant, prompt, weight)
+        self.user_served = dict.fromkeys(users, 0.0)  # user-weighted service
+        self.tenant_served = dict.fromkeys(tenants, 0.0)  # tenant-weighted service
+        self.inflight: deque[Grant] = deque()
+        self.ids = 0
+
+    async def enqueue(self, user: str, count: int) -> None:
+        tenant, prompt, weight = self.users[user]
+        for _ in range(count):
+            self.ids += 1
+            await self.store.enqueue(M, QueuedRequest(
+                f"{user}-{self.ids}", user, "default", "r1",
+                self.policy.dispatch_cost(prompt, weight), 1000.0, (), tenant,
+                self.policy.dispatch_cost(prompt, self.tenants[tenant])), 10**6)
+
+    async def step(self, locality: Locality | None = None) -> Grant:
+        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
+                                                 locality=locality)
+        tenant, prompt, weight = self.users[grant.user]
+        self.user_served[grant.user] += self.policy.service(prompt, OUTPUT, weight)
+        self.tenant_served[tenant] += self.policy.service(prompt, OUTPUT,
+                                                          self.tenants[tenant])
+        self.inflight.append(grant)
+        if len(self.inflight) >= IN_FLIGHT:
+            await self.settle_one()
+        return grant
+
+    async def settle_one(self) -> None:
+        old = self.inflight.popleft()
+        tenant, prompt, weight = self.users[old.user]
+        await self.store.settle(
+            M, old, self.policy.settle_charge(prompt, prompt, OUTPUT, weight),
+            self.policy.settle_charge(prompt, prompt, OUTPUT, self.tenants[tenant]))
+
+    def bounds(self, slack: float = 0.0) -> tuple[float, float]:
+        def most(weight_of: Callable[[str], float], fn: Callable[[int, float], float]
+                 ) -> float:
+            return max(fn(self.users[u][1], weight_of(u)) for u in self.users)
+
+        def tenant_weight(u: str) -> float:
+            return self.tenants[self.users[u][0]]
+
+        def user_weight(u: str) -> float:
+            return self.users[u][2]
+
+        def service(p: int, w: float) -> float:
+            return self.policy.service(p, OUTPUT, w)
+
+        def unsettled(p: int, w: float) -> float:
+            return self.policy.service(p, OUTPUT, w) - self.policy.dispatch_cost(p, w)
+
+        return level_bounds(self.policy, most(tenant_weight, service),
+                            most(user_weight, service), IN_FLIGHT,
+                            most(tenant_weight, unsettled), most(user_weight, unsettled),
+                            slack)
+
+    def tenant_gap(self) -> float:
+        return max(self.tenant_served.values()) - min(self.tenant_served.values())
+
+    def user_gap(self, tenant: str) -> float:
+        mine = [s for u, s in self.user_served.items() if self.users[u][0] == tenant]
+        return max(mine) - min(mine)
+
+
+async def tenant_bench(redis: aioredis.Redis, name: str,
+                       users: dict[str, tuple[str, int, float]],
+                       tenants: dict[str, float]) -> TenantBench:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    return TenantBench(store, policy_for(name), users, tenants)
+
+
+THREE_AND_ONE = {"a1": ("A", 100, 1.0), "a2": ("A", 300, 1.0), "a3": ("A", 100, 2.0),
+                 "b1": ("B", 200, 1.0)}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("tenants", [{"A": 1.0, "B": 1.0}, {"A": 1.0, "B": 2.0}])
+async def test_backlogged_tenants_share_by_tenant_weight_whatever_their_users(
+        redis: aioredis.Redis, name: str, tenants: dict[str, float]) -> None:
+    """Tenant A has three backlogged users, B one: tenant-weighted service stays within
+    the policy's bound at the tenant level (so B's user gets B's whole share: half, or two
+    thirds at weight 2), and A's users share A's within the bound at the user level."""
+    b = await tenant_bench(redis, name, THREE_AND_ONE, tenants)
+    for user in THREE_AND_ONE:
+        await b.enqueue(user, 400)
+    tenant_bound, user_bound = b.bounds()
+    worst_tenant = worst_user = 0.0
+    for _ in range(400):  # everyone stays backlogged throughout
+        await b.step()
+        worst_tenant = max(worst_tenant, b.tenant_gap())
+        worst_user = max(worst_user, b.user_gap("A"))
+    assert worst_tenant <= tenant_bound, (b.tenant_served, worst_tenant, tenant_bound)
+    assert worst_user <= user_bound, (b.user_served, worst_user, user_bound)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+async def test_an_idle_tenant_cannot_bank_credit(redis: aioredis.Redis, name: str) -> None:
+    users = {"a1": ("A", 100, 1.0), "a2": ("A", 100, 1.0), "b1": ("B", 100, 1.0)}
+    b = await tenant_bench(redis, name, users, {"A": 1.0, "B": 1.0})
+    await b.enqueue("a1", 300)
+    await b.enqueue("a2", 300)
+    for _ in range(150):  # B sends nothing meanwhile
+        await b.step()
+    before = dict(b.tenant_served)
+    await b.enqueue("b1", 200)
+    for _ in range(100):
+        await b.step()
+    gained = {t: b.tenant_served[t] - before[t] for t in before}
+    assert abs(gained["A"] - gained["B"]) <= b.bounds()[0], gained
+
+
+@pytest.mark.parametrize("name", POLICIES)
+async def test_an_idle_user_cannot_bank_credit_in_its_tenant(
+        redis: aioredis.Redis, name: str) -> None:
+    """a2 is idle while a1 is served; then the whole tenant idles (the user level has no
+    active user to lift a returning one to: the score its last user left at does)."""
+    users = {"a1": ("A", 100, 1.0), "a2": ("A", 100, 1.0), "b1": ("B", 100, 1.0)}
+    b = await tenant_bench(redis, name, users, {"A": 1.0, "B": 1.0})
+    await b.enqueue("a1", 60)
+    await b.enqueue("b1", 1000)
+    for _ in range(220):  # a1's 60 are dispatched in the first 120 (A idles afterwards)
+        await b.step()
+    assert b.user_served["a1"] == 60 * b.policy.service(100, OUTPUT, 1.0)
+    await b.enqueue("a2", 200)
+    await b.enqueue("a1", 200)
+    before = dict(b.user_served)
+    for _ in range(200):
+        await b.step()
+    gained = {u: b.user_served[u] - before[u] for u in ("a1", "a2")}
+    assert abs(gained["a1"] - gained["a2"]) <= b.bounds()[1], gained
+
+
+async def test_the_scripts_follow_the_plain_model(redis: aioredis.Redis) -> None:
+    """Random arrivals, dispatches and settles: the Redis scripts serve users in the order
+    of policies/fairness.TwoLevel (settled at once, so scores are exact)."""
+    rng = random.Random(7)
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    model = TwoLevel()
+    members = {"a1": "A", "a2": "A", "a3": "A", "b1": "B", "c1": "C", "c2": "C"}
+    weights = {"A": 1.0, "B": 2.0, "C": 0.5}
+    ids = 0
+    for _ in range(400):
+        if rng.random() < 0.55:
+            user = rng.choice(list(members))
+            tenant, cost = members[user], float(rng.choice((1, 3, 10)))
+            ids += 1
+            model.enqueue(tenant, user, cost, cost / weights[tenant])
+            await store.enqueue(M, QueuedRequest(f"{user}-{ids}", user, "default", "r1",
+                                                 cost, 1000.0, (), tenant,
+                                                 cost / weights[tenant]), 10**6)
+            continue
+        expected = model.dispatch()
+        grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+        if expected is None:
+            assert grants == []
+            continue
+        (grant,) = grants
+        assert (members[grant.user], grant.user) == expected
+        extra = float(rng.choice((0, 2, 5)))
+        model.settle(expected[0], grant.user, extra, extra / weights[expected[0]])
+        await store.settle(M, grant, extra, extra / weights[expected[0]])
+
+
+async def test_locality_bends_both_levels_within_the_slack(redis: aioredis.Redis) -> None:
+    """With a slack, a cached request of a user within it of its tenant's least-served
+    user, in a tenant within it of the least-served tenant, goes first; a tenant beyond
+    the slack does not, whatever its users."""
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("b1"), {"hot": 1000.0})
+    loc = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0)
+    for rid, user, tenant, chain in (("a1-r", "a1", "A", ("x",)), ("a2-r", "a2", "A", ("hot",)),
+                                     ("b1-r", "b1", "B", ("y",)), ("c1-r", "c1", "C", ("hot",))):
+        await store.enqueue(M, QueuedRequest(rid, user, "default", "r1", 10.0, 1000.0, chain,
+                                             tenant), 10)
+    await redis.zadd(K.active("default"), {"A": 130.0, "B": 100.0, "C": 151.0})
+    await redis.zadd(K.users("default", "A"), {"a1": 0.0, "a2": 40.0})
+    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=loc)
+    assert [g.request_id for g in grants] == ["a2-r"]  # C is 51 above B: beyond the slack
+    candidates = within_slack([(100.0, [(0.0, "b1")]), (130.0, [(0.0, "a1"), (40.0, "a2")]),
+                               (151.0, [(0.0, "c1")])], 50.0, 8)
+    assert candidates == ["b1", "a1", "a2"]
