@@ -120,7 +120,10 @@ class Settings(BaseSettings):
     backends: list[Backend] = []
     api_keys: list[ApiKey] = []
     admin_keys: list[str] = []
-    tenants: dict[str, Tenant] = {}  # a key's tenant not listed here: weight 1, no limits
+    # a key's tenant not listed here: weight 1, no limits; a key naming no tenant belongs
+    # to the tenant named after its user, weighing the key's weight unless listed
+    # (policies/fairness.tenant_of), so configs without tenants schedule as before
+    tenants: dict[str, Tenant] = {}
     # HMAC pepper of the API keys created at runtime (gateway/keyring.py);
     # set it (FAIRGATE_KEY_PEPPER) outside Redis in production. None: a random pepper
     # kept in Redis, shared by the replicas.

@@ -8,6 +8,7 @@ import contextlib
 import aiohttp
 import pytest
 
+from gateway.keys import ModelKeys
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 
@@ -163,7 +164,7 @@ async def test_disconnect_while_queued_leaves_the_queue(sim: SimFactory,
                 break
             await asyncio.sleep(0.01)
         assert (await store.depths("llama-3.1-8b"))["interactive"] == 0
-        assert not await store.client.exists("fg:{llama-3.1-8b}:q:interactive:bob")
+        assert not await store.client.exists(ModelKeys(MODEL).queue("interactive", "bob"))
         busy.cancel()
         await asyncio.gather(busy, return_exceptions=True)
     await backend.engine.wait_until(lambda: backend.engine.num_running == 0)
