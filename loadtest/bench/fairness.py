@@ -1,4 +1,5 @@
-"""``fairness``: 20 closed-loop users with skewed demand, direct vs ``round_robin`` vs ``vtc``.
+"""``fairness``: 20 closed-loop users with skewed demand, direct vs ``round_robin`` vs ``vtc``;
+``tenants`` (below, :func:`run_tenants`): the same measure at two levels, tenants and users.
 
 One heavy user (many concurrent requests), light users with long prompts and light users
 with short prompts. Weighted token service per user (prompt × 1 when its first token
@@ -142,3 +143,157 @@ async def run(opts: Options) -> dict[str, Any]:
     ax2.legend()
     return report.write(opts, "fairness", p, runs, headline,
                         {"fairness_jain.png": fig, "fairness_service.png": fig2})
+
+
+# --- tenants: hierarchical fair share ---------------------------------------------------
+# ``fairgate bench tenants`` (loadtest/bench/tenants.py): three tenants of different sizes
+# and weights, every user flooding (closed loop). Jain's index at both levels per window:
+# over the backlogged tenants of their service ÷ tenant weight, and within each tenant over
+# its backlogged users (the mean over tenants with two or more). Direct to the backend, the
+# gateway without tenants (every user its own tenant) and with them.
+
+TENANTS = {"research": 2.0, "product": 1.0, "ops": 1.0}
+# user -> (tenant, prompt tokens)
+TENANT_USERS = {"r1": ("research", 200), "r2": ("research", 1000), "r3": ("research", 200),
+                "r4": ("research", 200), "p1": ("product", 200),
+                "o1": ("ops", 200), "o2": ("ops", 1000), "o3": ("ops", 200)}
+TENANT_PHASES = ("direct", "flat", "tenants")
+# a smaller batch than fairness's, so that every tenant's demand (concurrency × users)
+# exceeds its share of the batch and the dispatch order decides the shares
+TENANT_SIM = SimSpec(max_num_seqs=32, max_num_batched_tokens=2048)
+
+
+def tenant_params(opts: Options) -> dict[str, Any]:
+    return {
+        "tenants": TENANTS, "users": {u: t for u, (t, _) in TENANT_USERS.items()},
+        "prompts": {u: p for u, (_, p) in TENANT_USERS.items()},
+        "concurrency": opts.size or opts.pick(12, 3), "max_tokens": 128,
+        "duration_s": opts.duration_s or opts.pick(30.0, 4.0),
+        "warmup_s": opts.pick(5.0, 1.0), "window_s": opts.pick(10.0, 2.0),
+        "step_s": opts.pick(1.0, 0.5), "weights": {"input": W_IN, "output": W_OUT},
+        "sim": TENANT_SIM.__dict__,
+        "gateway": "fairness vtc; flat: keys without tenants; tenants: keys naming them",
+    }
+
+
+def tenant_loop_users(p: dict[str, Any]) -> list[LoopUser]:
+    return [LoopUser(Spec(u, p["users"][u], p["prompts"][u], p["max_tokens"]),
+                     p["concurrency"]) for u in p["users"]]
+
+
+def tenant_keys(p: dict[str, Any], tenants: bool) -> list[dict[str, Any]]:
+    return [{"key": f"sk-{u}", "user": u, "priority_class": "interactive",
+             **({"tenant": t} if tenants else {})} for u, t in p["users"].items()]
+
+
+def level_indices(served: dict[str, float], users: set[str], p: dict[str, Any]
+                  ) -> tuple[float | None, float | None, dict[str, float]]:
+    """(Jain's index over the backlogged tenants' service ÷ weight, the mean Jain's index
+    among the backlogged users of each tenant with two or more, each tenant's share)."""
+    by_tenant: dict[str, list[float]] = {}
+    for user in sorted(users):
+        by_tenant.setdefault(p["users"][user], []).append(served.get(user, 0.0))
+    tenant_index = jain([sum(v) / p["tenants"][t] for t, v in sorted(by_tenant.items())])
+    inner = [i for v in by_tenant.values() if len(v) > 1 and (i := jain(v)) is not None]
+    total = sum(served.values())
+    shares = {t: sum(s for u, s in served.items() if p["users"][u] == t) / total
+              for t in p["tenants"]} if total else {}
+    return tenant_index, (sum(inner) / len(inner) if inner else None), shares
+
+
+def analyse_tenants(results: list[Result], start: float, p: dict[str, Any]) -> dict[str, Any]:
+    windows = sliding_windows(start + p["warmup_s"], start + p["duration_s"], p["window_s"],
+                              p["step_s"])
+    tenant_series: list[float] = []
+    user_series: list[float] = []
+    shares: dict[str, list[float]] = {t: [] for t in p["tenants"]}
+    for a, b in windows:
+        t_index, u_index, share = level_indices(service_by_user(results, a, b, W_IN, W_OUT),
+                                                backlogged(results, a, b), p)
+        if t_index is not None:
+            tenant_series.append(t_index)
+        if u_index is not None:
+            user_series.append(u_index)
+        for t, s in share.items():
+            shares[t].append(s)
+    measured = (start + p["warmup_s"], start + p["duration_s"])
+
+    def mean(xs: list[float]) -> float | None:
+        return round(sum(xs) / len(xs), 4) if xs else None
+
+    return {
+        "windows": len(windows),
+        "tenant_jain_mean": mean(tenant_series),
+        "tenant_jain_min": round(min(tenant_series), 4) if tenant_series else None,
+        "user_jain_mean": mean(user_series),
+        "user_jain_min": round(min(user_series), 4) if user_series else None,
+        "tenant_jain_series": [round(x, 4) for x in tenant_series],
+        "user_jain_series": [round(x, 4) for x in user_series],
+        "tenant_share_mean": {t: mean(s) for t, s in shares.items()},
+        "service_by_user": {u: round(v) for u, v in sorted(
+            service_by_user(results, *measured, W_IN, W_OUT).items())},
+        "summary": summarize(results, measured),
+    }
+
+
+async def _measure_tenants(opts: Options, p: dict[str, Any], target: Target
+                           ) -> dict[str, Any]:
+    bar = progress(None, f"tenants {target.name}", opts.progress)
+    results: list[Result] = []
+    async with new_session() as session:
+        start = time.perf_counter()
+        await closed_loop(session, target, tenant_loop_users(p), p["duration_s"], bar,
+                          sink=results)
+    bar.close()
+    return analyse_tenants(results, start, p)
+
+
+async def run_tenants(opts: Options) -> dict[str, Any]:
+    p = tenant_params(opts)
+    users = [(u, "interactive") for u in p["users"]]
+    tenants_cfg = {t: {"weight": w} for t, w in p["tenants"].items()}
+    runs: dict[str, Any] = {}
+    async with Bench(opts) as bench:
+        async with bench.backend(TENANT_SIM, "sim-direct") as be:
+            runs["direct"] = await _measure_tenants(opts, p, be.target())
+        for phase in ("flat", "tenants"):
+            async with bench.backend(TENANT_SIM, f"sim-{phase}") as be, \
+                    bench.gateway(be, users, f"gateway-{phase}", fairness="vtc",
+                                  api_keys=tenant_keys(p, phase == "tenants"),
+                                  tenants=tenants_cfg) as gw:
+                runs[phase] = await _measure_tenants(opts, p, gateway_target(gw, be, phase))
+    d, f, g = runs["direct"], runs["flat"], runs["tenants"]
+    weight_sum = sum(p["tenants"].values())
+    headline = [
+        report.Headline("Jain's index over tenants (service ÷ tenant weight), mean; "
+                        "direct vs tenants", d["tenant_jain_mean"], g["tenant_jain_mean"],
+                        None, "≥ 0.95", g["tenant_jain_mean"] is not None
+                        and g["tenant_jain_mean"] >= 0.95),
+        report.Headline("the same, gateway without tenants vs with", f["tenant_jain_mean"],
+                        g["tenant_jain_mean"], None, "–", None),
+        report.Headline("Jain's index over tenants, worst window; without vs with tenants",
+                        f["tenant_jain_min"], g["tenant_jain_min"], None, "–", None),
+        report.Headline("Jain's index among a tenant's users, mean; direct vs tenants",
+                        d["user_jain_mean"], g["user_jain_mean"], None, "≥ 0.95",
+                        g["user_jain_mean"] is not None and g["user_jain_mean"] >= 0.95),
+    ]
+    for t, w in p["tenants"].items():
+        headline.append(report.Headline(
+            f"{t}'s share of service (weight {w:g}, {sum(1 for x in p['users'].values() if x == t)}"
+            " users); without vs with tenants", f["tenant_share_mean"].get(t),
+            g["tenant_share_mean"].get(t), None, f"{w / weight_sum:.2f}", None))
+    headline.append(report.Headline(
+        "output tok/s; direct vs tenants (ratio = gateway ÷ direct)",
+        d["summary"]["output_tok_s"], g["summary"]["output_tok_s"],
+        round(g["summary"]["output_tok_s"] / d["summary"]["output_tok_s"], 3)
+        if d["summary"]["output_tok_s"] else None, "–", None))
+    fig, ax = report.figure("Jain's index over tenants (service ÷ weight), sliding windows",
+                            "window", "Jain's index")
+    for name in TENANT_PHASES:
+        ax.plot(runs[name]["tenant_jain_series"], label=name)
+    ax.axhline(0.95, color="red", linestyle=":", label="target 0.95")
+    ax.set_ylim(0, 1.02)
+    ax.legend()
+    notes = ["Columns: 'direct' is the first phase named in the metric, 'gateway' the second."]
+    return report.write(opts, "tenants", p, runs, headline,
+                        {"tenants_jain.png": fig}, notes)

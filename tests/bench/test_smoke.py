@@ -129,6 +129,18 @@ def test_fairness(tmp_path: Path, redis_url: str) -> None:
         assert stats["summary"]["completed"] > 0
 
 
+@pytest.mark.timeout(90)
+def test_tenants(tmp_path: Path, redis_url: str) -> None:
+    report = _run("tenants", tmp_path, redis_url)
+    for run in ("direct", "flat", "tenants"):
+        stats = report["runs"][run]
+        assert stats["windows"] > 0
+        for level in ("tenant_jain_mean", "user_jain_mean"):
+            assert stats[level] is None or 0.0 < stats[level] <= 1.0
+        assert set(stats["tenant_share_mean"]) == set(report["params"]["tenants"])
+        assert stats["summary"]["completed"] > 0
+
+
 @pytest.mark.timeout(60)
 def test_scheduler(tmp_path: Path, redis_url: str) -> None:
     report = _run("scheduler", tmp_path, redis_url)
