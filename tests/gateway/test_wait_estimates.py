@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.keys import ModelKeys
 from tests.gateway.conftest import (
     CHAT,
     HI,
@@ -25,7 +26,7 @@ from tests.gateway.conftest import (
 )
 
 ADMIN = "sk-admin-1"
-QUEUE = f"fg:{{{MODEL}}}:q:"
+K = ModelKeys(MODEL)
 HELD = {"interactive": {"max_waiting": 1}}
 
 
@@ -34,7 +35,7 @@ def chat_body(max_tokens: int) -> dict[str, Any]:
 
 
 async def queue_len(gw: Any, user: str, klass: str = "interactive") -> int:
-    return int(await gw.services.store.client.llen(f"{QUEUE}{klass}:{user}"))
+    return int(await gw.services.store.client.llen(K.queue(klass, user)))
 
 
 async def queued_ids(gw: Any, user: str, n: int, klass: str = "interactive") -> list[str]:
@@ -45,7 +46,7 @@ async def queued_ids(gw: Any, user: str, n: int, klass: str = "interactive") -> 
         return await queue_len(gw, user, klass) == n
 
     await until(ready, f"{n} requests of {user} queued")
-    return [str(x) for x in await client.lrange(f"{QUEUE}{klass}:{user}", 0, -1)]
+    return [str(x) for x in await client.lrange(K.queue(klass, user), 0, -1)]
 
 
 async def test_request_id_and_queue_wait_on_streamed_and_whole_answers(
