@@ -92,7 +92,8 @@ async def run_schemathesis(base_url: str, workdir: Path) -> tuple[int, str]:
 async def leftover_request_keys(redis: aioredis.Redis) -> list[str]:
     """Keys of the model's queued or in-flight requests still in Redis."""
     prefix = f"fg:{{{MODEL}}}:"
-    patterns = ("req:*", "q:*", "active:*", "running:*", "grants:*", "bk:*:inflight")
+    patterns = ("req:*", "q:*", "active:*", "users:*", "running:*", "grants:*",
+                "bk:*:inflight")
     found: list[str] = []
     for pattern in patterns:
         found += [key async for key in redis.scan_iter(match=prefix + pattern)]
