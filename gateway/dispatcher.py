@@ -64,6 +64,7 @@ class Dispatcher:
         self._class_view: dict[str, tuple[float, dict[str, float], list[str]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
+        self._listened: dict[str, float] = {}  # model → its grant listener's last turn
         self._unsettled: deque[tuple[str, Grant, float]] = deque()  # settles Redis missed
         self._tenant_charges: dict[str, float] = {}  # their tenant-level charges, by id
         # grants this replica holds (delivered, not yet released): what "running:<me>"
@@ -312,6 +313,7 @@ class Dispatcher:
                 self.store_lost(exc)
                 await asyncio.sleep(STORE_RETRY_S)
                 continue
+            self._listened[model] = time.time()  # reported with the heartbeat
             if item is not None:
                 self._deliver(model, *item)
 
@@ -336,7 +338,7 @@ class Dispatcher:
         while True:
             try:
                 now = time.time()
-                await self.store.heartbeat(models, self.replica_id, now)
+                await self.store.heartbeat(models, self.replica_id, now, self._listened)
                 self._beating.set()
                 await self._settle_deferred()
                 recovered, self._store_down = self._store_down, False

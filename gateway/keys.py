@@ -33,6 +33,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "drained": "drained",                 # set: backends no replica may dispatch to
     "user_inflight": "inflight",          # hash: user -> dispatched, unsettled requests
     "replicas": "replicas",               # zset: replica -> last heartbeat (unix s)
+    "listened": "listened",               # hash: replica -> its grant listener's last turn
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
@@ -121,6 +122,10 @@ class ModelKeys:
     @property
     def replicas(self) -> str:
         return self._key("replicas")
+
+    @property
+    def listened(self) -> str:
+        return self._key("listened")
 
     def grants(self, replica: str) -> str:
         return self._key("grants", replica=replica)
@@ -229,5 +234,4 @@ def _lua_function(name: str, pattern: str) -> str:
 
 def lua_prelude() -> str:
     """Lua functions ``key_<name>(prefix, …)`` for the per-model keys scripts derive."""
-    return "".join(_lua_function(name, pattern) for name, pattern in MODEL_PATTERNS.items()
-                   if "{" in pattern)
+    return "".join(_lua_function(name, pattern) for name, pattern in MODEL_PATTERNS.items())

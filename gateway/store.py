@@ -262,10 +262,17 @@ class Store:
                                         int(float(snap.get("unseen") or 0)))
         return states
 
-    async def heartbeat(self, models: Sequence[str], replica: str, now: float) -> None:
+    async def heartbeat(self, models: Sequence[str], replica: str, now: float,
+                        listened: Mapping[str, float] | None = None) -> None:
+        """Mark ``replica`` alive at ``now``; ``listened``: per model, when its grant
+        listener last turned (a grant left unread is a dead replica only if that is old
+        too, see ``replica_alive`` in ``lua/_lib.lua``)."""
         pipe = self.client.pipeline(transaction=False)
         for model in models:
-            pipe.zadd(ModelKeys(model).replicas, {replica: now})
+            k = ModelKeys(model)
+            pipe.zadd(k.replicas, {replica: now})
+            if listened and model in listened:
+                pipe.hset(k.listened, replica, str(listened[model]))
         await pipe.execute()
 
     async def next_grant(

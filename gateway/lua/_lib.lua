@@ -23,7 +23,12 @@ local function replica_alive(replicas, prefix, replica, now, ttl, pickup)
   local head = redis.call('LINDEX', key_grants(prefix, replica), 0)
   if head then
     local pushed_at = tonumber(string.match(head, '([^\t]+)$'))
-    if pushed_at and pushed_at < now - pickup then return false end
+    if pushed_at and pushed_at < now - pickup then
+      -- a grant waits unread: dead only if its listener also made no turn for `ttl`
+      -- (wedged); one that turns, late under load, is working through its grants
+      local listened = tonumber(redis.call('HGET', key_listened(prefix), replica))
+      if not listened or listened < now - ttl then return false end
+    end
   end
   return true
 end

@@ -29,6 +29,7 @@ for _, replica in ipairs(dead) do
     redis.call('DEL', req)
   end
   redis.call('DEL', running, key_grants(prefix, replica))
+  redis.call('HDEL', key_listened(prefix), replica)
   redis.call('ZREM', KEYS[1], replica)
 end
 return released

@@ -300,3 +300,22 @@ async def test_a_drained_backend_gets_nothing_and_every_replica_learns_it(
     await store.set_drained(M, "b1", False)
     g = await dispatch(store)
     assert g is not None and g.request_id == "a0"
+
+
+async def test_a_replica_late_to_its_grants_but_listening_is_alive(redis: aioredis.Redis) -> None:
+    # overloaded, not dead: its listener still turns (late), its grants wait >2 s in line
+    store = Store(redis, 600)
+    await alive(store, "r1", "r2")
+    await store.enqueue(M, req("x1", "a", owner="r2"), 10)
+    await store.enqueue(M, req("x2", "a", owner="r2"), 10)
+    assert (g := await dispatch(store)) is not None and g.request_id == "x1"
+    await store.heartbeat([M], "r2", 1002.5, {M: 1002.0})  # turned 1 s ago
+    await store.heartbeat([M], "r1", 1003.0)
+    grants, _ = await store.dispatch(M, "b1", ALL_OPEN, "r1", 1003.0, 10.0, max_grants=5)
+    assert [g.request_id for g in grants] == ["x2"]  # still served
+    assert await store.reap(M, 1003.0, 10.0) == 0
+    assert await store.user_inflight(M) == {"a": 2}
+    # its listener stops turning (wedged) while the heartbeat goes on: dead
+    await store.heartbeat([M], "r2", 1013.0, {M: 1002.0})
+    assert await store.reap(M, 1013.0, 10.0) == 2
+    assert await redis.hget(K.listened, "r2") is None
