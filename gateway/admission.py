@@ -40,7 +40,7 @@ from gateway.settings import Settings
 from gateway.store import Grant, QueuedRequest
 from gateway.waits import Waits
 from policies.cost import estimate_prompt_tokens
-from policies.fairness import FairnessPolicy
+from policies.fairness import FairnessPolicy, tenant_of
 from policies.locality import prefix_chain
 from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
@@ -101,13 +101,14 @@ class Admission:
     async def call(self, model: str, user: str, klass: str, weight: float,
                    body: dict[str, object], send: Callable[[Ticket], Awaitable[T]],
                    request_id: str | None = None, arrived_s: float | None = None,
-                   deadline_ms: int | None = None) -> T:
+                   deadline_ms: int | None = None, tenant: str | None = None) -> T:
         """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
         fails before anything was sent (nothing reached its engine), the backend's gates
         close and the request is queued once more, for another backend."""
         for attempt in (1, 2):
             async with self.admitted(model, user, klass, weight, body, request_id,
-                                     arrived_s, deadline_ms=deadline_ms) as ticket:
+                                     arrived_s, deadline_ms=deadline_ms,
+                                     tenant=tenant) as ticket:
                 try:
                     return await send(ticket)
                 except BackendUnreachable as exc:
@@ -121,18 +122,22 @@ class Admission:
     @asynccontextmanager
     async def admitted(self, model: str, user: str, klass: str, weight: float,
                        body: dict[str, object], request_id: str | None = None,
-                       arrived_s: float | None = None, *, deadline_ms: int | None = None
-                       ) -> AsyncIterator[Ticket]:
-        """Wait for a grant; on exit release it and charge the user real token counts.
+                       arrived_s: float | None = None, *, deadline_ms: int | None = None,
+                       tenant: str | None = None) -> AsyncIterator[Ticket]:
+        """Wait for a grant; on exit release it and charge the user and its tenant (the
+        key's ``tenant``, see ``policies/fairness.tenant_of``) real token counts.
 
         ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
         ``deadline_ms``: the first-token deadline from arrival (default: the class's
         ``ttft_slo_ms``). Metrics and the ``finished`` log are recorded before the release
         is awaited, so they do not depend on the client staying connected."""
         prompt_est = estimate_prompt_tokens(body)
+        tenant, tenant_weight = tenant_of(user, tenant, weight, {
+            name: t.weight for name, t in self.settings.tenants.items()})
         queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
-                               prefix_chain(body) if self.settings.routing == "locality" else ())
+                               prefix_chain(body) if self.settings.routing == "locality" else (),
+                               tenant, self.policy.dispatch_cost(prompt_est, tenant_weight))
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -185,13 +190,15 @@ class Admission:
             output = ticket.completion_tokens
             charge = (-queued.cost if ticket.unsent
                       else self.policy.settle_charge(prompt, prompt_est, output, weight))
+            tenant_charge = (-queued.tenant_charge if ticket.unsent else
+                             self.policy.settle_charge(prompt, prompt_est, output, tenant_weight))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
                                    self.policy.service(ticket.prompt_tokens or 0, output,
                                                        weight), timing)
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
-            await asyncio.shield(self.dispatcher.release(model, grant, charge))
+            await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge))
 
     async def _refuse_unmeetable(self, model: str, queued: QueuedRequest, left_s: float,
                                  deadline_ms: int) -> None:

@@ -135,7 +135,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
     try:
         response = await svc.admission.call(model, user, klass, key.weight, creq.body,
                                             forward, request_id=request_id, arrived_s=arrived,
-                                            deadline_ms=deadline_ms)
+                                            deadline_ms=deadline_ms, tenant=key.tenant)
         status = str(response.status)
         return response
     except asyncio.CancelledError:

@@ -1,0 +1,98 @@
+"""Hierarchical fair share end to end: flooding tenants through the gateway, observed in
+the order the simulator's engine started their requests."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from loadtest.sim.server import SimServer
+from tests.gateway.conftest import GatewayFactory, SimFactory, complete
+
+PER_USER = 24
+# requests started out of the fairness order: the gate's in flight (2 running + 1
+# waiting), a burst per snapshot not yet seen, the floods' first arrivals before everyone
+# queued, and the policy's bound at the tenant level (2 requests)
+SLACK = 8
+# user -> (key, tag: max_tokens of its requests)
+TAGS = {"a1": 20, "a2": 21, "a3": 22, "b1": 23}
+
+
+def keys(tenants: bool) -> list[dict[str, Any]]:
+    return [{"key": f"sk-{user}", "user": user, "priority_class": "interactive",
+             **({"tenant": user[0].upper()} if tenants else {})} for user in TAGS]
+
+
+def b_started(backend: SimServer) -> tuple[int, int]:
+    """(B's requests, all requests) the engine started up to B's last one: the window in
+    which every flood was backlogged (B's single user drains first)."""
+    records = sorted(backend.engine.records.values(),
+                     key=lambda r: r.first_scheduled_s or float("inf"))
+    order = [r.max_tokens for r in records]
+    last_b = len(order) - 1 - order[::-1].index(TAGS["b1"])
+    return order[:last_b + 1].count(TAGS["b1"]), last_b + 1
+
+
+async def flood(backend: SimServer, url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(complete(session, url, f"sk-{user}", tag))
+                 for _ in range(PER_USER) for user, tag in TAGS.items()]
+        await asyncio.gather(*tasks)
+    assert len(backend.engine.records) == PER_USER * len(TAGS)
+
+
+@pytest.mark.parametrize(("b_weight", "share"), [(1.0, 1 / 2), (2.0, 2 / 3)])
+async def test_a_tenant_of_one_user_gets_its_tenant_share_not_a_user_share(
+        sim: SimFactory, gateway: GatewayFactory, b_weight: float, share: float) -> None:
+    """Tenant A (weight 1) has three flooding users, tenant B one: B's user gets B's
+    share of the service (a half, or two thirds at weight 2), not a quarter."""
+    backend = await sim(max_num_seqs=2)
+    gw = await gateway([backend], api_keys=keys(tenants=True),
+                       tenants={"A": {"weight": 1.0}, "B": {"weight": b_weight}},
+                       classes={"interactive": {"max_waiting": 1}})
+    await flood(backend, gw.url)
+    b, window = b_started(backend)
+    assert b == PER_USER
+    # B's share of the starts while everyone was backlogged: its PER_USER requests took
+    # PER_USER / share starts, give or take the slack
+    assert abs(window - PER_USER / share) <= SLACK / share, (b, window)
+
+
+async def test_without_tenants_each_user_is_a_tenant(sim: SimFactory,
+                                                     gateway: GatewayFactory) -> None:
+    """The same floods from keys naming no tenant: every user is its own tenant, so b1
+    gets a quarter, as before tenants existed."""
+    backend = await sim(max_num_seqs=2)
+    gw = await gateway([backend], api_keys=keys(tenants=False),
+                       classes={"interactive": {"max_waiting": 1}})
+    await flood(backend, gw.url)
+    b, window = b_started(backend)
+    assert abs(window - PER_USER * 4) <= SLACK * 4, (b, window)
+
+
+async def test_trusted_end_users_are_users_of_their_keys_tenant(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """An app key of tenant B with trusted end users: its two flooding end users share
+    B's half, while tenant A's user (alone) gets A's half."""
+    backend = await sim(max_num_seqs=2)
+    api_keys = [{"key": "sk-a", "user": "a", "tenant": "A", "priority_class": "interactive"},
+                {"key": "sk-app", "user": "app", "tenant": "B", "trusted_end_users": True,
+                 "priority_class": "interactive"}]
+    gw = await gateway([backend], api_keys=api_keys, classes={"interactive": {"max_waiting": 1}})
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(complete(session, gw.url, key, tag, **extra))
+                 for _ in range(PER_USER)
+                 for key, tag, extra in (("sk-a", 20, {}), ("sk-app", 21, {"user": "x"}),
+                                         ("sk-app", 22, {"user": "y"}))]
+        await asyncio.gather(*tasks)
+    records = sorted(backend.engine.records.values(),
+                     key=lambda r: r.first_scheduled_s or float("inf"))
+    order = [r.max_tokens for r in records]
+    # while everyone is backlogged, A's one user takes about as many starts as B's two
+    # end users together (without the tenant, each end user would be a tenant: A a third)
+    window = order[:PER_USER]
+    assert abs(window.count(20) - PER_USER / 2) <= SLACK / 2, window
+    assert abs(window.count(21) - window.count(22)) <= SLACK / 2, window
