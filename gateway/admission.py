@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import structlog
@@ -149,6 +149,8 @@ class Admission:
                       - self.waits.to_first_token_s(model))
             await self._refuse_unmeetable(model, queued, left_s, deadline_ms)
             timeout_s = min(timeout_s, left_s)
+            # its user's queue serves earliest deadline first (enqueue.lua)
+            queued = replace(queued, deadline_at=time.time() + left_s)
         try:
             grant = await self.dispatcher.acquire(model, queued, timeout_s)
         except QueueTimeout as exc:

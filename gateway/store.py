@@ -29,6 +29,7 @@ class QueuedRequest:
     prefix: tuple[str, ...] = ()  # the prompt's block-hash chain (policies/locality.py)
     tenant: str = ""  # "": the tenant named after the user
     tenant_cost: float | None = None  # the dispatch cost at the tenant level (None: cost)
+    deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
 
     @property
     def tenant_name(self) -> str:
@@ -124,7 +125,8 @@ class Store:
                 k.user_floor(req.klass)]
         args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
                 max_queued, int(self.request_ttl_s), " ".join(req.prefix), tenant,
-                req.tenant_charge]
+                req.tenant_charge, "" if req.deadline_at is None else req.deadline_at,
+                k.prefix]
         return int(await self._run("enqueue", keys, args))
 
     async def dispatch(

@@ -274,3 +274,26 @@ async def test_a_deadline_shorter_than_dispatch_to_first_token_is_refused_at_onc
         assert "dispatch to first token" in err.value.message
     finally:
         await client.close()
+
+
+async def test_a_users_deadline_request_goes_ahead_of_its_own_older_one(
+        sim: SimFactory, gateway: GatewayFactory, busy: BusyFactory) -> None:
+    backend = await sim(max_num_seqs=1)
+    gw = await gateway([backend], classes=HELD)
+    held = busy(gw, backend)
+    await held.fill()
+    async with aiohttp.ClientSession() as http:
+        older = asyncio.create_task(call(http, "POST", gw.url + CHAT, key="sk-bob",
+                                         json=chat_body(5)))
+        await queued_ids(gw, "bob", 1)
+        urgent = asyncio.create_task(call(
+            http, "POST", gw.url + CHAT, key="sk-bob", json=chat_body(6),
+            headers={"X-Fairgate-Deadline-Ms": "60000"}))
+        ids = await queued_ids(gw, "bob", 2)
+        await held.close()
+        results = await asyncio.gather(older, urgent)
+    assert [r[0] for r in results] == [200, 200]
+    assert ids == [results[1][2]["X-Request-Id"], results[0][2]["X-Request-Id"]]
+    started = sorted((r for r in backend.engine.records.values() if r.max_tokens in (5, 6)),
+                     key=lambda r: r.first_scheduled_s or float("inf"))
+    assert [r.max_tokens for r in started] == [6, 5]  # earliest deadline first

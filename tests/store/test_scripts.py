@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import redis.asyncio as aioredis
 
 from gateway.keys import ModelKeys
@@ -319,3 +321,21 @@ async def test_a_replica_late_to_its_grants_but_listening_is_alive(redis: aiored
     await store.heartbeat([M], "r2", 1013.0, {M: 1002.0})
     assert await store.reap(M, 1013.0, 10.0) == 2
     assert await redis.hget(K.listened, "r2") is None
+
+
+async def test_a_users_requests_with_deadlines_go_earliest_deadline_first(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    deadlines = {"a0": None, "a1": 1010.0, "a2": None, "a3": 1005.0, "a4": 1020.0, "a5": 1010.0}
+    for rid, deadline in deadlines.items():
+        await store.enqueue(M, dataclasses.replace(req(rid, "a"), deadline_at=deadline), 10)
+    # deadlines first, earliest first (equal deadlines in arrival order), then the rest FIFO
+    assert await redis.lrange(K.queue("default", "a"), 0, -1) == [
+        "a3", "a1", "a5", "a4", "a0", "a2"]
+    order = []
+    for _ in deadlines:
+        g = await dispatch(store)
+        assert g is not None
+        order.append(g.request_id)
+    assert order == ["a3", "a1", "a5", "a4", "a0", "a2"]
