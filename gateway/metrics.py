@@ -127,7 +127,7 @@ class GatewayMetrics:
         self.pacing_allowance = Gauge(
             "fairgate_pacing_allowance",
             "Requests of the class adaptive pacing lets wait at the backend (ceiling: "
-            "max_waiting)", ["backend", "priority_class"], registry=r)
+            "max_waiting)", ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
         self.pacing_changes = Counter(
             "fairgate_pacing_changes_total", "Changes of the pacing allowance, by reason",
             ["backend", "priority_class", "reason"], registry=r)
