@@ -350,10 +350,14 @@ class Store:
     async def queue_place(self, model: str, klass: str, user: str,
                           request_id: str | None, tenant: str | None = None
                           ) -> tuple[float | None, int | None]:
-        """(the score of the user's tenant (None: the user's own) among its class's active
-        tenants, the request's index in its user's queue, or without ``request_id`` the
-        queue's length); None when absent. For the wait estimate."""
+        """(the score of the user's tenant among its class's active tenants, the request's
+        index in its user's queue, or without ``request_id`` the queue's length); None when
+        absent. For the wait estimate. ``tenant`` None: the request's (its hash), else the
+        user's own."""
         k = ModelKeys(model)
+        if tenant is None and request_id is not None:
+            tenant = await cast("Awaitable[str | None]", self.client.hget(
+                k.request(request_id), "tenant"))
         tenant = tenant or user
         pipe = self.client.pipeline(transaction=False)
         pipe.zscore(k.active(klass), tenant)

@@ -368,3 +368,16 @@ async def test_locality_keeps_both_levels_within_their_bounds_plus_the_slack(
         assert b.user_gap("B") <= user_bound, b.user_served
     # it did bend: in strict order hot and a2 would differ by one request at most
     assert b.user_served["hot"] - b.user_served["a2"] > b.policy.service(100, OUTPUT, 1.0)
+
+
+async def test_a_queued_requests_place_is_read_in_its_tenant(redis: aioredis.Redis) -> None:
+    """For wait estimates: a queued request's tenant comes from its hash, its score is its
+    tenant's and its index is in its user's queue within that tenant."""
+    store = Store(redis, 600)
+    for rid in ("x1", "x2"):
+        await store.enqueue(M, QueuedRequest(rid, "alice", "default", "r1", 5.0, 1000.0, (),
+                                             "research"), 10)
+    await redis.zadd(K.active("default"), {"research": 42.0})
+    assert await store.queue_place(M, "default", "alice", "x2") == (42.0, 1)
+    assert await store.queue_place(M, "default", "alice", None, "research") == (42.0, 2)
+    assert await store.queue_place(M, "default", "bob", None) == (None, 0)
