@@ -4,7 +4,9 @@ Sums over the ``engine`` label (data-parallel ranks), ignores ``*_created`` samp
 accepts the names of old servers (``vllm:gpu_cache_usage_perc``,
 ``vllm:time_per_output_token_seconds``), and turns the TPOT histogram into a *recent* mean
 (and the TTFT histogram, which the adaptive pacing reads) into a *recent* mean by
-differencing ``_sum``/``_count`` over a sliding window.
+differencing ``_sum``/``_count`` over a sliding window; the prefix cache's recent hit
+rate (``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, tokens;
+``vllm:gpu_prefix_cache_*`` on servers before 0.11) the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ TPOT_HISTOGRAMS = (
 )
 TTFT_HISTOGRAMS = ("vllm:time_to_first_token_seconds",)
 HISTOGRAMS = TPOT_HISTOGRAMS + TTFT_HISTOGRAMS
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+PREFIX_CACHE = "vllm:prefix_cache"
+"""The key of the (hits, queries) pair in a :class:`HistogramWindow`: its recent mean is
+the recent hit rate."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +40,7 @@ class RawMetrics:
     running: float
     kv_usage: float
     sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
+    prefix_cache: tuple[float, float] | None = None  # (hits, queries) tokens; None: no APC
 
 
 class MetricsFormatError(ValueError):
@@ -43,6 +51,7 @@ def parse_metrics(text: str) -> RawMetrics:
     totals: dict[str, float] = {}
     wanted = {RUNNING, WAITING, *KV_USAGE}
     wanted |= {h + "_sum" for h in HISTOGRAMS} | {h + "_count" for h in HISTOGRAMS}
+    wanted |= {*PREFIX_QUERIES, *PREFIX_HITS}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -58,7 +67,10 @@ def parse_metrics(text: str) -> RawMetrics:
         for h in HISTOGRAMS
         if h + "_count" in totals
     }
-    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums)
+    prefix = next(((totals.get(hits, 0.0), totals[queries])
+                   for queries, hits in zip(PREFIX_QUERIES, PREFIX_HITS, strict=True)
+                   if queries in totals), None)
+    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix)
 
 
 @dataclass

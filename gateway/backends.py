@@ -20,6 +20,7 @@ import aiohttp
 import structlog
 
 from gateway.backend_metrics import (
+    PREFIX_CACHE,
     TTFT_HISTOGRAMS,
     HistogramWindow,
     MetricsFormatError,
@@ -43,6 +44,8 @@ class BackendHandle:
     tpot: HistogramWindow
     ttft: HistogramWindow
     pacing: dict[str, Pacing]  # each class's allowance (adaptive pacing)
+    prefix_hits: HistogramWindow  # vLLM's prefix cache: recent hits / queries (tokens)
+    prefix_hit_ratio: float | None = None  # by the latest scrape (None: no recent queries)
     healthy: bool = False
     failures: int = 0
     accepts_priority: bool = True
@@ -95,7 +98,8 @@ class BackendPool:
         window_s = self.settings.tpot_window_s
         pacing = {c: Pacing(float(p.max_waiting)) for c, p in self.gate_policies.items()}
         return BackendHandle(config, HistogramWindow(window_s),
-                             HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing)
+                             HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing,
+                             HistogramWindow(window_s, (PREFIX_CACHE,)))
 
     def for_model(self, model: str) -> list[BackendHandle]:
         return [h for h in self.handles.values() if h.config.model == model]
@@ -166,6 +170,8 @@ class BackendPool:
             return
         tpot = handle.tpot.add(started, raw.sums)
         ttft = handle.ttft.add(started, raw.sums)
+        prefix_hit_ratio = handle.prefix_hits.add(
+            started, {} if raw.prefix_cache is None else {PREFIX_CACHE: raw.prefix_cache})
         snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
         try:
             _, handle.drained = await self.store.store_snapshot(handle.config.model,
@@ -181,6 +187,7 @@ class BackendPool:
         if not handle.model_card_read:
             await self._read_model_card(handle)
         handle.healthy, handle.failures, handle.last = True, 0, snap
+        handle.prefix_hit_ratio = prefix_hit_ratio
         handle.sent_since_snapshot = 0
         handle.gates = {c: evaluate_gate(snap, self._paced(handle, c, snap, ttft),
                                          snap.taken_at_s, math.inf)
@@ -249,6 +256,8 @@ class BackendPool:
         m.backend_running.labels(name).set(snap.running)
         m.backend_kv.labels(name).set(snap.kv_usage)
         m.backend_tpot.labels(name).set(snap.tpot_s or 0.0)
+        ratio = handle.prefix_hit_ratio
+        m.backend_prefix_hit_ratio.labels(name).set(math.nan if ratio is None else ratio)
         m.backend_healthy.labels(name).set(1)
         m.backend_drained.labels(name).set(1 if handle.drained else 0)
         gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)

@@ -261,6 +261,8 @@ class Dispatcher:
             handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
+                self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
+                                                  grant.matched_blocks, grant.prompt_blocks)
                 if grant.owner == self.replica_id:
                     self._deliver(model, grant.request_id, grant.backend, grant.rank)
             if grants and owed is not None:

@@ -61,6 +61,9 @@ class GatewayMetrics:
         # service not yet added to the cross-replica shares in Redis (gateway/history.py)
         self.pending_service: dict[str, dict[str, float]] = {}
         self.recent_dispatches: dict[str, deque[float]] = {}
+        # per backend: (time, hit blocks, query blocks) of this replica's recent dispatches
+        self.recent_predictions: dict[str, deque[tuple[float, int, int]]] = {}
+        self.decision_counts: dict[str, dict[str, int]] = {}  # backend → reason → count
         self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
         self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
         self._redis: RedisMetrics | None = None
@@ -118,6 +121,23 @@ class GatewayMetrics:
         self.backend_tpot = Gauge(
             "fairgate_backend_tpot_seconds", "Recent mean time per output token", ["backend"],
             registry=r, multiprocess_mode=SHARED)
+        self.backend_prefix_hit_ratio = Gauge(
+            "fairgate_backend_prefix_cache_hit_ratio",
+            "vLLM's recent prefix cache hit rate: Δvllm:prefix_cache_hits_total / "
+            "Δvllm:prefix_cache_queries_total (tokens) over the TPOT window; NaN: no queries",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.prefix_predicted_blocks = Counter(
+            "fairgate_prefix_predicted_blocks_total",
+            "Prompt blocks (policies/locality.py chain) dispatched to a backend (kind=query) "
+            "and those its prefix index held at dispatch (kind=hit): the predicted hit rate",
+            ["backend", "kind"], registry=r)
+        self.dispatch_decisions = Counter(
+            "fairgate_dispatch_decisions_total",
+            "Dispatches by why the request went to the backend: cache_hit (its prefix index "
+            "held the prompt's first blocks), load (placed by load: least_loaded routing, or "
+            "the backend holding its prefix was too busy), fairness_order (locality, nothing "
+            "cached anywhere: the fairness order's next)", ["model", "backend", "reason"],
+            registry=r)
         self.backend_healthy = Gauge(
             "fairgate_backend_healthy", "1 when the last scrapes succeeded", ["backend"],
             registry=r, multiprocess_mode=SHARED)
@@ -216,6 +236,29 @@ class GatewayMetrics:
         if label != OTHER_USERS:
             self._user_series.setdefault(label, set()).add((counter, labels))
         counter.labels(*labels).inc(amount)
+
+    def on_dispatch_decision(self, model: str, backend: str, reason: str,
+                             matched_blocks: int, prompt_blocks: int) -> None:
+        """Why a request went to ``backend`` and how much of its prompt the backend's
+        prefix index held (``routing: locality``; blocks of ``policies/locality.py``)."""
+        self.dispatch_decisions.labels(model, backend, reason).inc()
+        counts = self.decision_counts.setdefault(backend, {})
+        counts[reason] = counts.get(reason, 0) + 1
+        if prompt_blocks > 0:
+            self.prefix_predicted_blocks.labels(backend, "query").inc(prompt_blocks)
+            self.prefix_predicted_blocks.labels(backend, "hit").inc(matched_blocks)
+            recent = self.recent_predictions.setdefault(backend, deque(maxlen=100_000))
+            recent.append((time.monotonic(), matched_blocks, prompt_blocks))
+
+    def predicted_hit_ratio(self, backend: str, window_s: float) -> float | None:
+        """The share of the prompt blocks dispatched to ``backend`` in the last
+        ``window_s`` that its prefix index held (this replica's dispatches; None: none)."""
+        recent = self.recent_predictions.get(backend)
+        cutoff = time.monotonic() - window_s
+        while recent and recent[0][0] < cutoff:
+            recent.popleft()
+        queried = sum(q for _, _, q in recent) if recent else 0
+        return sum(h for _, h, _ in recent) / queried if recent and queried else None
 
     def dispatch_rate(self, backend: str) -> float:
         """Dispatches per second to ``backend`` over the last few seconds (this replica)."""

@@ -79,6 +79,12 @@ class Inspector:
                 "pacing": {c: {"allowance": p.allowance, "reason": p.reason}
                            for c, p in h.pacing.items()},
                 "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
+                "prefix_cache": {
+                    "hit_ratio": h.prefix_hit_ratio,  # vLLM's counters, recent window
+                    "predicted_hit_ratio": self.metrics.predicted_hit_ratio(
+                        h.name, self.settings.tpot_window_s),  # the prefix index's
+                },
+                "dispatch_reasons": dict(self.metrics.decision_counts.get(h.name, {})),
             })
         return out
 

@@ -6,7 +6,7 @@ Redis errors arrive already mapped by the client (``gateway/redis_client.py``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, cast
 
@@ -49,6 +49,10 @@ class Grant:
     owner: str
     backend: str
     enqueued_at: float
+    # known where it was dispatched (dispatch.lua), not on a grant read back from Redis:
+    matched_blocks: int = 0  # leading blocks of its chain the backend's prefix index held
+    prompt_blocks: int = 0  # blocks of its chain (0: no index, routing least_loaded)
+    reason: str = "load"  # why it went there: policies.locality.DISPATCH_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +158,12 @@ class Store:
         loc = locality or Locality(0.0, 0, 0, 0.0)
         args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
                  loc.max_imbalance, loc.lookahead, *(b for b in loc.others if b != backend)]
-        found, depth = await self._run("dispatch", keys, args)
+        found, depth, decisions = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]
+        grants = [replace(g, matched_blocks=int(held), prompt_blocks=int(blocks),
+                          reason=reason)
+                  for g, (held, blocks, reason) in zip(grants, decisions, strict=True)]
         return grants, int(depth)
 
     async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:

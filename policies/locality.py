@@ -33,6 +33,11 @@ from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, TypeVar
 
 BLOCK_CHARS = 256
+DISPATCH_REASONS = ("cache_hit", "load", "fairness_order")
+"""Why a dispatched request went to its backend (``gateway/lua/dispatch.lua``): its prefix
+index held the prompt's first blocks; placed by load (``routing: least_loaded``, or the
+backend holding its prefix was busier than ``locality_max_imbalance`` allows); nothing
+cached anywhere, so the fairness order's next request to a backend with room."""
 MAX_BLOCKS = 32
 HASH_BYTES = 8  # 16 hex characters per block hash
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backend_metrics import MetricsFormatError, HistogramWindow, parse_metrics
+from gateway.backend_metrics import PREFIX_CACHE, HistogramWindow, MetricsFormatError, parse_metrics
 
 # a real vLLM 0.32 CPU server's /metrics with 16 running and 16 waiting
 REFERENCE = Path(__file__).parent / "data" / "vllm-0.32-cpu-metrics-under-load.txt"
@@ -51,3 +51,29 @@ def test_tpot_window_uses_recent_delta_not_lifetime_mean() -> None:
     assert w.add(10.0, {name: (111.0, 300)}) == pytest.approx(0.1)  # old point expired
     assert w.add(11.0, {name: (111.0, 300)}) == pytest.approx(0.1)
     assert w.add(20.0, {name: (111.0, 300)}) is None  # nothing finished recently
+
+
+def test_reads_the_prefix_cache_counters_new_and_old_names() -> None:
+    assert parse_metrics(REFERENCE.read_text()).prefix_cache == (3968.0, 13017.0)
+    old = "\n".join([
+        "# TYPE vllm:num_requests_running gauge", "vllm:num_requests_running 0",
+        "# TYPE vllm:num_requests_waiting gauge", "vllm:num_requests_waiting 0",
+        "# TYPE vllm:gpu_prefix_cache_queries counter",
+        'vllm:gpu_prefix_cache_queries_total{engine="0"} 100',
+        'vllm:gpu_prefix_cache_queries_total{engine="1"} 60',
+        "# TYPE vllm:gpu_prefix_cache_hits counter",
+        'vllm:gpu_prefix_cache_hits_total{engine="0"} 40', "",
+    ])
+    assert parse_metrics(old).prefix_cache == (40.0, 160.0)
+    none = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0\n" \
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
+    assert parse_metrics(none).prefix_cache is None
+
+
+def test_prefix_hit_rate_is_recent_not_lifetime() -> None:
+    w = HistogramWindow(window_s=5.0, names=(PREFIX_CACHE,))
+    assert w.add(0.0, {PREFIX_CACHE: (0.0, 1000.0)}) is None  # lifetime: no hits at all
+    assert w.add(1.0, {PREFIX_CACHE: (90.0, 1100.0)}) == pytest.approx(0.9)
+    assert w.add(10.0, {PREFIX_CACHE: (90.0, 1200.0)}) == pytest.approx(0.0)  # 1.0 expired
+    assert w.add(20.0, {PREFIX_CACHE: (90.0, 1200.0)}) is None  # no queries recently
+    assert w.add(21.0, {PREFIX_CACHE: (0.0, 0.0)}) is None  # a restarted server

@@ -153,6 +153,23 @@ def build() -> dict[str, Any]:
     lay.add(timeseries("Backend health", [
         ("max by (backend) (fairgate_backend_healthy)", "healthy {{backend}}"),
         ("max by (backend) (fairgate_backend_drained)", "drained {{backend}}")]))
+    lay.add(timeseries("Prefix cache hit rate: vLLM vs the gateway's index", [
+        ("max by (backend) (fairgate_backend_prefix_cache_hit_ratio)", "vLLM {{backend}}"),
+        (f"sum by (backend) (rate(fairgate_prefix_predicted_blocks_total{{kind=\"hit\"}}"
+         f"[{RI}])) / sum by (backend) (rate(fairgate_prefix_predicted_blocks_total"
+         f"{{kind=\"query\"}}[{RI}]))", "predicted {{backend}}"),
+        (f"sum by (instance) (rate(vllm:prefix_cache_hits_total[{RI}])) / sum by (instance) "
+         f"(rate(vllm:prefix_cache_queries_total[{RI}]))", "vLLM direct {{instance}}"),
+    ], unit="percentunit",
+        description="vLLM's own counters (hits / queries, tokens) beside what the prefix "
+                    "index predicted at dispatch (routing: locality; blocks of the hashed "
+                    "prompt head)."), w=12)
+    lay.add(timeseries("Dispatch decisions by reason", [
+        (f"sum by (reason) (rate(fairgate_dispatch_decisions_total{{{M}}}[{RI}]))",
+         "{{reason}}")], unit="reqps", stack=True,
+        description="cache_hit: sent where its prefix is cached; load: placed by load "
+                    "(least_loaded, or the prefix's backend was too busy); fairness_order: "
+                    "nothing cached anywhere, the fairness order's next."), w=12)
 
     lay.row("Fairness")
     lay.add(timeseries("Service share per user", [

@@ -127,6 +127,30 @@ local function pick(active, class)
   return best_tenant, best, best_id
 end
 
+-- the prefix index records a granted prompt's chain; returns what it held before, for
+-- fairgate_dispatch_decisions_total and the predicted hit rate: {leading blocks it held,
+-- blocks of the chain, reason} (reason: cache_hit; load under least_loaded or when a busier
+-- backend holds the first block; fairness_order when none holds it)
+local decisions = {}
+local function index_decision(chain)
+  if index_size <= 0 or not chain then return {0, 0, 'load'} end
+  local held, blocks, first = 0, 0, nil
+  for h in string.gmatch(chain, '%S+') do
+    first = first or h
+    if redis.call('ZADD', index, now, h) == 0 and held == blocks then held = held + 1 end
+    blocks = blocks + 1
+  end
+  if held > 0 then return {held, blocks, 'cache_hit'} end
+  if slack > 0 and first then
+    for j = 15 + 2 * n, #ARGV do
+      if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
+        return {0, blocks, 'load'}
+      end
+    end
+  end
+  return {0, blocks, slack > 0 and 'fairness_order' or 'load'}
+end
+
 local function alive(owner)
   return replica_alive(KEYS[2], prefix, owner, now, tonumber(ARGV[2]), tonumber(ARGV[8]))
 end
@@ -183,9 +207,7 @@ for i = 1, n do
         redis.call('RPUSH', key_grants(prefix, fields[1]),
           id .. '\t' .. ARGV[5] .. '\t' .. rank .. '\t' .. ARGV[1])
       end
-      if index_size > 0 and fields[4] then
-        for h in string.gmatch(fields[4], '%S+') do redis.call('ZADD', index, now, h) end
-      end
+      decisions[#decisions + 1] = index_decision(fields[4])
       grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
     end
   end
@@ -197,4 +219,4 @@ if index_size > 0 and #grants > 0 then  -- LRU-trimmed and expiring, like a cach
 end
 local depth = 0
 for _, queued in ipairs(redis.call('HVALS', KEYS[4])) do depth = depth + tonumber(queued) end
-return {grants, depth}
+return {grants, depth, decisions}

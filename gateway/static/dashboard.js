@@ -88,6 +88,22 @@ function pacingCell(pacing) {
     `${c}: ${fmt(pacing[c].allowance, 1)} (${pacing[c].reason})`));
 }
 
+function pct(x) {
+  return x === null || x === undefined ? "–" : fmt(100 * x, 0) + "%";
+}
+
+function prefixCell(b) {
+  // prefix cache: vLLM's recent hit rate (its counters) beside the prefix index's
+  // prediction at dispatch, then this replica's dispatches by reason
+  const p = b.prefix_cache || {};
+  const reasons = Object.entries(b.dispatch_reasons || {}).sort();
+  return [
+    el("div", { "data-metric": "prefix-hit" }, `vLLM ${pct(p.hit_ratio)}`),
+    el("div", { "data-metric": "prefix-predicted" }, `index ${pct(p.predicted_hit_ratio)}`),
+    ...reasons.map(([r, n]) => el("div", { "data-reason-count": r }, `${r}: ${n}`)),
+  ];
+}
+
 function backendsPanel(backends) {
   const rows = backends.map((b) => {
     const s = b.snapshot || {};
@@ -104,13 +120,15 @@ function backendsPanel(backends) {
       el("td", { "data-metric": "dispatch-rate" }, fmt(b.dispatch_rate_per_s, 1)),
       el("td", {}, gateBadges(b.gates, b.in_transit)),
       el("td", {}, pacingCell(b.pacing)),
+      el("td", {}, prefixCell(b)),
       el("td", {}, b.drained
         ? actionButton("undrain", "undrain", { "data-backend": b.name })
         : actionButton("drain", "drain", { "data-backend": b.name })));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
     table(["backend", "state", "waiting", "running", "in transit", "KV", "TPOT ms",
-           "in flight", "dispatch/s", "gates", "pacing allowance", ""], rows, "no backends"));
+           "in flight", "dispatch/s", "gates", "pacing allowance", "prefix cache", ""], rows,
+          "no backends"));
 }
 
 function sharesPanel(shares) {

@@ -54,7 +54,10 @@ def test_every_query_reads_metrics_fairgate_or_vllm_export() -> None:
                  "fairgate_time_per_output_token_seconds_bucket", "fairgate_gate_open",
                  "fairgate_gate_closed_seconds_total", "fairgate_user_service_total",
                  "fairgate_batch_jobs", "fairgate_errors_total", "vllm:num_requests_waiting",
-                 "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+                 "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "fairgate_backend_prefix_cache_hit_ratio",
+                 "fairgate_prefix_predicted_blocks_total", "fairgate_dispatch_decisions_total",
+                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
         assert name in used, name
 
 
