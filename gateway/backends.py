@@ -204,7 +204,7 @@ class BackendPool:
             return policy
         before = handle.pacing[cls]
         after = handle.pacing[cls] = adjust(before, snap, ttft_s, self.pacing_targets[cls])
-        self.metrics.record_pacing(handle.name, cls, after.allowance,
+        self.metrics.record_pacing(handle.name, cls, after.allowance + after.bonus,
                                    after.reason if after.allowance != before.allowance else None)
         return dataclasses.replace(policy, max_waiting=after.max_waiting)
 

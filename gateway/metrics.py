@@ -146,8 +146,9 @@ class GatewayMetrics:
             ["backend"], registry=r, multiprocess_mode=SHARED)
         self.pacing_allowance = Gauge(
             "fairgate_pacing_allowance",
-            "Requests of the class adaptive pacing lets wait at the backend (ceiling: "
-            "max_waiting)", ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
+            "Requests of the class adaptive pacing lets wait at the backend now: the "
+            "allowance (at most max_waiting) plus the batch's free slots while nothing waits",
+            ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
         self.pacing_changes = Counter(
             "fairgate_pacing_changes_total", "Changes of the pacing allowance, by reason",
             ["backend", "priority_class", "reason"], registry=r)
