@@ -15,6 +15,7 @@ queued (the path of the ``max_queue_wait_s`` timeout). Both answer 429
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,15 +33,19 @@ from gateway.errors import (
     DeadlineUnmeetable,
     QueueTimeout,
     RateLimited,
+    RateLimitExceeded,
     StoreUnavailable,
     Unavailable,
 )
 from gateway.metrics import GatewayMetrics, StreamTiming
-from gateway.settings import Settings
+from gateway.quotas import Held, Quotas
+from gateway.settings import ApiKey, Settings
 from gateway.store import Grant, QueuedRequest
+from gateway.usage import UsageLedger
 from gateway.waits import Waits
 from policies.cost import estimate_prompt_tokens
 from policies.fairness import FairnessPolicy, tenant_of
+from policies.limits import reservation
 from policies.locality import prefix_chain
 from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
@@ -66,6 +71,7 @@ class Ticket:
     completion_tokens: int = 0
     completed: bool = False
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
+    limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
     _started: bool = field(default=False, repr=False)
 
     async def first_token(self) -> None:
@@ -89,8 +95,11 @@ class Ticket:
 
 class Admission:
     def __init__(self, settings: Settings, dispatcher: Dispatcher, pool: BackendPool,
-                 policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str) -> None:
+                 policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
+                 quotas: Quotas | None = None, usage: UsageLedger | None = None) -> None:
         self.settings = settings
+        self.quotas = quotas
+        self.usage = usage
         self.dispatcher = dispatcher
         self.pool = pool
         self.policy = policy
@@ -101,14 +110,14 @@ class Admission:
     async def call(self, model: str, user: str, klass: str, weight: float,
                    body: dict[str, object], send: Callable[[Ticket], Awaitable[T]],
                    request_id: str | None = None, arrived_s: float | None = None,
-                   deadline_ms: int | None = None, tenant: str | None = None) -> T:
+                   deadline_ms: int | None = None, account: ApiKey | None = None) -> T:
         """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
         fails before anything was sent (nothing reached its engine), the backend's gates
         close and the request is queued once more, for another backend."""
         for attempt in (1, 2):
             async with self.admitted(model, user, klass, weight, body, request_id,
                                      arrived_s, deadline_ms=deadline_ms,
-                                     tenant=tenant) as ticket:
+                                     account=account) as ticket:
                 try:
                     return await send(ticket)
                 except BackendUnreachable as exc:
@@ -123,7 +132,53 @@ class Admission:
     async def admitted(self, model: str, user: str, klass: str, weight: float,
                        body: dict[str, object], request_id: str | None = None,
                        arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                       tenant: str | None = None) -> AsyncIterator[Ticket]:
+                       account: ApiKey | None = None) -> AsyncIterator[Ticket]:
+        """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
+        tenant, ``gateway/quotas.py``): charged before queueing, corrected at the end,
+        and its usage recorded (``gateway/usage.py``)."""
+        request_id = request_id or uuid.uuid4().hex
+        held: Held | None = None
+        prompt_est = estimate_prompt_tokens(body)
+        if account is not None and self.quotas is not None:
+            try:
+                held = await self.quotas.admit(account, request_id, reservation(
+                    prompt_est, body.get("max_tokens", body.get("max_completion_tokens"))))
+            except RateLimitExceeded as exc:
+                self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                await self._record_usage(account, model, klass, 0, 0, error=True)
+                raise
+        ticket: Ticket | None = None
+        try:
+            async with self._admitted(model, user, klass, weight, body, request_id,
+                                      arrived_s, deadline_ms=deadline_ms,
+                                      tenant=account.tenant if account else None) as ticket:
+                if held is not None:
+                    ticket.limit_headers = held.headers
+                yield ticket
+        finally:
+            sent = ticket is not None and not ticket.unsent
+            prompt = (ticket.prompt_tokens or prompt_est) if ticket is not None and sent else 0
+            output = ticket.completion_tokens if ticket is not None and sent else 0
+            if held is not None and self.quotas is not None:
+                with contextlib.suppress(StoreUnavailable):
+                    await asyncio.shield(self.quotas.settle(held, prompt + output))
+            if account is not None:
+                await self._record_usage(account, model, klass, prompt, output, error=not (
+                    ticket is not None and ticket.completed))
+
+    async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
+                            output: int, error: bool) -> None:
+        self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
+        if self.usage is not None:
+            with contextlib.suppress(StoreUnavailable):
+                await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
+                                                       error))
+
+    @asynccontextmanager
+    async def _admitted(self, model: str, user: str, klass: str, weight: float,
+                        body: dict[str, object], request_id: str,
+                        arrived_s: float | None = None, *, deadline_ms: int | None = None,
+                        tenant: str | None = None) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
         key's ``tenant``, see ``policies/fairness.tenant_of``) real token counts.
 
@@ -134,7 +189,7 @@ class Admission:
         prompt_est = estimate_prompt_tokens(body)
         tenant, tenant_weight = tenant_of(user, tenant, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
-        queued = QueuedRequest(request_id or uuid.uuid4().hex, user, klass, self.replica_id,
+        queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
                                prefix_chain(body) if self.settings.routing == "locality" else (),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight))

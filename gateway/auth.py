@@ -50,6 +50,13 @@ class KeyRing:
     def config_keys(self) -> list[ApiKey]:
         return list(self._keys.values())
 
+    async def find(self, key_id: str) -> ApiKey | None:
+        """A key by its id (config file first, then runtime keys); None: no such key."""
+        for key in self._keys.values():
+            if key.id == key_id:
+                return key
+        return None if self.runtime is None else await self.runtime.api_key(key_id)
+
     async def identify(self, authorization: str | None) -> ApiKey:
         token = _bearer(authorization)
         found = self._keys.get(self._digest(token))

@@ -158,8 +158,8 @@ async def create_batch(request: web.Request) -> web.Response:
         raise BadRequest(f"every line's url must match the batch endpoint {endpoint}: {listed}",
                          param="endpoint")
     batch = await svc.batches.create(key.user, file_id, endpoint, window, metadata,
-                                     summary.requests,
-                                     key.weight)
+                                     summary.requests, key.weight, key.id,
+                                     key.tenant_name)
     svc.batch_runner.wake()
     return web.json_response(batch)
 

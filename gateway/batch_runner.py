@@ -21,6 +21,7 @@ import json
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -29,10 +30,16 @@ from gateway.admission import Admission
 from gateway.batch_input import BatchLine, load_file
 from gateway.batches import FINAL, BatchStore
 from gateway.completion_request import CompletionRequest
-from gateway.errors import FairgateError, RateLimited, StoreUnavailable, Unavailable
+from gateway.errors import (
+    FairgateError,
+    InsufficientQuota,
+    RateLimited,
+    StoreUnavailable,
+    Unavailable,
+)
 from gateway.files import FileStore
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
+from gateway.settings import ApiKey, Settings
 from gateway.upstream import Upstream
 
 log = structlog.get_logger("fairgate.batch")
@@ -64,6 +71,9 @@ class BatchRunner:
         self.replica_id = replica_id
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
+        # the owner's key by id, for its limits and budgets (set by gateway/services.py)
+        self.account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None
+        self._out_of_quota: dict[str, InsufficientQuota] = {}  # batch id -> the refusal
 
     def wake(self) -> None:
         self._wake.set()
@@ -157,12 +167,23 @@ class BatchRunner:
         slots = asyncio.Semaphore(self.feed_limit())
         tasks: set[asyncio.Task[None]] = set()
         outcome = "completed"
+        account = await self._account(doc)
         for line in pending:
             outcome = await self._interruption(batch_id)
             if outcome != "completed":
                 break
+            exhausted = self._out_of_quota.get(batch_id)
+            if exhausted is not None:  # the owner's budget ran out: no more lines fed
+                await self._record_error(batch_id, line, "insufficient_quota",
+                                         exhausted.message)
+                continue
             await slots.acquire()
-            task = asyncio.create_task(self._execute_line(batch_id, doc, line))
+            if batch_id in self._out_of_quota:  # ran out while this line waited for a slot
+                slots.release()
+                await self._record_error(batch_id, line, "insufficient_quota",
+                                         self._out_of_quota[batch_id].message)
+                continue
+            task = asyncio.create_task(self._execute_line(batch_id, doc, line, account))
             tasks.add(task)
 
             def finished(t: asyncio.Task[None]) -> None:
@@ -182,7 +203,18 @@ class BatchRunner:
             for task in tasks:
                 task.cancel()  # cancel or expiry: queued lines leave the queue, running abort
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._out_of_quota.pop(batch_id, None)
         return outcome
+
+    async def _account(self, doc: dict[str, Any]) -> ApiKey:
+        """Whose limits and budgets the lines count against: the owner's key (as it is
+        now), or, for a key since revoked, its tenant's."""
+        key_id = doc.get("key_id")
+        found = None
+        if key_id and self.account_of is not None:
+            found = await self.account_of(key_id)
+        return found or ApiKey(key="", user=doc["user"], tenant=doc.get("tenant"), id=key_id,
+                               weight=doc.get("weight", 1.0))
 
     def feed_limit(self) -> int:
         """Lines of one batch queued or running at once: never more than the user may
@@ -200,7 +232,8 @@ class BatchRunner:
             return "expired"
         return "completed"
 
-    async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine) -> None:
+    async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine,
+                            account: ApiKey | None = None) -> None:
         """Run one line until it has a result in the output or the error file."""
         creq = CompletionRequest(line.url, line.body)
         attempt = 0
@@ -208,7 +241,8 @@ class BatchRunner:
             attempt += 1
             try:
                 async with self.admission.admitted(line.model, doc["user"], "batch",
-                                                   doc.get("weight", 1.0), line.body) as ticket:
+                                                   doc.get("weight", 1.0), line.body,
+                                                   account=account) as ticket:
                     status, data = await self.upstream.fetch(ticket.backend, creq,
                                                              ticket.priority, ticket)
                     # record before releasing: the crash window that would run the line
@@ -217,10 +251,16 @@ class BatchRunner:
                 return
             except StoreUnavailable:
                 pass  # Redis is down: no result can be recorded either; wait for it
-            except RateLimited:
-                # the user's queue is full (their other batches or requests): wait for room
+            except InsufficientQuota as exc:  # this line and every one not yet fed
+                self._out_of_quota.setdefault(batch_id, exc)
+                await self._record_error(batch_id, line, "insufficient_quota", exc.message)
+                return
+            except RateLimited as exc:
+                # the user's queue is full (their other batches or requests), or a rate
+                # limit of the owner's key or tenant: wait for room
                 attempt -= 1
-                await asyncio.sleep(QUEUE_FULL_PAUSE_S)
+                await asyncio.sleep(max(QUEUE_FULL_PAUSE_S,
+                                        min(float(exc.retry_after_s or 0), 5.0)))
                 continue
             except Unavailable as exc:
                 if attempt >= MAX_ATTEMPTS:

@@ -34,12 +34,14 @@ class BatchStore:
 
     async def create(self, user: str, input_file_id: str, endpoint: str, window: str,
                      metadata: dict[str, str] | None, total: int,
-                     weight: float = 1.0) -> dict[str, Any]:
+                     weight: float = 1.0, key_id: str | None = None,
+                     tenant: str | None = None) -> dict[str, Any]:
         batch_id = "batch_" + uuid.uuid4().hex
         now = int(time.time())
         doc = {"id": batch_id, "user": user, "endpoint": endpoint,
                "input_file_id": input_file_id, "completion_window": window,
-               "metadata": metadata, "weight": weight, "created_at": now,
+               "metadata": metadata, "weight": weight, "key_id": key_id, "tenant": tenant,
+               "created_at": now,
                "expires_at": now + WINDOW_S[window]}
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(BatchKeys(batch_id).hash,

@@ -57,6 +57,7 @@ class GatewayMetrics:
             MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
             warnings.filterwarnings("ignore", "Removal of labels", UserWarning)
         self.users = UserLabels(top_users, user_idle_s)
+        self.tenant_labels = UserLabels(top_users, user_idle_s)  # tenants: bounded alike
         self.shares: dict[str, ServiceShares] = {}
         # service not yet added to the cross-replica shares in Redis (gateway/history.py)
         self.pending_service: dict[str, dict[str, float]] = {}
@@ -170,6 +171,17 @@ class GatewayMetrics:
             "fairgate_user_service_total",
             "Weighted service per user: (prompt × w_in + output × w_out) / key weight",
             ["model", "user"], registry=r)
+        self.tenant_requests = Counter(
+            "fairgate_tenant_requests_total",
+            "Finished requests per tenant, by outcome (top tenants, rest: other)",
+            ["tenant", "priority_class", "outcome"], registry=r)
+        self.tenant_tokens = Counter(
+            "fairgate_tenant_tokens_total", "Tokens served per tenant (top tenants, rest: other)",
+            ["tenant", "kind"], registry=r)
+        self.tenant_limit_refusals = Counter(
+            "fairgate_tenant_limit_refusals_total",
+            "Requests refused by a key's or tenant's limits, per tenant: rate_limit_exceeded "
+            "or insufficient_quota", ["tenant", "code"], registry=r)
         self.redis_latency = Histogram(
             "fairgate_redis_command_duration_seconds", "Redis command round trips (non-blocking)",
             ["command"], buckets=REDIS_BUCKETS, registry=r)
@@ -226,6 +238,29 @@ class GatewayMetrics:
         pending = self.pending_service.setdefault(model, {})
         if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
             pending[user] = pending.get(user, 0.0) + service
+
+    def on_tenant_usage(self, tenant: str, klass: str, prompt_tokens: int,
+                        output_tokens: int, error: bool) -> None:
+        label = self._tenant_label(tenant)
+        self.tenant_requests.labels(label, klass, "error" if error else "ok").inc()
+        if prompt_tokens:
+            self.tenant_tokens.labels(label, "prompt").inc(prompt_tokens)
+        if output_tokens:
+            self.tenant_tokens.labels(label, "completion").inc(output_tokens)
+
+    def on_limit_refused(self, tenant: str, code: str) -> None:
+        self.tenant_limit_refusals.labels(self._tenant_label(tenant), code).inc()
+
+    def _tenant_label(self, tenant: str) -> str:
+        """At most ``top_users`` tenant label values (rest: ``other``); an idle tenant's
+        series give way to an active one's, as users' do."""
+        label, expired = self.tenant_labels.label(tenant, time.monotonic())
+        for gone in expired:
+            for metric in (self.tenant_requests, self.tenant_tokens,
+                           self.tenant_limit_refusals):
+                for labels in [k for k in metric._metrics if k[0] == gone]:
+                    metric.remove(*labels)
+        return label
 
     def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
                   tail: tuple[str, ...] = ()) -> None:

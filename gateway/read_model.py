@@ -11,13 +11,17 @@ with this replica's own view beside them; the last 15 minutes come from its ``Hi
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 from gateway.backends import BackendPool
 from gateway.history import History
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
+from gateway.quotas import Quotas
+from gateway.settings import ApiKey, Settings
 from gateway.store import Store
+from gateway.usage import UsageLedger, group
 from policies.classes import CLASS_ORDER
 
 USERS_SCANNED = 1000  # per (model, class): bounds the Redis reads of one state request
@@ -122,3 +126,21 @@ class Inspector:
                 self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
                 self.metrics.queue_oldest_wait.labels(model, klass).set(
                     entry["oldest_wait_s"] or 0.0)
+
+
+async def usage_today(usage: UsageLedger, quotas: Quotas, tenants: Iterable[str],
+                      top: int = TOP_USERS) -> dict[str, Any]:
+    """The dashboard's usage panel: today's (UTC) top tenants and users by tokens, and
+    the budgets of the configured tenants that have one, with what they used."""
+    today = datetime.now(UTC).date()
+    rows = await usage.rows(today, today)
+    budgets = []
+    for tenant in sorted(tenants):
+        for scope in await quotas.view(ApiKey(key="", user=tenant, tenant=tenant, weight=1.0)):
+            for period in ("daily_tokens", "monthly_tokens"):
+                if period in scope["limits"]:
+                    budgets.append({"tenant": tenant, "period": period.split("_")[0],
+                                    "used": scope[f"{period}_used"],
+                                    "limit": scope["limits"][period]})
+    return {"day": today.isoformat(), "tenants": group(rows, ["tenant"])[:top],
+            "users": group(rows, ["tenant", "user"])[:top], "budgets": budgets}

@@ -128,6 +128,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
 
     async def forward(ticket: Ticket) -> web.StreamResponse:
         tickets.append(ticket)
+        headers.update(ticket.limit_headers)
         headers[QUEUE_WAIT_HEADER] = str(round((time.monotonic() - queued_at) * 1000))
         return await svc.upstream.forward(request, ticket.backend, creq, ticket.priority,
                                           ticket)
@@ -135,7 +136,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
     try:
         response = await svc.admission.call(model, user, klass, key.weight, creq.body,
                                             forward, request_id=request_id, arrived_s=arrived,
-                                            deadline_ms=deadline_ms, tenant=key.tenant)
+                                            deadline_ms=deadline_ms, account=key)
         status = str(response.status)
         return response
     except asyncio.CancelledError:
@@ -216,6 +217,19 @@ def _owns(key: ApiKey, user: str) -> bool:
     return user == key.user or (key.trusted_end_users and user.startswith(key.user + "/"))
 
 
+async def own_usage(request: web.Request) -> web.Response:
+    """The calling key's limits and what is left of them (a fairgate extension)."""
+    svc = request.app[SERVICES]
+    key = await svc.keys.identify(request.headers.get("Authorization"))
+    return web.json_response(await key_usage(svc, key))
+
+
+async def key_usage(svc: Services, key: ApiKey) -> dict[str, object]:
+    """A key's limits and budgets now (also the admin view, ``gateway/admin.py``)."""
+    return {"object": "fairgate.usage", "key_id": key.id, "user": key.user,
+            "tenant": key.tenant_name, "limits": await svc.quotas.view(key)}
+
+
 async def list_models(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     await svc.keys.identify(request.headers.get("Authorization"))
@@ -271,6 +285,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post(TOKENIZE, tokenize)
     app.router.add_post(DETOKENIZE, detokenize)
     app.router.add_get("/v1/fairgate/requests/{id}", request_status)
+    app.router.add_get("/v1/fairgate/usage", own_usage)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)

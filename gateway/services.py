@@ -29,6 +29,7 @@ from gateway.embedded_redis import EmbeddedRedis
 from gateway.files import FileStore
 from gateway.keyring import RuntimeKeys
 from gateway.metrics import GatewayMetrics
+from gateway.quotas import Quotas
 from gateway.read_model import Inspector
 from gateway.redis_client import connect
 from gateway.sessions import SessionStore
@@ -36,6 +37,7 @@ from gateway.settings import Settings
 from gateway.store import Store
 from gateway.supervise import supervise
 from gateway.upstream import Upstream
+from gateway.usage import UsageLedger
 from policies.cost import TokenCost
 from policies.fairness import FairnessPolicy, policy_for
 
@@ -54,6 +56,8 @@ class Services:
     pool: BackendPool
     dispatcher: Dispatcher
     admission: Admission
+    quotas: Quotas
+    usage: UsageLedger
     upstream: Upstream
     files: FileStore
     batches: BatchStore
@@ -95,7 +99,10 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         pool = BackendPool(settings, session, store, metrics)
         dispatcher = Dispatcher(settings, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake
-        admission = Admission(settings, dispatcher, pool, policy, metrics, replica_id)
+        quotas = Quotas(client, settings)
+        usage = UsageLedger(client, settings.usage_retention_days)
+        admission = Admission(settings, dispatcher, pool, policy, metrics, replica_id, quotas,
+                              usage)
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
@@ -105,14 +112,16 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                           RuntimeKeys(client, settings))
         services = Services(
             settings, keyring, policy, metrics, store,
-            pool, dispatcher, admission, upstream, files, batches, runner,
+            pool, dispatcher, admission, quotas, usage, upstream, files, batches, runner,
             Inspector(settings, store, pool, metrics, replica_id),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url)
+        runner.account_of = lambda key_id: services.keys.find(key_id)
 
         restarts = metrics.loop_restarts
         tasks = [asyncio.create_task(pool.run(), name="scrape"),
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
+                 asyncio.create_task(supervise("quotas", quotas.run, restarts), name="quotas"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,
                                                restarts), name="history")]
         try:

@@ -35,17 +35,20 @@ class Backend(BaseModel):
     model: str
 
 
+MAX_LIMIT = 10**15  # exact in Lua's numbers (doubles)
+
+
 class UsageLimits(BaseModel):
     """Optional limits of a key or a tenant (policies/limits.py); tokens are prompt +
     completion as vLLM reports them. None: no limit."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rpm: int | None = Field(None, ge=1)  # requests per minute
-    tpm: int | None = Field(None, ge=1)  # tokens per minute
-    max_concurrent: int | None = Field(None, ge=1)  # requests admitted, not yet finished
-    daily_tokens: int | None = Field(None, ge=1)  # budget per UTC day
-    monthly_tokens: int | None = Field(None, ge=1)  # budget per UTC calendar month
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)  # requests per minute
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)  # tokens per minute
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)  # admitted, not finished
+    daily_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)  # budget per UTC day
+    monthly_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)  # budget per UTC calendar month
 
     def any(self) -> bool:
         return any(v is not None for v in self.model_dump().values())

@@ -155,6 +155,32 @@ function batchesPanel(batches) {
       table(["batch", "owner", "status", "done", "failed"], rows, "no batch running")));
 }
 
+function usagePanel(usage) {
+  if (!usage) return el("section", { class: "model" });
+  const counts = (r) => [el("td", { "data-metric": "tokens" }, String(r.total_tokens)),
+    el("td", {}, String(r.requests)), el("td", {}, String(r.errors))];
+  const tenants = usage.tenants.map((r) => el("tr", { "data-tenant": r.tenant },
+    el("td", {}, r.tenant), ...counts(r)));
+  const users = usage.users.map((r) => el("tr", { "data-usage-user": r.user },
+    el("td", {}, r.user), el("td", {}, r.tenant), ...counts(r)));
+  const budgets = usage.budgets.map((b) => {
+    const bar = el("div", { class: "bar" });
+    bar.style.width = `${Math.min(100, (100 * b.used) / b.limit).toFixed(1)}%`;
+    return el("tr", { "data-budget": `${b.tenant}/${b.period}` },
+      el("td", {}, b.tenant), el("td", {}, b.period),
+      el("td", { "data-metric": "used" }, `${b.used} / ${b.limit}`),
+      el("td", { class: "barcell" }, bar));
+  });
+  return el("section", { class: "model", id: "usage" }, el("h2", {}, `Usage today (${usage.day}, UTC)`),
+    el("div", { class: "grid" },
+      el("div", { class: "panel" }, el("h3", {}, "Top tenants"),
+        table(["tenant", "tokens", "requests", "errors"], tenants, "no usage today")),
+      el("div", { class: "panel" }, el("h3", {}, "Top users"),
+        table(["user", "tenant", "tokens", "requests", "errors"], users, "no usage today")),
+      el("div", { class: "panel" }, el("h3", {}, "Tenant budgets"),
+        table(["tenant", "period", "used", ""], budgets, "no tenant budgets"))));
+}
+
 // ---------------------------------------------------------------- history charts (SVG)
 
 function svg(tag, attrs, ...children) {
@@ -315,7 +341,7 @@ function render(state) {
       el("div", { class: "grid" },
         backendsPanel(m.backends), queuesPanel(model, m.queues),
         usersPanel(m.queues), sharesPanel(m.service_shares))));
-  root.replaceChildren(...sections, batchesPanel(state.batches));
+  root.replaceChildren(...sections, usagePanel(state.usage_today), batchesPanel(state.batches));
   document.getElementById("meta").textContent =
     `replica ${state.replica_id} · fairness ${state.fairness}`;
 }
