@@ -174,6 +174,10 @@ def see_the_flood_served(driver: webdriver.Chrome) -> None:
     alice = float(text_of(driver, '[data-user="alice"] [data-metric="share"]')[:-1])
     bob = float(text_of(driver, '[data-user="bob"] [data-metric="share"]')[:-1])
     assert alice > bob > 0 and abs(alice + bob - 100) < 0.5
+    # today's usage: every user is its own tenant here (no tenants configured)
+    wait_for(driver, lambda d: int(text_of(d, '#usage [data-tenant="alice"] '
+                                           '[data-metric="tokens"]') or 0) > 0)
+    assert int(text_of(driver, '#usage [data-usage-user="bob"] [data-metric="tokens"]')) > 0
     assert driver.execute_script(  # the shares are every replica's, read from Redis
         "return [...document.querySelectorAll('h3')].some(h => /all replicas/.test(h.textContent))")
     # the charts: lines drawn from the server's samples, the TTFT one from the stream
