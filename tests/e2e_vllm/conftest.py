@@ -9,7 +9,8 @@ Session fixtures:
   phase, the big downloads and a heartbeat while pip works.
 - ``tiny_model_dir``: a tiny random Llama (config + locally trained tokenizer), no downloads.
 - ``vllm_server``: ``vllm.entrypoints.openai.api_server`` on a free loopback port with the
-  priority scheduler, stopped (whole process group) at session end.
+  priority scheduler, stopped (whole process group) at session end. ``launch`` and
+  ``wait_healthy`` start more (a test module's own, started beside this one).
 
 Env: ``FAIRGATE_VLLM_VENV`` (default ``<repo>/.venv-vllm``), ``FAIRGATE_VLLM_START_TIMEOUT``
 (seconds, default 240), ``FAIRGATE_VLLM_INSTALL_TIMEOUT`` (seconds, default 1800),
@@ -270,21 +271,24 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmServer]:
-    if skip_requested():
-        pytest.skip("FAIRGATE_SKIP_VLLM=1")
-    external = os.environ.get("FAIRGATE_VLLM_URL")
-    if external:
-        yield VllmServer(external.rstrip("/"), SERVED_MODEL, Path("/dev/null"), 0)
-        return
-    say = announce(request.config)
-    say(plan_line())
-    vllm_python: Path = request.getfixturevalue("vllm_python")
-    tiny_model_dir: Path = request.getfixturevalue("tiny_model_dir")
-    say("vllm: starting the server (about a minute)")
+@dataclass
+class Launched:
+    """A vLLM server process started, not yet known healthy."""
+
+    proc: subprocess.Popen[bytes]
+    server: VllmServer
+    started: float
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           max_num_seqs: int) -> Launched:
+    """Start ``vllm.entrypoints.openai.api_server`` serving the tiny model on a free
+    loopback port (priority scheduler, chunked prefill; prefix caching on, V1's default);
+    returns at once: :func:`wait_healthy` waits for it, so several can start together."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [
@@ -305,7 +309,7 @@ def vllm_server(
         "--max-num-batched-tokens",
         "512",
         "--max-num-seqs",
-        str(MAX_NUM_SEQS),
+        str(max_num_seqs),
         "--host",
         "127.0.0.1",
         "--port",
@@ -321,7 +325,6 @@ def vllm_server(
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("VIRTUAL_ENV", None)
-    url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -332,26 +335,52 @@ def vllm_server(
             stdin=subprocess.DEVNULL,
             preexec_fn=_own_session_dying_with_parent,
         )
+    return Launched(proc, VllmServer(f"http://127.0.0.1:{port}", SERVED_MODEL, log, proc.pid),
+                    started)
+
+
+def wait_healthy(server: Launched) -> None:
+    """Until its /health answers 200; fails the test with the log's tail otherwise."""
+    proc, url, log = server.proc, server.url, server.server.log
+    deadline = server.started + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(
+                f"vLLM exited with {proc.returncode} before it was healthy; "
+                f"log {log}:\n{_tail(log)}",
+                pytrace=False,
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"vLLM not healthy after {START_TIMEOUT_S:.0f} s; log {log}:\n{_tail(log)}",
+                pytrace=False,
+            )
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    if skip_requested():
+        pytest.skip("FAIRGATE_SKIP_VLLM=1")
+    external = os.environ.get("FAIRGATE_VLLM_URL")
+    if external:
+        yield VllmServer(external.rstrip("/"), SERVED_MODEL, Path("/dev/null"), 0)
+        return
+    say = announce(request.config)
+    say(plan_line())
+    vllm_python: Path = request.getfixturevalue("vllm_python")
+    tiny_model_dir: Path = request.getfixturevalue("tiny_model_dir")
+    say("vllm: starting the server (about a minute)")
+    server = launch(vllm_python, tiny_model_dir, tmp_path_factory, MAX_NUM_SEQS)
     try:
-        deadline = started + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"vLLM exited with {proc.returncode} before it was healthy; "
-                    f"log {log}:\n{_tail(log)}",
-                    pytrace=False,
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(
-                    f"vLLM not healthy after {START_TIMEOUT_S:.0f} s; log {log}:\n{_tail(log)}",
-                    pytrace=False,
-                )
-            time.sleep(0.5)
-        TIMINGS["server start"] = time.monotonic() - started
-        say(f"vllm: healthy at {url} after {TIMINGS['server start']:.1f} s")
-        yield VllmServer(url, SERVED_MODEL, log, proc.pid)
+        wait_healthy(server)
+        TIMINGS["server start"] = time.monotonic() - server.started
+        say(f"vllm: healthy at {server.url} after {TIMINGS['server start']:.1f} s")
+        yield server.server
     finally:
-        _stop(proc)
+        _stop(server.proc)

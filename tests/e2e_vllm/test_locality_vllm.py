@@ -1,0 +1,130 @@
+"""routing: locality on two real vLLM servers (CPU, the tiny model; automatic prefix
+caching on, V1's default): chat sessions with distinct long system prompts and several
+turns each compute clearly fewer prompt tokens through fairgate than the same workload
+from a client alternating between the two servers, by vLLM's own counters
+(``vllm:prefix_cache_queries_total`` − ``vllm:prefix_cache_hits_total``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import redis.asyncio as aioredis
+from openai.types.chat import ChatCompletionMessageParam
+
+from gateway.server import GatewayServer
+from gateway.settings import Backend
+from tests.e2e_vllm.conftest import VllmServer, _stop, launch, skip_requested, wait_healthy
+from tests.gateway.conftest import gateway_settings
+
+pytestmark = pytest.mark.vllm
+
+SESSIONS = 6
+TURNS = 3
+SECOND_MAX_NUM_SEQS = 4  # 2 cores: the second server small
+QUERIES = "vllm:prefix_cache_queries_total"
+HITS = "vllm:prefix_cache_hits_total"
+WORDS = ("the", "answer", "should", "follow", "house", "style", "and", "cite", "sources",
+         "when", "asked", "about", "policy", "travel", "budget", "rules", "for", "team")
+
+
+@pytest.fixture(scope="module")
+def two_servers(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    """The session's server and one more for this module, started while the first
+    starts (when it is not running yet), stopped after the module."""
+    if skip_requested():
+        pytest.skip("FAIRGATE_SKIP_VLLM=1")
+    python = request.getfixturevalue("vllm_python")
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    second = launch(python, model_dir, tmp_path_factory, SECOND_MAX_NUM_SEQS)
+    try:
+        first: VllmServer = request.getfixturevalue("vllm_server")
+        wait_healthy(second)
+        yield [first, second.server]
+    finally:
+        _stop(second.proc)
+
+
+def system_prompt(tag: str, session: int) -> str:
+    # distinct from the first characters on; ≈ 1,000 tokens of the tiny tokenizer
+    words = " ".join(WORDS[(session * 7 + i) % len(WORDS)] for i in range(330))
+    return f"{tag} desk {session:02d}. You are assistant {session} of {tag}. {words}"
+
+
+async def computed(servers: list[VllmServer]) -> float:
+    """Prompt tokens computed so far (queries − hits), summed over the servers."""
+    total = 0.0
+    async with httpx.AsyncClient() as http:
+        for s in servers:
+            text = (await http.get(s.url + "/metrics", timeout=30)).text
+            for line in text.splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                if name in (QUERIES, HITS):
+                    value = float(line.rsplit(" ", 1)[1])
+                    total += value if name == QUERIES else -value
+    return total
+
+
+async def run_sessions(tag: str, clients: list[openai.AsyncOpenAI], model: str) -> None:
+    """SESSIONS concurrent chats of TURNS turns; turn t of session i goes through
+    ``clients[(i + t) % len(clients)]``."""
+
+    async def session(i: int) -> None:
+        messages: list[ChatCompletionMessageParam] = [
+            {"role": "system", "content": system_prompt(tag, i)}]
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": f"Question {turn} of {i}: why?"})
+            client = clients[(i + turn) % len(clients)]
+            answer = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=16, user=f"u{i}",
+                extra_body={"ignore_eos": True})
+            messages.append({"role": "assistant",
+                             "content": answer.choices[0].message.content or ""})
+
+    await asyncio.gather(*(session(i) for i in range(SESSIONS)))
+
+
+async def test_locality_computes_fewer_prompt_tokens_than_alternating_servers(
+        two_servers: list[VllmServer], redis: aioredis.Redis, redis_url: str) -> None:
+    model = two_servers[0].model
+    async with httpx.AsyncClient() as http:
+        tokens = (await http.post(two_servers[0].url + "/tokenize", json={
+            "model": model, "prompt": system_prompt("ALT", 0)})).json()["count"]
+    assert 512 <= tokens <= 1400, tokens  # several 128-token blocks, turns fit in 2,048
+
+    # a client alternating between the two servers
+    direct = [openai.AsyncOpenAI(base_url=s.api, api_key="none", max_retries=0)
+              for s in two_servers]
+    before = await computed(two_servers)
+    await run_sessions("ALT", direct, model)
+    alternating = await computed(two_servers) - before
+    for c in direct:
+        await c.close()
+
+    # the same workload (other prompts of the same length) through fairgate
+    settings = gateway_settings(
+        redis_url, two_servers, routing="locality", scrape_interval_s=0.05, scrape_timeout_s=5.0,
+        snapshot_stale_s=10.0, unhealthy_after_failures=20)
+    backends = [Backend(name=f"cpu{i}", url=s.url, model=model)
+                for i, s in enumerate(two_servers)]
+    gw = GatewayServer(settings.model_copy(update={"backends": backends}))
+    await gw.start()
+    try:
+        for handle in gw.services.pool.handles.values():
+            await asyncio.wait_for(handle.scraped.wait(), 30)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-app", max_retries=0)
+        before = await computed(two_servers)
+        await run_sessions("LOC", [client], model)
+        through_fairgate = await computed(two_servers) - before
+        await client.close()
+    finally:
+        await gw.stop()
+    ratio = through_fairgate / alternating
+    print(f"prompt tokens computed: alternating {alternating:.0f}, "
+          f"fairgate locality {through_fairgate:.0f}, ratio {ratio:.2f}")
+    assert alternating > 0 and through_fairgate > 0
+    assert ratio < 0.8
