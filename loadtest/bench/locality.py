@@ -4,10 +4,15 @@ simulated backends: direct round-robin vs fairgate ``routing: least_loaded`` vs
 
 Each session has its own long system prompt and runs its turns one after the other (each
 turn adds the previous answer and a new question), all sessions at once; two users own
-half of the sessions. The backends are small enough to be saturated, so requests queue
-and where each goes matters. Prefix hits come from the simulators' own vLLM counters
-(``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``); prompt tokens
-computed = queries − hits.
+half of the sessions. Beside them, RAG users each send long prompts (distinct documents)
+one after the other until the chats are done. The backends are small enough to be
+saturated, so requests queue and where each goes matters. Prefix hits come from the
+simulators' own vLLM counters (``vllm:prefix_cache_queries_total`` /
+``vllm:prefix_cache_hits_total``); prompt tokens computed = queries − hits. TPOT p99 is
+taken over the chat streams that overlap a RAG prompt's [sent, first token] (its queueing
+and prefill); Jain's index of weighted service (prompt × 1 at the first token, output × 2
+per token, VTC's weights) over sliding windows among the users backlogged for the whole
+window, as ``fairgate bench fairness`` measures it.
 """
 
 from __future__ import annotations
@@ -24,22 +29,27 @@ from typing import Any
 import aiohttp
 
 from loadtest.bench import report
-from loadtest.bench.client import new_session
+from loadtest.bench.client import Result, new_session
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import progress
 from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim
-from loadtest.bench.stats import percentile
+from loadtest.bench.stats import backlogged, jain, percentile, service_by_user, sliding_windows
 
 WORD = " the"  # one simulator token
 ROUTINGS = ("least_loaded", "locality")
+W_IN, W_OUT = 1.0, 2.0
 
 
 def params(opts: Options) -> dict[str, Any]:
     return {
-        "backends": opts.pick(4, 2), "sessions": opts.size or opts.pick(32, 6),
-        "users": opts.pick(8, 3), "turns": opts.pick(6, 3),
+        "backends": opts.pick(4, 2), "sessions": opts.size or opts.pick(64, 6),
+        "users": opts.pick(16, 3), "turns": opts.pick(6, 3),
         "system_prompt_tokens": opts.pick(1500, 400), "question_tokens": 100,
         "max_tokens": opts.pick(64, 8),
+        "rag_users": opts.pick(4, 1), "rag_prompt_tokens": opts.pick(12_000, 2_000),
+        "rag_max_tokens": opts.pick(64, 8),
+        "jain_window_s": opts.pick(10.0, 2.0), "jain_step_s": opts.pick(1.0, 0.5),
+        "weights": {"input": W_IN, "output": W_OUT},
         "sim": SimSpec(max_num_seqs=opts.pick(6, 2)).__dict__,
         "gateway": "defaults; routing = least_loaded | locality",
     }
@@ -57,6 +67,8 @@ class Turn:
     prompt_tokens: int = 0
     error: str | None = None
     text: list[str] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    kind: str = "chat"  # or "rag"
 
     @property
     def ttft(self) -> float | None:
@@ -94,7 +106,9 @@ async def chat_turn(http: aiohttp.ClientSession, url: str, headers: dict[str, st
                     obj = json.loads(frame[6:])
                     for choice in obj.get("choices") or ():
                         if text := (choice.get("delta") or {}).get("content"):
-                            turn.first_token_s = turn.first_token_s or time.perf_counter()
+                            now = time.perf_counter()
+                            turn.first_token_s = turn.first_token_s or now
+                            turn.token_times.append(now)
                             turn.text.append(text)
                     if usage := obj.get("usage"):
                         turn.output_tokens = int(usage.get("completion_tokens") or 0)
@@ -128,8 +142,31 @@ async def run_sessions(urls: list[str], via_gateway: bool, p: dict[str, Any],
                 return
             messages.append({"role": "assistant", "content": "".join(turn.text)})
 
+    chats_done = asyncio.Event()
+
+    async def rag(http: aiohttp.ClientSession, r: int) -> None:
+        user = f"r{r:02d}"
+        headers = {"Authorization": f"Bearer sk-{user}"} if via_gateway else {}
+        for n in itertools.count():
+            if chats_done.is_set():
+                return
+            doc = f"Document {r:02d}-{n:04d} for retrieval." + WORD * p["rag_prompt_tokens"]
+            messages = [{"role": "user", "content": doc + " Summarise it."}]
+            turn = Turn(user, -1 - r, n, time.perf_counter(), kind="rag")
+            turns.append(turn)
+            await chat_turn(http, next(next_backend), headers, messages, turn,
+                            p["rag_max_tokens"])
+            if turn.error:
+                return
+
+    async def chats(http: aiohttp.ClientSession) -> None:
+        try:
+            await asyncio.gather(*(session(http, i) for i in range(p["sessions"])))
+        finally:
+            chats_done.set()
+
     async with new_session() as http:
-        await asyncio.gather(*(session(http, i) for i in range(p["sessions"])))
+        await asyncio.gather(chats(http), *(rag(http, r) for r in range(p["rag_users"])))
     bar.close()
     return turns
 
@@ -151,18 +188,70 @@ async def prefix_counters(urls: list[str]) -> dict[str, float]:
     return totals
 
 
-def analyse(turns: list[Turn], counters: dict[str, float]) -> dict[str, Any]:
+def tpot(t: Turn) -> float | None:
+    if t.first_token_s is None or len(t.token_times) < 2:
+        return None
+    return (t.token_times[-1] - t.first_token_s) / (len(t.token_times) - 1)
+
+
+def tpot_during_rag_prefill(turns: list[Turn]) -> list[float]:
+    """TPOT of the chat streams whose streaming overlaps some RAG prompt's wait for its
+    first token (its queueing and prefill)."""
+    spans = [(t.sent_s, t.first_token_s) for t in turns
+             if t.kind == "rag" and t.first_token_s is not None]
+    out = []
+    for t in turns:
+        value = tpot(t)
+        if t.kind != "chat" or value is None or t.first_token_s is None:
+            continue
+        if any(a < t.end_s and t.first_token_s < b for a, b in spans):
+            out.append(value)
+    return out
+
+
+def weighted_jain(turns: list[Turn], p: dict[str, Any]) -> dict[str, Any]:
+    """Jain's index of weighted service over sliding windows (backlogged users only)."""
+    results = [Result(t.user, t.kind, t.prompt_tokens, t.sent_s, t.end_s, 200,
+                      t.first_token_s, t.token_times, t.output_tokens, t.error)
+               for t in turns]
+    start = min(t.sent_s for t in turns)
+    end = max(t.end_s for t in turns)
+    indices = []
+    for a, b in sliding_windows(start, end, p["jain_window_s"], p["jain_step_s"]):
+        users = backlogged(results, a, b)
+        served = service_by_user(results, a, b, W_IN, W_OUT)
+        index = jain([served.get(u, 0.0) for u in sorted(users)]) if len(users) > 1 else None
+        if index is not None:
+            indices.append(index)
+    return {"jain_mean": round(sum(indices) / len(indices), 4) if indices else None,
+            "jain_min": round(min(indices), 4) if indices else None,
+            "jain_windows": len(indices)}
+
+
+def analyse(all_turns: list[Turn], counters: dict[str, float], p: dict[str, Any]
+            ) -> dict[str, Any]:
+    turns = [t for t in all_turns if t.kind == "chat"]
+    rags = [t for t in all_turns if t.kind == "rag"]
     ok = [t for t in turns if t.error is None and t.first_token_s is not None]
     start = min(t.sent_s for t in turns)
     end = max(t.end_s for t in turns)
     ttfts = [t.ttft for t in ok if t.ttft is not None]
     later = [t.ttft for t in ok if t.ttft is not None and t.turn > 0]
+    during_rag = tpot_during_rag_prefill(all_turns)
+    served = [t for t in all_turns if t.error is None]
     queries, hits = counters["queries"], counters["hits"]
     return {
         "requests": len(turns), "completed": len(ok), "errors": len(turns) - len(ok),
         "error_sample": next((t.error for t in turns if t.error), None),
         "makespan_s": round(end - start, 3),
-        "output_tok_s": round(sum(t.output_tokens for t in ok) / max(end - start, 1e-9), 2),
+        "output_tok_s": round(sum(t.output_tokens for t in served) / max(end - start, 1e-9),
+                              2),
+        "rag_requests": len(rags), "rag_errors": sum(1 for t in rags if t.error),
+        "rag_ttft_p50_ms": _ms(percentile([t.ttft for t in rags if t.ttft is not None], 50)),
+        "tpot_p99_during_rag_prefill_ms": _ms(percentile(during_rag, 99)),
+        "streams_during_rag_prefill": len(during_rag),
+        "tpot_p99_ms": _ms(percentile([v for t in ok if (v := tpot(t)) is not None], 99)),
+        **weighted_jain(all_turns, p),
         "ttft_p50_ms": _ms(percentile(ttfts, 50)), "ttft_p99_ms": _ms(percentile(ttfts, 99)),
         "ttft_later_turns_p50_ms": _ms(percentile(later, 50)),
         "ttft_later_turns_p99_ms": _ms(percentile(later, 99)),
@@ -194,7 +283,7 @@ async def _direct(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
     async with sims(bench, p, "sim-direct") as procs:
         urls = [s.url for s in procs]
         turns = await run_sessions(urls, False, p, "direct", bench.opts.progress)
-        return analyse(turns, await prefix_counters(urls))
+        return analyse(turns, await prefix_counters(urls), p)
 
 
 async def _gateway(bench: Bench, p: dict[str, Any], routing: str) -> dict[str, Any]:
@@ -205,7 +294,8 @@ async def _gateway(bench: Bench, p: dict[str, Any], routing: str) -> dict[str, A
         client.flushdb()
     finally:
         client.close()
-    users = sorted({owner(i, p) for i in range(p["sessions"])})
+    users = sorted({owner(i, p) for i in range(p["sessions"])}
+                   | {f"r{r:02d}" for r in range(p["rag_users"])})
     async with sims(bench, p, f"sim-{routing}") as procs:
         config = {"redis_url": bench.redis_url, "routing": routing,
                   "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL}
@@ -219,7 +309,7 @@ async def _gateway(bench: Bench, p: dict[str, Any], routing: str) -> dict[str, A
                                    routing)
         finally:
             gw.stop()
-        return analyse(turns, await prefix_counters([s.url for s in procs]))
+        return analyse(turns, await prefix_counters([s.url for s in procs]), p)
 
 
 async def run(opts: Options) -> dict[str, Any]:
@@ -251,6 +341,15 @@ async def run(opts: Options) -> dict[str, Any]:
         row("TTFT p50 of chat turns (ms)", "ttft_p50_ms", "≥ 2× lower", "lower", 0.5),
         row("TTFT p99 of chat turns (ms)", "ttft_p99_ms"),
         row("output tok/s", "output_tok_s", "≥ least_loaded", "higher", 1.0),
+        row("TPOT p99 of chat streams while RAG prompts prefill (ms)",
+            "tpot_p99_during_rag_prefill_ms"),
+        row("Jain's index of weighted service (window mean)", "jain_mean"),
+        report.Headline("TPOT p99 while RAG prompts prefill, locality (ms)",
+                        None, local["tpot_p99_during_rag_prefill_ms"], None, "≤ 150",
+                        None if local["tpot_p99_during_rag_prefill_ms"] is None
+                        else local["tpot_p99_during_rag_prefill_ms"] <= 150),
+        report.Headline("Jain's index, locality", None, local["jain_mean"], None, "≥ 0.95",
+                        None if local["jain_mean"] is None else local["jain_mean"] >= 0.95),
         report.Headline("prefix hit rate, direct round-robin", d["prefix_hit_rate"],
                         None, None, "–", None),
     ]

@@ -23,3 +23,9 @@ def test_locality(tmp_path: Path, redis_url: str) -> None:
         assert stats["completed"] == p["sessions"] * p["turns"]
         assert 0 < stats["prefix_hits"] < stats["prefix_queries"]
         assert stats["prompt_tokens_computed"] == stats["prefix_queries"] - stats["prefix_hits"]
+        # RAG users' long prompts ran beside the chats, measured apart
+        assert stats["rag_requests"] >= p["rag_users"] and stats["rag_errors"] == 0
+        assert stats["streams_during_rag_prefill"] > 0
+        assert stats["tpot_p99_during_rag_prefill_ms"] is not None
+        # quick runs may be shorter than one window: then no index
+        assert stats["jain_windows"] == 0 or 0 < stats["jain_mean"] <= 1
