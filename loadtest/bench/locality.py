@@ -258,6 +258,10 @@ def analyse(all_turns: list[Turn], counters: dict[str, float], p: dict[str, Any]
         "prefix_queries": queries, "prefix_hits": hits,
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
         "prompt_tokens_computed": queries - hits,
+        # RAG documents are distinct: their prompts are computed in full, so the chats'
+        # share of the computed tokens is the rest
+        "rag_prompt_tokens": (rag_prompts := sum(t.prompt_tokens for t in rags)),
+        "chat_prompt_tokens_computed": queries - hits - rag_prompts,
         "ttft_series_ms": [_ms(t.ttft) for t in sorted(ok, key=lambda t: t.sent_s)],
     }
 
@@ -338,6 +342,7 @@ async def run(opts: Options) -> dict[str, Any]:
         row("prefix cache hit rate (vLLM counters)", "prefix_hit_rate"),
         row("prompt tokens computed (queries − hits)", "prompt_tokens_computed",
             "≤ 0.5× least_loaded", "lower", 0.5),
+        row("of which chat turns (computed − RAG prompts)", "chat_prompt_tokens_computed"),
         row("TTFT p50 of chat turns (ms)", "ttft_p50_ms", "≥ 2× lower", "lower", 0.5),
         row("TTFT p99 of chat turns (ms)", "ttft_p99_ms"),
         row("output tok/s", "output_tok_s", "≥ least_loaded", "higher", 1.0),
