@@ -10,16 +10,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+
 from gateway import event_loop
+from gateway.admin import reload_settings
+from gateway.errors import FairgateError
 from gateway.logs import configure_logging
 from gateway.server import GatewayServer
 from gateway.settings import Settings, load_settings
+from gateway.worker_signals import RELOAD_SIGNAL
+
+log = structlog.get_logger("fairgate.cli")
 
 DESCRIPTION = "fairgate: a fair-scheduling, OpenAI-compatible gateway in front of vLLM."
 
@@ -102,6 +110,7 @@ async def run_gateway(settings: Settings, server: GatewayServer | None = None,
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(RELOAD_SIGNAL, functools.partial(_reload, server))
     if ready is None:
         print(f"fairgate listening on {server.url}", flush=True)
     else:
@@ -111,6 +120,14 @@ async def run_gateway(settings: Settings, server: GatewayServer | None = None,
     finally:
         await server.stop()
     return 0
+
+
+def _reload(server: GatewayServer) -> None:
+    """SIGHUP: re-read the config file, as ``POST /admin/reload`` does."""
+    try:
+        reload_settings(server.services)
+    except FairgateError as exc:
+        log.error("config_reload_failed", error=str(exc))
 
 
 def _serve(args: argparse.Namespace) -> int:

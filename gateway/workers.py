@@ -21,8 +21,9 @@ A worker writes ``"<index> <pid>"`` to the supervisor's ready pipe once it liste
 gets SIGTERM (drains) if the supervisor dies without stopping it. Responses carry
 ``X-Fairgate-Worker: <index>``.
 
-What stays per worker: ``POST /admin/reload`` reloads the worker that answered it (restart
-the service to reload them all); drain is global already (a flag in Redis).
+A config reload reaches every worker: ``POST /admin/reload`` through any worker, or SIGHUP
+to the supervisor, which passes SIGHUP on to each worker (``gateway/worker_signals.py``).
+Drain is global already (a flag in Redis).
 """
 
 from __future__ import annotations
@@ -52,10 +53,10 @@ from gateway.logs import configure_logging
 from gateway.metrics import MULTIPROC_DIR_ENV
 from gateway.server import GatewayServer
 from gateway.settings import Settings, load_settings
+from gateway.worker_signals import RELOAD_SIGNAL, WORKER_INDEX_ENV
 
 log = structlog.get_logger("fairgate.workers")
 
-WORKER_INDEX_ENV = "FAIRGATE_WORKER_INDEX"
 READY_FD_ENV = "FAIRGATE_WORKER_READY_FD"
 WORKER_HEADER = "X-Fairgate-Worker"
 
@@ -147,6 +148,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(RELOAD_SIGNAL, self._reload_all)
         reader = asyncio.StreamReader()
         transport, _ = await loop.connect_read_pipe(
             lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(ready_r, "rb", closefd=False))
@@ -170,9 +172,17 @@ class Supervisor:
                 task.cancel()
             await asyncio.gather(*tasks, readiness, return_exceptions=True)
             transport.close()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, RELOAD_SIGNAL):
                 loop.remove_signal_handler(sig)
         return self.failed or 0
+
+    def _reload_all(self) -> None:
+        """SIGHUP: every live worker re-reads the config file."""
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(RELOAD_SIGNAL)
+        log.info("workers_reload", workers=self.count)
 
     async def _read_ready(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():

@@ -77,13 +77,13 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve(backend_url: str, redis_url: str, tmp_path: Path, workers: int
-                ) -> AsyncIterator[Served]:
+async def serve(backend_url: str, redis_url: str, tmp_path: Path, workers: int,
+                **extra: Any) -> AsyncIterator[Served]:
     port = free_port()
     config = {"listen": {"host": "127.0.0.1", "port": port}, "redis_url": redis_url,
               "backends": [{"name": "b0", "url": backend_url, "model": MODEL}],
               "api_keys": KEYS, "data_dir": str(tmp_path), "scrape_interval_s": 0.02,
-              "replica_heartbeat_s": 0.2}
+              "replica_heartbeat_s": 0.2, **extra}
     path = tmp_path / "fairgate.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items()
@@ -248,3 +248,49 @@ async def test_workers_must_be_positive(workers: str) -> None:
     _, err = await proc.communicate()
     assert proc.returncode == 2
     assert b"--workers" in err and b"at least 1" in err
+
+
+async def answered_by(url: str, key: str, n: int) -> dict[str | None, int]:
+    """``n`` requests with ``key``, each on its own connection: worker → 200s it gave."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1, "ignore_eos": True}
+    served: dict[str | None, int] = {}
+    for _ in range(n):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                s.post(url + "/v1/completions", json=body,
+                       headers={"Authorization": f"Bearer {key}"}) as resp:
+            assert resp.status == 200, await resp.text()
+            worker = resp.headers.get(WORKER_HEADER)
+            served[worker] = served.get(worker, 0) + 1
+    return served
+
+
+async def test_a_config_reload_reaches_every_worker(sim: SimFactory, redis_url: str,
+                                                    tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    async with serve(backend.url, redis_url, tmp_path, 2, admin_keys=["sk-admin"]) as served:
+        path = tmp_path / "fairgate.yaml"
+        config = yaml.safe_load(path.read_text())
+
+        async def add_key(key: str) -> None:
+            config["api_keys"].append({"key": key, "user": key, "priority_class": "default"})
+            path.write_text(yaml.safe_dump(config))
+
+        # POST /admin/reload through one worker: the supervisor passes SIGHUP to all
+        await add_key("sk-new")
+        seen = len(served.events)
+        async with aiohttp.ClientSession() as http, http.post(
+                served.url + "/admin/reload",
+                headers={"Authorization": "Bearer sk-admin"}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert "api_keys" in (await resp.json())["reloaded"]
+        for worker in (0, 1):
+            await served.event("config_reloaded", after=seen, worker=worker)
+        assert set(await answered_by(served.url, "sk-new", 20)) == {"0", "1"}
+
+        # SIGHUP to the supervisor reloads them all the same way
+        await add_key("sk-newer")
+        seen = len(served.events)
+        served.proc.send_signal(signal.SIGHUP)
+        for worker in (0, 1):
+            await served.event("config_reloaded", after=seen, worker=worker)
+        assert set(await answered_by(served.url, "sk-newer", 20)) == {"0", "1"}
