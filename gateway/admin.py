@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import structlog
@@ -40,16 +41,20 @@ from gateway.errors import (
     NotQueued,
     RequestCancelled,
 )
+from gateway.read_model import usage_today
+from gateway.routes import key_usage
 from gateway.services import SERVICES, Services
 from gateway.sessions import CSRF_HEADER, csrf_token, csrf_valid
 from gateway.settings import ApiKey, Settings, UsageLimits, load_settings
+from gateway.usage import DIMENSIONS, group, to_csv
 from gateway.worker_signals import reload_siblings
 from policies.classes import CLASS_ORDER
 
 log = structlog.get_logger("fairgate.admin")
 
 RESTART_FIELDS = ("backends", "classes", "fairness", "redis_url", "listen", "replica_id",
-                  "vtc_input_weight", "vtc_output_weight", "priority_class_gap")
+                  "vtc_input_weight", "vtc_output_weight", "priority_class_gap", "tenants",
+                  "key_pepper")
 
 
 async def admin_services(request: web.Request, page_action: bool = False) -> Services:
@@ -72,6 +77,7 @@ async def get_state(request: web.Request) -> web.Response:
     svc = await admin_services(request)
     state = await svc.inspector.state()
     state["batches"] = await svc.batches.running()
+    state["usage_today"] = await usage_today(svc.usage, svc.quotas, svc.settings.tenants)
     token = request.cookies.get(SESSION_COOKIE)
     # the page's token for drain/undrain/cancel; a Bearer caller needs none
     state["csrf_token"] = (csrf_token(token) if token and "Authorization" not in request.headers
@@ -187,7 +193,7 @@ class NewKey(BaseModel):
     user: str
     tenant: str | None = None
     priority_class: str = "default"
-    weight: float = Field(1.0, gt=0, le=1000)
+    weight: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False)
     trusted_end_users: bool = False
     limits: UsageLimits | None = None
 
@@ -209,7 +215,7 @@ class NewKey(BaseModel):
 class Rotation(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    grace_s: float | None = Field(None, ge=0, le=30 * 86400)
+    grace_s: float | None = Field(None, ge=0, le=30 * 86400, allow_inf_nan=False)
 
 
 async def _body(request: web.Request, model: type[BaseModel], empty_ok: bool = False) -> Any:
@@ -285,11 +291,63 @@ async def rotate_key(request: web.Request) -> web.Response:
     return web.json_response({**record, "key": secret, "previous_key_valid_s": grace_s})
 
 
+async def key_limits(request: web.Request) -> web.Response:
+    """A key's limits and budgets, and its tenant's, with what is left of them now."""
+    svc = await admin_services(request)
+    key_id = request.match_info["id"]
+    key = await svc.keys.find(key_id)
+    if key is None:
+        raise NotFound(f"no key {key_id!r}", param="id")
+    return web.json_response(await key_usage(svc, key))
+
+
+# -- usage accounting (gateway/usage.py) -----------------------------------------------------
+
+
+def _day(request: web.Request, name: str, default: date) -> date:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return date.fromisoformat(raw)
+    except ValueError:
+        raise BadRequest(f"'{name}' must be a date, YYYY-MM-DD", param=name) from None
+
+
+async def get_usage(request: web.Request) -> web.StreamResponse:
+    """Usage per UTC day summed along ``group_by`` (``day,tenant,user,key,model,class``;
+    default ``tenant,user``) over ``from``..``to`` (dates, inclusive; default today), as
+    JSON or, with ``format=csv``, as CSV."""
+    svc = await admin_services(request)
+    by = [d.strip() for d in request.query.get("group_by", "tenant,user").split(",")
+          if d.strip()]
+    if not by or any(d not in DIMENSIONS for d in by) or len(set(by)) != len(by):
+        raise BadRequest(f"'group_by' must name distinct dimensions of {', '.join(DIMENSIONS)}",
+                         param="group_by")
+    today = datetime.now(UTC).date()
+    first, last = _day(request, "from", today), _day(request, "to", today)
+    if first > last:
+        raise BadRequest("'from' is after 'to'", param="from")
+    oldest = today - timedelta(days=svc.usage.retention_days)
+    first, last = max(first, oldest), min(last, today)
+    fmt = request.query.get("format", "json")
+    if fmt not in ("json", "csv"):
+        raise BadRequest("'format' must be json or csv", param="format")
+    rows = group(await svc.usage.rows(first, last), by) if first <= last else []
+    if fmt == "csv":
+        return web.Response(text=to_csv(rows, by), content_type="text/csv", headers={
+            "Content-Disposition": f'attachment; filename="fairgate-usage-{first}-{last}.csv"'})
+    return web.json_response({"object": "list", "from": first.isoformat(),
+                              "to": last.isoformat(), "group_by": by, "data": rows})
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/keys", create_key)
     app.router.add_get("/admin/keys", list_keys)
     app.router.add_delete("/admin/keys/{id}", revoke_key)
     app.router.add_post("/admin/keys/{id}/rotate", rotate_key)
+    app.router.add_get("/admin/keys/{id}/usage", key_limits)
+    app.router.add_get("/admin/usage", get_usage)
     app.router.add_get("/admin/state", get_state)
     app.router.add_get("/admin/queues", get_queues)
     app.router.add_get("/admin/backends", get_backends)
