@@ -130,6 +130,20 @@ class RequestLogSampler:
         return event
 
 
+class _CurrentStderr:
+    """``sys.stderr`` as it is at each write, not when logging was configured: a caller
+    that swaps it (pytest's capture) must not leave the loggers writing to a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+_STDERR = _CurrentStderr()
+
+
 def configure_logging(level: int | str = logging.INFO,
                       sample_above_per_s: float | None = None) -> None:
     """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``);
@@ -156,6 +170,6 @@ def configure_logging(level: int | str = logging.INFO,
         wrapper_class=structlog.make_filtering_bound_logger(level),
         # one write per line (print() writes the newline apart): the workers of
         # `fairgate serve --workers N` share stderr, and their lines must not interleave
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(_STDERR),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
