@@ -177,8 +177,8 @@ def _timeline(pacing: list[dict[str, float]]) -> Any:
                             "seconds into the run", "allowance (requests)")
     xs = [pt["t_s"] for pt in pacing if "allowance" in pt]
     ax.step(xs, [pt["allowance"] for pt in pacing if "allowance" in pt], where="post",
-            label="allowance")
-    ax.set_ylim(0, DEFAULT_MAX_WAITING + 0.5)
+            label="allowance + free-slot bonus")
+    ax.set_ylim(0, 2 * DEFAULT_MAX_WAITING + 0.5)
     tpot = ax.twinx()
     tpot.plot([pt["t_s"] for pt in pacing if "tpot_ms" in pt],
               [pt["tpot_ms"] for pt in pacing if "tpot_ms" in pt], "r-", alpha=0.6,
