@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,8 +84,22 @@ class Result:
         return [b - a for a, b in itertools.pairwise(times)]
 
 
+# Every prompt starts with its own 8 bytes (2 tokens): with automatic prefix caching (the
+# simulator's and vLLM's) identical prompts would be nearly free to prefill after the
+# first, which no real flood of distinct requests is.
+_PROMPT_SEQ = itertools.count(random.randrange(16**6))
+
+
+def prompt_text(tokens: int) -> str:
+    """``tokens`` tokens of text (one per 4 bytes) whose first cache block is this
+    prompt's own."""
+    if tokens < 2:
+        return PROMPT_WORD
+    return f" {next(_PROMPT_SEQ) % 16**7:07x}" + PROMPT_WORD * (tokens - 2)
+
+
 def body_for(spec: Spec, model: str) -> dict[str, Any]:
-    text = PROMPT_WORD * max(1, spec.prompt_tokens)
+    text = prompt_text(spec.prompt_tokens)
     body: dict[str, Any] = {
         "model": model, "max_tokens": spec.max_tokens, "stream": True, "ignore_eos": True,
         "stream_options": {"include_usage": True}, "temperature": 0.0,
