@@ -25,9 +25,10 @@
 -- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a backend,
 -- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere()
 -- over the candidates of policies/locality.py within_slack().
--- Returns {grants, depth}: grants a list of {id, class, user, rank, owner, enqueued_at},
--- depth the number of requests still queued for the model (all classes). A request's
--- tenant stays in its hash (settle.lua reads it there).
+-- Returns {grants, depth, decisions}: grants a list of {id, class, user, rank, owner,
+-- enqueued_at}, depth the number of requests still queued for the model (all classes),
+-- decisions one {held blocks, chain blocks, reason} per grant (index_decision). A
+-- request's tenant stays in its hash (settle.lua reads it there).
 local n = (#KEYS - 9) / 2
 local want = tonumber(ARGV[7])
 local grants = {}
