@@ -31,6 +31,7 @@ from gateway.errors import (
     BackendRemoved,
     BackendUnreachable,
     DeadlineUnmeetable,
+    PromptFitsNoBackend,
     QueueTimeout,
     RateLimited,
     RateLimitExceeded,
@@ -47,6 +48,7 @@ from policies.cost import estimate_prompt_tokens
 from policies.fairness import FairnessPolicy, tenant_of
 from policies.limits import reservation
 from policies.locality import prefix_chain
+from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
 
@@ -187,12 +189,14 @@ class Admission:
         ``ttft_slo_ms``). Metrics and the ``finished`` log are recorded before the release
         is awaited, so they do not depend on the client staying connected."""
         prompt_est = estimate_prompt_tokens(body)
+        await self._check_fit(model, klass, body, prompt_est)
         tenant, tenant_weight = tenant_of(user, tenant, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
                                prefix_chain(body) if self.settings.routing == "locality" else (),
-                               tenant, self.policy.dispatch_cost(prompt_est, tenant_weight))
+                               tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
+                               prompt_tokens=prompt_est)
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -256,6 +260,24 @@ class Admission:
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
             await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge))
+
+    async def _check_fit(self, model: str, klass: str, body: dict[str, object],
+                         prompt_tokens: int) -> None:
+        """With length-aware pools (``policies/prefill.py``): a prompt no backend of the
+        model takes is refused (400), one whose backends are all down gets a 503 now; it
+        never waits for, or goes to, a backend outside its range."""
+        taking = self.pool.taking(model, prompt_tokens)
+        if taking is None:
+            return
+        if not taking:
+            ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
+            param = next((p for p in ("messages", "input", "prompt") if p in body), None)
+            raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges), param=param)
+        if not any(h.healthy for h in taking):
+            names = ", ".join(sorted(h.name for h in taking))
+            raise Unavailable(f"no healthy backend of {model!r} takes a prompt of about "
+                              f"{prompt_tokens} tokens (those that do: {names})",
+                              retry_after_s=await self.waits.drain_retry_after(model, klass))
 
     async def _refuse_unmeetable(self, model: str, queued: QueuedRequest, left_s: float,
                                  deadline_ms: int) -> None:

@@ -29,11 +29,12 @@ from gateway.backend_metrics import (
 from gateway.errors import StoreUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Backend, Settings
-from gateway.store import Store
+from gateway.store import BackendFit, Store
 from gateway.supervise import supervise
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate
 from policies.pacing import Pacing, PacingTargets, adjust
+from policies.prefill import class_limit, fitting
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -58,6 +59,7 @@ class BackendHandle:
     # each class's gate by the latest snapshot, computed once when it arrives
     gates: dict[str, Gate] = field(default_factory=lambda: dict.fromkeys(
         CLASS_ORDER, Gate(0, "stale")))
+    fit: BackendFit = field(default_factory=BackendFit)  # its prompt range, prefill limits
 
     @property
     def name(self) -> str:
@@ -97,12 +99,25 @@ class BackendPool:
     def _handle(self, config: Backend) -> BackendHandle:
         window_s = self.settings.tpot_window_s
         pacing = {c: Pacing(float(p.max_waiting)) for c, p in self.gate_policies.items()}
+        fit = BackendFit(config.prompt_range(), {
+            c: class_limit(self.settings.classes[c].max_waiting_prefill_tokens,
+                           config.max_num_batched_tokens) for c in CLASS_ORDER})
         return BackendHandle(config, HistogramWindow(window_s),
                              HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing,
-                             HistogramWindow(window_s, (PREFIX_CACHE,)))
+                             HistogramWindow(window_s, (PREFIX_CACHE,)), fit=fit)
 
     def for_model(self, model: str) -> list[BackendHandle]:
         return [h for h in self.handles.values() if h.config.model == model]
+
+    def taking(self, model: str, prompt_tokens: int) -> list[BackendHandle] | None:
+        """The model's backends whose prompt range takes ``prompt_tokens``; None when
+        none of them declares a range (all take it)."""
+        handles = self.for_model(model)
+        if not any(h.fit.prompt_range.bounded for h in handles):
+            return None
+        ranges = {h.name: h.fit.prompt_range for h in handles}
+        names = set(fitting(ranges, prompt_tokens))
+        return [h for h in handles if h.name in names]
 
     def any_healthy(self, model: str | None = None) -> bool:
         handles = self.for_model(model) if model else list(self.handles.values())

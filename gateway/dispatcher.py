@@ -257,7 +257,7 @@ class Dispatcher:
             grants, self._queued[model] = await self.store.dispatch(
                 model, cand.name, limits[cand.name], self.replica_id, now,
                 self.replica_ttl_s, order, self.floors.window, burst,
-                locality=locality)
+                locality=locality, fit=handles[cand.name].fit)
             handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()

@@ -2,6 +2,7 @@
 
     FairgateError                      -> OpenAI-style JSON error, ``status``
     ├── BadRequest (400)               invalid JSON, missing or malformed fields
+    │   └── PromptFitsNoBackend (400)  no backend of the model takes a prompt this long
     ├── Unauthorized (401)             missing or unknown API key
     ├── Forbidden (403)                class not allowed for this key
     │   └── AdminRequired (403)        an API key on an admin route
@@ -19,7 +20,8 @@
     │   │                              while queued); Retry-After from the wait estimate
     │   ├── RateLimitExceeded (429)    a key's or tenant's rpm, tpm or max_concurrent
     │   └── InsufficientQuota (429)    a key's or tenant's daily or monthly token budget
-    ├── Unavailable (503)              no healthy backend; carries Retry-After
+    ├── Unavailable (503)              no healthy backend (of the prompt's length range);
+    │                                  carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/redis_client.py)
     │   ├── RequestLost (503)          the queued request vanished from Redis
     │   ├── BackendRemoved (503)       its backend left the config after the dispatch
@@ -60,6 +62,13 @@ class FairgateError(Exception):
 
 class BadRequest(FairgateError):
     status, type = 400, "invalid_request_error"
+
+
+class PromptFitsNoBackend(BadRequest):
+    """No backend's ``min_prompt_tokens``…``max_prompt_tokens`` holds the prompt's
+    estimate (OpenAI's code for a prompt over the context length)."""
+
+    code = "context_length_exceeded"
 
 
 class Unauthorized(FairgateError):

@@ -40,6 +40,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
+    "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
 }
@@ -144,6 +145,9 @@ class ModelKeys:
 
     def backend_prefixes(self, backend: str) -> str:
         return self._key("backend_prefixes", backend=backend)
+
+    def backend_prefill(self, backend: str) -> str:
+        return self._key("backend_prefill", backend=backend)
 
     @property
     def service(self) -> str:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -22,6 +22,7 @@ from policies.classes import CLASS_ORDER, CLASSES, default_floors
 from policies.fairness import POLICIES
 from policies.gates import GatePolicy
 from policies.pacing import PacingTargets
+from policies.prefill import PromptRange
 
 
 class Listen(BaseModel):
@@ -33,6 +34,25 @@ class Backend(BaseModel):
     name: str
     url: str
     model: str
+    # the estimated prompt lengths it takes (policies/prefill.py): a short-context pool
+    # and a long_context pool of one model, say; a request goes only where it fits, and
+    # one that fits no backend of its model is refused with a 400
+    min_prompt_tokens: int = Field(0, ge=0)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    pool: str | None = None  # a name for its range, shown to operators ("long_context")
+    # its vLLM's --max-num-batched-tokens (a step's token budget): the default of the
+    # classes' prefill-token gates (policies/prefill.class_limit)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> Backend:
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:
+            raise ValueError(f"backend {self.name}: max_prompt_tokens is below "
+                             "min_prompt_tokens")
+        return self
+
+    def prompt_range(self) -> PromptRange:
+        return PromptRange(self.min_prompt_tokens, self.max_prompt_tokens)
 
 
 MAX_LIMIT = 10**15  # exact in Lua's numbers (doubles)
@@ -93,6 +113,10 @@ class ClassConfig(BaseModel):
     priority_base: int = 0
     # default first-token deadline of the class's requests (X-Fairgate-Deadline-Ms wins)
     ttft_slo_ms: int | None = Field(None, gt=0)
+    # uncached prompt tokens a backend may have pending (dispatched, not yet scheduled)
+    # before it takes more of this class (policies/prefill.py); None: the backend's
+    # max_num_batched_tokens × PREFILL_GATE_STEPS; 0: no limit
+    max_waiting_prefill_tokens: int | None = Field(default=None, ge=0)
 
     def gate(self) -> GatePolicy:
         return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)

@@ -6,7 +6,7 @@ Redis errors arrive already mapped by the client (``gateway/redis_client.py``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any, cast
 
@@ -16,6 +16,7 @@ from redis.commands.core import AsyncScript
 from gateway.keys import ModelKeys, lua_prelude
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot
+from policies.prefill import TOKENS_PER_BLOCK, PromptRange
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,7 @@ class QueuedRequest:
     tenant: str = ""  # "": the tenant named after the user
     tenant_cost: float | None = None  # the dispatch cost at the tenant level (None: cost)
     deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
+    prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
 
     @property
     def tenant_name(self) -> str:
@@ -72,11 +74,21 @@ class Locality:
 
 
 @dataclass(frozen=True, slots=True)
+class BackendFit:
+    """What one backend takes, for dispatch.lua (``policies/prefill.py``): its prompt
+    range and each class's prefill-token limit (0: none)."""
+
+    prompt_range: PromptRange = field(default_factory=PromptRange)
+    prefill_limits: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class BackendState:
     snapshot: BackendSnapshot | None
     sent_since_snapshot: int
     inflight: int
     unseen: int  # on the way at the snapshot, not yet registered by the server
+    pending_prefill_tokens: int = 0  # dispatched, maybe not yet scheduled (uncached tokens)
 
 
 # A replica's grant listener waits on its grant list all the time: a grant unread this long
@@ -130,14 +142,14 @@ class Store:
         args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
                 max_queued, int(self.request_ttl_s), " ".join(req.prefix), tenant,
                 req.tenant_charge, "" if req.deadline_at is None else req.deadline_at,
-                k.prefix]
+                k.prefix, req.prompt_tokens]
         return int(await self._run("enqueue", keys, args))
 
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
         recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
-        locality: Locality | None = None,
+        locality: Locality | None = None, fit: BackendFit | None = None,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
         gates admit, trying the classes in ``order`` with the given per-class limits: the
@@ -145,19 +157,25 @@ class Store:
         ``policies/fairness.py``). With ``locality``, among the users within its slack of
         the smallest score at both levels (``policies/locality.py`` within_slack) the one
         whose head prompt is best cached on the backend goes first, and the backend's
-        prefix index records what it was sent (``policies/locality.py``).
+        prefix index records what it was sent (``policies/locality.py``). With ``fit``,
+        only requests its prompt range takes are considered, and a class dispatches only
+        while its prefill-token gate admits the next request (``policies/prefill.py``).
         Returns the grants and how many requests are still queued for the model."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
                 k.backend_inflight(backend), k.backlogged_since, k.recent,
-                k.backend_snapshot(backend), k.drained]
+                k.backend_snapshot(backend), k.drained, k.backend_prefill(backend)]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
                            max_grants, grant_pickup_s, *order]
         args += [limits.get(c, 0) for c in order]
+        fit = fit or BackendFit()
+        args += [fit.prefill_limits.get(c, 0) for c in order]
         loc = locality or Locality(0.0, 0, 0, 0.0)
+        span = fit.prompt_range
         args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
-                 loc.max_imbalance, loc.lookahead, *(b for b in loc.others if b != backend)]
+                 loc.max_imbalance, loc.lookahead, span.min_tokens, span.max_tokens or 0,
+                 TOKENS_PER_BLOCK, *(b for b in loc.others if b != backend)]
         found, depth, decisions = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]
@@ -179,7 +197,7 @@ class Store:
         """The backend is running this request: it no longer counts as waiting there."""
         k = ModelKeys(model)
         keys = [k.backend_sent(grant.backend), k.backend_snapshot(grant.backend),
-                k.request(grant.request_id)]
+                k.request(grant.request_id), k.backend_prefill(grant.backend)]
         await self._run("started", keys, [grant.request_id])
 
     async def settle(self, model: str, grant: Grant, charge: float,
@@ -190,7 +208,7 @@ class Store:
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
-                k.backend_snapshot(grant.backend)]
+                k.backend_snapshot(grant.backend), k.backend_prefill(grant.backend)]
         args = [grant.user, charge, grant.request_id, k.prefix,
                 charge if tenant_charge is None else tenant_charge]
         return bool(await self._run("settle", keys, args))
@@ -221,9 +239,10 @@ class Store:
         """Store a snapshot unless a newer one is there; returns (stored, drained)."""
         k = ModelKeys(model)
         tpot = "" if snap.tpot_s is None else snap.tpot_s
-        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend]
+        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend,
+                k.prefix]
         keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
-                k.drained]
+                k.drained, k.backend_prefill(backend)]
         stored, drained = await self._run("snapshot", keys, args)
         return bool(stored), bool(drained)
 
@@ -263,12 +282,14 @@ class Store:
             pipe.hgetall(k.backend_snapshot(name))
             pipe.zcard(k.backend_sent(name))
             pipe.get(k.backend_inflight(name))
+            pipe.hvals(k.backend_prefill(name))
         raw = await pipe.execute()
         states = {}
         for i, name in enumerate(backends):
-            snap, sent, inflight = raw[3 * i: 3 * i + 3]
+            snap, sent, inflight, prefill = raw[4 * i: 4 * i + 4]
             states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0),
-                                        int(float(snap.get("unseen") or 0)))
+                                        int(float(snap.get("unseen") or 0)),
+                                        sum(int(float(v.split()[0])) for v in prefill))
         return states
 
     async def heartbeat(self, models: Sequence[str], replica: str, now: float,

@@ -10,18 +10,22 @@
 -- KEYS[6] backlogged-since (hash class -> t)  KEYS[7] recent dispatched classes (list)
 -- KEYS[8] backend snapshot (hash; its "unseen" requests count against every gate)
 -- KEYS[9] drained backends (set): a drained backend gets nothing, whatever a replica thinks
--- KEYS[10..9+n] active tenants zset per class, in service order
--- KEYS[10+n..9+2n] saved tenant-score hash per class, same order
+-- KEYS[10] backend pending prefill (hash id -> "uncached prompt tokens, dispatched at")
+-- KEYS[11..10+n] active tenants zset per class, in service order
+-- KEYS[11+n..10+2n] saved tenant-score hash per class, same order
 -- (a tenant's users zset, saved user scores and the class's user-level floors are derived
 -- from the model prefix: key_users, key_user_saved, key_user_floor)
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix  ARGV[4] this replica
 -- ARGV[5] backend name  ARGV[6] recent-list length kept  ARGV[7] most grants to return
 -- ARGV[8] grant pickup limit (s): see replica_alive in _lib.lua
 -- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
--- ARGV[9+2n] locality slack (score units; 0: strict fairness order)  ARGV[10+2n] users
--- compared within it  ARGV[11+2n] prefix index size (hashes; 0: no index)  ARGV[12+2n]
--- its TTL (s)  ARGV[13+2n] max in-flight imbalance  ARGV[14+2n] requests looked at in
--- each user's queue  ARGV[15+2n..] the model's other backends.
+-- ARGV[9+2n..8+3n] prefill-token limits (0: none; policies/prefill.py prefill_fits)
+-- with a = 8+3n: ARGV[a+1] locality slack (score units; 0: strict fairness order)
+-- ARGV[a+2] users compared within it  ARGV[a+3] prefix index size (hashes; 0: no index)
+-- ARGV[a+4] its TTL (s)  ARGV[a+5] max in-flight imbalance  ARGV[a+6] requests looked at
+-- in each user's queue  ARGV[a+7], ARGV[a+8] the estimated prompt tokens this backend
+-- takes, least and most (0: no bound; a request outside is left to the backends it fits)
+-- ARGV[a+9] estimated tokens of one prefix block  ARGV[a+10..] the model's other backends.
 -- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a backend,
 -- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere()
 -- over the candidates of policies/locality.py within_slack().
@@ -29,7 +33,8 @@
 -- enqueued_at}, depth the number of requests still queued for the model (all classes),
 -- decisions one {held blocks, chain blocks, reason} per grant (index_decision). A
 -- request's tenant stays in its hash (settle.lua reads it there).
-local n = (#KEYS - 9) / 2
+local n = (#KEYS - 10) / 2
+local a = 8 + 3 * n
 local want = tonumber(ARGV[7])
 local grants = {}
 local now = tonumber(ARGV[1])
@@ -45,30 +50,57 @@ if redis.call('SISMEMBER', KEYS[9], ARGV[5]) == 1 then
   want = 0
 end
 
-local slack = tonumber(ARGV[9 + 2 * n]) or 0
-local compared = tonumber(ARGV[10 + 2 * n]) or 0
-local index_size = tonumber(ARGV[11 + 2 * n]) or 0
-local index_ttl = tonumber(ARGV[12 + 2 * n]) or 0
-local max_imbalance = tonumber(ARGV[13 + 2 * n]) or 0
-local lookahead = tonumber(ARGV[14 + 2 * n]) or 1
+local slack = tonumber(ARGV[a + 1]) or 0
+local compared = tonumber(ARGV[a + 2]) or 0
+local index_size = tonumber(ARGV[a + 3]) or 0
+local index_ttl = tonumber(ARGV[a + 4]) or 0
+local max_imbalance = tonumber(ARGV[a + 5]) or 0
+local lookahead = tonumber(ARGV[a + 6]) or 1
+local min_tokens = tonumber(ARGV[a + 7]) or 0
+local max_tokens = tonumber(ARGV[a + 8]) or 0
+local block_tokens = tonumber(ARGV[a + 9]) or 0
 local index = key_backend_prefixes(prefix, ARGV[5])
 local load = slack > 0 and (tonumber(redis.call('GET', KEYS[5])) or 0) or 0
+local ranged = min_tokens > 0 or max_tokens > 0
+local RANGE_SCAN = 64  -- users looked at (fairness order) for a request this backend takes
+
+-- the backend's pending prefill: uncached prompt tokens dispatched and maybe not yet
+-- scheduled (snapshot.lua, started.lua and settle.lua take requests out)
+local pending = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[10])) do
+  pending = pending + (tonumber(string.match(v, '^%S+')) or 0)
+end
+
+-- whether this backend's prompt range takes a queued request (policies/prefill.py
+-- PromptRange.admits); a request whose hash is gone fits anywhere, to be dropped
+local function fits(id)
+  if not ranged then return true end
+  local tokens = tonumber(redis.call('HGET', key_request(prefix, id), 'ptok'))
+  if not tokens then return true end
+  return tokens >= min_tokens and (max_tokens <= 0 or tokens <= max_tokens)
+end
+
+-- how many leading block hashes of a chain this backend's index holds
+local function held_blocks(chain)
+  local m = 0
+  if not chain then return m end
+  for h in string.gmatch(chain, '%S+') do
+    if not redis.call('ZSCORE', index, h) then break end
+    m = m + 1
+  end
+  return m
+end
 
 -- leading block hashes of a queued request's prompt found in this backend's index, and
 -- whether another backend, not busier than this one by more than max_imbalance, holds
 -- its first block (then it is left for that one)
 local function matched(id)
   local chain = redis.call('HGET', key_request(prefix, id), 'prefix')
-  local m = 0
-  if not chain then return m, false end
-  local first = nil
-  for h in string.gmatch(chain, '%S+') do
-    first = first or h
-    if not redis.call('ZSCORE', index, h) then break end
-    m = m + 1
-  end
-  if m > 0 or not first then return m, false end
-  for j = 15 + 2 * n, #ARGV do
+  local m = held_blocks(chain)
+  if m > 0 or not chain then return m, false end
+  local first = string.match(chain, '%S+')
+  if not first then return m, false end
+  for j = a + 10, #ARGV do
     if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
       local other = tonumber(redis.call('GET', key_backend_inflight(prefix, ARGV[j]))) or 0
       if other <= load + max_imbalance then return 0, true end
@@ -84,14 +116,36 @@ local function least(zset)
   return top[1], tonumber(top[2])
 end
 
--- (tenant, user, request) to serve: the least-served user of the least-served tenant, or,
--- with a slack, among the users within it of their tenant's least-served user, of the
--- tenants within it of the least-served tenant (at most `compared` users in all, in
--- fairness order), the one with the best cached request among the first `lookahead` of
--- its queue (request nil: the queue's head); nil when none (every such request is left to
--- its own backend). An active tenant without users (never left by the scripts) is dropped.
+-- the first request, in fairness order (tenants, their users, each user's first
+-- `lookahead`), that this backend's prompt range takes: (tenant, user, request) or nil
+local function first_fitting(active, class)
+  local left = RANGE_SCAN
+  for _, tenant in ipairs(redis.call('ZRANGE', active, 0, RANGE_SCAN - 1)) do
+    local users = redis.call('ZRANGE', key_users(prefix, class, tenant), 0, left - 1)
+    for _, user in ipairs(users) do
+      local ids = redis.call('LRANGE', key_queue(prefix, class, tenant, user), 0,
+        lookahead - 1)
+      for _, id in ipairs(ids) do
+        if fits(id) then return tenant, user, id end
+      end
+    end
+    left = left - #users
+    if left <= 0 then break end
+  end
+  return nil
+end
+
+-- (tenant, user, request, its held blocks) to serve: the least-served user of the
+-- least-served tenant, or, with a slack, among the users within it of their tenant's
+-- least-served user, of the tenants within it of the least-served tenant (at most
+-- `compared` users in all, in fairness order), the one with the best cached request among
+-- the first `lookahead` of its queue (request nil: the queue's head); nil when none (every
+-- such request is left to its own backend). Only requests this backend's prompt range
+-- takes are considered. An active tenant without users (never left by the scripts) is
+-- dropped.
 local function pick(active, class)
   if slack <= 0 then
+    if ranged then return first_fitting(active, class) end
     while true do
       local tenant = least(active)
       if not tenant then return nil end
@@ -115,9 +169,11 @@ local function pick(active, class)
         local ids = redis.call('LRANGE', key_queue(prefix, class, tenant, user), 0,
           lookahead - 1)
         for _, id in ipairs(ids) do
-          local length, elsewhere = matched(id)
-          if not elsewhere and length > best_len then
-            best_tenant, best, best_id, best_len = tenant, user, id, length
+          if fits(id) then
+            local length, elsewhere = matched(id)
+            if not elsewhere and length > best_len then
+              best_tenant, best, best_id, best_len = tenant, user, id, length
+            end
           end
         end
       end
@@ -125,7 +181,7 @@ local function pick(active, class)
       if left <= 0 then break end
     end
   end
-  return best_tenant, best, best_id
+  return best_tenant, best, best_id, best_id and best_len or nil
 end
 
 -- the prefix index records a granted prompt's chain; returns what it held before, for
@@ -143,7 +199,7 @@ local function index_decision(chain)
   end
   if held > 0 then return {held, blocks, 'cache_hit'} end
   if slack > 0 and first then
-    for j = 15 + 2 * n, #ARGV do
+    for j = a + 10, #ARGV do
       if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
         return {0, blocks, 'load'}
       end
@@ -159,29 +215,37 @@ end
 for i = 1, n do
   local class = ARGV[8 + i]
   local limit = tonumber(ARGV[8 + n + i])
-  local active, saved = KEYS[9 + i], KEYS[9 + n + i]
+  local prefill_limit = tonumber(ARGV[8 + 2 * n + i]) or 0
+  local active, saved = KEYS[10 + i], KEYS[10 + n + i]
   local floors = key_user_floor(prefix, class)
   local attempts = 0
   while sent < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
-    local tenant, user, chosen = pick(active, class)
+    local tenant, user, chosen, held = pick(active, class)
     if not tenant then break end
     local queue = key_queue(prefix, class, tenant, user)
     local users = key_users(prefix, class, tenant)
     local users_saved = key_user_saved(prefix, class, tenant)
-    local id
-    if chosen and redis.call('LREM', queue, 1, chosen) == 1 then
-      id = chosen
-    else
-      id = redis.call('LPOP', queue)
-    end
-    if id and redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then
-      redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
-    end
+    local id = chosen or redis.call('LINDEX', queue, 0)
     local req = id and key_request(prefix, id)
     local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
-      'tcost')
+      'tcost', 'ptok')
     local valid = fields and fields[1] and alive(fields[1])
+    -- its uncached prompt tokens here, against the class's prefill-token gate
+    -- (policies/prefill.py uncached_tokens, prefill_fits): over it, the class waits
+    local tokens = valid and (tonumber(fields[6]) or 0) or 0
+    if tokens > 0 and index_size > 0 then
+      tokens = math.max(0, tokens - (held or held_blocks(fields[4])) * block_tokens)
+    end
+    if prefill_limit > 0 and pending > 0 and pending + tokens > prefill_limit then
+      break
+    end
+    if id then
+      if chosen then redis.call('LREM', queue, 1, id) else redis.call('LPOP', queue) end
+      if redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then
+        redis.call('HDEL', KEYS[6], class)  -- the class is no longer backlogged
+      end
+    end
     local score = tonumber(redis.call('ZSCORE', users, user)) or 0
     local tscore = tonumber(redis.call('ZSCORE', active, tenant)) or 0
     if valid then
@@ -207,6 +271,10 @@ for i = 1, n do
       if fields[1] ~= ARGV[4] then
         redis.call('RPUSH', key_grants(prefix, fields[1]),
           id .. '\t' .. ARGV[5] .. '\t' .. rank .. '\t' .. ARGV[1])
+      end
+      if tokens > 0 then
+        redis.call('HSET', KEYS[10], id, tokens .. ' ' .. ARGV[1])
+        pending = pending + tokens
       end
       decisions[#decisions + 1] = index_decision(fields[4])
       grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}

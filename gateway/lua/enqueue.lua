@@ -11,6 +11,7 @@
 -- ARGV[9] the prompt's block-hash chain, space-separated ("" when not hashed)
 -- ARGV[10] tenant  ARGV[11] tenant-level dispatch cost (added to the tenant's score)
 -- ARGV[12] first-token deadline (unix s, "" for none)  ARGV[13] model key prefix
+-- ARGV[14] estimated prompt tokens (policies/prefill.py: where it fits, the prefill gate)
 -- Within the user's queue, earliest deadline first: a request with a deadline goes ahead
 -- of the user's own requests with a later deadline or none (those keep their order), so
 -- the queue is its deadline requests by deadline, then the rest in arrival order.
@@ -23,7 +24,7 @@ end
 redis.call('ZADD', KEYS[7], 'GT', ARGV[6], ARGV[4])
 redis.call('HSET', KEYS[4], 'user', ARGV[2], 'class', ARGV[3], 'owner', ARGV[4],
   'cost', ARGV[5], 'enqueued_at', ARGV[6], 'state', 'queued', 'tenant', ARGV[10],
-  'tcost', ARGV[11])
+  'tcost', ARGV[11], 'ptok', ARGV[14] or 0)
 if ARGV[9] and ARGV[9] ~= '' then redis.call('HSET', KEYS[4], 'prefix', ARGV[9]) end
 redis.call('EXPIRE', KEYS[4], tonumber(ARGV[8]))
 local deadline = tonumber(ARGV[12])
