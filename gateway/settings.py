@@ -42,7 +42,7 @@ class Backend(BaseModel):
     pool: str | None = None  # a name for its range, shown to operators ("long_context")
     # its vLLM's --max-num-batched-tokens (a step's token budget): the default of the
     # classes' prefill-token gates (policies/prefill.class_limit)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
 
     @model_validator(mode="after")
     def _range(self) -> Backend:

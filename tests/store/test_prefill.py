@@ -1,0 +1,142 @@
+"""Length-aware pools and the prefill-token gate in the Lua scripts, against a real
+Redis: each case states what ``policies/prefill.py`` says the scripts must do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import redis.asyncio as aioredis
+
+from gateway.store import BackendFit, Grant, Locality, QueuedRequest, Store
+from policies.gates import BackendSnapshot
+from policies.locality import chain
+from policies.prefill import TOKENS_PER_BLOCK, PromptRange, still_pending
+from tests.store.test_scripts import ALL_OPEN, K, M, alive, req
+
+SHORT = PromptRange(0, 1000)
+LONG = PromptRange(1001)
+
+
+def sized(rid: str, user: str, tokens: int, **kw: object) -> QueuedRequest:
+    return dataclasses.replace(req(rid, user, prompt=tokens, **kw),  # type: ignore[arg-type]
+                               prompt_tokens=tokens)
+
+
+async def grants(store: Store, backend: str, fit: BackendFit, want: int = 8,
+                 locality: Locality | None = None, now: float = 1000.0) -> list[Grant]:
+    found, _ = await store.dispatch(M, backend, ALL_OPEN, "r1", now, 10.0, max_grants=want,
+                                    fit=fit, locality=locality)
+    return found
+
+
+async def pending(redis: aioredis.Redis, backend: str) -> dict[str, int]:
+    raw = await redis.hgetall(K.backend_prefill(backend))
+    return {rid: int(v.split()[0]) for rid, v in raw.items()}
+
+
+async def test_a_backend_takes_only_the_requests_its_range_holds(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    # alice (least served) has a long prompt first, then a short one; bob a short one
+    await store.enqueue(M, sized("a-long", "alice", 5000), 10)
+    await store.enqueue(M, sized("a-short", "alice", 200), 10)
+    await store.enqueue(M, sized("b-short", "bob", 300), 10)
+    got = await grants(store, "short", BackendFit(SHORT), want=1)
+    # alice is first in fairness order; her long head is not for this backend, so her
+    # next request (within the lookahead) goes, not bob's
+    assert [g.request_id for g in got] == ["a-short"]
+    got = await grants(store, "short", BackendFit(SHORT))
+    assert [g.request_id for g in got] == ["b-short"]  # the long one never goes here
+    assert await store.depths(M) == {"interactive": 0, "default": 1, "batch": 0}
+    got = await grants(store, "long", BackendFit(LONG))
+    assert [g.request_id for g in got] == ["a-long"]
+
+
+async def test_the_locality_pick_also_keeps_to_the_range(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    text = "x" * 2048
+    await store.enqueue(M, dataclasses.replace(sized("long", "alice", 5000),
+                                               prefix=chain(text)), 10)
+    loc = Locality(10**6, 8, 1000, 600.0)
+    assert await grants(store, "short", BackendFit(SHORT), locality=loc) == []
+    got = await grants(store, "long", BackendFit(LONG), locality=loc)
+    assert [g.request_id for g in got] == ["long"]
+
+
+async def test_the_gate_holds_a_class_once_pending_prefill_would_pass_its_limit(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    for i, user in enumerate("abcd"):
+        await store.enqueue(M, sized(f"r{i}", user, 600), 10)
+    fit = BackendFit(prefill_limits={"default": 1000})
+    first = await grants(store, "b1", fit)
+    assert [g.request_id for g in first] == ["r0"]  # 600 + 600 > 1000: the next one waits
+    assert await pending(redis, "b1") == {"r0": 600}
+    assert await grants(store, "b1", fit) == []
+    await store.mark_started(M, first[0])  # its prefill is done
+    assert await pending(redis, "b1") == {}
+    second = await grants(store, "b1", fit)
+    assert [g.request_id for g in second] == ["r1"]
+    await store.settle(M, second[0], 0.0)  # ended before its first token: gone too
+    assert await pending(redis, "b1") == {}
+    # limit 0: no gate, everything left goes at once
+    rest = await grants(store, "b1", BackendFit(prefill_limits={"default": 0}))
+    assert sorted(g.request_id for g in rest) == ["r2", "r3"]
+
+
+async def test_a_prompt_over_the_limit_goes_when_nothing_is_pending(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    await store.enqueue(M, sized("huge", "alice", 30_000), 10)
+    await store.enqueue(M, sized("small", "bob", 10), 10)
+    fit = BackendFit(prefill_limits={"default": 8192})
+    got = await grants(store, "b1", fit)
+    assert [g.request_id for g in got] == ["huge"]  # alone, then it holds the small one
+    assert await grants(store, "b1", fit) == []
+
+
+async def test_held_prefix_blocks_are_not_counted_as_prefill(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    text = "system prompt " * 200  # > 8 blocks
+    hashes = chain(text)
+    loc = Locality(10**6, 8, 1000, 600.0)
+    await store.enqueue(M, dataclasses.replace(sized("t1", "alice", 800), prefix=hashes), 10)
+    (g1,) = await grants(store, "b1", BackendFit(), locality=loc)
+    assert (await pending(redis, "b1"))["t1"] == 800  # nothing cached yet
+    await store.mark_started(M, g1)
+    await store.enqueue(M, dataclasses.replace(sized("t2", "alice", 800), prefix=hashes), 10)
+    (g2,) = await grants(store, "b1", BackendFit(), locality=loc)
+    assert g2.matched_blocks == len(hashes)
+    assert (await pending(redis, "b1"))["t2"] == max(0, 800 - len(hashes) * TOKENS_PER_BLOCK)
+
+
+async def test_a_snapshot_keeps_what_it_may_not_have_scheduled(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    sent = []
+    for i, at in enumerate((1000.0, 1001.0, 1002.0, 1004.0)):
+        await store.enqueue(M, sized(f"s{i}", f"u{i}", 100), 10)
+        (g,) = await grants(store, "b1", BackendFit(), want=1, now=at)
+        sent.append((g.request_id, at))
+    # the scrape began at 1003 and saw one waiting, three running: of the three sent
+    # before it, only the newest may still wait; the one sent after stays
+    await store.store_snapshot(M, "b1", BackendSnapshot(1, 3, 0.1, None, 1003.0))
+    assert set(await pending(redis, "b1")) == still_pending(sent, 1003.0, 1) == {"s2", "s3"}
+    await redis.delete(K.request("s3"))  # its request is gone (expired): so is its entry
+    await store.store_snapshot(M, "b1", BackendSnapshot(0, 4, 0.1, None, 1003.5))
+    assert await pending(redis, "b1") == {}
+
+
+async def test_reap_clears_a_dead_replicas_pending_prefill(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1", "dead")
+    await store.enqueue(M, sized("d1", "alice", 500, owner="dead"), 10)
+    found, _ = await store.dispatch(M, "b1", ALL_OPEN, "r1", 1000.0, 10.0,
+                                    fit=BackendFit())
+    assert [g.request_id for g in found] == ["d1"] and await pending(redis, "b1") == {"d1": 500}
+    await store.heartbeat([M], "r1", 1100.0)
+    assert await store.reap(M, 1100.0, 10.0) == 1
+    assert await pending(redis, "b1") == {}
