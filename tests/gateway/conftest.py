@@ -74,10 +74,12 @@ async def complete(session: aiohttp.ClientSession, base_url: str, key: str, max_
 
 
 def gateway_settings(redis_url: str, backends: list[SimServer], **overrides: Any) -> Settings:
+    """Backends ``b0``, ``b1``, … (``backend_options``: more fields of some, by name)."""
+    options = overrides.pop("backend_options", {})
     values: dict[str, Any] = {
         "redis_url": redis_url,
         "listen": {"host": "127.0.0.1", "port": 0},
-        "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL}
+        "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL, **options.get(f"b{i}", {})}
                      for i, s in enumerate(backends)],
         "api_keys": KEYS,
         "scrape_interval_s": 0.02,
