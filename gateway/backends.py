@@ -53,6 +53,7 @@ class BackendHandle:
     drained: bool = False
     last: BackendSnapshot | None = None
     sent_since_snapshot: int = 0  # this replica's dispatches since ``last``
+    pending_prefill_tokens: int = 0  # by the latest snapshot (policies/prefill.py)
     max_model_len: int | None = None  # from its /v1/models, once it is healthy
     model_card_read: bool = False
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
@@ -64,6 +65,14 @@ class BackendHandle:
     @property
     def name(self) -> str:
         return self.config.name
+
+    def shown_gates(self, gates: dict[str, Gate], pending: int) -> dict[str, Gate]:
+        """``gates`` as operators see them: an open one that ``pending`` prefill tokens
+        fill (policies/prefill.py) shows as closed by ``prefill_tokens``. Display only: the
+        dispatch script applies that gate to each request with its own size."""
+        return {c: Gate(g.limit, "prefill_tokens")
+                if g.reason is None and 0 < self.fit.prefill_limits.get(c, 0) <= pending
+                else g for c, g in gates.items()}
 
     def gates_at(self, now_s: float, stale_after_s: float) -> dict[str, Gate]:
         """The gates in force now: the snapshot's, unless drained, unhealthy or stale."""
@@ -189,8 +198,8 @@ class BackendPool:
             started, {} if raw.prefix_cache is None else {PREFIX_CACHE: raw.prefix_cache})
         snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
         try:
-            _, handle.drained = await self.store.store_snapshot(handle.config.model,
-                                                                handle.name, snap)
+            stored, handle.drained, pending = await self.store.store_snapshot(
+                handle.config.model, handle.name, snap)
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
             return
@@ -204,6 +213,8 @@ class BackendPool:
         handle.healthy, handle.failures, handle.last = True, 0, snap
         handle.prefix_hit_ratio = prefix_hit_ratio
         handle.sent_since_snapshot = 0
+        if stored:
+            handle.pending_prefill_tokens = pending
         handle.gates = {c: evaluate_gate(snap, self._paced(handle, c, snap, ttft),
                                          snap.taken_at_s, math.inf)
                         for c in self.gate_policies}
@@ -275,5 +286,7 @@ class BackendPool:
         m.backend_prefix_hit_ratio.labels(name).set(math.nan if ratio is None else ratio)
         m.backend_healthy.labels(name).set(1)
         m.backend_drained.labels(name).set(1 if handle.drained else 0)
+        m.backend_pending_prefill.labels(name).set(handle.pending_prefill_tokens)
         gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)
-        m.record_gates(name, {c: g.reason for c, g in gates.items()}, snap.taken_at_s)
+        shown = handle.shown_gates(gates, handle.pending_prefill_tokens)
+        m.record_gates(name, {c: g.reason for c, g in shown.items()}, snap.taken_at_s)

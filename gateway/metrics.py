@@ -127,6 +127,11 @@ class GatewayMetrics:
             "vLLM's recent prefix cache hit rate: Δvllm:prefix_cache_hits_total / "
             "Δvllm:prefix_cache_queries_total (tokens) over the TPOT window; NaN: no queries",
             ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_pending_prefill = Gauge(
+            "fairgate_backend_pending_prefill_tokens",
+            "Estimated uncached prompt tokens dispatched to a backend and maybe not yet "
+            "scheduled there, by the latest snapshot (the prefill-token gate's count)",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.prefix_predicted_blocks = Counter(
             "fairgate_prefix_predicted_blocks_total",
             "Prompt blocks (policies/locality.py chain) dispatched to a backend (kind=query) "

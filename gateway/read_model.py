@@ -66,10 +66,16 @@ class Inspector:
         for h in handles:
             st = states[h.name]
             in_transit = st.sent_since_snapshot + st.unseen
-            gates = {c: g.after(in_transit)
-                     for c, g in h.gates_at(now, self.settings.snapshot_stale_s).items()}
+            gates = {c: g.after(in_transit) for c, g in h.shown_gates(
+                h.gates_at(now, self.settings.snapshot_stale_s),
+                st.pending_prefill_tokens).items()}
+            span = h.fit.prompt_range
             out.append({
                 "name": h.name, "url": h.config.url, "model": model, "healthy": h.healthy,
+                "pool": h.config.pool,
+                "prompt_tokens": {"min": span.min_tokens, "max": span.max_tokens},
+                "prefill": {"pending_tokens": st.pending_prefill_tokens,
+                            "limits": dict(h.fit.prefill_limits)},
                 "drained": h.drained, "accepts_priority": h.accepts_priority,
                 "snapshot": None if st.snapshot is None else {
                     "waiting": st.snapshot.waiting, "running": st.snapshot.running,

@@ -235,16 +235,17 @@ class Store:
         return bool(await self._run("cancel", keys, [request_id, user, klass, tenant]))
 
     async def store_snapshot(self, model: str, backend: str,
-                             snap: BackendSnapshot) -> tuple[bool, bool]:
-        """Store a snapshot unless a newer one is there; returns (stored, drained)."""
+                             snap: BackendSnapshot) -> tuple[bool, bool, int]:
+        """Store a snapshot unless a newer one is there; returns (stored, drained, the
+        backend's pending prefill tokens once the snapshot trimmed them; 0 if not stored)."""
         k = ModelKeys(model)
         tpot = "" if snap.tpot_s is None else snap.tpot_s
         args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend,
                 k.prefix]
         keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
                 k.drained, k.backend_prefill(backend)]
-        stored, drained = await self._run("snapshot", keys, args)
-        return bool(stored), bool(drained)
+        stored, drained, pending = await self._run("snapshot", keys, args)
+        return bool(stored), bool(drained), int(pending)
 
     async def add_service(self, model: str, amounts: Mapping[str, float], now: float,
                           half_life_s: float, cap: int, ttl_s: float) -> int:

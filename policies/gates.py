@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 # Why a gate is closed. "in_transit": open by the snapshot, but the requests already sent
 # since it (or not yet registered by the server) use up the burst allowance.
-GATE_REASONS = ("waiting", "in_transit", "tpot", "kv", "stale", "drained")
+# "prefill_tokens": the backend's pending prefill fills the class's prefill-token limit
+# (policies/prefill.py; applied per request by gateway/lua/dispatch.lua).
+GATE_REASONS = ("waiting", "in_transit", "tpot", "kv", "stale", "drained", "prefill_tokens")
 
 
 @dataclass(frozen=True, slots=True)

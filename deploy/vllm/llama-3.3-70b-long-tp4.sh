@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Llama-3.3-70B-Instruct, LONG-context pool: 4x H100 80GB, tensor parallel 4, 128k context.
-# Prompts that do not fit the short pool (>= ~10k tokens) go here, so they never block the
-# short pool's prefill queue. It is served under its own model name (llama-3.3-70b-128k):
-# fairgate balances over the backends of one model name, so clients pick this pool by
-# asking for that model, and the short pool never receives a prompt it would reject.
+# Prompts that do not fit the short pool (> 8,192 tokens) go here, so they never block the
+# short pool's prefill queue. It serves the same model name as the short pool
+# (llama-3.3-70b): in fairgate's config this pool's backends declare
+# `min_prompt_tokens: 8193` and the short pool's `max_prompt_tokens: 8192`, so fairgate
+# sends each prompt to the pool its estimated length fits and the short pool never
+# receives a prompt it would reject (a prompt neither takes is refused with a 400).
 #
 # Memory (bf16): 140 GB weights / 4 = 35 GB per GPU; at 0.92 utilisation ~35 GB per GPU
 # remain for KV cache; Llama-70B KV is ~320 KiB/token (80 layers x 8 KV heads x 128 x 2 x 2 B),
@@ -21,7 +23,7 @@
 set -euo pipefail
 
 MODEL="${MODEL:-meta-llama/Llama-3.3-70B-Instruct}"
-SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-llama-3.3-70b-128k}"
+SERVED_MODEL_NAME="${SERVED_MODEL_NAME:-llama-3.3-70b}"
 PORT="${PORT:-8000}"
 export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0,1,2,3}"
 

@@ -10,12 +10,13 @@
 -- The pending prefill keeps what the snapshot may not have scheduled (policies/prefill.py
 -- still_pending): what was sent after the scrape began, and of the earlier ones the
 -- newest waiting + unseen; an entry whose request is gone leaves too.
--- Returns {stored, drained}: stored 1 unless an equal or newer snapshot was already there;
--- drained 1 when an operator drained this backend (so every replica learns it).
+-- Returns {stored, drained, pending}: stored 1 unless an equal or newer snapshot was
+-- already there; drained 1 when an operator drained this backend (so every replica learns
+-- it); pending the backend's pending prefill tokens after the trim.
 local drained = redis.call('SISMEMBER', KEYS[4], ARGV[6])
 local stored = tonumber(redis.call('HGET', KEYS[1], 'taken_at'))
 if stored and stored >= tonumber(ARGV[1]) then
-  return {0, drained}
+  return {0, drained, 0}
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
 local unseen = (tonumber(redis.call('GET', KEYS[3])) or 0) - redis.call('ZCARD', KEYS[2])
@@ -36,6 +37,10 @@ table.sort(before, function(x, y) return x[1] > y[1] end)  -- newest first
 for i = tonumber(ARGV[2]) + unseen + 1, #before do
   redis.call('HDEL', KEYS[5], before[i][2])
 end
+local pending = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[5])) do
+  pending = pending + (tonumber(string.match(v, '^%S+')) or 0)
+end
 redis.call('HSET', KEYS[1], 'taken_at', ARGV[1], 'waiting', ARGV[2], 'running', ARGV[3],
   'kv', ARGV[4], 'tpot', ARGV[5], 'unseen', unseen)
-return {1, drained}
+return {1, drained, pending}

@@ -4,6 +4,7 @@ The chart itself is rendered with Helm's engine and schema-validated in test_hel
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -421,13 +422,23 @@ def test_referenced_values_exist(template: Path) -> None:
     assert not missing, f"{template.name} reads values that values.yaml lacks: {missing}"
 
 
-def test_pools_sharing_a_model_name_share_a_context_length() -> None:
-    # The gateway spreads one model's requests over all its backends: a long-context pool
-    # must not hide behind the same model name as a short one.
-    max_len: dict[str, int] = {}
+def test_pools_sharing_a_model_name_split_it_by_prompt_length() -> None:
+    # The gateway spreads one model's requests over the backends whose prompt range holds
+    # them: pools of one model name with different context lengths must declare ranges
+    # that neither overlap nor leave a gap, and a pool's range must fit its context.
+    by_name: dict[str, list[dict[str, Any]]] = {}
     for pool in values()["vllm"]["pools"]:
-        name, length = pool["servedModelName"], pool["maxModelLen"]
-        assert max_len.setdefault(name, length) == length, name
+        by_name.setdefault(pool["servedModelName"], []).append(pool)
+    for name, pools in by_name.items():
+        if len({p["maxModelLen"] for p in pools}) == 1:
+            continue
+        spans = sorted((p.get("minPromptTokens", 0), p.get("maxPromptTokens"), p)
+                       for p in pools)
+        assert spans[0][0] == 0, name
+        for (_, high, pool), (low, _, _) in itertools.pairwise(spans):
+            assert high is not None and high + 1 == low, name
+            assert high < pool["maxModelLen"], pool["name"]
+        assert spans[-1][1] is None, name  # the longest pool takes what the others do not
 
 
 # --- against the gateway's own settings model -------------------------------------------

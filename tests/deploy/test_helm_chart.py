@@ -530,6 +530,25 @@ def test_gateway_settings_accept_the_rendered_config_and_secret(
     assert settings.classes["batch"].max_waiting == 1
 
 
+def test_the_default_70b_pools_are_one_model_split_by_prompt_length(
+    releases: dict[str, Release],
+) -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    pools = {p["name"]: p for p in values["vllm"]["pools"]}
+    backends = releases["default"].config()["backends"]
+    by_pool: dict[str, list[dict[str, Any]]] = {}
+    for backend in backends:
+        by_pool.setdefault(backend["pool"], []).append(backend)
+        # each backend's prefill-token gate is sized from its own pool's token budget
+        assert backend["max_num_batched_tokens"] == pools[backend["pool"]]["maxNumBatchedTokens"]
+    (short,), (long,) = by_pool["llama-70b-short"], by_pool["llama-70b-long"]
+    assert short["model"] == long["model"] == "llama-3.3-70b"
+    assert short["max_prompt_tokens"] + 1 == long["min_prompt_tokens"]  # no gap, no overlap
+    assert "min_prompt_tokens" not in short and "max_prompt_tokens" not in long
+    assert short["max_prompt_tokens"] < pools["llama-70b-short"]["maxModelLen"]
+    assert all("max_prompt_tokens" not in b for b in by_pool["llama-8b"])
+
+
 @pytest.mark.parametrize("case_id", list(RENDERS))
 def test_gateway_wiring(releases: dict[str, Release], case_id: str) -> None:
     release = releases[case_id]

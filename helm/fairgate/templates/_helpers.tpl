@@ -91,6 +91,14 @@ backends:
   - name: {{ printf "%s-%d" $pool.name $i | quote }}
     url: {{ printf "http://%s-%d.%s:%d" $poolName $i $poolName (int $.Values.vllm.port) | quote }}
     model: {{ $pool.servedModelName | quote }}
+    pool: {{ $pool.name | quote }}
+    max_num_batched_tokens: {{ int $pool.maxNumBatchedTokens }}
+    {{- with $pool.minPromptTokens }}
+    min_prompt_tokens: {{ int . }}
+    {{- end }}
+    {{- with $pool.maxPromptTokens }}
+    max_prompt_tokens: {{ int . }}
+    {{- end }}
 {{- end }}
 {{- end }}
 {{- with .Values.gateway.config.extraBackends }}
