@@ -170,6 +170,13 @@ def build() -> dict[str, Any]:
         description="cache_hit: sent where its prefix is cached; load: placed by load "
                     "(least_loaded, or the prefix's backend was too busy); fairness_order: "
                     "nothing cached anywhere, the fairness order's next."), w=12)
+    lay.add(timeseries("Pending prefill tokens by backend", [
+        ("max by (backend) (fairgate_backend_pending_prefill_tokens)", "{{backend}}"),
+        (f"sum by (backend) (rate(fairgate_gate_closed_seconds_total"
+         f"{{reason=\"prefill_tokens\"}}[{RI}]))", "gate held {{backend}} (s/s)")],
+        description="Estimated uncached prompt tokens dispatched to each backend and maybe "
+                    "not yet scheduled (the prefill-token gate's count), and the share of "
+                    "time that count filled a class's max_waiting_prefill_tokens."), w=12)
 
     lay.row("Fairness")
     lay.add(timeseries("Service share per user", [

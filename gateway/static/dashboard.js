@@ -104,6 +104,19 @@ function prefixCell(b) {
   ];
 }
 
+function prefillCell(b) {
+  // length-aware pool (the prompt lengths it takes) and the prefill-token gate: the
+  // uncached prompt tokens dispatched there and maybe not yet scheduled
+  const span = b.prompt_tokens || {};
+  const range = span.max === null || span.max === undefined
+    ? (span.min ? `≥ ${span.min}` : "any") : `${span.min}–${span.max}`;
+  const p = b.prefill || {};
+  return [
+    el("div", { "data-metric": "prompt-range" }, `${b.pool ? b.pool + ": " : ""}${range}`),
+    el("div", { "data-metric": "pending-prefill" }, `${p.pending_tokens ?? "–"} tok`),
+  ];
+}
+
 function backendsPanel(backends) {
   const rows = backends.map((b) => {
     const s = b.snapshot || {};
@@ -121,13 +134,15 @@ function backendsPanel(backends) {
       el("td", {}, gateBadges(b.gates, b.in_transit)),
       el("td", {}, pacingCell(b.pacing)),
       el("td", {}, prefixCell(b)),
+      el("td", {}, prefillCell(b)),
       el("td", {}, b.drained
         ? actionButton("undrain", "undrain", { "data-backend": b.name })
         : actionButton("drain", "drain", { "data-backend": b.name })));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
     table(["backend", "state", "waiting", "running", "in transit", "KV", "TPOT ms",
-           "in flight", "dispatch/s", "gates", "pacing allowance", "prefix cache", ""], rows,
+           "in flight", "dispatch/s", "gates", "pacing allowance", "prefix cache",
+           "prompts, pending prefill", ""], rows,
           "no backends"));
 }
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -42,10 +43,10 @@ def client(gw: GatewayServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-app", max_retries=0)
 
 
-async def chat(c: openai.AsyncOpenAI, i: int, tokens: int) -> None:
+async def chat(c: openai.AsyncOpenAI, i: int, tokens: int, max_tokens: int = 4) -> None:
     await c.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": prompt(i, tokens)}],
-        max_tokens=4, user=f"u{i % 4}", extra_body={"ignore_eos": True})
+        max_tokens=max_tokens, user=f"u{i % 4}", extra_body={"ignore_eos": True})
 
 
 def prompt_sizes(sim: SimServer) -> list[int]:
@@ -141,3 +142,50 @@ async def test_the_prefill_gate_bounds_the_backends_waiting_prompt_tokens(
     ungated = await burst_peak(sim, gateway, 0)
     assert gated <= limit, gated
     assert ungated > 3 * limit, ungated  # the same burst, counted in requests only
+
+
+async def test_operators_see_the_pending_prefill_and_the_gate_it_fills(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    # one sequence at a time: a 2,000-token prompt waits at the engine behind a long answer
+    backend = await sim(max_num_seqs=1)
+    gw = await gateway([backend], admin_keys=["sk-admin"], backend_options={
+        "b0": {"max_prompt_tokens": 50_000, "pool": "rag"}},
+        classes={"interactive": {"max_waiting_prefill_tokens": 1000}})
+    c = client(gw)
+    admin = {"Authorization": "Bearer sk-admin"}
+
+    async def b0() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/admin/backends", headers=admin) as resp:
+                data: dict[str, Any] = await resp.json()
+        (entry,) = data["data"]
+        return entry
+
+    async def gauge() -> float:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/metrics") as resp:
+                text = await resp.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('fairgate_backend_pending_prefill_tokens{backend="b0"}'))
+
+    try:
+        blocker = asyncio.create_task(chat(c, 0, 10, max_tokens=400))
+        await until(lambda: len(backend.engine.records) == 1, "the blocker running")
+        long = asyncio.create_task(chat(c, 1, 2000))
+        await until(lambda: len(backend.engine.records) == 2, "the long prompt waiting")
+        entry = await b0()
+        assert 1900 <= entry["prefill"]["pending_tokens"] <= 2100
+        assert entry["prefill"]["limits"]["interactive"] == 1000
+        assert entry["gates"]["interactive"]["reason"] == "prefill_tokens"
+        assert entry["pool"] == "rag" and entry["prompt_tokens"] == {"min": 0, "max": 50_000}
+        await until(lambda: gauge_above(gauge, 1900), "the gauge shows it")
+        await asyncio.gather(blocker, long)
+        entry = await b0()
+        assert entry["prefill"]["pending_tokens"] == 0
+        assert entry["gates"]["interactive"]["reason"] != "prefill_tokens"
+    finally:
+        await c.close()
+
+
+async def gauge_above(read: Any, floor: float) -> bool:
+    return bool(await read() >= floor)

@@ -114,6 +114,9 @@ def login_and_see_the_queue(driver: webdriver.Chrome, url: str) -> None:
     assert text_of(driver, gate, "data-reason") == "drained"
     assert text_of(driver, gate) == "interactive: drained"
     assert text_of(driver, '[data-backend="b0"] [data-metric="backend-state"]') == "drained"
+    # no prompt range: it takes any length; nothing dispatched, so no pending prefill
+    assert text_of(driver, '[data-backend="b0"] [data-metric="prompt-range"]') == "any"
+    assert text_of(driver, '[data-backend="b0"] [data-metric="pending-prefill"]') == "0 tok"
     ARTIFACTS.mkdir(exist_ok=True)
     assert driver.save_screenshot(str(ARTIFACTS / "dashboard-queued.png"))
 
