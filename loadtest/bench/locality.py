@@ -1,6 +1,8 @@
 """``locality``: multi-turn chat sessions with per-session system prompts on several
 simulated backends: direct round-robin vs fairgate ``routing: least_loaded`` vs
-``routing: locality``.
+``routing: locality``, and locality with the prefill-token gate off (the behaviour before
+it, ``max_waiting_prefill_tokens: 0``) and with a length-aware pool (the last backend a
+``long_context`` pool for prompts over ``pool_split_tokens``, the others below it).
 
 Each session has its own long system prompt and runs its turns one after the other (each
 turn adds the previous answer and a new question), all sessions at once; two users own
@@ -36,7 +38,14 @@ from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim
 from loadtest.bench.stats import backlogged, jain, percentile, service_by_user, sliding_windows
 
 WORD = " the"  # one simulator token
-ROUTINGS = ("least_loaded", "locality")
+# name -> (routing, more gateway settings, whether the last backend is a long_context pool)
+VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "least_loaded": ("least_loaded", {}, False),
+    "locality": ("locality", {}, False),
+    "locality_no_prefill_gate": ("locality", {"classes": {
+        "interactive": {"max_waiting_prefill_tokens": 0}}}, False),
+    "locality_pools": ("locality", {}, True),
+}
 W_IN, W_OUT = 1.0, 2.0
 
 
@@ -51,7 +60,11 @@ def params(opts: Options) -> dict[str, Any]:
         "jain_window_s": opts.pick(10.0, 2.0), "jain_step_s": opts.pick(1.0, 0.5),
         "weights": {"input": W_IN, "output": W_OUT},
         "sim": SimSpec(max_num_seqs=opts.pick(6, 2)).__dict__,
-        "gateway": "defaults; routing = least_loaded | locality",
+        "gateway": "defaults; " + "; ".join(
+            f"{name}: routing {routing} {extra or ''}{' + long_context pool' * pools}".strip()
+            for name, (routing, extra, pools) in VARIANTS.items()),
+        # locality_pools: the short pool's max_prompt_tokens (above: the long pool)
+        "pool_split_tokens": opts.pick(8192, 1000),
     }
 
 
@@ -290,7 +303,18 @@ async def _direct(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
         return analyse(turns, await prefix_counters(urls), p)
 
 
-async def _gateway(bench: Bench, p: dict[str, Any], routing: str) -> dict[str, Any]:
+def backend_options(index: int, count: int, long_pool: bool, split: int) -> dict[str, Any]:
+    """A backend's prompt range in a variant with a long pool: the last backend takes
+    prompts over ``split`` tokens, the others the rest."""
+    if not long_pool:
+        return {}
+    if index == count - 1:
+        return {"min_prompt_tokens": split + 1, "pool": "long_context"}
+    return {"max_prompt_tokens": split}
+
+
+async def _gateway(bench: Bench, p: dict[str, Any], variant: str) -> dict[str, Any]:
+    routing, extra, pools = VARIANTS[variant]
     import redis
 
     client = redis.Redis.from_url(bench.redis_url)
@@ -300,20 +324,48 @@ async def _gateway(bench: Bench, p: dict[str, Any], routing: str) -> dict[str, A
         client.close()
     users = sorted({owner(i, p) for i in range(p["sessions"])}
                    | {f"r{r:02d}" for r in range(p["rag_users"])})
-    async with sims(bench, p, f"sim-{routing}") as procs:
-        config = {"redis_url": bench.redis_url, "routing": routing,
-                  "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL}
+    async with sims(bench, p, f"sim-{variant}") as procs:
+        config = {"redis_url": bench.redis_url, "routing": routing, **extra,
+                  "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL,
+                                **backend_options(i, len(procs), pools,
+                                                  p["pool_split_tokens"])}
                                for i, s in enumerate(procs)],
                   "api_keys": api_keys([(u, "interactive") for u in users])}
-        gw = await start_gateway(config, bench.log_dir, f"gateway-{routing}",
+        gw = await start_gateway(config, bench.log_dir, f"gateway-{variant}",
                                  bench.opts.workers)
         try:
-            turns = await run_sessions([gw.url], True, p, routing, bench.opts.progress)
+            turns = await run_sessions([gw.url], True, p, variant, bench.opts.progress)
             await save_diagnostics(gw.url, bench.opts.out / "gateway_diagnostics.json",
-                                   routing)
+                                   variant)
         finally:
             gw.stop()
         return analyse(turns, await prefix_counters([s.url for s in procs]), p)
+
+
+COMPARED = (("prompt tokens computed", "prompt_tokens_computed"),
+            ("chat TTFT p50 ms", "ttft_p50_ms"), ("chat TTFT p99 ms", "ttft_p99_ms"),
+            ("output tok/s", "output_tok_s"),
+            ("TPOT p99 during RAG ms", "tpot_p99_during_rag_prefill_ms"),
+            ("Jain mean", "jain_mean"))
+
+
+def variants_table(runs: dict[str, Any]) -> str:
+    """Every run side by side, each value with its ratio to least_loaded's."""
+    base = runs["least_loaded"]
+
+    def cell(run: dict[str, Any], key: str) -> str:
+        value, ref = run.get(key), base.get(key)
+        if value is None:
+            return "–"
+        ratio = f" ({value / ref:.2f}×)" if ref and run is not base else ""
+        return f"{value:,.3f}{ratio}" if isinstance(value, float) and value < 10 \
+            else f"{value:,.0f}{ratio}"
+
+    lines = ["| run | " + " | ".join(label for label, _ in COMPARED) + " |",
+             "|---|" + "---:|" * len(COMPARED)]
+    lines += [f"| {name} | " + " | ".join(cell(run, key) for _, key in COMPARED) + " |"
+              for name, run in runs.items()]
+    return "\n".join(lines)
 
 
 async def run(opts: Options) -> dict[str, Any]:
@@ -323,8 +375,8 @@ async def run(opts: Options) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     async with Bench(opts) as bench:
         runs["direct_round_robin"] = await _direct(bench, p)
-        for routing in ROUTINGS:
-            runs[routing] = await _gateway(bench, p, routing)
+        for variant in VARIANTS:
+            runs[variant] = await _gateway(bench, p, variant)
     d, blind, local = runs["direct_round_robin"], runs["least_loaded"], runs["locality"]
 
     def row(metric: str, key: str, target: str = "–", good: str | None = None,
@@ -372,6 +424,7 @@ async def run(opts: Options) -> dict[str, Any]:
     ax2.legend()
     notes = ["Columns: **direct** = fairgate `routing: least_loaded`, **gateway** = "
              "`routing: locality`, ratio = locality ÷ least_loaded. Direct round-robin "
-             "(no gateway) is in report.json under `direct_round_robin`."]
+             "(no gateway) is in report.json under `direct_round_robin`.",
+             variants_table(runs)]
     return report.write(opts, "locality", p, runs, headline,
                         {"locality_prefill.png": fig, "locality_ttft.png": fig2}, notes)

@@ -16,7 +16,8 @@ from tests.bench.test_smoke import _run
 def test_locality(tmp_path: Path, redis_url: str) -> None:
     report = _run("locality", tmp_path, redis_url)
     runs = report["runs"]
-    assert set(runs) == {"direct_round_robin", "least_loaded", "locality"}
+    assert set(runs) == {"direct_round_robin", "least_loaded", "locality",
+                         "locality_no_prefill_gate", "locality_pools"}
     p = report["params"]
     for stats in runs.values():
         assert stats["errors"] == 0, stats["error_sample"]
