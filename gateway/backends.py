@@ -110,7 +110,8 @@ class BackendPool:
         pacing = {c: Pacing(float(p.max_waiting)) for c, p in self.gate_policies.items()}
         fit = BackendFit(config.prompt_range(), {
             c: class_limit(self.settings.classes[c].max_waiting_prefill_tokens,
-                           config.max_num_batched_tokens) for c in CLASS_ORDER})
+                           config.max_num_batched_tokens) for c in CLASS_ORDER},
+            self.settings.prefill_backfill_s)
         return BackendHandle(config, HistogramWindow(window_s),
                              HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing,
                              HistogramWindow(window_s, (PREFIX_CACHE,)), fit=fit)

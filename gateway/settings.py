@@ -192,6 +192,10 @@ class Settings(BaseSettings):
     # a request whose prefix another backend holds waits for that one unless it has more
     # than this many requests in flight beyond the backend with room (bounded load)
     locality_max_imbalance: int = Field(4, ge=0)
+    # a request the prefill-token gate holds (policies/prefill.py) may be passed by smaller
+    # ones that fit for this long; then its backend takes no more of the class until the
+    # request gets in (0: it blocks its class at once)
+    prefill_backfill_s: float = Field(1.0, ge=0)
 
     # Client connections (gateway/server.py): a cap with a clear 503, and a deadline for
     # a connection to complete a request's headers (also closes idle keep-alives).

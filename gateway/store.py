@@ -80,6 +80,7 @@ class BackendFit:
 
     prompt_range: PromptRange = field(default_factory=PromptRange)
     prefill_limits: Mapping[str, int] = field(default_factory=dict)
+    backfill_s: float = 0.0  # smaller requests may pass one the gate holds this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +176,7 @@ class Store:
         span = fit.prompt_range
         args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
                  loc.max_imbalance, loc.lookahead, span.min_tokens, span.max_tokens or 0,
-                 TOKENS_PER_BLOCK, *(b for b in loc.others if b != backend)]
+                 TOKENS_PER_BLOCK, fit.backfill_s, *(b for b in loc.others if b != backend)]
         found, depth, decisions = await self._run("dispatch", keys, args)
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]

@@ -18,6 +18,14 @@ A class may dispatch to a backend only while that sum plus the request stays wit
 ``max_waiting_prefill_tokens`` (default: the backend's ``max_num_batched_tokens`` ×
 :data:`PREFILL_GATE_STEPS`); a request always goes when nothing is pending, so a prompt
 larger than the limit is not locked out (:func:`prefill_fits`).
+
+**Backfill.** A request the gate holds is still the fair choice: it goes to the first
+backend whose pending prefill leaves it room. Meanwhile the backend that held it would
+idle its class (head-of-line blocking), so for ``prefill_backfill_s`` after the request was
+first held, the next request in fairness order whose estimate fits the room may pass it
+there (:func:`may_backfill`); after that the backends take no more of the class until it
+got in, so it waits at most that long plus one backend's drain. The fairness bound grows
+by what the backends serve in ``prefill_backfill_s``.
 """
 
 from __future__ import annotations
@@ -86,6 +94,12 @@ def prefill_fits(pending: int, tokens: int, limit: int) -> bool:
     ``pending`` prefill under ``limit`` (0: no limit). With nothing pending it always may:
     a prompt above the limit waits for an idle queue, not forever."""
     return limit <= 0 or pending <= 0 or pending + tokens <= limit
+
+
+def may_backfill(held_for_s: float, backfill_s: float, room: int, tokens: int) -> bool:
+    """Whether a request of ``tokens`` estimated prompt tokens may pass the one the gate
+    has held for ``held_for_s`` on a backend with ``room`` tokens left under the limit."""
+    return held_for_s < backfill_s and tokens <= room
 
 
 def still_pending(dispatched: Sequence[tuple[str, float]], taken_at: float,

@@ -9,6 +9,7 @@ from policies.prefill import (
     PromptRange,
     class_limit,
     fitting,
+    may_backfill,
     no_fit_message,
     prefill_fits,
     still_pending,
@@ -64,3 +65,10 @@ def test_a_snapshot_leaves_pending_the_newest_unscheduled_and_everything_after_i
     assert still_pending(sent, 4.0, 2) == {"b", "c", "d"}
     assert still_pending(sent, 4.0, 10) == {"a", "b", "c", "d"}
     assert still_pending(sent, 0.5, 0) == {"a", "b", "c", "d"}  # all sent after the scrape
+
+
+def test_backfill_only_within_the_time_and_the_room() -> None:
+    assert may_backfill(0.5, 1.0, room=400, tokens=300)
+    assert not may_backfill(0.5, 1.0, room=400, tokens=401)
+    assert not may_backfill(1.0, 1.0, room=400, tokens=10)  # held that long: it goes next
+    assert not may_backfill(0.0, 0.0, room=400, tokens=10)  # backfill off

@@ -25,7 +25,9 @@
 -- ARGV[a+4] its TTL (s)  ARGV[a+5] max in-flight imbalance  ARGV[a+6] requests looked at
 -- in each user's queue  ARGV[a+7], ARGV[a+8] the estimated prompt tokens this backend
 -- takes, least and most (0: no bound; a request outside is left to the backends it fits)
--- ARGV[a+9] estimated tokens of one prefix block  ARGV[a+10..] the model's other backends.
+-- ARGV[a+9] estimated tokens of one prefix block  ARGV[a+10] how long smaller requests may
+-- pass one the prefill gate holds (s; policies/prefill.py may_backfill)
+-- ARGV[a+11..] the model's other backends.
 -- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a backend,
 -- scored by last use; the choice mirrors policies/locality.py choose() and held_elsewhere()
 -- over the candidates of policies/locality.py within_slack().
@@ -59,6 +61,7 @@ local lookahead = tonumber(ARGV[a + 6]) or 1
 local min_tokens = tonumber(ARGV[a + 7]) or 0
 local max_tokens = tonumber(ARGV[a + 8]) or 0
 local block_tokens = tonumber(ARGV[a + 9]) or 0
+local backfill_s = tonumber(ARGV[a + 10]) or 0
 local index = key_backend_prefixes(prefix, ARGV[5])
 local load = slack > 0 and (tonumber(redis.call('GET', KEYS[5])) or 0) or 0
 local ranged = min_tokens > 0 or max_tokens > 0
@@ -72,11 +75,13 @@ for _, v in ipairs(redis.call('HVALS', KEYS[10])) do
 end
 
 -- whether this backend's prompt range takes a queued request (policies/prefill.py
--- PromptRange.admits); a request whose hash is gone fits anywhere, to be dropped
-local function fits(id)
-  if not ranged then return true end
+-- PromptRange.admits), and at most `room` estimated prompt tokens of it (nil: any); a
+-- request whose hash is gone fits anywhere, to be dropped
+local function fits(id, room)
+  if not ranged and not room then return true end
   local tokens = tonumber(redis.call('HGET', key_request(prefix, id), 'ptok'))
   if not tokens then return true end
+  if room and tokens > room then return false end
   return tokens >= min_tokens and (max_tokens <= 0 or tokens <= max_tokens)
 end
 
@@ -100,7 +105,7 @@ local function matched(id)
   if m > 0 or not chain then return m, false end
   local first = string.match(chain, '%S+')
   if not first then return m, false end
-  for j = a + 10, #ARGV do
+  for j = a + 11, #ARGV do
     if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
       local other = tonumber(redis.call('GET', key_backend_inflight(prefix, ARGV[j]))) or 0
       if other <= load + max_imbalance then return 0, true end
@@ -117,8 +122,9 @@ local function least(zset)
 end
 
 -- the first request, in fairness order (tenants, their users, each user's first
--- `lookahead`), that this backend's prompt range takes: (tenant, user, request) or nil
-local function first_fitting(active, class)
+-- `lookahead`), that this backend's prompt range takes, of at most `room` estimated
+-- prompt tokens when given: (tenant, user, request) or nil
+local function first_fitting(active, class, room)
   local left = RANGE_SCAN
   for _, tenant in ipairs(redis.call('ZRANGE', active, 0, RANGE_SCAN - 1)) do
     local users = redis.call('ZRANGE', key_users(prefix, class, tenant), 0, left - 1)
@@ -126,7 +132,7 @@ local function first_fitting(active, class)
       local ids = redis.call('LRANGE', key_queue(prefix, class, tenant, user), 0,
         lookahead - 1)
       for _, id in ipairs(ids) do
-        if fits(id) then return tenant, user, id end
+        if fits(id, room) then return tenant, user, id end
       end
     end
     left = left - #users
@@ -199,7 +205,7 @@ local function index_decision(chain)
   end
   if held > 0 then return {held, blocks, 'cache_hit'} end
   if slack > 0 and first then
-    for j = a + 10, #ARGV do
+    for j = a + 11, #ARGV do
       if redis.call('ZSCORE', key_backend_prefixes(prefix, ARGV[j]), first) then
         return {0, blocks, 'load'}
       end
@@ -210,6 +216,23 @@ end
 
 local function alive(owner)
   return replica_alive(KEYS[2], prefix, owner, now, tonumber(ARGV[2]), tonumber(ARGV[8]))
+end
+
+-- a candidate (request nil: the head of the user's queue): its queue, id, hash, fields,
+-- whether its owner lives, and its uncached prompt tokens on this backend
+-- (policies/prefill.py uncached_tokens; `held`: its leading blocks in the index, if known)
+local function inspect(class, tenant, user, chosen, held)
+  local queue = key_queue(prefix, class, tenant, user)
+  local id = chosen or redis.call('LINDEX', queue, 0)
+  local req = id and key_request(prefix, id)
+  local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
+    'tcost', 'ptok')
+  local valid = fields and fields[1] and alive(fields[1])
+  local tokens = valid and (tonumber(fields[6]) or 0) or 0
+  if tokens > 0 and index_size > 0 then
+    tokens = math.max(0, tokens - (held or held_blocks(fields[4])) * block_tokens)
+  end
+  return queue, id, req, fields, valid, tokens
 end
 
 for i = 1, n do
@@ -223,23 +246,23 @@ for i = 1, n do
     attempts = attempts + 1
     local tenant, user, chosen, held = pick(active, class)
     if not tenant then break end
-    local queue = key_queue(prefix, class, tenant, user)
+    local queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
+    -- over the class's prefill-token gate (policies/prefill.py prefill_fits) the fair
+    -- choice waits for a backend with room; for backfill_s after it was first held a
+    -- smaller request that fits the room may pass it here, then the backend drains
+    if prefill_limit > 0 and pending > 0 and pending + tokens > prefill_limit then
+      local since = tonumber(redis.call('HGET', req, 'held_at'))
+      if not since then
+        redis.call('HSET', req, 'held_at', ARGV[1])
+        since = now
+      end
+      if now - since >= backfill_s then break end
+      tenant, user, chosen = first_fitting(active, class, prefill_limit - pending)
+      if not tenant then break end
+      queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, nil)
+    end
     local users = key_users(prefix, class, tenant)
     local users_saved = key_user_saved(prefix, class, tenant)
-    local id = chosen or redis.call('LINDEX', queue, 0)
-    local req = id and key_request(prefix, id)
-    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
-      'tcost', 'ptok')
-    local valid = fields and fields[1] and alive(fields[1])
-    -- its uncached prompt tokens here, against the class's prefill-token gate
-    -- (policies/prefill.py uncached_tokens, prefill_fits): over it, the class waits
-    local tokens = valid and (tonumber(fields[6]) or 0) or 0
-    if tokens > 0 and index_size > 0 then
-      tokens = math.max(0, tokens - (held or held_blocks(fields[4])) * block_tokens)
-    end
-    if prefill_limit > 0 and pending > 0 and pending + tokens > prefill_limit then
-      break
-    end
     if id then
       if chosen then redis.call('LREM', queue, 1, id) else redis.call('LPOP', queue) end
       if redis.call('HINCRBY', KEYS[4], class, -1) <= 0 then

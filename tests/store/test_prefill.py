@@ -141,3 +141,25 @@ async def test_reap_clears_a_dead_replicas_pending_prefill(redis: aioredis.Redis
     await store.heartbeat([M], "r1", 1100.0)
     assert await store.reap(M, 1100.0, 10.0) == 1
     assert await pending(redis, "b1") == {}
+
+
+async def test_smaller_requests_pass_a_held_one_only_for_the_backfill_time(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    for rid, user, tokens in (("a", "alice", 600), ("big", "bob", 5000), ("c", "carol", 300),
+                              ("d", "dave", 300)):
+        await store.enqueue(M, sized(rid, user, tokens), 10)
+    fit = BackendFit(prefill_limits={"default": 1000}, backfill_s=1.0)
+    first = await grants(store, "b1", fit, now=1000.0)
+    # alice's goes (nothing pending); bob's 5,000 would pass the limit, so it is held and
+    # carol's 300 fits the 400 left; dave's 300 would not fit the 100 then left
+    assert [g.request_id for g in first] == ["a", "c"]
+    assert await pending(redis, "b1") == {"a": 600, "c": 300}
+    # 2 s later bob's has waited past backfill_s: nobody passes it any more
+    assert await grants(store, "b1", fit, now=1002.0) == []
+    for g in first:
+        await store.mark_started(M, g)
+    # the backend drained: the held one goes first
+    again = await grants(store, "b1", fit, now=1002.5)
+    assert [g.request_id for g in again] == ["big"]
