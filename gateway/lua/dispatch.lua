@@ -75,13 +75,14 @@ for _, v in ipairs(redis.call('HVALS', KEYS[10])) do
 end
 
 -- whether this backend's prompt range takes a queued request (policies/prefill.py
--- PromptRange.admits), and at most `room` estimated prompt tokens of it (nil: any); a
--- request whose hash is gone fits anywhere, to be dropped
-local function fits(id, room)
+-- PromptRange.admits) and, with `room` (nil: any), whether its estimated prompt tokens
+-- less `cached` tokens (default none) fit in it; a request whose hash is gone fits
+-- anywhere, to be dropped
+local function fits(id, room, cached)
   if not ranged and not room then return true end
   local tokens = tonumber(redis.call('HGET', key_request(prefix, id), 'ptok'))
   if not tokens then return true end
-  if room and tokens > room then return false end
+  if room and tokens - (cached or 0) > room then return false end
   return tokens >= min_tokens and (max_tokens <= 0 or tokens <= max_tokens)
 end
 
@@ -147,11 +148,12 @@ end
 -- `compared` users in all, in fairness order), the one with the best cached request among
 -- the first `lookahead` of its queue (request nil: the queue's head); nil when none (every
 -- such request is left to its own backend). Only requests this backend's prompt range
--- takes are considered. An active tenant without users (never left by the scripts) is
--- dropped.
-local function pick(active, class)
+-- takes are considered, and with `room` (a backfill past a request the prefill gate
+-- holds) only those whose uncached tokens fit in it. An active tenant without users
+-- (never left by the scripts) is dropped.
+local function pick(active, class, room)
   if slack <= 0 then
-    if ranged then return first_fitting(active, class) end
+    if ranged or room then return first_fitting(active, class, room) end
     while true do
       local tenant = least(active)
       if not tenant then return nil end
@@ -177,7 +179,8 @@ local function pick(active, class)
         for _, id in ipairs(ids) do
           if fits(id) then
             local length, elsewhere = matched(id)
-            if not elsewhere and length > best_len then
+            if not elsewhere and length > best_len
+                and (not room or fits(id, room, length * block_tokens)) then
               best_tenant, best, best_id, best_len = tenant, user, id, length
             end
           end
@@ -257,9 +260,9 @@ for i = 1, n do
         since = now
       end
       if now - since >= backfill_s then break end
-      tenant, user, chosen = first_fitting(active, class, prefill_limit - pending)
+      tenant, user, chosen, held = pick(active, class, prefill_limit - pending)
       if not tenant then break end
-      queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, nil)
+      queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
     end
     local users = key_users(prefix, class, tenant)
     local users_saved = key_user_saved(prefix, class, tenant)

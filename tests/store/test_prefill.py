@@ -163,3 +163,29 @@ async def test_smaller_requests_pass_a_held_one_only_for_the_backfill_time(
     # the backend drained: the held one goes first
     again = await grants(store, "b1", fit, now=1002.5)
     assert [g.request_id for g in again] == ["big"]
+
+
+async def test_with_locality_the_backfill_takes_the_best_cached_request_that_fits(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    system = "system prompt of the help desk " * 70  # 8 full blocks
+    warm = chain(system)
+    loc = Locality(10**6, 8, 1000, 600.0)
+    fit = BackendFit(prefill_limits={"default": 1000}, backfill_s=1.0)
+    # the backend's index learns the system prompt; 300 tokens stay pending there
+    await store.enqueue(M, dataclasses.replace(sized("t0", "alice", 800), prefix=warm), 10)
+    (t0,) = await grants(store, "b1", fit, locality=loc)
+    await store.mark_started(M, t0)
+    await store.enqueue(M, sized("x0", "zed", 300), 10)
+    assert [g.request_id for g in await grants(store, "b1", fit, locality=loc)] == ["x0"]
+    # bob's RAG prompt shares the cached prefix: locality's choice, but 4,488 uncached
+    # tokens do not fit the 700 left, so it is held. Carol's cold 600 tokens would fit,
+    # and she comes first in fairness order; alice's 900 tokens are 388 uncached here
+    await store.enqueue(M, dataclasses.replace(sized("big", "bob", 5000), prefix=warm), 10)
+    await store.enqueue(M, dataclasses.replace(
+        sized("cold", "carol", 600), prefix=chain("another prompt " * 70)), 10)
+    await store.enqueue(M, dataclasses.replace(sized("warm", "alice", 900), prefix=warm), 10)
+    got = await grants(store, "b1", fit, locality=loc)
+    assert [g.request_id for g in got] == ["warm"] and got[0].matched_blocks == len(warm)
+    assert (await pending(redis, "b1"))["warm"] == 900 - len(warm) * TOKENS_PER_BLOCK
