@@ -230,3 +230,33 @@ async def test_expiry_finalises_with_batch_expired_errors(sim: SimFactory,
     errors = [json.loads(x) for x in (await c.files.content(done.error_file_id)).text.splitlines()]
     assert errors and all(e["error"]["code"] == "batch_expired" for e in errors)
     await c.close()
+
+
+async def test_a_line_no_pool_takes_fails_alone_with_its_code(sim: SimFactory,
+                                                              gateway: GatewayFactory,
+                                                              tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05,
+                       backend_options={"b0": {"max_prompt_tokens": 500}})
+    lines = jsonl(3).decode().splitlines()
+    lines.append(json.dumps({"custom_id": "too-long", "method": "POST", "url": CHAT, "body": {
+        "model": MODEL, "max_tokens": 3,
+        "messages": [{"role": "user", "content": "word " * 1000}]}}))
+    c = client(gw)
+    try:
+        f = await c.files.create(file=("in.jsonl", ("\n".join(lines) + "\n").encode()),
+                                 purpose="batch")
+        batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT,
+                                       completion_window="24h")
+        done = await wait_status(c, batch.id, {"completed", "failed"})
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+        assert done.error_file_id is not None
+        (error,) = [json.loads(x) for x in
+                    (await c.files.content(done.error_file_id)).text.splitlines()]
+    finally:
+        await c.close()
+    assert error["custom_id"] == "too-long"
+    assert error["error"]["code"] == "context_length_exceeded"
+    assert "0–500" in error["error"]["message"]
+    assert len(backend.engine.records) == 3  # the long one never reached the backend
