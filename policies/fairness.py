@@ -23,6 +23,14 @@ active score (the one whose prompt prefix it has cached), as D²LPM does (Cao et
 the minimum is never served before the least-served user, so every bound below grows by
 the slack at most (:func:`with_locality`); ``locality_slack: 0`` is the strict order.
 
+Length-aware pools and the prefill-token gate (``policies/prefill.py``) change whose turn
+it is only among the requests a backend may take: a backend passes over requests outside
+its prompt range (they are fair-ordered among themselves on the backends that take them),
+so the bounds hold among the users competing for one pool's backends, not across pools,
+whose capacities are separate by design. A request the prefill gate holds may be passed
+by smaller ones for ``prefill_backfill_s``; its user's gap grows by at most what the
+backends serve in that time.
+
 Hierarchical fair share. The engine runs at two levels: tenants by tenant score, and the
 users of each tenant by user score. A dispatch serves the least-served tenant's
 least-served user and charges the request twice, with the same policy: its user's score by
