@@ -2,7 +2,11 @@
 caching on, V1's default): chat sessions with distinct long system prompts and several
 turns each compute clearly fewer prompt tokens through fairgate than the same workload
 from a client alternating between the two servers, by vLLM's own counters
-(``vllm:prefix_cache_queries_total`` − ``vllm:prefix_cache_hits_total``)."""
+(``vllm:prefix_cache_queries_total`` − ``vllm:prefix_cache_hits_total``).
+
+The same two servers as a short pool and a ``long_context`` pool of one model: each
+prompt reaches only the server whose range holds it, by vLLM's own prompt-length
+histogram."""
 
 from __future__ import annotations
 
@@ -128,3 +132,61 @@ async def test_locality_computes_fewer_prompt_tokens_than_alternating_servers(
           f"fairgate locality {through_fairgate:.0f}, ratio {ratio:.2f}")
     assert alternating > 0 and through_fairgate > 0
     assert ratio < 0.8
+
+
+SPLIT = 300  # estimated prompt tokens: cpu0 takes up to this, cpu1 the longer ones
+
+
+async def prompt_histogram(server: VllmServer) -> tuple[float, float]:
+    """(requests, requests of at most 500 prompt tokens) by vLLM's own
+    ``vllm:request_prompt_tokens`` histogram, over its engines."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(server.url + "/metrics", timeout=30)).text
+    count = small = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:request_prompt_tokens_count"):
+            count += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:request_prompt_tokens_bucket") and 'le="500.0"' in line:
+            small += float(line.rsplit(" ", 1)[1])
+    return count, small
+
+
+async def test_length_aware_pools_send_each_prompt_to_its_server(
+        two_servers: list[VllmServer], redis: aioredis.Redis, redis_url: str) -> None:
+    model = two_servers[0].model
+    short = [f"Short question {i}: which desk handles travel?" for i in range(6)]
+    long = [system_prompt("POOL", i) for i in range(4)]
+    async with httpx.AsyncClient() as http:
+        counts = [(await http.post(two_servers[0].url + "/tokenize", json={
+            "model": model, "prompt": p})).json()["count"] for p in (short[0], long[0])]
+    assert counts[0] < 100 and counts[1] > 500, counts  # vLLM's histogram tells them apart
+    settings = gateway_settings(
+        redis_url, two_servers, scrape_interval_s=0.05, scrape_timeout_s=5.0,
+        snapshot_stale_s=10.0, unhealthy_after_failures=20)
+    backends = [Backend(name="cpu0", url=two_servers[0].url, model=model,
+                        max_prompt_tokens=SPLIT),
+                Backend(name="cpu1", url=two_servers[1].url, model=model,
+                        min_prompt_tokens=SPLIT + 1, pool="long_context")]
+    gw = GatewayServer(settings.model_copy(update={"backends": backends}))
+    await gw.start()
+    before = [await prompt_histogram(s) for s in two_servers]
+    try:
+        for handle in gw.services.pool.handles.values():
+            await asyncio.wait_for(handle.scraped.wait(), 30)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-app", max_retries=0)
+        try:
+            await asyncio.gather(*(client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": p}], max_tokens=8,
+                user=f"u{i}", extra_body={"ignore_eos": True})
+                for i, p in enumerate(short + long)))
+        finally:
+            await client.close()
+    finally:
+        await gw.stop()
+    after = [await prompt_histogram(s) for s in two_servers]
+    (n0, small0), (n1, small1) = ((a[0] - b[0], a[1] - b[1])
+                                  for a, b in zip(after, before, strict=True))
+    print(f"pools: cpu0 {n0:.0f} requests ({small0:.0f} ≤ 500 tokens), "
+          f"cpu1 {n1:.0f} requests ({small1:.0f} ≤ 500 tokens)")
+    assert (n0, small0) == (len(short), len(short))  # only the short prompts
+    assert (n1, small1) == (len(long), 0)  # only the long ones
