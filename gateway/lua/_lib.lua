@@ -13,6 +13,16 @@ local function take_unseen(snapshot)
   return 0
 end
 
+-- A backend's pending prefill (hash id -> "uncached prompt tokens, dispatched at"): the
+-- sum of its tokens (policies/prefill.py).
+local function pending_prefill(hash)
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', hash)) do
+    total = total + (tonumber(string.match(v, '^%S+')) or 0)
+  end
+  return total
+end
+
 -- A replica is alive while its heartbeat is fresher than `ttl` seconds and it picks up
 -- the grants other replicas push to it (its listener waits on that list all the time):
 -- a grant left unread for `pickup` seconds means the replica died, whatever its last

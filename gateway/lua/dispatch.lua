@@ -69,10 +69,7 @@ local RANGE_SCAN = 64  -- users looked at (fairness order) for a request this ba
 
 -- the backend's pending prefill: uncached prompt tokens dispatched and maybe not yet
 -- scheduled (snapshot.lua, started.lua and settle.lua take requests out)
-local pending = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[10])) do
-  pending = pending + (tonumber(string.match(v, '^%S+')) or 0)
-end
+local pending = pending_prefill(KEYS[10])
 
 -- whether this backend's prompt range takes a queued request (policies/prefill.py
 -- PromptRange.admits) and, with `room` (nil: any), whether its estimated prompt tokens
@@ -252,8 +249,9 @@ for i = 1, n do
     local queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
     -- over the class's prefill-token gate (policies/prefill.py prefill_fits) the fair
     -- choice waits for a backend with room; for backfill_s after it was first held a
-    -- smaller request that fits the room may pass it here, then the backend drains
-    if prefill_limit > 0 and pending > 0 and pending + tokens > prefill_limit then
+    -- smaller request that fits the room may pass it here, then the backend drains.
+    -- (A request nobody holds any more is never held: it is dropped below.)
+    if valid and prefill_limit > 0 and pending > 0 and pending + tokens > prefill_limit then
       local since = tonumber(redis.call('HGET', req, 'held_at'))
       if not since then
         redis.call('HSET', req, 'held_at', ARGV[1])

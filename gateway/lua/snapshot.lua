@@ -37,10 +37,6 @@ table.sort(before, function(x, y) return x[1] > y[1] end)  -- newest first
 for i = tonumber(ARGV[2]) + unseen + 1, #before do
   redis.call('HDEL', KEYS[5], before[i][2])
 end
-local pending = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[5])) do
-  pending = pending + (tonumber(string.match(v, '^%S+')) or 0)
-end
 redis.call('HSET', KEYS[1], 'taken_at', ARGV[1], 'waiting', ARGV[2], 'running', ARGV[3],
   'kv', ARGV[4], 'tpot', ARGV[5], 'unseen', unseen)
-return {1, drained, pending}
+return {1, drained, pending_prefill(KEYS[5])}

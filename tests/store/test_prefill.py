@@ -189,3 +189,19 @@ async def test_with_locality_the_backfill_takes_the_best_cached_request_that_fit
     got = await grants(store, "b1", fit, locality=loc)
     assert [g.request_id for g in got] == ["warm"] and got[0].matched_blocks == len(warm)
     assert (await pending(redis, "b1"))["warm"] == 900 - len(warm) * TOKENS_PER_BLOCK
+
+
+async def test_over_the_limit_a_dead_replicas_request_is_dropped_not_held(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1", "gone")
+    await store.enqueue(M, sized("huge", "alice", 30_000), 10)
+    await store.enqueue(M, sized("orphan", "bob", 10, owner="gone"), 10)
+    fit = BackendFit(prefill_limits={"default": 8192}, backfill_s=1.0)
+    (huge,) = await grants(store, "b1", fit, want=1)
+    assert huge.request_id == "huge"  # 30,000 pending: over the limit by itself
+    await store.heartbeat([M], "r1", 1100.0)  # "gone" has not beaten since 1000
+    assert await grants(store, "b1", fit, now=1100.0) == []
+    # the orphan was taken out of the queue and its hash deleted, not left holding it
+    assert await store.depths(M) == {"interactive": 0, "default": 0, "batch": 0}
+    assert not await store.request_exists(M, "orphan")
