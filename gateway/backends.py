@@ -32,7 +32,7 @@ from gateway.settings import Backend, Settings
 from gateway.store import BackendFit, Store
 from gateway.supervise import supervise
 from policies.classes import CLASS_ORDER
-from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate
+from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, queued_for_a_slot
 from policies.pacing import Pacing, PacingTargets, adjust
 from policies.prefill import class_limit, fitting
 
@@ -53,6 +53,7 @@ class BackendHandle:
     drained: bool = False
     last: BackendSnapshot | None = None
     sent_since_snapshot: int = 0  # this replica's dispatches since ``last``
+    peak_running: int = 0  # the most requests seen running at once (the batch's size)
     pending_prefill_tokens: int = 0  # by the latest snapshot (policies/prefill.py)
     max_model_len: int | None = None  # from its /v1/models, once it is healthy
     model_card_read: bool = False
@@ -212,6 +213,7 @@ class BackendPool:
         if not handle.model_card_read:
             await self._read_model_card(handle)
         handle.healthy, handle.failures, handle.last = True, 0, snap
+        handle.peak_running = max(handle.peak_running, snap.running)
         handle.prefix_hit_ratio = prefix_hit_ratio
         handle.sent_since_snapshot = 0
         if stored:
@@ -231,9 +233,9 @@ class BackendPool:
             return policy
         before = handle.pacing[cls]
         after = handle.pacing[cls] = adjust(before, snap, ttft_s, self.pacing_targets[cls])
-        self.metrics.record_pacing(handle.name, cls, after.allowance + after.bonus,
+        self.metrics.record_pacing(handle.name, cls, after.allowance, after.bonus,
                                    after.reason if after.allowance != before.allowance else None)
-        return dataclasses.replace(policy, max_waiting=after.max_waiting)
+        return dataclasses.replace(policy, max_waiting=after.max_waiting, free_slots=after.bonus)
 
     def max_model_len(self, model: str) -> int | None:
         """The smallest context length the model's backends report (None: unknown)."""
@@ -280,6 +282,8 @@ class BackendPool:
     def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
         m, name = self.metrics, handle.name
         m.backend_waiting.labels(name).set(snap.waiting)
+        m.backend_waiting_queued.labels(name).set(
+            queued_for_a_slot(snap, handle.peak_running))
         m.backend_running.labels(name).set(snap.running)
         m.backend_kv.labels(name).set(snap.kv_usage)
         m.backend_tpot.labels(name).set(snap.tpot_s or 0.0)

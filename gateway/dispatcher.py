@@ -31,6 +31,7 @@ from gateway.store import Grant, Locality, QueuedRequest, Store
 from gateway.supervise import supervise
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
+from policies.gates import Gate
 from policies.starvation import FloorPolicy, owed_class, service_order
 
 log = structlog.get_logger("fairgate.dispatcher")
@@ -237,27 +238,29 @@ class Dispatcher:
         since, recent = await self._class_service(model, now)
         owed = owed_class(self.floors, since, recent, now)
         order = service_order(owed)
-        limits: dict[str, dict[str, int]] = {}
+        gated: dict[str, dict[str, Gate]] = {}
         candidates = []
         handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
         for h in handles.values():
             snap = h.last if h.healthy else None
-            gates = h.gates_at(now, self.settings.snapshot_stale_s)
-            limits[h.name] = gate_limits = {c: gates[c].limit for c in CLASS_ORDER}
-            if owed is not None:  # a starved class borrows the top class's gate
-                gate_limits[owed] = max(gate_limits[owed], gate_limits[CLASS_ORDER[0]])
+            gates = gated[h.name] = dict(h.gates_at(now, self.settings.snapshot_stale_s))
+            top = gates[CLASS_ORDER[0]]
+            if owed is not None and top.limit > gates[owed].limit:
+                gates[owed] = top  # a starved class borrows the top class's gate
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
             candidates.append(Candidate(h.name, waiting, running, h.sent_since_snapshot,
-                                        any(v > 0 for v in gate_limits.values())))
+                                        any(g.open for g in gates.values())))
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
         locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
         for cand in by_load(candidates):
+            gates = gated[cand.name]
             grants, self._queued[model] = await self.store.dispatch(
-                model, cand.name, limits[cand.name], self.replica_id, now,
-                self.replica_ttl_s, order, self.floors.window, burst,
-                locality=locality, fit=handles[cand.name].fit)
+                model, cand.name, {c: g.limit for c, g in gates.items()}, self.replica_id,
+                now, self.replica_ttl_s, order, self.floors.window, burst,
+                locality=locality, fit=handles[cand.name].fit,
+                free_slots={c: g.free_slots for c, g in gates.items()})
             handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
@@ -284,7 +287,7 @@ class Dispatcher:
     async def started(self, model: str, grant: Grant) -> None:
         """The backend streams this request's first token: its gate slot frees at once."""
         with contextlib.suppress(StoreUnavailable):
-            await self.store.mark_started(model, grant)
+            await self.store.mark_started(model, grant, time.time())
         self.wake_freed()
 
     def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:

@@ -37,6 +37,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
+    "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
@@ -133,6 +134,9 @@ class ModelKeys:
 
     def running(self, replica: str) -> str:
         return self._key("running", replica=replica)
+
+    def backend_started(self, backend: str) -> str:
+        return self._key("backend_started", backend=backend)
 
     def backend_sent(self, backend: str) -> str:
         return self._key("backend_sent", backend=backend)

@@ -113,6 +113,12 @@ class GatewayMetrics:
         self.backend_waiting = Gauge(
             "fairgate_backend_waiting_requests", "vllm:num_requests_waiting at last scrape",
             ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_waiting_queued = Gauge(
+            "fairgate_backend_waiting_queued_requests",
+            "Of vllm:num_requests_waiting at last scrape, those beyond the batch's free slots "
+            "(the most seen running less those running): they wait for a running request to "
+            "finish. The rest entered a free slot and start at the next engine step",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.backend_running = Gauge(
             "fairgate_backend_running_requests", "vllm:num_requests_running at last scrape",
             ["backend"], registry=r, multiprocess_mode=SHARED)
@@ -152,8 +158,12 @@ class GatewayMetrics:
             ["backend"], registry=r, multiprocess_mode=SHARED)
         self.pacing_allowance = Gauge(
             "fairgate_pacing_allowance",
-            "Requests of the class adaptive pacing lets wait at the backend now: the "
-            "allowance (at most max_waiting) plus the batch's free slots while nothing waits",
+            "Requests of the class adaptive pacing lets wait at the backend now (at most "
+            "max_waiting)", ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
+        self.pacing_free_slots = Gauge(
+            "fairgate_pacing_free_slots",
+            "Free batch slots the latest snapshot's burst may fill too (adaptive pacing, "
+            "while nothing waits): requests sent into them start at once and do not wait",
             ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
         self.pacing_changes = Counter(
             "fairgate_pacing_changes_total", "Changes of the pacing allowance, by reason",
@@ -313,10 +323,12 @@ class GatewayMetrics:
 
     # -- gates ----------------------------------------------------------------------------
 
-    def record_pacing(self, backend: str, cls: str, allowance: float,
+    def record_pacing(self, backend: str, cls: str, allowance: float, free_slots: int,
                       changed_for: str | None) -> None:
-        """The allowance now, and the reason it just changed (None: unchanged)."""
+        """The allowance and free slots now, and the reason the allowance just changed
+        (None: unchanged)."""
         self.pacing_allowance.labels(backend, cls).set(allowance)
+        self.pacing_free_slots.labels(backend, cls).set(free_slots)
         if changed_for is not None:
             self.pacing_changes.labels(backend, cls, changed_for).inc()
 

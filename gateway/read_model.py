@@ -23,6 +23,7 @@ from gateway.settings import ApiKey, Settings
 from gateway.store import Store
 from gateway.usage import UsageLedger, group
 from policies.classes import CLASS_ORDER
+from policies.gates import queued_for_a_slot
 
 USERS_SCANNED = 1000  # per (model, class): bounds the Redis reads of one state request
 TOP_USERS = 20
@@ -66,9 +67,12 @@ class Inspector:
         for h in handles:
             st = states[h.name]
             in_transit = st.sent_since_snapshot + st.unseen
-            gates = {c: g.after(in_transit) for c, g in h.shown_gates(
+            started = st.started_since_snapshot
+            gates = {c: g.after(in_transit, started) for c, g in h.shown_gates(
                 h.gates_at(now, self.settings.snapshot_stale_s),
                 st.pending_prefill_tokens).items()}
+            queued = None if st.snapshot is None else queued_for_a_slot(st.snapshot,
+                                                                         h.peak_running)
             span = h.fit.prompt_range
             out.append({
                 "name": h.name, "url": h.config.url, "model": model, "healthy": h.healthy,
@@ -79,15 +83,19 @@ class Inspector:
                 "drained": h.drained, "accepts_priority": h.accepts_priority,
                 "snapshot": None if st.snapshot is None else {
                     "waiting": st.snapshot.waiting, "running": st.snapshot.running,
+                    # of those waiting: beyond the batch's free slots (the rest entered a
+                    # free slot and start at the next engine step)
+                    "waiting_queued": queued, "peak_running": h.peak_running,
                     "kv_usage": st.snapshot.kv_usage,
                     "tpot_ms": None if st.snapshot.tpot_s is None else st.snapshot.tpot_s * 1000,
                     "age_s": now - st.snapshot.taken_at_s},
                 "sent_since_snapshot": st.sent_since_snapshot, "in_transit": in_transit,
+                "started_since_snapshot": started,
                 "inflight": st.inflight,
-                "gates": {c: {"open": g.reason is None, "limit": g.limit, "reason": g.reason}
-                          for c, g in gates.items()},
-                "pacing": {c: {"allowance": p.allowance, "reason": p.reason}
-                           for c, p in h.pacing.items()},
+                "gates": {c: {"open": g.reason is None, "limit": g.limit, "reason": g.reason,
+                              "free_slots": g.free_slots} for c, g in gates.items()},
+                "pacing": {c: {"allowance": p.allowance, "free_slots": p.bonus,
+                               "reason": p.reason} for c, p in h.pacing.items()},
                 "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
                 "prefix_cache": {
                     "hit_ratio": h.prefix_hit_ratio,  # vLLM's counters, recent window

@@ -5,6 +5,7 @@ Redis errors arrive already mapped by the client (``gateway/redis_client.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -90,6 +91,7 @@ class BackendState:
     inflight: int
     unseen: int  # on the way at the snapshot, not yet registered by the server
     pending_prefill_tokens: int = 0  # dispatched, maybe not yet scheduled (uncached tokens)
+    started_since_snapshot: int = 0  # first token since the snapshot: in a slot it saw free
 
 
 # A replica's grant listener waits on its grant list all the time: a grant unread this long
@@ -151,6 +153,7 @@ class Store:
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
         recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
         locality: Locality | None = None, fit: BackendFit | None = None,
+        free_slots: Mapping[str, int] | None = None,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
         gates admit, trying the classes in ``order`` with the given per-class limits: the
@@ -161,17 +164,21 @@ class Store:
         prefix index records what it was sent (``policies/locality.py``). With ``fit``,
         only requests its prompt range takes are considered, and a class dispatches only
         while its prefill-token gate admits the next request (``policies/prefill.py``).
+        ``free_slots``: the part of each class's limit that is free batch slots (requests
+        started since the snapshot use it up first: ``policies/gates.py`` Gate.admits).
         Returns the grants and how many requests are still queued for the model."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
                 k.backend_inflight(backend), k.backlogged_since, k.recent,
-                k.backend_snapshot(backend), k.drained, k.backend_prefill(backend)]
+                k.backend_snapshot(backend), k.drained, k.backend_prefill(backend),
+                k.backend_started(backend)]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
                            max_grants, grant_pickup_s, *order]
         args += [limits.get(c, 0) for c in order]
         fit = fit or BackendFit()
         args += [fit.prefill_limits.get(c, 0) for c in order]
+        args += [(free_slots or {}).get(c, 0) for c in order]
         loc = locality or Locality(0.0, 0, 0, 0.0)
         span = fit.prompt_range
         args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
@@ -194,12 +201,15 @@ class Store:
         since, recent = await pipe.execute()
         return {c: float(t) for c, t in since.items()}, list(recent)
 
-    async def mark_started(self, model: str, grant: Grant) -> None:
-        """The backend is running this request: it no longer counts as waiting there."""
+    async def mark_started(self, model: str, grant: Grant, now: float | None = None) -> None:
+        """The backend is running this request (since ``now``, default the clock): it no
+        longer counts as waiting there, and took one of the batch's free slots."""
         k = ModelKeys(model)
         keys = [k.backend_sent(grant.backend), k.backend_snapshot(grant.backend),
-                k.request(grant.request_id), k.backend_prefill(grant.backend)]
-        await self._run("started", keys, [grant.request_id])
+                k.request(grant.request_id), k.backend_prefill(grant.backend),
+                k.backend_started(grant.backend)]
+        await self._run("started", keys,
+                        [grant.request_id, time.time() if now is None else now])
 
     async def settle(self, model: str, grant: Grant, charge: float,
                      tenant_charge: float | None = None) -> bool:
@@ -209,7 +219,8 @@ class Store:
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
-                k.backend_snapshot(grant.backend), k.backend_prefill(grant.backend)]
+                k.backend_snapshot(grant.backend), k.backend_prefill(grant.backend),
+                k.backend_started(grant.backend)]
         args = [grant.user, charge, grant.request_id, k.prefix,
                 charge if tenant_charge is None else tenant_charge]
         return bool(await self._run("settle", keys, args))
@@ -244,7 +255,7 @@ class Store:
         args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend,
                 k.prefix]
         keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
-                k.drained, k.backend_prefill(backend)]
+                k.drained, k.backend_prefill(backend), k.backend_started(backend)]
         stored, drained, pending = await self._run("snapshot", keys, args)
         return bool(stored), bool(drained), int(pending)
 
@@ -285,13 +296,15 @@ class Store:
             pipe.zcard(k.backend_sent(name))
             pipe.get(k.backend_inflight(name))
             pipe.hvals(k.backend_prefill(name))
+            pipe.zcard(k.backend_started(name))
         raw = await pipe.execute()
         states = {}
         for i, name in enumerate(backends):
-            snap, sent, inflight, prefill = raw[4 * i: 4 * i + 4]
+            snap, sent, inflight, prefill, started = raw[5 * i: 5 * i + 5]
             states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0),
                                         int(float(snap.get("unseen") or 0)),
-                                        sum(int(float(v.split()[0])) for v in prefill))
+                                        sum(int(float(v.split()[0])) for v in prefill),
+                                        int(started))
         return states
 
     async def heartbeat(self, models: Sequence[str], replica: str, now: float,

@@ -20,10 +20,12 @@ decrease (AIMD, as TCP congestion control does):
 The allowance caps what may *wait* at vLLM. When the batch has free slots (nothing waits,
 fewer run than the most seen, KV below ``KV_ROOM``) requests sent now go straight into the
 running batch, so the snapshot's burst may also fill up to ``ceiling`` of those slots (the
-``bonus``): the gate's dispatch rate is otherwise capped at ``max_waiting`` per snapshot,
-which leaves a fast backend's batch short between two scrapes. A snapshot with a degraded
-backend gets no bonus. Waiting is never allowed above the allowance when the batch is
-full, so adaptive pacing queues no more at vLLM than fixed pacing would.
+``bonus``, the gate's ``free_slots``): the gate's dispatch rate is otherwise capped at
+``max_waiting`` per snapshot, which leaves a fast backend's batch short between two
+scrapes. A snapshot with a degraded backend gets no bonus. The gate counts every request
+that started since the snapshot against the free slots first (``policies/gates.py``
+``Gate.admits``), so once they are filled, requests sent by the gate wait at vLLM only up
+to the allowance: adaptive pacing queues no more at vLLM than fixed pacing would.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class Pacing:
 
     @property
     def max_waiting(self) -> int:
-        """The gate's ``max_waiting``: the allowance plus the free slots' bonus."""
-        return int(self.allowance) + self.bonus
+        """The gate's ``max_waiting`` (its ``free_slots`` are the ``bonus``)."""
+        return int(self.allowance)
 
 
 def adjust(

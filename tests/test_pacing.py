@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.gates import BackendSnapshot
+from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate
 from policies.pacing import Pacing, PacingTargets, adjust
 
 TARGETS = PacingTargets(ceiling=4, max_tpot_s=0.150, ttft_slo_s=2.0)
@@ -84,8 +86,147 @@ def test_the_allowance_stays_between_floor_and_ceiling(
 def test_free_batch_slots_add_a_bonus_only_while_nothing_waits_and_kv_has_room() -> None:
     p = adjust(Pacing.start(TARGETS), snap(running=20), None, TARGETS)  # batch of 20 seen
     p = adjust(p, snap(running=12), None, TARGETS)
-    assert (p.bonus, p.max_waiting) == (4, 8)  # 8 slots free, capped at the ceiling
+    assert (p.bonus, p.max_waiting) == (4, 4)  # 8 slots free, capped at the ceiling
     assert adjust(p, snap(running=18), None, TARGETS).bonus == 2
     assert adjust(p, snap(waiting=1, running=12), None, TARGETS).bonus == 0
     assert adjust(p, snap(running=12, kv=0.95), None, TARGETS).bonus == 0
     assert adjust(p, snap(running=12, tpot_s=0.130), None, TARGETS).bonus == 0  # degraded
+
+
+# -- the gate with pacing against a model of vLLM's batch ---------------------------------
+# A plain-data model of one backend and the gate's bookkeeping in Redis, as the scripts keep
+# it: "sent" (dispatched since the snapshot, no first token yet), "unseen" (on the way at
+# the snapshot), "started" (first token since the snapshot, not settled). vLLM takes
+# arrivals into its waiting queue and, at each engine step, moves them into free slots of
+# a batch of ``max_num_seqs``, where they stream their first token.
+
+
+@dataclass
+class Req:
+    where: str = "net"  # "net" (on its way), "wait" (vLLM's queue), "run"
+    in_sent: bool = True
+    started: bool = False  # first token since the snapshot
+
+
+@dataclass
+class Model:
+    max_num_seqs: int
+    targets: PacingTargets
+    count_started: bool = True  # False: the rule before the fix (started ones ignored)
+    reqs: dict[int, Req] = field(default_factory=dict)
+    unseen: int = 0
+    pacing: Pacing | None = None
+    gate: Gate = field(default_factory=lambda: Gate(0, "stale"))
+    most_waiting_full: int = 0  # vLLM's queue after a step, while the batch was full
+    next_id: int = 0
+
+    def count(self, where: str) -> int:
+        return sum(1 for r in self.reqs.values() if r.where == where)
+
+    def snapshot(self) -> None:
+        waiting, running = self.count("wait"), self.count("run")
+        snap = BackendSnapshot(waiting, running, 0.5, None, 0.0)
+        self.unseen = self.count("net")  # inflight - waiting - running
+        for r in self.reqs.values():
+            r.in_sent, r.started = False, False
+        self.pacing = adjust(self.pacing or Pacing.start(self.targets), snap, None,
+                             self.targets)
+        policy = GatePolicy(self.pacing.max_waiting, 150.0, None, self.pacing.bonus)
+        self.gate = evaluate_gate(snap, policy, 0.0, 1.0)
+
+    def full_batch_seen(self) -> None:
+        """Start where the free-slot bonus applies: the whole batch was seen running."""
+        self.reqs = {i: Req("run", False) for i in range(self.max_num_seqs)}
+        self.next_id = self.max_num_seqs
+        self.snapshot()
+
+    def in_transit(self) -> int:
+        return sum(1 for r in self.reqs.values() if r.in_sent) + self.unseen
+
+    def started(self) -> int:
+        return sum(1 for r in self.reqs.values() if r.started) if self.count_started else 0
+
+    def dispatch(self) -> None:
+        while self.gate.admits(self.in_transit(), self.started()):
+            self.reqs[self.next_id] = Req()
+            self.next_id += 1
+
+    def arrive(self) -> None:
+        for r in self.reqs.values():
+            if r.where == "net":
+                r.where = "wait"
+                return
+
+    def step(self) -> None:
+        for r in self.reqs.values():
+            if r.where == "wait" and self.count("run") < self.max_num_seqs:
+                r.where = "run"  # started.lua: out of "sent", else one "unseen" less
+                if r.in_sent:
+                    r.in_sent = False
+                elif self.unseen > 0:
+                    self.unseen -= 1
+                r.started = True
+        if self.count("run") == self.max_num_seqs:
+            self.most_waiting_full = max(self.most_waiting_full, self.count("wait"))
+
+    def finish(self) -> None:
+        for rid, r in self.reqs.items():
+            if r.where == "run":
+                del self.reqs[rid]  # settle.lua: out of the started set too
+                return
+
+
+# one round: some running requests finish, maybe a scrape, the gate dispatches, some of
+# what is on its way arrives, vLLM runs an engine step
+ROUNDS = st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 8)),
+                  max_size=40)
+
+
+def play(m: Model, rounds: list[tuple[int, bool, int]]) -> None:
+    for finished, scraped, arrived in rounds:
+        for _ in range(finished):
+            m.finish()
+        if scraped:
+            m.snapshot()
+        m.dispatch()
+        for _ in range(arrived):
+            m.arrive()
+        m.step()
+
+
+@settings(max_examples=300)
+@given(ROUNDS, st.integers(1, 16), st.integers(1, 6))
+def test_with_a_full_batch_requests_the_gate_sent_never_wait_past_the_allowance(
+    rounds: list[tuple[int, bool, int]], max_num_seqs: int, ceiling: int
+) -> None:
+    """The pacing promise (policies/pacing.py): the free-slot bonus fills free slots only;
+    once the batch is full, vLLM's queue holds at most the allowance (here the ceiling:
+    no TPOT, nothing degrades it)."""
+    m = Model(max_num_seqs, PacingTargets(ceiling=ceiling, max_tpot_s=0.15))
+    m.full_batch_seen()
+    play(m, rounds)
+    assert m.most_waiting_full <= ceiling, (
+        f"vLLM's queue reached {m.most_waiting_full} with a full batch of {max_num_seqs}, "
+        f"allowance {ceiling}; rounds {rounds}")
+
+
+def flood(count_started: bool) -> int:
+    """A batch of 8 seen full, 3 of its slots free, a flood at the gate: each request
+    arrives and starts (or queues) before the next scrape."""
+    m = Model(8, PacingTargets(ceiling=3, max_tpot_s=0.15), count_started)
+    m.full_batch_seen()
+    for _ in range(3):
+        m.finish()
+    m.snapshot()  # 5 running, nothing waits: allowance 3 + 3 free slots
+    assert (m.gate.limit, m.gate.free_slots) == (6, 3)
+    play(m, [(0, False, 8)] * 4)
+    return m.most_waiting_full
+
+
+def test_requests_that_started_in_free_slots_no_longer_hand_their_place_on() -> None:
+    """The cause of vLLM's queue at twice the ceiling: a request sent into a free slot
+    started, left the gate's count, and its place went to one more request, which could
+    only wait. Counting the requests that started against the free slots holds the queue
+    at the allowance."""
+    assert flood(count_started=False) == 6  # allowance + free slots: what was measured
+    assert flood(count_started=True) == 3

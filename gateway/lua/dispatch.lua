@@ -11,8 +11,10 @@
 -- KEYS[8] backend snapshot (hash; its "unseen" requests count against every gate)
 -- KEYS[9] drained backends (set): a drained backend gets nothing, whatever a replica thinks
 -- KEYS[10] backend pending prefill (hash id -> "uncached prompt tokens, dispatched at")
--- KEYS[11..10+n] active tenants zset per class, in service order
--- KEYS[11+n..10+2n] saved tenant-score hash per class, same order
+-- KEYS[11] backend started-since-snapshot (zset id -> first token): they use up the free
+-- slots of a gate first (policies/gates.py Gate.admits)
+-- KEYS[12..11+n] active tenants zset per class, in service order
+-- KEYS[12+n..11+2n] saved tenant-score hash per class, same order
 -- (a tenant's users zset, saved user scores and the class's user-level floors are derived
 -- from the model prefix: key_users, key_user_saved, key_user_floor)
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix  ARGV[4] this replica
@@ -20,7 +22,8 @@
 -- ARGV[8] grant pickup limit (s): see replica_alive in _lib.lua
 -- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
 -- ARGV[9+2n..8+3n] prefill-token limits (0: none; policies/prefill.py prefill_fits)
--- with a = 8+3n: ARGV[a+1] locality slack (score units; 0: strict fairness order)
+-- ARGV[9+3n..8+4n] the part of each gate limit that is free batch slots
+-- with a = 8+4n: ARGV[a+1] locality slack (score units; 0: strict fairness order)
 -- ARGV[a+2] users compared within it  ARGV[a+3] prefix index size (hashes; 0: no index)
 -- ARGV[a+4] its TTL (s)  ARGV[a+5] max in-flight imbalance  ARGV[a+6] requests looked at
 -- in each user's queue  ARGV[a+7], ARGV[a+8] the estimated prompt tokens this backend
@@ -35,8 +38,8 @@
 -- enqueued_at}, depth the number of requests still queued for the model (all classes),
 -- decisions one {held blocks, chain blocks, reason} per grant (index_decision). A
 -- request's tenant stays in its hash (settle.lua reads it there).
-local n = (#KEYS - 10) / 2
-local a = 8 + 3 * n
+local n = (#KEYS - 11) / 2
+local a = 8 + 4 * n
 local want = tonumber(ARGV[7])
 local grants = {}
 local now = tonumber(ARGV[1])
@@ -44,6 +47,8 @@ local prefix = ARGV[3]
 -- counted against the gates: dispatched since the snapshot + still on the way at it
 local sent = redis.call('ZCARD', KEYS[1])
   + (tonumber(redis.call('HGET', KEYS[8], 'unseen')) or 0)
+-- started since the snapshot: in a slot the snapshot may have counted free
+local started = redis.call('ZCARD', KEYS[11])
 
 -- the dispatching replica is alive: a Redis restarted empty learns it at once
 redis.call('ZADD', KEYS[2], 'GT', now, ARGV[4])
@@ -239,10 +244,11 @@ for i = 1, n do
   local class = ARGV[8 + i]
   local limit = tonumber(ARGV[8 + n + i])
   local prefill_limit = tonumber(ARGV[8 + 2 * n + i]) or 0
-  local active, saved = KEYS[10 + i], KEYS[10 + n + i]
+  local free_slots = tonumber(ARGV[8 + 3 * n + i]) or 0
+  local active, saved = KEYS[11 + i], KEYS[11 + n + i]
   local floors = key_user_floor(prefix, class)
   local attempts = 0
-  while sent < limit and #grants < want and attempts < 64 do
+  while sent + math.min(started, free_slots) < limit and #grants < want and attempts < 64 do
     attempts = attempts + 1
     local tenant, user, chosen, held = pick(active, class)
     if not tenant then break end

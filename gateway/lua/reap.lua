@@ -24,6 +24,7 @@ for _, replica in ipairs(dead) do
       local inflight = key_backend_inflight(prefix, f[2])
       if redis.call('DECR', inflight) <= 0 then redis.call('DEL', inflight) end
       redis.call('ZREM', key_backend_sent(prefix, f[2]), id)
+      redis.call('ZREM', key_backend_started(prefix, f[2]), id)
       redis.call('HDEL', key_backend_prefill(prefix, f[2]), id)
       released = released + 1
     end

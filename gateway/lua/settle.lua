@@ -4,6 +4,7 @@
 -- KEYS[1] per-user in-flight (hash)  KEYS[2] backend in-flight  KEYS[3] active tenants
 -- KEYS[4] saved tenant scores        KEYS[5] request (hash)     KEYS[6] backend sent zset
 -- KEYS[7] backend snapshot (hash)  KEYS[8] backend pending prefill (hash)
+-- KEYS[9] backend started-since-snapshot zset (a request that ends frees its slot)
 -- ARGV[1] user  ARGV[2] user-level charge  ARGV[3] request id  ARGV[4] model key prefix
 -- ARGV[5] tenant-level charge (default: the user-level one)
 -- Returns 1 when released, 0 when it had been released already.
@@ -12,6 +13,7 @@ if redis.call('DEL', KEYS[5]) == 0 then
   return 0
 end
 redis.call('HDEL', KEYS[8], ARGV[3])
+redis.call('ZREM', KEYS[9], ARGV[3])
 local owner = info[1]
 if owner then redis.call('SREM', key_running(ARGV[4], owner), ARGV[3]) end
 local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)

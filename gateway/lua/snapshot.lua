@@ -2,6 +2,7 @@
 -- dispatches it reflects, and estimate the requests still on their way to the backend.
 -- KEYS[1] snapshot hash  KEYS[2] backend sent-since-snapshot zset  KEYS[3] backend in-flight
 -- KEYS[4] drained backends (set)  KEYS[5] backend pending prefill (hash)
+-- KEYS[6] backend started-since-snapshot zset: the snapshot shows what started before it
 -- ARGV[1] taken_at (s)  ARGV[2] waiting  ARGV[3] running  ARGV[4] kv usage
 -- ARGV[5] tpot seconds or ""  ARGV[6] backend name  ARGV[7] model key prefix
 -- "unseen" = dispatched and unsettled, minus what the backend showed (running + waiting),
@@ -19,6 +20,7 @@ if stored and stored >= tonumber(ARGV[1]) then
   return {0, drained, 0}
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', ARGV[1])
 local unseen = (tonumber(redis.call('GET', KEYS[3])) or 0) - redis.call('ZCARD', KEYS[2])
   - tonumber(ARGV[2]) - tonumber(ARGV[3])
 if unseen < 0 then unseen = 0 end

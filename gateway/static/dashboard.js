@@ -83,9 +83,22 @@ function gateBadges(gates, inTransit) {
 }
 
 function pacingCell(pacing) {
-  // adaptive pacing: how many of each class may wait at the backend, and why it last moved
+  // adaptive pacing: how many of each class may wait at the backend, why it last moved,
+  // and the free batch slots the latest snapshot's burst may fill too (they do not wait)
   return CLASSES.map((c) => el("div", { "data-pacing": c },
-    `${c}: ${fmt(pacing[c].allowance, 1)} (${pacing[c].reason})`));
+    `${c}: ${fmt(pacing[c].allowance, 1)} (${pacing[c].reason})` +
+    (pacing[c].free_slots ? ` + ${pacing[c].free_slots} free slots` : "")));
+}
+
+function waitingCell(s) {
+  // vLLM's waiting queue: those beyond the batch's free slots wait for a running request
+  // to finish; the rest entered a free slot and start at the next engine step
+  if (s.waiting === undefined) return "–";
+  const entering = s.waiting - (s.waiting_queued ?? s.waiting);
+  return [
+    el("div", { "data-metric": "backend-waiting-queued" }, `${s.waiting_queued ?? "–"} queued`),
+    el("div", { "data-metric": "backend-waiting-entering" }, `${entering} entering`),
+  ];
 }
 
 function pct(x) {
@@ -125,6 +138,7 @@ function backendsPanel(backends) {
       el("td", {}, b.name),
       el("td", { class: state, "data-metric": "backend-state" }, state),
       el("td", { "data-metric": "backend-waiting" }, s.waiting ?? "–"),
+      el("td", {}, waitingCell(s)),
       el("td", { "data-metric": "backend-running" }, s.running ?? "–"),
       el("td", { "data-metric": "backend-in-transit" }, b.in_transit),
       el("td", {}, s.kv_usage === undefined ? "–" : fmt(100 * s.kv_usage, 0) + "%"),
@@ -140,7 +154,7 @@ function backendsPanel(backends) {
         : actionButton("drain", "drain", { "data-backend": b.name })));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
-    table(["backend", "state", "waiting", "running", "in transit", "KV", "TPOT ms",
+    table(["backend", "state", "waiting", "of which", "running", "in transit", "KV", "TPOT ms",
            "in flight", "dispatch/s", "gates", "pacing allowance", "prefix cache",
            "prompts, pending prefill", ""], rows,
           "no backends"));

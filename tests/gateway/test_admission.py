@@ -169,9 +169,9 @@ async def test_first_token_frees_the_gate_slot_once(setup: Setup,
     calls: list[Grant] = []
     mark_started = store.mark_started
 
-    async def counting(model: str, grant: Grant) -> None:
+    async def counting(model: str, grant: Grant, now: float | None = None) -> None:
         calls.append(grant)
-        await mark_started(model, grant)
+        await mark_started(model, grant, now)
 
     monkeypatch.setattr(store, "mark_started", counting)
     sent_key = K.backend_sent("b0")

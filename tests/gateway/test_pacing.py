@@ -48,10 +48,15 @@ async def test_slow_tpot_lowers_the_allowance_and_recovery_restores_it(
         text = await r.text()
     assert 'fairgate_pacing_changes_total{backend="b0",priority_class="interactive",' \
            'reason="tpot"}' in text
-    # the allowance is back at max_waiting, plus the idle batch's free slots (at most 3)
-    gauge = re.search(r'fairgate_pacing_allowance\{backend="b0",priority_class="interactive"\} '
-                      r'([0-9.]+)', text)
-    assert gauge is not None and 3.0 <= float(gauge.group(1)) <= 6.0, gauge
+    # the allowance is back at max_waiting; the idle batch's free slots have a gauge of
+    # their own (at most max_waiting)
+    gauges = {name: re.search(name + r'\{backend="b0",priority_class="interactive"\} '
+                              r'([0-9.]+)', text) for name in ("fairgate_pacing_allowance",
+                                                               "fairgate_pacing_free_slots")}
+    values = {name: float(m.group(1)) if m else None for name, m in gauges.items()}
+    assert values["fairgate_pacing_allowance"] == 3.0, values
+    free = values["fairgate_pacing_free_slots"]
+    assert free is not None and 0.0 <= free <= 3.0, values
 
 
 async def test_fixed_pacing_keeps_max_waiting(sim: SimFactory, gateway: GatewayFactory) -> None:
