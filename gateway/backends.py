@@ -207,9 +207,13 @@ class BackendPool:
             return
         if not handle.healthy:
             log.info("backend_healthy", backend=handle.name)
-            if handle.failures:  # it was down, perhaps restarted: its prefix cache is gone
+            if handle.failures:  # it was down, perhaps restarted: its prefix cache is gone,
+                # and its batch may be smaller now (learnt again from what runs)
                 with contextlib.suppress(StoreUnavailable):
                     await self.store.forget_prefixes(handle.config.model, handle.name)
+                handle.peak_running = 0
+                handle.pacing = {c: dataclasses.replace(p, peak_running=0)
+                                 for c, p in handle.pacing.items()}
         if not handle.model_card_read:
             await self._read_model_card(handle)
         handle.healthy, handle.failures, handle.last = True, 0, snap
@@ -218,17 +222,18 @@ class BackendPool:
         handle.sent_since_snapshot = 0
         if stored:
             handle.pending_prefill_tokens = pending
-        handle.gates = {c: evaluate_gate(snap, self._paced(handle, c, snap, ttft),
+        handle.gates = {c: evaluate_gate(snap, self._policy(handle, c, snap, ttft),
                                          snap.taken_at_s, math.inf)
                         for c in self.gate_policies}
         self._record(handle, snap)
         handle.scraped.set()
         self.on_snapshot()
 
-    def _paced(self, handle: BackendHandle, cls: str, snap: BackendSnapshot,
-               ttft_s: float | None) -> GatePolicy:
-        """The class's gate policy, its ``max_waiting`` moved by adaptive pacing."""
-        policy = self.gate_policies[cls]
+    def _policy(self, handle: BackendHandle, cls: str, snap: BackendSnapshot,
+                ttft_s: float | None) -> GatePolicy:
+        """The class's gate policy on this backend: its batch as seen so far, and its
+        ``max_waiting`` moved by adaptive pacing."""
+        policy = dataclasses.replace(self.gate_policies[cls], batch=handle.peak_running)
         if self.pacing_targets is None:
             return policy
         before = handle.pacing[cls]

@@ -245,7 +245,9 @@ class Dispatcher:
             snap = h.last if h.healthy else None
             gates = gated[h.name] = dict(h.gates_at(now, self.settings.snapshot_stale_s))
             top = gates[CLASS_ORDER[0]]
-            if owed is not None and top.limit > gates[owed].limit:
+            if owed is not None and top.open and (
+                    (top.limit, top.max_inflight) > (gates[owed].limit, gates[owed].max_inflight)
+                    or not gates[owed].open):
                 gates[owed] = top  # a starved class borrows the top class's gate
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
             candidates.append(Candidate(h.name, waiting, running, h.sent_since_snapshot,
@@ -255,12 +257,10 @@ class Dispatcher:
                                                 for c in CLASS_ORDER)
         locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
         for cand in by_load(candidates):
-            gates = gated[cand.name]
             grants, self._queued[model] = await self.store.dispatch(
-                model, cand.name, {c: g.limit for c, g in gates.items()}, self.replica_id,
-                now, self.replica_ttl_s, order, self.floors.window, burst,
-                locality=locality, fit=handles[cand.name].fit,
-                free_slots={c: g.free_slots for c, g in gates.items()})
+                model, cand.name, gated[cand.name], self.replica_id, now,
+                self.replica_ttl_s, order, self.floors.window, burst,
+                locality=locality, fit=handles[cand.name].fit)
             handles[cand.name].sent_since_snapshot += len(grants)
             for grant in grants:
                 self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()

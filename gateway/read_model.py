@@ -68,7 +68,7 @@ class Inspector:
             st = states[h.name]
             in_transit = st.sent_since_snapshot + st.unseen
             started = st.started_since_snapshot
-            gates = {c: g.after(in_transit, started) for c, g in h.shown_gates(
+            gates = {c: g.after(in_transit, started, st.inflight) for c, g in h.shown_gates(
                 h.gates_at(now, self.settings.snapshot_stale_s),
                 st.pending_prefill_tokens).items()}
             queued = None if st.snapshot is None else queued_for_a_slot(st.snapshot,
@@ -93,7 +93,8 @@ class Inspector:
                 "started_since_snapshot": started,
                 "inflight": st.inflight,
                 "gates": {c: {"open": g.reason is None, "limit": g.limit, "reason": g.reason,
-                              "free_slots": g.free_slots} for c, g in gates.items()},
+                              "free_slots": g.free_slots, "max_inflight": g.max_inflight}
+                          for c, g in gates.items()},
                 "pacing": {c: {"allowance": p.allowance, "free_slots": p.bonus,
                                "reason": p.reason} for c, p in h.pacing.items()},
                 "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),

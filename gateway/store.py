@@ -16,7 +16,7 @@ from redis.commands.core import AsyncScript
 
 from gateway.keys import ModelKeys, lua_prelude
 from policies.classes import CLASS_ORDER
-from policies.gates import BackendSnapshot
+from policies.gates import BackendSnapshot, Gate
 from policies.prefill import TOKENS_PER_BLOCK, PromptRange
 
 
@@ -94,6 +94,10 @@ class BackendState:
     started_since_snapshot: int = 0  # first token since the snapshot: in a slot it saw free
 
 
+def _gate(limit: int | Gate) -> Gate:
+    return limit if isinstance(limit, Gate) else Gate(limit)
+
+
 # A replica's grant listener waits on its grant list all the time: a grant unread this long
 # means the replica died (scripts: replica_alive in gateway/lua/_lib.lua).
 GRANT_PICKUP_S = 2.0
@@ -149,11 +153,10 @@ class Store:
         return int(await self._run("enqueue", keys, args))
 
     async def dispatch(
-        self, model: str, backend: str, limits: Mapping[str, int], replica: str,
+        self, model: str, backend: str, limits: Mapping[str, int | Gate], replica: str,
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
         recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
         locality: Locality | None = None, fit: BackendFit | None = None,
-        free_slots: Mapping[str, int] | None = None,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
         gates admit, trying the classes in ``order`` with the given per-class limits: the
@@ -164,8 +167,8 @@ class Store:
         prefix index records what it was sent (``policies/locality.py``). With ``fit``,
         only requests its prompt range takes are considered, and a class dispatches only
         while its prefill-token gate admits the next request (``policies/prefill.py``).
-        ``free_slots``: the part of each class's limit that is free batch slots (requests
-        started since the snapshot use it up first: ``policies/gates.py`` Gate.admits).
+        ``limits`` holds each class's gate (``policies/gates.py`` Gate.admits), or just
+        its burst limit.
         Returns the grants and how many requests are still queued for the model."""
         k = ModelKeys(model)
         keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
@@ -175,10 +178,12 @@ class Store:
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
         args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
                            max_grants, grant_pickup_s, *order]
-        args += [limits.get(c, 0) for c in order]
+        gates = [_gate(limits.get(c, 0)) for c in order]
+        args += [g.limit if g.reason is None else 0 for g in gates]
         fit = fit or BackendFit()
         args += [fit.prefill_limits.get(c, 0) for c in order]
-        args += [(free_slots or {}).get(c, 0) for c in order]
+        args += [g.free_slots for g in gates]
+        args += [g.max_inflight if g.reason is None else 0 for g in gates]
         loc = locality or Locality(0.0, 0, 0, 0.0)
         span = fit.prompt_range
         args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),

@@ -1,16 +1,28 @@
 """Dispatch gates: may a backend take more work of a class right now?
 
-A gate is computed from the backend's latest /metrics snapshot. It yields a *limit*:
-the number of requests that may be on their way to the backend beyond what that snapshot
-shows (the burst allowance). Zero means closed, and ``reason`` says why.
+A gate is computed from the backend's latest /metrics snapshot, and the class may send
+one more request to the backend while either of two bounds admits it:
 
-Two parts make up the limit. ``max_waiting - waiting`` is what may *wait* at vLLM; the
-``free_slots`` (adaptive pacing's bonus, ``policies/pacing.py``) are batch slots the
-snapshot saw free, which requests sent now enter at once. A request counts against the
-limit while it is on its way (dispatched, no first token yet); once it streams it no longer
-waits, but it took a slot: the requests that started since the snapshot use up the free
-slots first (:meth:`Gate.admits`). Without that, each request that filled a free slot and
-started would hand its place to one more, and vLLM's queue would reach the whole limit.
+- **The snapshot's burst** (``limit``): the requests that may be on their way beyond what
+  the snapshot shows. ``max_waiting - waiting`` is what may *wait* at vLLM; the
+  ``free_slots`` (adaptive pacing's bonus, ``policies/pacing.py``) are batch slots the
+  snapshot saw free, which requests sent now enter at once. A request counts against it
+  while it is on its way (dispatched, no first token yet); once it streams it no longer
+  waits, but it took a slot: the requests that started since the snapshot use up the free
+  slots first. Without that, each request that filled a free slot and started would hand
+  its place to one more, and vLLM's queue would reach the whole limit.
+- **Occupancy** (``max_inflight``): the batch's size (the most requests seen running at
+  once) plus ``max_waiting``. The gateway counts exactly the requests it has in flight at
+  the backend, whatever the age of the snapshot: with no more than that in flight, a full
+  batch has at most ``max_waiting`` of them waiting behind it. This bound does not go stale
+  when the backend's /metrics answers late (a 2-core CPU vLLM answers a scrape in 0.5-1 s
+  while it streams: the burst then waits for a snapshot that shows a queue long gone, and
+  the batch runs empty between two scrapes).
+
+Either bound keeps the promise that requests sent by the gate wait at most
+``max_waiting`` behind a full batch (traffic from other clients of the backend aside).
+Zero for both means closed, and ``reason`` says why; a reason other than "waiting" closes
+both (drained, stale, TPOT, KV).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ class GatePolicy:
     max_tpot_ms: float = 150.0
     max_kv_usage: float | None = None
     free_slots: int = 0  # free batch slots the burst may fill too (adaptive pacing)
+    batch: int = 0  # the most requests seen running at once (0: unknown, no occupancy bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,28 +58,35 @@ class BackendSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class Gate:
-    limit: int
+    limit: int  # the snapshot's burst
     reason: str | None = None  # one of GATE_REASONS when closed
     free_slots: int = 0  # the part of ``limit`` that is free batch slots, not waiting room
+    max_inflight: int = 0  # occupancy: requests in flight at the backend allowed (0: none)
 
     @property
     def open(self) -> bool:
-        return self.limit > 0
+        return self.reason is None and (self.limit > 0 or self.max_inflight > 0)
 
     def used(self, in_transit: int, started: int) -> int:
         """How much of ``limit`` is taken: the requests on their way, plus those that
         started since the snapshot, as far as they filled its free slots."""
         return in_transit + min(started, self.free_slots)
 
-    def admits(self, in_transit: int, started: int = 0) -> bool:
-        """May one more request go? (gateway/lua/dispatch.lua applies the same rule.)"""
-        return self.reason is None and self.used(in_transit, started) < self.limit
+    def admits(self, in_transit: int, started: int = 0, inflight: int | None = None) -> bool:
+        """May one more request go? ``inflight``: the requests at the backend now (None:
+        unknown). gateway/lua/dispatch.lua applies the same rule."""
+        if self.reason is not None:
+            return False
+        if self.used(in_transit, started) < self.limit:
+            return True
+        return inflight is not None and inflight < self.max_inflight
 
-    def after(self, in_transit: int, started: int = 0) -> Gate:
-        """The gate once ``in_transit`` requests (and ``started`` ones) count against it."""
-        if self.reason is not None or self.admits(in_transit, started):
+    def after(self, in_transit: int, started: int = 0, inflight: int | None = None) -> Gate:
+        """The gate once ``in_transit`` requests (``started`` ones, ``inflight`` in all)
+        count against it: closed by "in_transit" when neither bound admits one more."""
+        if self.reason is not None or self.admits(in_transit, started, inflight):
             return self
-        return Gate(self.limit, "in_transit", self.free_slots)
+        return Gate(self.limit, "in_transit", self.free_slots, self.max_inflight)
 
 
 def evaluate_gate(
@@ -76,8 +96,8 @@ def evaluate_gate(
     stale_after_s: float,
     drained: bool = False,
 ) -> Gate:
-    """The burst limit for one (backend, class): ``max_waiting - waiting`` when healthy,
-    plus the policy's free batch slots."""
+    """The gate of one (backend, class): the burst ``max_waiting - waiting`` plus the free
+    slots, and the occupancy bound ``batch + max_waiting``, when healthy."""
     if drained:
         return Gate(0, "drained")
     if snapshot is None or now_s - snapshot.taken_at_s > stale_after_s:
@@ -86,10 +106,11 @@ def evaluate_gate(
         return Gate(0, "tpot")
     if policy.max_kv_usage is not None and snapshot.kv_usage >= policy.max_kv_usage:
         return Gate(0, "kv")
-    limit = policy.max_waiting + policy.free_slots - snapshot.waiting
-    if limit <= 0:
+    limit = max(0, policy.max_waiting + policy.free_slots - snapshot.waiting)
+    max_inflight = policy.batch + policy.max_waiting if policy.batch > 0 else 0
+    if limit <= 0 and max_inflight <= 0:
         return Gate(0, "waiting")
-    return Gate(limit, free_slots=policy.free_slots)
+    return Gate(limit, None, policy.free_slots if limit else 0, max_inflight)
 
 
 def queued_for_a_slot(snapshot: BackendSnapshot, peak_running: int) -> int:

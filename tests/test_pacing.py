@@ -113,6 +113,7 @@ class Model:
     max_num_seqs: int
     targets: PacingTargets
     count_started: bool = True  # False: the rule before the fix (started ones ignored)
+    occupancy: bool = True  # False: the snapshot's burst alone
     reqs: dict[int, Req] = field(default_factory=dict)
     unseen: int = 0
     pacing: Pacing | None = None
@@ -131,7 +132,8 @@ class Model:
             r.in_sent, r.started = False, False
         self.pacing = adjust(self.pacing or Pacing.start(self.targets), snap, None,
                              self.targets)
-        policy = GatePolicy(self.pacing.max_waiting, 150.0, None, self.pacing.bonus)
+        batch = self.pacing.peak_running if self.occupancy else 0
+        policy = GatePolicy(self.pacing.max_waiting, 150.0, None, self.pacing.bonus, batch)
         self.gate = evaluate_gate(snap, policy, 0.0, 1.0)
 
     def full_batch_seen(self) -> None:
@@ -147,7 +149,7 @@ class Model:
         return sum(1 for r in self.reqs.values() if r.started) if self.count_started else 0
 
     def dispatch(self) -> None:
-        while self.gate.admits(self.in_transit(), self.started()):
+        while self.gate.admits(self.in_transit(), self.started(), len(self.reqs)):
             self.reqs[self.next_id] = Req()
             self.next_id += 1
 
@@ -213,7 +215,7 @@ def test_with_a_full_batch_requests_the_gate_sent_never_wait_past_the_allowance(
 def flood(count_started: bool) -> int:
     """A batch of 8 seen full, 3 of its slots free, a flood at the gate: each request
     arrives and starts (or queues) before the next scrape."""
-    m = Model(8, PacingTargets(ceiling=3, max_tpot_s=0.15), count_started)
+    m = Model(8, PacingTargets(ceiling=3, max_tpot_s=0.15), count_started, occupancy=False)
     m.full_batch_seen()
     for _ in range(3):
         m.finish()
@@ -230,3 +232,30 @@ def test_requests_that_started_in_free_slots_no_longer_hand_their_place_on() -> 
     at the allowance."""
     assert flood(count_started=False) == 6  # allowance + free slots: what was measured
     assert flood(count_started=True) == 3
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=30), st.integers(2, 16),
+       st.integers(1, 6))
+def test_the_batch_stays_full_when_the_snapshot_lags(
+    finishing: list[int], max_num_seqs: int, ceiling: int
+) -> None:
+    """A backend whose /metrics answers late (no new snapshot for many engine steps):
+    occupancy keeps every finished request's slot refilled from the gate, and vLLM's queue
+    at the allowance."""
+    m = Model(max_num_seqs, PacingTargets(ceiling=ceiling, max_tpot_s=0.15))
+    m.full_batch_seen()
+    for finished in finishing:
+        play(m, [(finished, False, max_num_seqs + ceiling)])
+        running, waiting = m.count("run"), m.count("wait")
+        assert running == max_num_seqs and waiting == ceiling, (
+            f"batch {running}/{max_num_seqs}, waiting {waiting} (allowance {ceiling}) "
+            f"after rounds finishing {finishing}")
+
+
+def test_without_occupancy_a_lagging_snapshot_lets_the_batch_run_empty() -> None:
+    """What the real CPU vLLM showed (its /metrics 0.5-1 s late): the snapshot's burst
+    alone sends the allowance, then nothing until a snapshot shows the queue gone."""
+    m = Model(8, PacingTargets(ceiling=3, max_tpot_s=0.15), occupancy=False)
+    m.full_batch_seen()
+    play(m, [(4, False, 11)] * 3)
+    assert m.count("run") < 8, m.count("run")

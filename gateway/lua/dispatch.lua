@@ -23,7 +23,9 @@
 -- ARGV[9..8+n] class names   ARGV[9+n..8+2n] gate limits (max allowed in sent-since)
 -- ARGV[9+2n..8+3n] prefill-token limits (0: none; policies/prefill.py prefill_fits)
 -- ARGV[9+3n..8+4n] the part of each gate limit that is free batch slots
--- with a = 8+4n: ARGV[a+1] locality slack (score units; 0: strict fairness order)
+-- ARGV[9+4n..8+5n] each gate's occupancy bound: requests in flight at the backend (KEYS[5])
+-- below which one more may go whatever the limit says (0: none; policies/gates.py)
+-- with a = 8+5n: ARGV[a+1] locality slack (score units; 0: strict fairness order)
 -- ARGV[a+2] users compared within it  ARGV[a+3] prefix index size (hashes; 0: no index)
 -- ARGV[a+4] its TTL (s)  ARGV[a+5] max in-flight imbalance  ARGV[a+6] requests looked at
 -- in each user's queue  ARGV[a+7], ARGV[a+8] the estimated prompt tokens this backend
@@ -39,7 +41,7 @@
 -- decisions one {held blocks, chain blocks, reason} per grant (index_decision). A
 -- request's tenant stays in its hash (settle.lua reads it there).
 local n = (#KEYS - 11) / 2
-local a = 8 + 4 * n
+local a = 8 + 5 * n
 local want = tonumber(ARGV[7])
 local grants = {}
 local now = tonumber(ARGV[1])
@@ -49,6 +51,7 @@ local sent = redis.call('ZCARD', KEYS[1])
   + (tonumber(redis.call('HGET', KEYS[8], 'unseen')) or 0)
 -- started since the snapshot: in a slot the snapshot may have counted free
 local started = redis.call('ZCARD', KEYS[11])
+local inflight = tonumber(redis.call('GET', KEYS[5])) or 0
 
 -- the dispatching replica is alive: a Redis restarted empty learns it at once
 redis.call('ZADD', KEYS[2], 'GT', now, ARGV[4])
@@ -68,7 +71,7 @@ local max_tokens = tonumber(ARGV[a + 8]) or 0
 local block_tokens = tonumber(ARGV[a + 9]) or 0
 local backfill_s = tonumber(ARGV[a + 10]) or 0
 local index = key_backend_prefixes(prefix, ARGV[5])
-local load = slack > 0 and (tonumber(redis.call('GET', KEYS[5])) or 0) or 0
+local load = inflight
 local ranged = min_tokens > 0 or max_tokens > 0
 local RANGE_SCAN = 64  -- users looked at (fairness order) for a request this backend takes
 
@@ -245,10 +248,15 @@ for i = 1, n do
   local limit = tonumber(ARGV[8 + n + i])
   local prefill_limit = tonumber(ARGV[8 + 2 * n + i]) or 0
   local free_slots = tonumber(ARGV[8 + 3 * n + i]) or 0
+  local max_inflight = tonumber(ARGV[8 + 4 * n + i]) or 0
+  -- policies/gates.py Gate.admits
+  local function admits()
+    return sent + math.min(started, free_slots) < limit or inflight < max_inflight
+  end
   local active, saved = KEYS[11 + i], KEYS[11 + n + i]
   local floors = key_user_floor(prefix, class)
   local attempts = 0
-  while sent + math.min(started, free_slots) < limit and #grants < want and attempts < 64 do
+  while admits() and #grants < want and attempts < 64 do
     attempts = attempts + 1
     local tenant, user, chosen, held = pick(active, class)
     if not tenant then break end
@@ -292,7 +300,7 @@ for i = 1, n do
       local rank = redis.call('HINCRBY', KEYS[3], user, 1) - 1
       redis.call('ZADD', KEYS[1], now, id)
       sent = sent + 1
-      redis.call('INCR', KEYS[5])
+      inflight = redis.call('INCR', KEYS[5])
       redis.call('HSET', req, 'state', 'dispatched', 'backend', ARGV[5], 'rank', rank,
         'dispatched_at', now)
       redis.call('SADD', key_running(prefix, fields[1]), id)

@@ -52,12 +52,13 @@ class WaitingSampler:
                 await self._task
 
     def summary(self) -> dict[str, Any]:
-        """Max, p50, p99 and mean of the sampled waiting gauge."""
+        """Max, p50, p90, p99 and mean of the sampled waiting gauge."""
         values = [w for _, w in self.samples]
         return {
             "samples": len(values),
             "max": max(values) if values else None,
             "p50": percentile(values, 50),
+            "p90": percentile(values, 90),
             "p99": percentile(values, 99),
             "mean": sum(values) / len(values) if values else None,
         }

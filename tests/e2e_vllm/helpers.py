@@ -143,3 +143,46 @@ KEEPALIVE_EXPIRY_S = 2.0
 def limits(n: int) -> httpx.Limits:
     return httpx.Limits(max_connections=n, max_keepalive_connections=n,
                         keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+
+
+@dataclass
+class QueueLength:
+    """vLLM's waiting queue over a stretch of time, two ways: its gauge as ``sampler`` saw
+    it, and its time average by Little's law from its cumulative queue-time histogram
+    (no burst missed while the CPU build's API server answers no /metrics)."""
+
+    sampler: Sampler
+    started_s: float = 0.0
+    queued_before: tuple[float, float] = (0.0, 0.0)
+    mean: float | None = None
+
+    @property
+    def running(self) -> list[float]:
+        return self.sampler.running
+
+    async def __aenter__(self) -> QueueLength:
+        self.queued_before = (await histogram_totals(self.sampler.base_url, (QUEUE_TIME,)))[
+            QUEUE_TIME]
+        self.started_s = time.monotonic()
+        await self.sampler.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.sampler.__aexit__(*exc)
+        elapsed = time.monotonic() - self.started_s
+        after = (await histogram_totals(self.sampler.base_url, (QUEUE_TIME,)))[QUEUE_TIME]
+        self.mean = (after[0] - self.queued_before[0]) / elapsed if elapsed > 0 else None
+
+    def assert_paced(self, p90_at_most: float, max_at_most: float) -> None:
+        """The pacing promise: the sampled waiting gauge's p90 and max, and the time-averaged
+        queue, within the bounds (the observed values in the message)."""
+        values = sorted(self.sampler.waiting)
+        assert values, "no /metrics sample of vLLM during the run"
+        p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
+        observed = (f"waiting p90 {p90}, max {values[-1]} of {len(values)} samples "
+                    f"(largest {values[-10:]}), time-averaged {self.mean}")
+        assert p90 <= p90_at_most and values[-1] <= max_at_most, observed
+        assert self.mean is not None and self.mean <= p90_at_most, observed

@@ -66,8 +66,10 @@ async def test_drain_sends_new_work_elsewhere_and_in_flight_finishes(
         long = asyncio.create_task(complete(http, gw.url, "sk-alice", 200))
         await b0.engine.wait_until(lambda: len(b0.engine.records) == 1)
         status, body = await admin_call(http, "POST", base + "b0/drain")
-        assert status == 200 and body["drained"] is True
-        assert body["gates"]["interactive"] == {"open": False, "limit": 0, "reason": "drained"}
+        assert status == 200 and body["drained"] is True, (status, body)
+        gate = body["gates"]["interactive"]
+        assert (gate["open"], gate["limit"], gate["reason"], gate["max_inflight"]) == (
+            False, 0, "drained", 0), gate
         assert (await admin_call(http, "POST", base + "b1/undrain"))[0] == 200
         more = [asyncio.create_task(complete(http, gw.url, k, 3))
                 for k in ("sk-bob", "sk-carol", "sk-dflt", "sk-bob")]
