@@ -50,8 +50,8 @@ PACING_SAMPLE_S = 0.25
 
 
 async def _sample_pacing(url: str, into: list[dict[str, float]]) -> None:
-    """Every ``PACING_SAMPLE_S``: the interactive allowance and the backend's TPOT as the
-    gateway's /metrics show them (until cancelled)."""
+    """Every ``PACING_SAMPLE_S``: the interactive allowance, its free slots and the
+    backend's TPOT as the gateway's /metrics show them (until cancelled)."""
     start = time.perf_counter()
     async with aiohttp.ClientSession() as http:
         while True:
@@ -61,9 +61,11 @@ async def _sample_pacing(url: str, into: list[dict[str, float]]) -> None:
                 point = {"t_s": time.perf_counter() - start}
                 for family in text_string_to_metric_families(text):
                     for sample in family.samples:
-                        if (sample.name == "fairgate_pacing_allowance"
-                                and sample.labels.get("priority_class") == "interactive"):
+                        interactive = sample.labels.get("priority_class") == "interactive"
+                        if sample.name == "fairgate_pacing_allowance" and interactive:
                             point["allowance"] = sample.value
+                        elif sample.name == "fairgate_pacing_free_slots" and interactive:
+                            point["free_slots"] = sample.value
                         elif sample.name == "fairgate_backend_tpot_seconds":
                             point["tpot_ms"] = sample.value * 1000
                 into.append(point)
@@ -177,7 +179,9 @@ def _timeline(pacing: list[dict[str, float]]) -> Any:
                             "seconds into the run", "allowance (requests)")
     xs = [pt["t_s"] for pt in pacing if "allowance" in pt]
     ax.step(xs, [pt["allowance"] for pt in pacing if "allowance" in pt], where="post",
-            label="allowance + free-slot bonus")
+            label="allowance (may wait at vLLM)")
+    ax.step(xs, [pt.get("free_slots", 0) for pt in pacing if "allowance" in pt], where="post",
+            label="free batch slots (start at once)", linestyle="--")
     ax.set_ylim(0, 2 * DEFAULT_MAX_WAITING + 0.5)
     tpot = ax.twinx()
     tpot.plot([pt["t_s"] for pt in pacing if "tpot_ms" in pt],
