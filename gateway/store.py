@@ -5,6 +5,7 @@ Redis errors arrive already mapped by the client (``gateway/redis_client.py``).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -104,9 +105,13 @@ GRANT_PICKUP_S = 2.0
 
 
 def load_script(name: str) -> str:
-    """A script's text, after the generated key functions and the shared helpers."""
+    """A script's text, after the generated key functions, the shared helpers and the
+    library modules (``lua/lib/``: the parts of the dispatch decision)."""
     lua = resources.files("gateway") / "lua"
-    return lua_prelude() + (lua / "_lib.lua").read_text() + (lua / f"{name}.lua").read_text()
+    libs = sorted((f for f in (lua / "lib").iterdir() if f.name.endswith(".lua")),
+                  key=lambda f: f.name)
+    return (lua_prelude() + (lua / "_lib.lua").read_text()
+            + "".join(f.read_text() for f in libs) + (lua / f"{name}.lua").read_text())
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,20 +181,27 @@ class Store:
                 k.backend_snapshot(backend), k.drained, k.backend_prefill(backend),
                 k.backend_started(backend)]
         keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
-        args: list[Any] = [now, replica_ttl_s, k.prefix, replica, backend, recent_window,
-                           max_grants, grant_pickup_s, *order]
-        gates = [_gate(limits.get(c, 0)) for c in order]
-        args += [g.limit if g.reason is None else 0 for g in gates]
         fit = fit or BackendFit()
-        args += [fit.prefill_limits.get(c, 0) for c in order]
-        args += [g.free_slots for g in gates]
-        args += [g.max_inflight if g.reason is None else 0 for g in gates]
         loc = locality or Locality(0.0, 0, 0, 0.0)
         span = fit.prompt_range
-        args += [loc.slack, loc.candidates, loc.index_size, int(loc.index_ttl_s),
-                 loc.max_imbalance, loc.lookahead, span.min_tokens, span.max_tokens or 0,
-                 TOKENS_PER_BLOCK, fit.backfill_s, *(b for b in loc.others if b != backend)]
-        found, depth, decisions = await self._run("dispatch", keys, args)
+        gates = {c: _gate(limits.get(c, 0)) for c in order}
+        args = {
+            "now": now, "replica_ttl": replica_ttl_s, "prefix": k.prefix, "replica": replica,
+            "backend": backend, "recent_kept": recent_window, "want": max_grants,
+            "pickup": grant_pickup_s,
+            "classes": [{"name": c, "limit": g.limit if g.reason is None else 0,
+                         "prefill_limit": fit.prefill_limits.get(c, 0),
+                         "free_slots": g.free_slots,
+                         "max_inflight": g.max_inflight if g.reason is None else 0}
+                        for c, g in gates.items()],
+            "locality": {"slack": loc.slack, "compared": loc.candidates,
+                         "index_size": loc.index_size, "index_ttl": int(loc.index_ttl_s),
+                         "max_imbalance": loc.max_imbalance, "lookahead": loc.lookahead,
+                         "others": [b for b in loc.others if b != backend]},
+            "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
+            "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
+        }
+        found, depth, decisions = await self._run("dispatch", keys, [json.dumps(args)])
         grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
                   for rid, klass, user, rank, owner, enqueued_at in found]
         grants = [replace(g, matched_blocks=int(held), prompt_blocks=int(blocks),
@@ -227,7 +239,7 @@ class Store:
                 k.backend_snapshot(grant.backend), k.backend_prefill(grant.backend),
                 k.backend_started(grant.backend)]
         args = [grant.user, charge, grant.request_id, k.prefix,
-                charge if tenant_charge is None else tenant_charge]
+                charge if tenant_charge is None else tenant_charge, grant.backend]
         return bool(await self._run("settle", keys, args))
 
     async def reap(self, model: str, now: float, replica_ttl_s: float,

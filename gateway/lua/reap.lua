@@ -1,7 +1,8 @@
 -- Release what dead replicas held: requests dispatched to them (granted, maybe never
 -- forwarded) and their undelivered grants. Queued requests of a dead replica are dropped
 -- lazily by dispatch.lua. Dead: see replica_alive in _lib.lua.
--- KEYS[1] replica heartbeats (zset)  KEYS[2] per-user in-flight (hash)
+-- KEYS[1] replica heartbeats (zset)  KEYS[2] per-user in-flight (hash; declared for Redis
+-- Cluster: release_inflight in lib/inflight.lua derives the in-flight keys)
 -- ARGV[1] now (s)  ARGV[2] replica ttl (s)  ARGV[3] model key prefix
 -- ARGV[4] grant pickup limit (s)
 -- Returns the number of requests released.
@@ -20,12 +21,7 @@ for _, replica in ipairs(dead) do
     local req = key_request(prefix, id)
     local f = redis.call('HMGET', req, 'user', 'backend')
     if f[1] and f[2] then
-      if redis.call('HINCRBY', KEYS[2], f[1], -1) <= 0 then redis.call('HDEL', KEYS[2], f[1]) end
-      local inflight = key_backend_inflight(prefix, f[2])
-      if redis.call('DECR', inflight) <= 0 then redis.call('DEL', inflight) end
-      redis.call('ZREM', key_backend_sent(prefix, f[2]), id)
-      redis.call('ZREM', key_backend_started(prefix, f[2]), id)
-      redis.call('HDEL', key_backend_prefill(prefix, f[2]), id)
+      release_inflight(prefix, id, f[1], f[2], replica)
       released = released + 1
     end
     redis.call('DEL', req)

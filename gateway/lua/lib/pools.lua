@@ -1,0 +1,34 @@
+-- Length-aware pools and the prefill-token gate on one backend (policies/prefill.py).
+-- pools_for(prefix, range, block_tokens): range = {min, max} estimated prompt tokens the
+-- backend takes (0: no bound).
+local function pools_for(prefix, range, block_tokens)
+  local P = {ranged = range.min > 0 or range.max > 0, block_tokens = block_tokens}
+
+  -- whether the backend's prompt range takes a queued request (PromptRange.admits) and,
+  -- with `room` (nil: any), whether its estimated prompt tokens less `cached` tokens
+  -- (default none) fit in it; a request whose hash is gone fits anywhere, to be dropped
+  function P.fits(id, room, cached)
+    if not P.ranged and not room then return true end
+    local tokens = tonumber(redis.call('HGET', key_request(prefix, id), 'ptok'))
+    if not tokens then return true end
+    if room and tokens - (cached or 0) > room then return false end
+    return tokens >= range.min and (range.max <= 0 or tokens <= range.max)
+  end
+
+  -- over the class's prefill-token limit (prefill_fits) the fair choice waits for a
+  -- backend with room; for backfill_s after it was first held a smaller request that fits
+  -- the room may pass it here (may_backfill), then the backend drains. Returns the room a
+  -- backfill may use, nil when the request fits, false when the class stops here.
+  function P.hold(req, tokens, pending, limit, now, stamp, backfill_s)
+    if limit <= 0 or pending <= 0 or pending + tokens <= limit then return nil end
+    local since = tonumber(redis.call('HGET', req, 'held_at'))
+    if not since then
+      redis.call('HSET', req, 'held_at', stamp)
+      since = now
+    end
+    if now - since >= backfill_s then return false end
+    return limit - pending
+  end
+
+  return P
+end
