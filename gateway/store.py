@@ -14,7 +14,9 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
+from gateway.errors import StoreUnavailable
 from gateway.keys import ModelKeys, lua_prelude
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
@@ -138,7 +140,19 @@ class Store:
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return await self._scripts[name](keys=list(keys), args=list(args))
+        """Run a script. redis-py loads a script the server lacks once, then runs it again;
+        a Redis that restarts in between (its script cache empty again) answers that second
+        run with NOSCRIPT too: load once more, then call it unavailable (a script that
+        answers NOSCRIPT did not run, so running it again is safe)."""
+        script = self._scripts[name]
+        try:
+            return await script(keys=list(keys), args=list(args))
+        except NoScriptError:
+            pass
+        try:
+            return await script(keys=list(keys), args=list(args))
+        except NoScriptError as exc:
+            raise StoreUnavailable(f"script {name} not loaded: {exc}") from exc
 
     async def ping(self) -> bool:
         return bool(await cast("Awaitable[bool]", self.client.ping()))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import redis.asyncio as aioredis
 
+from gateway.errors import StoreUnavailable
 from gateway.keys import ModelKeys
 from gateway.store import Grant, QueuedRequest, Store
 from policies.fairness import FairnessPolicy, Vtc
@@ -339,3 +341,30 @@ async def test_a_users_requests_with_deadlines_go_earliest_deadline_first(
         assert g is not None
         order.append(g.request_id)
     assert order == ["a3", "a1", "a5", "a4", "a0", "a2"]
+
+
+async def test_a_redis_restarted_between_loading_and_running_a_script(
+        redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py reloads a script the server lacks once; a server whose script cache empties
+    again before the rerun (restarted in between: seen in the Redis-kill chaos test, where
+    the NoScriptError escaped a running stream's first-token call and hung its client)
+    gets one more load, then a StoreUnavailable, never a NoScriptError."""
+    store = Store(redis, 600)
+    load = redis.script_load
+    flushes = {"left": 1}
+
+    async def load_then_restart(script: str) -> str:
+        sha = await load(script)
+        if flushes["left"]:
+            flushes["left"] -= 1
+            await redis.script_flush()  # the server's cache is empty again
+        return str(sha)
+
+    monkeypatch.setattr(redis, "script_load", load_then_restart)
+    await redis.script_flush()
+    assert await store.enqueue(M, req("a1", "a"), max_queued=2) == 1
+    assert flushes["left"] == 0  # the first reload was lost, the second one ran it
+    flushes["left"] = 99
+    await redis.script_flush()
+    with pytest.raises(StoreUnavailable, match="not loaded"):
+        await store.enqueue(M, req("a2", "a"), max_queued=2)
