@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from gateway.errors import StoreUnavailable
 from gateway.keys import ModelKeys, lua_prelude
+from gateway.values import GRANT, PREFILL, lua_values
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
 from policies.prefill import TOKENS_PER_BLOCK, PromptRange
@@ -107,12 +108,13 @@ GRANT_PICKUP_S = 2.0
 
 
 def load_script(name: str) -> str:
-    """A script's text, after the generated key functions, the shared helpers and the
+    """A script's text, after the generated key functions and value readers
+    (``gateway/values.py``), the shared helpers and the
     library modules (``lua/lib/``: the parts of the dispatch decision)."""
     lua = resources.files("gateway") / "lua"
     libs = sorted((f for f in (lua / "lib").iterdir() if f.name.endswith(".lua")),
                   key=lambda f: f.name)
-    return (lua_prelude() + (lua / "_lib.lua").read_text()
+    return (lua_prelude() + lua_values() + (lua / "_lib.lua").read_text()
             + "".join(f.read_text() for f in libs) + (lua / f"{name}.lua").read_text())
 
 
@@ -334,7 +336,8 @@ class Store:
             snap, sent, inflight, prefill, started = raw[5 * i: 5 * i + 5]
             states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0),
                                         int(float(snap.get("unseen") or 0)),
-                                        sum(int(float(v.split()[0])) for v in prefill),
+                                        sum(int(float(PREFILL.decode(v)["tokens"]))
+                                            for v in prefill),
                                         int(started))
         return states
 
@@ -359,7 +362,8 @@ class Store:
             [ModelKeys(model).grants(replica)], timeout=timeout_s))
         if item is None:
             return None
-        rid, backend, rank, _ = item[1].split("\t")
+        entry = GRANT.decode(item[1])
+        rid, backend, rank = entry["request_id"], entry["backend"], entry["rank"]
         return rid, backend, int(rank)
 
     async def held_by(self, model: str, replica: str) -> list[tuple[Grant, float]]:

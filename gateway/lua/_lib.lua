@@ -13,12 +13,12 @@ local function take_unseen(snapshot)
   return 0
 end
 
--- A backend's pending prefill (hash id -> "uncached prompt tokens, dispatched at"): the
--- sum of its tokens (policies/prefill.py).
+-- A backend's pending prefill (hash id -> gateway/values.py PREFILL entry): the sum of
+-- its tokens (policies/prefill.py).
 local function pending_prefill(hash)
   local total = 0
   for _, v in ipairs(redis.call('HVALS', hash)) do
-    total = total + (tonumber(string.match(v, '^%S+')) or 0)
+    total = total + (tonumber(prefill_tokens(v)) or 0)
   end
   return total
 end
@@ -26,13 +26,13 @@ end
 -- A replica is alive while its heartbeat is fresher than `ttl` seconds and it picks up
 -- the grants other replicas push to it (its listener waits on that list all the time):
 -- a grant left unread for `pickup` seconds means the replica died, whatever its last
--- heartbeat says. A grant entry is "id\tbackend\trank\tpushed_at".
+-- heartbeat says. A grant entry: gateway/values.py GRANT.
 local function replica_alive(replicas, prefix, replica, now, ttl, pickup)
   local beat = redis.call('ZSCORE', replicas, replica)
   if not beat or tonumber(beat) < now - ttl then return false end
   local head = redis.call('LINDEX', key_grants(prefix, replica), 0)
   if head then
-    local pushed_at = tonumber(string.match(head, '([^\t]+)$'))
+    local pushed_at = tonumber(grant_pushed_at(head))
     if pushed_at and pushed_at < now - pickup then
       -- a grant waits unread: dead only if its listener also made no turn for `ttl`
       -- (wedged); one that turns, late under load, is working through its grants

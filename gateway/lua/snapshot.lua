@@ -28,7 +28,7 @@ local entries = redis.call('HGETALL', KEYS[5])
 local before = {}
 for i = 1, #entries, 2 do
   local id = entries[i]
-  local at = tonumber(string.match(entries[i + 1], '%S+%s+(%S+)')) or 0
+  local at = tonumber(prefill_dispatched_at(entries[i + 1])) or 0
   if redis.call('EXISTS', key_request(ARGV[7], id)) == 0 then
     redis.call('HDEL', KEYS[5], id)
   elseif at < tonumber(ARGV[1]) then

@@ -20,10 +20,9 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
     redis.call('LPUSH', k.recent, class)
     redis.call('LTRIM', k.recent, 0, recent_kept - 1)
     if owner ~= replica then
-      redis.call('RPUSH', key_grants(prefix, owner),
-        id .. '\t' .. backend .. '\t' .. rank .. '\t' .. stamp)
+      redis.call('RPUSH', key_grants(prefix, owner), grant_entry(id, backend, rank, stamp))
     end
-    if tokens > 0 then redis.call('HSET', k.prefill, id, tokens .. ' ' .. stamp) end
+    if tokens > 0 then redis.call('HSET', k.prefill, id, prefill_entry(tokens, stamp)) end
     return rank, inflight
   end
 
