@@ -31,7 +31,7 @@ from gateway.store import Grant, Locality, QueuedRequest, Store
 from gateway.supervise import supervise
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
-from policies.gates import Gate
+from policies.gates import Gate, wider
 from policies.starvation import FloorPolicy, owed_class, service_order
 
 log = structlog.get_logger("fairgate.dispatcher")
@@ -244,11 +244,8 @@ class Dispatcher:
         for h in handles.values():
             snap = h.last if h.healthy else None
             gates = gated[h.name] = dict(h.gates_at(now, self.settings.snapshot_stale_s))
-            top = gates[CLASS_ORDER[0]]
-            if owed is not None and top.open and (
-                    (top.limit, top.max_inflight) > (gates[owed].limit, gates[owed].max_inflight)
-                    or not gates[owed].open):
-                gates[owed] = top  # a starved class borrows the top class's gate
+            if owed is not None:  # a starved class borrows the top class's gate
+                gates[owed] = wider(gates[owed], gates[CLASS_ORDER[0]])
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
             candidates.append(Candidate(h.name, waiting, running, h.sent_since_snapshot,
                                         any(g.open for g in gates.values())))

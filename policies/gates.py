@@ -113,6 +113,16 @@ def evaluate_gate(
     return Gate(limit, None, policy.free_slots if limit else 0, max_inflight)
 
 
+def wider(own: Gate, lent: Gate) -> Gate:
+    """The gate a class dispatches by when it may borrow ``lent`` (a starved class, the top
+    class's gate): the more open of the two, its own on a tie."""
+    if not lent.open:
+        return own
+    if not own.open or (lent.limit, lent.max_inflight) > (own.limit, own.max_inflight):
+        return lent
+    return own
+
+
 def queued_for_a_slot(snapshot: BackendSnapshot, peak_running: int) -> int:
     """Of the requests the snapshot shows waiting, those beyond the batch's free slots
     (``peak_running``, the most seen running, less those running): they wait for a running

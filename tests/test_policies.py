@@ -8,7 +8,7 @@ from policies.backend_choice import Candidate, by_load
 from policies.classes import effective_class
 from policies.cost import estimate_prompt_tokens
 from policies.fairness import RoundRobin, Vtc
-from policies.gates import BackendSnapshot, GatePolicy, evaluate_gate
+from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, wider
 from policies.priority import vllm_priority
 from policies.starvation import FloorPolicy, owed_class, service_order
 
@@ -77,3 +77,12 @@ def test_starved_class_is_owed_its_floor() -> None:
     assert owed_class(policy, {}, flood, 31.0) is None  # nothing backlogged
     assert service_order("batch") == ["batch", "interactive", "default"]
     assert service_order(None) == ["interactive", "default", "batch"]
+
+
+def test_a_starved_class_borrows_the_more_open_gate() -> None:
+    own, top = Gate(1, None, 0, 0), Gate(2, None, 0, 10)
+    assert wider(own, top) == top
+    assert wider(top, own) == top  # its own when it is the more open one
+    assert wider(Gate(0, "tpot"), top) == top  # a closed gate borrows an open one
+    assert wider(own, Gate(0, "stale")) == own  # a closed top gate lends nothing
+    assert wider(own, Gate(1, None, 0, 0)) == own  # a tie keeps its own
