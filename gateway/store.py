@@ -107,15 +107,20 @@ def _gate(limit: int | Gate) -> Gate:
 GRANT_PICKUP_S = 2.0
 
 
-def load_script(name: str) -> str:
-    """A script's text, after the generated key functions and value readers
-    (``gateway/values.py``), the shared helpers and the
-    library modules (``lua/lib/``: the parts of the dispatch decision)."""
+def load_library() -> str:
+    """What every script starts with: the generated key functions and value readers
+    (``gateway/keys.py``, ``gateway/values.py``), the shared helpers (``lua/_lib.lua``)
+    and the library modules (``lua/lib/``: the parts of the dispatch decision)."""
     lua = resources.files("gateway") / "lua"
     libs = sorted((f for f in (lua / "lib").iterdir() if f.name.endswith(".lua")),
                   key=lambda f: f.name)
     return (lua_prelude() + lua_values() + (lua / "_lib.lua").read_text()
-            + "".join(f.read_text() for f in libs) + (lua / f"{name}.lua").read_text())
+            + "".join(f.read_text() for f in libs))
+
+
+def load_script(name: str) -> str:
+    """A script's text, after :func:`load_library`."""
+    return load_library() + (resources.files("gateway") / "lua" / f"{name}.lua").read_text()
 
 
 @dataclass(frozen=True, slots=True)
