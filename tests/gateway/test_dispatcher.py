@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.backends import BackendPool
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Dispatcher, Settle
 from gateway.errors import (
     QueueTimeout,
     RateLimited,
@@ -357,7 +357,7 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
     # nothing was settled, and the dispatcher still knows it owes the settle
     assert await live.user_inflight(MODEL) == {"alice": 1}
     assert (await live.request_fields(MODEL, "r1"))["state"] == "dispatched"
-    assert list(rig.dispatcher._unsettled) == [(MODEL, grant, 5.0)]
+    assert list(rig.dispatcher._unsettled) == [Settle(MODEL, grant, 5.0, None, None)]
     # Redis is back: the heartbeat's retry settles it, charge included
     await rig.dispatcher._settle_deferred()
     assert await live.user_inflight(MODEL) == {}
