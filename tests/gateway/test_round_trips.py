@@ -19,9 +19,14 @@ import redis.asyncio as aioredis
 
 from gateway.metrics import GatewayMetrics
 from gateway.server import GatewayServer
-from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
+from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, complete
 
 N = 200
+# Background traffic differs a little between the run and the idle window (a scrape more
+# or less): a few commands over N requests. Bounds met exactly by construction (three
+# calls for a streamed request, four under limits) get this much room; an extra call per
+# request is a whole one.
+NOISE = 0.15
 LIMITED = {"key": "sk-limited", "user": "lima", "limits": {"rpm": 100000, "tpm": 10000000}}
 
 
@@ -83,7 +88,7 @@ async def per_request(gw: GatewayServer, redis_url: str,
         run_s = time.monotonic() - start
         c1, t1 = gateway_counts(metrics)
         m1 = mon.commands
-        await asyncio.sleep(run_s)  # the idle window: background traffic only
+        await asyncio.sleep(run_s)  # the idle window itself: background traffic only
         c2, t2 = gateway_counts(metrics)
         m2 = mon.commands
     return {"commands": ((c1 - c0) - (c2 - c1)) / N, "round_trips": ((t1 - t0) - (t2 - t1)) / N,
@@ -115,7 +120,6 @@ async def test_a_request_costs_at_most_three_commands_in_two_and_a_half_round_tr
 
 async def test_a_streamed_request_and_one_under_limits_cost_at_most_four_commands(
         sim: SimFactory, gateway: GatewayFactory, redis_url: str) -> None:
-    from tests.gateway.conftest import KEYS
     backend = await sim(profile="instant")
     gw = await gateway([backend], scrape_interval_s=0.1, replica_heartbeat_s=1.0,
                        api_keys=[*KEYS, LIMITED])
@@ -125,8 +129,11 @@ async def test_a_streamed_request_and_one_under_limits_cost_at_most_four_command
                                     lambda: complete(session, gw.url, "sk-limited", 2))
     print(f"\nper request, streamed: {streamed}\nper request, limits on: {limited}")
     # streamed: the first token frees its slot (started) on top of enqueue and settle
-    assert streamed["commands"] <= 3.0, f"gateway counted {streamed} per streamed request"
-    assert streamed["monitor"] <= 3.0, f"MONITOR counted {streamed} per streamed request"
+    assert streamed["commands"] <= 3.0 + NOISE, f"gateway counted {streamed} per streamed request"
+    assert streamed["monitor"] <= 3.0 + NOISE, f"MONITOR counted {streamed} per streamed request"
     # limits on: the limits' check and their correction on top
-    assert limited["commands"] <= 4.0, f"gateway counted {limited} per limited request"
-    assert limited["monitor"] <= 4.0, f"MONITOR counted {limited} per limited request"
+    assert limited["commands"] <= 4.0 + NOISE, f"gateway counted {limited} per limited request"
+    assert limited["monitor"] <= 4.0 + NOISE, f"MONITOR counted {limited} per limited request"
+    for got in (streamed, limited):
+        assert abs(got["monitor"] - got["commands"]) <= 0.3, (
+            f"MONITOR and the gateway's counter disagree: {got}")
