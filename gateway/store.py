@@ -118,6 +118,10 @@ def load_library() -> str:
     and the library modules (``lua/lib/``, :data:`LIBRARY`: the parts of the dispatch
     decision, the in-flight state, the replicas)."""
     lua = resources.files("gateway") / "lua"
+    found = {f.name.removesuffix(".lua") for f in (lua / "lib").iterdir()
+             if f.name.endswith(".lua")}
+    if found != set(LIBRARY):
+        raise RuntimeError(f"lua/lib/ holds {sorted(found)}, LIBRARY lists {list(LIBRARY)}")
     return (lua_prelude() + lua_values() + (lua / "_lib.lua").read_text()
             + "".join((lua / "lib" / f"{name}.lua").read_text() for name in LIBRARY))
 
