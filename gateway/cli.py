@@ -20,9 +20,9 @@ from typing import Any
 import structlog
 
 from gateway import event_loop
-from gateway.admin import reload_settings
 from gateway.errors import FairgateError
 from gateway.logs import configure_logging
+from gateway.reload import reload_settings
 from gateway.server import GatewayServer
 from gateway.settings import Settings, load_settings
 from gateway.worker_signals import RELOAD_SIGNAL
