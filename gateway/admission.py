@@ -40,7 +40,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics, StreamTiming
 from gateway.quotas import Held, Quotas
-from gateway.settings import ApiKey, Settings
+from gateway.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.store import Grant, QueuedRequest
 from gateway.usage import UsageLedger
 from gateway.waits import Waits
@@ -95,11 +95,11 @@ class Ticket:
         self.completed = completed
 
 
-class Admission:
-    def __init__(self, settings: Settings, dispatcher: Dispatcher, pool: BackendPool,
+class Admission(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
                  quotas: Quotas | None = None, usage: UsageLedger | None = None) -> None:
-        self.settings = settings
+        self.holder = settings
         self.quotas = quotas
         self.usage = usage
         self.dispatcher = dispatcher

@@ -26,7 +26,7 @@ from gateway.errors import (
     StoreUnavailable,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
+from gateway.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.store import Grant, Locality, QueuedRequest, Store
 from gateway.supervise import supervise
 from policies.backend_choice import Candidate, by_load
@@ -50,10 +50,10 @@ class Waiter:
     future: asyncio.Future[Grant]
 
 
-class Dispatcher:
-    def __init__(self, settings: Settings, store: Store, pool: BackendPool,
+class Dispatcher(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
                  metrics: GatewayMetrics, replica_id: str) -> None:
-        self.settings = settings
+        self.holder = settings
         self.store = store
         self.pool = pool
         self.metrics = metrics
@@ -73,6 +73,13 @@ class Dispatcher:
         self.held: dict[str, Grant] = {}
         self._store_down = False
         self._beats = 0
+        self.floors: FloorPolicy
+        self.locality: Locality | None
+        self._derive(settings.current)
+        settings.on_swap(self._derive)
+
+    def _derive(self, settings: Settings) -> None:
+        """The starvation floors and the locality rule of these settings."""
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
         self.locality = (Locality(settings.locality_slack, settings.locality_candidates,

@@ -1,10 +1,14 @@
-"""Config reload: re-read the config file and swap in what may change without a restart.
+"""Config reload: re-read the config file and swap the settings holder once.
 
 ``POST /admin/reload`` (admin key) and SIGHUP (``gateway/worker_signals.py``) both land
-here. A reload re-reads ``api_keys``, ``admin_keys`` and ``backends`` (added, removed or
-re-pointed backends of the models already served: queues and connections stay) and swaps
-in new settings; a new model, or changed classes, fairness, Redis or listen settings are
-reported under ``restart_required`` and not applied.
+here. Every setting read while serving takes effect: the classes (gates, pacing, waits,
+queue limits, prefill limits), starvation floors, locality, scrape and batch timing,
+``retry_after_s``, … — the holder (``gateway/settings.SettingsHolder``) is swapped and the
+collaborators that derive state from it re-derive it. Keys and admin keys are re-read,
+and the backends of the models already served are added, removed or re-pointed (queues
+and connections stay). What is wired at start (Redis, the listen socket, the fairness
+policy, tenants, a new model, timeouts of open connections, …) keeps its old value and is
+reported under ``restart_required``.
 """
 
 from __future__ import annotations
@@ -25,13 +29,21 @@ from gateway.worker_signals import reload_siblings
 
 log = structlog.get_logger("fairgate.admin")
 
-RESTART_FIELDS = ("backends", "classes", "fairness", "redis_url", "listen", "replica_id",
+# settings wired into something built once at start: a change needs a restart
+RESTART_FIELDS = ("backends", "fairness", "redis_url", "listen", "replica_id",
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap", "tenants",
-                  "key_pepper")
+                  "key_pepper", "workers", "data_dir", "max_file_bytes",
+                  "usage_retention_days", "session_ttl_s", "upstream_timeout_s",
+                  "max_request_s", "upstream_keepalive_s", "metrics_top_users",
+                  "metrics_user_idle_s", "max_body_bytes", "client_idle_timeout_s",
+                  "max_client_connections", "log_level", "event_loop",
+                  "log_sample_above_per_s")
+ALWAYS_RELOADED = ("api_keys", "admin_keys")
 
 
-def _changed(old: Settings, new: Settings) -> list[str]:
-    return [f for f in RESTART_FIELDS if getattr(old, f) != getattr(new, f)]
+def _changed(old: Settings, new: Settings, fields: tuple[str, ...] | list[str]
+             ) -> list[str]:
+    return [f for f in fields if getattr(old, f) != getattr(new, f)]
 
 
 async def reload_config(request: web.Request) -> web.Response:
@@ -41,9 +53,9 @@ async def reload_config(request: web.Request) -> web.Response:
 
 
 def reload_settings(svc: Services) -> dict[str, Any]:
-    """Re-read the config file into ``svc`` (keys, admin keys, backends); what changed and
-    what needs a restart. Raises ``NoConfigFile``/``BadRequest`` and changes nothing when
-    there is no file or it is invalid. Also run on SIGHUP (``gateway/worker_signals.py``)."""
+    """Re-read the config file and swap ``svc.config`` once; what changed and what needs a
+    restart. Raises ``NoConfigFile``/``BadRequest`` and changes nothing when there is no
+    file or it is invalid. Also run on SIGHUP (``gateway/worker_signals.py``)."""
     current = svc.settings
     if current.config_file is None:
         raise NoConfigFile("the gateway was started without a config file: nothing to reload")
@@ -52,19 +64,18 @@ def reload_settings(svc: Services) -> dict[str, Any]:
     except (ValidationError, FileNotFoundError, yaml.YAMLError) as exc:
         raise BadRequest(f"config file {str(current.config_file)!r} is invalid; "
                          f"nothing reloaded: {exc}") from None
-    restart = _changed(current, new)
-    reloaded = ["api_keys", "admin_keys"]
-    update: dict[str, object] = {"api_keys": new.api_keys, "admin_keys": new.admin_keys}
-    backends: dict[str, list[str]] = {}
-    if "backends" in restart and new.models() == current.models():
-        # same models: re-point the pool in place; queues and connections stay
-        backends = svc.pool.reconcile(new.backends)
-        update["backends"] = new.backends
+    restart = _changed(current, new, RESTART_FIELDS)
+    repoint = "backends" in restart and new.models() == current.models()
+    if repoint:  # same models: re-point the pool in place; queues and connections stay
         restart.remove("backends")
-        reloaded.append("backends")
-    svc.settings = current.model_copy(update=update)
+    live = [f for f in Settings.model_fields
+            if f not in RESTART_FIELDS and f not in ALWAYS_RELOADED]
+    reloaded = [*ALWAYS_RELOADED, *(["backends"] if repoint else []),
+                *_changed(current, new, live)]
+    svc.config.swap(new.model_copy(update={f: getattr(current, f) for f in restart}))
+    backends = svc.pool.reconcile(new.backends) if repoint else {}
     svc.keys = KeyRing(new.api_keys, new.admin_keys, svc.keys.runtime)
     log.info("config_reloaded", api_keys=len(new.api_keys), admin_keys=len(new.admin_keys),
-             backends=backends, restart_required=restart)
+             backends=backends, reloaded=reloaded, restart_required=restart)
     return {"reloaded": reloaded, "api_keys": len(new.api_keys), "backends": backends,
             "restart_required": restart}

@@ -7,6 +7,7 @@ Precedence: explicit overrides > environment (``FAIRGATE_REDIS_URL``,
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -290,3 +291,38 @@ def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Se
     if path is not None:
         overrides.setdefault("config_file", Path(path))
     return _FromFile(**overrides)
+
+
+class SettingsHolder:
+    """The settings in force: the one object every collaborator reads (``.current``).
+
+    Built once in the composition root (``gateway/services.py``); a reload
+    (``gateway/reload.py``) swaps it once, and the collaborators that derive state from
+    the settings (gate policies, the starvation floors, …) re-derive it in ``on_swap``.
+    """
+
+    __slots__ = ("_derive", "current")
+
+    def __init__(self, settings: Settings) -> None:
+        self.current = settings
+        self._derive: list[Callable[[Settings], None]] = []
+
+    def on_swap(self, derive: Callable[[Settings], None]) -> None:
+        """Run ``derive`` with the new settings after every swap."""
+        self._derive.append(derive)
+
+    def swap(self, new: Settings) -> None:
+        self.current = new
+        for derive in self._derive:
+            derive(new)
+
+
+class ReadsSettings:
+    """A collaborator's ``self.settings``: always the holder's current settings, never a
+    copy of its own."""
+
+    holder: SettingsHolder
+
+    @property
+    def settings(self) -> Settings:
+        return self.holder.current
