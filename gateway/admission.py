@@ -226,7 +226,7 @@ class Admission(ReadsSettings):
                     model, klass, user, queued.cost)
             raise
         except Unavailable as exc:  # the queued request was lost (Redis is reachable)
-            if exc.retry_after_s is not None and not isinstance(exc, StoreUnavailable):
+            if not isinstance(exc, StoreUnavailable):  # that one: the edge's floor
                 exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
             raise
         self.waits.dispatched(model, klass)

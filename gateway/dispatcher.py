@@ -122,7 +122,7 @@ class Dispatcher(ReadsSettings):
             self.waiters.pop(req.request_id, None)
             raise RateLimited(
                 f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
-                "queued for this model", retry_after_s=self.settings.retry_after_s)
+                "queued for this model")  # Retry-After: the wait estimator's (admission)
         self.wake()
         try:
             return await self._await_grant(model, req, future, timeout_s)
@@ -143,10 +143,8 @@ class Dispatcher(ReadsSettings):
                     # dropped at dispatch (this replica looked dead) or expired: say so now
                     # instead of waiting out the whole queue timeout
                     self.waiters.pop(req.request_id, None)
-                    raise RequestLost("the queued request was lost; retry it",
-                                      retry_after_s=self.settings.retry_after_s) from None
-        raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue",
-                           retry_after_s=self.settings.retry_after_s)
+                    raise RequestLost("the queued request was lost; retry it") from None
+        raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue")
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.edge import sse_frame
 from gateway.errors import UpstreamError
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -203,8 +204,7 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
             await _write(out, rest)
     except (aiohttp.ClientError, TimeoutError) as exc:
         # The status line is gone already: end the stream with an error event instead.
-        error = UpstreamError(f"backend failed mid-stream: {exc!r}")
-        await _write(out, b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        await _write(out, sse_frame(UpstreamError(f"backend failed mid-stream: {exc!r}")))
     finally:
         report_usage(frames.usage, listener)
         if not frames.usage:
