@@ -14,7 +14,7 @@ from gateway.errors import BadRequest, KeyInConfig, NotFound
 from gateway.routes import key_usage
 from gateway.services import Services
 from gateway.settings import ApiKey, UsageLimits
-from policies.classes import CLASS_ORDER
+from policies.classes import CLASS_ORDER, DEFAULT_CLASS
 
 NAME = re.compile(r"[A-Za-z0-9._@:-]{1,128}")
 
@@ -24,7 +24,7 @@ class NewKey(BaseModel):
 
     user: str
     tenant: str | None = None
-    priority_class: str = "default"
+    priority_class: str = DEFAULT_CLASS.name
     weight: float = Field(1.0, gt=0, le=1000, allow_inf_nan=False)
     trusted_end_users: bool = False
     limits: UsageLimits | None = None
