@@ -17,6 +17,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.admission import Admission, Ticket
+from gateway.completion_request import CompletionRequest
+from gateway.endpoints import CHAT
 from gateway.errors import BackendRemoved
 from gateway.keys import ModelKeys
 from gateway.store import Grant, QueuedRequest
@@ -39,7 +41,8 @@ class Setup:
     admission: Admission
 
     def admitted(self, request_id: str = "r1") -> Any:
-        return self.admission.admitted(MODEL, USER, KLASS, WEIGHT, BODY,
+        return self.admission.admitted(MODEL, USER, KLASS, WEIGHT,
+                                       CompletionRequest(CHAT, BODY),
                                        request_id=request_id)
 
     def dispatch_when_queued(self) -> asyncio.Task[bool]:
