@@ -75,6 +75,7 @@ class Ticket:
     completed: bool = False
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
     limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
+    usage_recorded: bool = False  # its usage counts rode on its settle
     _started: bool = field(default=False, repr=False)
 
     async def first_token(self) -> None:
@@ -161,7 +162,7 @@ class Admission(ReadsSettings):
         try:
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
-                                      tenant=account.tenant if account else None) as ticket:
+                                      account=account) as ticket:
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
@@ -174,12 +175,13 @@ class Admission(ReadsSettings):
                     await asyncio.shield(self.quotas.settle(held, prompt + output))
             if account is not None:
                 await self._record_usage(account, model, klass, prompt, output, error=not (
-                    ticket is not None and ticket.completed))
+                    ticket is not None and ticket.completed),
+                    stored=ticket is not None and ticket.usage_recorded)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
-                            output: int, error: bool) -> None:
+                            output: int, error: bool, stored: bool = False) -> None:
         self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
-        if self.usage is not None:
+        if self.usage is not None and not stored:
             with contextlib.suppress(StoreUnavailable):
                 await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
                                                        error))
@@ -188,9 +190,10 @@ class Admission(ReadsSettings):
     async def _admitted(self, model: str, user: str, klass: str, weight: float,
                         creq: CompletionRequest, request_id: str,
                         arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                        tenant: str | None = None) -> AsyncIterator[Ticket]:
+                        account: ApiKey | None = None) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
-        key's ``tenant``, see ``policies/fairness.tenant_of``) real token counts.
+        ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
+        the key's usage recorded with the release (one Redis call).
 
         ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
         ``deadline_ms``: the first-token deadline from arrival (default: the class's
@@ -198,7 +201,7 @@ class Admission(ReadsSettings):
         is awaited, so they do not depend on the client staying connected."""
         prompt_est = estimate(creq)
         await self._check_fit(model, klass, creq, prompt_est)
-        tenant, tenant_weight = tenant_of(user, tenant, weight, {
+        tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
@@ -268,7 +271,14 @@ class Admission(ReadsSettings):
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
-            await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge))
+            usage = None
+            if account is not None and self.usage is not None:
+                sent = not ticket.unsent
+                usage = self.usage.counts(account, model, klass, prompt if sent else 0,
+                                          output if sent else 0, error=not ticket.completed)
+                ticket.usage_recorded = True
+            await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
+                                                         usage))
 
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
                          prompt_tokens: int) -> None:

@@ -268,7 +268,11 @@ def add_endpoint_routes(app: web.Application, local: dict[str, Handler],
         if endpoint.kind is not Kind.LOCAL or endpoint.operation_id in local:
             # ".+": a model id may hold a slash ("org/model")
             path = endpoint.path.replace("{model}", "{model:.+}")
-            app.router.add_route(endpoint.method, path, endpoint_handler(endpoint, local))
+            handler = endpoint_handler(endpoint, local)
+            if endpoint.method == "GET":  # and HEAD, as aiohttp's add_get
+                app.router.add_get(path, handler)
+            else:
+                app.router.add_route(endpoint.method, path, handler)
 
 
 def add_routes(app: web.Application) -> None:

@@ -130,3 +130,15 @@ def test_the_simulator_routes_every_entry_with_a_behaviour() -> None:
     assert wanted <= served, wanted - served
     assert {e.sim for e in ENDPOINTS if e.sim} <= set(server.behaviours())
     assert ("GET", "/v1/files") not in served  # fairgate's own, not vLLM's
+
+
+async def _empty(request: web.Request) -> web.StreamResponse:
+    return web.json_response({})
+
+
+def test_get_routes_answer_head_too() -> None:
+    app = web.Application()
+    add_endpoint_routes(app, {"listModels": _empty},
+                        tuple(e for e in ENDPOINTS if e.operation_id == "listModels"))
+    methods = {r.method for r in app.router.routes()}
+    assert methods == {"GET", "HEAD"}, methods
