@@ -441,7 +441,8 @@ class Dispatcher(ReadsSettings):
         starts = [*self._take_starts(model), start]
         try:
             plan, then = await self._fold(model, grant.backend)
-            done = await self.store.mark_started(model, grant, start.at, then, starts[:-1])
+            done = await self.store.mark_started(model, grant, start.at, then,
+                                                 held=starts[:-1])
         except StoreUnavailable:
             self._hold(model, starts)  # sent with the next call, the settle at the latest
             self.wake_freed()
