@@ -26,6 +26,7 @@ from typing import TypeVar
 import structlog
 
 from gateway.backends import BackendHandle, BackendPool
+from gateway.completion_request import CompletionRequest
 from gateway.dispatcher import Dispatcher
 from gateway.errors import (
     BackendRemoved,
@@ -74,6 +75,7 @@ class Ticket:
     completed: bool = False
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
     limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
+    usage_recorded: bool = False  # its usage counts rode on its settle
     _started: bool = field(default=False, repr=False)
 
     async def first_token(self) -> None:
@@ -95,6 +97,12 @@ class Ticket:
         self.completed = completed
 
 
+def estimate(creq: CompletionRequest) -> int:
+    """The prompt tokens of a request before a backend tokenized it, read from its
+    endpoint's prompt field."""
+    return estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
+
+
 class Admission:
     def __init__(self, settings: Settings, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
@@ -110,14 +118,14 @@ class Admission:
         self.waits = Waits(settings, dispatcher.store)
 
     async def call(self, model: str, user: str, klass: str, weight: float,
-                   body: dict[str, object], send: Callable[[Ticket], Awaitable[T]],
+                   creq: CompletionRequest, send: Callable[[Ticket], Awaitable[T]],
                    request_id: str | None = None, arrived_s: float | None = None,
                    deadline_ms: int | None = None, account: ApiKey | None = None) -> T:
         """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
         fails before anything was sent (nothing reached its engine), the backend's gates
         close and the request is queued once more, for another backend."""
         for attempt in (1, 2):
-            async with self.admitted(model, user, klass, weight, body, request_id,
+            async with self.admitted(model, user, klass, weight, creq, request_id,
                                      arrived_s, deadline_ms=deadline_ms,
                                      account=account) as ticket:
                 try:
@@ -132,28 +140,29 @@ class Admission:
 
     @asynccontextmanager
     async def admitted(self, model: str, user: str, klass: str, weight: float,
-                       body: dict[str, object], request_id: str | None = None,
+                       creq: CompletionRequest, request_id: str | None = None,
                        arrived_s: float | None = None, *, deadline_ms: int | None = None,
                        account: ApiKey | None = None) -> AsyncIterator[Ticket]:
         """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
-        tenant, ``gateway/quotas.py``): charged before queueing, corrected at the end,
-        and its usage recorded (``gateway/usage.py``)."""
+        tenant, ``gateway/quotas.py``): charged before queueing (the prompt's estimate and
+        the endpoint's output-token bound), corrected at the end, and its usage recorded
+        (``gateway/usage.py``)."""
         request_id = request_id or uuid.uuid4().hex
         held: Held | None = None
-        prompt_est = estimate_prompt_tokens(body)
+        prompt_est = estimate(creq)
         if account is not None and self.quotas is not None:
             try:
                 held = await self.quotas.admit(account, request_id, reservation(
-                    prompt_est, body.get("max_tokens", body.get("max_completion_tokens"))))
+                    prompt_est, creq.endpoint.output_bound(creq.body)))
             except RateLimitExceeded as exc:
                 self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
                 await self._record_usage(account, model, klass, 0, 0, error=True)
                 raise
         ticket: Ticket | None = None
         try:
-            async with self._admitted(model, user, klass, weight, body, request_id,
+            async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
-                                      tenant=account.tenant if account else None) as ticket:
+                                      account=account) as ticket:
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
@@ -166,35 +175,38 @@ class Admission:
                     await asyncio.shield(self.quotas.settle(held, prompt + output))
             if account is not None:
                 await self._record_usage(account, model, klass, prompt, output, error=not (
-                    ticket is not None and ticket.completed))
+                    ticket is not None and ticket.completed),
+                    stored=ticket is not None and ticket.usage_recorded)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
-                            output: int, error: bool) -> None:
+                            output: int, error: bool, stored: bool = False) -> None:
         self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
-        if self.usage is not None:
+        if self.usage is not None and not stored:
             with contextlib.suppress(StoreUnavailable):
                 await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
                                                        error))
 
     @asynccontextmanager
     async def _admitted(self, model: str, user: str, klass: str, weight: float,
-                        body: dict[str, object], request_id: str,
+                        creq: CompletionRequest, request_id: str,
                         arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                        tenant: str | None = None) -> AsyncIterator[Ticket]:
+                        account: ApiKey | None = None) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
-        key's ``tenant``, see ``policies/fairness.tenant_of``) real token counts.
+        ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
+        the key's usage recorded with the release (one Redis call).
 
         ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
         ``deadline_ms``: the first-token deadline from arrival (default: the class's
         ``ttft_slo_ms``). Metrics and the ``finished`` log are recorded before the release
         is awaited, so they do not depend on the client staying connected."""
-        prompt_est = estimate_prompt_tokens(body)
-        await self._check_fit(model, klass, body, prompt_est)
-        tenant, tenant_weight = tenant_of(user, tenant, weight, {
+        prompt_est = estimate(creq)
+        await self._check_fit(model, klass, creq, prompt_est)
+        tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
-                               prefix_chain(body) if self.settings.routing == "locality" else (),
+                               (prefix_chain(creq.body) if self.settings.routing == "locality"
+                                else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
                                prompt_tokens=prompt_est)
         cls_cfg = self.settings.classes[klass]
@@ -259,9 +271,16 @@ class Admission:
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
-            await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge))
+            usage = None
+            if account is not None and self.usage is not None:
+                sent = not ticket.unsent
+                usage = self.usage.counts(account, model, klass, prompt if sent else 0,
+                                          output if sent else 0, error=not ticket.completed)
+                ticket.usage_recorded = True
+            await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
+                                                         usage))
 
-    async def _check_fit(self, model: str, klass: str, body: dict[str, object],
+    async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
                          prompt_tokens: int) -> None:
         """With length-aware pools (``policies/prefill.py``): a prompt no backend of the
         model takes is refused (400), one whose backends are all down gets a 503 now; it
@@ -271,8 +290,8 @@ class Admission:
             return
         if not taking:
             ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
-            param = next((p for p in ("messages", "input", "prompt") if p in body), None)
-            raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges), param=param)
+            raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges),
+                                      param=creq.endpoint.prompt_field)
         if not any(h.healthy for h in taking):
             names = ", ".join(sorted(h.name for h in taking))
             raise Unavailable(f"no healthy backend of {model!r} takes a prompt of about "

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway.completion_request import CHAT, COMPLETIONS, check_depth
+from gateway.completion_request import check_depth
+from gateway.endpoints import BATCHABLE
 from gateway.errors import BadRequest
 
-ENDPOINTS = (CHAT, COMPLETIONS)
 MAX_REPORTED = 10
 
 
@@ -54,8 +54,8 @@ def _check(obj: Any, models: Collection[str], max_depth: int | None) -> str | No
         return "'custom_id' must be a non-empty string"
     if obj.get("method") != "POST":
         return "'method' must be \"POST\""
-    if obj.get("url") not in ENDPOINTS:
-        return f"'url' must be one of {', '.join(ENDPOINTS)}"
+    if obj.get("url") not in BATCHABLE:
+        return f"'url' must be one of {', '.join(BATCHABLE)}"
     body = obj.get("body")
     if not isinstance(body, dict):
         return "'body' must be an object"

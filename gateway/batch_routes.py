@@ -12,10 +12,12 @@ from typing import Any
 from aiohttp import BodyPartReader, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.batch_input import ENDPOINTS, summarize_file
+from gateway.batch_input import summarize_file
 from gateway.batches import FINAL, WINDOW_S
+from gateway.endpoints import BATCHABLE, BATCHES, FILES
 from gateway.errors import BadRequest, FairgateError
 from gateway.files import FileMeta
+from gateway.routes import add_endpoint_routes
 from gateway.services import SERVICES, Services
 
 CHUNK = 64 * 1024
@@ -126,8 +128,8 @@ def _check_create(body: dict[str, Any]) -> tuple[str, str, str, dict[str, str] |
     window, metadata = body.get("completion_window", "24h"), body.get("metadata")
     if not isinstance(file_id, str) or not file_id:
         raise BadRequest("'input_file_id' is required", param="input_file_id")
-    if endpoint not in ENDPOINTS:
-        raise BadRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    if endpoint not in BATCHABLE:
+        raise BadRequest(f"'endpoint' must be one of {', '.join(BATCHABLE)}", param="endpoint")
     if not isinstance(window, str) or window not in WINDOW_S:
         raise BadRequest("'completion_window' must be \"24h\"", param="completion_window")
     if metadata is not None and not (
@@ -197,12 +199,8 @@ async def cancel_batch(request: web.Request) -> web.Response:
 
 
 def add_batch_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/files", upload_file)
-    app.router.add_get("/v1/files", list_files)
-    app.router.add_get("/v1/files/{file_id}", get_file)
-    app.router.add_get("/v1/files/{file_id}/content", file_content)
-    app.router.add_delete("/v1/files/{file_id}", delete_file)
-    app.router.add_post("/v1/batches", create_batch)
-    app.router.add_get("/v1/batches", list_batches)
-    app.router.add_get("/v1/batches/{batch_id}", get_batch)
-    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+    add_endpoint_routes(app, {
+        "createFile": upload_file, "listFiles": list_files, "retrieveFile": get_file,
+        "downloadFile": file_content, "deleteFile": delete_file,
+        "createBatch": create_batch, "listBatches": list_batches,
+        "retrieveBatch": get_batch, "cancelBatch": cancel_batch}, FILES + BATCHES)

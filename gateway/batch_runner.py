@@ -30,6 +30,7 @@ from gateway.admission import Admission
 from gateway.batch_input import BatchLine, load_file
 from gateway.batches import FINAL, BatchStore
 from gateway.completion_request import CompletionRequest
+from gateway.endpoints import BY_PATH
 from gateway.errors import (
     FairgateError,
     InsufficientQuota,
@@ -235,13 +236,13 @@ class BatchRunner:
     async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine,
                             account: ApiKey | None = None) -> None:
         """Run one line until it has a result in the output or the error file."""
-        creq = CompletionRequest(line.url, line.body)
+        creq = CompletionRequest(BY_PATH[line.url], line.body)
         attempt = 0
         while True:
             attempt += 1
             try:
                 async with self.admission.admitted(line.model, doc["user"], "batch",
-                                                   doc.get("weight", 1.0), line.body,
+                                                   doc.get("weight", 1.0), creq,
                                                    account=account) as ticket:
                     status, data = await self.upstream.fetch(ticket.backend, creq,
                                                              ticket.priority, ticket)

@@ -1,10 +1,9 @@
-"""Validation of an incoming body for the OpenAI routes fairgate schedules
-(``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/responses``) and
-for vLLM's ``/tokenize`` and ``/detokenize``, which it forwards unscheduled.
+"""Validation of an incoming body for the OpenAI endpoints fairgate queues and those it
+forwards unqueued, each as its entry in ``gateway/endpoints.py`` declares it.
 
-Only what fairgate needs is checked (the model it routes by, the fields it estimates the
-prompt from, ``stream``, the output-token bound, the end user); every other field passes
-through to vLLM untouched.
+Only what fairgate needs is checked (the model it routes by, the endpoint's prompt field,
+``stream``, its output-token fields, the end user); every other field passes through to
+vLLM untouched.
 :class:`Limits` bounds what a client may send beyond the body's size (settings
 ``max_json_depth``, ``max_output_tokens``, ``max_end_user_chars``): nesting depth (deeper
 JSON would make encoding it for the backend recurse past Python's limit), requested
@@ -17,26 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway.endpoints import Endpoint, Frames
 from gateway.errors import BadRequest, PayloadTooLarge, RequestTimeout
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"  # never streamed
-RESPONSES = "/v1/responses"
-TOKENIZE = "/tokenize"  # vLLM's own, not queued
-DETOKENIZE = "/detokenize"
-# the fields that bound a request's output tokens, per route
-OUTPUT_TOKEN_FIELDS = {CHAT: ("max_tokens", "max_completion_tokens"),
-                       COMPLETIONS: ("max_tokens", "max_completion_tokens"),
-                       RESPONSES: ("max_output_tokens",)}
 DEADLINE_HEADER = "X-Fairgate-Deadline-Ms"
 MAX_DEADLINE_MS = 86_400_000  # one day, batch's longest queue wait
 
@@ -60,10 +51,14 @@ NO_LIMITS = Limits()
 
 @dataclass(slots=True)
 class CompletionRequest:
-    """A validated body of one of the scheduled routes (``path``)."""
+    """A validated body of one of the queued endpoints."""
 
-    path: str
+    endpoint: Endpoint
     body: dict[str, Any]
+
+    @property
+    def path(self) -> str:
+        return self.endpoint.path
 
     @property
     def model(self) -> str:
@@ -79,12 +74,12 @@ class CompletionRequest:
         return user if isinstance(user, str) and user else None
 
 
-async def read_completion(request: web.Request, path: str, max_bytes: int,
+async def read_completion(request: web.Request, endpoint: Endpoint, max_bytes: int,
                           limits: Limits = NO_LIMITS,
                           idle_timeout_s: float | None = None) -> CompletionRequest:
     body = await read_json_object(request, max_bytes, idle_timeout_s)
-    validate_body(body, path, limits)
-    return CompletionRequest(path, body)
+    validate_body(body, endpoint, limits)
+    return CompletionRequest(endpoint, body)
 
 
 async def read_json_object(request: web.Request, max_bytes: int,
@@ -123,20 +118,22 @@ async def _read(request: web.Request, n: int, idle_timeout_s: float | None) -> b
                              ) from None
 
 
-def validate_body(body: dict[str, Any], path: str, limits: Limits = NO_LIMITS) -> None:
+def validate_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_LIMITS
+                  ) -> None:
     """Raises :class:`BadRequest` naming the first field that is wrong."""
     if limits.max_json_depth is not None:
         check_depth(body, limits.max_json_depth)
     check_model(body)
-    _check_prompt(body, path)
+    if endpoint.prompt_field is not None:
+        PROMPT_CHECKS[endpoint.prompt_field](body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    if path == EMBEDDINGS and stream:
-        raise BadRequest("embeddings are not streamed: 'stream' must be false or absent",
-                         param="stream")
-    _check_output_tokens(body, OUTPUT_TOKEN_FIELDS.get(path, ()), limits.max_output_tokens)
-    if path in (CHAT, COMPLETIONS):
+    if stream and not endpoint.streams:
+        raise BadRequest(f"{endpoint.path} is not streamed: 'stream' must be false or "
+                         "absent", param="stream")
+    _check_output_tokens(body, endpoint.output_token_fields, limits.max_output_tokens)
+    if endpoint.frames is Frames.CHOICES:
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
             raise BadRequest("'stream_options' must be an object", param="stream_options")
@@ -144,19 +141,25 @@ def validate_body(body: dict[str, Any], path: str, limits: Limits = NO_LIMITS) -
         check_end_user(body.get("user"), limits.max_end_user_chars)
 
 
-def _check_prompt(body: dict[str, Any], path: str) -> None:
-    """The field the prompt is estimated from: ``messages``, ``prompt`` or ``input``."""
-    if path == CHAT:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty array", param="messages")
-        if not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise BadRequest("each message must be an object with a 'role'", param="messages")
-    elif path in (EMBEDDINGS, RESPONSES):
-        if not isinstance(body.get("input"), str | list):
-            raise BadRequest("'input' must be a string or an array", param="input")
-    elif "prompt" not in body or not isinstance(body["prompt"], str | list):
-        raise BadRequest("'prompt' must be a string or an array", param="prompt")
+def _check_messages(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise BadRequest("each message must be an object with a 'role'", param="messages")
+
+
+def _text_or_array(name: str) -> Callable[[dict[str, Any]], None]:
+    def check(body: dict[str, Any]) -> None:
+        if not isinstance(body.get(name), str | list):
+            raise BadRequest(f"'{name}' must be a string or an array", param=name)
+    return check
+
+
+# the prompt fields an endpoint may declare, each with its check
+PROMPT_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "messages": _check_messages, "prompt": _text_or_array("prompt"),
+    "input": _text_or_array("input")}
 
 
 def read_deadline_ms(value: str | None) -> int | None:
@@ -199,12 +202,13 @@ def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int 
             raise BadRequest(f"'{name}' must be at most {cap} (got {value})", param=name)
 
 
-def check_context(body: dict[str, Any], path: str, max_model_len: int | None) -> None:
+def check_context(body: dict[str, Any], endpoint: Endpoint, max_model_len: int | None
+                  ) -> None:
     """Output limits beyond the model's context length can never be met (vLLM answers
     400): refused before the request waits in the queue."""
     if max_model_len is None:
         return
-    for name in OUTPUT_TOKEN_FIELDS.get(path, ()):
+    for name in endpoint.output_token_fields:
         value = body.get(name)
         if isinstance(value, int) and value > max_model_len:
             raise BadRequest(f"'{name}' ({value}) is larger than the model's context length "

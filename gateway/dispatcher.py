@@ -3,6 +3,12 @@
 Any replica may dispatch any request (the Lua script makes the choice atomic and fair
 across replicas); a grant for a request whose client another replica holds travels
 through that replica's grant list.
+
+The decision rides on the calls a request makes anyway: a tick's enqueues go in one call
+that also dispatches to the least loaded open backend, and a started or settled request
+whose slot frees grants its backend's next requests in the same call (``lua/lib/
+dispatch.lua``). The dispatch loop runs the decision on its own only for what those did
+not serve: a new snapshot, a backlog left after them, the heartbeat's safety net.
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ import functools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
-from gateway.backends import BackendPool
+from gateway.backends import BackendHandle, BackendPool
 from gateway.errors import (
     FairgateError,
     QueueTimeout,
@@ -27,8 +34,9 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
-from gateway.store import Grant, Locality, QueuedRequest, Store
+from gateway.store import Dispatched, Grant, Locality, QueuedRequest, Store, dispatch_args
 from gateway.supervise import supervise
+from gateway.usage import UsageCounts
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
 from policies.gates import Gate, wider
@@ -50,6 +58,33 @@ class Waiter:
     future: asyncio.Future[Grant]
 
 
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One model's dispatch inputs at ``now``: the class order (a starved class owed its
+    floor first), how many grants one decision may make, each backend's gates, and its
+    open backends, least loaded first."""
+
+    now: float
+    owed: str | None
+    order: list[str]
+    burst: int
+    gates: dict[str, dict[str, Gate]]
+    open: list[str]
+    handles: dict[str, BackendHandle]
+    locality: Locality | None
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """A settle Redis missed, retried by the heartbeat loop."""
+
+    model: str
+    grant: Grant
+    charge: float
+    tenant_charge: float | None
+    usage: UsageCounts | None
+
+
 class Dispatcher:
     def __init__(self, settings: Settings, store: Store, pool: BackendPool,
                  metrics: GatewayMetrics, replica_id: str) -> None:
@@ -66,8 +101,9 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
         self._listened: dict[str, float] = {}  # model → its grant listener's last turn
-        self._unsettled: deque[tuple[str, Grant, float]] = deque()  # settles Redis missed
-        self._tenant_charges: dict[str, float] = {}  # their tenant-level charges, by id
+        self._unsettled: deque[Settle] = deque()  # settles Redis missed
+        # a tick's requests to enqueue, by model, each with the future of its position
+        self._to_enqueue: dict[str, list[tuple[QueuedRequest, asyncio.Future[int]]]] = {}
         # grants this replica holds (delivered, not yet released): what "running:<me>"
         # in Redis should say, and what reconcile() makes it say after a Redis restart
         self.held: dict[str, Grant] = {}
@@ -103,7 +139,7 @@ class Dispatcher:
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         self.waiters[req.request_id] = Waiter(req, model, future)
         try:
-            position = await self.store.enqueue(model, req, self.settings.max_queued_per_user)
+            position = await self._enqueue(model, req)
         except StoreUnavailable:
             self.waiters.pop(req.request_id, None)
             raise
@@ -116,7 +152,6 @@ class Dispatcher:
             raise RateLimited(
                 f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
                 "queued for this model", retry_after_s=self.settings.retry_after_s)
-        self.wake()
         try:
             return await self._await_grant(model, req, future, timeout_s)
         except (FairgateError, asyncio.CancelledError):
@@ -151,28 +186,71 @@ class Dispatcher:
         elif not future.done():
             future.cancel()  # the grant is on its way: _deliver releases it
 
+    def _enqueue(self, model: str, req: QueuedRequest) -> asyncio.Future[int]:
+        """Queue ``req`` with the other requests of this event-loop turn (one Redis call
+        for them all, :meth:`_flush`); the future holds its user's queue length."""
+        loop = asyncio.get_running_loop()
+        position: asyncio.Future[int] = loop.create_future()
+        batch = self._to_enqueue.setdefault(model, [])
+        batch.append((req, position))
+        if len(batch) == 1:
+            task = loop.create_task(self._flush(model))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return position
+
+    async def _flush(self, model: str) -> None:
+        """Enqueue a tick's requests and dispatch to the least loaded open backend in the
+        same call; the dispatch loop is woken only when that left work queued."""
+        batch = [(r, f) for r, f in self._to_enqueue.pop(model, []) if not f.done()]
+        if not batch:
+            return
+        done: Dispatched | None = None
+        try:
+            plan = await self.plan(model, time.time())
+            target = plan.open[0] if plan.open and self._beating.is_set() else None
+            then = self._dispatch_args(model, plan, target) if target else None
+            positions, done = await self.store.enqueue_many(
+                model, [r for r, _ in batch], self.settings.max_queued_per_user, then)
+        except (Exception, asyncio.CancelledError) as exc:
+            for _, position in batch:
+                if not position.done():
+                    position.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (_, position), queued in zip(batch, positions, strict=True):
+            if not position.done():
+                position.set_result(queued)
+        if done is None or self._granted(model, plan, done) or done.depth > 0:
+            self.wake()
+
     async def release(self, model: str, grant: Grant, charge: float,
-                      tenant_charge: float | None = None) -> None:
-        """Settle a dispatched request (idempotent) and let the next one go. While Redis
-        is down the settle waits in memory and is retried by the heartbeat loop, so no
-        in-flight count leaks (a leaked one would hold a gate closed for good)."""
+                      tenant_charge: float | None = None,
+                      usage: UsageCounts | None = None) -> None:
+        """Settle a dispatched request (idempotent), with its ``usage`` counts, and let the
+        next one go: while requests are queued the freed slot grants its backend's next
+        ones in the same call. While Redis is down the settle waits in memory and is
+        retried by the heartbeat loop, so no in-flight count leaks (a leaked one would
+        hold a gate closed for good)."""
         self.held.pop(grant.request_id, None)
         try:
-            await self.store.settle(model, grant, charge, tenant_charge)
+            plan, then = await self._fold(model, grant.backend)
+            _, done = await self.store.settle_and_dispatch(model, grant, charge, tenant_charge,
+                                                           usage, then)
         except StoreUnavailable as exc:
             log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
-            self._unsettled.append((model, grant, charge))
-            if tenant_charge is not None:
-                self._tenant_charges[grant.request_id] = tenant_charge
-        finally:
+            self._unsettled.append(Settle(model, grant, charge, tenant_charge, usage))
+            self.wake_freed()
+            return
+        if plan is None or done is None or self._granted(model, plan, done):
             self.wake_freed()
 
     async def _settle_deferred(self) -> None:
         while self._unsettled:
-            model, grant, charge = self._unsettled[0]
-            await self.store.settle(model, grant, charge,
-                                    self._tenant_charges.get(grant.request_id))
-            self._tenant_charges.pop(grant.request_id, None)
+            s = self._unsettled[0]
+            await self.store.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
+                                                 s.usage)
             self._unsettled.popleft()
             self.wake_freed()
 
@@ -234,10 +312,21 @@ class Dispatcher:
 
         Gates come from this replica's own latest scrape of each backend; the Lua script
         re-checks the shared sent-since-snapshot count, so replicas never overshoot."""
-        now = time.time()
+        plan = await self.plan(model, time.time())
+        for backend in plan.open:
+            done = await self.store.dispatch_with(model,
+                                                  self._dispatch_args(model, plan, backend))
+            if self._granted(model, plan, done):
+                return True  # decide again who is owed after each such dispatch
+            if done.depth == 0:
+                break
+        return False
+
+    async def plan(self, model: str, now: float) -> Plan:
+        """The inputs of the model's dispatch decisions at ``now`` (``policies/``: the
+        starvation floor, the gates, the borrowing, the backend order)."""
         since, recent = await self._class_service(model, now)
         owed = owed_class(self.floors, since, recent, now)
-        order = service_order(owed)
         gated: dict[str, dict[str, Gate]] = {}
         candidates = []
         handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
@@ -253,28 +342,50 @@ class Dispatcher:
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
         locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
-        for cand in by_load(candidates):
-            grants, self._queued[model] = await self.store.dispatch(
-                model, cand.name, gated[cand.name], self.replica_id, now,
-                self.replica_ttl_s, order, self.floors.window, burst,
-                locality=locality, fit=handles[cand.name].fit)
-            handles[cand.name].sent_since_snapshot += len(grants)
-            for grant in grants:
-                self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
-                self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
-                                                  grant.matched_blocks, grant.prompt_blocks)
-                if grant.owner == self.replica_id:
-                    self._deliver(model, grant.request_id, grant.backend, grant.rank)
-            if grants and owed is not None:
-                self._class_view.pop(model, None)
-                return True  # decide again who is owed after each such dispatch
-            if self._queued[model] == 0:
-                break
+        return Plan(now, owed, service_order(owed), burst, gated,
+                    [c.name for c in by_load(candidates)], handles, locality)
+
+    def _dispatch_args(self, model: str, plan: Plan, backend: str) -> dict[str, Any]:
+        return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
+                             self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
+                             locality=plan.locality, fit=plan.handles[backend].fit)
+
+    async def _fold(self, model: str, backend: str
+                    ) -> tuple[Plan | None, dict[str, Any] | None]:
+        """The decision a started or settled request on ``backend`` folds in: none while
+        nothing is known to be queued for the model, or when the backend is not open."""
+        if self._queued.get(model, 1) == 0:
+            return None, None
+        plan = await self.plan(model, time.time())
+        if backend not in plan.open:
+            return plan, None
+        return plan, self._dispatch_args(model, plan, backend)
+
+    def _granted(self, model: str, plan: Plan, done: Dispatched) -> bool:
+        """Take in what a decision returned, whichever call made it: deliver this
+        replica's grants (the others went to their replicas' grant lists), note what is
+        still queued and the class service picture. True when the decision must be made
+        again at once (a starved class is served one request at a time)."""
+        self._queued[model] = done.depth
+        self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
+        for grant in done.grants:
+            handle = plan.handles.get(grant.backend)
+            if handle is not None:
+                handle.sent_since_snapshot += 1
+            self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
+            self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
+                                              grant.matched_blocks, grant.prompt_blocks)
+            if grant.owner == self.replica_id:
+                self._deliver(model, grant.request_id, grant.backend, grant.rank)
+        if done.grants and plan.owed is not None:
+            self._class_view.pop(model, None)
+            return True
         return False
 
     async def _class_service(self, model: str, now: float
                              ) -> tuple[dict[str, float], list[str]]:
-        """Backlog times and recent classes, re-read at most once per scrape interval."""
+        """Backlog times and recent classes, as the latest decision returned them, read
+        again when older than a scrape interval."""
         cached = self._class_view.get(model)
         if cached is None or now - cached[0] > self.settings.scrape_interval_s:
             since, recent = await self.store.class_service(model)
@@ -282,10 +393,18 @@ class Dispatcher:
         return cached[1], cached[2]
 
     async def started(self, model: str, grant: Grant) -> None:
-        """The backend streams this request's first token: its gate slot frees at once."""
-        with contextlib.suppress(StoreUnavailable):
-            await self.store.mark_started(model, grant, time.time())
-        self.wake_freed()
+        """The backend streams this request's first token: its gate slot frees at once,
+        and, while requests are queued, grants the backend's next ones in the same call."""
+        try:
+            plan, then = await self._fold(model, grant.backend)
+            done = await self.store.mark_started(model, grant, time.time(), then)
+        except StoreUnavailable:
+            self.wake_freed()
+            return
+        if then is None:
+            self.wake_freed()
+        elif plan is not None and done is not None and self._granted(model, plan, done):
+            self.wake()
 
     def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
         waiter = self.waiters.pop(request_id, None)
@@ -323,7 +442,7 @@ class Dispatcher:
         """Release what Redis says this replica holds but it does not: requests whose
         settle a Redis restart lost (an AOF replays up to its last fsync). Returns the
         count. Grants younger than RECONCILE_GRACE_S may still be on their way here."""
-        unsettled = {g.request_id for _, g, _ in self._unsettled}
+        unsettled = {s.grant.request_id for s in self._unsettled}
         released = 0
         for grant, dispatched_at in await self.store.held_by(model, self.replica_id):
             if (grant.request_id in self.held or grant.request_id in unsettled

@@ -7,9 +7,10 @@ frames to the client, the token usage the backend reported, and the end of the a
 
 :class:`FrameFilter` is the pure part: it splits SSE bytes into frames, finds the first
 output frame, takes the usage frame, and drops the usage-only frame fairgate asked for
-when the client did not. A Responses API stream has no usage frame and no ``[DONE]``: its
-final event (``response.completed``) carries the usage in ``response.usage``
-(``input_tokens``/``output_tokens``) and ends the answer.
+when the client did not. Which frames to expect is the endpoint's (``Frames`` in
+``gateway/endpoints.py``): a Responses API stream (``EVENTS``) has no usage frame and no
+``[DONE]``: its final event (``response.completed``) carries the usage in
+``response.usage`` and ends the answer. The usage counts' names are the endpoint's too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.endpoints import Endpoint, Frames, Usage
 from gateway.errors import UpstreamError
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -77,8 +79,9 @@ def _data(frame: bytes) -> bytes | None:
 class FrameFilter:
     """Splits a stream into whole SSE frames and reads what the relay reports."""
 
-    def __init__(self, wants_usage: bool) -> None:
+    def __init__(self, wants_usage: bool, frames: Frames = Frames.CHOICES) -> None:
         self.wants_usage = wants_usage
+        self.events = frames is Frames.EVENTS  # typed events, the final one with usage
         self.started = False  # an output frame has passed
         self.output_frames = 0
         self.usage: dict[str, Any] | None = None
@@ -93,7 +96,7 @@ class FrameFilter:
             return b""
         complete, self._pending = self._pending[: end + 2], self._pending[end + 2:]
         if (self.started and b'"usage"' not in complete and DONE not in complete
-                and RESPONSE_OBJECT not in complete):
+                and not (self.events and RESPONSE_OBJECT in complete)):
             # the hot path, no parsing: lines that start a JSON payload (a JSON string
             # cannot hold a raw newline, so generated text never matches)
             self.output_frames += (complete.count(b"\ndata: {")
@@ -122,7 +125,7 @@ class FrameFilter:
                 return frame
             if carries_output(event):
                 self.started = True
-            if event.get("type") in RESPONSE_FINAL_EVENTS:
+            if self.events and event.get("type") in RESPONSE_FINAL_EVENTS:
                 self.done = True
                 response = event.get("response")
                 usage = response.get("usage") if isinstance(response, dict) else None
@@ -142,20 +145,16 @@ class FrameFilter:
         return frame
 
 
-def report_usage(usage: Any, listener: RelayListener) -> None:
-    """Chat, completions and embeddings count ``prompt_tokens``/``completion_tokens``
-    (embeddings: no completion tokens); the Responses API ``input_tokens``/``output_tokens``."""
+def report_usage(usage: Any, listener: RelayListener, names: Usage) -> None:
+    """The endpoint's usage counts (``names``); a count that is missing or not an integer
+    is 0 (embeddings have no completion tokens)."""
     if isinstance(usage, dict):
-        listener.usage(_count(usage, "prompt_tokens", "input_tokens"),
-                       _count(usage, "completion_tokens", "output_tokens"))
+        listener.usage(_count(usage, names.prompt), _count(usage, names.output))
 
 
-def _count(usage: dict[str, Any], *names: str) -> int:
-    for name in names:
-        value = usage.get(name)
-        if type(value) is int:
-            return value
-    return 0
+def _count(usage: dict[str, Any], name: str) -> int:
+    value = usage.get(name)
+    return value if type(value) is int else 0
 
 
 class ClientGone(Exception):
@@ -170,25 +169,27 @@ async def _write(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
-                       listener: RelayListener, wants_usage: bool) -> web.StreamResponse:
+                       listener: RelayListener, wants_usage: bool,
+                       endpoint: Endpoint) -> web.StreamResponse:
     """Relay the backend's SSE stream. A client that hangs up is handled like the handler's
     cancellation (its request settles as ``client_closed`` and the backend connection
     closes, so vLLM aborts it), not as a gateway error."""
     try:
-        return await _relay(request, resp, listener, wants_usage)
+        return await _relay(request, resp, listener, wants_usage, endpoint)
     except ClientGone:
         raise asyncio.CancelledError from None
 
 
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
-                 listener: RelayListener, wants_usage: bool) -> web.StreamResponse:
+                 listener: RelayListener, wants_usage: bool,
+                 endpoint: Endpoint) -> web.StreamResponse:
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     try:
         await out.prepare(request)
     except ConnectionResetError as exc:
         listener.end(False)
         raise ClientGone from exc
-    frames = FrameFilter(wants_usage)
+    frames = FrameFilter(wants_usage, endpoint.frames)
     try:
         async for chunk in resp.content.iter_any():
             was_started, sent_before = frames.started, frames.output_frames
@@ -206,7 +207,7 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
         error = UpstreamError(f"backend failed mid-stream: {exc!r}")
         await _write(out, b"data: " + json.dumps(error.body()).encode() + b"\n\n")
     finally:
-        report_usage(frames.usage, listener)
+        report_usage(frames.usage, listener, endpoint.usage)
         if not frames.usage:
             listener.usage(0, frames.output_frames)
         listener.end(frames.done)

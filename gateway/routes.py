@@ -1,9 +1,10 @@
 """HTTP routes: the OpenAI-compatible surface plus health, readiness and metrics.
 
-Chat, completions, embeddings and the Responses API are scheduled: each goes through
-:meth:`Admission.call` in its key's class (queued fairly, paced, charged its tokens).
-vLLM's ``/tokenize`` and ``/detokenize`` are cheap and go straight to a healthy backend of
-the model, authenticated but not queued.
+The OpenAI endpoints are routed from their table (``gateway/endpoints.py``). The queued
+ones (chat, completions, embeddings, the Responses API) go through
+:meth:`Admission.call` in the key's class (queued fairly, paced, charged their tokens);
+the forwarded ones (vLLM's ``/tokenize`` and ``/detokenize``) are cheap and go straight to
+a healthy backend of the model, authenticated but not queued.
 
 Every scheduled answer carries ``X-Request-Id`` from the moment the request is queued (in a
 stream's headers too, and on its errors), and ``X-Fairgate-Queue-Wait-Ms`` once it was
@@ -15,28 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
 import re
 import time
 import uuid
-from importlib import resources
+from collections.abc import Awaitable, Callable
 
 import structlog
-import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.admission import Ticket
 from gateway.backends import BackendHandle
 from gateway.completion_request import (
-    CHAT,
-    COMPLETIONS,
     DEADLINE_HEADER,
-    DETOKENIZE,
-    EMBEDDINGS,
-    RESPONSES,
-    TOKENIZE,
     CompletionRequest,
     Limits,
     check_context,
@@ -45,7 +37,9 @@ from gateway.completion_request import (
     read_json_object,
     validate_unscheduled,
 )
+from gateway.endpoints import ENDPOINTS, Endpoint, Kind
 from gateway.errors import BackendUnreachable, Forbidden, NotFound, StoreUnavailable, Unavailable
+from gateway.openapi import openapi_json
 from gateway.services import SERVICES, Services
 from gateway.settings import ApiKey
 from policies.classes import effective_class
@@ -59,28 +53,7 @@ ANSWER_HEADERS = web.RequestKey("fairgate_answer_headers", dict[str, str])
 REQUEST_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _scheduled(request, CHAT)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _scheduled(request, COMPLETIONS)
-
-
-async def embeddings(request: web.Request) -> web.StreamResponse:
-    return await _scheduled(request, EMBEDDINGS)
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    return await _scheduled(request, RESPONSES)
-
-
-async def tokenize(request: web.Request) -> web.StreamResponse:
-    return await _unscheduled(request, TOKENIZE)
-
-
-async def detokenize(request: web.Request) -> web.StreamResponse:
-    return await _unscheduled(request, DETOKENIZE)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _known_model(svc: Services, model: str) -> None:
@@ -103,16 +76,16 @@ def _resolve(svc: Services, request: web.Request, key: ApiKey,
     return user, klass
 
 
-async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
+async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     arrived = time.monotonic()
     svc = request.app[SERVICES]
     key = await svc.keys.identify(request.headers.get("Authorization"))
-    creq = await read_completion(request, path, svc.settings.max_body_bytes,
+    creq = await read_completion(request, endpoint, svc.settings.max_body_bytes,
                                  Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
     user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
-    check_context(creq.body, path, svc.pool.max_model_len(model))
+    check_context(creq.body, endpoint, svc.pool.max_model_len(model))
     if not svc.pool.any_healthy(model):
         raise Unavailable(f"no healthy backend serves {model!r}",
                           retry_after_s=await svc.admission.waits.drain_retry_after(
@@ -134,7 +107,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
                                           ticket)
 
     try:
-        response = await svc.admission.call(model, user, klass, key.weight, creq.body,
+        response = await svc.admission.call(model, user, klass, key.weight, creq,
                                             forward, request_id=request_id, arrived_s=arrived,
                                             deadline_ms=deadline_ms, account=key)
         status = str(response.status)
@@ -153,7 +126,7 @@ async def _scheduled(request: web.Request, path: str) -> web.StreamResponse:
         svc.metrics.requests.labels(model, klass, status).inc()
 
 
-async def _unscheduled(request: web.Request, path: str) -> web.StreamResponse:
+async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     """Any API key; straight to the least loaded healthy backend of the model (another
     one if the connection is refused)."""
     svc = request.app[SERVICES]
@@ -169,7 +142,7 @@ async def _unscheduled(request: web.Request, path: str) -> web.StreamResponse:
                           retry_after_s=svc.settings.retry_after_s)
     for handle in candidates:
         try:
-            return await svc.upstream.unscheduled(handle, path, body)
+            return await svc.upstream.unscheduled(handle, endpoint.path, body)
         except BackendUnreachable as exc:
             svc.pool.unreachable(handle, exc)
             if handle is candidates[-1]:
@@ -230,24 +203,29 @@ async def key_usage(svc: Services, key: ApiKey) -> dict[str, object]:
             "tenant": key.tenant_name, "limits": await svc.quotas.view(key)}
 
 
+def _model(model: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
+
+
 async def list_models(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     await svc.keys.identify(request.headers.get("Authorization"))
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "fairgate"}
-            for m in svc.settings.models()]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list",
+                              "data": [_model(m) for m in svc.settings.models()]})
 
 
-@functools.cache
-def _openapi() -> bytes:
-    spec = yaml.safe_load((resources.files("gateway") / "static" / "openapi.yaml").read_text())
-    return json.dumps(spec).encode()
+async def retrieve_model(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    await svc.keys.identify(request.headers.get("Authorization"))
+    model = request.match_info["model"]
+    _known_model(svc, model)
+    return web.json_response(_model(model))
 
 
 async def openapi(request: web.Request) -> web.Response:
-    """fairgate's own surface (gateway/static/openapi.yaml, kept in sync with the routes
-    by tests/fuzz/test_http_fuzz.py)."""
-    return web.Response(body=_openapi(), content_type="application/json")
+    """fairgate's own surface, its OpenAI endpoints generated from their table
+    (``gateway/openapi.py``)."""
+    return web.Response(body=openapi_json(), content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -276,17 +254,37 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def endpoint_handler(endpoint: Endpoint, local: dict[str, Handler]) -> Handler:
+    """The handler of a table entry: queued and forwarded endpoints share one each; a
+    local one is ``local[operation_id]``."""
+    if endpoint.kind is Kind.LOCAL:
+        return local[endpoint.operation_id]
+    serve = _scheduled if endpoint.kind is Kind.QUEUED else _unscheduled
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await serve(request, endpoint)
+    return handler
+
+
+def add_endpoint_routes(app: web.Application, local: dict[str, Handler],
+                        endpoints: tuple[Endpoint, ...] = ENDPOINTS) -> None:
+    """The routes of the table's entries whose handler is here or in ``local``."""
+    for endpoint in endpoints:
+        if endpoint.kind is not Kind.LOCAL or endpoint.operation_id in local:
+            # ".+": a model id may hold a slash ("org/model")
+            path = endpoint.path.replace("{model}", "{model:.+}")
+            handler = endpoint_handler(endpoint, local)
+            if endpoint.method == "GET":  # and HEAD, as aiohttp's add_get
+                app.router.add_get(path, handler)
+            else:
+                app.router.add_route(endpoint.method, path, handler)
+
+
 def add_routes(app: web.Application) -> None:
     app.on_response_prepare.append(_answer_headers)
-    app.router.add_post(CHAT, chat_completions)
-    app.router.add_post(COMPLETIONS, completions)
-    app.router.add_post(EMBEDDINGS, embeddings)
-    app.router.add_post(RESPONSES, responses)
-    app.router.add_post(TOKENIZE, tokenize)
-    app.router.add_post(DETOKENIZE, detokenize)
+    add_endpoint_routes(app, {"listModels": list_models, "retrieveModel": retrieve_model})
     app.router.add_get("/v1/fairgate/requests/{id}", request_status)
     app.router.add_get("/v1/fairgate/usage", own_usage)
-    app.router.add_get("/v1/models", list_models)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, cast
 
@@ -18,6 +18,7 @@ from redis.exceptions import NoScriptError
 
 from gateway.errors import StoreUnavailable
 from gateway.keys import ModelKeys, lua_prelude
+from gateway.usage import UsageCounts
 from gateway.values import GRANT, PREFILL, lua_values
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
@@ -107,20 +108,93 @@ def _gate(limit: int | Gate) -> Gate:
 GRANT_PICKUP_S = 2.0
 
 
+# The library modules (``lua/lib/``), each after the ones it uses.
+LIBRARY = ("inflight", "replicas", "pools", "locality", "fairness", "dispatch")
+
+
 def load_library() -> str:
     """What every script starts with: the generated key functions and value readers
     (``gateway/keys.py``, ``gateway/values.py``), the shared helpers (``lua/_lib.lua``)
-    and the library modules (``lua/lib/``: the parts of the dispatch decision)."""
+    and the library modules (``lua/lib/``, :data:`LIBRARY`: the parts of the dispatch
+    decision, the in-flight state, the replicas)."""
     lua = resources.files("gateway") / "lua"
-    libs = sorted((f for f in (lua / "lib").iterdir() if f.name.endswith(".lua")),
-                  key=lambda f: f.name)
+    found = {f.name.removesuffix(".lua") for f in (lua / "lib").iterdir()
+             if f.name.endswith(".lua")}
+    if found != set(LIBRARY):
+        raise RuntimeError(f"lua/lib/ holds {sorted(found)}, LIBRARY lists {list(LIBRARY)}")
     return (lua_prelude() + lua_values() + (lua / "_lib.lua").read_text()
-            + "".join(f.read_text() for f in libs))
+            + "".join((lua / "lib" / f"{name}.lua").read_text() for name in LIBRARY))
 
 
 def load_script(name: str) -> str:
     """A script's text, after :func:`load_library`."""
     return load_library() + (resources.files("gateway") / "lua" / f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """What a dispatch decision (``dispatch_for`` in ``lua/lib/dispatch.lua``) returned,
+    whichever script ran it: the grants, the requests still queued for the model, and the
+    class service picture ``policies/starvation.py`` reads."""
+
+    grants: list[Grant]
+    depth: int
+    backlogged_since: dict[str, float]
+    recent: list[str]
+
+
+def dispatch_args(
+    model: str, backend: str, limits: Mapping[str, int | Gate], replica: str, now: float,
+    replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER, recent_window: int = 100,
+    max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
+    locality: Locality | None = None, fit: BackendFit | None = None,
+) -> dict[str, Any]:
+    """The named arguments of one dispatch decision for ``backend`` (see
+    :meth:`Store.dispatch`), as ``dispatch_for`` in ``lua/lib/dispatch.lua`` reads them."""
+    fit = fit or BackendFit()
+    loc = locality or Locality(0.0, 0, 0, 0.0)
+    span = fit.prompt_range
+    gates = {c: _gate(limits.get(c, 0)) for c in order}
+    return {
+        "now": now, "replica_ttl": replica_ttl_s, "prefix": ModelKeys(model).prefix,
+        "replica": replica, "backend": backend, "recent_kept": recent_window,
+        "want": max_grants, "pickup": grant_pickup_s,
+        "classes": [{"name": c, "limit": g.limit if g.reason is None else 0,
+                     "prefill_limit": fit.prefill_limits.get(c, 0),
+                     "free_slots": g.free_slots,
+                     "max_inflight": g.max_inflight if g.reason is None else 0}
+                    for c, g in gates.items()],
+        "locality": {"slack": loc.slack, "compared": loc.candidates,
+                     "index_size": loc.index_size, "index_ttl": int(loc.index_ttl_s),
+                     "max_imbalance": loc.max_imbalance, "lookahead": loc.lookahead,
+                     "others": [b for b in loc.others if b != backend]},
+        "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
+        "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
+    }
+
+
+def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
+    """The keys a dispatch decision touches, declared for Redis Cluster (all in the
+    model's slot; the script derives them, and the queues and requests, from the prefix)."""
+    if args is None:
+        return []
+    k, backend = ModelKeys(model), args["backend"]
+    order = [c["name"] for c in args["classes"]]
+    return ([k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
+             k.backend_inflight(backend), k.backlogged_since, k.recent,
+             k.backend_snapshot(backend), k.drained, k.backend_prefill(backend),
+             k.backend_started(backend)]
+            + [k.active(c) for c in order] + [k.saved(c) for c in order])
+
+
+def _dispatched(backend: str, raw: Sequence[Any]) -> Dispatched:
+    found, depth, decisions, since, recent = raw
+    grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at),
+                    int(held), int(blocks), reason)
+              for (rid, klass, user, rank, owner, enqueued_at), (held, blocks, reason)
+              in zip(found, decisions, strict=True)]
+    backlogged = {str(since[i]): float(since[i + 1]) for i in range(0, len(since), 2)}
+    return Dispatched(grants, int(depth), backlogged, [str(c) for c in recent])
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,17 +240,39 @@ class Store:
 
     async def enqueue(self, model: str, req: QueuedRequest, max_queued: int) -> int:
         """Queue length after the push, or -1 when the user's cap is reached."""
+        positions, _ = await self.enqueue_many(model, [req], max_queued)
+        return positions[0]
+
+    async def enqueue_many(self, model: str, reqs: Sequence[QueuedRequest], max_queued: int,
+                           then: Mapping[str, Any] | None = None
+                           ) -> tuple[list[int], Dispatched | None]:
+        """Queue a tick's requests in one call (each: its queue length after the push, or
+        -1 when its user's cap is reached) and, with ``then`` (:func:`dispatch_args`),
+        dispatch to that backend in the same call."""
         k = ModelKeys(model)
-        tenant = req.tenant_name
-        keys = [k.queue(req.klass, req.user, tenant), k.active(req.klass), k.saved(req.klass),
-                k.request(req.request_id), k.depth, k.backlogged_since, k.replicas,
-                k.users(req.klass, tenant), k.user_saved(req.klass, tenant),
-                k.user_floor(req.klass)]
-        args = [req.request_id, req.user, req.klass, req.owner, req.cost, req.enqueued_at,
-                max_queued, int(self.request_ttl_s), " ".join(req.prefix), tenant,
-                req.tenant_charge, "" if req.deadline_at is None else req.deadline_at,
-                k.prefix, req.prompt_tokens]
-        return int(await self._run("enqueue", keys, args))
+        keys = [k.depth, k.backlogged_since, k.replicas]
+        requests = []
+        for req in reqs:
+            tenant = req.tenant_name
+            keys += [k.queue(req.klass, req.user, tenant), k.request(req.request_id),
+                     k.active(req.klass), k.saved(req.klass), k.users(req.klass, tenant),
+                     k.user_saved(req.klass, tenant), k.user_floor(req.klass)]
+            # numbers kept as text where the script stores them as given
+            requests.append({
+                "id": req.request_id, "user": req.user, "class": req.klass,
+                "tenant": tenant, "owner": req.owner, "cost": repr(float(req.cost)),
+                "tcost": repr(float(req.tenant_charge)), "now": repr(req.enqueued_at),
+                "chain": " ".join(req.prefix),
+                "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
+                "ptok": int(req.prompt_tokens)})
+        args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
+                                "ttl": int(self.request_ttl_s), "requests": requests}
+        if then is not None:
+            args["dispatch"] = then
+        out = await self._run("enqueue", list(dict.fromkeys(keys + dispatch_keys(model, then))),
+                              [json.dumps(args)])
+        return ([int(p) for p in out[0]],
+                _dispatched(then["backend"], out[1]) if then is not None else None)
 
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int | Gate], replica: str,
@@ -196,39 +292,15 @@ class Store:
         ``limits`` holds each class's gate (``policies/gates.py`` Gate.admits), or just
         its burst limit.
         Returns the grants and how many requests are still queued for the model."""
-        k = ModelKeys(model)
-        keys = [k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
-                k.backend_inflight(backend), k.backlogged_since, k.recent,
-                k.backend_snapshot(backend), k.drained, k.backend_prefill(backend),
-                k.backend_started(backend)]
-        keys += [k.active(c) for c in order] + [k.saved(c) for c in order]
-        fit = fit or BackendFit()
-        loc = locality or Locality(0.0, 0, 0, 0.0)
-        span = fit.prompt_range
-        gates = {c: _gate(limits.get(c, 0)) for c in order}
-        args = {
-            "now": now, "replica_ttl": replica_ttl_s, "prefix": k.prefix, "replica": replica,
-            "backend": backend, "recent_kept": recent_window, "want": max_grants,
-            "pickup": grant_pickup_s,
-            "classes": [{"name": c, "limit": g.limit if g.reason is None else 0,
-                         "prefill_limit": fit.prefill_limits.get(c, 0),
-                         "free_slots": g.free_slots,
-                         "max_inflight": g.max_inflight if g.reason is None else 0}
-                        for c, g in gates.items()],
-            "locality": {"slack": loc.slack, "compared": loc.candidates,
-                         "index_size": loc.index_size, "index_ttl": int(loc.index_ttl_s),
-                         "max_imbalance": loc.max_imbalance, "lookahead": loc.lookahead,
-                         "others": [b for b in loc.others if b != backend]},
-            "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
-            "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
-        }
-        found, depth, decisions = await self._run("dispatch", keys, [json.dumps(args)])
-        grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at))
-                  for rid, klass, user, rank, owner, enqueued_at in found]
-        grants = [replace(g, matched_blocks=int(held), prompt_blocks=int(blocks),
-                          reason=reason)
-                  for g, (held, blocks, reason) in zip(grants, decisions, strict=True)]
-        return grants, int(depth)
+        done = await self.dispatch_with(model, dispatch_args(
+            model, backend, limits, replica, now, replica_ttl_s, order, recent_window,
+            max_grants, grant_pickup_s, locality, fit))
+        return done.grants, done.depth
+
+    async def dispatch_with(self, model: str, args: Mapping[str, Any]) -> Dispatched:
+        """:meth:`dispatch` from its arguments (:func:`dispatch_args`)."""
+        raw = await self._run("dispatch", dispatch_keys(model, args), [json.dumps(args)])
+        return _dispatched(args["backend"], raw)
 
     async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
         """(class → backlogged since, classes of the latest dispatches, newest first)."""
@@ -239,29 +311,58 @@ class Store:
         since, recent = await pipe.execute()
         return {c: float(t) for c, t in since.items()}, list(recent)
 
-    async def mark_started(self, model: str, grant: Grant, now: float | None = None) -> None:
+    async def mark_started(self, model: str, grant: Grant, now: float | None = None,
+                           then: Mapping[str, Any] | None = None) -> Dispatched | None:
         """The backend is running this request (since ``now``, default the clock): it no
-        longer counts as waiting there, and took one of the batch's free slots."""
+        longer counts as waiting there, and took one of the batch's free slots. With
+        ``then`` (:func:`dispatch_args` for its backend), a gate slot that frees grants the
+        backend's next requests in the same call: what that decision returned (None when
+        no slot freed)."""
         k = ModelKeys(model)
         keys = [k.backend_sent(grant.backend), k.backend_snapshot(grant.backend),
                 k.request(grant.request_id), k.backend_prefill(grant.backend),
                 k.backend_started(grant.backend)]
-        await self._run("started", keys,
-                        [grant.request_id, time.time() if now is None else now])
+        args: dict[str, Any] = {"prefix": k.prefix, "backend": grant.backend,
+                                "id": grant.request_id,
+                                "now": time.time() if now is None else now}
+        if then is not None:
+            args["dispatch"] = then
+        out = await self._run("started", list(dict.fromkeys(keys + dispatch_keys(model, then))),
+                              [json.dumps(args)])
+        return _dispatched(grant.backend, out[1]) if len(out) > 1 else None
 
     async def settle(self, model: str, grant: Grant, charge: float,
                      tenant_charge: float | None = None) -> bool:
         """Release a dispatched request: ``charge`` is added to its user's score in its
         tenant, ``tenant_charge`` (None: ``charge``) to its tenant's (the request's, kept
         in its hash). False when it had been released already."""
+        released, _ = await self.settle_and_dispatch(model, grant, charge, tenant_charge)
+        return released
+
+    async def settle_and_dispatch(
+        self, model: str, grant: Grant, charge: float, tenant_charge: float | None = None,
+        usage: UsageCounts | None = None, then: Mapping[str, Any] | None = None,
+    ) -> tuple[bool, Dispatched | None]:
+        """:meth:`settle`, adding ``usage`` to its day's usage hash (``gateway/usage.py``),
+        and with ``then`` (:func:`dispatch_args` for its backend) the freed slot grants
+        the backend's next requests in the same call: (released, what that returned)."""
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
                 k.backend_snapshot(grant.backend), k.backend_prefill(grant.backend),
                 k.backend_started(grant.backend)]
-        args = [grant.user, charge, grant.request_id, k.prefix,
-                charge if tenant_charge is None else tenant_charge, grant.backend]
-        return bool(await self._run("settle", keys, args))
+        args: dict[str, Any] = {
+            "prefix": k.prefix, "id": grant.request_id, "user": grant.user,
+            "backend": grant.backend, "charge": charge,
+            "tcharge": charge if tenant_charge is None else tenant_charge}
+        if usage is not None:
+            keys.append(usage.key)
+            args["usage"] = {"key": usage.key, "ttl": usage.ttl_s, "counts": usage.counts}
+        if then is not None:
+            args["dispatch"] = then
+        out = await self._run("settle", list(dict.fromkeys(keys + dispatch_keys(model, then))),
+                              [json.dumps(args)])
+        return bool(out[0]), (_dispatched(grant.backend, out[1]) if len(out) > 1 else None)
 
     async def reap(self, model: str, now: float, replica_ttl_s: float,
                    grant_pickup_s: float = GRANT_PICKUP_S) -> int:
@@ -282,7 +383,8 @@ class Store:
         keys = [k.queue(klass, user, tenant), k.active(klass), k.saved(klass),
                 k.request(request_id), k.depth, k.backlogged_since, k.users(klass, tenant),
                 k.user_saved(klass, tenant), k.user_floor(klass)]
-        return bool(await self._run("cancel", keys, [request_id, user, klass, tenant]))
+        return bool(await self._run("cancel", keys,
+                                    [request_id, user, klass, tenant, k.prefix]))
 
     async def store_snapshot(self, model: str, backend: str,
                              snap: BackendSnapshot) -> tuple[bool, bool, int]:

@@ -25,7 +25,8 @@ import aiohttp
 from aiohttp import web
 
 from gateway.backends import BackendHandle
-from gateway.completion_request import CHAT, COMPLETIONS, CompletionRequest
+from gateway.completion_request import CompletionRequest
+from gateway.endpoints import CHOICES_USAGE, Usage
 from gateway.errors import BackendUnreachable, BadRequest, UpstreamError
 from gateway.relay import RelayListener, relay_stream, report_usage
 
@@ -45,7 +46,7 @@ class Upstream:
                       priority: int, listener: RelayListener) -> web.StreamResponse:
         body = dict(creq.body)
         wants_usage = True  # a Responses stream has no usage frame to drop
-        if creq.path in (CHAT, COMPLETIONS):
+        if creq.endpoint.stream_usage_option:
             wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
             if creq.stream:
                 body["stream_options"] = {**(body.get("stream_options") or {}),
@@ -53,9 +54,10 @@ class Upstream:
         resp = await self._post(handle, creq.path, body, priority)
         try:
             if resp.status != 200 or not creq.stream:
-                status, data, content_type = await _read(handle, resp, listener)
+                status, data, content_type = await _read(handle, resp, listener,
+                                                         creq.endpoint.usage)
                 return web.Response(body=data, status=status, content_type=content_type)
-            return await relay_stream(request, resp, listener, wants_usage)
+            return await relay_stream(request, resp, listener, wants_usage, creq.endpoint)
         finally:
             resp.release()
 
@@ -65,7 +67,7 @@ class Upstream:
         body = {**creq.body, "stream": False}
         resp = await self._post(handle, creq.path, body, priority)
         try:
-            status, data, _ = await _read(handle, resp, listener)
+            status, data, _ = await _read(handle, resp, listener, creq.endpoint.usage)
             return status, data
         finally:
             resp.release()
@@ -135,7 +137,8 @@ NO_LISTENER = _NoListener()
 
 
 async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,
-                listener: RelayListener) -> tuple[int, bytes, str]:
+                listener: RelayListener, usage: Usage = CHOICES_USAGE
+                ) -> tuple[int, bytes, str]:
     """(status, body, content type) of a whole (non-streamed or error) answer for the
     client, in OpenAI's format; its usage reported when it succeeded."""
     try:
@@ -146,7 +149,7 @@ async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,
     content_type = resp.content_type or "application/json"
     parsed = _json(data)
     if resp.status == 200 and isinstance(parsed, dict):
-        report_usage(parsed.get("usage"), listener)
+        report_usage(parsed.get("usage"), listener, usage)
     listener.end(True)
     if isinstance(parsed, dict) and (resp.status == 200 or is_openai_error(parsed)):
         return resp.status, data, content_type

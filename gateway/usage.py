@@ -1,8 +1,9 @@
 """Usage accounting: per UTC day, per (tenant, user, key, model, class), the requests,
 prompt tokens, completion tokens and errors, in Redis for ``usage_retention_days``.
 
-Each finished (or refused) request adds to one hash per day (``fg:usage:<YYYYMMDD>``, one
-pipelined round trip); the admin export (``GET /admin/usage``) reads the days asked for
+Each finished (or refused) request adds to one hash per day (``fg:usage:<YYYYMMDD>``): a
+dispatched request's counts ride on its settle (``lua/settle.lua``), any other's take one
+pipelined round trip. The admin export (``GET /admin/usage``) reads the days asked for
 and sums them along the chosen dimensions. The user is the key's owner (end users of a
 ``trusted_end_users`` key are counted under it), so the rows stay bounded by the keys.
 """
@@ -14,6 +15,7 @@ import io
 import json
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import date, timedelta
 from typing import Any
 
@@ -29,23 +31,39 @@ def day_of(now: float) -> str:
     return time.strftime("%Y%m%d", time.gmtime(now))
 
 
+@dataclass(frozen=True, slots=True)
+class UsageCounts:
+    """One request's additions to its day's usage hash: row field -> amount."""
+
+    key: str
+    counts: dict[str, int]
+    ttl_s: int
+
+
 class UsageLedger:
     def __init__(self, client: BoundaryRedis, retention_days: int) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.retention_s = retention_days * 86400
         self.retention_days = retention_days
 
-    async def record(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
-                     completion_tokens: int, error: bool, now: float | None = None) -> None:
+    def counts(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
+               completion_tokens: int, error: bool, now: float | None = None) -> UsageCounts:
+        """What one request adds (for :meth:`record`, or folded into its settle)."""
         day = usage_day(day_of(time.time() if now is None else now))
         row = [key.tenant_name, key.user, key.id or "", model, klass]
-        counts = {"requests": 1, "prompt_tokens": prompt_tokens,
-                  "completion_tokens": completion_tokens, "errors": 1 if error else 0}
+        amounts = {"requests": 1, "prompt_tokens": prompt_tokens,
+                   "completion_tokens": completion_tokens, "errors": 1 if error else 0}
+        return UsageCounts(day, {json.dumps([*row, name]): amount
+                                 for name, amount in amounts.items() if amount},
+                           self.retention_s + 86400)
+
+    async def record(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
+                     completion_tokens: int, error: bool, now: float | None = None) -> None:
+        usage = self.counts(key, model, klass, prompt_tokens, completion_tokens, error, now)
         async with self.client.pipeline(transaction=False) as pipe:
-            for name, amount in counts.items():
-                if amount:
-                    pipe.hincrby(day, json.dumps([*row, name]), amount)
-            pipe.expire(day, self.retention_s + 86400)
+            for field, amount in usage.counts.items():
+                pipe.hincrby(usage.key, field, amount)
+            pipe.expire(usage.key, usage.ttl_s)
             await pipe.execute()
 
     async def rows(self, first: date, last: date) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """``fairgate serve --workers N``: N gateway processes on one port, under a supervisor.
 
-Each worker is a whole gateway replica (``gateway/cli.py``'s serving path, its own replica
+Each worker is a whole gateway replica (``gateway/serve.py``'s serving path, its own replica
 id) listening on the same port with SO_REUSEPORT, so the kernel spreads connections over
 the workers. They share one Redis, hence one scheduler, as replicas on several hosts do.
 
@@ -47,10 +47,17 @@ from aiohttp import web
 from structlog.typing import EventDict
 
 from gateway import event_loop
-from gateway.cli import EXIT_USAGE, SERVE_PORT_CHANGE, fail, port_in_use, port_taken_message
 from gateway.embedded_redis import EmbeddedRedis
 from gateway.logs import configure_logging
 from gateway.metrics import MULTIPROC_DIR_ENV
+from gateway.serve import (
+    EXIT_USAGE,
+    SERVE_PORT_CHANGE,
+    fail,
+    port_in_use,
+    port_taken_message,
+    run_gateway,
+)
 from gateway.server import GatewayServer
 from gateway.settings import Settings, load_settings
 from gateway.worker_signals import RELOAD_SIGNAL, WORKER_INDEX_ENV
@@ -270,7 +277,6 @@ def serve_workers(settings: Settings, config: str | None, count: int) -> int:
 
 
 async def _run_worker(settings: Settings, index: int, ready_fd: int) -> int:
-    from gateway.cli import run_gateway
 
     server = GatewayServer(settings, reuse_port=True)
     worker_id = str(index)

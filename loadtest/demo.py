@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from gateway.cli import fail, port_in_use, port_taken, port_taken_message
+from gateway.serve import fail, port_in_use, port_taken, port_taken_message
 from gateway.server import GatewayServer
 from gateway.settings import load_settings
 from gateway.workers import Supervisor, default_workers

@@ -60,17 +60,20 @@ def _input_tokens(value: Any) -> int:
     return max(1, tokens)
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
+def estimate_prompt_tokens(body: dict[str, Any], field: str | None = None) -> int:
     """≈ characters / 4 (+4 per chat message or Responses input item; token ids count
-    one each); corrected by real usage at completion."""
-    if "messages" in body:
-        messages = body["messages"]
+    one each) of the prompt in ``field`` (``messages``, ``input`` or ``prompt``; when
+    not given, the first of them the body has); corrected by real usage at completion."""
+    if field is None:
+        field = next((f for f in ("messages", "input") if f in body), "prompt")
+    if field == "messages":
+        messages = body.get("messages") or []
         chars = sum(_text_len(m.get("content", "")) for m in messages if isinstance(m, dict))
         return chars // CHARS_PER_TOKEN + MESSAGE_OVERHEAD_TOKENS * len(messages)
-    if "input" in body:  # /v1/embeddings, /v1/responses
+    if field == "input":  # /v1/embeddings, /v1/responses
         instructions = body.get("instructions")
         extra = len(instructions) // CHARS_PER_TOKEN if isinstance(instructions, str) else 0
-        return _input_tokens(body["input"]) + extra
+        return _input_tokens(body.get("input", "")) + extra
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return len(prompt)  # already token ids

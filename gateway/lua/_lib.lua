@@ -23,26 +23,6 @@ local function pending_prefill(hash)
   return total
 end
 
--- A replica is alive while its heartbeat is fresher than `ttl` seconds and it picks up
--- the grants other replicas push to it (its listener waits on that list all the time):
--- a grant left unread for `pickup` seconds means the replica died, whatever its last
--- heartbeat says. A grant entry: gateway/values.py GRANT.
-local function replica_alive(replicas, prefix, replica, now, ttl, pickup)
-  local beat = redis.call('ZSCORE', replicas, replica)
-  if not beat or tonumber(beat) < now - ttl then return false end
-  local head = redis.call('LINDEX', key_grants(prefix, replica), 0)
-  if head then
-    local pushed_at = tonumber(grant_pushed_at(head))
-    if pushed_at and pushed_at < now - pickup then
-      -- a grant waits unread: dead only if its listener also made no turn for `ttl`
-      -- (wedged); one that turns, late under load, is working through its grants
-      local listened = tonumber(redis.call('HGET', key_listened(prefix), replica))
-      if not listened or listened < now - ttl then return false end
-    end
-  end
-  return true
-end
-
 -- Fair share at two levels (policies/fairness.py): tenants in a class's active zset by
 -- tenant score, each tenant's users in its users zset by user score. A member that
 -- becomes active starts at its saved score lifted to the smallest active score of its
@@ -75,5 +55,21 @@ local function charge(zset, saved, member, amount)
     redis.call('ZINCRBY', zset, amount, member)
   else
     redis.call('HINCRBYFLOAT', saved, member, amount)
+  end
+end
+
+-- A user whose queue emptied leaves its tenant's active users, keeping its score; a
+-- tenant left without users leaves the class's tenants, keeping its score (its last
+-- user's score is the floor its next user starts from).
+local function leave(prefix, class, tenant, user)
+  local users = key_users(prefix, class, tenant)
+  local score = redis.call('ZSCORE', users, user)
+  if not score then return end
+  place(users, key_user_saved(prefix, class, tenant), user, score, false)
+  if redis.call('ZCARD', users) == 0 then
+    redis.call('HSET', key_user_floor(prefix, class), tenant, score)
+    local active = key_active(prefix, class)
+    local tscore = redis.call('ZSCORE', active, tenant)
+    if tscore then place(active, key_saved(prefix, class), tenant, tscore, false) end
   end
 end

@@ -1,28 +1,34 @@
--- Release a dispatched request and add the fairness policy's settle charges to its
--- user's score in its tenant and to the tenant's score (each to the saved score when
--- idle, see charge in _lib.lua). The tenant is the request's (its hash, set at enqueue).
--- KEYS[1] per-user in-flight (hash)  KEYS[2] backend in-flight  KEYS[3] active tenants
--- KEYS[4] saved tenant scores        KEYS[5] request (hash)     KEYS[6] backend sent zset
--- KEYS[7] backend snapshot (hash)  KEYS[8] backend pending prefill (hash)
--- KEYS[9] backend started-since-snapshot zset (a request that ends frees its slot)
--- (the in-flight keys are declared for Redis Cluster; release_inflight in lib/inflight.lua
--- derives them from the prefix and the backend)
--- ARGV[1] user  ARGV[2] user-level charge  ARGV[3] request id  ARGV[4] model key prefix
--- ARGV[5] tenant-level charge  ARGV[6] the backend it was dispatched to
--- Returns 1 when released, 0 when it had been released already.
-local info = redis.call('HMGET', KEYS[5], 'owner', 'started', 'tenant', 'class')
-if redis.call('DEL', KEYS[5]) == 0 then
-  return 0
+-- Release a dispatched request (release_request in lib/inflight.lua), add the fairness
+-- policy's settle charges to its user's score in its tenant and to the tenant's score
+-- (each to the saved score when idle, see charge in _lib.lua; the tenant and class are
+-- the request's, kept in its hash), record its usage, and let the slot it frees grant
+-- the backend's next requests in the same call.
+-- KEYS: the keys touched, declared for Redis Cluster (gateway/store.py)
+-- ARGV[1]: one JSON object {prefix, id, user, backend, charge (user level), tcharge
+-- (tenant level), usage (optional: {key, ttl, counts: {row field -> amount}}, the day's
+-- usage hash, gateway/usage.py), dispatch (optional: the backend's dispatch arguments,
+-- see dispatch_for in lib/dispatch.lua)}
+-- Returns {released (0 when it had been released already), dispatch_for's result when
+-- it ran}.
+local a = cjson.decode(ARGV[1])
+local prefix = a.prefix
+local info = redis.call('HMGET', key_request(prefix, a.id), 'owner', 'started', 'tenant',
+  'class')
+local released = release_request(prefix, a.id, {state = 'dispatched', user = a.user,
+  backend = a.backend, owner = info[1], started = info[2]})
+if released then
+  local tenant = info[3] or a.user
+  if info[4] then
+    charge(key_users(prefix, info[4], tenant), key_user_saved(prefix, info[4], tenant),
+      a.user, a.charge)
+    charge(key_active(prefix, info[4]), key_saved(prefix, info[4]), tenant, a.tcharge)
+  end
 end
-if not release_inflight(ARGV[4], ARGV[3], ARGV[1], ARGV[6], info[1]) and not info[2] then
-  -- dispatched before the snapshot and never seen starting: it may be among the
-  -- snapshot's "unseen", and is gone now
-  take_unseen(KEYS[7])
+if a.usage then
+  for field, amount in pairs(a.usage.counts) do
+    redis.call('HINCRBY', a.usage.key, field, amount)
+  end
+  redis.call('EXPIRE', a.usage.key, a.usage.ttl)
 end
-local tenant = info[3] or ARGV[1]
-if info[4] then
-  charge(key_users(ARGV[4], info[4], tenant), key_user_saved(ARGV[4], info[4], tenant),
-    ARGV[1], tonumber(ARGV[2]))
-end
-charge(KEYS[3], KEYS[4], tenant, tonumber(ARGV[5]))
-return 1
+if a.dispatch then return {released and 1 or 0, dispatch_for(a.dispatch)} end
+return {released and 1 or 0}

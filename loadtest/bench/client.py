@@ -17,9 +17,11 @@ from typing import Any
 
 import aiohttp
 
+from gateway import endpoints
+
 PROMPT_WORD = " the"  # 4 bytes: the simulator counts one token, Llama's tokenizer too
 # The OpenAI endpoints a scenario can run on (``fairgate bench … --endpoint``).
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINTS = {"chat": endpoints.CHAT.path, "completions": endpoints.COMPLETIONS.path}
 
 
 @dataclass(frozen=True, slots=True)

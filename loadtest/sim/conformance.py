@@ -36,6 +36,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import endpoints
+
 # ---------------------------------------------------------------------------------------
 # The allow-list: every difference between vLLM and the simulator the comparison excuses.
 # ---------------------------------------------------------------------------------------
@@ -78,8 +80,8 @@ LITERAL_KEYS = frozenset(
 # Label values compared literally (the enumerations clients filter on).
 ENUM_LABELS = frozenset({"finished_reason", "reason", "sleep_state", "source"})
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+CHAT = endpoints.CHAT.path
+COMPLETIONS = endpoints.COMPLETIONS.path
 ABORT_AFTER_FRAMES = 2
 QUEUED_OBSERVE_S = 0.5
 QUEUED_ATTEMPTS = 3

@@ -20,7 +20,8 @@ from typing import Protocol
 from loadtest.sim.prefix_cache import BlockTable, hash_blocks
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.records import RequestRecord, RequestStream, Token
-from loadtest.sim.scheduler import Scheduler, SchedulerLimits, Sequence, StepPlan
+from loadtest.sim.scheduler import Scheduler, SchedulerLimits, StepPlan
+from loadtest.sim.sequence import Sequence
 from loadtest.sim.timing import StepStats, StepTiming, summarize
 
 # Further behind schedule than this, the loop restarts its deadline chain rather than

@@ -1,9 +1,11 @@
 """``SimServer``: vLLM's OpenAI-compatible HTTP surface over a ``SimEngine`` (aiohttp).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``POST /v1/responses`` (JSON or SSE), ``POST /v1/embeddings`` (prefill-only engine
-requests, ``loadtest/sim/embeddings.py``), ``POST /tokenize``, ``POST /detokenize``
-(``loadtest/sim/tokenizer.py``, no engine), ``GET /health``, ``GET /metrics``,
+Routes: every entry of fairgate's endpoint table (``gateway/endpoints.py``) that names a
+simulator behaviour, served by that behaviour — ``GET /v1/models``, ``POST
+/v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (JSON or SSE),
+``POST /v1/embeddings`` (prefill-only engine requests, ``loadtest/sim/embeddings.py``),
+``POST /tokenize``, ``POST /detokenize`` (``loadtest/sim/tokenizer.py``, no engine) —
+and vLLM's own ``GET /health``, ``GET /metrics``,
 ``GET /debug/requests``, ``GET /debug/state``, ``GET /debug/steps``. Handlers are
 cancelled when the client disconnects, and the request is then aborted in the engine
 (its KV blocks freed).
@@ -27,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.endpoints import ENDPOINTS
 from loadtest.sim import tokenizer
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS, embedding_body, parse_embedding
 from loadtest.sim.engine import EngineConfig, SimEngine
@@ -97,19 +100,22 @@ class SimServer:
     def make_app(self) -> web.Application:
         """The aiohttp application."""
         app = web.Application(middlewares=[error_middleware])
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/v1/responses", self._responses)
-        app.router.add_post("/v1/embeddings", self._embeddings)
-        app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_post("/detokenize", self._detokenize)
+        for endpoint in ENDPOINTS:
+            if endpoint.sim is not None:
+                app.router.add_route(endpoint.method, endpoint.path,
+                                     self.behaviours()[endpoint.sim])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/debug/requests", self._debug_requests)
         app.router.add_get("/debug/state", self._debug_state)
         app.router.add_get("/debug/steps", self._debug_steps)
         return app
+
+    def behaviours(self) -> dict[str, Handler]:
+        """What the simulator does for an endpoint, by the name its table entry gives."""
+        return {"models": self._models, "completion": self._completions, "chat": self._chat,
+                "responses": self._responses, "embeddings": self._embeddings,
+                "tokenize": self._tokenize, "detokenize": self._detokenize}
 
     async def start(self) -> None:
         """Start the engine loop and listen."""

@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from loadtest.sim.scheduler import Sequence
+    from loadtest.sim.sequence import Sequence
 
 
 class WaitingQueue(Protocol):

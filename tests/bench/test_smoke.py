@@ -64,7 +64,7 @@ def test_overhead(tmp_path: Path, redis_url: str) -> None:
     assert report["runs"]["gateway_wide"]["max"]["completed"] > 0
     cpu = report["runs"]["gateway"][f"rate_{report['params']['rates'][0]}"]["cpu"]
     assert cpu["process_cpu_ms_per_req"] > 0
-    assert cpu["redis_commands_per_req"] >= 3  # enqueue, dispatch, settle at least
+    assert cpu["redis_commands_per_req"] >= 2  # enqueue (with its dispatch) and settle
     assert "gateway_workers" not in report["runs"]
 
 
@@ -77,7 +77,7 @@ def test_overhead_with_two_workers(tmp_path: Path, redis_url: str) -> None:
     cpu = many["max"]["cpu"]
     assert many["max"]["completed"] > 0
     assert len(cpu["process_split_cores"]) == 3  # the supervisor and two workers
-    assert cpu["redis_commands_per_req"] >= 3
+    assert cpu["redis_commands_per_req"] >= 2
     assert any("--workers 2" in row["metric"] for row in report["headline"])
 
 

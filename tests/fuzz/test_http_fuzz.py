@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the HTTP surface described by gateway/static/openapi.yaml.
+"""Property-based fuzzing of the HTTP surface described by ``/openapi.json`` (the endpoint
+table's operations generated over gateway/static/openapi.yaml, ``gateway/openapi.py``).
 
 A real gateway runs in this test's event loop on loopback, in front of two simulated vLLM
 backends (``instant`` profile) and a real Redis. Schemathesis' CLI runs in a subprocess
@@ -38,6 +39,7 @@ import redis.asyncio as aioredis
 import schemathesis
 
 from gateway.app import create_app
+from gateway.openapi import document, openapi_json
 from gateway.server import GatewayServer
 from gateway.settings import load_settings
 from tests.gateway.conftest import (
@@ -51,7 +53,6 @@ from tests.gateway.conftest import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SPEC = ROOT / "gateway" / "static" / "openapi.yaml"
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 
 EXAMPLES = int(os.environ.get("FAIRGATE_FUZZ_EXAMPLES", "25"))
@@ -61,9 +62,9 @@ MAX_TIME = os.environ.get("FAIRGATE_FUZZ_MAX_TIME")
 RUN_TIMEOUT_S = 90.0 * max(1.0, EXAMPLES / 25) + float(MAX_TIME or 0)
 
 
-def schemathesis_command(base_url: str) -> list[str]:
+def schemathesis_command(base_url: str, spec: Path) -> list[str]:
     cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG), "--no-color",
-           "run", str(SPEC), "--url", base_url, "--max-examples", str(EXAMPLES)]
+           "run", str(spec), "--url", base_url, "--max-examples", str(EXAMPLES)]
     if SEED != "random":
         cmd += ["--seed", SEED]
     if MAX_TIME:
@@ -73,10 +74,12 @@ def schemathesis_command(base_url: str) -> list[str]:
 
 async def run_schemathesis(base_url: str, workdir: Path) -> tuple[int, str]:
     """Runs the CLI in ``workdir`` (where schemathesis and hypothesis keep their files)."""
+    spec = workdir / "openapi.json"
+    spec.write_bytes(openapi_json())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "NO_COLOR": "1",
            "COLUMNS": "120"}
     proc = await asyncio.create_subprocess_exec(
-        *schemathesis_command(base_url), cwd=workdir, env=env,
+        *schemathesis_command(base_url, spec), cwd=workdir, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT_S)
@@ -133,17 +136,17 @@ def served(gw: GatewayServer) -> float:
 
 
 def test_openapi_describes_every_route() -> None:
-    """gateway/static/openapi.yaml is valid OpenAPI and describes every API route the app serves
-    (the operators' HTML dashboard aside)."""
-    schema = schemathesis.openapi.from_path(SPEC)
+    """/openapi.json is valid OpenAPI and describes every API route the app serves (the
+    operators' HTML dashboard aside)."""
+    schema = schemathesis.openapi.from_dict(document())
     schema.validate()
     described = {(op.ok().method.upper(), op.ok().path) for op in schema.get_all_operations()}
     app = create_app(load_settings(None))
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()
               if r.method != "HEAD" and r.resource is not None
               and not r.resource.canonical.startswith("/dashboard")}
-    assert routes - described == set(), "routes missing from gateway/static/openapi.yaml"
-    assert described - routes == set(), "gateway/static/openapi.yaml describes routes nobody serves"
+    assert routes - described == set(), "routes missing from /openapi.json"
+    assert described - routes == set(), "/openapi.json describes routes nobody serves"
 
 
 @pytest.mark.timeout(RUN_TIMEOUT_S + 60)

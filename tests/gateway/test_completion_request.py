@@ -15,11 +15,15 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.completion_request import CHAT, COMPLETIONS, read_completion
+from gateway.completion_request import read_completion
 from gateway.edge import render
+from gateway.endpoints import BY_PATH
+from gateway.endpoints import CHAT as CHAT_ENDPOINT
+from gateway.endpoints import COMPLETIONS as COMPLETIONS_ENDPOINT
 from gateway.errors import FairgateError
 from tests.gateway.conftest import MODEL, assert_error
 
+CHAT, COMPLETIONS = CHAT_ENDPOINT.path, COMPLETIONS_ENDPOINT.path
 MAX_BYTES = 2000
 HI = [{"role": "user", "content": "hi"}]
 
@@ -30,7 +34,7 @@ ClientFactory = Callable[[int], Awaitable[Client]]
 def app(max_bytes: int) -> web.Application:
     async def handle(request: web.Request) -> web.Response:
         try:
-            creq = await read_completion(request, request.path, max_bytes)
+            creq = await read_completion(request, BY_PATH[request.path], max_bytes)
         except FairgateError as exc:
             return render(exc)
         return web.json_response({"path": creq.path, "body": creq.body, "model": creq.model,

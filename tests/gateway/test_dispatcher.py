@@ -12,13 +12,14 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.backends import BackendPool
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Dispatcher, Settle
 from gateway.errors import (
     QueueTimeout,
     RateLimited,
@@ -357,7 +358,7 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
     # nothing was settled, and the dispatcher still knows it owes the settle
     assert await live.user_inflight(MODEL) == {"alice": 1}
     assert (await live.request_fields(MODEL, "r1"))["state"] == "dispatched"
-    assert list(rig.dispatcher._unsettled) == [(MODEL, grant, 5.0)]
+    assert list(rig.dispatcher._unsettled) == [Settle(MODEL, grant, 5.0, None, None)]
     # Redis is back: the heartbeat's retry settles it, charge included
     await rig.dispatcher._settle_deferred()
     assert await live.user_inflight(MODEL) == {}
@@ -386,3 +387,54 @@ async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
             await dispatcher.dispatch_once(MODEL)
     finally:
         await dead.client.aclose()
+
+
+class Calls:
+    """Counts the store's calls by verb."""
+
+    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch, *verbs: str) -> None:
+        self.counts = dict.fromkeys(verbs, 0)
+        for verb in verbs:
+            real = getattr(store, verb)
+
+            async def counted(*args: Any, _verb: str = verb, _real: Any = real,
+                              **kwargs: Any) -> Any:
+                self.counts[_verb] += 1
+                return await _real(*args, **kwargs)
+
+            monkeypatch.setattr(store, verb, counted)
+
+
+async def test_a_ticks_requests_are_queued_and_dispatched_in_one_call(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    await set_backend(rig, "b0", waiting=0, running=0)  # room for three in transit
+    rig.dispatcher._beating.set()  # as the heartbeat loop does: the replica is alive
+    calls = Calls(rig.store, monkeypatch, "enqueue_many", "dispatch_with")
+    acquires = [asyncio.create_task(rig.dispatcher.acquire(
+        MODEL, QueuedRequest(f"r{i}", user, "interactive", REPLICA, 1.0, time.time()), 120.0))
+        for i, user in enumerate(("alice", "bob", "carol"))]  # admitted in one loop turn
+    grants = await asyncio.wait_for(asyncio.gather(*acquires), ENQUEUE_WAIT_S)
+    assert [(g.request_id, g.backend) for g in grants] == [
+        ("r0", "b0"), ("r1", "b0"), ("r2", "b0")], grants
+    assert calls.counts == {"enqueue_many": 1, "dispatch_with": 0}, calls.counts
+    for grant in grants:
+        await rig.dispatcher.release(MODEL, grant, 1.0)
+    assert await rig.store.user_inflight(MODEL) == {}
+
+
+async def test_a_release_grants_the_next_request_without_a_dispatch_call(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    await set_backend(rig, "b0", waiting=2, running=0)  # room for one request in transit
+    first = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    second = await queue(rig, "r2", user="bob")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert not second.delivered  # the gate is full while r1 is in transit
+    calls = Calls(rig.store, monkeypatch, "dispatch_with")
+    await rig.dispatcher.release(MODEL, await first.grant(), 1.0)
+    assert second.delivered, "the settle did not grant the queued request"
+    assert (await second.grant()).backend == "b0"
+    assert calls.counts == {"dispatch_with": 0}, calls.counts
+    assert rig.dispatcher._queued[MODEL] == 0
+    await rig.dispatcher.release(MODEL, await second.grant(), 1.0)
+    assert await rig.store.user_inflight(MODEL) == {}

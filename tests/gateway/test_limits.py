@@ -121,6 +121,29 @@ async def test_daily_budget_insufficient_quota_and_exact_accounting(
         await client.close()
 
 
+async def test_responses_reservation_holds_max_output_tokens(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A /v1/responses request reserves its ``max_output_tokens`` against the budget, as
+    chat reserves ``max_tokens``: 1 prompt token + 100 output tokens do not fit a
+    60-token day and are refused before they queue; 1 + 8 do."""
+    gw = await limited_gateway(sim, gateway)
+    client = sdk(gw, "sk-budget")
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            answer = await client.responses.create(model=MODEL, input="hi",
+                                                   max_output_tokens=100)
+            pytest.fail(f"served despite a 101-token reservation: usage {answer.usage}")
+        assert caught.value.code == "insufficient_quota", caught.value.body
+        raw = await client.responses.with_raw_response.create(
+            model=MODEL, input="hi", max_output_tokens=8)
+        # the tpm bucket shows the reservation: the estimate plus the output bound
+        reserved = 100000 - int(raw.headers["x-ratelimit-remaining-tokens"])
+        assert reserved == estimate_prompt_tokens({"input": "hi"}, "input") + 8, reserved
+        assert raw.parse().usage is not None
+    finally:
+        await client.close()
+
+
 async def test_tenant_concurrency_limit_is_shared_by_its_keys(
         sim: SimFactory, gateway: GatewayFactory) -> None:
     gw = await limited_gateway(sim, gateway)

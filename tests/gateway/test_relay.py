@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from gateway.endpoints import Frames
 from gateway.relay import FrameFilter, carries_output
 
 MODEL = "llama-3.1-8b"
@@ -103,9 +104,10 @@ RESPONSE_STREAM = [*RESPONSE_HEAD, *RESPONSE_DELTAS, response_event(
                                     "usage": {"input_tokens": 5, "output_tokens": 2}})]
 
 
-def run(frames: Iterable[bytes], wants_usage: bool) -> tuple[FrameFilter, bytes]:
+def run(frames: Iterable[bytes], wants_usage: bool, kind: Frames = Frames.CHOICES
+        ) -> tuple[FrameFilter, bytes]:
     """Feed each frame as one chunk; returns the filter and everything it let out."""
-    f = FrameFilter(wants_usage)
+    f = FrameFilter(wants_usage, kind)
     out = b"".join(f.feed(frame) for frame in frames)
     return f, out + f.rest()
 
@@ -302,7 +304,7 @@ def test_frames_without_json_pass_through() -> None:
 
 
 def test_responses_api_events() -> None:
-    f = FrameFilter(wants_usage=False)
+    f = FrameFilter(wants_usage=False, frames=Frames.EVENTS)
     head = b"".join(RESPONSE_HEAD)
     assert f.feed(head) == head
     assert (f.started, f.output_frames) == (False, 0)  # response.created & co: no output
@@ -311,7 +313,7 @@ def test_responses_api_events() -> None:
     f.feed(RESPONSE_DELTAS[1])
     assert f.output_frames == 2
     for wants_usage in (False, True):
-        f2, out = run(RESPONSE_STREAM, wants_usage)
+        f2, out = run(RESPONSE_STREAM, wants_usage, Frames.EVENTS)
         assert out == b"".join(RESPONSE_STREAM)  # nothing dropped: no top-level usage
         # response.completed carries the usage and ends the answer
         assert f2.started and f2.usage == {"input_tokens": 5, "output_tokens": 2} and f2.done
@@ -339,16 +341,17 @@ def splits(data: bytes, rng: random.Random) -> list[bytes]:
 @pytest.mark.parametrize("name", sorted(STREAMS))
 def test_any_chunking_gives_the_same_output(name: str, wants_usage: bool) -> None:
     frames = STREAMS[name]
-    whole, expected = run(frames, wants_usage)
+    kind = Frames.EVENTS if name == "responses" else Frames.CHOICES
+    whole, expected = run(frames, wants_usage, kind)
     data = b"".join(frames)
-    one = FrameFilter(wants_usage)
+    one = FrameFilter(wants_usage, kind)
     assert one.feed(data) + one.rest() == expected
     assert state(one) == state(whole)
     rng = random.Random(f"{name}-{wants_usage}")
     chunkings = [[data[i:i + 1] for i in range(len(data))]]  # byte by byte
     chunkings += [splits(data, rng) for _ in range(50)]
     for chunks in chunkings:
-        f = FrameFilter(wants_usage)
+        f = FrameFilter(wants_usage, kind)
         outs = [f.feed(chunk) for chunk in chunks]
         assert all(o == b"" or o.endswith(b"\n\n") for o in outs)  # whole frames only
         assert b"".join(outs) + f.rest() == expected

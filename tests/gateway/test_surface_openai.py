@@ -307,3 +307,26 @@ async def test_openapi_json_describes_the_surface(sim: SimFactory,
     for path in ("/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/tokenize",
                  "/v1/batches", "/admin/state", "/openapi.json"):
         assert path in spec["paths"], path
+
+
+async def test_models_retrieve_through_the_sdk(sim: SimFactory,
+                                               gateway: GatewayFactory) -> None:
+    gw = await gateway([await sim(profile="instant")])
+    client = sdk(gw)
+    try:
+        model = await client.models.retrieve(MODEL)
+        assert (model.id, model.object) == (MODEL, "model"), model
+        listed = [m.id async for m in client.models.list()]
+        assert listed == [MODEL], listed
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.models.retrieve("no-such/model")
+        assert caught.value.code == "model_not_found", caught.value.body
+        async with aiohttp.ClientSession() as http:
+            status, body, _ = await call(http, "GET", gw.url + "/v1/models/no-such/model")
+        assert status == 404, body
+        assert_error(body, type_="invalid_request_error", param="model",
+                     code="model_not_found")
+        with pytest.raises(openai.AuthenticationError):
+            await sdk(gw, "sk-wrong").models.retrieve(MODEL)
+    finally:
+        await client.close()

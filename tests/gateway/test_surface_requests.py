@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gateway.completion_request import EMBEDDINGS, RESPONSES, Limits, validate_body
+from gateway.completion_request import Limits, validate_body
+from gateway.endpoints import CHAT, EMBEDDINGS, RESPONSES, Endpoint, Frames
 from gateway.errors import BadRequest
 from gateway.relay import FrameFilter, report_usage
 from policies.cost import estimate_prompt_tokens
@@ -55,7 +56,7 @@ def test_responses_bodies_accepted(body: dict[str, Any]) -> None:
     (RESPONSES, {"model": "m", "input": "x", "max_output_tokens": 101}, "max_output_tokens"),
     (RESPONSES, {"model": "m", "input": "x", "user": "u" * 17}, "user"),
 ])
-def test_bad_bodies_name_the_field(path: str, body: dict[str, Any], param: str) -> None:
+def test_bad_bodies_name_the_field(path: Endpoint, body: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as exc:
         validate_body(body, path, LIMITS)
     assert exc.value.param == param
@@ -84,15 +85,17 @@ class Usage:
         self.seen.append((prompt_tokens, completion_tokens))
 
 
-@pytest.mark.parametrize(("usage", "counts"), [
-    ({"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}, (7, 0)),  # embeddings
-    ({"prompt_tokens": 7, "total_tokens": 7}, (7, 0)),
-    ({"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}, (9, 4)),  # Responses
-    ({"input_tokens": "9", "output_tokens": None}, (0, 0)),  # not numbers: nothing
+@pytest.mark.parametrize(("endpoint", "usage", "counts"), [
+    (EMBEDDINGS, {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}, (7, 0)),
+    (EMBEDDINGS, {"prompt_tokens": 7, "total_tokens": 7}, (7, 0)),
+    (CHAT, {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}, (7, 2)),
+    (RESPONSES, {"input_tokens": 9, "output_tokens": 4, "total_tokens": 13}, (9, 4)),
+    (RESPONSES, {"input_tokens": "9", "output_tokens": None}, (0, 0)),  # not numbers
 ])
-def test_usage_of_every_route(usage: dict[str, Any], counts: tuple[int, int]) -> None:
+def test_usage_of_every_route(endpoint: Endpoint, usage: dict[str, Any],
+                              counts: tuple[int, int]) -> None:
     listener = Usage()
-    report_usage(usage, listener)  # type: ignore[arg-type]
+    report_usage(usage, listener, endpoint.usage)  # type: ignore[arg-type]
     assert listener.seen == [counts]
 
 
@@ -112,10 +115,10 @@ def test_response_stream_usage_from_the_final_event_in_any_chunking() -> None:
     ]
     whole = b"".join(frames)
     for size in (1, 7, 64, len(whole)):
-        f = FrameFilter(wants_usage=True)
+        f = FrameFilter(wants_usage=True, frames=Frames.EVENTS)
         out = b"".join(f.feed(whole[i:i + size]) for i in range(0, len(whole), size))
         assert out + f.rest() == whole  # relayed unchanged
         assert f.started and f.done and f.usage == usage
         listener = Usage()
-        report_usage(f.usage, listener)  # type: ignore[arg-type]
+        report_usage(f.usage, listener, RESPONSES.usage)  # type: ignore[arg-type]
         assert listener.seen == [(12, 3)]

@@ -17,7 +17,8 @@ from loadtest.cli import build_parser
 from loadtest.sim.cli import config_from_args
 from loadtest.sim.prefix_cache import NONE_HASH, BlockPool, BlockTable, hash_blocks
 from loadtest.sim.protocol import parse_request
-from loadtest.sim.scheduler import Scheduler, SchedulerLimits, Sequence
+from loadtest.sim.scheduler import Scheduler, SchedulerLimits
+from loadtest.sim.sequence import Sequence
 from tests.sim.conftest import MODEL, ServerFactory
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from loadtest.sim.scheduler import Scheduler, SchedulerLimits, Sequence
+from loadtest.sim.scheduler import Scheduler, SchedulerLimits
+from loadtest.sim.sequence import Sequence
 
 _arrival = itertools.count()
 

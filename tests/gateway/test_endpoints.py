@@ -1,0 +1,144 @@
+"""The endpoint table (``gateway/endpoints.py``) and what derives from it: routes, body
+validation, the output-token bound and prompt estimate, ``/openapi.json`` and the
+simulator's routes — including a hypothetical new entry, which needs nothing else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gateway.admission import estimate
+from gateway.completion_request import CompletionRequest, Limits, validate_body
+from gateway.endpoints import (
+    BATCHABLE,
+    BY_PATH,
+    CHAT,
+    COMPLETIONS,
+    ENDPOINTS,
+    RESPONSES,
+    RESPONSES_USAGE,
+    Endpoint,
+    Frames,
+    Kind,
+)
+from gateway.errors import BadRequest
+from gateway.openapi import build, document
+from gateway.routes import add_endpoint_routes
+from loadtest.sim.engine import EngineConfig
+from loadtest.sim.server import SimServer
+from policies.cost import estimate_prompt_tokens
+from tests.gateway.conftest import MODEL
+
+# a hypothetical new endpoint: queued, streamed as typed events, its own prompt and
+# output fields, served by an existing simulator behaviour
+NEW = Endpoint("/v1/new/things", "POST", "createThing", Kind.QUEUED, "A thing",
+               "CreateResponseRequest", "Response", "input", ("max_output_tokens",),
+               Frames.EVENTS, RESPONSES_USAGE, sim="responses")
+
+
+def routes(app: web.Application) -> set[tuple[str, str]]:
+    return {(r.method, r.resource.canonical) for r in app.router.routes()
+            if r.resource is not None and r.method != "HEAD"}
+
+
+def test_every_entry_is_declared_once() -> None:
+    keys = [(e.method, e.path) for e in ENDPOINTS]
+    assert len(keys) == len(set(keys)), keys
+    ids = [e.operation_id for e in ENDPOINTS]
+    assert len(ids) == len(set(ids)), ids
+    assert BATCHABLE == (CHAT.path, COMPLETIONS.path)
+
+
+@pytest.mark.parametrize(("endpoint", "body", "bound"), [
+    (CHAT, {"max_tokens": 7, "max_completion_tokens": 9}, 7),
+    (CHAT, {"max_completion_tokens": 9}, 9),
+    (COMPLETIONS, {}, None),
+    (RESPONSES, {"max_output_tokens": 11, "max_tokens": 3}, 11),  # max_tokens is not its
+    (BY_PATH["/v1/embeddings"], {"max_tokens": 5}, None),
+])
+def test_output_bound_is_the_endpoints_field(endpoint: Endpoint, body: dict[str, Any],
+                                             bound: int | None) -> None:
+    assert endpoint.output_bound(body) == bound
+
+
+def test_the_estimate_reads_the_endpoints_prompt_field() -> None:
+    # a completion whose body also carries an unrelated "input" is estimated from "prompt"
+    body = {"model": MODEL, "prompt": "x" * 400, "input": "y"}
+    assert estimate(CompletionRequest(COMPLETIONS, body)) == 100
+    assert estimate(CompletionRequest(RESPONSES, {"input": "y" * 40})) == 10
+
+
+@pytest.mark.parametrize("endpoint", [e for e in ENDPOINTS if e.kind is not Kind.LOCAL],
+                         ids=lambda e: e.path)
+def test_the_openapi_body_schema_matches_the_entry(endpoint: Endpoint) -> None:
+    """The schema the YAML writes for a table entry's body declares the entry's prompt
+    field (required), its output-token fields, and ``stream`` exactly when it streams."""
+    spec = document()
+    op = spec["paths"][endpoint.path][endpoint.method.lower()]
+    assert op["operationId"] == endpoint.operation_id
+    assert endpoint.request_schema is not None
+    schema = spec["components"]["schemas"][endpoint.request_schema]
+    assert "model" in schema["required"], schema
+    if endpoint.prompt_field is not None:
+        assert endpoint.prompt_field in schema["required"], schema
+    for name in endpoint.output_token_fields:
+        assert name in schema["properties"], (name, schema)
+    assert ("stream" in schema["properties"]) == endpoint.streams, schema
+    assert ("text/event-stream" in op["responses"]["200"]["content"]) == endpoint.streams
+    assert ("parameters" in op) == endpoint.queued, op
+
+
+def test_openapi_refuses_a_yaml_that_disagrees_with_the_table() -> None:
+    base = {"openapi": "3.1.0", "paths": {
+        "/v1/models": {"get": {"operationId": "listModels"}},
+        CHAT.path: {"post": {"operationId": "createChatCompletion"}}}}
+    with pytest.raises(ValueError, match="generates"):
+        build(base, (CHAT,))
+    with pytest.raises(ValueError, match="retrieveModel"):
+        build(base, (BY_PATH["/tokenize"], *(e for e in ENDPOINTS if e.path.startswith(
+            "/v1/models"))))
+
+
+def test_a_new_entry_needs_nothing_else() -> None:
+    """One entry: it is routed, validated, bounded, estimated, described in OpenAPI and
+    served by the simulator."""
+    app = web.Application()
+    add_endpoint_routes(app, {}, (NEW,))
+    assert routes(app) == {("POST", NEW.path)}
+    with pytest.raises(BadRequest) as bad:
+        validate_body({"model": "m", "input": "x", "max_output_tokens": 0}, NEW, Limits())
+    assert bad.value.param == "max_output_tokens", bad.value
+    with pytest.raises(BadRequest) as bad:
+        validate_body({"model": "m"}, NEW)
+    assert bad.value.param == "input", bad.value
+    body = {"model": "m", "input": "x" * 40, "max_output_tokens": 5, "stream": True}
+    validate_body(body, NEW)
+    assert NEW.output_bound(body) == 5
+    assert estimate(CompletionRequest(NEW, body)) == estimate_prompt_tokens(body, "input")
+    spec = build(document(), (NEW,))
+    op = spec["paths"][NEW.path]["post"]
+    assert op["operationId"] == "createThing" and "text/event-stream" in op["responses"][
+        "200"]["content"], op
+
+
+def test_the_simulator_routes_every_entry_with_a_behaviour() -> None:
+    server = SimServer(EngineConfig(model=MODEL))
+    served = routes(server.make_app())
+    wanted = {(e.method, e.path) for e in ENDPOINTS if e.sim is not None}
+    assert wanted <= served, wanted - served
+    assert {e.sim for e in ENDPOINTS if e.sim} <= set(server.behaviours())
+    assert ("GET", "/v1/files") not in served  # fairgate's own, not vLLM's
+
+
+async def _empty(request: web.Request) -> web.StreamResponse:
+    return web.json_response({})
+
+
+def test_get_routes_answer_head_too() -> None:
+    app = web.Application()
+    add_endpoint_routes(app, {"listModels": _empty},
+                        tuple(e for e in ENDPOINTS if e.operation_id == "listModels"))
+    methods = {r.method for r in app.router.routes()}
+    assert methods == {"GET", "HEAD"}, methods

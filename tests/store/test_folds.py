@@ -1,0 +1,112 @@
+"""The dispatch decision folded into the calls a request makes anyway: a settle or a
+started whose slot frees grants the backend's next request in the same script call, a
+tick's enqueues go in one call with their dispatch; grants for another replica's clients
+travel through its grant list, whichever script made them."""
+
+from __future__ import annotations
+
+from datetime import date
+
+import redis.asyncio as aioredis
+
+from gateway.keys import ModelKeys
+from gateway.settings import ApiKey
+from gateway.store import Grant, Store, dispatch_args
+from gateway.usage import UsageLedger
+from gateway.values import GRANT
+from tests.store.test_scripts import alive, dispatch, req
+
+M = "m"
+K = ModelKeys(M)
+ONE = {"interactive": 1, "default": 1, "batch": 1}  # one request in transit at a time
+
+
+def then(limits: dict[str, int] = ONE, want: int = 1) -> dict[str, object]:
+    return dispatch_args(M, "b1", limits, "r1", 1000.0, 10.0, max_grants=want)
+
+
+async def first_granted(store: Store) -> Grant:
+    await alive(store, "r1", "r2")
+    await store.enqueue(M, req("a1", "alice"), 10)
+    await store.enqueue(M, req("b1", "bob"), 10)
+    grant = await dispatch(store, ONE)
+    assert grant is not None and grant.request_id == "a1", grant
+    assert await dispatch(store, ONE) is None  # the gate is full: bob waits
+    return grant
+
+
+async def test_a_settle_grants_the_next_queued_request_in_the_same_call(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    grant = await first_granted(store)
+    released, done = await store.settle_and_dispatch(M, grant, 5.0, then=then())
+    assert released, "the settle did not release a1"
+    assert done is not None and [g.request_id for g in done.grants] == ["b1"], done
+    assert done.depth == 0, done
+    assert await redis.zrange(K.backend_sent("b1"), 0, -1) == ["b1"]
+    assert await store.user_inflight(M) == {"bob": 1}
+    # settled once: a second settle releases nothing and grants nothing more
+    released, done = await store.settle_and_dispatch(M, grant, 5.0, then=then())
+    assert not released and done is not None and done.grants == [], done
+
+
+async def test_a_settle_without_a_decision_only_settles(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    grant = await first_granted(store)
+    released, done = await store.settle_and_dispatch(M, grant, 5.0)
+    assert released and done is None, done
+    assert await store.depths(M) == {"interactive": 0, "default": 1, "batch": 0}
+
+
+async def test_a_started_request_frees_its_slot_and_grants_the_next(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    grant = await first_granted(store)
+    # the gate counts requests in transit: a1's first token takes it out
+    done = await store.mark_started(M, grant, 1001.0, then=then())
+    assert done is not None and [g.request_id for g in done.grants] == ["b1"], done
+    assert await redis.zrange(K.backend_sent("b1"), 0, -1) == ["b1"]
+    # a second first token frees nothing, so decides nothing
+    assert await store.mark_started(M, grant, 1002.0, then=then()) is None
+
+
+async def test_a_fold_grants_another_replicas_request_through_its_grant_list(
+        redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1", "r2")
+    await store.enqueue(M, req("a1", "alice"), 10)
+    await store.enqueue(M, req("c1", "carol", owner="r2"), 10)
+    grant = await dispatch(store, ONE)
+    assert grant is not None and grant.request_id == "a1"
+    _, done = await store.settle_and_dispatch(M, grant, 5.0, then=then())
+    assert done is not None and [(g.request_id, g.owner) for g in done.grants] == [
+        ("c1", "r2")], done
+    pushed = [GRANT.decode(e) for e in await redis.lrange(K.grants("r2"), 0, -1)]
+    assert [(e["request_id"], e["backend"]) for e in pushed] == [("c1", "b1")], pushed
+    assert await redis.llen(K.grants("r1")) == 0
+    assert await redis.smembers(K.running("r2")) == {"c1"}
+
+
+async def test_a_ticks_enqueues_and_their_dispatch_are_one_call(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    positions, done = await store.enqueue_many(
+        M, [req("a1", "alice"), req("a2", "alice"), req("b1", "bob")], 10,
+        then=then({"interactive": 2, "default": 2, "batch": 2}, want=3))
+    assert positions == [1, 2, 1], positions
+    assert done is not None and [g.request_id for g in done.grants] == ["a1", "b1"], done
+    assert done.depth == 1 and done.backlogged_since.keys() == {"default"}, done
+    assert done.recent == ["default", "default"], done
+
+
+async def test_a_settle_adds_the_requests_usage(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    grant = await first_granted(store)
+    ledger = UsageLedger(redis, 30)  # type: ignore[arg-type]
+    key = ApiKey(key="sk-x", user="alice")
+    usage = ledger.counts(key, M, "default", 12, 3, error=False, now=86400.0)
+    await store.settle_and_dispatch(M, grant, 5.0, usage=usage)
+    rows = await ledger.rows(date(1970, 1, 2), date(1970, 1, 2))
+    assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"], r["errors"])
+            for r in rows] == [(1, 12, 3, 0)], rows
+    assert 0 < await redis.ttl(usage.key) <= usage.ttl_s
