@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.keys import ModelKeys
@@ -216,6 +216,14 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(BACKENDS, WORKLOADS)
+@example(  # A idles, then a user it never had joins at the floor its last user left
+    backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
+             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 2},
+    ops=[("enqueue", ("A", "a1"), 2.0, 1.0, None, 0, []),
+         ("enqueue", ("B", "b1"), 1.0, 1.0, None, 0, []), ("dispatch", None),
+         ("dispatch", None), ("enqueue", ("A", "a2"), 1.0, 1.0, None, 0, []),
+         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, []), ("dispatch", None),
+         ("dispatch", None)])
 def test_fairness_lua_decides_as_policies_fairness(
         redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
     asyncio.run(run(redis_url, backend, ops))

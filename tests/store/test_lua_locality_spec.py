@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import redis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.keys import ModelKeys
@@ -109,6 +109,8 @@ def twin(ex: dict[str, Any]) -> tuple[list[list[Any]], dict[str, float]]:
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(EXAMPLES)
+@example({"slack": 0.0, "size": 5, "ttl": 10, "index": {"h1": 990, "h2": 991}, "others": [],
+          "load": 0, "max_imbalance": 0, "ops": [("trim", None, 0)]})  # used exactly ttl ago
 def test_locality_lua_decides_as_policies_locality(sync_redis: redis.Redis,
                                                    ex: dict[str, Any]) -> None:
     prefix = ModelKeys(f"loc{next(examples)}").prefix
