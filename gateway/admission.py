@@ -41,7 +41,7 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics, StreamTiming
 from gateway.quotas import Held, Quotas
-from gateway.settings import ApiKey, Settings
+from gateway.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.store import Grant, QueuedRequest
 from gateway.usage import UsageLedger
 from gateway.waits import Waits
@@ -103,11 +103,11 @@ def estimate(creq: CompletionRequest) -> int:
     return estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
 
 
-class Admission:
-    def __init__(self, settings: Settings, dispatcher: Dispatcher, pool: BackendPool,
+class Admission(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
                  quotas: Quotas | None = None, usage: UsageLedger | None = None) -> None:
-        self.settings = settings
+        self.holder = settings
         self.quotas = quotas
         self.usage = usage
         self.dispatcher = dispatcher
@@ -238,7 +238,7 @@ class Admission:
                     model, klass, user, queued.cost)
             raise
         except Unavailable as exc:  # the queued request was lost (Redis is reachable)
-            if exc.retry_after_s is not None and not isinstance(exc, StoreUnavailable):
+            if not isinstance(exc, StoreUnavailable):  # that one: the edge's floor
                 exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
             raise
         self.waits.dispatched(model, klass)

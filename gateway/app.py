@@ -20,7 +20,7 @@ from gateway.settings import Settings
 def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web.Application:
     metrics = metrics or GatewayMetrics(top_users=settings.metrics_top_users,
                                         user_idle_s=settings.metrics_user_idle_s)
-    app = web.Application(middlewares=[error_boundary(metrics)],
+    app = web.Application(middlewares=[error_boundary(metrics, _retry_after)],
                           client_max_size=settings.max_body_bytes)
     app.cleanup_ctx.append(_services(settings, metrics))
     add_routes(app)
@@ -28,6 +28,11 @@ def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web
     add_admin_routes(app)
     add_dashboard_routes(app)
     return app
+
+
+def _retry_after(request: web.Request) -> int:
+    """An error's ``Retry-After`` when it carries none: the wait estimator's floor."""
+    return request.app[SERVICES].admission.waits.retry_after(None)
 
 
 def _services(settings: Settings, metrics: GatewayMetrics

@@ -28,7 +28,7 @@ from gateway.backend_metrics import (
 )
 from gateway.errors import StoreUnavailable
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Backend, Settings
+from gateway.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.store import BackendFit, Store
 from gateway.supervise import supervise
 from policies.classes import CLASS_ORDER
@@ -84,38 +84,54 @@ class BackendHandle:
         return self.gates
 
 
-class BackendPool:
+class BackendPool(ReadsSettings):
     def __init__(
         self,
-        settings: Settings,
+        settings: SettingsHolder,
         session: aiohttp.ClientSession,
         store: Store,
         metrics: GatewayMetrics,
         on_snapshot: Callable[[], None] = lambda: None,
     ) -> None:
-        self.settings = settings
+        self.holder = settings
         self.session = session
         self.store = store
         self.metrics = metrics
         self.on_snapshot = on_snapshot
-        self.gate_policies: dict[str, GatePolicy] = {
-            c: settings.classes[c].gate() for c in CLASS_ORDER}
+        self.gate_policies: dict[str, GatePolicy] = {}
         self.pacing_targets: dict[str, PacingTargets] | None = None
-        if settings.pacing == "adaptive":
-            self.pacing_targets = {c: settings.classes[c].pacing_targets() for c in CLASS_ORDER}
-        self.handles = {b.name: self._handle(b) for b in settings.backends}
+        self.handles: dict[str, BackendHandle] = {}
+        self._derive(settings.current)
+        self.handles = {b.name: self._handle(b) for b in settings.current.backends}
         self._loops: dict[str, asyncio.Task[None]] = {}
+        settings.on_swap(self._derive)
+
+    def _derive(self, settings: Settings) -> None:
+        """The classes' gate policies and pacing targets, and each backend's prefill
+        limits, of these settings (a lowered ``max_waiting`` caps the pacing at once)."""
+        self.gate_policies = {c: settings.classes[c].gate() for c in CLASS_ORDER}
+        self.pacing_targets = ({c: settings.classes[c].pacing_targets() for c in CLASS_ORDER}
+                               if settings.pacing == "adaptive" else None)
+        for handle in self.handles.values():
+            handle.fit = self._fit(settings, handle.config)
+            handle.pacing = {c: dataclasses.replace(
+                p, allowance=min(p.allowance, float(self.gate_policies[c].max_waiting)))
+                for c, p in handle.pacing.items()}
+
+    @staticmethod
+    def _fit(settings: Settings, config: Backend) -> BackendFit:
+        return BackendFit(config.prompt_range(), {
+            c: class_limit(settings.classes[c].max_waiting_prefill_tokens,
+                           config.max_num_batched_tokens) for c in CLASS_ORDER},
+            settings.prefill_backfill_s)
 
     def _handle(self, config: Backend) -> BackendHandle:
         window_s = self.settings.tpot_window_s
         pacing = {c: Pacing(float(p.max_waiting)) for c, p in self.gate_policies.items()}
-        fit = BackendFit(config.prompt_range(), {
-            c: class_limit(self.settings.classes[c].max_waiting_prefill_tokens,
-                           config.max_num_batched_tokens) for c in CLASS_ORDER},
-            self.settings.prefill_backfill_s)
         return BackendHandle(config, HistogramWindow(window_s),
                              HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing,
-                             HistogramWindow(window_s, (PREFIX_CACHE,)), fit=fit)
+                             HistogramWindow(window_s, (PREFIX_CACHE,)),
+                             fit=self._fit(self.settings, config))
 
     def for_model(self, model: str) -> list[BackendHandle]:
         return [h for h in self.handles.values() if h.config.model == model]
@@ -177,11 +193,10 @@ class BackendPool:
         return report
 
     async def _loop(self, handle: BackendHandle) -> None:
-        interval = self.settings.scrape_interval_s
         next_at = time.monotonic()
         while True:
             await self.scrape_once(handle)
-            next_at = max(next_at + interval, time.monotonic())
+            next_at = max(next_at + self.settings.scrape_interval_s, time.monotonic())
             await asyncio.sleep(next_at - time.monotonic())
 
     async def scrape_once(self, handle: BackendHandle) -> None:

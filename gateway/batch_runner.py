@@ -40,7 +40,7 @@ from gateway.errors import (
 )
 from gateway.files import FileStore
 from gateway.metrics import GatewayMetrics
-from gateway.settings import ApiKey, Settings
+from gateway.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.upstream import Upstream
 
 log = structlog.get_logger("fairgate.batch")
@@ -59,11 +59,11 @@ def output_line(custom_id: str, status: int | None, body: Any,
             "response": response, "error": error}
 
 
-class BatchRunner:
-    def __init__(self, settings: Settings, admission: Admission, upstream: Upstream,
+class BatchRunner(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, admission: Admission, upstream: Upstream,
                  files: FileStore, batches: BatchStore, metrics: GatewayMetrics,
                  replica_id: str) -> None:
-        self.settings = settings
+        self.holder = settings
         self.admission = admission
         self.upstream = upstream
         self.files = files

@@ -33,7 +33,7 @@ from gateway.errors import (
     StoreUnavailable,
 )
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
+from gateway.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.store import Dispatched, Grant, Locality, QueuedRequest, Store, dispatch_args
 from gateway.supervise import supervise
 from gateway.usage import UsageCounts
@@ -85,10 +85,10 @@ class Settle:
     usage: UsageCounts | None
 
 
-class Dispatcher:
-    def __init__(self, settings: Settings, store: Store, pool: BackendPool,
+class Dispatcher(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
                  metrics: GatewayMetrics, replica_id: str) -> None:
-        self.settings = settings
+        self.holder = settings
         self.store = store
         self.pool = pool
         self.metrics = metrics
@@ -109,6 +109,13 @@ class Dispatcher:
         self.held: dict[str, Grant] = {}
         self._store_down = False
         self._beats = 0
+        self.floors: FloorPolicy
+        self.locality: Locality | None
+        self._derive(settings.current)
+        settings.on_swap(self._derive)
+
+    def _derive(self, settings: Settings) -> None:
+        """The starvation floors and the locality rule of these settings."""
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
         self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
@@ -151,7 +158,7 @@ class Dispatcher:
             self.waiters.pop(req.request_id, None)
             raise RateLimited(
                 f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
-                "queued for this model", retry_after_s=self.settings.retry_after_s)
+                "queued for this model")  # Retry-After: the wait estimator's (admission)
         try:
             return await self._await_grant(model, req, future, timeout_s)
         except (FairgateError, asyncio.CancelledError):
@@ -171,10 +178,8 @@ class Dispatcher:
                     # dropped at dispatch (this replica looked dead) or expired: say so now
                     # instead of waiting out the whole queue timeout
                     self.waiters.pop(req.request_id, None)
-                    raise RequestLost("the queued request was lost; retry it",
-                                      retry_after_s=self.settings.retry_after_s) from None
-        raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue",
-                           retry_after_s=self.settings.retry_after_s)
+                    raise RequestLost("the queued request was lost; retry it") from None
+        raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue")
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:

@@ -30,12 +30,12 @@
     │   └── BackendUnreachable (502)   no connection: nothing reached the backend
     └── QueueTimeout (504)             waited longer than the class's max_queue_wait_s
 
-Errors are plain exceptions; the HTTP edge (``gateway/edge.py``) renders them.
+Errors are plain exceptions; the HTTP edge (``gateway/edge.py``) renders them, every way
+they leave (JSON, an SSE frame, a raw answer), and gives a 429 or 503 that carries no
+``retry_after_s`` the wait estimator's (``gateway/waits.py``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 
 class FairgateError(Exception):
@@ -49,15 +49,6 @@ class FairgateError(Exception):
         self.message = message
         self.param = param
         self.retry_after_s = retry_after_s
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        if self.retry_after_s is None:
-            return {}
-        return {"Retry-After": str(self.retry_after_s)}
 
 
 class BadRequest(FairgateError):
@@ -146,9 +137,6 @@ class RateLimitExceeded(RateLimited):
         super().__init__(message, retry_after_s=retry_after_s)
         self.limit_headers = dict(limit_headers or {})
 
-    def headers(self) -> dict[str, str]:
-        return {**self.limit_headers, **super().headers()}
-
 
 class InsufficientQuota(RateLimitExceeded):
     """Over a token budget: OpenAI's ``insufficient_quota`` (same status, other code)."""
@@ -164,7 +152,7 @@ class StoreUnavailable(Unavailable):
     code = "queue_store_unavailable"
 
     def __init__(self, message: str) -> None:
-        super().__init__(f"queue store unavailable: {message}", retry_after_s=1)
+        super().__init__(f"queue store unavailable: {message}")
 
 
 class RequestLost(Unavailable):

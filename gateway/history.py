@@ -37,7 +37,7 @@ import structlog
 
 from gateway.errors import StoreUnavailable
 from gateway.metrics import GatewayMetrics
-from gateway.settings import Settings
+from gateway.settings import ReadsSettings, SettingsHolder
 from gateway.store import Store
 from gateway.user_series import MAX_SHARE_USERS, SHARE_HALF_LIFE_S
 from policies.classes import CLASS_ORDER
@@ -99,11 +99,11 @@ def _totals(metrics: GatewayMetrics) -> _Totals:
     return out
 
 
-class History:
-    def __init__(self, settings: Settings, store: Store, metrics: GatewayMetrics,
+class History(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, metrics: GatewayMetrics,
                  interval_s: float = INTERVAL_S, window_s: float = WINDOW_S,
                  tick_s: float = TICK_S) -> None:
-        self.settings = settings
+        self.holder = settings
         self.store = store
         self.metrics = metrics
         self.interval_s = interval_s  # read at every tick: a test may shorten it

@@ -25,7 +25,7 @@ import structlog
 
 from gateway.keys import KEY_IDS, KEY_PEPPER, KEYRING_PREFIX, key_digest, key_record
 from gateway.redis_client import BoundaryRedis
-from gateway.settings import ApiKey, Settings, UsageLimits
+from gateway.settings import ApiKey, ReadsSettings, SettingsHolder, UsageLimits
 from gateway.store import load_script
 
 log = structlog.get_logger("fairgate.keys")
@@ -39,12 +39,12 @@ def digest(pepper: bytes, secret: str) -> str:
     return hmac.new(pepper, secret.encode(), hashlib.sha256).hexdigest()
 
 
-class RuntimeKeys:
-    def __init__(self, client: BoundaryRedis, settings: Settings) -> None:
+class RuntimeKeys(ReadsSettings):
+    def __init__(self, client: BoundaryRedis, settings: SettingsHolder) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
-        configured = settings.key_pepper
+        self.holder = settings
+        configured = settings.current.key_pepper  # a restart changes it, not a reload
         self._pepper = configured.get_secret_value().encode() if configured else None
-        self.cache_s = settings.key_cache_s
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
         self._lookup = client.register_script(load_script("key_lookup"))
         self._rotate = client.register_script(load_script("key_rotate"))
@@ -72,7 +72,7 @@ class RuntimeKeys:
         found = _api_key(_pairs(fields)) if fields else None
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
-        self._cache[digest_hex] = (now + self.cache_s, found)
+        self._cache[digest_hex] = (now + self.settings.key_cache_s, found)
         return found
 
     async def create(self, user: str, tenant: str | None, klass: str, weight: float,

@@ -22,7 +22,7 @@ import structlog
 from gateway.errors import InsufficientQuota, RateLimitExceeded, StoreUnavailable
 from gateway.keys import quota_budget, quota_keys
 from gateway.redis_client import BoundaryRedis
-from gateway.settings import ApiKey, Settings, UsageLimits
+from gateway.settings import ApiKey, ReadsSettings, SettingsHolder, Tenant, UsageLimits
 from gateway.store import load_script
 from policies.limits import (
     KINDS,
@@ -56,14 +56,21 @@ def _scope(kind: str, name: str, redis_scope: str, limits: UsageLimits) -> Scope
     return Scope(kind, name, redis_scope, **limits.model_dump())
 
 
-class Quotas:
-    def __init__(self, client: BoundaryRedis, settings: Settings) -> None:
+class Quotas(ReadsSettings):
+    def __init__(self, client: BoundaryRedis, settings: SettingsHolder) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
-        self.tenants = settings.tenants
-        self.lease_s = settings.quota_lease_s
+        self.holder = settings
         self._admit = client.register_script(load_script("quota_admit"))
         self._settle = client.register_script(load_script("quota_settle"))
         self.held: dict[str, Held] = {}  # requests holding concurrency slots (heartbeat)
+
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return self.settings.tenants
+
+    @property
+    def lease_s(self) -> float:
+        return self.settings.quota_lease_s
 
     def scopes(self, key: ApiKey) -> list[Scope]:
         """The limits a request of ``key`` is checked against: the key's, its tenant's."""

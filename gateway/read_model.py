@@ -19,7 +19,7 @@ from gateway.backends import BackendPool
 from gateway.history import History
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
-from gateway.settings import ApiKey, Settings
+from gateway.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.store import Store
 from gateway.usage import UsageLedger, group
 from policies.classes import CLASS_ORDER
@@ -29,10 +29,10 @@ USERS_SCANNED = 1000  # per (model, class): bounds the Redis reads of one state 
 TOP_USERS = 20
 
 
-class Inspector:
-    def __init__(self, settings: Settings, store: Store, pool: BackendPool,
+class Inspector(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
                  metrics: GatewayMetrics, replica_id: str) -> None:
-        self.settings = settings
+        self.holder = settings
         self.store = store
         self.pool = pool
         self.metrics = metrics

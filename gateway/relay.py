@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.edge import sse_frame
 from gateway.endpoints import Endpoint, Frames, Usage
 from gateway.errors import UpstreamError
 
@@ -204,8 +205,7 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
             await _write(out, rest)
     except (aiohttp.ClientError, TimeoutError) as exc:
         # The status line is gone already: end the stream with an error event instead.
-        error = UpstreamError(f"backend failed mid-stream: {exc!r}")
-        await _write(out, b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        await _write(out, sse_frame(UpstreamError(f"backend failed mid-stream: {exc!r}")))
     finally:
         report_usage(frames.usage, listener, endpoint.usage)
         if not frames.usage:

@@ -138,8 +138,7 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     _known_model(svc, model)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
     if not candidates:
-        raise Unavailable(f"no healthy backend serves {model!r}",
-                          retry_after_s=svc.settings.retry_after_s)
+        raise Unavailable(f"no healthy backend serves {model!r}")
     for handle in candidates:
         try:
             return await svc.upstream.unscheduled(handle, endpoint.path, body)
@@ -234,13 +233,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    try:
-        await svc.store.ping()
-    except StoreUnavailable as exc:
-        exc.retry_after_s = svc.settings.retry_after_s
-        raise
+    await svc.store.ping()
     if not svc.pool.any_healthy():
-        raise Unavailable("no healthy backend", retry_after_s=svc.settings.retry_after_s)
+        raise Unavailable("no healthy backend")
     return web.json_response({"status": "ready"})
 
 

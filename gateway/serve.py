@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import structlog
 
-from gateway.admin import reload_settings
 from gateway.errors import FairgateError
+from gateway.reload import reload_settings
 from gateway.server import GatewayServer
 from gateway.settings import Settings
 from gateway.worker_signals import RELOAD_SIGNAL

@@ -11,13 +11,13 @@ raised to its hard limit at start so the cap, not the kernel, refuses first.
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
 
 import structlog
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.edge import raw_answer
 from gateway.errors import TooManyConnections
 from gateway.metrics import GatewayMetrics
 from gateway.services import SERVICES, Services
@@ -41,21 +41,17 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def _refusal() -> bytes:
-    error = TooManyConnections("too many open connections to the gateway; retry",
-                               retry_after_s=1)
-    body = json.dumps(error.body()).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n")
-    return head.encode() + body
-
-
 class _Refuse(asyncio.Protocol):
     """A connection over the cap: answer 503 and close, reading nothing."""
 
+    def __init__(self, retry_after_s: int) -> None:
+        self.retry_after_s = retry_after_s
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(_refusal())
+        transport.write(raw_answer(TooManyConnections(
+            "too many open connections to the gateway; retry",
+            retry_after_s=self.retry_after_s)))
         transport.close()
 
 
@@ -100,7 +96,7 @@ class GatewayServer:
                 if self.refused % 1000 == 1:  # a flood must not flood the log too
                     log.warning("connection_refused", open=len(server.connections), cap=cap,
                                 refused=self.refused)
-                return _Refuse()
+                return _Refuse(self.services.admission.waits.retry_after(None))
             return server()
 
         loop = asyncio.get_running_loop()

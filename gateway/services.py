@@ -33,7 +33,7 @@ from gateway.quotas import Quotas
 from gateway.read_model import Inspector
 from gateway.redis_client import connect
 from gateway.sessions import SessionStore
-from gateway.settings import Settings
+from gateway.settings import Settings, SettingsHolder
 from gateway.store import Store
 from gateway.supervise import supervise
 from gateway.upstream import Upstream
@@ -48,8 +48,8 @@ SHUTDOWN_WAIT_S = 5.0
 
 @dataclass(slots=True)
 class Services:
-    settings: Settings  # frozen; a reload swaps in a new object (gateway/admin.py)
-    keys: KeyRing  # swapped with the settings
+    config: SettingsHolder  # the settings in force; a reload swaps them (gateway/reload.py)
+    keys: KeyRing  # rebuilt by a reload
     policy: FairnessPolicy
     metrics: GatewayMetrics
     store: Store
@@ -66,6 +66,16 @@ class Services:
     sessions: SessionStore
     replica_id: str
     redis_url: str
+
+    @property
+    def settings(self) -> Settings:
+        return self.config.current
+
+
+def request_ttl_s(settings: Settings) -> float:
+    """How long a request's hash outlives its longest possible queue wait and answer."""
+    longest_wait = max(c.max_queue_wait_s for c in settings.classes.values())
+    return longest_wait + settings.upstream_timeout_s + 60
 
 
 def fairness_policy(settings: Settings) -> FairnessPolicy:
@@ -94,26 +104,26 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
 
         replica_id = settings.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
-        longest_wait = max(c.max_queue_wait_s for c in settings.classes.values())
-        store = Store(client, request_ttl_s=longest_wait + settings.upstream_timeout_s + 60)
-        pool = BackendPool(settings, session, store, metrics)
-        dispatcher = Dispatcher(settings, store, pool, metrics, replica_id)
+        config = SettingsHolder(settings)  # the one copy every collaborator reads
+        store = Store(client, request_ttl_s(settings))
+        config.on_swap(lambda new: setattr(store, "request_ttl_s", request_ttl_s(new)))
+        pool = BackendPool(config, session, store, metrics)
+        dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake
-        quotas = Quotas(client, settings)
+        quotas = Quotas(client, config)
         usage = UsageLedger(client, settings.usage_retention_days)
-        admission = Admission(settings, dispatcher, pool, policy, metrics, replica_id, quotas,
+        admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage)
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
-        runner = BatchRunner(settings, admission, upstream, files, batches, metrics,
+        runner = BatchRunner(config, admission, upstream, files, batches, metrics,
                              replica_id)
-        keyring = KeyRing(settings.api_keys, settings.admin_keys,
-                          RuntimeKeys(client, settings))
+        keyring = KeyRing(settings.api_keys, settings.admin_keys, RuntimeKeys(client, config))
         services = Services(
-            settings, keyring, policy, metrics, store,
+            config, keyring, policy, metrics, store,
             pool, dispatcher, admission, quotas, usage, upstream, files, batches, runner,
-            Inspector(settings, store, pool, metrics, replica_id),
+            Inspector(config, store, pool, metrics, replica_id),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url)
         runner.account_of = lambda key_id: services.keys.find(key_id)
 

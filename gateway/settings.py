@@ -7,6 +7,7 @@ Precedence: explicit overrides > environment (``FAIRGATE_REDIS_URL``,
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +19,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from policies.classes import CLASS_ORDER, CLASSES, default_floors
+from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, default_floors
 from policies.fairness import POLICIES
 from policies.gates import GatePolicy
 from policies.pacing import PacingTargets
@@ -85,7 +86,7 @@ class ApiKey(BaseModel):
     key: str
     user: str
     tenant: str | None = None  # None: a tenant named after the user
-    priority_class: str = "default"
+    priority_class: str = DEFAULT_CLASS.name
     weight: float = Field(1.0, gt=0)
     trusted_end_users: bool = False
     limits: UsageLimits | None = None
@@ -106,17 +107,25 @@ class ApiKey(BaseModel):
 
 
 class ClassConfig(BaseModel):
-    max_waiting: int = 3
-    max_tpot_ms: float = 150.0
-    max_kv_usage: float | None = None
-    max_queue_wait_s: float = 300.0
-    priority_base: int = 0
+    """A class's settings; a class named in the config starts from its row of the class
+    table (``policies/classes.py``), the only place defaults are written."""
+
+    max_waiting: int
+    max_tpot_ms: float
+    max_kv_usage: float | None
+    max_queue_wait_s: float
+    priority_base: int
     # default first-token deadline of the class's requests (X-Fairgate-Deadline-Ms wins)
-    ttft_slo_ms: int | None = Field(None, gt=0)
+    ttft_slo_ms: int | None = Field(gt=0)
     # uncached prompt tokens a backend may have pending (dispatched, not yet scheduled)
     # before it takes more of this class (policies/prefill.py); None: the backend's
     # max_num_batched_tokens × PREFILL_GATE_STEPS; 0: no limit
-    max_waiting_prefill_tokens: int | None = Field(default=None, ge=0)
+    max_waiting_prefill_tokens: int | None = Field(ge=0)
+
+    @classmethod
+    def of(cls, spec: ClassSpec) -> ClassConfig:
+        """The class table's row as settings."""
+        return cls(**{f: getattr(spec, f) for f in cls.model_fields})
 
     def gate(self) -> GatePolicy:
         return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)
@@ -127,9 +136,7 @@ class ClassConfig(BaseModel):
 
 
 def _default_classes() -> dict[str, ClassConfig]:
-    return {c.name: ClassConfig(max_waiting=c.max_waiting, max_queue_wait_s=c.max_queue_wait_s,
-                                priority_base=c.priority_base, ttft_slo_ms=c.ttft_slo_ms)
-            for c in CLASSES}
+    return {c.name: ClassConfig.of(c) for c in CLASSES}
 
 
 class Settings(BaseSettings):
@@ -290,3 +297,38 @@ def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Se
     if path is not None:
         overrides.setdefault("config_file", Path(path))
     return _FromFile(**overrides)
+
+
+class SettingsHolder:
+    """The settings in force: the one object every collaborator reads (``.current``).
+
+    Built once in the composition root (``gateway/services.py``); a reload
+    (``gateway/reload.py``) swaps it once, and the collaborators that derive state from
+    the settings (gate policies, the starvation floors, …) re-derive it in ``on_swap``.
+    """
+
+    __slots__ = ("_derive", "current")
+
+    def __init__(self, settings: Settings) -> None:
+        self.current = settings
+        self._derive: list[Callable[[Settings], None]] = []
+
+    def on_swap(self, derive: Callable[[Settings], None]) -> None:
+        """Run ``derive`` with the new settings after every swap."""
+        self._derive.append(derive)
+
+    def swap(self, new: Settings) -> None:
+        self.current = new
+        for derive in self._derive:
+            derive(new)
+
+
+class ReadsSettings:
+    """A collaborator's ``self.settings``: always the holder's current settings, never a
+    copy of its own."""
+
+    holder: SettingsHolder
+
+    @property
+    def settings(self) -> Settings:
+        return self.holder.current

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from gateway.backends import BackendHandle
 from gateway.completion_request import CompletionRequest
+from gateway.edge import error_json
 from gateway.endpoints import CHOICES_USAGE, Usage
 from gateway.errors import BackendUnreachable, BadRequest, UpstreamError
 from gateway.relay import RelayListener, relay_stream, report_usage
@@ -196,5 +197,4 @@ def _wrapped(handle: BackendHandle, resp: aiohttp.ClientResponse,
         text = re.sub(r"\s+", " ", data[: SNIPPET_CHARS * 4].decode(errors="replace")).strip()
         if text and "html" not in content_type:
             message += ": " + text[:SNIPPET_CHARS]
-    error = ForeignAnswer(message)
-    return status, json.dumps(error.body()).encode(), "application/json"
+    return status, error_json(ForeignAnswer(message)), "application/json"

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from gateway.errors import StoreUnavailable
-from gateway.settings import Settings
+from gateway.settings import ReadsSettings, SettingsHolder
 from gateway.store import QueuedUser, Store
 from policies.classes import CLASS_ORDER, class_rank
 from policies.wait_estimate import (
@@ -52,9 +52,9 @@ class QueuedStatus:
     place: Place
 
 
-class Waits:
-    def __init__(self, settings: Settings, store: Store) -> None:
-        self.settings = settings
+class Waits(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store) -> None:
+        self.holder = settings
         self.store = store
         self.meter = DispatchMeter()
         self.started_s = time.monotonic()

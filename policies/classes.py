@@ -1,9 +1,12 @@
 """Priority classes: the one table every other module reads.
 
-Lower position = served first. Each row holds the class's defaults: its vLLM priority
-base, its pacing gate, how long a request may wait, its starvation floor (the share of
-recent dispatches a backlogged class is owed; see ``policies/starvation.py``) and its
-default first-token deadline (``ttft_slo_ms``; None: none, a client may still send one).
+Lower position = served first. Each row holds the class's defaults — the only place they
+are written: its vLLM priority base, its pacing gate (``max_waiting``, ``max_tpot_ms``,
+``max_kv_usage``), how long a request may wait, its starvation floor (the share of recent
+dispatches a backlogged class is owed; see ``policies/starvation.py``), its default
+first-token deadline (``ttft_slo_ms``; None: none, a client may still send one) and its
+prefill-token limit (``max_waiting_prefill_tokens``; None: from the backend's step budget,
+see ``policies/prefill.py``). ``gateway/settings.py``'s class entries start from these rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ class ClassSpec:
     max_queue_wait_s: float
     floor: float
     ttft_slo_ms: int | None = None
+    max_tpot_ms: float = 150.0
+    max_kv_usage: float | None = None
+    max_waiting_prefill_tokens: int | None = None
 
 
 CLASSES: tuple[ClassSpec, ...] = (
@@ -29,6 +35,7 @@ CLASSES: tuple[ClassSpec, ...] = (
 )
 CLASS_ORDER: tuple[str, ...] = tuple(c.name for c in CLASSES)
 SPECS: dict[str, ClassSpec] = {c.name: c for c in CLASSES}
+DEFAULT_CLASS = SPECS["default"]  # a key's class when it names none
 
 
 def class_rank(name: str) -> int:

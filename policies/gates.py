@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.classes import DEFAULT_CLASS
+
 # Why a gate is closed. "in_transit": open by the snapshot, but the requests already sent
 # since it (or not yet registered by the server) use up the burst allowance.
 # "prefill_tokens": the backend's pending prefill fills the class's prefill-token limit
@@ -38,9 +40,9 @@ GATE_REASONS = ("waiting", "in_transit", "tpot", "kv", "stale", "drained", "pref
 
 @dataclass(frozen=True, slots=True)
 class GatePolicy:
-    max_waiting: int = 3
-    max_tpot_ms: float = 150.0
-    max_kv_usage: float | None = None
+    max_waiting: int = DEFAULT_CLASS.max_waiting
+    max_tpot_ms: float = DEFAULT_CLASS.max_tpot_ms
+    max_kv_usage: float | None = DEFAULT_CLASS.max_kv_usage
     free_slots: int = 0  # free batch slots the burst may fill too (adaptive pacing)
     batch: int = 0  # the most requests seen running at once (0: unknown, no occupancy bound)
 

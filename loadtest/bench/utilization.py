@@ -24,9 +24,10 @@ from loadtest.bench.env import Bench, Options, gateway_target
 from loadtest.bench.loadgen import LoopUser, closed_loop, progress
 from loadtest.bench.procs import SimSpec
 from loadtest.bench.stats import ratio, summarize
+from policies.classes import SPECS
 
 SIM = SimSpec(max_num_seqs=256, max_num_batched_tokens=2048)
-DEFAULT_MAX_WAITING = 3
+DEFAULT_MAX_WAITING = SPECS["interactive"].max_waiting
 # The waiting gate admits at most max_waiting dispatches per /metrics snapshot, so the
 # dispatch rate is bounded by max_waiting / scrape_interval_s: one extra run at the
 # default max_waiting with a 4× faster scrape tests that diagnosis.

@@ -68,7 +68,7 @@ async def setup(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Setup]:
         await rig.store.heartbeat([MODEL], REPLICA, time.time())
         await set_backend(rig, "b0", waiting=0, running=0)
         policy = Vtc(TokenCost(rig.settings.vtc_input_weight, rig.settings.vtc_output_weight))
-        admission = Admission(rig.settings, rig.dispatcher, rig.pool, policy, rig.metrics,
+        admission = Admission(rig.pool.holder, rig.dispatcher, rig.pool, policy, rig.metrics,
                               REPLICA)
         try:
             yield Setup(rig, policy, admission)

@@ -29,7 +29,7 @@ from gateway.errors import (
 from gateway.keys import ModelKeys
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import connect
-from gateway.settings import Settings, load_settings
+from gateway.settings import Settings, SettingsHolder, load_settings
 from gateway.store import Grant, QueuedRequest, Store
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, evaluate_gate
@@ -86,8 +86,9 @@ def make_rig(redis_url: str, session: aiohttp.ClientSession, **overrides: object
         **overrides})
     store = Store(connect(redis_url), request_ttl_s=600)
     metrics = GatewayMetrics()
-    pool = BackendPool(settings, session, store, metrics)  # the session is never used
-    dispatcher = Dispatcher(settings, store, pool, metrics, REPLICA)
+    holder = SettingsHolder(settings)
+    pool = BackendPool(holder, session, store, metrics)  # the session is never used
+    dispatcher = Dispatcher(holder, store, pool, metrics, REPLICA)
     woken = asyncio.Event()
     wake = dispatcher.wake
 
@@ -327,12 +328,13 @@ async def test_queue_timeout_leaves_the_queue(rig: Rig) -> None:
 
 async def test_per_user_queue_cap(redis: aioredis.Redis, redis_url: str) -> None:
     async with aiohttp.ClientSession() as session:
-        capped = make_rig(redis_url, session, max_queued_per_user=1, retry_after_s=7)
+        capped = make_rig(redis_url, session, max_queued_per_user=1)
         try:
             await queue(capped, "r1", user="alice")
             with pytest.raises(RateLimited) as raised:
                 await queue(capped, "r2", user="alice")
-            assert raised.value.retry_after_s == 7
+            # its Retry-After is the wait estimator's, given by admission (not a setting here)
+            assert raised.value.retry_after_s is None, raised.value.retry_after_s
             assert capped.dispatcher.waiters.keys() == {"r1"}
             await queue(capped, "r3", user="bob")  # the cap is per user
         finally:
@@ -371,7 +373,7 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
 async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
     """Every call fails fast with StoreUnavailable or is deferred; none hangs or leaks."""
     dead = Store(connect(dead_redis_url()), request_ttl_s=600)
-    dispatcher = Dispatcher(rig.settings, dead, rig.pool, rig.metrics, REPLICA)
+    dispatcher = Dispatcher(rig.pool.holder, dead, rig.pool, rig.metrics, REPLICA)
     try:
         req = QueuedRequest("r1", "alice", "interactive", REPLICA, 1.0, time.time())
         with pytest.raises(StoreUnavailable):

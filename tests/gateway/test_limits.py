@@ -17,7 +17,7 @@ from gateway.errors import InsufficientQuota, RateLimitExceeded
 from gateway.quotas import Quotas
 from gateway.redis_client import connect
 from gateway.server import GatewayServer
-from gateway.settings import ApiKey, load_settings
+from gateway.settings import ApiKey, SettingsHolder, load_settings
 from policies.cost import estimate_prompt_tokens
 from tests.batch.test_batch_api import jsonl, wait_status
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, call, until
@@ -216,7 +216,7 @@ async def test_budget_script_admits_exactly_what_fits_under_concurrency(
         redis: aioredis.Redis, redis_url: str) -> None:
     settings = load_settings(None, redis_url=redis_url)
     clients = [connect(redis_url) for _ in range(4)]
-    replicas = [Quotas(c, settings) for c in clients]
+    replicas = [Quotas(c, SettingsHolder(settings)) for c in clients]
     key = _key({"daily_tokens": 1000, "monthly_tokens": 5000})
 
     async def admit(i: int) -> Any:
@@ -258,7 +258,8 @@ async def test_a_dead_replicas_slots_expire(redis: aioredis.Redis, redis_url: st
     settings = load_settings(None, redis_url=redis_url, quota_lease_s=0.3)
     client = connect(redis_url)
     try:
-        dead, alive = Quotas(client, settings), Quotas(client, settings)
+        holder = SettingsHolder(settings)
+        dead, alive = Quotas(client, holder), Quotas(client, holder)
         key = _key({"max_concurrent": 1})
         await dead.admit(key, "held-by-dead", 1)  # never settled, never renewed
         with pytest.raises(RateLimitExceeded):

@@ -13,7 +13,7 @@ from gateway.dispatcher import RECONCILE_GRACE_S, Dispatcher
 from gateway.keys import ModelKeys
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import BoundaryRedis, connect
-from gateway.settings import load_settings
+from gateway.settings import SettingsHolder, load_settings
 from gateway.store import QueuedRequest, Store
 
 M = "m"
@@ -34,8 +34,9 @@ async def test_reconcile_releases_only_what_the_replica_does_not_hold(
                                               "model": M}])
     store = Store(client, request_ttl_s=600)
     async with aiohttp.ClientSession() as session:
-        pool = BackendPool(settings, session, store, GatewayMetrics())
-        dispatcher = Dispatcher(settings, store, pool, GatewayMetrics(), "r1")
+        holder = SettingsHolder(settings)
+        pool = BackendPool(holder, session, store, GatewayMetrics())
+        dispatcher = Dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
         await store.heartbeat([M], "r1", now)
         for rid, user in (("held", "a"), ("finished", "b"), ("young", "c")):

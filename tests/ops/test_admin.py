@@ -137,6 +137,7 @@ def write_config(path: Path, redis_url: str, backends: list[SimServer],
         "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL}
                      for i, s in enumerate(backends)],
         "api_keys": keys, "admin_keys": [ADMIN, "sk-admin-2"],
+        "scrape_interval_s": 0.02, "replica_heartbeat_s": 0.2,  # as the gateway fixture's
     }))
 
 
