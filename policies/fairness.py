@@ -50,11 +50,13 @@ the plain-data model of the scripts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from policies.cost import TokenCost
+from policies.locality import LocalityView, best_cached, within_slack
+from policies.prefill import Pool
 
 
 class FairnessPolicy(Protocol):
@@ -152,21 +154,82 @@ def level_bounds(policy: FairnessPolicy, max_tenant_request: float, max_user_req
                           slack))
 
 
+RANGE_SCAN = 64
+"""Users looked at, in fairness order, for a request a backend's prompt range (or a
+backfill's room) takes when there is no slack."""
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """A queued request as the two-level engine sees it."""
+
+    request_id: str
+    cost: float  # added to its user's score at dispatch
+    tenant_cost: float  # added to its tenant's
+    deadline: float | None = None  # first-token deadline (unix s): EDF in its user's queue
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """The request a dispatch serves: its tenant, user and id, and how many leading
+    blocks of its prompt the backend's prefix index holds when locality compared it
+    (None: strict fairness order, not read)."""
+
+    tenant: str
+    user: str
+    request_id: str
+    held_blocks: int | None = None
+
+
+def edf_position(deadlines: Sequence[float | None], deadline: float | None) -> int:
+    """Where a request with ``deadline`` joins its user's queue, given the deadlines of
+    the requests already in it, in order: earliest deadline first. It goes ahead of the
+    user's own requests with a later deadline or none (those keep their order), behind
+    those with an earlier or equal one; without a deadline, at the end. So a queue is its
+    deadline requests by deadline, then the rest in arrival order."""
+    position = len(deadlines)
+    if deadline is None:
+        return position
+    for i in range(len(deadlines) - 1, -1, -1):
+        d = deadlines[i]
+        if d is not None and d <= deadline:
+            break
+        position = i
+    return position
+
+
 @dataclass(slots=True)
 class TwoLevel:
-    """The two-level engine of ``gateway/lua`` (enqueue, dispatch, settle, cancel) on
-    plain data: one class, strict order (no locality slack). Ties go to the smaller name,
-    as in a Redis zset."""
+    """The two-level engine of ``gateway/lua`` on plain data, for one class: enqueue
+    (EDF within the user's queue, the per-user cap, each level joined at its minimum),
+    the pick (``lua/lib/fairness.lua``: strict order, or the locality slack at both
+    levels; only what the backend's prompt range and a backfill's room take), the charge
+    at dispatch, settle and cancel. Ties go to the smaller name, as in a Redis zset."""
 
     tenants: dict[str, float] = field(default_factory=dict)  # active tenant -> score
     saved_tenants: dict[str, float] = field(default_factory=dict)
     users: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant -> active
     saved_users: dict[str, dict[str, float]] = field(default_factory=dict)
     floors: dict[str, float] = field(default_factory=dict)  # tenant -> last user's score
-    queues: dict[tuple[str, str], list[tuple[float, float]]] = field(default_factory=dict)
+    queues: dict[tuple[str, str], list[Queued]] = field(default_factory=dict)
+    issued: int = 0  # request ids made up for enqueues that name none
 
-    def enqueue(self, tenant: str, user: str, cost: float, tenant_cost: float) -> None:
-        self.queues.setdefault((tenant, user), []).append((cost, tenant_cost))
+    def enqueue(self, tenant: str, user: str, cost: float, tenant_cost: float,
+                request_id: str | None = None, deadline: float | None = None,
+                max_queued: int | None = None) -> int:
+        """Queue a request (at its EDF place) and make its user and tenant active, each
+        at its saved score lifted to the smallest active score of its level (a user of a
+        tenant with no active user: to the tenant's floor, where its last user left).
+        Returns the user's queue length, or -1 when ``max_queued`` are already queued."""
+        queue = self.queues.get((tenant, user), [])
+        if max_queued is not None and len(queue) >= max_queued:
+            return -1
+        if request_id is None:
+            self.issued += 1
+            request_id = f"{tenant}/{user}/{self.issued}"
+        queue.insert(edf_position([q.deadline for q in queue], deadline),
+                     Queued(request_id, cost, tenant_cost, deadline))
+        self.queues[(tenant, user)] = queue
         users = self.users.setdefault(tenant, {})
         if user not in users:
             saved = self.saved_users.get(tenant, {}).get(user, 0.0)
@@ -176,36 +239,128 @@ class TwoLevel:
             saved = self.saved_tenants.get(tenant, 0.0)
             lift = min(self.tenants.values()) if self.tenants else None
             self.tenants[tenant] = saved if lift is None else max(saved, lift)
+        return len(queue)
+
+    def _tenant_order(self) -> list[str]:
+        return sorted(self.tenants, key=lambda t: (self.tenants[t], t))
+
+    def _user_order(self, tenant: str) -> list[str]:
+        users = self.users.get(tenant, {})
+        return sorted(users, key=lambda u: (users[u], u))
+
+    def pick(self, pool: Pool | None = None, view: LocalityView | None = None,
+             room: int | None = None) -> Pick | None:
+        """The request one backend serves next, or None.
+
+        Strict order (no slack): the least-served user of the least-served tenant, its
+        queue's head; when the backend's prompt range is bounded or a backfill looks for
+        ``room``, the first request in fairness order (tenants, their users, each user's
+        first ``view.lookahead``, at most :data:`RANGE_SCAN` users) that ``pool`` takes.
+        With a slack: among the users within it of their tenant's least-served user, of
+        the tenants within it of the least-served tenant (``within_slack``, at most
+        ``view.compared`` users), the request among the first ``view.lookahead`` of each
+        queue that the backend's index holds longest (``best_cached``), of those the
+        range takes and, with ``room``, whose uncached tokens fit in it."""
+        pool = pool or Pool()
+        view = view or LocalityView()
+        if view.slack <= 0:
+            if pool.ranged or room is not None:
+                return self._first_fitting(pool, view.lookahead, room)
+            for tenant in self._tenant_order():
+                users = self._user_order(tenant)
+                if users:
+                    return Pick(tenant, users[0], self.queues[(tenant, users[0])][0].request_id)
+                del self.tenants[tenant]  # never left so by the engine
+            return None
+        levels = [(self.tenants[t], [(self.users[t][u], (t, u)) for u in self._user_order(t)])
+                  for t in self._tenant_order()]
+
+        def takes(request: Queued, held: int) -> bool:
+            return pool.fits(request.request_id) and (
+                room is None or pool.fits(request.request_id, room, held))
+
+        found = best_cached(((who, self.queues[who][:view.lookahead])
+                             for who in within_slack(levels, view.slack, view.compared)),
+                            lambda request: view.matched(request.request_id), takes)
+        if found is None:
+            return None
+        (tenant, user), request, held = found
+        return Pick(tenant, user, request.request_id, held)
+
+    def _first_fitting(self, pool: Pool, lookahead: int, room: int | None) -> Pick | None:
+        left = RANGE_SCAN
+        for tenant in self._tenant_order()[:RANGE_SCAN]:
+            users = self._user_order(tenant)[:left]
+            for user in users:
+                for request in self.queues[(tenant, user)][:lookahead]:
+                    if pool.fits(request.request_id, room):
+                        return Pick(tenant, user, request.request_id)
+            left -= len(users)
+            if left <= 0:
+                break
+        return None
+
+    def serve(self, pick: Pick) -> Queued:
+        """Take the picked request out of its queue and charge it: its user's score grows
+        by its cost, its tenant's by its tenant cost; a user left with nothing queued
+        leaves (its score saved), and a tenant left without users leaves too, its last
+        user's score kept as the tenant's floor."""
+        tenant, user = pick.tenant, pick.user
+        queue = self.queues[(tenant, user)]
+        request = next(q for q in queue if q.request_id == pick.request_id)
+        queue.remove(request)
+        users = self.users[tenant]
+        users[user] += request.cost
+        self.tenants[tenant] += request.tenant_cost
+        if not queue:
+            self._leave(tenant, user)
+        return request
+
+    def _leave(self, tenant: str, user: str) -> None:
+        """An active user with nothing queued leaves, its tenant too when it was the last."""
+        users = self.users[tenant]
+        score = self.saved_users.setdefault(tenant, {})[user] = users.pop(user)
+        if not users:
+            self.floors[tenant] = score
+            if tenant in self.tenants:
+                self.saved_tenants[tenant] = self.tenants.pop(tenant)
 
     def dispatch(self) -> tuple[str, str] | None:
         """Serve the least-served tenant's least-served user: (tenant, user)."""
-        if not self.tenants:
+        pick = self.pick()
+        if pick is None:
             return None
-        tenant = min(self.tenants, key=lambda t: (self.tenants[t], t))
-        users = self.users[tenant]
-        user = min(users, key=lambda u: (users[u], u))
-        queue = self.queues[(tenant, user)]
-        cost, tenant_cost = queue.pop(0)
-        users[user] += cost
-        self.tenants[tenant] += tenant_cost
-        if not queue:
-            self.saved_users.setdefault(tenant, {})[user] = users.pop(user)
-            if not users:
-                self.floors[tenant] = self.saved_users[tenant][user]
-                self.saved_tenants[tenant] = self.tenants.pop(tenant)
-        return tenant, user
+        self.serve(pick)
+        return pick.tenant, pick.user
 
     def settle(self, tenant: str, user: str, charge: float, tenant_charge: float) -> None:
-        users = self.users.get(tenant, {})
-        if user in users:
-            users[user] += charge
-        else:
-            saved = self.saved_users.setdefault(tenant, {})
-            saved[user] = saved.get(user, 0.0) + charge
-        if tenant in self.tenants:
-            self.tenants[tenant] += tenant_charge
-        else:
-            self.saved_tenants[tenant] = self.saved_tenants.get(tenant, 0.0) + tenant_charge
+        """Add a settle's charges to the user's and the tenant's scores, active or
+        saved (a zero charge changes nothing)."""
+        if charge:
+            users = self.users.get(tenant, {})
+            if user in users:
+                users[user] += charge
+            else:
+                saved = self.saved_users.setdefault(tenant, {})
+                saved[user] = saved.get(user, 0.0) + charge
+        if tenant_charge:
+            if tenant in self.tenants:
+                self.tenants[tenant] += tenant_charge
+            else:
+                self.saved_tenants[tenant] = (self.saved_tenants.get(tenant, 0.0)
+                                              + tenant_charge)
+
+    def cancel(self, tenant: str, user: str, request_id: str) -> bool:
+        """Take a still-queued request out; its user leaves when that was its last (and
+        its tenant when that was its last user). False when it is not queued."""
+        queue = self.queues.get((tenant, user), [])
+        request = next((q for q in queue if q.request_id == request_id), None)
+        if request is None:
+            return False
+        queue.remove(request)
+        if not queue and user in self.users.get(tenant, {}):
+            self._leave(tenant, user)
+        return True
 
 
 POLICIES = ("vtc", "round_robin")

@@ -29,7 +29,8 @@ served before the least-served user, so the fairness bound of the policy grows b
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 BLOCK_CHARS = 256
@@ -129,23 +130,24 @@ def choose(users: Sequence[tuple[float, Sequence[Sequence[str]]]], cached: Conta
     """(user, request) to serve among ``users`` — each (score, the chains of the first
     requests of its queue, oldest first) in fairness order, smallest score first — or
     None when every request within the slack is better left to another backend
-    (``elsewhere``: see :func:`held_elsewhere`). (0, 0) is the strict fairness choice."""
+    (``elsewhere``: see :func:`held_elsewhere`). (0, 0) is the strict fairness choice.
+    One level (each user its own tenant) of :func:`within_slack` and :func:`best_cached`,
+    which ``policies/fairness.py`` TwoLevel.pick applies at two."""
     if not users or slack <= 0:
         return (0, 0) if users else None
-    floor = users[0][0]
-    best, best_len = None, -1
-    for i, (score, chains) in enumerate(users[:candidates]):
-        if score > floor + slack:
-            break
-        for j, hashes in enumerate(chains):
-            length = matched(hashes, cached)
-            if length == 0 and elsewhere(hashes):
-                continue
-            if length > best_len:
-                best, best_len = (i, j), length
-    return best
+
+    def reading(request: tuple[int, Sequence[str]]) -> tuple[int, bool]:
+        length = matched(request[1], cached)
+        return length, length == 0 and elsewhere(request[1])
+
+    near = within_slack([(score, [(0.0, i)]) for i, (score, _) in enumerate(users)], slack,
+                        candidates)
+    found = best_cached(((i, list(enumerate(users[i][1]))) for i in near), reading)
+    return None if found is None else (found[0], found[1][0])
+
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def within_slack(tenants: Sequence[tuple[float, Sequence[tuple[float, T]]]], slack: float,
@@ -170,3 +172,90 @@ def within_slack(tenants: Sequence[tuple[float, Sequence[tuple[float, T]]]], sla
         if len(found) >= candidates:
             break
     return found
+
+
+def best_cached(candidates: Iterable[tuple[T, Sequence[R]]],
+                reading: Callable[[R], tuple[int, bool]],
+                takes: Callable[[R, int], bool] = lambda _, __: True
+                ) -> tuple[T, R, int] | None:
+    """(candidate, request, its held blocks) to serve among the candidates' requests —
+    each candidate (a user within the slack, in fairness order) with the first requests
+    of its queue, oldest first: the one whose prefix the backend holds longest
+    (``reading``: (held blocks, held elsewhere) as :meth:`LocalityView.matched`), ties to
+    the fairness order, then the user's oldest; a request held elsewhere is passed over,
+    and so is one the backend does not take (``takes``, given its held blocks). None
+    when no request is left."""
+    best: tuple[T, R, int] | None = None
+    for who, requests in candidates:
+        for request in requests:
+            length, elsewhere = reading(request)
+            if not elsewhere and (best is None or length > best[2]) and takes(request, length):
+                best = (who, request, length)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class LocalityView:
+    """What ``gateway/lua/lib/locality.lua`` reads when one backend dispatches: the
+    fairness slack (0: strict order) and how many users within it are compared, how many
+    requests of each user's queue (``lookahead``), the backend's prefix index, the
+    queued requests' chains (a request not listed has none), and for bounded-load
+    affinity the other backends' indexes with their requests in flight, this one's, and
+    the imbalance a request waits out."""
+
+    slack: float = 0.0
+    compared: int = 0
+    lookahead: int = 1
+    index: Container[str] = frozenset()
+    chains: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    others: Sequence[tuple[Container[str], int]] = ()
+    load: int = 0
+    max_imbalance: int = 0
+
+    def matched(self, request_id: str) -> tuple[int, bool]:
+        """(leading blocks of the request's chain the index holds, whether it is left to
+        another backend: nothing held here, its first block there, see
+        :func:`held_elsewhere`)."""
+        hashes = self.chains.get(request_id, ())
+        length = matched(hashes, self.index)
+        if length > 0:
+            return length, False
+        return 0, held_elsewhere(hashes, self.others, self.load, self.max_imbalance)
+
+
+@dataclass(slots=True)
+class PrefixIndex:
+    """One backend's prefix index (``gateway/lua/lib/locality.lua``): the block hashes of
+    the prompts sent to it, each with its last use (s); at most ``size`` hashes (0: no
+    index, ``routing: least_loaded``), each forgotten ``ttl_s`` after its last use."""
+
+    size: int
+    ttl_s: float
+    used: dict[str, float] = field(default_factory=dict)
+
+    def record(self, hashes: Sequence[str] | None, now: float, slack: float,
+               others: Sequence[Container[str]] = ()) -> tuple[int, int, str]:
+        """Record a granted prompt's chain (``None``: not hashed) as used ``now``; returns
+        what the index held before (leading blocks, blocks of the chain) and why the
+        request went here (:data:`DISPATCH_REASONS`; ``others``: the other backends'
+        indexes, one holding its first block means it went here by load)."""
+        if self.size <= 0 or hashes is None:
+            return 0, 0, "load"
+        held = 0
+        for i, h in enumerate(hashes):
+            if h in self.used and held == i:
+                held += 1
+            self.used[h] = now
+        if held > 0:
+            return held, len(hashes), "cache_hit"
+        if slack > 0 and not (hashes and any(hashes[0] in o for o in others)):
+            return 0, len(hashes), "fairness_order"
+        return 0, len(hashes), "load"
+
+    def trim(self, now: float) -> None:
+        """Forget the hashes unused for ``ttl_s``, then all but the ``size`` most recently
+        used (ties: the greater hash kept, as a Redis zset ranks them)."""
+        if self.size <= 0:
+            return
+        kept = sorted((t, h) for h, t in self.used.items() if t > now - self.ttl_s)
+        self.used = {h: t for t, h in kept[-self.size:]}

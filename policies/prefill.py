@@ -31,7 +31,7 @@ by what the backends serve in ``prefill_backfill_s``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from policies.cost import CHARS_PER_TOKEN
 from policies.locality import BLOCK_CHARS
@@ -61,6 +61,35 @@ class PromptRange:
         if self.max_tokens is None:
             return f"≥ {self.min_tokens}" if self.min_tokens else "any length"
         return f"{self.min_tokens}–{self.max_tokens}"
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """What ``gateway/lua/lib/pools.lua`` knows of one backend when fairness looks for a
+    request it may take: its prompt range and the queued requests' estimated prompt
+    tokens (a request not listed fits anywhere: it is gone, to be dropped)."""
+
+    prompt_range: PromptRange = PromptRange()
+    prompt_tokens: Mapping[str, int] = field(default_factory=dict)
+    tokens_per_block: int = TOKENS_PER_BLOCK
+
+    @property
+    def ranged(self) -> bool:
+        return self.prompt_range.bounded
+
+    def fits(self, request_id: str, room: int | None = None, held_blocks: int = 0) -> bool:
+        """Whether the backend's range takes the request and, with ``room`` (a backfill
+        past a request the prefill gate holds), whether its tokens not held in the first
+        ``held_blocks`` blocks fit in it."""
+        if not self.ranged and room is None:
+            return True
+        tokens = self.prompt_tokens.get(request_id)
+        if tokens is None:
+            return True
+        if room is not None and uncached_tokens(tokens, held_blocks,
+                                                self.tokens_per_block) > room:
+            return False
+        return self.prompt_range.admits(tokens)
 
 
 def fitting(ranges: Mapping[str, PromptRange], tokens: int) -> list[str]:

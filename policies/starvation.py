@@ -39,6 +39,12 @@ def owed_class(policy: FloorPolicy, backlogged_since: Mapping[str, float],
     return None
 
 
+def remember(recent: Sequence[str], klass: str, kept: int) -> list[str]:
+    """The classes of the latest dispatches, newest first, after one of ``klass`` (the
+    ``recent`` list ``gateway/lua/lib/inflight.lua`` keeps, ``kept`` long)."""
+    return [klass, *recent][:kept]
+
+
 def service_order(owed: str | None) -> list[str]:
     """Classes in the order the next dispatch tries them."""
     if owed is None:

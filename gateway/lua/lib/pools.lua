@@ -11,7 +11,7 @@ local function pools_for(prefix, range, block_tokens)
     if not P.ranged and not room then return true end
     local tokens = tonumber(redis.call('HGET', key_request(prefix, id), 'ptok'))
     if not tokens then return true end
-    if room and tokens - (cached or 0) > room then return false end
+    if room and math.max(0, tokens - (cached or 0)) > room then return false end
     return tokens >= range.min and (range.max <= 0 or tokens <= range.max)
   end
 

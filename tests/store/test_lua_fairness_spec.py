@@ -1,0 +1,229 @@
+"""Differential spec of ``gateway/lua/lib/fairness.lua`` (pick and charge, with the
+locality slack at both levels, prompt ranges and a backfill's room) and of enqueue.lua's
+order (EDF within a user's queue, the per-user cap, each level joined at its minimum)
+against their plain-data twin, ``policies/fairness.py`` TwoLevel: hypothesis draws a
+backend and a workload of enqueues, dispatches, settles and cancels; the real scripts run
+it on Redis (enqueue.lua and cancel.lua through the store, each dispatch one EVAL of the
+library module, each settle the charge every release applies), the twin in Python, and
+every decision and the final scores and queues must agree."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from gateway.keys import ModelKeys
+from gateway.store import QueuedRequest, Store, load_library
+from policies.fairness import Pick, TwoLevel
+from policies.locality import LocalityView
+from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange
+
+CLASS = "default"
+BACKEND = "b1"
+# one dispatch as dispatch.lua makes it, less gates and grant: pick, take, charge
+DISPATCH = """
+local a = cjson.decode(ARGV[1])
+local prefix, class = a.prefix, a.class
+local pools = pools_for(prefix, a.range, a.block_tokens)
+local locality = locality_for(prefix, a.backend, a.locality, a.load, a.now)
+local fairness = fairness_for(prefix, pools, locality)
+local tenant, user, id, held = fairness.pick(a.active, class, a.room)
+if not tenant then return {} end
+local queue = key_queue(prefix, class, tenant, user)
+id = id or redis.call('LINDEX', queue, 0)
+redis.call('LREM', queue, 1, id)
+local f = redis.call('HMGET', key_request(prefix, id), 'cost', 'tcost')
+local cost = tonumber(f[1]) or 0
+fairness.charge(class, tenant, user, queue, a.active, a.saved, cost, tonumber(f[2]) or cost)
+return {tenant, user, id, held or -1}
+"""
+# a settle's charges (settle.lua; _lib.lua charge): to each level, active or saved
+SETTLE = """
+local a = cjson.decode(ARGV[1])
+charge(key_users(a.prefix, a.class, a.tenant), key_user_saved(a.prefix, a.class, a.tenant),
+  a.user, a.charge)
+charge(a.active, a.saved, a.tenant, a.tcharge)
+return 1
+"""
+
+MEMBERS = [("A", "a1"), ("A", "a2"), ("A", "a3"), ("B", "b1"), ("B", "b2"), ("C", "c1")]
+HASHES = ["h1", "h2", "h3", "h4"]
+quarters = st.integers(0, 40).map(lambda n: n / 4)  # exact in Redis and Python alike
+chains = st.lists(st.sampled_from(HASHES), max_size=3, unique=True)
+
+BACKENDS = st.fixed_dictionaries({
+    "min": st.sampled_from([0, 0, 100, 300]), "max": st.sampled_from([0, 0, 400, 800]),
+    "slack": st.sampled_from([0.0, 0.0, 0.5, 1.0, 2.5, 5.0, 100.0]),
+    "compared": st.integers(1, 6), "lookahead": st.integers(1, 4),
+    "index": st.sets(st.sampled_from(HASHES)),
+    "others": st.lists(st.tuples(st.sets(st.sampled_from(HASHES)), st.integers(0, 4)),
+                       max_size=2),
+    "load": st.integers(0, 4), "max_imbalance": st.integers(0, 3),
+    "max_queued": st.integers(2, 6),
+})
+ENQUEUE = st.tuples(st.just("enqueue"), st.sampled_from(MEMBERS), quarters, quarters,
+                   st.one_of(st.none(), st.integers(1, 4).map(float)), st.integers(0, 900),
+                   chains)
+DISPATCH_OP = st.tuples(st.just("dispatch"),
+                        st.one_of(st.none(), st.none(), st.integers(-50, 600)))
+OPS = st.one_of(ENQUEUE, DISPATCH_OP, DISPATCH_OP,
+                st.tuples(st.just("settle"), st.integers(0, 50), quarters, quarters),
+                st.tuples(st.just("cancel"), st.integers(0, 50)))
+# a backlog first, then anything: most dispatches choose among several users
+WORKLOADS = st.tuples(st.lists(ENQUEUE, min_size=2, max_size=16),
+                      st.lists(OPS, max_size=30)).map(lambda w: w[0] + w[1])
+models = itertools.count()
+
+
+def twin_backend(b: dict[str, Any], tokens: dict[str, int],
+                 chain_of: dict[str, list[str]]) -> tuple[Pool, LocalityView]:
+    pool = Pool(PromptRange(b["min"], b["max"] or None), tokens, TOKENS_PER_BLOCK)
+    view = LocalityView(b["slack"], b["compared"], b["lookahead"], b["index"], chain_of,
+                        [(index, load) for index, load in b["others"]], b["load"],
+                        b["max_imbalance"])
+    return pool, view
+
+
+async def state(client: aioredis.Redis, k: ModelKeys) -> dict[str, Any]:
+    """Scores, saved scores, floors and queues as the scripts left them."""
+    tenants = {t for t, _ in MEMBERS}
+    out: dict[str, Any] = {
+        "tenants": dict(await client.zrange(k.active(CLASS), 0, -1, withscores=True)),
+        "saved_tenants": {t: float(s) for t, s in (await client.hgetall(k.saved(CLASS))).items()},
+        "floors": {t: float(s) for t, s in (await client.hgetall(k.user_floor(CLASS))).items()},
+        "users": {}, "saved_users": {}, "queues": {},
+    }
+    for t in sorted(tenants):
+        users = dict(await client.zrange(k.users(CLASS, t), 0, -1, withscores=True))
+        saved = {u: float(s) for u, s in (await client.hgetall(k.user_saved(CLASS, t))).items()}
+        if users:
+            out["users"][t] = users
+        if saved:
+            out["saved_users"][t] = saved
+    for t, u in MEMBERS:
+        queue = await client.lrange(k.queue(CLASS, u, t), 0, -1)
+        if queue:
+            out["queues"][f"{t}/{u}"] = queue
+    return out
+
+
+def twin_state(model: TwoLevel) -> dict[str, Any]:
+    return {
+        "tenants": model.tenants, "saved_tenants": model.saved_tenants,
+        "floors": model.floors,
+        "users": {t: u for t, u in model.users.items() if u},
+        "saved_users": {t: u for t, u in model.saved_users.items() if u},
+        "queues": {f"{t}/{u}": [q.request_id for q in queue]
+                   for (t, u), queue in model.queues.items() if queue},
+    }
+
+
+async def place_indexes(client: aioredis.Redis, k: ModelKeys,
+                        backend: dict[str, Any]) -> list[str]:
+    """The backend's prefix index and the other backends' (with their loads) in Redis."""
+    others = [f"o{i}" for i in range(len(backend["others"]))]
+    for name, index in [(BACKEND, backend["index"]),
+                        *((o, i) for o, (i, _) in zip(others, backend["others"], strict=True))]:
+        if index:
+            await client.zadd(k.backend_prefixes(name), dict.fromkeys(index, 1.0))
+    for other, (_, load) in zip(others, backend["others"], strict=True):
+        await client.set(k.backend_inflight(other), load)
+    return others
+
+
+async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        await client.flushdb()
+        name = f"spec{next(models)}"
+        k = ModelKeys(name)
+        store = Store(client, 600)
+        await store.heartbeat([name], "r1", 1000.0)
+        others = await place_indexes(client, k, backend)
+        dispatch = client.register_script(load_library() + DISPATCH)
+        settle = client.register_script(load_library() + SETTLE)
+        common = {"prefix": k.prefix, "class": CLASS, "active": k.active(CLASS),
+                  "saved": k.saved(CLASS)}
+        model = TwoLevel()
+        tokens: dict[str, int] = {}
+        chain_of: dict[str, list[str]] = {}
+        enqueued: list[tuple[str, str, str]] = []
+        dispatched: list[Pick] = []
+        for step, op in enumerate(ops):
+            where = f"step {step} {op} of {ops} on {backend}"
+            if op[0] == "enqueue":
+                _, (tenant, user), cost, tcost, deadline, ptok, chain = op
+                rid = f"r{step}"
+                got = await store.enqueue(name, QueuedRequest(
+                    rid, user, CLASS, "r1", cost, 1000.0, tuple(chain), tenant, tcost,
+                    deadline, ptok), backend["max_queued"])
+                want = model.enqueue(tenant, user, cost, tcost, rid, deadline,
+                                     backend["max_queued"])
+                assert got == want, f"{where}: lua queue length {got}, policies {want}"
+                if want > 0:
+                    tokens[rid] = ptok
+                    if chain:
+                        chain_of[rid] = chain
+                    enqueued.append((tenant, user, rid))
+            elif op[0] == "dispatch":
+                room = op[1]
+                args = {**common, "backend": BACKEND, "load": backend["load"], "now": 1000.0,
+                        "block_tokens": TOKENS_PER_BLOCK,
+                        "range": {"min": backend["min"], "max": backend["max"]},
+                        "locality": {"slack": backend["slack"], "compared": backend["compared"],
+                                     "lookahead": backend["lookahead"], "index_size": 100,
+                                     "index_ttl": 600, "max_imbalance": backend["max_imbalance"],
+                                     "others": others}}
+                if room is not None:
+                    args["room"] = room
+                found = await dispatch(args=[json.dumps(args)])
+                pick = model.pick(*twin_backend(backend, tokens, chain_of), room)
+                want_pick = None if pick is None else [
+                    pick.tenant, pick.user, pick.request_id,
+                    -1 if pick.held_blocks is None else pick.held_blocks]
+                got_pick = [*found[:3], int(found[3])] if found else None
+                assert got_pick == want_pick, (
+                    f"{where}: lua picked {got_pick}, policies {want_pick}")
+                if pick is not None:
+                    model.serve(pick)
+                    dispatched.append(pick)
+            elif op[0] == "settle" and dispatched:
+                _, n, charge, tcharge = op
+                done = dispatched[n % len(dispatched)]
+                await settle(args=[json.dumps({**common, "tenant": done.tenant,
+                                               "user": done.user, "charge": charge,
+                                               "tcharge": tcharge})])
+                model.settle(done.tenant, done.user, charge, tcharge)
+            elif op[0] == "cancel" and enqueued:
+                tenant, user, rid = enqueued[op[1] % len(enqueued)]
+                got_cancel = await store.cancel(name, rid, user, CLASS, tenant)
+                want_cancel = model.cancel(tenant, user, rid)
+                assert got_cancel == want_cancel, (
+                    f"{where}: lua cancelled {got_cancel}, policies {want_cancel}")
+        got_state, want_state = await state(client, k), twin_state(model)
+        assert got_state == want_state, (
+            f"after {ops} on {backend}: lua left {got_state}, policies {want_state}")
+    finally:
+        await client.aclose()
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(BACKENDS, WORKLOADS)
+@example(  # A idles, then a user it never had joins at the floor its last user left
+    backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
+             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 2},
+    ops=[("enqueue", ("A", "a1"), 2.0, 1.0, None, 0, []),
+         ("enqueue", ("B", "b1"), 1.0, 1.0, None, 0, []), ("dispatch", None),
+         ("dispatch", None), ("enqueue", ("A", "a2"), 1.0, 1.0, None, 0, []),
+         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, []), ("dispatch", None),
+         ("dispatch", None)])
+def test_fairness_lua_decides_as_policies_fairness(
+        redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
+    asyncio.run(run(redis_url, backend, ops))
