@@ -9,6 +9,16 @@ that also dispatches to the least loaded open backend, and a started or settled 
 whose slot frees grants its backend's next requests in the same call (``lua/lib/
 dispatch.lua``). The dispatch loop runs the decision on its own only for what those did
 not serve: a new snapshot, a backlog left after them, the heartbeat's safety net.
+
+A first token matters to the decision only when something is queued that the slot it
+frees could take. While the latest decision left nothing queued for the model (on any
+replica: its depth is the model's), the start is held here and rides on the next call
+that goes to Redis for the model anyway: the next enqueue, a settle (its own, at the
+latest), a start sent at once, the dispatch loop's next decision (after each snapshot).
+Until then the request counts as in transit, which only makes the gate stricter
+(``policies/gates.py`` Gate.admits), and a snapshot taken after the first token shows it
+running anyway; a replica that dies holding starts is reaped as if its requests never
+streamed.
 """
 
 from __future__ import annotations
@@ -34,7 +44,15 @@ from gateway.errors import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.settings import ReadsSettings, Settings, SettingsHolder
-from gateway.store import Dispatched, Grant, Locality, QueuedRequest, Store, dispatch_args
+from gateway.store import (
+    Dispatched,
+    Grant,
+    Locality,
+    QueuedRequest,
+    Start,
+    Store,
+    dispatch_args,
+)
 from gateway.supervise import supervise
 from gateway.usage import UsageCounts
 from policies.backend_choice import Candidate, by_load
@@ -83,6 +101,7 @@ class Settle:
     charge: float
     tenant_charge: float | None
     usage: UsageCounts | None
+    starts: tuple[Start, ...] = ()  # held starts it carries
 
 
 class Dispatcher(ReadsSettings):
@@ -104,6 +123,8 @@ class Dispatcher(ReadsSettings):
         self._unsettled: deque[Settle] = deque()  # settles Redis missed
         # a tick's requests to enqueue, by model, each with the future of its position
         self._to_enqueue: dict[str, list[tuple[QueuedRequest, asyncio.Future[int]]]] = {}
+        # first tokens not yet sent, by model: they ride on its next call to Redis
+        self._starts: dict[str, dict[str, Start]] = {}
         # grants this replica holds (delivered, not yet released): what "running:<me>"
         # in Redis should say, and what reconcile() makes it say after a Redis restart
         self.held: dict[str, Grant] = {}
@@ -211,13 +232,15 @@ class Dispatcher(ReadsSettings):
         if not batch:
             return
         done: Dispatched | None = None
+        starts = self._take_starts(model)
         try:
             plan = await self.plan(model, time.time())
             target = plan.open[0] if plan.open and self._beating.is_set() else None
             then = self._dispatch_args(model, plan, target) if target else None
             positions, done = await self.store.enqueue_many(
-                model, [r for r, _ in batch], self.settings.max_queued_per_user, then)
+                model, [r for r, _ in batch], self.settings.max_queued_per_user, then, starts)
         except (Exception, asyncio.CancelledError) as exc:
+            self._hold(model, starts)
             for _, position in batch:
                 if not position.done():
                     position.set_exception(exc)
@@ -227,6 +250,8 @@ class Dispatcher(ReadsSettings):
         for (_, position), queued in zip(batch, positions, strict=True):
             if not position.done():
                 position.set_result(queued)
+        if done is None and any(p > 0 for p in positions):  # queued, no decision yet:
+            self._queued[model] = max(self._queued.get(model, 0), 1)  # starts go at once
         if done is None or self._granted(model, plan, done) or done.depth > 0:
             self.wake()
 
@@ -239,13 +264,15 @@ class Dispatcher(ReadsSettings):
         retried by the heartbeat loop, so no in-flight count leaks (a leaked one would
         hold a gate closed for good)."""
         self.held.pop(grant.request_id, None)
+        starts = self._take_starts(model)
         try:
             plan, then = await self._fold(model, grant.backend)
             _, done = await self.store.settle_and_dispatch(model, grant, charge, tenant_charge,
-                                                           usage, then)
+                                                           usage, then, starts)
         except StoreUnavailable as exc:
             log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
-            self._unsettled.append(Settle(model, grant, charge, tenant_charge, usage))
+            self._unsettled.append(Settle(model, grant, charge, tenant_charge, usage,
+                                          tuple(starts)))
             self.wake_freed()
             return
         if plan is None or done is None or self._granted(model, plan, done):
@@ -255,7 +282,7 @@ class Dispatcher(ReadsSettings):
         while self._unsettled:
             s = self._unsettled[0]
             await self.store.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
-                                                 s.usage)
+                                                 s.usage, starts=s.starts)
             self._unsettled.popleft()
             self.wake_freed()
 
@@ -319,8 +346,13 @@ class Dispatcher(ReadsSettings):
         re-checks the shared sent-since-snapshot count, so replicas never overshoot."""
         plan = await self.plan(model, time.time())
         for backend in plan.open:
-            done = await self.store.dispatch_with(model,
-                                                  self._dispatch_args(model, plan, backend))
+            starts = self._take_starts(model)
+            try:
+                done = await self.store.dispatch_with(
+                    model, self._dispatch_args(model, plan, backend), starts)
+            except StoreUnavailable:
+                self._hold(model, starts)
+                raise
             if self._granted(model, plan, done):
                 return True  # decide again who is owed after each such dispatch
             if done.depth == 0:
@@ -398,18 +430,37 @@ class Dispatcher(ReadsSettings):
         return cached[1], cached[2]
 
     async def started(self, model: str, grant: Grant) -> None:
-        """The backend streams this request's first token: its gate slot frees at once,
-        and, while requests are queued, grants the backend's next ones in the same call."""
+        """The backend streams this request's first token. While nothing is known to be
+        queued for the model the start is held, to ride on the model's next call to Redis;
+        otherwise it goes at once (with the starts held), its gate slot frees, and the same
+        call grants the backend's next requests."""
+        start = Start(grant.request_id, grant.backend, time.time())
+        if self._queued.get(model, 1) == 0:
+            self._hold(model, [start])
+            return
+        starts = [*self._take_starts(model), start]
         try:
             plan, then = await self._fold(model, grant.backend)
-            done = await self.store.mark_started(model, grant, time.time(), then)
+            done = await self.store.mark_started(model, grant, start.at, then,
+                                                 held=starts[:-1])
         except StoreUnavailable:
+            self._hold(model, starts)  # sent with the next call, the settle at the latest
             self.wake_freed()
             return
         if then is None:
             self.wake_freed()
         elif plan is not None and done is not None and self._granted(model, plan, done):
             self.wake()
+
+    def _hold(self, model: str, starts: list[Start]) -> None:
+        held = self._starts.setdefault(model, {})
+        for start in starts:
+            held.setdefault(start.request_id, start)
+
+    def _take_starts(self, model: str) -> list[Start]:
+        """The starts held for ``model``, handed to the call about to go (it puts them
+        back when it fails: marking a start twice, or after its settle, changes nothing)."""
+        return list(self._starts.pop(model, {}).values())
 
     def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
         waiter = self.waiters.pop(request_id, None)

@@ -64,6 +64,28 @@ class Grant:
 
 
 @dataclass(frozen=True, slots=True)
+class Start:
+    """A request's first token on ``backend`` at ``at`` (unix s), as the scripts mark it
+    (``start_each`` in ``lua/lib/inflight.lua``)."""
+
+    request_id: str
+    backend: str
+    at: float
+
+
+def start_keys(model: str, starts: Sequence[Start]) -> list[str]:
+    """The keys marking ``starts`` touches, declared for Redis Cluster."""
+    k = ModelKeys(model)
+    return [key for s in starts for key in (
+        k.backend_sent(s.backend), k.backend_snapshot(s.backend), k.request(s.request_id),
+        k.backend_prefill(s.backend), k.backend_started(s.backend))]
+
+
+def _starts(starts: Sequence[Start]) -> list[dict[str, Any]]:
+    return [{"id": s.request_id, "backend": s.backend, "at": s.at} for s in starts]
+
+
+@dataclass(frozen=True, slots=True)
 class Locality:
     """Locality-aware dispatch (``routing: locality``): the fairness slack (service
     units), how many users within it are compared, the bounds of each backend's prefix
@@ -244,11 +266,12 @@ class Store:
         return positions[0]
 
     async def enqueue_many(self, model: str, reqs: Sequence[QueuedRequest], max_queued: int,
-                           then: Mapping[str, Any] | None = None
+                           then: Mapping[str, Any] | None = None,
+                           starts: Sequence[Start] = ()
                            ) -> tuple[list[int], Dispatched | None]:
         """Queue a tick's requests in one call (each: its queue length after the push, or
         -1 when its user's cap is reached) and, with ``then`` (:func:`dispatch_args`),
-        dispatch to that backend in the same call."""
+        dispatch to that backend in the same call. ``starts`` are marked first."""
         k = ModelKeys(model)
         keys = [k.depth, k.backlogged_since, k.replicas]
         requests = []
@@ -267,10 +290,12 @@ class Store:
                 "ptok": int(req.prompt_tokens)})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
+        if starts:
+            args["starts"] = _starts(starts)
         if then is not None:
             args["dispatch"] = then
-        out = await self._run("enqueue", list(dict.fromkeys(keys + dispatch_keys(model, then))),
-                              [json.dumps(args)])
+        keys += start_keys(model, starts) + dispatch_keys(model, then)
+        out = await self._run("enqueue", list(dict.fromkeys(keys)), [json.dumps(args)])
         return ([int(p) for p in out[0]],
                 _dispatched(then["backend"], out[1]) if then is not None else None)
 
@@ -297,9 +322,14 @@ class Store:
             max_grants, grant_pickup_s, locality, fit))
         return done.grants, done.depth
 
-    async def dispatch_with(self, model: str, args: Mapping[str, Any]) -> Dispatched:
-        """:meth:`dispatch` from its arguments (:func:`dispatch_args`)."""
-        raw = await self._run("dispatch", dispatch_keys(model, args), [json.dumps(args)])
+    async def dispatch_with(self, model: str, args: Mapping[str, Any],
+                            starts: Sequence[Start] = ()) -> Dispatched:
+        """:meth:`dispatch` from its arguments (:func:`dispatch_args`); ``starts`` are
+        marked first."""
+        keys = start_keys(model, starts) + dispatch_keys(model, args)
+        if starts:
+            args = {**args, "starts": _starts(starts)}
+        raw = await self._run("dispatch", list(dict.fromkeys(keys)), [json.dumps(args)])
         return _dispatched(args["backend"], raw)
 
     async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
@@ -312,23 +342,21 @@ class Store:
         return {c: float(t) for c, t in since.items()}, list(recent)
 
     async def mark_started(self, model: str, grant: Grant, now: float | None = None,
-                           then: Mapping[str, Any] | None = None) -> Dispatched | None:
+                           then: Mapping[str, Any] | None = None,
+                           held: Sequence[Start] = ()) -> Dispatched | None:
         """The backend is running this request (since ``now``, default the clock): it no
-        longer counts as waiting there, and took one of the batch's free slots. With
-        ``then`` (:func:`dispatch_args` for its backend), a gate slot that frees grants the
+        longer counts as waiting there, and took one of the batch's free slots; the
+        ``held`` starts of other requests are marked in the same call. With ``then``
+        (:func:`dispatch_args` for its backend), a gate slot that frees grants the
         backend's next requests in the same call: what that decision returned (None when
         no slot freed)."""
-        k = ModelKeys(model)
-        keys = [k.backend_sent(grant.backend), k.backend_snapshot(grant.backend),
-                k.request(grant.request_id), k.backend_prefill(grant.backend),
-                k.backend_started(grant.backend)]
-        args: dict[str, Any] = {"prefix": k.prefix, "backend": grant.backend,
-                                "id": grant.request_id,
-                                "now": time.time() if now is None else now}
+        starts = [*held, Start(grant.request_id, grant.backend,
+                               time.time() if now is None else now)]
+        args: dict[str, Any] = {"prefix": ModelKeys(model).prefix, "starts": _starts(starts)}
         if then is not None:
             args["dispatch"] = then
-        out = await self._run("started", list(dict.fromkeys(keys + dispatch_keys(model, then))),
-                              [json.dumps(args)])
+        keys = start_keys(model, starts) + dispatch_keys(model, then)
+        out = await self._run("started", list(dict.fromkeys(keys)), [json.dumps(args)])
         return _dispatched(grant.backend, out[1]) if len(out) > 1 else None
 
     async def settle(self, model: str, grant: Grant, charge: float,
@@ -342,10 +370,12 @@ class Store:
     async def settle_and_dispatch(
         self, model: str, grant: Grant, charge: float, tenant_charge: float | None = None,
         usage: UsageCounts | None = None, then: Mapping[str, Any] | None = None,
+        starts: Sequence[Start] = (),
     ) -> tuple[bool, Dispatched | None]:
         """:meth:`settle`, adding ``usage`` to its day's usage hash (``gateway/usage.py``),
         and with ``then`` (:func:`dispatch_args` for its backend) the freed slot grants
-        the backend's next requests in the same call: (released, what that returned)."""
+        the backend's next requests in the same call: (released, what that returned).
+        ``starts`` (the request's own among them, perhaps) are marked first."""
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
@@ -358,10 +388,12 @@ class Store:
         if usage is not None:
             keys.append(usage.key)
             args["usage"] = {"key": usage.key, "ttl": usage.ttl_s, "counts": usage.counts}
+        if starts:
+            args["starts"] = _starts(starts)
         if then is not None:
             args["dispatch"] = then
-        out = await self._run("settle", list(dict.fromkeys(keys + dispatch_keys(model, then))),
-                              [json.dumps(args)])
+        keys += start_keys(model, starts) + dispatch_keys(model, then)
+        out = await self._run("settle", list(dict.fromkeys(keys)), [json.dumps(args)])
         return bool(out[0]), (_dispatched(grant.backend, out[1]) if len(out) > 1 else None)
 
     async def reap(self, model: str, now: float, replica_ttl_s: float,

@@ -30,7 +30,7 @@ REQUEST_FIELDS: dict[str, str] = {
     "backend": "where it was dispatched (dispatch)",
     "rank": "its user's requests already in flight: the vLLM priority rank (dispatch)",
     "dispatched_at": "unix s (dispatch)",
-    "started": "1 once its first token streamed (started)",
+    "started": "1 once its first token streamed and its start reached Redis",
 }
 
 

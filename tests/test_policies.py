@@ -86,3 +86,19 @@ def test_a_starved_class_borrows_the_more_open_gate() -> None:
     assert wider(Gate(0, "tpot"), top) == top  # a closed gate borrows an open one
     assert wider(own, Gate(0, "stale")) == own  # a closed top gate lends nothing
     assert wider(own, Gate(1, None, 0, 0)) == own  # a tie keeps its own
+
+
+def test_a_start_sent_late_only_makes_the_gate_stricter() -> None:
+    """Until its start reaches Redis a request that streams counts as in transit, not as
+    started (gateway/dispatcher.py holds it while nothing is queued): whenever the gate
+    admits one more with the start still held, it admits one with the start delivered."""
+    for limit in range(5):
+        for free in range(limit + 1):
+            for max_inflight in range(4):
+                gate = Gate(limit, None, free, max_inflight)
+                for in_transit in range(1, 6):
+                    for started in range(5):
+                        for inflight in (None, *range(6)):
+                            held = gate.admits(in_transit, started, inflight)
+                            sent = gate.admits(in_transit - 1, started + 1, inflight)
+                            assert sent or not held, (gate, in_transit, started, inflight)

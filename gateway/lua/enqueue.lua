@@ -1,13 +1,15 @@
 -- Queue one tick's requests, each under (model, class, tenant, user), making the user and
 -- its tenant active (see join in _lib.lua); then, when asked, dispatch to the backend
 -- most likely to take them (dispatch_for in lib/dispatch.lua): the tick's requests and
--- their dispatch are one call.
+-- their dispatch are one call. Starts its replica held back go first (start_each in
+-- lib/inflight.lua), so the decision sees the slots they freed.
 -- Within a user's queue, earliest deadline first: a request with a deadline goes ahead
 -- of the user's own requests with a later deadline or none (those keep their order), so
 -- the queue is its deadline requests by deadline, then the rest in arrival order.
 -- KEYS: the keys touched, declared for Redis Cluster (gateway/store.py)
 -- ARGV[1]: one JSON object {prefix (the model's key prefix), max_queued (per user), ttl
--- (a request hash's, s), requests, dispatch (optional: dispatch_for's arguments)};
+-- (a request hash's, s), requests, starts (optional: a list of {id, backend, at}),
+-- dispatch (optional: dispatch_for's arguments)};
 -- a request: {id, user, class, tenant, owner, cost and tcost (user- and tenant-level
 -- dispatch costs, added to the scores at dispatch), now (s), chain (the prompt's
 -- block-hash chain, space-separated, "" when not hashed), deadline (first-token
@@ -55,6 +57,7 @@ local function enqueue(r)
   return queued + 1
 end
 
+start_each(prefix, a.starts)
 local positions = {}
 for i, r in ipairs(a.requests) do positions[i] = enqueue(r) end
 if a.dispatch then return {positions, dispatch_for(a.dispatch)} end

@@ -2,16 +2,19 @@
 -- policy's settle charges to its user's score in its tenant and to the tenant's score
 -- (each to the saved score when idle, see charge in _lib.lua; the tenant and class are
 -- the request's, kept in its hash), record its usage, and let the slot it frees grant
--- the backend's next requests in the same call.
+-- the backend's next requests in the same call. Starts its replica held back (its own
+-- among them: start_each in lib/inflight.lua) are marked first, as if sent at once.
 -- KEYS: the keys touched, declared for Redis Cluster (gateway/store.py)
 -- ARGV[1]: one JSON object {prefix, id, user, backend, charge (user level), tcharge
 -- (tenant level), usage (optional: {key, ttl, counts: {row field -> amount}}, the day's
--- usage hash, gateway/usage.py), dispatch (optional: the backend's dispatch arguments,
--- see dispatch_for in lib/dispatch.lua)}
+-- usage hash, gateway/usage.py), starts (optional: a list of {id, backend, at}),
+-- dispatch (optional: the backend's dispatch arguments, see dispatch_for in
+-- lib/dispatch.lua)}
 -- Returns {released (0 when it had been released already), dispatch_for's result when
 -- it ran}.
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
+start_each(prefix, a.starts)
 local info = redis.call('HMGET', key_request(prefix, a.id), 'owner', 'started', 'tenant',
   'class')
 local released = release_request(prefix, a.id, {state = 'dispatched', user = a.user,

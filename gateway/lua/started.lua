@@ -1,10 +1,11 @@
--- A backend streams a request's first token (start_inflight in lib/inflight.lua); the
--- slot that frees grants the backend's next requests in the same call.
+-- Requests stream their first tokens (start_each in lib/inflight.lua): the request whose
+-- first token came now and the starts its replica held back; a slot that frees grants the
+-- backend's next requests in the same call.
 -- KEYS: the keys touched, declared for Redis Cluster (gateway/store.py)
--- ARGV[1]: one JSON object {prefix, backend, id, now, dispatch (optional: the
--- backend's dispatch arguments, see dispatch_for in lib/dispatch.lua)}
--- Returns {freed (1 when a gate slot was freed), dispatch_for's result when it ran}.
+-- ARGV[1]: one JSON object {prefix, starts (a list of {id, backend, at}), dispatch
+-- (optional: the backend's dispatch arguments, see dispatch_for in lib/dispatch.lua)}
+-- Returns {freed (gate slots freed), dispatch_for's result when it ran}.
 local a = cjson.decode(ARGV[1])
-local freed = start_inflight(a.prefix, a.backend, a.id, a.now)
-if freed == 1 and a.dispatch then return {freed, dispatch_for(a.dispatch)} end
+local freed = start_each(a.prefix, a.starts)
+if freed > 0 and a.dispatch then return {freed, dispatch_for(a.dispatch)} end
 return {freed}

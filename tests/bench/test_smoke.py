@@ -77,7 +77,9 @@ def test_overhead_with_two_workers(tmp_path: Path, redis_url: str) -> None:
     cpu = many["max"]["cpu"]
     assert many["max"]["completed"] > 0
     assert len(cpu["process_split_cores"]) == 3  # the supervisor and two workers
-    assert cpu["redis_commands_per_req"] >= 2
+    # at full load a tick's enqueues share one call and a first token rides on the
+    # settle while nothing is queued: the settle, each request's own, is the floor
+    assert cpu["redis_commands_per_req"] >= 1
     assert any("--workers 2" in row["metric"] for row in report["headline"])
 
 

@@ -173,9 +173,9 @@ async def test_first_token_frees_the_gate_slot_once(setup: Setup,
     mark_started = store.mark_started
 
     async def counting(model: str, grant: Grant, now: float | None = None,
-                       then: Any = None) -> Any:
+                       then: Any = None, held: Any = ()) -> Any:
         calls.append(grant)
-        return await mark_started(model, grant, now, then)
+        return await mark_started(model, grant, now, then, held)
 
     monkeypatch.setattr(store, "mark_started", counting)
     sent_key = K.backend_sent("b0")

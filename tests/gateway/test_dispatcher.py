@@ -440,3 +440,50 @@ async def test_a_release_grants_the_next_request_without_a_dispatch_call(
     assert rig.dispatcher._queued[MODEL] == 0
     await rig.dispatcher.release(MODEL, await second.grant(), 1.0)
     assert await rig.store.user_inflight(MODEL) == {}
+
+
+async def test_a_start_rides_on_the_next_call_while_nothing_is_queued(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing queued: a first token makes no call of its own; the next enqueue carries it
+    (and its freed slot grants that request), so does another request's settle. Something
+    queued: the first token goes at once and its slot grants the queued request."""
+    await set_backend(rig, "b0", waiting=2, running=0)  # room for one request in transit
+    rig.dispatcher._beating.set()  # as the heartbeat loop does: the replica is alive
+    sent, store = K.backend_sent("b0"), rig.store
+
+    async def acquire(request_id: str, user: str) -> Grant:
+        req = QueuedRequest(request_id, user, "interactive", REPLICA, 1.0, time.time())
+        return await asyncio.wait_for(rig.dispatcher.acquire(MODEL, req, 120.0),
+                                      ENQUEUE_WAIT_S)
+
+    first = await acquire("r1", "alice")
+    calls = Calls(store, monkeypatch, "mark_started", "enqueue_many", "settle_and_dispatch")
+    await rig.dispatcher.started(MODEL, first)
+    assert calls.counts["mark_started"] == 0, calls.counts
+    assert "started" not in await store.request_fields(MODEL, "r1")
+    assert await store.client.zrange(sent, 0, -1) == ["r1"]
+
+    # bob's enqueue carries r1's start: the slot it freed takes bob in the same call
+    second = await acquire("r2", "bob")
+    assert calls.counts == {"mark_started": 0, "enqueue_many": 1, "settle_and_dispatch": 0}
+    assert (await store.request_fields(MODEL, "r1")).get("started") == "1"
+    assert await store.client.zrange(sent, 0, -1) == ["r2"]
+
+    # carol queues behind r2 (the gate is full): r2's first token goes at once, grants her
+    third = await queue(rig, "r3", user="carol")
+    assert not third.delivered
+    await rig.dispatcher.started(MODEL, second)
+    assert calls.counts["mark_started"] == 1, calls.counts
+    assert third.delivered, "the start of r2 was held although carol was queued"
+    assert await store.client.zrange(sent, 0, -1) == ["r3"]
+
+    # nothing queued again: r3's start waits, and r2's settle carries it
+    await rig.dispatcher.started(MODEL, await third.grant())
+    assert calls.counts["mark_started"] == 1, calls.counts
+    await rig.dispatcher.release(MODEL, second, 1.0)
+    assert (await store.request_fields(MODEL, "r3")).get("started") == "1"
+    assert await store.client.zrange(sent, 0, -1) == []
+    for grant in (first, await third.grant()):
+        await rig.dispatcher.release(MODEL, grant, 1.0)
+    assert calls.counts["mark_started"] == 1, calls.counts
+    assert await store.user_inflight(MODEL) == {}

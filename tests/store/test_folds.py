@@ -11,9 +11,10 @@ import redis.asyncio as aioredis
 
 from gateway.keys import ModelKeys
 from gateway.settings import ApiKey
-from gateway.store import Grant, Store, dispatch_args
+from gateway.store import Grant, Start, Store, dispatch_args
 from gateway.usage import UsageLedger
 from gateway.values import GRANT
+from policies.gates import BackendSnapshot
 from tests.store.test_scripts import alive, dispatch, req
 
 M = "m"
@@ -110,3 +111,44 @@ async def test_a_settle_adds_the_requests_usage(redis: aioredis.Redis) -> None:
     assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"], r["errors"])
             for r in rows] == [(1, 12, 3, 0)], rows
     assert 0 < await redis.ttl(usage.key) <= usage.ttl_s
+
+
+async def test_a_late_start_the_snapshot_already_shows_takes_no_other_requests_unseen(
+        redis: aioredis.Redis) -> None:
+    """A start sent late (its replica held it while nothing was queued) after a snapshot
+    whose scrape began after the first token: the snapshot counts it running, so it must
+    not take another request out of the snapshot's "unseen" (that would loosen the gate)."""
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("a1", "alice"), 10)
+    await store.enqueue(M, req("b1", "bob"), 10)
+    first, second = await dispatch(store), await dispatch(store)
+    assert first is not None and second is not None
+    # the scrape began at 1005: a1 (first token at 1003) runs, b1 is not registered yet
+    assert await store.store_snapshot(M, "b1", BackendSnapshot(0, 1, 0.1, None, 1005.0))
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"
+    await store.mark_started(M, first, 1003.0)
+    unseen = await redis.hget(K.backend_snapshot("b1"), "unseen")
+    assert unseen == "1", f"a start the snapshot showed took another's unseen: {unseen}"
+    assert await redis.zrange(K.backend_started("b1"), 0, -1) == []
+    assert await redis.hget(K.request("a1"), "started") == "1"
+    # b1 starts after the scrape began: it was the unseen one, and took a batch slot
+    await store.mark_started(M, second, 1006.0)
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "0"
+    assert await redis.zrange(K.backend_started("b1"), 0, -1) == ["b1"]
+
+
+async def test_starts_ride_on_a_settle_before_its_release(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("a1", "alice"), 10)
+    await store.enqueue(M, req("b1", "bob"), 10)
+    first, second = await dispatch(store), await dispatch(store)
+    assert first is not None and second is not None
+    released, _ = await store.settle_and_dispatch(
+        M, first, 1.0, starts=[Start("a1", "b1", 1001.0), Start("b1", "b1", 1002.0)])
+    assert released
+    assert await redis.hget(K.request("b1"), "started") == "1", "b1's start was not marked"
+    assert await redis.zrange(K.backend_sent("b1"), 0, -1) == []
+    assert await redis.zrange(K.backend_started("b1"), 0, -1) == ["b1"]
+    assert await store.user_inflight(M) == {"bob": 1}

@@ -32,19 +32,36 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
   return I
 end
 
--- Request `id` streams its first token on `backend` (started.lua): it runs there, so it
--- no longer counts against the gate as dispatched-since-snapshot or as on its way
--- ("unseen"); its prefill is done; it took a batch slot the snapshot may have seen free,
--- so it joins the started-since-snapshot set (policies/gates.py Gate.used). Returns 1
--- when a gate slot was freed, 0 otherwise (marked already, or released).
-local function start_inflight(prefix, backend, id, now)
+-- Request `id` streams its first token on `backend` since `at`: it runs there, so it no
+-- longer counts against the gate as dispatched-since-snapshot or as on its way ("unseen");
+-- its prefill is done; it took a batch slot the snapshot may have seen free, so it joins
+-- the started-since-snapshot set (policies/gates.py Gate.used). A start the stored
+-- snapshot already shows (its scrape began after `at`: a start sent late, see
+-- start_each) only leaves the sent set: the snapshot counts it running, not unseen, and
+-- its started set is trimmed to after it. Returns 1 when a gate slot was freed, 0
+-- otherwise (marked already, or released).
+local function start_inflight(prefix, backend, id, at)
   local req = key_request(prefix, id)
   if redis.call('EXISTS', req) == 0 then return 0 end  -- settled (or reaped) already
   if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
-  redis.call('ZADD', key_backend_started(prefix, backend), now, id)
-  if redis.call('ZREM', key_backend_sent(prefix, backend), id) == 1 then return 1 end
-  return take_unseen(key_backend_snapshot(prefix, backend))
+  local sent = redis.call('ZREM', key_backend_sent(prefix, backend), id)
+  local snapshot = key_backend_snapshot(prefix, backend)
+  if at <= (tonumber(redis.call('HGET', snapshot, 'taken_at')) or 0) then return sent end
+  redis.call('ZADD', key_backend_started(prefix, backend), at, id)
+  if sent == 1 then return 1 end
+  return take_unseen(snapshot)
+end
+
+-- The starts a call carries (started.lua, and those a replica held back while nothing
+-- was queued, sent with its next enqueue or settle: gateway/dispatcher.py): a list of
+-- {id, backend, at}. Returns the number of gate slots freed.
+local function start_each(prefix, starts)
+  local freed = 0
+  for _, s in ipairs(starts or {}) do
+    freed = freed + start_inflight(prefix, s.backend, s.id, s.at)
+  end
+  return freed
 end
 
 -- Take request `id` out of its user's `queue` in `class` (`head`: it is the queue's
