@@ -19,25 +19,25 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from gateway.admission import Admission
-from gateway.auth import KeyRing
-from gateway.backends import BackendPool
-from gateway.batch_runner import BatchRunner
-from gateway.batches import BatchStore
-from gateway.dispatcher import Dispatcher
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.files import FileStore
-from gateway.keyring import RuntimeKeys
-from gateway.metrics import GatewayMetrics
-from gateway.quotas import Quotas
-from gateway.read_model import Inspector
-from gateway.redis_client import connect
-from gateway.sessions import SessionStore
-from gateway.settings import Settings, SettingsHolder
-from gateway.store import Store
-from gateway.supervise import supervise
-from gateway.upstream import Upstream
-from gateway.usage import UsageLedger
+from gateway.access.auth import KeyRing
+from gateway.access.keyring import RuntimeKeys
+from gateway.access.sessions import SessionStore
+from gateway.backends.scrape import BackendPool
+from gateway.batch.files import FileStore
+from gateway.batch.records import BatchStore
+from gateway.batch.runner import BatchRunner
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import Settings, SettingsHolder
+from gateway.core.supervise import supervise
+from gateway.ops.read_model import Inspector
+from gateway.proxy.upstream import Upstream
+from gateway.scheduling.admission import Admission
+from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.quotas import Quotas
+from gateway.scheduling.usage import UsageLedger
+from gateway.storage.embedded_redis import EmbeddedRedis
+from gateway.storage.redis_client import connect
+from gateway.storage.store import Store
 from policies.cost import TokenCost
 from policies.fairness import FairnessPolicy, policy_for
 
@@ -48,7 +48,8 @@ SHUTDOWN_WAIT_S = 5.0
 
 @dataclass(slots=True)
 class Services:
-    config: SettingsHolder  # the settings in force; a reload swaps them (gateway/reload.py)
+    # the settings in force; a reload swaps them (gateway/http/admin/reload.py)
+    config: SettingsHolder
     keys: KeyRing  # rebuilt by a reload
     policy: FairnessPolicy
     metrics: GatewayMetrics

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import cli as gateway_cli
-from gateway.cli import AddCommand
+from gateway.runtime import cli as gateway_cli
+from gateway.runtime.cli import AddCommand
 
 
 def _load_demo() -> AddCommand:

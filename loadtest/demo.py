@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from gateway.serve import fail, port_in_use, port_taken, port_taken_message
-from gateway.server import GatewayServer
-from gateway.settings import load_settings
-from gateway.workers import Supervisor, default_workers
+from gateway.core.settings import load_settings
+from gateway.http.server import GatewayServer
+from gateway.runtime.serve import fail, port_in_use, port_taken, port_taken_message
+from gateway.runtime.workers import Supervisor, default_workers
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 
@@ -48,7 +48,7 @@ def banner(url: str, port: int, sims: list[SimServer]) -> str:
 async def run_demo(host: str, port: int, workers: int = 1) -> int:
     """Serve until SIGINT/SIGTERM (0), or 2 with one line when ``port`` is taken.
 
-    ``workers`` > 1: that many gateway processes (``gateway/workers.py``) in front of the
+    ``workers`` > 1: that many gateway processes (``gateway/runtime/workers.py``) in front of the
     simulated backends, which stay in this process."""
     if port_taken(host, port):
         return fail(port_taken_message(host, port, PORT_CHANGE))

@@ -1,6 +1,6 @@
 """Fairness among tenants and users of one (model, class) queue: what each request costs.
 
-The Redis scripts (``gateway/lua``) are a generic virtual-time engine: each active user
+The Redis scripts (``gateway/storage/lua``) are a generic virtual-time engine: each active user
 has a score, the smallest score is served next, a dispatch adds the request's
 ``dispatch_cost`` to its user's score, a settle adds ``settle_charge``, and a user who
 becomes active is lifted to the smallest active score so it cannot bank credit while idle.
@@ -200,7 +200,7 @@ def edf_position(deadlines: Sequence[float | None], deadline: float | None) -> i
 
 @dataclass(slots=True)
 class TwoLevel:
-    """The two-level engine of ``gateway/lua`` on plain data, for one class: enqueue
+    """The two-level engine of ``gateway/storage/lua`` on plain data, for one class: enqueue
     (EDF within the user's queue, the per-user cap, each level joined at its minimum),
     the pick (``lua/lib/fairness.lua``: strict order, or the locality slack at both
     levels; only what the backend's prompt range and a backfill's room take), the charge

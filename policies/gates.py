@@ -34,7 +34,7 @@ from policies.classes import DEFAULT_CLASS
 # Why a gate is closed. "in_transit": open by the snapshot, but the requests already sent
 # since it (or not yet registered by the server) use up the burst allowance.
 # "prefill_tokens": the backend's pending prefill fills the class's prefill-token limit
-# (policies/prefill.py; applied per request by gateway/lua/dispatch.lua).
+# (policies/prefill.py; applied per request by gateway/storage/lua/dispatch.lua).
 GATE_REASONS = ("waiting", "in_transit", "tpot", "kv", "stale", "drained", "prefill_tokens")
 
 
@@ -76,7 +76,7 @@ class Gate:
 
     def admits(self, in_transit: int, started: int = 0, inflight: int | None = None) -> bool:
         """May one more request go? ``inflight``: the requests at the backend now (None:
-        unknown). gateway/lua/dispatch.lua applies the same rule."""
+        unknown). gateway/storage/lua/dispatch.lua applies the same rule."""
         if self.reason is not None:
             return False
         if self.used(in_transit, started) < self.limit:

@@ -1,8 +1,8 @@
 """Limits and budgets of keys and tenants: the decisions, without I/O.
 
 A request is checked against up to two scopes, its key's limits and its tenant's, and is
-admitted only when both allow it (``gateway/quotas.py`` runs the check and the charge as
-one Lua script, ``gateway/lua/quota_admit.lua``, which mirrors :func:`bucket_level`).
+admitted only when both allow it (``gateway/scheduling/quotas.py`` runs the check and the charge as
+one Lua script, ``gateway/storage/lua/quota_admit.lua``, which mirrors :func:`bucket_level`).
 
 - ``rpm`` and ``tpm`` are token buckets of that capacity, refilled evenly over a minute:
   a request needs one request unit and, for ``tpm``, its reservation (capped at the

@@ -11,7 +11,7 @@ hashes do. Only full chunks count (vLLM caches only full blocks), and only the f
 apart, bounded in Redis). These hashes are consistent only with themselves: they are not
 vLLM's hashes (fairgate does not tokenize), they only predict where an equal prefix went.
 
-**The choice** (:func:`choose`, mirrored by ``gateway/lua/dispatch.lua``): when a backend
+**The choice** (:func:`choose`, mirrored by ``gateway/storage/lua/dispatch.lua``): when a backend
 can take a request of a class, the users whose fairness score is within ``slack`` of the
 smallest (at most ``candidates`` of them, in fairness order) are considered, each with the
 first few requests of its queue (``lookahead``, 4: a user's own requests may pass each
@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 BLOCK_CHARS = 256
 DISPATCH_REASONS = ("cache_hit", "load", "fairness_order")
-"""Why a dispatched request went to its backend (``gateway/lua/dispatch.lua``): its prefix
+"""Why a dispatched request went to its backend (``gateway/storage/lua/dispatch.lua``): its prefix
 index held the prompt's first blocks; placed by load (``routing: least_loaded``, or the
 backend holding its prefix was busier than ``locality_max_imbalance`` allows); nothing
 cached anywhere, so the fairness order's next request to a backend with room."""
@@ -152,7 +152,7 @@ R = TypeVar("R")
 
 def within_slack(tenants: Sequence[tuple[float, Sequence[tuple[float, T]]]], slack: float,
                  candidates: int) -> list[T]:
-    """The users locality compares under tenants (``gateway/lua/dispatch.lua`` pick()):
+    """The users locality compares under tenants (``gateway/storage/lua/dispatch.lua`` pick()):
     ``tenants`` in fairness order, each (its score, its users in fairness order, each
     (score, user)). The tenants within ``slack`` of the least-served one, and in each the
     users within ``slack`` of its least-served user, at most ``candidates`` users in all,
@@ -196,7 +196,7 @@ def best_cached(candidates: Iterable[tuple[T, Sequence[R]]],
 
 @dataclass(frozen=True, slots=True)
 class LocalityView:
-    """What ``gateway/lua/lib/locality.lua`` reads when one backend dispatches: the
+    """What ``gateway/storage/lua/lib/locality.lua`` reads when one backend dispatches: the
     fairness slack (0: strict order) and how many users within it are compared, how many
     requests of each user's queue (``lookahead``), the backend's prefix index, the
     queued requests' chains (a request not listed has none), and for bounded-load
@@ -225,7 +225,7 @@ class LocalityView:
 
 @dataclass(slots=True)
 class PrefixIndex:
-    """One backend's prefix index (``gateway/lua/lib/locality.lua``): the block hashes of
+    """One backend's prefix index (``gateway/storage/lua/lib/locality.lua``): the block hashes of
     the prompts sent to it, each with its last use (s); at most ``size`` hashes (0: no
     index, ``routing: least_loaded``), each forgotten ``ttl_s`` after its last use."""
 

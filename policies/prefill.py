@@ -4,7 +4,7 @@ have queued (the length-aware pools and the prefill-token gate).
 **Pools.** A backend may declare the prompt lengths it takes (``min_prompt_tokens`` …
 ``max_prompt_tokens``, estimated tokens, :func:`policies.cost.estimate_prompt_tokens`): a
 short-context pool and a ``long_context`` pool of the same model, say. A request is only
-ever dispatched to a backend whose range holds its estimate (``gateway/lua/dispatch.lua``
+ever dispatched to a backend whose range holds its estimate (``gateway/storage/lua/dispatch.lua``
 passes over the others' requests, so nothing fails over to a backend that cannot take
 it), and a prompt no backend of its model takes is refused at admission with a 400 that
 names the ranges (:func:`no_fit_message`).
@@ -65,7 +65,7 @@ class PromptRange:
 
 @dataclass(frozen=True, slots=True)
 class Pool:
-    """What ``gateway/lua/lib/pools.lua`` knows of one backend when fairness looks for a
+    """What ``gateway/storage/lua/lib/pools.lua`` knows of one backend when fairness looks for a
     request it may take: its prompt range and the queued requests' estimated prompt
     tokens (a request not listed fits anywhere: it is gone, to be dropped)."""
 
@@ -138,7 +138,7 @@ def still_pending(dispatched: Sequence[tuple[str, float]], taken_at: float,
     not yet registered (vLLM's waiting + the snapshot's unseen): every one sent after the
     scrape began, and of the earlier ones the newest ``not_yet_scheduled`` (vLLM schedules
     in arrival order within a priority). A request also leaves when its first token comes
-    or it ends. Mirrored by ``gateway/lua/snapshot.lua``."""
+    or it ends. Mirrored by ``gateway/storage/lua/snapshot.lua``."""
     before = sorted((t, rid) for rid, t in dispatched if t < taken_at)
     kept = {rid for rid, t in dispatched if t >= taken_at}
     if not_yet_scheduled > 0:

@@ -16,7 +16,7 @@ def vllm_priority(class_base: int, rank: int, class_gap: int = 1000) -> int:
 
 @dataclass(slots=True)
 class InFlight:
-    """A model's requests in flight as ``gateway/lua/lib/inflight.lua`` counts them: a
+    """A model's requests in flight as ``gateway/storage/lua/lib/inflight.lua`` counts them: a
     grant's rank is how many of its user's requests are already in flight (on any
     backend); the backend counts its own, and its sent-since-snapshot set holds each
     granted request until it is released (or a snapshot saw it)."""

@@ -41,7 +41,7 @@ def owed_class(policy: FloorPolicy, backlogged_since: Mapping[str, float],
 
 def remember(recent: Sequence[str], klass: str, kept: int) -> list[str]:
     """The classes of the latest dispatches, newest first, after one of ``klass`` (the
-    ``recent`` list ``gateway/lua/lib/inflight.lua`` keeps, ``kept`` long)."""
+    ``recent`` list ``gateway/storage/lua/lib/inflight.lua`` keeps, ``kept`` long)."""
     return [klass, *recent][:kept]
 
 

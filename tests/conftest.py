@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.storage.embedded_redis import EmbeddedRedis
 
 _SESSION_TMP = pytest.StashKey[tuple[Path, str | None]]()
 

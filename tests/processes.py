@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import openai
 
-from gateway.embedded_redis import die_with_parent
+from gateway.storage.embedded_redis import die_with_parent
 from tests.gateway.conftest import MODEL
 
 # fast enough for a test to see a dead replica, a lost lease and a new snapshot
@@ -26,7 +26,7 @@ async def start_gateway(config: Path, port: int, env: dict[str, str] | None = No
     """``fairgate serve --config`` in a process that dies with the test; returns once it
     listens on ``port``."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+        sys.executable, "-m", "gateway.runtime.cli", "serve", "--config", str(config),
         "--workers", "1",  # one replica per process: a kill here is a replica's crash
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         preexec_fn=die_with_parent, env={**os.environ, **(env or {})})

@@ -4,7 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backend_metrics import PREFIX_CACHE, HistogramWindow, MetricsFormatError, parse_metrics
+from gateway.backends.vllm_metrics import (
+    PREFIX_CACHE,
+    HistogramWindow,
+    MetricsFormatError,
+    parse_metrics,
+)
 
 # a real vLLM 0.32 CPU server's /metrics with 16 running and 16 waiting
 REFERENCE = Path(__file__).parent / "data" / "vllm-0.32-cpu-metrics-under-load.txt"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from gateway.settings import ClassConfig, load_settings
+from gateway.core.settings import ClassConfig, load_settings
 from policies.classes import CLASSES, DEFAULT_CLASS, SPECS
 from policies.gates import GatePolicy
 

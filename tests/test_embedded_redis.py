@@ -10,7 +10,7 @@ import time
 import pytest
 import redis as redis_sync
 
-from gateway.embedded_redis import EmbeddedRedis, EmbeddedRedisError
+from gateway.storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 
 
 def _alive(pid: int) -> bool:
@@ -45,7 +45,7 @@ def test_server_dies_with_a_killed_parent() -> None:
     script = textwrap.dedent(
         """
         import sys, time
-        from gateway.embedded_redis import EmbeddedRedis
+        from gateway.storage.embedded_redis import EmbeddedRedis
         s = EmbeddedRedis().start()
         print(s.process.pid, s.port, flush=True)
         time.sleep(60)

@@ -116,6 +116,6 @@ def test_serve_does_not_load_the_test_rig() -> None:
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=60, check=True)
     loaded = set(ast.literal_eval(result.stdout.splitlines()[-1]))
-    assert "gateway.cli" in loaded
+    assert "gateway.runtime.cli" in loaded
     assert not {m for m in loaded if m.startswith(RIG) or m.split(".")[0] in
                 NOT_FOR_PRODUCT - {"loadtest"}}

@@ -90,7 +90,7 @@ def test_a_starved_class_borrows_the_more_open_gate() -> None:
 
 def test_a_start_sent_late_only_makes_the_gate_stricter() -> None:
     """Until its start reaches Redis a request that streams counts as in transit, not as
-    started (gateway/dispatcher.py holds it while nothing is queued): whenever the gate
+    started (gateway/scheduling/dispatcher.py holds it while nothing is queued): whenever the gate
     admits one more with the start still held, it admits one with the start delivered."""
     for limit in range(5):
         for free in range(limit + 1):

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import load_settings
+from gateway.core.settings import load_settings
 
 YAML = """
 redis_url: redis://127.0.0.1:6399/0

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backend_metrics import parse_metrics
+from gateway.backends.vllm_metrics import parse_metrics
 from loadtest.bench.stats import percentile
 
 SAMPLE_INTERVAL_S = 0.05

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway import endpoints
+from gateway.proxy import endpoints
 
 PROMPT_WORD = " the"  # 4 bytes: the simulator counts one token, Llama's tokenizer too
 # The OpenAI endpoints a scenario can run on (``fairgate bench … --endpoint``).

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import redis
 
-from gateway.embedded_redis import EmbeddedRedis
+from gateway.storage.embedded_redis import EmbeddedRedis
 from loadtest.bench.client import Target
 from loadtest.bench.procs import (
     Proc,

@@ -21,7 +21,7 @@ from typing import IO, Any
 import aiohttp
 import yaml
 
-from gateway.embedded_redis import free_port
+from gateway.storage.embedded_redis import free_port
 
 START_TIMEOUT_S = 30.0
 
@@ -167,7 +167,7 @@ async def backend_model(url: str) -> str:
 
 async def wait_idle(url: str, timeout_s: float = 120.0) -> None:
     """Wait until an external backend reports nothing waiting or running."""
-    from gateway.backend_metrics import parse_metrics
+    from gateway.backends.vllm_metrics import parse_metrics
 
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:

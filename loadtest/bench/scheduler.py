@@ -1,4 +1,4 @@
-"""``scheduler``: the Redis scheduler alone, driven through ``gateway.store.Store``.
+"""``scheduler``: the Redis scheduler alone, driven through ``gateway.storage.store.Store``.
 
 Enqueues N requests spread over U backlogged users (VTC), reads ``INFO memory``
 (``used_memory`` delta ÷ queued count), then measures dispatch decisions per second: one
@@ -17,8 +17,8 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from gateway.keys import ModelKeys
-from gateway.store import QueuedRequest, Store
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import QueuedRequest, Store
 from loadtest.bench import report
 from loadtest.bench.env import Bench, Options
 from loadtest.bench.loadgen import progress

@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import endpoints
+from gateway.proxy import endpoints
 
 # ---------------------------------------------------------------------------------------
 # The allow-list: every difference between vLLM and the simulator the comparison excuses.

@@ -1,6 +1,6 @@
 """``SimServer``: vLLM's OpenAI-compatible HTTP surface over a ``SimEngine`` (aiohttp).
 
-Routes: every entry of fairgate's endpoint table (``gateway/endpoints.py``) that names a
+Routes: every entry of fairgate's endpoint table (``gateway/proxy/endpoints.py``) that names a
 simulator behaviour, served by that behaviour — ``GET /v1/models``, ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (JSON or SSE),
 ``POST /v1/embeddings`` (prefill-only engine requests, ``loadtest/sim/embeddings.py``),
@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gateway.endpoints import ENDPOINTS
+from gateway.proxy.endpoints import ENDPOINTS
 from loadtest.sim import tokenizer
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS, embedding_body, parse_embedding
 from loadtest.sim.engine import EngineConfig, SimEngine

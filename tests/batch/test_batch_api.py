@@ -11,8 +11,8 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.keys import BatchKeys
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
+from gateway.storage.keys import BatchKeys
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 
 CHAT = "/v1/chat/completions"

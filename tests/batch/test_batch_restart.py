@@ -13,8 +13,8 @@ import openai
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.embedded_redis import free_port
-from gateway.keys import BatchKeys
+from gateway.storage.embedded_redis import free_port
+from gateway.storage.keys import BatchKeys
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
 from tests.processes import FAST, batch_file, start_gateway, wait_ready
 

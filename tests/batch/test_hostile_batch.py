@@ -12,7 +12,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
 from tests.batch.test_batch_api import CHAT, client, jsonl, wait_status
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 

@@ -14,8 +14,8 @@ import aiohttp
 import openai
 import pytest
 
-import gateway.batch_input
-from gateway.server import GatewayServer
+import gateway.batch.input
+from gateway.http.server import GatewayServer
 from tests.batch.test_batch_api import CHAT, client, jsonl, wait_status
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_error, auth
 
@@ -133,7 +133,7 @@ async def test_per_user_file_quota(sim: SimFactory, gateway: GatewayFactory,
 
 
 class WhereJsonRuns:
-    """Stands in for ``json`` in ``gateway.batch_input``: counts decodes on and off the
+    """Stands in for ``json`` in ``gateway.batch.input``: counts decodes on and off the
     event loop's thread."""
 
     JSONDecodeError = json.JSONDecodeError
@@ -153,7 +153,7 @@ class WhereJsonRuns:
 async def test_input_files_are_parsed_off_the_event_loop(gw: GatewayServer,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     where = WhereJsonRuns()
-    monkeypatch.setattr(gateway.batch_input, "json", where)
+    monkeypatch.setattr(gateway.batch.input, "json", where)
     c = client(gw)
     try:
         meta = await c.files.create(file=("in.jsonl", jsonl(50)), purpose="batch")

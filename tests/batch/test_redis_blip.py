@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.keys import BatchKeys
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
+from gateway.storage.embedded_redis import EmbeddedRedis
+from gateway.storage.keys import BatchKeys
 from tests.gateway.conftest import MODEL, SimFactory, gateway_settings
 
 LINES = 40

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import aiohttp
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import die_with_parent, free_port
-from gateway.server import GatewayServer
-from gateway.settings import Backend
+from gateway.core.settings import Backend
+from gateway.http.server import GatewayServer
+from gateway.storage.embedded_redis import die_with_parent, free_port
 from tests.gateway.conftest import MODEL, assert_settled, gateway_settings
 
 STREAMS = 24

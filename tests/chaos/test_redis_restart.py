@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.embedded_redis import EmbeddedRedis
-from gateway.keys import ModelKeys
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
+from gateway.storage.embedded_redis import EmbeddedRedis
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import MODEL, SimFactory, gateway_settings
 
 STREAMS, USERS = 24, ("sk-alice", "sk-bob", "sk-carol")

@@ -17,9 +17,9 @@ import aiohttp
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.embedded_redis import free_port
-from gateway.keys import ModelKeys
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
+from gateway.storage.embedded_redis import free_port
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, gateway_settings
 from tests.processes import start_gateway, until_ready
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backend_metrics import RawMetrics, parse_metrics
+from gateway.backends.vllm_metrics import RawMetrics, parse_metrics
 
 
 async def scrape(client: httpx.AsyncClient, base_url: str) -> RawMetrics:

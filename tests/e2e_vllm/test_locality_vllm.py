@@ -19,8 +19,8 @@ import pytest
 import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.server import GatewayServer
-from gateway.settings import Backend
+from gateway.core.settings import Backend
+from gateway.http.server import GatewayServer
 from tests.e2e_vllm.conftest import VllmServer, _stop, launch, skip_requested, wait_healthy
 from tests.gateway.conftest import gateway_settings
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.backend_metrics import TPOT_HISTOGRAMS, parse_metrics
+from gateway.backends.vllm_metrics import TPOT_HISTOGRAMS, parse_metrics
 from tests.e2e_vllm.conftest import MAX_NUM_SEQS, VllmServer
 from tests.e2e_vllm.helpers import complete, completion_body, limits, scrape, wait_until
 

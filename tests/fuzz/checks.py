@@ -54,7 +54,7 @@ def _json(response: Response) -> Any:
 
 
 def backend_error_integer_code(case: Case, response: Response) -> bool:
-    """BY DESIGN: a backend's own error passes through byte for byte (gateway/upstream.py,
+    """BY DESIGN: a backend's own error passes through byte for byte (gateway/proxy/upstream.py,
     issue 10: "relay vLLM's OpenAI errors untouched"), and vLLM (≥ 0.10, like the
     simulator) sends ``"code"`` as the integer HTTP status where OpenAI's format has a
     string or null; the openai SDK reads it either way. E.g. ``stream_options`` with

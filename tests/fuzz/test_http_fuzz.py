@@ -1,5 +1,5 @@
 """Property-based fuzzing of the HTTP surface described by ``/openapi.json`` (the endpoint
-table's operations generated over gateway/static/openapi.yaml, ``gateway/openapi.py``).
+table's operations generated over gateway/http/static/openapi.yaml, ``gateway/http/openapi.py``).
 
 A real gateway runs in this test's event loop on loopback, in front of two simulated vLLM
 backends (``instant`` profile) and a real Redis. Schemathesis' CLI runs in a subprocess
@@ -38,10 +38,10 @@ import pytest
 import redis.asyncio as aioredis
 import schemathesis
 
-from gateway.app import create_app
-from gateway.openapi import document, openapi_json
-from gateway.server import GatewayServer
-from gateway.settings import load_settings
+from gateway.core.settings import load_settings
+from gateway.http.app import create_app
+from gateway.http.openapi import document, openapi_json
+from gateway.http.server import GatewayServer
 from tests.gateway.conftest import (
     CHAT,
     MODEL,

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.server import GatewayServer
-from gateway.settings import Settings, load_settings
+from gateway.core.settings import Settings, load_settings
+from gateway.http.server import GatewayServer
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 

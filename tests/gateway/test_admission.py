@@ -1,6 +1,7 @@
-"""``gateway.admission.Admission.admitted`` on a real Redis with a hand-driven Dispatcher.
+"""``gateway.scheduling.admission.Admission.admitted`` on a real Redis with a hand-driven
+Dispatcher.
 
-The :class:`~gateway.admission.Ticket` it yields is the relay's listener: what it hears
+The :class:`~gateway.scheduling.admission.Ticket` it yields is the relay's listener: what it hears
 (usage, first token, end) must reach the settle charge, the metrics and the gate.
 """
 
@@ -16,12 +17,12 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.admission import Admission, Ticket
-from gateway.completion_request import CompletionRequest
-from gateway.endpoints import CHAT
-from gateway.errors import BackendRemoved
-from gateway.keys import ModelKeys
-from gateway.store import Grant, QueuedRequest
+from gateway.core.errors import BackendRemoved
+from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.endpoints import CHAT
+from gateway.scheduling.admission import Admission, Ticket
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Grant, QueuedRequest
 from policies.cost import TokenCost, estimate_prompt_tokens
 from policies.fairness import Vtc
 from tests.gateway.conftest import MODEL

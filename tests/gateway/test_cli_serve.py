@@ -16,9 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from gateway import cli
-from gateway.embedded_redis import free_port
-from gateway.settings import load_settings
+from gateway.core.settings import load_settings
+from gateway.runtime import cli
+from gateway.storage.embedded_redis import free_port
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, complete
 
 
@@ -31,7 +31,7 @@ async def test_serve_from_yaml_with_embedded_redis(sim: SimFactory, tmp_path: Pa
     path = tmp_path / "fairgate.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+        sys.executable, "-m", "gateway.runtime.cli", "serve", "--config", str(path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
     assert proc.stdout is not None and proc.stderr is not None
@@ -107,8 +107,8 @@ async def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path: Path) -> Non
             "listen": {"host": "127.0.0.1", "port": port},
             "backends": [{"name": "b1", "url": "http://127.0.0.1:9", "model": MODEL}],
             "api_keys": KEYS, "data_dir": str(tmp_path), "log_level": "warning"}))
-        code, out, err = await _run(sys.executable, "-m", "gateway.cli", "serve", "--config",
-                                     str(path))
+        code, out, err = await _run(sys.executable, "-m", "gateway.runtime.cli", "serve",
+                                     "--config", str(path))
     assert code == 2
     assert out == ""
     line = _one_line(err)
@@ -124,7 +124,7 @@ async def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path: Path) -> Non
 ])
 async def test_serve_without_backends_or_keys_refuses_to_start(
         tmp_path: Path, config: dict[str, object] | None, missing: str) -> None:
-    args = [sys.executable, "-m", "gateway.cli", "serve"]
+    args = [sys.executable, "-m", "gateway.runtime.cli", "serve"]
     if config is not None:
         path = tmp_path / "fairgate.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -138,7 +138,7 @@ async def test_serve_without_backends_or_keys_refuses_to_start(
 
 
 async def test_serve_with_a_missing_config_file_says_so(tmp_path: Path) -> None:
-    code, _, err = await _run(sys.executable, "-m", "gateway.cli", "serve", "--config",
+    code, _, err = await _run(sys.executable, "-m", "gateway.runtime.cli", "serve", "--config",
                               str(tmp_path / "nope.yaml"))
     assert code == 2
     assert "config file not found" in _one_line(err)

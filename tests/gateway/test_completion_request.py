@@ -1,7 +1,7 @@
-"""``gateway.completion_request.read_completion`` behind a real aiohttp server.
+"""``gateway.proxy.completion_request.read_completion`` behind a real aiohttp server.
 
 A tiny app calls ``read_completion`` and answers with what it read, or renders the
-:class:`~gateway.errors.FairgateError` it raised exactly as the gateway's edge does.
+:class:`~gateway.core.errors.FairgateError` it raised exactly as the gateway's edge does.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.completion_request import read_completion
-from gateway.edge import render
-from gateway.endpoints import BY_PATH
-from gateway.endpoints import CHAT as CHAT_ENDPOINT
-from gateway.endpoints import COMPLETIONS as COMPLETIONS_ENDPOINT
-from gateway.errors import FairgateError
+from gateway.core.edge import render
+from gateway.core.errors import FairgateError
+from gateway.proxy.completion_request import read_completion
+from gateway.proxy.endpoints import BY_PATH
+from gateway.proxy.endpoints import CHAT as CHAT_ENDPOINT
+from gateway.proxy.endpoints import COMPLETIONS as COMPLETIONS_ENDPOINT
 from tests.gateway.conftest import MODEL, assert_error
 
 CHAT, COMPLETIONS = CHAT_ENDPOINT.path, COMPLETIONS_ENDPOINT.path

@@ -1,4 +1,4 @@
-"""``gateway.dispatcher.Dispatcher``'s decisions on a real Redis, backends set by hand.
+"""``gateway.scheduling.dispatcher.Dispatcher``'s decisions on a real Redis, backends set by hand.
 
 No scraping and no dispatch loop: each test sets the backend handles' snapshots and
 gates itself, queues requests through :meth:`Dispatcher.acquire` and calls
@@ -18,19 +18,19 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.backends import BackendPool
-from gateway.dispatcher import Dispatcher, Settle
-from gateway.errors import (
+from gateway.backends.scrape import BackendPool
+from gateway.core.errors import (
     QueueTimeout,
     RateLimited,
     RequestCancelled,
     StoreUnavailable,
 )
-from gateway.keys import ModelKeys
-from gateway.metrics import GatewayMetrics
-from gateway.redis_client import connect
-from gateway.settings import Settings, SettingsHolder, load_settings
-from gateway.store import Grant, QueuedRequest, Store
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import Settings, SettingsHolder, load_settings
+from gateway.scheduling.dispatcher import Dispatcher, Settle
+from gateway.storage.keys import ModelKeys
+from gateway.storage.redis_client import connect
+from gateway.storage.store import Grant, QueuedRequest, Store
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, evaluate_gate
 from tests.gateway.conftest import KEYS, MODEL, dead_redis_url

@@ -1,4 +1,4 @@
-"""The endpoint table (``gateway/endpoints.py``) and what derives from it: routes, body
+"""The endpoint table (``gateway/proxy/endpoints.py``) and what derives from it: routes, body
 validation, the output-token bound and prompt estimate, ``/openapi.json`` and the
 simulator's routes — including a hypothetical new entry, which needs nothing else."""
 
@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from gateway.admission import estimate
-from gateway.completion_request import CompletionRequest, Limits, validate_body
-from gateway.endpoints import (
+from gateway.core.errors import BadRequest
+from gateway.http.openapi import build, document
+from gateway.http.routes import add_endpoint_routes
+from gateway.proxy.completion_request import CompletionRequest, Limits, validate_body
+from gateway.proxy.endpoints import (
     BATCHABLE,
     BY_PATH,
     CHAT,
@@ -23,9 +25,7 @@ from gateway.endpoints import (
     Frames,
     Kind,
 )
-from gateway.errors import BadRequest
-from gateway.openapi import build, document
-from gateway.routes import add_endpoint_routes
+from gateway.scheduling.admission import estimate
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 from policies.cost import estimate_prompt_tokens

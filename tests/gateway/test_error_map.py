@@ -18,11 +18,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-import gateway.errors
-import gateway.upstream  # its ForeignAnswer is a FairgateError too
-from gateway.edge import RETRY_STATUSES, error_boundary, error_object, raw_answer, sse_frame
-from gateway.errors import FairgateError, RateLimitExceeded
-from gateway.metrics import GatewayMetrics
+import gateway.core.errors
+import gateway.proxy.upstream  # its ForeignAnswer is a FairgateError too
+from gateway.core.edge import RETRY_STATUSES, error_boundary, error_object, raw_answer, sse_frame
+from gateway.core.errors import FairgateError, RateLimitExceeded
+from gateway.core.metrics import GatewayMetrics
 
 FLOOR_S = 7  # the app's stand-in for the wait estimator's Retry-After
 
@@ -59,16 +59,16 @@ async def server() -> AsyncIterator[TestServer]:
 
 
 def test_every_error_class_is_in_the_errors_tree() -> None:
-    doc = gateway.errors.__doc__ or ""
+    doc = gateway.core.errors.__doc__ or ""
     missing = [n for n, c in CLASSES.items()
-               if c.__module__ == "gateway.errors" and n not in doc]
-    assert missing == [], f"error classes missing from gateway/errors.py's tree: {missing}"
+               if c.__module__ == "gateway.core.errors" and n not in doc]
+    assert missing == [], f"error classes missing from gateway/core/errors.py's tree: {missing}"
 
 
 def test_each_code_is_one_outcome() -> None:
     seen: dict[str, str] = {}
     for name, cls in CLASSES.items():
-        if cls.__module__ != "gateway.errors" or cls.code is None:
+        if cls.__module__ != "gateway.core.errors" or cls.code is None:
             continue
         assert cls.code not in seen, f"{name} and {seen[cls.code]} share code {cls.code}"
         seen[cls.code] = name

@@ -19,7 +19,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import (
     HI,

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 from structlog.testing import capture_logs
 
-from gateway import event_loop
+from gateway.core import event_loop
 
 HAS_UVLOOP = importlib.util.find_spec("uvloop") is not None
 

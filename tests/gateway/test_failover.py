@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from gateway.keys import ModelKeys
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 
 

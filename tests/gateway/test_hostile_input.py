@@ -16,8 +16,8 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.server import GatewayServer
-from gateway.user_series import MAX_LABEL_CHARS, OTHER_USERS, UserLabels
+from gateway.core.user_series import MAX_LABEL_CHARS, OTHER_USERS, UserLabels
+from gateway.http.server import GatewayServer
 from tests.gateway.conftest import (
     CHAT,
     HI,

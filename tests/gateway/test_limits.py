@@ -13,11 +13,11 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.errors import InsufficientQuota, RateLimitExceeded
-from gateway.quotas import Quotas
-from gateway.redis_client import connect
-from gateway.server import GatewayServer
-from gateway.settings import ApiKey, SettingsHolder, load_settings
+from gateway.core.errors import InsufficientQuota, RateLimitExceeded
+from gateway.core.settings import ApiKey, SettingsHolder, load_settings
+from gateway.http.server import GatewayServer
+from gateway.scheduling.quotas import Quotas
+from gateway.storage.redis_client import connect
 from policies.cost import estimate_prompt_tokens
 from tests.batch.test_batch_api import jsonl, wait_status
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, call, until

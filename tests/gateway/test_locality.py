@@ -12,7 +12,7 @@ import openai
 import redis.asyncio as aioredis
 from openai.types.chat import ChatCompletionMessageParam
 
-from gateway.keys import ModelKeys
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_settled, until
 
 SESSIONS = 12

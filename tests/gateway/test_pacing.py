@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import aiohttp
 
-from gateway.backends import BackendHandle
-from gateway.server import GatewayServer
+from gateway.backends.scrape import BackendHandle
+from gateway.http.server import GatewayServer
 from tests.gateway.conftest import GatewayFactory, SimFactory, complete
 
 # A TPOT target no backend meets (the fixed gate then shuts on TPOT too), and a short TPOT

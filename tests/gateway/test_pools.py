@@ -19,7 +19,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, store_is_idle, until
 

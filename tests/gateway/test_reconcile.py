@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from gateway.backends import BackendPool
-from gateway.dispatcher import RECONCILE_GRACE_S, Dispatcher
-from gateway.keys import ModelKeys
-from gateway.metrics import GatewayMetrics
-from gateway.redis_client import BoundaryRedis, connect
-from gateway.settings import SettingsHolder, load_settings
-from gateway.store import QueuedRequest, Store
+from gateway.backends.scrape import BackendPool
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import SettingsHolder, load_settings
+from gateway.scheduling.dispatcher import RECONCILE_GRACE_S, Dispatcher
+from gateway.storage.keys import ModelKeys
+from gateway.storage.redis_client import BoundaryRedis, connect
+from gateway.storage.store import QueuedRequest, Store
 
 M = "m"
 K = ModelKeys(M)

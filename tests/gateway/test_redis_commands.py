@@ -6,8 +6,8 @@ from __future__ import annotations
 import aiohttp
 import redis.asyncio as aioredis
 
-from gateway.metrics import GatewayMetrics
-from gateway.redis_client import connect
+from gateway.core.metrics import GatewayMetrics
+from gateway.storage.redis_client import connect
 from tests.gateway.conftest import GatewayFactory, SimFactory, complete
 
 

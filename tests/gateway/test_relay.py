@@ -1,4 +1,4 @@
-"""``gateway.relay``'s pure part: :class:`FrameFilter` and :func:`carries_output`.
+"""``gateway.proxy.relay``'s pure part: :class:`FrameFilter` and :func:`carries_output`.
 
 The streams below have the shapes vLLM 0.32 sends (``serving_chat.py`` /
 ``serving_completion.py``: ``data: <compact JSON>\\n\\n`` frames, a role-only first frame
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from gateway.endpoints import Frames
-from gateway.relay import FrameFilter, carries_output
+from gateway.proxy.endpoints import Frames
+from gateway.proxy.relay import FrameFilter, carries_output
 
 MODEL = "llama-3.1-8b"
 CREATED = 1764428400

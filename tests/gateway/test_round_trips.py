@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
-from gateway.metrics import GatewayMetrics
-from gateway.server import GatewayServer
+from gateway.core.metrics import GatewayMetrics
+from gateway.http.server import GatewayServer
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, complete
 
 N = 200

@@ -10,7 +10,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, call, until
 
 ADMIN = "sk-admin"
@@ -118,7 +118,7 @@ async def test_key_cache_lifetime_is_bounded(sim: SimFactory,
     """What makes a revocation reach every replica within 1 s without a reload."""
     from pydantic import ValidationError
 
-    from gateway.settings import load_settings
+    from gateway.core.settings import load_settings
 
     with pytest.raises(ValidationError):
         load_settings(None, key_cache_s=2.0)

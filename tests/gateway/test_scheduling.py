@@ -8,7 +8,7 @@ import contextlib
 import aiohttp
 import pytest
 
-from gateway.keys import ModelKeys
+from gateway.storage.keys import ModelKeys
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 

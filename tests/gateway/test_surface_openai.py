@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.server import GatewayServer
+from gateway.http.server import GatewayServer
 from loadtest.sim.tokenizer import encode
 from tests.gateway.conftest import (
     HI,

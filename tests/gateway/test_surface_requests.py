@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from gateway.completion_request import Limits, validate_body
-from gateway.endpoints import CHAT, EMBEDDINGS, RESPONSES, Endpoint, Frames
-from gateway.errors import BadRequest
-from gateway.relay import FrameFilter, report_usage
+from gateway.core.errors import BadRequest
+from gateway.proxy.completion_request import Limits, validate_body
+from gateway.proxy.endpoints import CHAT, EMBEDDINGS, RESPONSES, Endpoint, Frames
+from gateway.proxy.relay import FrameFilter, report_usage
 from policies.cost import estimate_prompt_tokens
 
 LIMITS = Limits(max_json_depth=8, max_output_tokens=100, max_end_user_chars=16)

@@ -13,8 +13,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.keys import usage_day
-from gateway.usage import day_of
+from gateway.scheduling.usage import day_of
+from gateway.storage.keys import usage_day
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, call
 
 ADMIN = "sk-admin"
@@ -135,7 +135,7 @@ async def test_usage_export_dashboard_and_metrics(sim: SimFactory, gateway: Gate
 
 
 def test_tenant_series_are_bounded() -> None:
-    from gateway.metrics import GatewayMetrics
+    from gateway.core.metrics import GatewayMetrics
 
     metrics = GatewayMetrics(top_users=2)
     for i in range(10):
@@ -147,7 +147,7 @@ def test_tenant_series_are_bounded() -> None:
 
 @pytest.mark.parametrize("value", ["=cmd()", "+1", "-2", "@x"])
 def test_csv_cells_never_run_as_formulas(value: str) -> None:
-    from gateway.usage import to_csv
+    from gateway.scheduling.usage import to_csv
 
     text = to_csv([{"tenant": value, "requests": 1, "prompt_tokens": 0,
                     "completion_tokens": 0, "errors": 0, "total_tokens": 0}], ["tenant"])

@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.keys import ModelKeys
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import (
     CHAT,
     HI,

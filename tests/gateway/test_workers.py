@@ -20,9 +20,9 @@ import redis.asyncio as aioredis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.embedded_redis import free_port
-from gateway.store import Store
-from gateway.workers import WORKER_HEADER
+from gateway.runtime.workers import WORKER_HEADER
+from gateway.storage.embedded_redis import free_port
+from gateway.storage.store import Store
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, until
 from tests.gateway.test_scheduling import (
     FLOOD,
@@ -90,7 +90,7 @@ async def serve(backend_url: str, redis_url: str, tmp_path: Path, workers: int,
            if not k.startswith(("FAIRGATE_", "PROMETHEUS_MULTIPROC")) or
            k.startswith("FAIRGATE_TEST_")}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+        sys.executable, "-m", "gateway.runtime.cli", "serve", "--config", str(path),
         "--workers", str(workers), stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE, env=env)
     assert proc.stdout is not None
@@ -243,7 +243,7 @@ async def test_one_worker_serves_in_the_process_itself(
 @pytest.mark.parametrize("workers", ["0", "-1"])
 async def test_workers_must_be_positive(workers: str) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--workers", workers,
+        sys.executable, "-m", "gateway.runtime.cli", "serve", "--workers", workers,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 2

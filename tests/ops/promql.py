@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import GatewayMetrics
+from gateway.core.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_SAMPLE = ROOT / "tests" / "data" / "vllm-0.32-cpu-metrics-under-load.txt"

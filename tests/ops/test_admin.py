@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import yaml
 
-from gateway.keys import ModelKeys
+from gateway.storage.keys import ModelKeys
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, complete
 from tests.ops.conftest import ADMIN, admin_call, until

@@ -9,11 +9,11 @@ import math
 import aiohttp
 import redis.asyncio as aioredis
 
-from gateway.auth import SESSION_COOKIE
-from gateway.history import bucket_quantile
-from gateway.keys import ModelKeys
-from gateway.sessions import CSRF_HEADER, csrf_token
-from gateway.store import Store
+from gateway.access.auth import SESSION_COOKIE
+from gateway.access.sessions import CSRF_HEADER, csrf_token
+from gateway.ops.history import bucket_quantile
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Store
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 from tests.ops.conftest import ADMIN, admin_call, admin_headers, until
 

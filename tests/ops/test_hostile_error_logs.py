@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.embedded_redis import free_port
+from gateway.storage.embedded_redis import free_port
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
 
 MARKER = "injected-fault-5d2e91"
@@ -25,13 +25,13 @@ PROMPT = "PROMPT-TEXT-77aa must never be logged"
 # completion request raises an exception nobody expects.
 SERVE_BROKEN = f"""
 import sys
-import gateway.routes
+import gateway.http.routes
 
 def broken(*args, **kwargs):
     raise ZeroDivisionError({MARKER!r})
 
-gateway.routes.effective_class = broken
-from gateway.cli import main
+gateway.http.routes.effective_class = broken
+from gateway.runtime.cli import main
 sys.exit(main(["serve", "--config", sys.argv[1], "--workers", "1"]))
 """
 
@@ -87,7 +87,7 @@ async def test_unhandled_error_logs_type_message_and_traceback(sim: SimFactory, 
     assert crash["exc_message"] == MARKER
     trace = crash["exception"]
     assert trace.startswith("Traceback (most recent call last):"), trace
-    assert "gateway/routes.py" in trace and "in _resolve" in trace
+    assert "gateway/http/routes.py" in trace and "in _resolve" in trace
     assert trace.rstrip().endswith(f"ZeroDivisionError: {MARKER}")
     # a traceback carries no local variables: never the prompt or a key
     assert PROMPT not in raw

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import structlog
 
-from gateway.logs import RequestLogSampler, configure_logging
+from gateway.core.logs import RequestLogSampler, configure_logging
 
 
 class Clock:

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.embedded_redis import free_port
+from gateway.storage.embedded_redis import free_port
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
 from tests.ops.conftest import ADMIN
 
@@ -39,7 +39,7 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
         "backends": [{"name": "b1", "url": backend.url, "model": MODEL}],
         "api_keys": KEYS, "admin_keys": [ADMIN], "data_dir": str(tmp_path)}))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", "--config", str(path),
+        sys.executable, "-m", "gateway.runtime.cli", "serve", "--config", str(path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
     assert proc.stdout is not None and proc.stderr is not None

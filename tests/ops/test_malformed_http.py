@@ -7,7 +7,7 @@ import logging
 
 from aiohttp.http_exceptions import BadHttpMessage
 
-from gateway.logs import MalformedHttpLogs
+from gateway.core.logs import MalformedHttpLogs
 
 
 def record(created: float, exc: BaseException | None) -> logging.LogRecord:

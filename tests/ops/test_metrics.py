@@ -8,8 +8,8 @@ import subprocess
 
 import aiohttp
 
-from gateway.metrics import GatewayMetrics
-from gateway.user_series import OTHER_USERS, UserLabels
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.user_series import OTHER_USERS, UserLabels
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
 from tests.ops.conftest import ADMIN, admin_call, require_tool, samples, total, until, value
 

@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from gateway.core.settings import ClassConfig, ReadsSettings, Settings, SettingsHolder, Tenant
 from gateway.services import Services, request_ttl_s
-from gateway.settings import ClassConfig, ReadsSettings, Settings, SettingsHolder, Tenant
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory
 from tests.ops.conftest import ADMIN, admin_call

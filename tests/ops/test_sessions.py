@@ -9,9 +9,9 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from gateway.auth import SESSION_COOKIE, KeyRing
-from gateway.keys import SESSION_PREFIX
-from gateway.settings import ApiKey
+from gateway.access.auth import SESSION_COOKIE, KeyRing
+from gateway.core.settings import ApiKey
+from gateway.storage.keys import SESSION_PREFIX
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory
 
 ADMIN, OTHER_ADMIN = "sk-admin", "sk-admin-2"

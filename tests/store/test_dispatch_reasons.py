@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from gateway.keys import ModelKeys
-from gateway.store import Grant, Locality, QueuedRequest, Store
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Grant, Locality, QueuedRequest, Store
 from policies.locality import DISPATCH_REASONS
 
 M = "m"

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.keys import ModelKeys
-from gateway.store import Grant, Locality, QueuedRequest, Store
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Grant, Locality, QueuedRequest, Store
 from policies.fairness import (
     POLICIES,
     FairnessPolicy,

@@ -9,11 +9,11 @@ from datetime import date
 
 import redis.asyncio as aioredis
 
-from gateway.keys import ModelKeys
-from gateway.settings import ApiKey
-from gateway.store import Grant, Start, Store, dispatch_args
-from gateway.usage import UsageLedger
-from gateway.values import GRANT
+from gateway.core.settings import ApiKey
+from gateway.scheduling.usage import UsageLedger
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Grant, Start, Store, dispatch_args
+from gateway.storage.values import GRANT
 from policies.gates import BackendSnapshot
 from tests.store.test_scripts import alive, dispatch, req
 

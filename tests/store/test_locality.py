@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from gateway.keys import ModelKeys
-from gateway.store import Locality, QueuedRequest, Store
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Locality, QueuedRequest, Store
 from policies.fairness import Vtc, with_locality
 from policies.locality import choose
 

@@ -1,4 +1,4 @@
-"""Differential spec of ``gateway/lua/lib/fairness.lua`` (pick and charge, with the
+"""Differential spec of ``gateway/storage/lua/lib/fairness.lua`` (pick and charge, with the
 locality slack at both levels, prompt ranges and a backfill's room) and of enqueue.lua's
 order (EDF within a user's queue, the per-user cap, each level joined at its minimum)
 against their plain-data twin, ``policies/fairness.py`` TwoLevel: hypothesis draws a
@@ -18,8 +18,8 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import ModelKeys
-from gateway.store import QueuedRequest, Store, load_library
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import QueuedRequest, Store, load_library
 from policies.fairness import Pick, TwoLevel
 from policies.locality import LocalityView
 from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange

@@ -1,4 +1,4 @@
-"""Differential spec of ``gateway/lua/lib/inflight.lua`` (a grant's vLLM priority rank,
+"""Differential spec of ``gateway/storage/lua/lib/inflight.lua`` (a grant's vLLM priority rank,
 the in-flight counts, the sent set, the recent classes the starvation floor reads, and
 the one release) against its plain-data twins, ``policies/priority.py`` InFlight and
 ``policies/starvation.py`` remember: hypothesis draws grants and releases; the Lua runs
@@ -16,8 +16,8 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import ModelKeys
-from gateway.store import load_library
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import load_library
 from policies.classes import CLASS_ORDER
 from policies.priority import InFlight, vllm_priority
 from policies.starvation import FloorPolicy, owed_class, remember

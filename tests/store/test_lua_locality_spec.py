@@ -1,4 +1,4 @@
-"""Differential spec of ``gateway/lua/lib/locality.lua`` against its plain-data twin,
+"""Differential spec of ``gateway/storage/lua/lib/locality.lua`` against its plain-data twin,
 ``policies/locality.py`` (PrefixIndex, LocalityView): hypothesis draws a backend's prefix
 index, the other backends' indexes and loads, and a sequence of reads (held blocks, a
 queued request's match and affinity), records and trims; the Lua module runs them on a
@@ -17,8 +17,8 @@ import redis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import ModelKeys
-from gateway.store import load_library
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import load_library
 from policies.locality import LocalityView, PrefixIndex, matched
 
 HARNESS = """

@@ -1,4 +1,4 @@
-"""Differential spec of ``gateway/lua/lib/pools.lua`` against its plain-data twin,
+"""Differential spec of ``gateway/storage/lua/lib/pools.lua`` against its plain-data twin,
 ``policies/prefill.py``: hypothesis draws prompt ranges, requests and prefill states; the
 Lua module decides them on a real Redis, the twin in Python, and the two must agree."""
 
@@ -12,8 +12,8 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import ModelKeys
-from gateway.store import load_library
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import load_library
 from policies.prefill import PromptRange, may_backfill, prefill_fits
 
 K = ModelKeys("spec")

@@ -7,7 +7,7 @@ import dataclasses
 
 import redis.asyncio as aioredis
 
-from gateway.store import BackendFit, Grant, Locality, QueuedRequest, Store
+from gateway.storage.store import BackendFit, Grant, Locality, QueuedRequest, Store
 from policies.gates import BackendSnapshot
 from policies.locality import chain
 from policies.prefill import TOKENS_PER_BLOCK, PromptRange, still_pending

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.errors import StoreUnavailable
-from gateway.keys import ModelKeys
-from gateway.store import Grant, QueuedRequest, Store
+from gateway.core.errors import StoreUnavailable
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Grant, QueuedRequest, Store
 from policies.fairness import FairnessPolicy, Vtc
 from policies.gates import BackendSnapshot
 

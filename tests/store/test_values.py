@@ -1,4 +1,4 @@
-"""The values in Redis have one owner (gateway/values.py): the packed entries round-trip
+"""The values in Redis have one owner (gateway/storage/values.py): the packed entries round-trip
 in Python and in the generated Lua alike, and the scripts name no request-hash field it
 does not declare."""
 
@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.values import GRANT, PREFILL, RECORDS, REQUEST_FIELDS, Record, lua_values
+from gateway.storage.values import GRANT, PREFILL, RECORDS, REQUEST_FIELDS, Record, lua_values
 
 # a field value never holds its record's separator (ids, backend names, numbers)
 TEXT = st.text(st.characters(blacklist_characters="\t \n", blacklist_categories=("Cs",)),
@@ -53,7 +53,7 @@ HASH_CALL = re.compile(r"redis\.call\('(HSET|HSETNX|HGET|HMGET|HDEL)',\s*"
 
 
 def test_the_scripts_name_only_declared_request_fields() -> None:
-    lua = resources.files("gateway") / "lua"
+    lua = resources.files("gateway.storage") / "lua"
     scripts = [f for f in lua.iterdir() if f.name.endswith(".lua")]
     scripts += [f for f in (lua / "lib").iterdir() if f.name.endswith(".lua")]
     named: dict[str, set[str]] = {}
@@ -71,4 +71,5 @@ def test_the_scripts_name_only_declared_request_fields() -> None:
                         named.setdefault(field.group(1), set()).add(script.name)
     assert {"owner", "cost", "started", "held_at", "ptok"} <= set(named), named
     undeclared = {f: sorted(s) for f, s in named.items() if f not in REQUEST_FIELDS}
-    assert not undeclared, f"request fields in the scripts, not in gateway/values.py: {undeclared}"
+    assert not undeclared, (
+        f"request fields in the scripts, not in gateway/storage/values.py: {undeclared}")

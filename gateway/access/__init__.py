@@ -1,0 +1,1 @@
+"""Who may call: API keys, the runtime keyring, operator sessions."""

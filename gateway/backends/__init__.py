@@ -1,0 +1,1 @@
+"""The vLLM backends: scraping their /metrics and parsing what vLLM reports."""

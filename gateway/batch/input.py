@@ -1,0 +1,135 @@
+"""Validation of a Batch API input file (JSONL), line by line.
+
+Each line: ``{"custom_id": str, "method": "POST", "url": <endpoint>, "body": {...}}`` with
+a unique ``custom_id``, a ``body.model`` fairgate serves and a body nested no deeper than
+``max_json_depth`` (so no accepted line can fail later on its depth). Errors name the first
+bad lines so a user can fix the file in one go.
+
+Parsing a large file takes seconds of CPU: callers on the event loop run
+:func:`summarize_file` and :func:`load_file` in a worker thread (``asyncio.to_thread``).
+:func:`scan_lines` streams: only the ``custom_id`` set grows with the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.core.errors import BadRequest
+from gateway.proxy.completion_request import check_depth
+from gateway.proxy.endpoints import BATCHABLE
+
+MAX_REPORTED = 10
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLine:
+    index: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return str(self.body["model"])
+
+
+@dataclass(slots=True)
+class FileSummary:
+    """A valid input file: its request count and, per url, its first lines (0-based)."""
+
+    requests: int = 0
+    lines_by_url: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _check(obj: Any, models: Collection[str], max_depth: int | None) -> str | None:
+    """The problem with one parsed line, or None."""
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "'custom_id' must be a non-empty string"
+    if obj.get("method") != "POST":
+        return "'method' must be \"POST\""
+    if obj.get("url") not in BATCHABLE:
+        return f"'url' must be one of {', '.join(BATCHABLE)}"
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return "'body' must be an object"
+    if body.get("stream"):
+        return "streaming is not supported in a batch"
+    if body.get("model") not in models:
+        return f"model {body.get('model')!r} is not served here"
+    if max_depth is not None:
+        try:
+            check_depth(body, max_depth)
+        except BadRequest as exc:
+            return "'body': " + exc.message
+    return None
+
+
+def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
+               max_depth: int | None = None) -> Iterator[BatchLine]:
+    """Valid lines in order (blank lines skipped), as they are read; once the input is
+    exhausted, raises BadRequest listing the bad lines (or if there were none at all)."""
+    problems: list[str] = []
+    seen: set[str] = set()
+    count = 0
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            problems.append(f"line {number}: not valid JSON")
+            continue
+        except RecursionError:
+            problem: str | None = "not valid JSON: nested too deeply"
+        else:
+            problem = _check(obj, models, max_depth)
+            if problem is None and obj["custom_id"] in seen:
+                problem = f"duplicate custom_id {obj['custom_id']!r}"
+        if problem is not None:
+            problems.append(f"line {number}: {problem}")
+            if len(problems) >= MAX_REPORTED:
+                break
+            continue
+        seen.add(obj["custom_id"])
+        if not problems:
+            yield BatchLine(count, obj["custom_id"], obj["url"], obj["body"])
+        count += 1
+    if problems:
+        more = " (first errors shown)" if len(problems) >= MAX_REPORTED else ""
+        raise BadRequest("invalid batch input file" + more + ": " + "; ".join(problems),
+                         param="file")
+    if not count:
+        raise BadRequest("the batch input file has no requests", param="file")
+
+
+def parse_lines(raw_lines: Iterable[bytes], models: Collection[str],
+                max_depth: int | None = None) -> Iterator[BatchLine]:
+    """Every valid line, once the whole input is known to be valid."""
+    return iter(list(scan_lines(raw_lines, models, max_depth)))
+
+
+def load_file(path: Path, models: Collection[str], max_depth: int | None = None
+              ) -> list[BatchLine]:
+    """Every line of a valid input file (blocking: run it in a worker thread)."""
+    with path.open("rb") as fh:
+        return list(scan_lines(fh, models, max_depth))
+
+
+def summarize_file(path: Path, models: Collection[str], max_depth: int | None = None
+                   ) -> FileSummary:
+    """Validate a file without keeping its lines (blocking: run it in a worker thread)."""
+    summary = FileSummary()
+    with path.open("rb") as fh:
+        for line in scan_lines(fh, models, max_depth):
+            summary.requests += 1
+            first = summary.lines_by_url.setdefault(line.url, [])
+            if len(first) < MAX_REPORTED:
+                first.append(line.index)
+    return summary

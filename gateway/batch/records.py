@@ -1,0 +1,145 @@
+"""Batch records in Redis, shaped like OpenAI's Batch object.
+
+``fg:batch:{id}`` holds the batch (static fields as JSON in ``doc``, status and timestamps
+as plain fields); results live in ``fg:batch:{id}:out`` / ``:err`` hashes keyed by
+``custom_id`` and written with HSETNX, so a line is recorded at most once and the request
+counts are simply their sizes. Every key is built in ``gateway/storage/keys.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.core.errors import NotFound
+from gateway.storage.keys import ACTIVE_BATCHES, BatchKeys, user_batches
+from gateway.storage.store import load_script
+
+WINDOW_S = {"24h": 24 * 3600}
+TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+              "cancelling_at", "cancelled_at")
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class BatchStore:
+    def __init__(self, client: aioredis.Redis) -> None:
+        # redis-py's asyncio stubs type every reply as ``Awaitable[T] | T``
+        self.client: Any = client
+        self._transition = client.register_script(load_script("batch_transition"))
+        self._lease = client.register_script(load_script("lease"))
+
+    async def create(self, user: str, input_file_id: str, endpoint: str, window: str,
+                     metadata: dict[str, str] | None, total: int,
+                     weight: float = 1.0, key_id: str | None = None,
+                     tenant: str | None = None) -> dict[str, Any]:
+        batch_id = "batch_" + uuid.uuid4().hex
+        now = int(time.time())
+        doc = {"id": batch_id, "user": user, "endpoint": endpoint,
+               "input_file_id": input_file_id, "completion_window": window,
+               "metadata": metadata, "weight": weight, "key_id": key_id, "tenant": tenant,
+               "created_at": now,
+               "expires_at": now + WINDOW_S[window]}
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(BatchKeys(batch_id).hash,
+                  mapping={"doc": json.dumps(doc), "status": "validating", "total": total})
+        pipe.zadd(user_batches(user), {batch_id: time.time()})  # ties: sub-second order
+        pipe.sadd(ACTIVE_BATCHES, batch_id)
+        await pipe.execute()
+        return await self.get(user, batch_id)
+
+    async def raw(self, batch_id: str) -> dict[str, str] | None:
+        keys = BatchKeys(batch_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(keys.hash)
+        pipe.hlen(keys.out)
+        pipe.hlen(keys.err)
+        fields, done, failed = await pipe.execute()
+        if not fields:
+            return None
+        return {**fields, "completed": str(done), "failed": str(failed)}
+
+    async def get(self, user: str, batch_id: str) -> dict[str, Any]:
+        raw = await self.raw(batch_id)
+        if raw is None or json.loads(raw["doc"])["user"] != user:
+            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
+        return to_openai(raw)
+
+    async def page(self, user: str, limit: int,
+                   after: str | None) -> tuple[list[dict[str, Any]], bool]:
+        ids: list[str] = await self.client.zrevrange(user_batches(user), 0, -1)
+        if after is not None:
+            ids = ids[ids.index(after) + 1:] if after in ids else []
+        page = ids[:limit]
+        batches = [to_openai(r) for r in [await self.raw(i) for i in page] if r]
+        return batches, len(ids) > limit
+
+    async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str,
+                         stamp: str | None = None) -> bool:
+        args: list[str | int] = [",".join(allowed), status, stamp or "", int(time.time())]
+        return bool(await self._transition(keys=[BatchKeys(batch_id).hash], args=args))
+
+    async def set_fields(self, batch_id: str, **fields: str | int) -> None:
+        await self.client.hset(BatchKeys(batch_id).hash, mapping=fields)
+
+    async def record(self, batch_id: str, custom_id: str, line: dict[str, Any],
+                     ok: bool) -> bool:
+        """Store one line's result unless it has one already (exactly once)."""
+        keys = BatchKeys(batch_id)
+        target = keys.out if ok else keys.err
+        return bool(await self.client.hsetnx(target, custom_id, json.dumps(line)))
+
+    async def done_ids(self, batch_id: str) -> set[str]:
+        keys = BatchKeys(batch_id)
+        out = await self.client.hkeys(keys.out)
+        err = await self.client.hkeys(keys.err)
+        return set(out) | set(err)
+
+    async def results(self, batch_id: str, ok: bool) -> dict[str, str]:
+        keys = BatchKeys(batch_id)
+        found: dict[str, str] = await self.client.hgetall(keys.out if ok else keys.err)
+        return found
+
+    async def lease(self, batch_id: str, holder: str, lease_s: float) -> bool:
+        """Take or renew the right to run a batch (one runner at a time)."""
+        keys = [BatchKeys(batch_id).lease]
+        return bool(await self._lease(keys=keys, args=[holder, int(lease_s * 1000)]))
+
+    async def active(self) -> list[str]:
+        return sorted(await self.client.smembers(ACTIVE_BATCHES))
+
+    async def running(self) -> list[dict[str, Any]]:
+        """Unfinished batches with their owner and progress (for operators)."""
+        found = []
+        for batch_id in await self.active():
+            raw = await self.raw(batch_id)
+            if raw is not None:
+                found.append({"id": batch_id, "user": json.loads(raw["doc"])["user"],
+                              "status": raw["status"], "total": int(raw["total"]),
+                              "completed": int(raw["completed"]),
+                              "failed": int(raw["failed"])})
+        return found
+
+    async def retire(self, batch_id: str) -> None:
+        await self.client.srem(ACTIVE_BATCHES, batch_id)
+
+
+def to_openai(raw: dict[str, str]) -> dict[str, Any]:
+    doc = json.loads(raw["doc"])
+    batch: dict[str, Any] = {
+        "id": doc["id"], "object": "batch", "endpoint": doc["endpoint"],
+        "errors": json.loads(raw["errors"]) if raw.get("errors") else None,
+        "input_file_id": doc["input_file_id"], "completion_window": doc["completion_window"],
+        "status": raw["status"],
+        "output_file_id": raw.get("output_file_id"), "error_file_id": raw.get("error_file_id"),
+        "created_at": doc["created_at"], "expires_at": doc["expires_at"],
+        "request_counts": {"total": int(raw["total"]), "completed": int(raw["completed"]),
+                           "failed": int(raw["failed"])},
+        "metadata": doc["metadata"],
+    }
+    for stamp in TIMESTAMPS:
+        batch[stamp] = int(raw[stamp]) if raw.get(stamp) else None
+    return batch

@@ -1,0 +1,337 @@
+"""Runs Batch API jobs through the same fair scheduler as interactive traffic.
+
+Every replica runs a :class:`BatchRunner`; a batch is run by whichever replica holds its
+lease. Lines enter the owner's ``batch`` class queue, at most ``batch_max_in_flight`` at a
+time and never more than the user's queue cap (``max_queued_per_user``), so even a
+100,000-line file adds only a handful of Redis entries. A line that finds the user's queue
+full anyway (other batches or requests of the same user) waits and tries again: a full
+queue is back-pressure, never a failed line. Each result is
+recorded once (HSETNX on ``custom_id``); after a crash another runner takes the lease and
+runs only the lines without a result. A line that was at the backend when its runner died
+was aborted there (the connection closed) and runs again; only a line whose answer had
+arrived but was not yet recorded at the moment of the crash (a window of one Redis
+round trip) can have been executed twice — at-least-once there, exactly once elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+
+from gateway.batch.files import FileStore
+from gateway.batch.input import BatchLine, load_file
+from gateway.batch.records import FINAL, BatchStore
+from gateway.core.errors import (
+    FairgateError,
+    InsufficientQuota,
+    RateLimited,
+    StoreUnavailable,
+    Unavailable,
+)
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
+from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.endpoints import BY_PATH
+from gateway.proxy.upstream import Upstream
+from gateway.scheduling.admission import Admission
+
+log = structlog.get_logger("fairgate.batch")
+
+RETRY_PAUSE_S = 1.0
+QUEUE_FULL_PAUSE_S = 0.25  # one enqueue attempt per line this often while the queue is full
+MAX_ATTEMPTS = 5
+
+
+def output_line(custom_id: str, status: int | None, body: Any,
+                error: dict[str, Any] | None) -> dict[str, Any]:
+    """One line of OpenAI's batch output/error file."""
+    response = None if status is None else {
+        "status_code": status, "request_id": uuid.uuid4().hex, "body": body}
+    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
+            "response": response, "error": error}
+
+
+class BatchRunner(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, admission: Admission, upstream: Upstream,
+                 files: FileStore, batches: BatchStore, metrics: GatewayMetrics,
+                 replica_id: str) -> None:
+        self.holder = settings
+        self.admission = admission
+        self.upstream = upstream
+        self.files = files
+        self.batches = batches
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self.running: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        # the owner's key by id, for its limits and budgets (set by gateway/services.py)
+        self.account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None
+        self._out_of_quota: dict[str, InsufficientQuota] = {}  # batch id -> the refusal
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._claim_new()
+            except StoreUnavailable as exc:
+                log.warning("batch_poll_failed", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_s)
+            self._wake.clear()
+
+    async def _claim_new(self) -> None:
+        active = await self.batches.active()
+        statuses = Counter(raw["status"] for raw in
+                           [await self.batches.raw(b) for b in active] if raw is not None)
+        for status in ("validating", "in_progress", "finalizing", "cancelling"):
+            self.metrics.batch_jobs.labels(status).set(statuses.get(status, 0))
+        for batch_id in active:
+            if batch_id in self.running:
+                continue
+            if await self.batches.lease(batch_id, self.replica_id,
+                                        self.settings.batch_lease_s):
+                task = asyncio.create_task(self._run_batch(batch_id), name=batch_id)
+                self.running[batch_id] = task
+                task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.running.pop(task.get_name(), None)
+
+    async def stop(self) -> None:
+        for task in list(self.running.values()):
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+
+    async def _run_batch(self, batch_id: str) -> None:
+        keeper = asyncio.create_task(self._keep_lease(batch_id))
+        try:
+            await self._execute_batch(batch_id)
+        except Exception:
+            log.exception("batch_failed", batch_id=batch_id)
+        finally:
+            keeper.cancel()
+
+    async def _keep_lease(self, batch_id: str) -> None:
+        me = asyncio.current_task()
+        while True:
+            await asyncio.sleep(self.settings.batch_lease_s / 3)
+            try:
+                held = await self.batches.lease(batch_id, self.replica_id,
+                                                self.settings.batch_lease_s)
+            except StoreUnavailable:
+                continue  # nobody can take it meanwhile; renew once Redis is back
+            if not held:
+                log.warning("batch_lease_lost", batch_id=batch_id)
+                task = self.running.get(batch_id)
+                if task is not None and task is not me:
+                    task.cancel()
+                return
+
+    async def _execute_batch(self, batch_id: str) -> None:
+        raw = await self.batches.raw(batch_id)
+        if raw is None or raw["status"] in FINAL:
+            await self.batches.retire(batch_id)
+            return
+        doc = json.loads(raw["doc"])
+        try:  # parsing takes seconds for a large file: off the event loop
+            lines = await asyncio.to_thread(load_file, self.files.path(doc["input_file_id"]),
+                                            self.settings.models(),
+                                            self.settings.max_json_depth)
+        except (FairgateError, OSError) as exc:
+            await self._fail(batch_id, str(exc))
+            return
+        await self.batches.transition(batch_id, ("validating",), "in_progress", "in_progress_at")
+        while True:  # until every line has a result (a pass may leave some: Redis blips)
+            done = await self.batches.done_ids(batch_id)
+            pending = [line for line in lines if line.custom_id not in done]
+            if not pending:
+                outcome = "completed"
+                break
+            log.info("batch_running", batch_id=batch_id, total=len(lines), pending=len(pending))
+            outcome = await self._feed(batch_id, doc, pending)
+            if outcome != "completed":
+                break
+        await self._finalize(batch_id, doc, lines, outcome)
+
+    async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
+        """Run the pending lines; returns "completed", "cancelled" or "expired"."""
+        slots = asyncio.Semaphore(self.feed_limit())
+        tasks: set[asyncio.Task[None]] = set()
+        outcome = "completed"
+        account = await self._account(doc)
+        for line in pending:
+            outcome = await self._interruption(batch_id)
+            if outcome != "completed":
+                break
+            exhausted = self._out_of_quota.get(batch_id)
+            if exhausted is not None:  # the owner's budget ran out: no more lines fed
+                await self._record_error(batch_id, line, "insufficient_quota",
+                                         exhausted.message)
+                continue
+            await slots.acquire()
+            if batch_id in self._out_of_quota:  # ran out while this line waited for a slot
+                slots.release()
+                await self._record_error(batch_id, line, "insufficient_quota",
+                                         self._out_of_quota[batch_id].message)
+                continue
+            task = asyncio.create_task(self._execute_line(batch_id, doc, line, account))
+            tasks.add(task)
+
+            def finished(t: asyncio.Task[None]) -> None:
+                tasks.discard(t)
+                slots.release()
+                if not t.cancelled() and t.exception() is not None:
+                    # its line has no result yet: the next pass of _execute_batch runs it
+                    log.warning("batch_line_unrecorded", batch_id=batch_id,
+                                error=str(t.exception()))
+
+            task.add_done_callback(finished)
+        try:
+            while tasks and outcome == "completed":
+                await asyncio.wait(tasks, timeout=self.settings.batch_poll_s)
+                outcome = await self._interruption(batch_id)
+        finally:
+            for task in tasks:
+                task.cancel()  # cancel or expiry: queued lines leave the queue, running abort
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._out_of_quota.pop(batch_id, None)
+        return outcome
+
+    async def _account(self, doc: dict[str, Any]) -> ApiKey:
+        """Whose limits and budgets the lines count against: the owner's key (as it is
+        now), or, for a key since revoked, its tenant's."""
+        key_id = doc.get("key_id")
+        found = None
+        if key_id and self.account_of is not None:
+            found = await self.account_of(key_id)
+        return found or ApiKey(key="", user=doc["user"], tenant=doc.get("tenant"), id=key_id,
+                               weight=doc.get("weight", 1.0))
+
+    def feed_limit(self) -> int:
+        """Lines of one batch queued or running at once: never more than the user may
+        queue, so a batch alone cannot fill its own user's queue."""
+        return max(1, min(self.settings.batch_max_in_flight, self.settings.max_queued_per_user))
+
+    async def _interruption(self, batch_id: str) -> str:
+        try:
+            raw = await self.batches.raw(batch_id)
+        except StoreUnavailable:
+            return "completed"  # cannot tell while Redis is down: go on, ask again later
+        if raw is None or raw["status"] == "cancelling":
+            return "cancelled"
+        if time.time() >= json.loads(raw["doc"])["expires_at"]:
+            return "expired"
+        return "completed"
+
+    async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine,
+                            account: ApiKey | None = None) -> None:
+        """Run one line until it has a result in the output or the error file."""
+        creq = CompletionRequest(BY_PATH[line.url], line.body)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                async with self.admission.admitted(line.model, doc["user"], "batch",
+                                                   doc.get("weight", 1.0), creq,
+                                                   account=account) as ticket:
+                    status, data = await self.upstream.fetch(ticket.backend, creq,
+                                                             ticket.priority, ticket)
+                    # record before releasing: the crash window that would run the line
+                    # again (answer received, not yet recorded) stays as short as it can
+                    await self._record_answer(batch_id, line, status, data)
+                return
+            except StoreUnavailable:
+                pass  # Redis is down: no result can be recorded either; wait for it
+            except InsufficientQuota as exc:  # this line and every one not yet fed
+                self._out_of_quota.setdefault(batch_id, exc)
+                await self._record_error(batch_id, line, "insufficient_quota", exc.message)
+                return
+            except RateLimited as exc:
+                # the user's queue is full (their other batches or requests), or a rate
+                # limit of the owner's key or tenant: wait for room
+                attempt -= 1
+                await asyncio.sleep(max(QUEUE_FULL_PAUSE_S,
+                                        min(float(exc.retry_after_s or 0), 5.0)))
+                continue
+            except Unavailable as exc:
+                if attempt >= MAX_ATTEMPTS:
+                    await self._record_error(batch_id, line, exc.code or exc.type, exc.message)
+                    return
+            except FairgateError as exc:
+                await self._record_error(batch_id, line, exc.code or exc.type, exc.message)
+                return
+            except Exception:
+                log.exception("batch_line_crashed", batch_id=batch_id, custom_id=line.custom_id)
+                await self._record_error(batch_id, line, "internal_error",
+                                         "the gateway failed to run this request")
+                return
+            await asyncio.sleep(RETRY_PAUSE_S)
+
+    async def _record_error(self, batch_id: str, line: BatchLine, code: str,
+                            message: str) -> None:
+        result = output_line(line.custom_id, None, None, {"code": code, "message": message})
+        if await self.batches.record(batch_id, line.custom_id, result, ok=False):
+            self.metrics.batch_requests.labels("failed").inc()
+
+    async def _record_answer(self, batch_id: str, line: BatchLine, status: int,
+                             data: bytes) -> None:
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            body = {"raw": data.decode(errors="replace")}
+        result = output_line(line.custom_id, status, body, None)
+        if await self.batches.record(batch_id, line.custom_id, result, ok=status == 200):
+            self.metrics.batch_requests.labels("completed" if status == 200 else "failed").inc()
+
+    async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
+                        outcome: str) -> None:
+        if outcome == "completed":
+            await self.batches.transition(batch_id, ("in_progress",), "finalizing",
+                                          "finalizing_at")
+        if outcome == "expired":  # unfinished lines become errors (and count as failed)
+            done = await self.batches.done_ids(batch_id)
+            for line in lines:
+                if line.custom_id not in done:
+                    await self.batches.record(batch_id, line.custom_id, output_line(
+                        line.custom_id, None, None,
+                        {"code": "batch_expired",
+                         "message": "This request could not be executed before the "
+                                    "completion window expired."}), ok=False)
+        ok = await self.batches.results(batch_id, ok=True)
+        failed = await self.batches.results(batch_id, ok=False)
+        fields: dict[str, str | int] = {}
+        for name, results, suffix in (("output_file_id", ok, "output"),
+                                      ("error_file_id", failed, "error")):
+            if results:
+                data = "".join(results[line.custom_id] + "\n" for line in lines
+                               if line.custom_id in results).encode()
+                meta = await self.files.create(doc["user"], f"{batch_id}_{suffix}.jsonl",
+                                               "batch_output", data)
+                fields[name] = meta.id
+        if fields:
+            await self.batches.set_fields(batch_id, **fields)
+        final = {"completed": ("completed", "completed_at", ("finalizing",)),
+                 "cancelled": ("cancelled", "cancelled_at", ("cancelling", "in_progress")),
+                 "expired": ("expired", "expired_at", ("in_progress", "validating"))}[outcome]
+        await self.batches.transition(batch_id, final[2], final[0], final[1])
+        await self.batches.retire(batch_id)
+        log.info("batch_finished", batch_id=batch_id, status=final[0], completed=len(ok),
+                 failed=len(failed))
+
+    async def _fail(self, batch_id: str, message: str) -> None:
+        errors = {"object": "list", "data": [{"code": "invalid_input", "message": message,
+                                              "param": None, "line": None}]}
+        await self.batches.set_fields(batch_id, errors=json.dumps(errors))
+        await self.batches.transition(batch_id, ("validating", "in_progress"), "failed",
+                                      "failed_at")
+        await self.batches.retire(batch_id)

@@ -1,0 +1,394 @@
+"""The gateway's own Prometheus metrics (``fairgate_*``), on a registry passed in, and the
+hooks the request path, the backend pool and the supervisor call to feed them.
+
+Several worker processes (``fairgate serve --workers N``, ``gateway/runtime/workers.py``) share
+one view through prometheus_client's multiprocess mode: each worker writes its values to
+files in ``PROMETHEUS_MULTIPROC_DIR`` and ``registry`` then collects every worker's files,
+so a scrape through any worker sees the same totals. Counters and histograms sum across
+workers (a dead worker's counts stay in the sums); the gauges are set from shared state
+(queue depths read from Redis, backend scrapes every worker makes), so they report the
+most recent value any live worker set (``livemostrecent``). In that mode an idle user's
+per-user series are not removed (prometheus_client cannot remove a label set there); the
+number of user label values is still bounded by ``metrics_top_users``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from gateway.core.user_series import MAX_SHARE_USERS, OTHER_USERS, ServiceShares, UserLabels
+from policies.gates import GATE_REASONS
+
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
+REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
+DISPATCH_RATE_WINDOW_S = 10.0
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+SHARED: Final = "livemostrecent"
+"""Multiprocess mode of a gauge set from state every worker sees alike."""
+
+
+def multiprocess_dir() -> str | None:
+    """The directory workers share their metrics through, or None (one process)."""
+    return os.environ.get(MULTIPROC_DIR_ENV) or None
+
+
+SCRIPT_COMMANDS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"})
+
+
+class RedisMetrics:
+    """Where the boundary reports (owned by :class:`~gateway.core.metrics.GatewayMetrics`)."""
+
+    def __init__(self, latency: Histogram, errors: Counter,
+                 commands: Counter | None = None) -> None:
+        self.latency = latency
+        self.errors = errors
+        self.commands = commands  # labels: command, script ("" for a plain command)
+        self._counters: dict[tuple[str, str], Any] = {}
+
+    def count(self, args: tuple[Any, ...], scripts: dict[str, str]) -> None:
+        if self.commands is None or not args:
+            return
+        command = str(args[0]).upper()
+        script = ""
+        if command in SCRIPT_COMMANDS and len(args) > 1:
+            script = scripts.get(str(args[1]), "?")
+        key = (command, script)
+        counter = self._counters.get(key)
+        if counter is None:  # labels() costs more than inc(): resolve each pair once
+            counter = self._counters[key] = self.commands.labels(command, script)
+        counter.inc()
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, top_users: int = 20,
+                 user_idle_s: float = 3600.0) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.multiprocess = multiprocess_dir() is not None
+        if self.multiprocess:
+            # the metrics write to this process's files (their registry is never
+            # scraped); the registry scraped collects every worker's files
+            r = CollectorRegistry()
+            MultiProcessCollector(self.registry)  # type: ignore[no-untyped-call]
+            warnings.filterwarnings("ignore", "Removal of labels", UserWarning)
+        self.users = UserLabels(top_users, user_idle_s)
+        self.tenant_labels = UserLabels(top_users, user_idle_s)  # tenants: bounded alike
+        self.shares: dict[str, ServiceShares] = {}
+        # service not yet added to the cross-replica shares in Redis (gateway/ops/history.py)
+        self.pending_service: dict[str, dict[str, float]] = {}
+        self.recent_dispatches: dict[str, deque[float]] = {}
+        # per backend: (time, hit blocks, query blocks) of this replica's recent dispatches
+        self.recent_predictions: dict[str, deque[tuple[float, int, int]]] = {}
+        self.decision_counts: dict[str, dict[str, int]] = {}  # backend → reason → count
+        self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
+        self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
+        self._redis: RedisMetrics | None = None
+        self.queue_depth = Gauge(
+            "fairgate_queue_depth", "Requests queued in Redis", ["model", "priority_class"],
+            registry=r, multiprocess_mode=SHARED)
+        self.queue_oldest_wait = Gauge(
+            "fairgate_queue_oldest_wait_seconds", "Age of the oldest queued request",
+            ["model", "priority_class"], registry=r, multiprocess_mode=SHARED)
+        self.queue_wait = Histogram(
+            "fairgate_queue_wait_seconds", "Time from enqueue to dispatch", ["priority_class"],
+            buckets=WAIT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "fairgate_time_to_first_token_seconds",
+            "Streams: from request arrival to the first token frame sent to the client",
+            ["priority_class"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "fairgate_time_per_output_token_seconds",
+            "Streams: mean time between output tokens as the client received them",
+            ["priority_class"], buckets=TPOT_BUCKETS, registry=r)
+        self.request_duration = Histogram(
+            "fairgate_request_duration_seconds", "From request arrival to the end of the answer",
+            ["priority_class"], buckets=TTFT_BUCKETS, registry=r)
+        self.dispatches = Counter(
+            "fairgate_dispatches_total", "Requests dispatched to a backend",
+            ["model", "backend", "priority_class"], registry=r)
+        self.dispatch_rank = Histogram(
+            "fairgate_dispatch_priority_rank",
+            "vLLM priority of dispatched requests minus the class base (user's in-flight rank)",
+            ["priority_class"], buckets=RANK_BUCKETS, registry=r)
+        self.gate_closed = Counter(
+            "fairgate_gate_closed_total",
+            "Backend snapshots that closed a class's gate, by reason",
+            ["backend", "priority_class", "reason"], registry=r)
+        self.gate_closed_time = Counter(
+            "fairgate_gate_closed_seconds_total",
+            "Time a class's gate to a backend was closed, by reason",
+            ["backend", "priority_class", "reason"], registry=r)
+        self.gate_open = Gauge(
+            "fairgate_gate_open", "1 when the class's gate to the backend is open",
+            ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
+        self.gate_reason = Gauge(
+            "fairgate_gate_closed_reason",
+            "1 for the reason a class's gate to the backend is closed now",
+            ["backend", "priority_class", "reason"], registry=r, multiprocess_mode=SHARED)
+        self.backend_waiting = Gauge(
+            "fairgate_backend_waiting_requests", "vllm:num_requests_waiting at last scrape",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_waiting_queued = Gauge(
+            "fairgate_backend_waiting_queued_requests",
+            "Of vllm:num_requests_waiting at last scrape, those beyond the batch's free slots "
+            "(the most seen running less those running): they wait for a running request to "
+            "finish. The rest entered a free slot and start at the next engine step",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_running = Gauge(
+            "fairgate_backend_running_requests", "vllm:num_requests_running at last scrape",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_kv = Gauge(
+            "fairgate_backend_kv_cache_usage_ratio", "vllm:kv_cache_usage_perc at last scrape",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_tpot = Gauge(
+            "fairgate_backend_tpot_seconds", "Recent mean time per output token", ["backend"],
+            registry=r, multiprocess_mode=SHARED)
+        self.backend_prefix_hit_ratio = Gauge(
+            "fairgate_backend_prefix_cache_hit_ratio",
+            "vLLM's recent prefix cache hit rate: Δvllm:prefix_cache_hits_total / "
+            "Δvllm:prefix_cache_queries_total (tokens) over the TPOT window; NaN: no queries",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_pending_prefill = Gauge(
+            "fairgate_backend_pending_prefill_tokens",
+            "Estimated uncached prompt tokens dispatched to a backend and maybe not yet "
+            "scheduled there, by the latest snapshot (the prefill-token gate's count)",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.prefix_predicted_blocks = Counter(
+            "fairgate_prefix_predicted_blocks_total",
+            "Prompt blocks (policies/locality.py chain) dispatched to a backend (kind=query) "
+            "and those its prefix index held at dispatch (kind=hit): the predicted hit rate",
+            ["backend", "kind"], registry=r)
+        self.dispatch_decisions = Counter(
+            "fairgate_dispatch_decisions_total",
+            "Dispatches by why the request went to the backend: cache_hit (its prefix index "
+            "held the prompt's first blocks), load (placed by load: least_loaded routing, or "
+            "the backend holding its prefix was too busy), fairness_order (locality, nothing "
+            "cached anywhere: the fairness order's next)", ["model", "backend", "reason"],
+            registry=r)
+        self.backend_healthy = Gauge(
+            "fairgate_backend_healthy", "1 when the last scrapes succeeded", ["backend"],
+            registry=r, multiprocess_mode=SHARED)
+        self.backend_drained = Gauge(
+            "fairgate_backend_drained", "1 when an operator drained the backend (this replica)",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.pacing_allowance = Gauge(
+            "fairgate_pacing_allowance",
+            "Requests of the class adaptive pacing lets wait at the backend now (at most "
+            "max_waiting)", ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
+        self.pacing_free_slots = Gauge(
+            "fairgate_pacing_free_slots",
+            "Free batch slots the latest snapshot's burst may fill too (adaptive pacing, "
+            "while nothing waits): requests sent into them start at once and do not wait",
+            ["backend", "priority_class"], registry=r, multiprocess_mode=SHARED)
+        self.pacing_changes = Counter(
+            "fairgate_pacing_changes_total", "Changes of the pacing allowance, by reason",
+            ["backend", "priority_class", "reason"], registry=r)
+        self.requests = Counter(
+            "fairgate_requests_total", "Finished client requests by status",
+            ["model", "priority_class", "status"], registry=r)
+        self.errors = Counter(
+            "fairgate_errors_total", "Error responses by HTTP status and OpenAI error type",
+            ["status", "type", "code"], registry=r)
+        self.tokens = Counter(
+            "fairgate_tokens_total", "Tokens served, by kind", ["model", "kind"], registry=r)
+        self.user_tokens = Counter(
+            "fairgate_user_tokens_total", "Tokens served per user (top users, rest: other)",
+            ["model", "user", "kind"], registry=r)
+        self.user_requests = Counter(
+            "fairgate_user_requests_total", "Requests dispatched per user (top users, rest: other)",
+            ["model", "user"], registry=r)
+        self.user_service = Counter(
+            "fairgate_user_service_total",
+            "Weighted service per user: (prompt × w_in + output × w_out) / key weight",
+            ["model", "user"], registry=r)
+        self.tenant_requests = Counter(
+            "fairgate_tenant_requests_total",
+            "Finished requests per tenant, by outcome (top tenants, rest: other)",
+            ["tenant", "priority_class", "outcome"], registry=r)
+        self.tenant_tokens = Counter(
+            "fairgate_tenant_tokens_total", "Tokens served per tenant (top tenants, rest: other)",
+            ["tenant", "kind"], registry=r)
+        self.tenant_limit_refusals = Counter(
+            "fairgate_tenant_limit_refusals_total",
+            "Requests refused by a key's or tenant's limits, per tenant: rate_limit_exceeded "
+            "or insufficient_quota", ["tenant", "code"], registry=r)
+        self.redis_latency = Histogram(
+            "fairgate_redis_command_duration_seconds", "Redis command round trips (non-blocking)",
+            ["command"], buckets=REDIS_BUCKETS, registry=r)
+        self.redis_errors = Counter(
+            "fairgate_redis_errors_total", "Redis commands that failed", ["command"], registry=r)
+        self.redis_commands = Counter(
+            "fairgate_redis_commands_total",
+            "Redis commands sent (pipelined ones too); a Lua script by its name",
+            ["command", "script"], registry=r)
+        self.loop_restarts = Counter(
+            "fairgate_loop_restarts_total",
+            "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
+            "batch, history)", ["loop"], registry=r)
+        # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
+        self.batch_jobs = Gauge(
+            "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r,
+            multiprocess_mode=SHARED)
+        self.batch_requests = Counter(
+            "fairgate_batch_requests_total", "Batch lines finished, by outcome", ["outcome"],
+            registry=r)
+
+    @property
+    def redis(self) -> RedisMetrics:
+        if self._redis is None:
+            self._redis = RedisMetrics(self.redis_latency, self.redis_errors,
+                                       self.redis_commands)
+        return self._redis
+
+    # -- hooks called on the request path ---------------------------------------------
+
+    def on_dispatch(self, model: str, backend: str, klass: str, user: str, rank: int) -> None:
+        self.dispatch_rank.labels(klass).observe(rank)
+        recent = self.recent_dispatches.setdefault(backend, deque(maxlen=100_000))
+        recent.append(time.monotonic())
+        self._user_inc(self.user_requests, (model,), user, 1.0)
+
+    def on_finish(self, model: str, klass: str, user: str, prompt_tokens: int,
+                  output_tokens: int, service: float, timing: StreamTiming | None) -> None:
+        """After the answer went out (or failed): latency histograms, per-user counters."""
+        self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        self.tokens.labels(model, "completion").inc(output_tokens)
+        if timing is not None:
+            timing.end_s = time.monotonic()
+            self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
+            if timing.first_token_s is not None:
+                self.ttft.labels(klass).observe(timing.first_token_s - timing.arrived_s)
+                if output_tokens > 1 and timing.last_token_s is not None:
+                    self.tpot.labels(klass).observe(
+                        (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))
+        self._user_inc(self.user_tokens, (model,), user, prompt_tokens, ("prompt",))
+        self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
+        self._user_inc(self.user_service, (model,), user, service)
+        self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
+        pending = self.pending_service.setdefault(model, {})
+        if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
+            pending[user] = pending.get(user, 0.0) + service
+
+    def on_tenant_usage(self, tenant: str, klass: str, prompt_tokens: int,
+                        output_tokens: int, error: bool) -> None:
+        label = self._tenant_label(tenant)
+        self.tenant_requests.labels(label, klass, "error" if error else "ok").inc()
+        if prompt_tokens:
+            self.tenant_tokens.labels(label, "prompt").inc(prompt_tokens)
+        if output_tokens:
+            self.tenant_tokens.labels(label, "completion").inc(output_tokens)
+
+    def on_limit_refused(self, tenant: str, code: str) -> None:
+        self.tenant_limit_refusals.labels(self._tenant_label(tenant), code).inc()
+
+    def _tenant_label(self, tenant: str) -> str:
+        """At most ``top_users`` tenant label values (rest: ``other``); an idle tenant's
+        series give way to an active one's, as users' do."""
+        label, expired = self.tenant_labels.label(tenant, time.monotonic())
+        for gone in expired:
+            for metric in (self.tenant_requests, self.tenant_tokens,
+                           self.tenant_limit_refusals):
+                for labels in [k for k in metric._metrics if k[0] == gone]:
+                    metric.remove(*labels)
+        return label
+
+    def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
+                  tail: tuple[str, ...] = ()) -> None:
+        label, expired = self.users.label(user, time.monotonic())
+        for gone in expired:
+            for metric, labels in self._user_series.pop(gone, set()):
+                metric.remove(*labels)
+        labels = (*head, label, *tail)
+        if label != OTHER_USERS:
+            self._user_series.setdefault(label, set()).add((counter, labels))
+        counter.labels(*labels).inc(amount)
+
+    def on_dispatch_decision(self, model: str, backend: str, reason: str,
+                             matched_blocks: int, prompt_blocks: int) -> None:
+        """Why a request went to ``backend`` and how much of its prompt the backend's
+        prefix index held (``routing: locality``; blocks of ``policies/locality.py``)."""
+        self.dispatch_decisions.labels(model, backend, reason).inc()
+        counts = self.decision_counts.setdefault(backend, {})
+        counts[reason] = counts.get(reason, 0) + 1
+        if prompt_blocks > 0:
+            self.prefix_predicted_blocks.labels(backend, "query").inc(prompt_blocks)
+            self.prefix_predicted_blocks.labels(backend, "hit").inc(matched_blocks)
+            recent = self.recent_predictions.setdefault(backend, deque(maxlen=100_000))
+            recent.append((time.monotonic(), matched_blocks, prompt_blocks))
+
+    def predicted_hit_ratio(self, backend: str, window_s: float) -> float | None:
+        """The share of the prompt blocks dispatched to ``backend`` in the last
+        ``window_s`` that its prefix index held (this replica's dispatches; None: none)."""
+        recent = self.recent_predictions.get(backend)
+        cutoff = time.monotonic() - window_s
+        while recent and recent[0][0] < cutoff:
+            recent.popleft()
+        queried = sum(q for _, _, q in recent) if recent else 0
+        return sum(h for _, h, _ in recent) / queried if recent and queried else None
+
+    def dispatch_rate(self, backend: str) -> float:
+        """Dispatches per second to ``backend`` over the last few seconds (this replica)."""
+        recent = self.recent_dispatches.get(backend)
+        if not recent:
+            return 0.0
+        cutoff = time.monotonic() - DISPATCH_RATE_WINDOW_S
+        while recent and recent[0] < cutoff:
+            recent.popleft()
+        return len(recent) / DISPATCH_RATE_WINDOW_S
+
+    # -- gates ----------------------------------------------------------------------------
+
+    def record_pacing(self, backend: str, cls: str, allowance: float, free_slots: int,
+                      changed_for: str | None) -> None:
+        """The allowance and free slots now, and the reason the allowance just changed
+        (None: unchanged)."""
+        self.pacing_allowance.labels(backend, cls).set(allowance)
+        self.pacing_free_slots.labels(backend, cls).set(free_slots)
+        if changed_for is not None:
+            self.pacing_changes.labels(backend, cls, changed_for).inc()
+
+    def record_gates(self, backend: str, reasons: Mapping[str, str | None], now: float) -> None:
+        """Record each class's gate state; the time since the last call is charged to the
+        reasons that held until now."""
+        previous = self._gate_state.get(backend)
+        if previous is not None:
+            elapsed = max(0.0, now - previous[0])
+            for klass, reason in previous[1].items():
+                if reason is not None:
+                    self.gate_closed_time.labels(backend, klass, reason).inc(elapsed)
+        self._gate_state[backend] = (now, dict(reasons))
+        for klass, reason in reasons.items():
+            self.gate_open.labels(backend, klass).set(1 if reason is None else 0)
+            for r in GATE_REASONS:
+                self.gate_reason.labels(backend, klass, r).set(1 if r == reason else 0)
+            if reason is not None:
+                self.gate_closed.labels(backend, klass, reason).inc()
+
+
+class StreamTiming:
+    """Monotonic timestamps of one streamed answer, as the client received it."""
+
+    __slots__ = ("arrived_s", "end_s", "first_token_s", "last_token_s")
+
+    def __init__(self, arrived_s: float) -> None:
+        self.arrived_s = arrived_s
+        self.first_token_s: float | None = None
+        self.last_token_s: float | None = None
+        self.end_s = arrived_s
+
+    def token_frames_sent(self) -> None:
+        now = time.monotonic()
+        if self.first_token_s is None:
+            self.first_token_s = now
+        self.last_token_s = now

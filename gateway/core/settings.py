@@ -1,0 +1,334 @@
+"""Configuration: one :class:`Settings` object, from YAML plus ``FAIRGATE_*`` env vars.
+
+Precedence: explicit overrides > environment (``FAIRGATE_REDIS_URL``,
+``FAIRGATE_LISTEN__PORT``, …) > YAML file (``--config`` or ``FAIRGATE_CONFIG``) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, default_floors
+from policies.fairness import POLICIES
+from policies.gates import GatePolicy
+from policies.pacing import PacingTargets
+from policies.prefill import PromptRange
+
+
+class Listen(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+class Backend(BaseModel):
+    name: str
+    url: str
+    model: str
+    # the estimated prompt lengths it takes (policies/prefill.py): a short-context pool
+    # and a long_context pool of one model, say; a request goes only where it fits, and
+    # one that fits no backend of its model is refused with a 400
+    min_prompt_tokens: int = Field(0, ge=0)
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    pool: str | None = None  # a name for its range, shown to operators ("long_context")
+    # its vLLM's --max-num-batched-tokens (a step's token budget): the default of the
+    # classes' prefill-token gates (policies/prefill.class_limit)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+
+    @model_validator(mode="after")
+    def _range(self) -> Backend:
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:
+            raise ValueError(f"backend {self.name}: max_prompt_tokens is below "
+                             "min_prompt_tokens")
+        return self
+
+    def prompt_range(self) -> PromptRange:
+        return PromptRange(self.min_prompt_tokens, self.max_prompt_tokens)
+
+
+MAX_LIMIT = 10**15  # exact in Lua's numbers (doubles)
+
+
+class UsageLimits(BaseModel):
+    """Optional limits of a key or a tenant (policies/limits.py); tokens are prompt +
+    completion as vLLM reports them. None: no limit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)  # requests per minute
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)  # tokens per minute
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)  # admitted, not finished
+    daily_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)  # budget per UTC day
+    monthly_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)  # budget per UTC calendar month
+
+    def any(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
+
+
+class Tenant(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weight: float = Field(1.0, gt=0)
+    limits: UsageLimits | None = None
+
+
+class ApiKey(BaseModel):
+    key: str
+    user: str
+    tenant: str | None = None  # None: a tenant named after the user
+    priority_class: str = DEFAULT_CLASS.name
+    weight: float = Field(1.0, gt=0)
+    trusted_end_users: bool = False
+    limits: UsageLimits | None = None
+    # the key's stable id (limits, usage); None: derived from the key (gateway/access/auth.py).
+    # Keys created at runtime (POST /admin/keys) have theirs from the key store.
+    id: str | None = None
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.user
+
+    @field_validator("priority_class")
+    @classmethod
+    def _known_class(cls, value: str) -> str:
+        if value not in CLASS_ORDER:
+            raise ValueError(f"priority_class must be one of {', '.join(CLASS_ORDER)}")
+        return value
+
+
+class ClassConfig(BaseModel):
+    """A class's settings; a class named in the config starts from its row of the class
+    table (``policies/classes.py``), the only place defaults are written."""
+
+    max_waiting: int
+    max_tpot_ms: float
+    max_kv_usage: float | None
+    max_queue_wait_s: float
+    priority_base: int
+    # default first-token deadline of the class's requests (X-Fairgate-Deadline-Ms wins)
+    ttft_slo_ms: int | None = Field(gt=0)
+    # uncached prompt tokens a backend may have pending (dispatched, not yet scheduled)
+    # before it takes more of this class (policies/prefill.py); None: the backend's
+    # max_num_batched_tokens × PREFILL_GATE_STEPS; 0: no limit
+    max_waiting_prefill_tokens: int | None = Field(ge=0)
+
+    @classmethod
+    def of(cls, spec: ClassSpec) -> ClassConfig:
+        """The class table's row as settings."""
+        return cls(**{f: getattr(spec, f) for f in cls.model_fields})
+
+    def gate(self) -> GatePolicy:
+        return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)
+
+    def pacing_targets(self) -> PacingTargets:
+        ttft_slo_s = None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000.0
+        return PacingTargets(self.max_waiting, self.max_tpot_ms / 1000.0, ttft_slo_s)
+
+
+def _default_classes() -> dict[str, ClassConfig]:
+    return {c.name: ClassConfig.of(c) for c in CLASSES}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="FAIRGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    redis_url: str | None = None  # None → embedded Valkey server
+    data_dir: Path = Path(".fairgate")
+    replica_id: str | None = None  # None → random per process
+    listen: Listen = Listen()
+    # `fairgate serve` processes on the listen port (gateway/runtime/workers.py); None: one per
+    # core; 1: the gateway in the serving process itself
+    workers: int | None = Field(None, ge=1)
+    backends: list[Backend] = []
+    api_keys: list[ApiKey] = []
+    admin_keys: list[str] = []
+    # a key's tenant not listed here: weight 1, no limits; a key naming no tenant belongs
+    # to the tenant named after its user, weighing the key's weight unless listed
+    # (policies/fairness.tenant_of), so configs without tenants schedule as before
+    tenants: dict[str, Tenant] = {}
+    # HMAC pepper of the API keys created at runtime (gateway/access/keyring.py);
+    # set it (FAIRGATE_KEY_PEPPER) outside Redis in production. None: a random pepper
+    # kept in Redis, shared by the replicas.
+    key_pepper: SecretStr | None = None
+    key_cache_s: float = Field(0.5, gt=0, le=1.0)  # runtime keys: local cache lifetime
+    key_rotate_grace_s: float = Field(3600.0, ge=0)  # old secret valid this long by default
+    quota_lease_s: float = Field(30.0, gt=0)  # a concurrency slot expires unless renewed
+    usage_retention_days: int = Field(400, ge=1)  # daily usage records kept in Redis
+    classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
+    fairness: str = "vtc"
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+    priority_class_gap: int = 1000
+    # Starvation protection (policies/starvation.py): a class backlogged this long is owed
+    # its floor share of the last `starvation_window` dispatches.
+    starvation_after_s: float = 30.0
+    class_floors: dict[str, float] = Field(default_factory=default_floors)
+    starvation_window: int = 100
+
+    scrape_interval_s: float = 0.1
+    scrape_timeout_s: float = 1.0
+    snapshot_stale_s: float = 1.0
+    unhealthy_after_failures: int = 3
+    tpot_window_s: float = 5.0
+    # "adaptive": each class's max_waiting is the ceiling of an allowance tuned per backend
+    # from its TPOT, TTFT and batch room (policies/pacing.py); "fixed": max_waiting as is
+    pacing: Literal["adaptive", "fixed"] = "adaptive"
+    # Where work goes (policies/locality.py). "least_loaded": backends least loaded first,
+    # each takes requests in strict fairness order. "locality": each backend's prefix
+    # index (Redis) records what it was sent, and among the users within `locality_slack`
+    # (service units: VTC tokens, or requests under round_robin) of the least-served one,
+    # the head whose prompt prefix is best cached there goes first; 0 = strict order. The
+    # fairness bound grows by the slack (policies/fairness.py).
+    routing: Literal["least_loaded", "locality"] = "least_loaded"
+    locality_slack: float = Field(4096.0, ge=0)
+    locality_candidates: int = Field(8, ge=1, le=64)  # users compared within the slack
+    prefix_index_size: int = Field(8192, ge=1)  # block hashes kept per backend (≈ 64 tokens each)
+    prefix_index_ttl_s: float = Field(600.0, gt=0)  # a hash not sent again this long is dropped
+    # a request whose prefix another backend holds waits for that one unless it has more
+    # than this many requests in flight beyond the backend with room (bounded load)
+    locality_max_imbalance: int = Field(4, ge=0)
+    # a request the prefill-token gate holds (policies/prefill.py) may be passed by smaller
+    # ones that fit for this long; then its backend takes no more of the class until the
+    # request gets in (0: it blocks its class at once)
+    prefill_backfill_s: float = Field(1.0, ge=0)
+
+    # Client connections (gateway/http/server.py): a cap with a clear 503, and a deadline for
+    # a connection to complete a request's headers (also closes idle keep-alives).
+    max_client_connections: int = Field(10000, ge=1)
+    client_idle_timeout_s: float = Field(30.0, gt=0)
+    session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
+    metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queued_per_user: int = 1000
+    upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
+    max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
+    upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
+    replica_heartbeat_s: float = 1.0
+    # A replica silent this long is dead: its queued requests are dropped and what it
+    # held in flight is released (sooner when it leaves a grant unread for 2 s). Three
+    # heartbeats: a killed replica's slots must not hold the survivors' gates for long.
+    replica_ttl_s: float = 3.0
+    retry_after_s: int = 1
+
+    # Batch API
+    max_file_bytes: int = 200 * 1024 * 1024
+    batch_max_in_flight: int = 64  # lines of one batch queued or running at once
+    batch_lease_s: float = 10.0  # a runner silent this long loses its batch to another
+    batch_poll_s: float = 1.0
+
+    metrics_top_users: int = Field(20, ge=0)  # per-user series: this many users, rest "other"
+    metrics_user_idle_s: float = 3600.0  # an idle user's series give way to an active one
+    config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # `fairgate serve`'s event loop: uvloop when installed (extra `fast`), else asyncio's
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
+    # above this many per-request info lines a second, keep about this many (whole
+    # requests); errors and rejections always logged. None: every line (gateway/core/logs.py)
+    log_sample_above_per_s: float | None = Field(None, gt=0)
+
+    # Hostile input: bounds on what one client may send, each refused with a clear 400
+    # (413 for the file quota) instead of reaching Redis, the metrics or vLLM.
+    max_json_depth: int = Field(64, ge=2)  # nesting of a request body or batch line body
+    max_output_tokens: int = Field(131072, ge=1)  # max_tokens / max_completion_tokens
+    max_end_user_chars: int = Field(256, ge=1)  # body field `user`, printable text only
+    max_files_bytes_per_user: int = Field(2 * 1024**3, ge=0)  # all of a user's files → 413
+
+    @field_validator("fairness")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"fairness must be one of {', '.join(POLICIES)}")
+        return value
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _merge_class_defaults(cls, value: Any) -> Any:
+        """A partial class entry overrides only the fields it names."""
+        if not isinstance(value, dict):
+            return value
+        unknown = set(value) - set(CLASS_ORDER)
+        if unknown:
+            raise ValueError(f"unknown priority classes: {sorted(unknown)}")
+        merged = {name: cfg.model_dump() for name, cfg in _default_classes().items()}
+        for name, given in value.items():
+            given = given.model_dump(exclude_unset=True) if isinstance(given, BaseModel) else given
+            merged[name].update(given or {})
+        return merged
+
+    def models(self) -> list[str]:
+        return sorted({b.model for b in self.backends})
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # a YAML file, when load_settings names one, ranks below the environment
+        if settings_cls.model_config.get("yaml_file"):
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+        return (init_settings, env_settings)
+
+
+def load_settings(config_path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build the settings from a YAML file (or ``FAIRGATE_CONFIG``), env and overrides."""
+    path = config_path or os.environ.get("FAIRGATE_CONFIG")
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+
+    class _FromFile(Settings):
+        model_config = SettingsConfigDict(yaml_file=path)
+
+    if path is not None:
+        overrides.setdefault("config_file", Path(path))
+    return _FromFile(**overrides)
+
+
+class SettingsHolder:
+    """The settings in force: the one object every collaborator reads (``.current``).
+
+    Built once in the composition root (``gateway/services.py``); a reload
+    (``gateway/http/admin/reload.py``) swaps it once, and the collaborators that derive state from
+    the settings (gate policies, the starvation floors, …) re-derive it in ``on_swap``.
+    """
+
+    __slots__ = ("_derive", "current")
+
+    def __init__(self, settings: Settings) -> None:
+        self.current = settings
+        self._derive: list[Callable[[Settings], None]] = []
+
+    def on_swap(self, derive: Callable[[Settings], None]) -> None:
+        """Run ``derive`` with the new settings after every swap."""
+        self._derive.append(derive)
+
+    def swap(self, new: Settings) -> None:
+        self.current = new
+        for derive in self._derive:
+            derive(new)
+
+
+class ReadsSettings:
+    """A collaborator's ``self.settings``: always the holder's current settings, never a
+    copy of its own."""
+
+    holder: SettingsHolder
+
+    @property
+    def settings(self) -> Settings:
+        return self.holder.current

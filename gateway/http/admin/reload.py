@@ -1,0 +1,81 @@
+"""Config reload: re-read the config file and swap the settings holder once.
+
+``POST /admin/reload`` (admin key) and SIGHUP (``gateway/core/worker_signals.py``) both land
+here. Every setting read while serving takes effect: the classes (gates, pacing, waits,
+queue limits, prefill limits), starvation floors, locality, scrape and batch timing,
+``retry_after_s``, … — the holder (``gateway/settings.SettingsHolder``) is swapped and the
+collaborators that derive state from it re-derive it. Keys and admin keys are re-read,
+and the backends of the models already served are added, removed or re-pointed (queues
+and connections stay). What is wired at start (Redis, the listen socket, the fairness
+policy, tenants, a new model, timeouts of open connections, …) keeps its old value and is
+reported under ``restart_required``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+import yaml
+from aiohttp import web
+from pydantic import ValidationError
+
+from gateway.access.auth import KeyRing
+from gateway.core.errors import BadRequest, NoConfigFile
+from gateway.core.settings import Settings, load_settings
+from gateway.core.worker_signals import reload_siblings
+from gateway.http.admin.access import admin_services
+from gateway.services import Services
+
+log = structlog.get_logger("fairgate.admin")
+
+# settings wired into something built once at start: a change needs a restart
+RESTART_FIELDS = ("backends", "fairness", "redis_url", "listen", "replica_id",
+                  "vtc_input_weight", "vtc_output_weight", "priority_class_gap", "tenants",
+                  "key_pepper", "workers", "data_dir", "max_file_bytes",
+                  "usage_retention_days", "session_ttl_s", "upstream_timeout_s",
+                  "max_request_s", "upstream_keepalive_s", "metrics_top_users",
+                  "metrics_user_idle_s", "max_body_bytes", "client_idle_timeout_s",
+                  "max_client_connections", "log_level", "event_loop",
+                  "log_sample_above_per_s")
+ALWAYS_RELOADED = ("api_keys", "admin_keys")
+
+
+def _changed(old: Settings, new: Settings, fields: tuple[str, ...] | list[str]
+             ) -> list[str]:
+    return [f for f in fields if getattr(old, f) != getattr(new, f)]
+
+
+async def reload_config(request: web.Request) -> web.Response:
+    report = reload_settings(await admin_services(request))
+    reload_siblings()  # the other workers of `fairgate serve --workers N` reload too
+    return web.json_response(report)
+
+
+def reload_settings(svc: Services) -> dict[str, Any]:
+    """Re-read the config file and swap ``svc.config`` once; what changed and what needs a
+    restart. Raises ``NoConfigFile``/``BadRequest`` and changes nothing when there is no
+    file or it is invalid. Also run on SIGHUP (``gateway/core/worker_signals.py``)."""
+    current = svc.settings
+    if current.config_file is None:
+        raise NoConfigFile("the gateway was started without a config file: nothing to reload")
+    try:
+        new = load_settings(current.config_file)
+    except (ValidationError, FileNotFoundError, yaml.YAMLError) as exc:
+        raise BadRequest(f"config file {str(current.config_file)!r} is invalid; "
+                         f"nothing reloaded: {exc}") from None
+    restart = _changed(current, new, RESTART_FIELDS)
+    repoint = "backends" in restart and new.models() == current.models()
+    if repoint:  # same models: re-point the pool in place; queues and connections stay
+        restart.remove("backends")
+    live = [f for f in Settings.model_fields
+            if f not in RESTART_FIELDS and f not in ALWAYS_RELOADED]
+    reloaded = [*ALWAYS_RELOADED, *(["backends"] if repoint else []),
+                *_changed(current, new, live)]
+    svc.config.swap(new.model_copy(update={f: getattr(current, f) for f in restart}))
+    backends = svc.pool.reconcile(new.backends) if repoint else {}
+    svc.keys = KeyRing(new.api_keys, new.admin_keys, svc.keys.runtime)
+    log.info("config_reloaded", api_keys=len(new.api_keys), admin_keys=len(new.admin_keys),
+             backends=backends, reloaded=reloaded, restart_required=restart)
+    return {"reloaded": reloaded, "api_keys": len(new.api_keys), "backends": backends,
+            "restart_required": restart}

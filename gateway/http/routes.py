@@ -1,0 +1,292 @@
+"""HTTP routes: the OpenAI-compatible surface plus health, readiness and metrics.
+
+The OpenAI endpoints are routed from their table (``gateway/proxy/endpoints.py``). The queued
+ones (chat, completions, embeddings, the Responses API) go through
+:meth:`Admission.call` in the key's class (queued fairly, paced, charged their tokens);
+the forwarded ones (vLLM's ``/tokenize`` and ``/detokenize``) are cheap and go straight to
+a healthy backend of the model, authenticated but not queued.
+
+Every scheduled answer carries ``X-Request-Id`` from the moment the request is queued (in a
+stream's headers too, and on its errors), and ``X-Fairgate-Queue-Wait-Ms`` once it was
+dispatched; ``GET /v1/fairgate/requests/{id}`` tells its owner (or an admin) where it stands
+while it is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.backends.scrape import BackendHandle
+from gateway.core.errors import (
+    BackendUnreachable,
+    Forbidden,
+    NotFound,
+    StoreUnavailable,
+    Unavailable,
+)
+from gateway.core.settings import ApiKey
+from gateway.http.openapi import openapi_json
+from gateway.proxy.completion_request import (
+    DEADLINE_HEADER,
+    CompletionRequest,
+    Limits,
+    check_context,
+    read_completion,
+    read_deadline_ms,
+    read_json_object,
+    validate_unscheduled,
+)
+from gateway.proxy.endpoints import ENDPOINTS, Endpoint, Kind
+from gateway.scheduling.admission import Ticket
+from gateway.services import SERVICES, Services
+from policies.classes import effective_class
+
+log = structlog.get_logger("fairgate.request")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+QUEUE_WAIT_HEADER = "X-Fairgate-Queue-Wait-Ms"
+# headers a scheduled request's answer carries, whoever prepares it (relay, edge, route)
+ANSWER_HEADERS = web.RequestKey("fairgate_answer_headers", dict[str, str])
+REQUEST_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _known_model(svc: Services, model: str) -> None:
+    if model not in svc.settings.models():
+        raise NotFound(f"The model '{model}' does not exist", param="model")
+
+
+def _resolve(svc: Services, request: web.Request, key: ApiKey,
+             creq: CompletionRequest) -> tuple[str, str]:
+    """(user, class) the request is queued under."""
+    _known_model(svc, creq.model)
+    requested = request.headers.get("X-Priority-Class")
+    klass = effective_class(key.priority_class, requested)
+    if klass is None:
+        raise Forbidden(f"priority class {requested!r} is not allowed for this key "
+                        f"(key class: {key.priority_class}; a request may only lower it)")
+    user = key.user
+    if key.trusted_end_users and creq.end_user:
+        user = f"{key.user}/{creq.end_user}"
+    return user, klass
+
+
+async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    arrived = time.monotonic()
+    svc = request.app[SERVICES]
+    key = await svc.keys.identify(request.headers.get("Authorization"))
+    creq = await read_completion(request, endpoint, svc.settings.max_body_bytes,
+                                 Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
+    user, klass = _resolve(svc, request, key, creq)
+    deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
+    model = creq.model
+    check_context(creq.body, endpoint, svc.pool.max_model_len(model))
+    if not svc.pool.any_healthy(model):
+        raise Unavailable(f"no healthy backend serves {model!r}",
+                          retry_after_s=await svc.admission.waits.drain_retry_after(
+                              model, klass))
+    request_id = uuid.uuid4().hex
+    headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
+    queued_at = time.monotonic()
+    structlog.contextvars.bind_contextvars(request_id=request_id, user=user, model=model,
+                                           priority_class=klass)
+    log.info("queued")
+    status = "error"
+    tickets: list[Ticket] = []
+
+    async def forward(ticket: Ticket) -> web.StreamResponse:
+        tickets.append(ticket)
+        headers.update(ticket.limit_headers)
+        headers[QUEUE_WAIT_HEADER] = str(round((time.monotonic() - queued_at) * 1000))
+        return await svc.upstream.forward(request, ticket.backend, creq, ticket.priority,
+                                          ticket)
+
+    try:
+        response = await svc.admission.call(model, user, klass, key.weight, creq,
+                                            forward, request_id=request_id, arrived_s=arrived,
+                                            deadline_ms=deadline_ms, account=key)
+        status = str(response.status)
+        return response
+    except asyncio.CancelledError:
+        # a client that hangs up right after the whole answer cancels the handler while
+        # it cleans up: it was still served
+        if status == "error":
+            if tickets and tickets[-1].completed:
+                status = "200"
+            else:
+                status = "client_closed"
+                log.info("client_disconnected")
+        raise
+    finally:
+        svc.metrics.requests.labels(model, klass, status).inc()
+
+
+async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """Any API key; straight to the least loaded healthy backend of the model (another
+    one if the connection is refused)."""
+    svc = request.app[SERVICES]
+    await svc.keys.identify(request.headers.get("Authorization"))
+    body = await read_json_object(request, svc.settings.max_body_bytes,
+                                  svc.settings.client_idle_timeout_s)
+    validate_unscheduled(body, Limits.of(svc.settings))
+    model = str(body["model"])
+    _known_model(svc, model)
+    candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
+    if not candidates:
+        raise Unavailable(f"no healthy backend serves {model!r}")
+    for handle in candidates:
+        try:
+            return await svc.upstream.unscheduled(handle, endpoint.path, body)
+        except BackendUnreachable as exc:
+            svc.pool.unreachable(handle, exc)
+            if handle is candidates[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _load(handle: BackendHandle) -> tuple[bool, int]:
+    """Undrained first, then by the latest snapshot's waiting + running."""
+    snap = handle.last
+    return handle.drained, (snap.waiting + snap.running) if snap is not None else 0
+
+
+async def _answer_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Adds a scheduled request's headers to its answer as it is prepared."""
+    if isinstance(request, web.Request):
+        for name, value in request.get(ANSWER_HEADERS, {}).items():
+            response.headers[name] = value
+
+
+async def request_status(request: web.Request) -> web.Response:
+    """Where a queued request stands: its owner's key or an admin key; 404 once it is no
+    longer queued (or was never this key's)."""
+    svc = request.app[SERVICES]
+    authorization = request.headers.get("Authorization")
+    owner = (None if svc.keys.is_admin(authorization)
+             else await svc.keys.identify(authorization))
+    request_id = request.match_info["id"]
+    status = None
+    if REQUEST_ID.fullmatch(request_id):
+        status = await svc.admission.waits.status(svc.settings.models(), request_id)
+    if status is None or (owner is not None and not _owns(owner, status.user)):
+        raise NotFound(f"no queued request {request_id!r} for this key: it was dispatched, "
+                       "has finished, or is unknown")
+    place = status.place
+    return web.json_response({
+        "id": status.request_id, "object": "fairgate.queued_request",
+        "model": status.model, "priority_class": status.klass, "status": "queued",
+        "position": place.position, "ahead_in_class": place.ahead_in_class,
+        "queued_ms": max(0, round((time.time() - status.enqueued_at) * 1000)),
+        "estimated_wait_ms": None if place.wait_s is None else round(place.wait_s * 1000)})
+
+
+def _owns(key: ApiKey, user: str) -> bool:
+    return user == key.user or (key.trusted_end_users and user.startswith(key.user + "/"))
+
+
+async def own_usage(request: web.Request) -> web.Response:
+    """The calling key's limits and what is left of them (a fairgate extension)."""
+    svc = request.app[SERVICES]
+    key = await svc.keys.identify(request.headers.get("Authorization"))
+    return web.json_response(await key_usage(svc, key))
+
+
+async def key_usage(svc: Services, key: ApiKey) -> dict[str, object]:
+    """A key's limits and budgets now (also the admin view, ``gateway/http/admin/routes.py``)."""
+    return {"object": "fairgate.usage", "key_id": key.id, "user": key.user,
+            "tenant": key.tenant_name, "limits": await svc.quotas.view(key)}
+
+
+def _model(model: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    await svc.keys.identify(request.headers.get("Authorization"))
+    return web.json_response({"object": "list",
+                              "data": [_model(m) for m in svc.settings.models()]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    await svc.keys.identify(request.headers.get("Authorization"))
+    model = request.match_info["model"]
+    _known_model(svc, model)
+    return web.json_response(_model(model))
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """fairgate's own surface, its OpenAI endpoints generated from their table
+    (``gateway/http/openapi.py``)."""
+    return web.Response(body=openapi_json(), content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    await svc.store.ping()
+    if not svc.pool.any_healthy():
+        raise Unavailable("no healthy backend")
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = request.app[SERVICES]
+    if svc.settings.metrics_auth:  # off by default: scrapers on a private network
+        await svc.keys.require_admin(request.headers.get("Authorization"))
+    with contextlib.suppress(StoreUnavailable):  # the gateway's own series still matter
+        await svc.inspector.refresh_queue_metrics()
+    body = generate_latest(svc.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def endpoint_handler(endpoint: Endpoint, local: dict[str, Handler]) -> Handler:
+    """The handler of a table entry: queued and forwarded endpoints share one each; a
+    local one is ``local[operation_id]``."""
+    if endpoint.kind is Kind.LOCAL:
+        return local[endpoint.operation_id]
+    serve = _scheduled if endpoint.kind is Kind.QUEUED else _unscheduled
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await serve(request, endpoint)
+    return handler
+
+
+def add_endpoint_routes(app: web.Application, local: dict[str, Handler],
+                        endpoints: tuple[Endpoint, ...] = ENDPOINTS) -> None:
+    """The routes of the table's entries whose handler is here or in ``local``."""
+    for endpoint in endpoints:
+        if endpoint.kind is not Kind.LOCAL or endpoint.operation_id in local:
+            # ".+": a model id may hold a slash ("org/model")
+            path = endpoint.path.replace("{model}", "{model:.+}")
+            handler = endpoint_handler(endpoint, local)
+            if endpoint.method == "GET":  # and HEAD, as aiohttp's add_get
+                app.router.add_get(path, handler)
+            else:
+                app.router.add_route(endpoint.method, path, handler)
+
+
+def add_routes(app: web.Application) -> None:
+    app.on_response_prepare.append(_answer_headers)
+    add_endpoint_routes(app, {"listModels": list_models, "retrieveModel": retrieve_model})
+    app.router.add_get("/v1/fairgate/requests/{id}", request_status)
+    app.router.add_get("/v1/fairgate/usage", own_usage)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,125 @@
+"""Run the gateway on a TCP port, in-process (tests, demo) or as ``fairgate serve``
+(``gateway/runtime/cli.py``).
+
+Client connections are bounded: at most ``max_client_connections`` are open at once (a
+connection over the cap gets a 503 in OpenAI's format and is closed before anything is
+read), a connection that sends no complete request within ``client_idle_timeout_s`` is
+closed (slow or idle headers, idle keep-alive), and the process's open-file limit is
+raised to its hard limit at start so the cap, not the kernel, refuses first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+
+import structlog
+from aiohttp import web
+
+from gateway.core.edge import raw_answer
+from gateway.core.errors import TooManyConnections
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import Settings
+from gateway.http.app import create_app
+from gateway.services import SERVICES, Services
+
+log = structlog.get_logger("fairgate.server")
+
+FD_HEADROOM = 512  # files kept free for backends, Redis, logs and the batch files
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over the cap: answer 503 and close, reading nothing."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        self.retry_after_s = retry_after_s
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.WriteTransport)
+        transport.write(raw_answer(TooManyConnections(
+            "too many open connections to the gateway; retry",
+            retry_after_s=self.retry_after_s)))
+        transport.close()
+
+
+class GatewayServer:
+    def __init__(self, settings: Settings, metrics: GatewayMetrics | None = None,
+                 reuse_port: bool = False) -> None:
+        self.settings = settings
+        self.reuse_port = reuse_port  # several workers on one port (gateway/runtime/workers.py)
+        self.app = create_app(settings, metrics)
+        # Cancel the handler when its client disconnects: a queued request then leaves
+        # the queue and a streaming one closes its upstream connection (vLLM aborts it).
+        # keepalive_timeout also closes a connection that never completes its headers.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    keepalive_timeout=settings.client_idle_timeout_s)
+        self.port = settings.listen.port
+        self.refused = 0
+        self._listener: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.listen.host}:{self.port}"
+
+    @property
+    def services(self) -> Services:
+        return self.app[SERVICES]
+
+    def max_connections(self) -> int:
+        return max(1, min(self.settings.max_client_connections,
+                          raise_open_file_limit() - FD_HEADROOM))
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        if self.reuse_port:
+            await self._first_scrapes()
+        server = self.runner.server
+        assert server is not None
+        cap = self.max_connections()
+
+        def protocol() -> asyncio.BaseProtocol:
+            if len(server.connections) >= cap:
+                self.refused += 1
+                if self.refused % 1000 == 1:  # a flood must not flood the log too
+                    log.warning("connection_refused", open=len(server.connections), cap=cap,
+                                refused=self.refused)
+                return _Refuse(self.services.admission.waits.retry_after(None))
+            return server()
+
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(
+            protocol, self.settings.listen.host, self.settings.listen.port,
+            reuse_address=True, reuse_port=self.reuse_port or None, backlog=1024)
+        self.port = int(self._listener.sockets[0].getsockname()[1])
+
+    async def _first_scrapes(self) -> None:
+        """A worker joining a shared port (its siblings serve already) takes connections
+        once each backend was scraped, or tried for the scrape timeout: not before, or it
+        would answer "no healthy backend" while its siblings know better."""
+        waits = [asyncio.create_task(h.scraped.wait())
+                 for h in self.services.pool.handles.values()]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.settings.scrape_timeout_s * 2)
+            for task in pending:
+                task.cancel()
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()  # accept no more; the runner closes the open ones
+        await self.runner.cleanup()
+        if self._listener is not None:
+            await asyncio.wait_for(self._listener.wait_closed(), 5.0)
+

@@ -1,0 +1,161 @@
+"""The read model: what operators see, for the admin API, the dashboard and ``/metrics``.
+
+One place derives queue and backend state, from Redis (shared by every replica) and from
+this replica's pool (its scrapes, gates and dispatch rates). Gates are read from each
+backend handle, where they were computed once per snapshot; the requests in transit to a
+backend (sent since its snapshot, or not yet registered by it) use up the burst allowance.
+Service shares are every replica's (a decayed zset in Redis, fed by ``gateway/ops/history.py``),
+with this replica's own view beside them; the last 15 minutes come from its ``History``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway.backends.scrape import BackendPool
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
+from gateway.ops.history import History
+from gateway.scheduling.quotas import Quotas
+from gateway.scheduling.usage import UsageLedger, group
+from gateway.storage.store import Store
+from policies.classes import CLASS_ORDER
+from policies.gates import queued_for_a_slot
+
+USERS_SCANNED = 1000  # per (model, class): bounds the Redis reads of one state request
+TOP_USERS = 20
+
+
+class Inspector(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+                 metrics: GatewayMetrics, replica_id: str) -> None:
+        self.holder = settings
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self.history = History(settings, store, metrics)
+
+    async def queues(self, model: str, now: float) -> dict[str, dict[str, Any]]:
+        """Per class: depth, oldest wait, and the users with the most queued requests."""
+        depth = await self.store.depths(model)
+        classes: dict[str, dict[str, Any]] = {
+            c: {"depth": depth[c], "oldest_wait_s": None, "active_users": 0, "users": []}
+            for c in CLASS_ORDER}
+        for q in await self.store.queued_users(model, USERS_SCANNED):
+            wait = None if q.oldest_enqueued_at is None else now - q.oldest_enqueued_at
+            entry = classes[q.klass]
+            entry["active_users"] += 1
+            entry["users"].append({"user": q.user, "queued": q.queued, "score": q.score,
+                                   "oldest_wait_s": wait,
+                                   "oldest_request_id": q.oldest_request_id})
+            if wait is not None and (entry["oldest_wait_s"] is None
+                                     or wait > entry["oldest_wait_s"]):
+                entry["oldest_wait_s"] = wait
+        for entry in classes.values():
+            entry["users"].sort(key=lambda u: (-u["queued"], u["score"]))
+            del entry["users"][TOP_USERS:]
+        return classes
+
+    async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
+        handles = self.pool.for_model(model)
+        states = await self.store.backend_states(model, [h.name for h in handles])
+        out = []
+        for h in handles:
+            st = states[h.name]
+            in_transit = st.sent_since_snapshot + st.unseen
+            started = st.started_since_snapshot
+            gates = {c: g.after(in_transit, started, st.inflight) for c, g in h.shown_gates(
+                h.gates_at(now, self.settings.snapshot_stale_s),
+                st.pending_prefill_tokens).items()}
+            queued = None if st.snapshot is None else queued_for_a_slot(st.snapshot,
+                                                                         h.peak_running)
+            span = h.fit.prompt_range
+            out.append({
+                "name": h.name, "url": h.config.url, "model": model, "healthy": h.healthy,
+                "pool": h.config.pool,
+                "prompt_tokens": {"min": span.min_tokens, "max": span.max_tokens},
+                "prefill": {"pending_tokens": st.pending_prefill_tokens,
+                            "limits": dict(h.fit.prefill_limits)},
+                "drained": h.drained, "accepts_priority": h.accepts_priority,
+                "snapshot": None if st.snapshot is None else {
+                    "waiting": st.snapshot.waiting, "running": st.snapshot.running,
+                    # of those waiting: beyond the batch's free slots (the rest entered a
+                    # free slot and start at the next engine step)
+                    "waiting_queued": queued, "peak_running": h.peak_running,
+                    "kv_usage": st.snapshot.kv_usage,
+                    "tpot_ms": None if st.snapshot.tpot_s is None else st.snapshot.tpot_s * 1000,
+                    "age_s": now - st.snapshot.taken_at_s},
+                "sent_since_snapshot": st.sent_since_snapshot, "in_transit": in_transit,
+                "started_since_snapshot": started,
+                "inflight": st.inflight,
+                "gates": {c: {"open": g.reason is None, "limit": g.limit, "reason": g.reason,
+                              "free_slots": g.free_slots, "max_inflight": g.max_inflight}
+                          for c, g in gates.items()},
+                "pacing": {c: {"allowance": p.allowance, "free_slots": p.bonus,
+                               "reason": p.reason} for c, p in h.pacing.items()},
+                "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
+                "prefix_cache": {
+                    "hit_ratio": h.prefix_hit_ratio,  # vLLM's counters, recent window
+                    "predicted_hit_ratio": self.metrics.predicted_hit_ratio(
+                        h.name, self.settings.tpot_window_s),  # the prefix index's
+                },
+                "dispatch_reasons": dict(self.metrics.decision_counts.get(h.name, {})),
+            })
+        return out
+
+    async def backend(self, name: str) -> dict[str, Any]:
+        model = self.pool.handles[name].config.model
+        return next(b for b in await self.backends(model, time.time()) if b["name"] == name)
+
+    async def state(self) -> dict[str, Any]:
+        now = time.time()
+        models = {}
+        await self.history.flush_service()  # this replica's latest service counts at once
+        for model in self.settings.models():
+            shares = self.metrics.shares.get(model)
+            share_list = [] if shares is None else [
+                {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
+            everyone = await self.store.service_shares(model)
+            inflight = await self.store.user_inflight(model)
+            models[model] = {
+                "queues": await self.queues(model, now),
+                "backends": await self.backends(model, now),
+                "service_shares": [{"user": u, "share": s}
+                                   for u, s in list(everyone.items())[:TOP_USERS]],
+                "replica_service_shares": share_list[:TOP_USERS],
+                "inflight_by_user": dict(sorted(inflight.items(),
+                                                key=lambda kv: -kv[1])[:TOP_USERS]),
+            }
+        return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
+                "models": models, "history": self.history.view()}
+
+    async def refresh_queue_metrics(self) -> None:
+        """Queue depth and oldest wait gauges, read from Redis at scrape time."""
+        now = time.time()
+        for model in self.settings.models():
+            for klass, entry in (await self.queues(model, now)).items():
+                self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
+                self.metrics.queue_oldest_wait.labels(model, klass).set(
+                    entry["oldest_wait_s"] or 0.0)
+
+
+async def usage_today(usage: UsageLedger, quotas: Quotas, tenants: Iterable[str],
+                      top: int = TOP_USERS) -> dict[str, Any]:
+    """The dashboard's usage panel: today's (UTC) top tenants and users by tokens, and
+    the budgets of the configured tenants that have one, with what they used."""
+    today = datetime.now(UTC).date()
+    rows = await usage.rows(today, today)
+    budgets = []
+    for tenant in sorted(tenants):
+        for scope in await quotas.view(ApiKey(key="", user=tenant, tenant=tenant, weight=1.0)):
+            for period in ("daily_tokens", "monthly_tokens"):
+                if period in scope["limits"]:
+                    budgets.append({"tenant": tenant, "period": period.split("_")[0],
+                                    "used": scope[f"{period}_used"],
+                                    "limit": scope["limits"][period]})
+    return {"day": today.isoformat(), "tenants": group(rows, ["tenant"])[:top],
+            "users": group(rows, ["tenant", "user"])[:top], "budgets": budgets}

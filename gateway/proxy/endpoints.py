@@ -1,0 +1,142 @@
+"""The one table of the OpenAI endpoints fairgate serves, each declared once.
+
+An :class:`Endpoint` states its path and method, how fairgate handles it (``kind``:
+queued fairly and forwarded, forwarded unqueued, or answered here), the field its prompt
+is estimated from, the fields that bound its output tokens, whether and how it streams
+(the relay's frame kinds), the names of its usage counts, whether the Batch API takes
+it, what the simulator does for it, and its OpenAPI operation. Everything else derives
+from it: the routes (``gateway/http/routes.py``, ``gateway/http/batch_routes.py``), body
+validation (``gateway/proxy/completion_request.py``), admission's estimate and reservation
+(``gateway/scheduling/admission.py``), the relay (``gateway/proxy/upstream.py``,
+``gateway/proxy/relay.py``),
+``/openapi.json`` (``gateway/http/openapi.py``) and the simulator's routes
+(``loadtest/sim/server.py``).
+
+A new endpoint is one entry here plus its tests (and, when its body is new to OpenAPI,
+its schema in ``gateway/http/static/openapi.yaml``; when the simulator must serve it, its
+behaviour in ``loadtest/sim/server.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class Kind(enum.Enum):
+    QUEUED = "queued"  # scheduled through admission, then forwarded to a backend
+    FORWARDED = "forwarded"  # cheap: straight to a healthy backend, not queued
+    LOCAL = "local"  # answered by fairgate itself
+
+
+class Frames(enum.Enum):
+    """How a streamed answer is framed (what the relay reads)."""
+
+    NONE = "none"  # never streamed
+    CHOICES = "choices"  # chat/completions: choice deltas, a usage frame, ``[DONE]``
+    EVENTS = "events"  # Responses API: typed events; the final one carries the usage
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """The names of a backend's usage counts in this endpoint's answers."""
+
+    prompt: str = "prompt_tokens"
+    output: str = "completion_tokens"
+
+
+CHOICES_USAGE = Usage()
+RESPONSES_USAGE = Usage("input_tokens", "output_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    path: str
+    method: str
+    operation_id: str  # also the name its handler is registered under
+    kind: Kind
+    summary: str = ""
+    request_schema: str | None = None  # components/schemas in the OpenAPI document
+    response_schema: str | None = None
+    prompt_field: str | None = None  # messages | prompt | input
+    output_token_fields: tuple[str, ...] = ()  # the first present bounds the output
+    frames: Frames = Frames.NONE
+    usage: Usage = CHOICES_USAGE
+    batchable: bool = False  # a Batch API line may target it
+    sim: str | None = None  # the simulator's behaviour; None: the simulator lacks it
+
+    @property
+    def queued(self) -> bool:
+        return self.kind is Kind.QUEUED
+
+    @property
+    def streams(self) -> bool:
+        return self.frames is not Frames.NONE
+
+    @property
+    def stream_usage_option(self) -> bool:
+        """A stream's usage comes only when asked (``stream_options.include_usage``)."""
+        return self.frames is Frames.CHOICES
+
+    def output_bound(self, body: dict[str, Any]) -> int | None:
+        """The request's output-token bound: its first output-token field that is set."""
+        for name in self.output_token_fields:
+            value = body.get(name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        return None
+
+
+_OUTPUT = ("max_tokens", "max_completion_tokens")
+
+CHAT = Endpoint(
+    "/v1/chat/completions", "POST", "createChatCompletion", Kind.QUEUED,
+    "A chat completion, queued fairly and forwarded to a vLLM backend",
+    "CreateChatCompletionRequest", "ChatCompletion", "messages", _OUTPUT, Frames.CHOICES,
+    batchable=True, sim="chat")
+COMPLETIONS = Endpoint(
+    "/v1/completions", "POST", "createCompletion", Kind.QUEUED,
+    "A text completion, queued fairly and forwarded to a vLLM backend",
+    "CreateCompletionRequest", "Completion", "prompt", _OUTPUT, Frames.CHOICES,
+    batchable=True, sim="completion")
+EMBEDDINGS = Endpoint(
+    "/v1/embeddings", "POST", "createEmbedding", Kind.QUEUED,
+    "Embeddings, queued fairly in the key's class (cost = input tokens)",
+    "CreateEmbeddingRequest", "EmbeddingList", "input", sim="embeddings")
+RESPONSES = Endpoint(
+    "/v1/responses", "POST", "createResponse", Kind.QUEUED,
+    "The Responses API, queued fairly like chat; stream events relayed as they come",
+    "CreateResponseRequest", "Response", "input", ("max_output_tokens",), Frames.EVENTS,
+    RESPONSES_USAGE, sim="responses")
+TOKENIZE = Endpoint(
+    "/tokenize", "POST", "tokenize", Kind.FORWARDED,
+    "vLLM's tokenizer (any API key; cheap, so not queued)",
+    "TokenizeRequest", sim="tokenize")
+DETOKENIZE = Endpoint(
+    "/detokenize", "POST", "detokenize", Kind.FORWARDED,
+    "vLLM's detokenizer (any API key; cheap, so not queued)",
+    "DetokenizeRequest", sim="detokenize")
+LIST_MODELS = Endpoint("/v1/models", "GET", "listModels", Kind.LOCAL, sim="models")
+RETRIEVE_MODEL = Endpoint("/v1/models/{model}", "GET", "retrieveModel", Kind.LOCAL)
+# the Files and Batches API (gateway/http/batch_routes.py)
+FILES = (
+    Endpoint("/v1/files", "POST", "createFile", Kind.LOCAL),
+    Endpoint("/v1/files", "GET", "listFiles", Kind.LOCAL),
+    Endpoint("/v1/files/{file_id}", "GET", "retrieveFile", Kind.LOCAL),
+    Endpoint("/v1/files/{file_id}", "DELETE", "deleteFile", Kind.LOCAL),
+    Endpoint("/v1/files/{file_id}/content", "GET", "downloadFile", Kind.LOCAL),
+)
+BATCHES = (
+    Endpoint("/v1/batches", "POST", "createBatch", Kind.LOCAL),
+    Endpoint("/v1/batches", "GET", "listBatches", Kind.LOCAL),
+    Endpoint("/v1/batches/{batch_id}", "GET", "retrieveBatch", Kind.LOCAL),
+    Endpoint("/v1/batches/{batch_id}/cancel", "POST", "cancelBatch", Kind.LOCAL),
+)
+
+ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, TOKENIZE,
+                                   DETOKENIZE, LIST_MODELS, RETRIEVE_MODEL, *FILES,
+                                   *BATCHES)
+# the endpoints whose body fairgate reads (queued or forwarded), by path
+BY_PATH: dict[str, Endpoint] = {e.path: e for e in ENDPOINTS if e.kind is not Kind.LOCAL}
+BATCHABLE: tuple[str, ...] = tuple(e.path for e in ENDPOINTS if e.batchable)

@@ -1,0 +1,200 @@
+"""Forwarding to a vLLM backend: inject ``priority``, then relay the answer.
+
+For chat and completion streams fairgate always asks vLLM for
+``stream_options.include_usage`` so it can charge real token counts; when the client did
+not ask for usage, the usage-only final frame is dropped on the way out
+(``gateway/proxy/relay.py``), so the client sees exactly what it asked for. A Responses API
+stream carries its usage in its final event anyway; embeddings are never streamed.
+``/tokenize`` and ``/detokenize`` go to a backend as they came, unscheduled.
+
+A whole answer (non-streamed, or an error) passes unchanged when it is what vLLM sends: a
+JSON object, and for an error OpenAI's ``{"error": {...}}`` or vLLM's older top-level
+``{"object": "error", "message": ...}``. Anything else — a text/plain 413 or an HTML 502
+from a proxy in front of vLLM, FastAPI's ``{"detail": ...}`` — is wrapped in OpenAI's error
+format (type and code ``upstream_error``), keeping the upstream status as the status code
+(502 for a success that is not JSON) and in the message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.backends.scrape import BackendHandle
+from gateway.core.edge import error_json
+from gateway.core.errors import BackendUnreachable, BadRequest, UpstreamError
+from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.endpoints import CHOICES_USAGE, Usage
+from gateway.proxy.relay import RelayListener, relay_stream, report_usage
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class Upstream:
+    def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float,
+                 max_request_s: float | None = None) -> None:
+        self.session = session
+        # sock_read: the backend went quiet; total: no answer, streamed or not, runs longer
+        # than max_request_s (a stream then ends with an error event)
+        self.timeout = aiohttp.ClientTimeout(total=max_request_s, sock_connect=10,
+                                             sock_read=read_timeout_s)
+
+    async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
+                      priority: int, listener: RelayListener) -> web.StreamResponse:
+        body = dict(creq.body)
+        wants_usage = True  # a Responses stream has no usage frame to drop
+        if creq.endpoint.stream_usage_option:
+            wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
+            if creq.stream:
+                body["stream_options"] = {**(body.get("stream_options") or {}),
+                                          "include_usage": True}
+        resp = await self._post(handle, creq.path, body, priority)
+        try:
+            if resp.status != 200 or not creq.stream:
+                status, data, content_type = await _read(handle, resp, listener,
+                                                         creq.endpoint.usage)
+                return web.Response(body=data, status=status, content_type=content_type)
+            return await relay_stream(request, resp, listener, wants_usage, creq.endpoint)
+        finally:
+            resp.release()
+
+    async def fetch(self, handle: BackendHandle, creq: CompletionRequest, priority: int,
+                    listener: RelayListener) -> tuple[int, bytes]:
+        """A non-streaming call whose answer stays in fairgate (the Batch API)."""
+        body = {**creq.body, "stream": False}
+        resp = await self._post(handle, creq.path, body, priority)
+        try:
+            status, data, _ = await _read(handle, resp, listener, creq.endpoint.usage)
+            return status, data
+        finally:
+            resp.release()
+
+    async def unscheduled(self, handle: BackendHandle, path: str,
+                          body: dict[str, Any]) -> web.Response:
+        """A cheap call that is not queued (``/tokenize``, ``/detokenize``): the body as it
+        came, the answer as vLLM gave it (a foreign error wrapped in OpenAI's format)."""
+        resp = await self._send(handle, path, body)
+        try:
+            status, data, content_type = await _read(handle, resp, NO_LISTENER)
+            return web.Response(body=data, status=status, content_type=content_type)
+        finally:
+            resp.release()
+
+    async def _post(self, handle: BackendHandle, path: str, body: dict[str, Any],
+                    priority: int) -> aiohttp.ClientResponse:
+        send_priority = handle.accepts_priority and priority != 0
+        if send_priority:
+            body["priority"] = priority
+        else:
+            body.pop("priority", None)  # never let a client pick its own vLLM priority
+        resp = await self._send(handle, path, body)
+        if resp.status == 400 and send_priority:
+            text = await resp.text()
+            if "priority" in text.lower():
+                # An fcfs-only server that rejects the field: remember and send without.
+                resp.release()
+                handle.accepts_priority = False
+                body.pop("priority", None)
+                return await self._send(handle, path, body)
+        return resp
+
+    async def _send(self, handle: BackendHandle, path: str,
+                    body: dict[str, Any]) -> aiohttp.ClientResponse:
+        try:
+            data = json.dumps(body).encode()
+        except RecursionError:  # only if max_json_depth was raised past what Python encodes
+            raise BadRequest("request body is nested too deeply to be sent to the backend"
+                             ) from None
+        try:
+            return await self.session.post(handle.config.url + path, data=data,
+                                           headers=JSON_HEADERS, timeout=self.timeout)
+        except aiohttp.ClientConnectorError as exc:
+            raise BackendUnreachable(f"backend {handle.name} unreachable: {exc}") from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
+
+
+class _NoListener:
+    """For answers nobody is charged for."""
+
+    async def first_token(self) -> None:
+        pass
+
+    def tokens_sent(self, frames: int) -> None:
+        pass
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        pass
+
+    def end(self, completed: bool) -> None:
+        pass
+
+
+NO_LISTENER = _NoListener()
+
+
+async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,
+                listener: RelayListener, usage: Usage = CHOICES_USAGE
+                ) -> tuple[int, bytes, str]:
+    """(status, body, content type) of a whole (non-streamed or error) answer for the
+    client, in OpenAI's format; its usage reported when it succeeded."""
+    try:
+        data = await resp.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        listener.end(False)
+        raise UpstreamError(f"backend {handle.name} failed mid-response: {exc}") from exc
+    content_type = resp.content_type or "application/json"
+    parsed = _json(data)
+    if resp.status == 200 and isinstance(parsed, dict):
+        report_usage(parsed.get("usage"), listener, usage)
+    listener.end(True)
+    if isinstance(parsed, dict) and (resp.status == 200 or is_openai_error(parsed)):
+        return resp.status, data, content_type
+    return _wrapped(handle, resp, data)
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def is_openai_error(body: dict[str, Any]) -> bool:
+    """vLLM's error shapes: ``{"error": {"message": …}}`` (OpenAI's, vLLM ≥ 0.10) or the
+    older top-level ``{"object": "error", "message": …}``."""
+    error = body.get("error")
+    if isinstance(error, dict):
+        return isinstance(error.get("message"), str)
+    return body.get("object") == "error" and isinstance(body.get("message"), str)
+
+
+SNIPPET_CHARS = 200
+
+
+class ForeignAnswer(UpstreamError):
+    """A backend answer that is not OpenAI-shaped; rendered with the upstream's status."""
+
+    type = "upstream_error"
+
+
+def _wrapped(handle: BackendHandle, resp: aiohttp.ClientResponse,
+             data: bytes) -> tuple[int, bytes, str]:
+    """A foreign answer in OpenAI's error format, its status and (text) body quoted."""
+    content_type = resp.content_type or "no content type"
+    said = f"HTTP {resp.status} {resp.reason or ''}".rstrip()
+    if resp.status == 200:
+        status = UpstreamError.status
+        message = (f"backend {handle.name} answered {said} with a body that is not a JSON "
+                   f"object ({content_type})")
+    else:
+        status = resp.status
+        message = f"backend {handle.name} answered {said} ({content_type})"
+        text = re.sub(r"\s+", " ", data[: SNIPPET_CHARS * 4].decode(errors="replace")).strip()
+        if text and "html" not in content_type:
+            message += ": " + text[:SNIPPET_CHARS]
+    return status, error_json(ForeignAnswer(message)), "application/json"

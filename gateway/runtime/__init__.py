@@ -1,0 +1,1 @@
+"""Starting and supervising processes: the command line and the worker processes."""

@@ -1,0 +1,319 @@
+"""One scheduled call: queue → grant → (caller talks to the backend) → settle.
+
+Both the OpenAI routes and the Batch API runner go through :meth:`Admission.admitted`, so
+every request, interactive or batch, is queued, paced, prioritised and charged the same
+way. The :class:`Ticket` it yields is the relay's listener: it hears the first token (the
+gate slot frees at once), the token counts and the end of the answer.
+
+A request may carry a deadline for its first token (``X-Fairgate-Deadline-Ms``, or its
+class's ``ttft_slo_ms``): refused at once when the wait estimate (``gateway/scheduling/waits.py``)
+already exceeds it, and taken out of the queue, never dispatched, when it passes while
+queued (the path of the ``max_queue_wait_s`` timeout). Both answer 429
+``deadline_unmeetable``; every ``Retry-After`` comes from the measured dispatch rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+import structlog
+
+from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.core.errors import (
+    BackendRemoved,
+    BackendUnreachable,
+    DeadlineUnmeetable,
+    PromptFitsNoBackend,
+    QueueTimeout,
+    RateLimited,
+    RateLimitExceeded,
+    StoreUnavailable,
+    Unavailable,
+)
+from gateway.core.metrics import GatewayMetrics, StreamTiming
+from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
+from gateway.proxy.completion_request import CompletionRequest
+from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.quotas import Held, Quotas
+from gateway.scheduling.usage import UsageLedger
+from gateway.scheduling.waits import Waits
+from gateway.storage.store import Grant, QueuedRequest
+from policies.cost import estimate_prompt_tokens
+from policies.fairness import FairnessPolicy, tenant_of
+from policies.limits import reservation
+from policies.locality import prefix_chain
+from policies.prefill import no_fit_message
+from policies.priority import vllm_priority
+from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
+
+log = structlog.get_logger("fairgate.request")
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request: where it runs, with which priority, and what came back."""
+
+    model: str
+    grant: Grant
+    backend: BackendHandle
+    priority: int
+    dispatcher: Dispatcher
+    timing: StreamTiming | None
+    waits: Waits | None = None  # hears the dispatch-to-first-token time of a stream
+    dispatched_s: float = field(default_factory=time.monotonic)
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    completed: bool = False
+    unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
+    limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
+    usage_recorded: bool = False  # its usage counts rode on its settle
+    _started: bool = field(default=False, repr=False)
+
+    async def first_token(self) -> None:
+        if not self._started:
+            self._started = True
+            if self.waits is not None and self.timing is not None:
+                self.waits.first_token(self.model, time.monotonic() - self.dispatched_s)
+            await self.dispatcher.started(self.model, self.grant)
+
+    def tokens_sent(self, frames: int) -> None:
+        if self.timing is not None:
+            self.timing.token_frames_sent()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens or None
+        self.completion_tokens = completion_tokens
+
+    def end(self, completed: bool) -> None:
+        self.completed = completed
+
+
+def estimate(creq: CompletionRequest) -> int:
+    """The prompt tokens of a request before a backend tokenized it, read from its
+    endpoint's prompt field."""
+    return estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
+
+
+class Admission(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
+                 policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
+                 quotas: Quotas | None = None, usage: UsageLedger | None = None) -> None:
+        self.holder = settings
+        self.quotas = quotas
+        self.usage = usage
+        self.dispatcher = dispatcher
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self.waits = Waits(settings, dispatcher.store)
+
+    async def call(self, model: str, user: str, klass: str, weight: float,
+                   creq: CompletionRequest, send: Callable[[Ticket], Awaitable[T]],
+                   request_id: str | None = None, arrived_s: float | None = None,
+                   deadline_ms: int | None = None, account: ApiKey | None = None) -> T:
+        """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
+        fails before anything was sent (nothing reached its engine), the backend's gates
+        close and the request is queued once more, for another backend."""
+        for attempt in (1, 2):
+            async with self.admitted(model, user, klass, weight, creq, request_id,
+                                     arrived_s, deadline_ms=deadline_ms,
+                                     account=account) as ticket:
+                try:
+                    return await send(ticket)
+                except BackendUnreachable as exc:
+                    ticket.unsent = True
+                    self.pool.unreachable(ticket.backend, exc)
+                    if attempt == 2:
+                        raise
+            log.warning("backend_unreachable_retry", backend=ticket.grant.backend)
+        raise AssertionError("unreachable")
+
+    @asynccontextmanager
+    async def admitted(self, model: str, user: str, klass: str, weight: float,
+                       creq: CompletionRequest, request_id: str | None = None,
+                       arrived_s: float | None = None, *, deadline_ms: int | None = None,
+                       account: ApiKey | None = None) -> AsyncIterator[Ticket]:
+        """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
+        tenant, ``gateway/scheduling/quotas.py``): charged before queueing (the prompt's
+        estimate and the endpoint's output-token bound), corrected at the end, and its usage
+        recorded (``gateway/scheduling/usage.py``)."""
+        request_id = request_id or uuid.uuid4().hex
+        held: Held | None = None
+        prompt_est = estimate(creq)
+        if account is not None and self.quotas is not None:
+            try:
+                held = await self.quotas.admit(account, request_id, reservation(
+                    prompt_est, creq.endpoint.output_bound(creq.body)))
+            except RateLimitExceeded as exc:
+                self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                await self._record_usage(account, model, klass, 0, 0, error=True)
+                raise
+        ticket: Ticket | None = None
+        try:
+            async with self._admitted(model, user, klass, weight, creq, request_id,
+                                      arrived_s, deadline_ms=deadline_ms,
+                                      account=account) as ticket:
+                if held is not None:
+                    ticket.limit_headers = held.headers
+                yield ticket
+        finally:
+            sent = ticket is not None and not ticket.unsent
+            prompt = (ticket.prompt_tokens or prompt_est) if ticket is not None and sent else 0
+            output = ticket.completion_tokens if ticket is not None and sent else 0
+            if held is not None and self.quotas is not None:
+                with contextlib.suppress(StoreUnavailable):
+                    await asyncio.shield(self.quotas.settle(held, prompt + output))
+            if account is not None:
+                await self._record_usage(account, model, klass, prompt, output, error=not (
+                    ticket is not None and ticket.completed),
+                    stored=ticket is not None and ticket.usage_recorded)
+
+    async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
+                            output: int, error: bool, stored: bool = False) -> None:
+        self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
+        if self.usage is not None and not stored:
+            with contextlib.suppress(StoreUnavailable):
+                await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
+                                                       error))
+
+    @asynccontextmanager
+    async def _admitted(self, model: str, user: str, klass: str, weight: float,
+                        creq: CompletionRequest, request_id: str,
+                        arrived_s: float | None = None, *, deadline_ms: int | None = None,
+                        account: ApiKey | None = None) -> AsyncIterator[Ticket]:
+        """Wait for a grant; on exit release it and charge the user and its tenant (the
+        ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
+        the key's usage recorded with the release (one Redis call).
+
+        ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
+        ``deadline_ms``: the first-token deadline from arrival (default: the class's
+        ``ttft_slo_ms``). Metrics and the ``finished`` log are recorded before the release
+        is awaited, so they do not depend on the client staying connected."""
+        prompt_est = estimate(creq)
+        await self._check_fit(model, klass, creq, prompt_est)
+        tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
+            name: t.weight for name, t in self.settings.tenants.items()})
+        queued = QueuedRequest(request_id, user, klass, self.replica_id,
+                               self.policy.dispatch_cost(prompt_est, weight), time.time(),
+                               (prefix_chain(creq.body) if self.settings.routing == "locality"
+                                else ()),
+                               tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
+                               prompt_tokens=prompt_est)
+        cls_cfg = self.settings.classes[klass]
+        if deadline_ms is None:
+            deadline_ms = cls_cfg.ttft_slo_ms
+        timeout_s = cls_cfg.max_queue_wait_s
+        if deadline_ms is not None:
+            # what the queue may use: the deadline left minus the measured time from
+            # dispatch to first token
+            left_s = (deadline_ms / 1000 - (time.monotonic() - (arrived_s or time.monotonic()))
+                      - self.waits.to_first_token_s(model))
+            await self._refuse_unmeetable(model, queued, left_s, deadline_ms)
+            timeout_s = min(timeout_s, left_s)
+            # its user's queue serves earliest deadline first (enqueue.lua)
+            queued = replace(queued, deadline_at=time.time() + left_s)
+        try:
+            grant = await self.dispatcher.acquire(model, queued, timeout_s)
+        except QueueTimeout as exc:
+            if timeout_s < cls_cfg.max_queue_wait_s:  # the deadline, not the class's limit
+                raise DeadlineUnmeetable(
+                    f"the first-token deadline of {deadline_ms} ms passed while the request "
+                    "was queued; it left the queue before dispatch", retry_after_s=
+                    await self.waits.drain_retry_after(model, klass)) from None
+            exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
+            raise
+        except RateLimited as exc:
+            if exc.code == RateLimited.code:  # the user's queue is full (not a subclass's)
+                exc.retry_after_s = await self.waits.next_turn_retry_after(
+                    model, klass, user, queued.cost)
+            raise
+        except Unavailable as exc:  # the queued request was lost (Redis is reachable)
+            if not isinstance(exc, StoreUnavailable):  # that one: the edge's floor
+                exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
+            raise
+        self.waits.dispatched(model, klass)
+        waited = time.time() - queued.enqueued_at
+        self.metrics.queue_wait.labels(klass).observe(waited)
+        priority = vllm_priority(cls_cfg.priority_base, grant.rank,
+                                 self.settings.priority_class_gap)
+        log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
+                 wait_s=round(waited, 4), vllm_priority=priority)
+        backend = self.pool.handles.get(grant.backend)
+        if backend is None:  # removed by a config reload since the dispatch
+            await self.dispatcher.release(model, grant, 0.0)
+            raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
+                                 retry_after_s=self.waits.retry_after(None))
+        timing = StreamTiming(arrived_s) if arrived_s is not None else None
+        ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits)
+        self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
+        try:
+            yield ticket
+        finally:
+            prompt = ticket.prompt_tokens or prompt_est
+            output = ticket.completion_tokens
+            charge = (-queued.cost if ticket.unsent
+                      else self.policy.settle_charge(prompt, prompt_est, output, weight))
+            tenant_charge = (-queued.tenant_charge if ticket.unsent else
+                             self.policy.settle_charge(prompt, prompt_est, output, tenant_weight))
+            self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
+                                   self.policy.service(ticket.prompt_tokens or 0, output,
+                                                       weight), timing)
+            log.info("finished", request_id=queued.request_id, backend=grant.backend,
+                     latency_s=round(time.time() - queued.enqueued_at, 4),
+                     output_tokens=output, completed=ticket.completed)
+            usage = None
+            if account is not None and self.usage is not None:
+                sent = not ticket.unsent
+                usage = self.usage.counts(account, model, klass, prompt if sent else 0,
+                                          output if sent else 0, error=not ticket.completed)
+                ticket.usage_recorded = True
+            await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
+                                                         usage))
+
+    async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
+                         prompt_tokens: int) -> None:
+        """With length-aware pools (``policies/prefill.py``): a prompt no backend of the
+        model takes is refused (400), one whose backends are all down gets a 503 now; it
+        never waits for, or goes to, a backend outside its range."""
+        taking = self.pool.taking(model, prompt_tokens)
+        if taking is None:
+            return
+        if not taking:
+            ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
+            raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges),
+                                      param=creq.endpoint.prompt_field)
+        if not any(h.healthy for h in taking):
+            names = ", ".join(sorted(h.name for h in taking))
+            raise Unavailable(f"no healthy backend of {model!r} takes a prompt of about "
+                              f"{prompt_tokens} tokens (those that do: {names})",
+                              retry_after_s=await self.waits.drain_retry_after(model, klass))
+
+    async def _refuse_unmeetable(self, model: str, queued: QueuedRequest, left_s: float,
+                                 deadline_ms: int) -> None:
+        """429 ``deadline_unmeetable`` before queueing when the estimate exceeds what is
+        left of the deadline; ``Retry-After``: when the estimate would fit."""
+        if left_s > 0:
+            place = await self.waits.place(model, queued.klass, queued.user, queued.cost)
+            if place.wait_s is None or fits_deadline(place.wait_s, left_s):
+                return  # (nothing measured yet: admitted)
+            wait_ms = round(place.wait_s * 1000)
+            message = (f"the estimated queue wait ({wait_ms} ms, {place.position} requests "
+                       f"ahead) exceeds the first-token deadline of {deadline_ms} ms")
+            retry = place.wait_s - left_s * DEADLINE_MARGIN
+        else:
+            message = (f"the first-token deadline of {deadline_ms} ms leaves no time to queue "
+                       f"(dispatch to first token takes about "
+                       f"{round(self.waits.to_first_token_s(model) * 1000)} ms)")
+            retry = None
+        log.info("deadline_unmeetable", request_id=queued.request_id, deadline_ms=deadline_ms)
+        raise DeadlineUnmeetable(message, retry_after_s=self.waits.retry_after(retry))

@@ -1,0 +1,531 @@
+"""Event-driven dispatch: wakes on enqueue, settle and every new backend snapshot.
+
+Any replica may dispatch any request (the Lua script makes the choice atomic and fair
+across replicas); a grant for a request whose client another replica holds travels
+through that replica's grant list.
+
+The decision rides on the calls a request makes anyway: a tick's enqueues go in one call
+that also dispatches to the least loaded open backend, and a started or settled request
+whose slot frees grants its backend's next requests in the same call (``lua/lib/
+dispatch.lua``). The dispatch loop runs the decision on its own only for what those did
+not serve: a new snapshot, a backlog left after them, the heartbeat's safety net.
+
+A first token matters to the decision only when something is queued that the slot it
+frees could take. While the latest decision left nothing queued for the model (on any
+replica: its depth is the model's), the start is held here and rides on the next call
+that goes to Redis for the model anyway: the next enqueue, a settle (its own, at the
+latest), a start sent at once, the dispatch loop's next decision (after each snapshot).
+Until then the request counts as in transit, which only makes the gate stricter
+(``policies/gates.py`` Gate.admits), and a snapshot taken after the first token shows it
+running anyway; a replica that dies holding starts is reaped as if its requests never
+streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.core.errors import (
+    FairgateError,
+    QueueTimeout,
+    RateLimited,
+    RequestLost,
+    StoreUnavailable,
+)
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
+from gateway.core.supervise import supervise
+from gateway.storage.store import (
+    Dispatched,
+    Grant,
+    Locality,
+    QueuedRequest,
+    Start,
+    Store,
+    dispatch_args,
+)
+from gateway.storage.values import UsageCounts
+from policies.backend_choice import Candidate, by_load
+from policies.classes import CLASS_ORDER
+from policies.gates import Gate, wider
+from policies.starvation import FloorPolicy, owed_class, service_order
+
+log = structlog.get_logger("fairgate.dispatcher")
+
+# How often a waiting request checks that it is still queued in Redis.
+LOST_CHECK_S = 5.0
+STORE_RETRY_S = 0.2  # pause of the grant listener while Redis is unreachable
+RECONCILE_EVERY = 30  # heartbeats between reconciliations (and after every outage)
+RECONCILE_GRACE_S = 5.0
+
+
+@dataclass(slots=True)
+class Waiter:
+    request: QueuedRequest
+    model: str
+    future: asyncio.Future[Grant]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One model's dispatch inputs at ``now``: the class order (a starved class owed its
+    floor first), how many grants one decision may make, each backend's gates, and its
+    open backends, least loaded first."""
+
+    now: float
+    owed: str | None
+    order: list[str]
+    burst: int
+    gates: dict[str, dict[str, Gate]]
+    open: list[str]
+    handles: dict[str, BackendHandle]
+    locality: Locality | None
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """A settle Redis missed, retried by the heartbeat loop."""
+
+    model: str
+    grant: Grant
+    charge: float
+    tenant_charge: float | None
+    usage: UsageCounts | None
+    starts: tuple[Start, ...] = ()  # held starts it carries
+
+
+class Dispatcher(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+                 metrics: GatewayMetrics, replica_id: str) -> None:
+        self.holder = settings
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self.waiters: dict[str, Waiter] = {}
+        self._wake = asyncio.Event()
+        self._maybe_work = False
+        self._queued: dict[str, int] = {}  # model → depth seen by the latest dispatch
+        self._class_view: dict[str, tuple[float, dict[str, float], list[str]]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
+        self._listened: dict[str, float] = {}  # model → its grant listener's last turn
+        self._unsettled: deque[Settle] = deque()  # settles Redis missed
+        # a tick's requests to enqueue, by model, each with the future of its position
+        self._to_enqueue: dict[str, list[tuple[QueuedRequest, asyncio.Future[int]]]] = {}
+        # first tokens not yet sent, by model: they ride on its next call to Redis
+        self._starts: dict[str, dict[str, Start]] = {}
+        # grants this replica holds (delivered, not yet released): what "running:<me>"
+        # in Redis should say, and what reconcile() makes it say after a Redis restart
+        self.held: dict[str, Grant] = {}
+        self._store_down = False
+        self._beats = 0
+        self.floors: FloorPolicy
+        self.locality: Locality | None
+        self._derive(settings.current)
+        settings.on_swap(self._derive)
+
+    def _derive(self, settings: Settings) -> None:
+        """The starvation floors and the locality rule of these settings."""
+        self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
+                                  settings.starvation_window)
+        self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
+                                  settings.prefix_index_size, settings.prefix_index_ttl_s,
+                                  settings.locality_max_imbalance)
+                         if settings.routing == "locality" else None)
+
+    @property
+    def replica_ttl_s(self) -> float:
+        return self.settings.replica_ttl_s
+
+    def wake(self) -> None:
+        """There may be queued work (an enqueue, a new snapshot, a timer)."""
+        self._maybe_work = True
+        self._wake.set()
+
+    def wake_freed(self) -> None:
+        """A backend slot freed: dispatch only if requests are known to be queued."""
+        self._wake.set()
+
+    async def acquire(self, model: str, req: QueuedRequest, timeout_s: float) -> Grant:
+        """Queue a request and wait for its grant.
+
+        Raises RateLimited when the user's queue is full and QueueTimeout after
+        ``timeout_s``. On timeout or cancellation (client gone) the request leaves the
+        queue; if it was dispatched meanwhile, its in-flight state is released.
+        """
+        future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
+        self.waiters[req.request_id] = Waiter(req, model, future)
+        try:
+            position = await self._enqueue(model, req)
+        except StoreUnavailable:
+            self.waiters.pop(req.request_id, None)
+            raise
+        except asyncio.CancelledError:
+            # The script may have run although its reply was never read: take it back.
+            await self._withdraw(model, req, future)
+            raise
+        if position < 0:
+            self.waiters.pop(req.request_id, None)
+            raise RateLimited(
+                f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
+                "queued for this model")  # Retry-After: the wait estimator's (admission)
+        try:
+            return await self._await_grant(model, req, future, timeout_s)
+        except (FairgateError, asyncio.CancelledError):
+            with contextlib.suppress(StoreUnavailable):  # Redis down: AOF keeps it queued
+                await self._withdraw(model, req, future)  # and _deliver releases it later
+            self.waiters.pop(req.request_id, None)
+            raise
+
+    async def _await_grant(self, model: str, req: QueuedRequest,
+                           future: asyncio.Future[Grant], timeout_s: float) -> Grant:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
+            except TimeoutError:
+                if not await self.store.request_exists(model, req.request_id):
+                    # dropped at dispatch (this replica looked dead) or expired: say so now
+                    # instead of waiting out the whole queue timeout
+                    self.waiters.pop(req.request_id, None)
+                    raise RequestLost("the queued request was lost; retry it") from None
+        raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue")
+
+    async def _withdraw(self, model: str, req: QueuedRequest,
+                        future: asyncio.Future[Grant]) -> None:
+        if await self.store.cancel(model, req.request_id, req.user, req.klass,
+                                   req.tenant_name):
+            self.waiters.pop(req.request_id, None)
+        elif future.done() and not future.cancelled() and future.exception() is None:
+            await self.release(model, future.result(), 0.0)
+        elif not future.done():
+            future.cancel()  # the grant is on its way: _deliver releases it
+
+    def _enqueue(self, model: str, req: QueuedRequest) -> asyncio.Future[int]:
+        """Queue ``req`` with the other requests of this event-loop turn (one Redis call
+        for them all, :meth:`_flush`); the future holds its user's queue length."""
+        loop = asyncio.get_running_loop()
+        position: asyncio.Future[int] = loop.create_future()
+        batch = self._to_enqueue.setdefault(model, [])
+        batch.append((req, position))
+        if len(batch) == 1:
+            task = loop.create_task(self._flush(model))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return position
+
+    async def _flush(self, model: str) -> None:
+        """Enqueue a tick's requests and dispatch to the least loaded open backend in the
+        same call; the dispatch loop is woken only when that left work queued."""
+        batch = [(r, f) for r, f in self._to_enqueue.pop(model, []) if not f.done()]
+        if not batch:
+            return
+        done: Dispatched | None = None
+        starts = self._take_starts(model)
+        try:
+            plan = await self.plan(model, time.time())
+            target = plan.open[0] if plan.open and self._beating.is_set() else None
+            then = self._dispatch_args(model, plan, target) if target else None
+            positions, done = await self.store.enqueue_many(
+                model, [r for r, _ in batch], self.settings.max_queued_per_user, then, starts)
+        except (Exception, asyncio.CancelledError) as exc:
+            self._hold(model, starts)
+            for _, position in batch:
+                if not position.done():
+                    position.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for (_, position), queued in zip(batch, positions, strict=True):
+            if not position.done():
+                position.set_result(queued)
+        if done is None and any(p > 0 for p in positions):  # queued, no decision yet:
+            self._queued[model] = max(self._queued.get(model, 0), 1)  # starts go at once
+        if done is None or self._granted(model, plan, done) or done.depth > 0:
+            self.wake()
+
+    async def release(self, model: str, grant: Grant, charge: float,
+                      tenant_charge: float | None = None,
+                      usage: UsageCounts | None = None) -> None:
+        """Settle a dispatched request (idempotent), with its ``usage`` counts, and let the
+        next one go: while requests are queued the freed slot grants its backend's next
+        ones in the same call. While Redis is down the settle waits in memory and is
+        retried by the heartbeat loop, so no in-flight count leaks (a leaked one would
+        hold a gate closed for good)."""
+        self.held.pop(grant.request_id, None)
+        starts = self._take_starts(model)
+        try:
+            plan, then = await self._fold(model, grant.backend)
+            _, done = await self.store.settle_and_dispatch(model, grant, charge, tenant_charge,
+                                                           usage, then, starts)
+        except StoreUnavailable as exc:
+            log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
+            self._unsettled.append(Settle(model, grant, charge, tenant_charge, usage,
+                                          tuple(starts)))
+            self.wake_freed()
+            return
+        if plan is None or done is None or self._granted(model, plan, done):
+            self.wake_freed()
+
+    async def _settle_deferred(self) -> None:
+        while self._unsettled:
+            s = self._unsettled[0]
+            await self.store.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
+                                                 s.usage, starts=s.starts)
+            self._unsettled.popleft()
+            self.wake_freed()
+
+    def store_lost(self, error: StoreUnavailable) -> None:
+        """Redis is unreachable: every queued client of this replica gets a 503 now
+        rather than waiting blind (a batch line retries; running streams go on)."""
+        if not self._store_down:
+            log.warning("store_lost", waiting=len(self.waiters), error=error.message)
+        self._store_down = True
+        for request_id in list(self.waiters):
+            self.cancel(request_id, StoreUnavailable("connection lost while queued; retry"))
+
+    def cancel(self, request_id: str, error: FairgateError) -> bool:
+        """Fail a request this replica holds while it waits for its grant (an operator
+        removed it from the queue). True when its client was told."""
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is None or waiter.future.done():
+            return False
+        waiter.future.set_exception(error)
+        return True
+
+    async def run(self) -> None:
+        """The dispatch loop, the heartbeat and one grant listener per model, each
+        supervised (restarted after a crash)."""
+        models = self.settings.models()
+        restarts = self.metrics.loop_restarts
+        loops = [supervise("heartbeat", lambda: self._heartbeat(models), restarts),
+                 supervise("dispatch", lambda: self._dispatch_loop(models), restarts)]
+        loops += [supervise("listen", functools.partial(self._listen, model), restarts)
+                  for model in models]
+        tasks = [asyncio.create_task(coro) for coro in loops]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _dispatch_loop(self, models: list[str]) -> None:
+        # the script drops requests of replicas without a heartbeat: ours must be there
+        await self._beating.wait()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            forced, self._maybe_work = self._maybe_work, False
+            for model in models:
+                if not forced and self._queued.get(model, 1) == 0:
+                    continue  # a slot freed but nothing is queued: no Redis round trip
+                try:
+                    while await self.dispatch_once(model):
+                        pass
+                except StoreUnavailable as exc:
+                    log.warning("dispatch_failed", model=model, error=str(exc))
+                    self._maybe_work = True  # try again on the next wake-up
+
+    async def dispatch_once(self, model: str) -> bool:
+        """Fill every open backend's gate from the queues. True when another pass is
+        needed right away (a starved class is being served one request at a time).
+
+        Gates come from this replica's own latest scrape of each backend; the Lua script
+        re-checks the shared sent-since-snapshot count, so replicas never overshoot."""
+        plan = await self.plan(model, time.time())
+        for backend in plan.open:
+            starts = self._take_starts(model)
+            try:
+                done = await self.store.dispatch_with(
+                    model, self._dispatch_args(model, plan, backend), starts)
+            except StoreUnavailable:
+                self._hold(model, starts)
+                raise
+            if self._granted(model, plan, done):
+                return True  # decide again who is owed after each such dispatch
+            if done.depth == 0:
+                break
+        return False
+
+    async def plan(self, model: str, now: float) -> Plan:
+        """The inputs of the model's dispatch decisions at ``now`` (``policies/``: the
+        starvation floor, the gates, the borrowing, the backend order)."""
+        since, recent = await self._class_service(model, now)
+        owed = owed_class(self.floors, since, recent, now)
+        gated: dict[str, dict[str, Gate]] = {}
+        candidates = []
+        handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
+        for h in handles.values():
+            snap = h.last if h.healthy else None
+            gates = gated[h.name] = dict(h.gates_at(now, self.settings.snapshot_stale_s))
+            if owed is not None:  # a starved class borrows the top class's gate
+                gates[owed] = wider(gates[owed], gates[CLASS_ORDER[0]])
+            waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
+            candidates.append(Candidate(h.name, waiting, running, h.sent_since_snapshot,
+                                        any(g.open for g in gates.values())))
+        # one grant at a time while a starved class is owed its floor, so it gets no more
+        burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
+                                                for c in CLASS_ORDER)
+        locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
+        return Plan(now, owed, service_order(owed), burst, gated,
+                    [c.name for c in by_load(candidates)], handles, locality)
+
+    def _dispatch_args(self, model: str, plan: Plan, backend: str) -> dict[str, Any]:
+        return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
+                             self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
+                             locality=plan.locality, fit=plan.handles[backend].fit)
+
+    async def _fold(self, model: str, backend: str
+                    ) -> tuple[Plan | None, dict[str, Any] | None]:
+        """The decision a started or settled request on ``backend`` folds in: none while
+        nothing is known to be queued for the model, or when the backend is not open."""
+        if self._queued.get(model, 1) == 0:
+            return None, None
+        plan = await self.plan(model, time.time())
+        if backend not in plan.open:
+            return plan, None
+        return plan, self._dispatch_args(model, plan, backend)
+
+    def _granted(self, model: str, plan: Plan, done: Dispatched) -> bool:
+        """Take in what a decision returned, whichever call made it: deliver this
+        replica's grants (the others went to their replicas' grant lists), note what is
+        still queued and the class service picture. True when the decision must be made
+        again at once (a starved class is served one request at a time)."""
+        self._queued[model] = done.depth
+        self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
+        for grant in done.grants:
+            handle = plan.handles.get(grant.backend)
+            if handle is not None:
+                handle.sent_since_snapshot += 1
+            self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
+            self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
+                                              grant.matched_blocks, grant.prompt_blocks)
+            if grant.owner == self.replica_id:
+                self._deliver(model, grant.request_id, grant.backend, grant.rank)
+        if done.grants and plan.owed is not None:
+            self._class_view.pop(model, None)
+            return True
+        return False
+
+    async def _class_service(self, model: str, now: float
+                             ) -> tuple[dict[str, float], list[str]]:
+        """Backlog times and recent classes, as the latest decision returned them, read
+        again when older than a scrape interval."""
+        cached = self._class_view.get(model)
+        if cached is None or now - cached[0] > self.settings.scrape_interval_s:
+            since, recent = await self.store.class_service(model)
+            cached = self._class_view[model] = (now, since, recent)
+        return cached[1], cached[2]
+
+    async def started(self, model: str, grant: Grant) -> None:
+        """The backend streams this request's first token. While nothing is known to be
+        queued for the model the start is held, to ride on the model's next call to Redis;
+        otherwise it goes at once (with the starts held), its gate slot frees, and the same
+        call grants the backend's next requests."""
+        start = Start(grant.request_id, grant.backend, time.time())
+        if self._queued.get(model, 1) == 0:
+            self._hold(model, [start])
+            return
+        starts = [*self._take_starts(model), start]
+        try:
+            plan, then = await self._fold(model, grant.backend)
+            done = await self.store.mark_started(model, grant, start.at, then,
+                                                 held=starts[:-1])
+        except StoreUnavailable:
+            self._hold(model, starts)  # sent with the next call, the settle at the latest
+            self.wake_freed()
+            return
+        if then is None:
+            self.wake_freed()
+        elif plan is not None and done is not None and self._granted(model, plan, done):
+            self.wake()
+
+    def _hold(self, model: str, starts: list[Start]) -> None:
+        held = self._starts.setdefault(model, {})
+        for start in starts:
+            held.setdefault(start.request_id, start)
+
+    def _take_starts(self, model: str) -> list[Start]:
+        """The starts held for ``model``, handed to the call about to go (it puts them
+        back when it fails: marking a start twice, or after its settle, changes nothing)."""
+        return list(self._starts.pop(model, {}).values())
+
+    def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
+        waiter = self.waiters.pop(request_id, None)
+        if waiter is not None and not waiter.future.done():
+            req = waiter.request
+            grant = Grant(request_id, req.klass, req.user, rank, self.replica_id, backend,
+                          req.enqueued_at)
+            self.held[request_id] = grant
+            waiter.future.set_result(grant)
+            return
+        # Nobody waits (the client left between dispatch and delivery): release it.
+        task = asyncio.get_running_loop().create_task(self._release_orphan(model, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release_orphan(self, model: str, request_id: str) -> None:
+        with contextlib.suppress(StoreUnavailable):
+            grant = await self.store.dispatched(model, request_id)
+            if grant is not None:
+                await self.release(model, grant, 0.0)
+
+    async def _listen(self, model: str) -> None:
+        while True:
+            try:
+                item = await self.store.next_grant(model, self.replica_id, 1.0)
+            except StoreUnavailable as exc:
+                self.store_lost(exc)
+                await asyncio.sleep(STORE_RETRY_S)
+                continue
+            self._listened[model] = time.time()  # reported with the heartbeat
+            if item is not None:
+                self._deliver(model, *item)
+
+    async def reconcile(self, model: str, now: float) -> int:
+        """Release what Redis says this replica holds but it does not: requests whose
+        settle a Redis restart lost (an AOF replays up to its last fsync). Returns the
+        count. Grants younger than RECONCILE_GRACE_S may still be on their way here."""
+        unsettled = {s.grant.request_id for s in self._unsettled}
+        released = 0
+        for grant, dispatched_at in await self.store.held_by(model, self.replica_id):
+            if (grant.request_id in self.held or grant.request_id in unsettled
+                    or now - dispatched_at < RECONCILE_GRACE_S):
+                continue
+            if await self.store.settle(model, grant, 0.0):
+                released += 1
+        if released:
+            log.warning("reconciled_inflight", model=model, released=released)
+            self.wake_freed()
+        return released
+
+    async def _heartbeat(self, models: list[str]) -> None:
+        while True:
+            try:
+                now = time.time()
+                await self.store.heartbeat(models, self.replica_id, now, self._listened)
+                self._beating.set()
+                await self._settle_deferred()
+                recovered, self._store_down = self._store_down, False
+                self._beats += 1
+                for model in models:
+                    if await self.store.reap(model, now, self.replica_ttl_s):
+                        log.warning("reaped_dead_replica_requests", model=model)
+                    if recovered or self._beats % RECONCILE_EVERY == 0:
+                        await self.reconcile(model, now)
+            except StoreUnavailable as exc:
+                self.store_lost(exc)
+            self.wake()  # a periodic safety net for enqueues on other replicas
+            await asyncio.sleep(self.settings.replica_heartbeat_s)

@@ -1,0 +1,112 @@
+"""Usage accounting: per UTC day, per (tenant, user, key, model, class), the requests,
+prompt tokens, completion tokens and errors, in Redis for ``usage_retention_days``.
+
+Each finished (or refused) request adds to one hash per day (``fg:usage:<YYYYMMDD>``): a
+dispatched request's counts ride on its settle (``lua/settle.lua``), any other's take one
+pipelined round trip. The admin export (``GET /admin/usage``) reads the days asked for
+and sums them along the chosen dimensions. The user is the key's owner (end users of a
+``trusted_end_users`` key are counted under it), so the rows stay bounded by the keys.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections.abc import Iterable
+from datetime import date, timedelta
+from typing import Any
+
+from gateway.core.settings import ApiKey
+from gateway.storage.keys import usage_day
+from gateway.storage.redis_client import BoundaryRedis
+from gateway.storage.values import UsageCounts
+
+DIMENSIONS = ("day", "tenant", "user", "key", "model", "class")
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "errors")
+
+
+def day_of(now: float) -> str:
+    return time.strftime("%Y%m%d", time.gmtime(now))
+
+
+class UsageLedger:
+    def __init__(self, client: BoundaryRedis, retention_days: int) -> None:
+        self.client: Any = client  # redis-py's sync/async union types: untyped here
+        self.retention_s = retention_days * 86400
+        self.retention_days = retention_days
+
+    def counts(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
+               completion_tokens: int, error: bool, now: float | None = None) -> UsageCounts:
+        """What one request adds (for :meth:`record`, or folded into its settle)."""
+        day = usage_day(day_of(time.time() if now is None else now))
+        row = [key.tenant_name, key.user, key.id or "", model, klass]
+        amounts = {"requests": 1, "prompt_tokens": prompt_tokens,
+                   "completion_tokens": completion_tokens, "errors": 1 if error else 0}
+        return UsageCounts(day, {json.dumps([*row, name]): amount
+                                 for name, amount in amounts.items() if amount},
+                           self.retention_s + 86400)
+
+    async def record(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
+                     completion_tokens: int, error: bool, now: float | None = None) -> None:
+        usage = self.counts(key, model, klass, prompt_tokens, completion_tokens, error, now)
+        async with self.client.pipeline(transaction=False) as pipe:
+            for field, amount in usage.counts.items():
+                pipe.hincrby(usage.key, field, amount)
+            pipe.expire(usage.key, usage.ttl_s)
+            await pipe.execute()
+
+    async def rows(self, first: date, last: date) -> list[dict[str, Any]]:
+        """Every (day, tenant, user, key, model, class) row with its counters."""
+        days = [first + timedelta(days=i) for i in range((last - first).days + 1)]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for d in days:
+                pipe.hgetall(usage_day(d.strftime("%Y%m%d")))
+            found = await pipe.execute()
+        rows: dict[tuple[str, ...], dict[str, Any]] = {}
+        for d, fields in zip(days, found, strict=True):
+            for field, value in fields.items():
+                try:
+                    *parts, counter = json.loads(field)
+                except ValueError:
+                    continue
+                if counter not in COUNTERS or len(parts) != 5:
+                    continue
+                ident = (d.isoformat(), *map(str, parts))
+                row = rows.setdefault(ident, {**dict(zip(DIMENSIONS, ident, strict=True)),
+                                              **dict.fromkeys(COUNTERS, 0)})
+                row[counter] += int(value)
+        return list(rows.values())
+
+
+def group(rows: Iterable[dict[str, Any]], by: list[str]) -> list[dict[str, Any]]:
+    """Rows summed along ``by`` (a subset of :data:`DIMENSIONS`), most tokens first."""
+    out: dict[tuple[str, ...], dict[str, Any]] = {}
+    for row in rows:
+        ident = tuple(row[d] for d in by)
+        into = out.setdefault(ident, {**dict(zip(by, ident, strict=True)),
+                                      **dict.fromkeys(COUNTERS, 0)})
+        for counter in COUNTERS:
+            into[counter] += row[counter]
+    for row in out.values():
+        row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+    return sorted(out.values(), key=lambda r: (-r["total_tokens"], -r["requests"],
+                                               [r[d] for d in by]))
+
+
+def to_csv(rows: list[dict[str, Any]], by: list[str]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    columns = [*by, *COUNTERS, "total_tokens"]
+    writer.writerow(columns)
+    for row in rows:
+        writer.writerow([_cell(row[c]) for c in columns])
+    return buffer.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    """A text cell a spreadsheet will not run as a formula."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@"):
+        return "'" + value
+    return value

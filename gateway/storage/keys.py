@@ -1,0 +1,245 @@
+"""Every Redis key fairgate uses, built in this module and nowhere else.
+
+Per-model keys share the hash tag ``{model}`` (prefix ``fg:{model}:``), so a pool's keys
+live in one Redis Cluster slot and the multi-key Lua scripts stay legal. A script that
+must reach a key named by data it reads (a user's queue, a request, a replica's grant
+list) builds it with the functions of :func:`lua_prelude`, generated from the patterns
+below, from the model prefix passed in ARGV. The schema, with each key's type, writer and
+lifetime, is in ``docs/redis-schema.md``.
+
+Batch and file keys are global (``fg:batch:…``, ``fg:file:…``): they are touched by
+plain commands and two single-key scripts only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "fg"
+
+# Keys under a model's prefix, by name: the pattern after ``fg:{model}:``.
+MODEL_PATTERNS: dict[str, str] = {
+    "queue": "q:{klass}:{tenant}:{user}",  # list: one user's queued request ids (FIFO)
+    "active": "active:{klass}",           # zset: tenant -> tenant score, tenants with a queue
+    "saved": "saved:{klass}",             # hash: tenant -> tenant score kept while idle
+    "users": "users:{klass}:{tenant}",    # zset: user -> user score, a tenant's queued users
+    "user_saved": "usaved:{klass}:{tenant}",  # hash: user -> user score kept while idle
+    "user_floor": "ufloor:{klass}",       # hash: tenant -> user score its last user left at
+    "request": "req:{request_id}",        # hash: one request's state (TTL)
+    "depth": "depth",                     # hash: class -> queued requests
+    "backlogged_since": "since",          # hash: class -> when its queue became non-empty
+    "recent": "recent",                   # list: classes of the latest dispatches
+    "drained": "drained",                 # set: backends no replica may dispatch to
+    "user_inflight": "inflight",          # hash: user -> dispatched, unsettled requests
+    "replicas": "replicas",               # zset: replica -> last heartbeat (unix s)
+    "listened": "listened",               # hash: replica -> its grant listener's last turn
+    "grants": "grants:{replica}",         # list: grants for requests a replica holds
+    "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
+    "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
+    "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
+    "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
+    "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
+    "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
+    "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
+    "service": "service",                 # zset: user -> forward-decayed service, all replicas
+    "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
+}
+
+BATCH_PREFIX = f"{ROOT}:batch:"           # hash fg:batch:{id}; :out, :err hashes; :lease
+USER_BATCHES_PREFIX = f"{ROOT}:batches:"  # zset fg:batches:{user}: batch id -> created
+ACTIVE_BATCHES = f"{ROOT}:batches:active"  # set: unfinished batch ids
+FILE_PREFIX = f"{ROOT}:file:"             # string fg:file:{id}: JSON metadata
+USER_FILES_PREFIX = f"{ROOT}:files:"      # zset fg:files:{user}: file id -> created
+SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
+
+# API keys created at runtime (gateway/access/keyring.py): one hash tag, so a key's records
+# change in one MULTI/Lua call on a Redis Cluster too. Secrets only as HMAC digests.
+KEYRING_PREFIX = f"{ROOT}:{{keys}}:"
+KEY_IDS = KEYRING_PREFIX + "ids"          # zset: key id -> created (unix s)
+KEY_PEPPER = KEYRING_PREFIX + "pepper"    # string: the HMAC pepper when none is configured
+USAGE_PREFIX = f"{ROOT}:usage:"           # hash fg:usage:{YYYYMMDD}: usage row -> count
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKeys:
+    model: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}:{{{self.model}}}:"
+
+    def _key(self, name: str, **parts: str) -> str:
+        return self.prefix + MODEL_PATTERNS[name].format(**parts)
+
+    def queue(self, klass: str, user: str, tenant: str | None = None) -> str:
+        """A user's queue in its tenant (None: the tenant named after the user)."""
+        return self._key("queue", klass=klass, tenant=tenant or user, user=user)
+
+    def active(self, klass: str) -> str:
+        """The class's tenants with a queued request, by tenant score (with no tenants
+        configured every user is its own tenant, so these are the users)."""
+        return self._key("active", klass=klass)
+
+    def saved(self, klass: str) -> str:
+        return self._key("saved", klass=klass)
+
+    def users(self, klass: str, tenant: str) -> str:
+        return self._key("users", klass=klass, tenant=tenant)
+
+    def user_saved(self, klass: str, tenant: str) -> str:
+        return self._key("user_saved", klass=klass, tenant=tenant)
+
+    def user_floor(self, klass: str) -> str:
+        return self._key("user_floor", klass=klass)
+
+    def request(self, request_id: str) -> str:
+        return self._key("request", request_id=request_id)
+
+    @property
+    def request_prefix(self) -> str:
+        """What every request hash's name starts with (for SCAN)."""
+        return self.request("")
+
+    @property
+    def depth(self) -> str:
+        return self._key("depth")
+
+    @property
+    def backlogged_since(self) -> str:
+        return self._key("backlogged_since")
+
+    @property
+    def recent(self) -> str:
+        return self._key("recent")
+
+    @property
+    def drained(self) -> str:
+        return self._key("drained")
+
+    @property
+    def user_inflight(self) -> str:
+        return self._key("user_inflight")
+
+    @property
+    def replicas(self) -> str:
+        return self._key("replicas")
+
+    @property
+    def listened(self) -> str:
+        return self._key("listened")
+
+    def grants(self, replica: str) -> str:
+        return self._key("grants", replica=replica)
+
+    def running(self, replica: str) -> str:
+        return self._key("running", replica=replica)
+
+    def backend_started(self, backend: str) -> str:
+        return self._key("backend_started", backend=backend)
+
+    def backend_sent(self, backend: str) -> str:
+        return self._key("backend_sent", backend=backend)
+
+    def backend_snapshot(self, backend: str) -> str:
+        return self._key("backend_snapshot", backend=backend)
+
+    def backend_inflight(self, backend: str) -> str:
+        return self._key("backend_inflight", backend=backend)
+
+    def backend_prefixes(self, backend: str) -> str:
+        return self._key("backend_prefixes", backend=backend)
+
+    def backend_prefill(self, backend: str) -> str:
+        return self._key("backend_prefill", backend=backend)
+
+    @property
+    def service(self) -> str:
+        return self._key("service")
+
+    @property
+    def service_epoch(self) -> str:
+        return self._key("service_epoch")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchKeys:
+    batch_id: str
+
+    @property
+    def hash(self) -> str:
+        return BATCH_PREFIX + self.batch_id
+
+    @property
+    def out(self) -> str:
+        return f"{BATCH_PREFIX}{self.batch_id}:out"
+
+    @property
+    def err(self) -> str:
+        return f"{BATCH_PREFIX}{self.batch_id}:err"
+
+    @property
+    def lease(self) -> str:
+        return f"{BATCH_PREFIX}{self.batch_id}:lease"
+
+
+def user_batches(user: str) -> str:
+    return USER_BATCHES_PREFIX + user
+
+
+def file_meta(file_id: str) -> str:
+    return FILE_PREFIX + file_id
+
+
+def user_files(user: str) -> str:
+    return USER_FILES_PREFIX + user
+
+
+def session(token_hash: str) -> str:
+    return SESSION_PREFIX + token_hash
+
+
+def key_record(key_id: str) -> str:
+    """Hash: one runtime key (user, tenant, class, weight, limits, digest, created, …)."""
+    return f"{KEYRING_PREFIX}id:{key_id}"
+
+
+def key_digest(digest_hex: str) -> str:
+    """String: HMAC digest of a secret -> key id (with a TTL for a rotated-out secret)."""
+    return f"{KEYRING_PREFIX}hash:{digest_hex}"
+
+
+def quota_prefix(tenant: str) -> str:
+    """The prefix of a tenant's limit counters and of its keys' (one hash tag: a request's
+    check of its key and its tenant is one Lua call)."""
+    return f"{ROOT}:{{q:{tenant}}}:"
+
+
+def quota_keys(tenant: str, scope: str) -> tuple[str, str, str]:
+    """(rpm bucket hash, tpm bucket hash, concurrency zset) of a scope: ``t`` for the
+    tenant, ``k:<key id>`` for a key."""
+    p = quota_prefix(tenant) + scope
+    return f"{p}:rpm", f"{p}:tpm", f"{p}:conc"
+
+
+def quota_budget(tenant: str, scope: str, period: str) -> str:
+    """String: tokens spent in ``period`` (``d20261129`` or ``m202611``), with a TTL."""
+    return f"{quota_prefix(tenant)}{scope}:{period}"
+
+
+def usage_day(day: str) -> str:
+    return USAGE_PREFIX + day
+
+
+def _lua_function(name: str, pattern: str) -> str:
+    params = re.findall(r"{(\w+)}", pattern)
+    pieces = [f"'{lit}'" if i % 2 == 0 else lit
+              for i, lit in enumerate(re.split(r"{(\w+)}", pattern)) if lit]
+    body = " .. ".join(["prefix", *pieces])
+    return (f"local function key_{name}({', '.join(['prefix', *params])})\n"
+            f"  return {body}\nend\n")
+
+
+def lua_prelude() -> str:
+    """Lua functions ``key_<name>(prefix, …)`` for the per-model keys scripts derive."""
+    return "".join(_lua_function(name, pattern) for name, pattern in MODEL_PATTERNS.items())

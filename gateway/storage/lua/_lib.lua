@@ -1,0 +1,75 @@
+-- Shared helpers, prepended to every script after the generated key functions.
+
+-- "unseen" (a field of a backend's snapshot hash): requests dispatched before the
+-- snapshot and not yet registered by the server (running + waiting). snapshot.lua sets
+-- it; a request seen starting (started.lua) or settled first (settle.lua) takes itself
+-- out once. Returns 1 when one was taken.
+local function take_unseen(snapshot)
+  local unseen = tonumber(redis.call('HGET', snapshot, 'unseen')) or 0
+  if unseen > 0 then
+    redis.call('HSET', snapshot, 'unseen', unseen - 1)
+    return 1
+  end
+  return 0
+end
+
+-- A backend's pending prefill (hash id -> gateway/storage/values.py PREFILL entry): the sum of
+-- its tokens (policies/prefill.py).
+local function pending_prefill(hash)
+  local total = 0
+  for _, v in ipairs(redis.call('HVALS', hash)) do
+    total = total + (tonumber(prefill_tokens(v)) or 0)
+  end
+  return total
+end
+
+-- Fair share at two levels (policies/fairness.py): tenants in a class's active zset by
+-- tenant score, each tenant's users in its users zset by user score. A member that
+-- becomes active starts at its saved score lifted to the smallest active score of its
+-- level (for a user of a tenant with no active user: the score its last user left at,
+-- the tenant's user-level virtual time), so it cannot bank credit while idle.
+local function join(zset, saved, member, floor, field)
+  if redis.call('ZSCORE', zset, member) then return end
+  local score = tonumber(redis.call('HGET', saved, member)) or 0
+  local first = redis.call('ZRANGE', zset, 0, 0, 'WITHSCORES')
+  local lift = tonumber(first[2])
+  if not lift and floor then lift = tonumber(redis.call('HGET', floor, field)) end
+  if lift and lift > score then score = lift end
+  redis.call('ZADD', zset, score, member)
+end
+
+-- Set an active member's score, or (idle: `keep` false) take it out and save the score.
+local function place(zset, saved, member, score, keep)
+  if keep then
+    redis.call('ZADD', zset, score, member)
+  else
+    redis.call('ZREM', zset, member)
+    redis.call('HSET', saved, member, score)
+  end
+end
+
+-- Add a charge to a member's score, active or saved.
+local function charge(zset, saved, member, amount)
+  if amount == 0 then return end
+  if redis.call('ZSCORE', zset, member) then
+    redis.call('ZINCRBY', zset, amount, member)
+  else
+    redis.call('HINCRBYFLOAT', saved, member, amount)
+  end
+end
+
+-- A user whose queue emptied leaves its tenant's active users, keeping its score; a
+-- tenant left without users leaves the class's tenants, keeping its score (its last
+-- user's score is the floor its next user starts from).
+local function leave(prefix, class, tenant, user)
+  local users = key_users(prefix, class, tenant)
+  local score = redis.call('ZSCORE', users, user)
+  if not score then return end
+  place(users, key_user_saved(prefix, class, tenant), user, score, false)
+  if redis.call('ZCARD', users) == 0 then
+    redis.call('HSET', key_user_floor(prefix, class), tenant, score)
+    local active = key_active(prefix, class)
+    local tscore = redis.call('ZSCORE', active, tenant)
+    if tscore then place(active, key_saved(prefix, class), tenant, tscore, false) end
+  end
+end

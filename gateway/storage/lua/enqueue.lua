@@ -1,0 +1,64 @@
+-- Queue one tick's requests, each under (model, class, tenant, user), making the user and
+-- its tenant active (see join in _lib.lua); then, when asked, dispatch to the backend
+-- most likely to take them (dispatch_for in lib/dispatch.lua): the tick's requests and
+-- their dispatch are one call. Starts its replica held back go first (start_each in
+-- lib/inflight.lua), so the decision sees the slots they freed.
+-- Within a user's queue, earliest deadline first: a request with a deadline goes ahead
+-- of the user's own requests with a later deadline or none (those keep their order), so
+-- the queue is its deadline requests by deadline, then the rest in arrival order.
+-- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/store.py)
+-- ARGV[1]: one JSON object {prefix (the model's key prefix), max_queued (per user), ttl
+-- (a request hash's, s), requests, starts (optional: a list of {id, backend, at}),
+-- dispatch (optional: dispatch_for's arguments)};
+-- a request: {id, user, class, tenant, owner, cost and tcost (user- and tenant-level
+-- dispatch costs, added to the scores at dispatch), now (s), chain (the prompt's
+-- block-hash chain, space-separated, "" when not hashed), deadline (first-token
+-- deadline, unix s, "" for none), ptok (estimated prompt tokens: where it fits, the
+-- prefill gate)}
+-- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
+-- length, or -1 when the per-user cap is reached.
+local a = cjson.decode(ARGV[1])
+local prefix = a.prefix
+
+local function enqueue(r)
+  local queue = key_queue(prefix, r.class, r.tenant, r.user)
+  local queued = redis.call('LLEN', queue)
+  if queued >= a.max_queued then return -1 end
+  -- the owner is alive (it is enqueueing): a Redis restarted empty learns it at once
+  redis.call('ZADD', key_replicas(prefix), 'GT', r.now, r.owner)
+  local req = key_request(prefix, r.id)
+  redis.call('HSET', req, 'user', r.user, 'class', r.class, 'owner', r.owner,
+    'cost', r.cost, 'enqueued_at', r.now, 'state', 'queued', 'tenant', r.tenant,
+    'tcost', r.tcost, 'ptok', r.ptok)
+  if r.chain ~= '' then redis.call('HSET', req, 'prefix', r.chain) end
+  redis.call('EXPIRE', req, a.ttl)
+  local deadline = tonumber(r.deadline)
+  local pivot = nil
+  if deadline then
+    redis.call('HSET', req, 'deadline', r.deadline)
+    local ids = redis.call('LRANGE', queue, 0, -1)
+    for i = #ids, 1, -1 do
+      local d = tonumber(redis.call('HGET', key_request(prefix, ids[i]), 'deadline'))
+      if d and d <= deadline then break end
+      pivot = ids[i]
+    end
+  end
+  if pivot then
+    redis.call('LINSERT', queue, 'BEFORE', pivot, r.id)
+  else
+    redis.call('RPUSH', queue, r.id)
+  end
+  if redis.call('HINCRBY', key_depth(prefix), r.class, 1) == 1 then
+    redis.call('HSET', key_backlogged_since(prefix), r.class, r.now)
+  end
+  join(key_users(prefix, r.class, r.tenant), key_user_saved(prefix, r.class, r.tenant),
+    r.user, key_user_floor(prefix, r.class), r.tenant)
+  join(key_active(prefix, r.class), key_saved(prefix, r.class), r.tenant, nil, nil)
+  return queued + 1
+end
+
+start_each(prefix, a.starts)
+local positions = {}
+for i, r in ipairs(a.requests) do positions[i] = enqueue(r) end
+if a.dispatch then return {positions, dispatch_for(a.dispatch)} end
+return {positions}

@@ -1,0 +1,124 @@
+-- The dispatch decision for one backend: dispatch.lua runs it on a wake-up (an enqueue,
+-- a snapshot), enqueue.lua after a tick's requests joined, and started.lua and settle.lua
+-- fold it in (the slot they free grants the next request in the same call).
+-- dispatch_for(a) picks up to `a.want` requests: the highest class whose gate has room,
+-- then the tenant with the smallest tenant score, then its user with the smallest user
+-- score, then that user's oldest request (with a locality slack at both levels: the best
+-- cached request of the users within it, fairness.lua pick()). The served user's score
+-- grows by the request's user-level dispatch cost, its tenant's by the tenant-level one
+-- (both stored at enqueue). With no tenants configured every user is its own tenant.
+-- `a`, one JSON object (gateway/storage/store.py dispatch_args):
+--   now (s), replica_ttl (s), prefix (the model's key prefix), replica (this one),
+--   backend (its name), recent_kept (recent-list length), want (most grants to return),
+--   pickup (grant pickup limit, s: see replica_alive in replicas.lua),
+--   classes: in service order, each {name, limit (the snapshot's burst: max allowed in
+--     sent-since), prefill_limit (0: none; policies/prefill.py prefill_fits), free_slots
+--     (the part of the limit that is free batch slots), max_inflight (occupancy: requests
+--     in flight at the backend below which one more may go; 0: none; policies/gates.py
+--     Gate.admits)},
+--   locality: {slack (score units; 0: strict fairness order), compared (users compared
+--     within it), index_size (hashes; 0: no index), index_ttl (s), max_imbalance,
+--     lookahead (requests looked at in each user's queue), others (the model's other
+--     backends)},
+--   range: {min, max}: the estimated prompt tokens this backend takes (0: no bound),
+--   block_tokens (estimated tokens of one prefix block), backfill_s (how long smaller
+--   requests may pass one the prefill gate holds; policies/prefill.py may_backfill).
+-- Returns {grants, depth, decisions, backlogged, recent}: grants a list of {id, class,
+-- user, rank, owner, enqueued_at} (a grant for a request another replica holds is also
+-- pushed to its grant list), depth the requests still queued for the model (all
+-- classes), decisions one {held blocks, chain blocks, reason} per grant (locality.lua
+-- record), backlogged the class -> backlogged-since hash (flat), recent the classes of
+-- the latest dispatches, newest first (policies/starvation.py reads both).
+local function dispatch_for(a)
+  local now, prefix, backend, want = a.now, a.prefix, a.backend, a.want
+  local stamp = string.format('%.6f', now)  -- as written into grant and prefill entries
+  local replicas, depth_key = key_replicas(prefix), key_depth(prefix)
+  -- the dispatching replica is alive: a Redis restarted empty learns it at once
+  redis.call('ZADD', replicas, 'GT', now, a.replica)
+  if redis.call('SISMEMBER', key_drained(prefix), backend) == 1 then want = 0 end
+
+  -- what counts against the gates (policies/gates.py Gate.admits): dispatched since the
+  -- snapshot + still on the way at it; started since it (in a slot it may have counted
+  -- free); all requests in flight at the backend (occupancy)
+  local sent = redis.call('ZCARD', key_backend_sent(prefix, backend))
+    + (tonumber(redis.call('HGET', key_backend_snapshot(prefix, backend), 'unseen')) or 0)
+  local started = redis.call('ZCARD', key_backend_started(prefix, backend))
+  local inflight = tonumber(redis.call('GET', key_backend_inflight(prefix, backend))) or 0
+  -- uncached prompt tokens dispatched and maybe not yet scheduled (policies/prefill.py)
+  local pending = pending_prefill(key_backend_prefill(prefix, backend))
+
+  local pools = pools_for(prefix, a.range, a.block_tokens)
+  local locality = locality_for(prefix, backend, a.locality, inflight, now)
+  local fairness = fairness_for(prefix, pools, locality)
+  local granted = inflight_for(prefix, backend, a.replica,
+    {user_inflight = key_user_inflight(prefix), sent = key_backend_sent(prefix, backend),
+     backend_inflight = key_backend_inflight(prefix, backend), recent = key_recent(prefix),
+     prefill = key_backend_prefill(prefix, backend)}, a.recent_kept, now, stamp)
+
+  -- a candidate (request nil: the head of the user's queue): its queue, id, hash, fields,
+  -- whether its owner lives, and its uncached prompt tokens on this backend
+  -- (policies/prefill.py uncached_tokens; `held`: its leading blocks in the index, if known)
+  local function inspect(class, tenant, user, chosen, held)
+    local queue = key_queue(prefix, class, tenant, user)
+    local id = chosen or redis.call('LINDEX', queue, 0)
+    local req = id and key_request(prefix, id)
+    local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
+      'tcost', 'ptok')
+    local valid = fields and fields[1]
+      and replica_alive(replicas, prefix, fields[1], now, a.replica_ttl, a.pickup)
+    local tokens = valid and (tonumber(fields[6]) or 0) or 0
+    if tokens > 0 and locality.index_size > 0 then
+      tokens = math.max(0, tokens - (held or locality.held_blocks(fields[4]))
+        * a.block_tokens)
+    end
+    return queue, id, req, fields, valid, tokens
+  end
+
+  local grants, decisions = {}, {}
+  for _, gate in ipairs(a.classes) do
+    local class = gate.name
+    local active, saved = key_active(prefix, class), key_saved(prefix, class)
+    local function admits()
+      return sent + math.min(started, gate.free_slots) < gate.limit
+        or inflight < gate.max_inflight
+    end
+    local attempts = 0
+    while admits() and #grants < want and attempts < 64 do
+      attempts = attempts + 1
+      local tenant, user, chosen, held = fairness.pick(active, class)
+      if not tenant then break end
+      local queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
+      -- (a request nobody holds any more is never held: it is dropped below)
+      local room = nil
+      if valid then
+        room = pools.hold(req, tokens, pending, gate.prefill_limit, now, stamp, a.backfill_s)
+      end
+      if room == false then break end
+      if room then
+        tenant, user, chosen, held = fairness.pick(active, class, room)
+        if not tenant then break end
+        queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
+      end
+      if id then unqueue(prefix, class, queue, id, not chosen) end
+      if valid then
+        local cost = tonumber(fields[2]) or 0
+        fairness.charge(class, tenant, user, queue, active, saved, cost,
+          tonumber(fields[5]) or cost)
+        local rank
+        rank, inflight = granted.grant(id, req, class, user, fields[1], tokens)
+        sent = sent + 1
+        pending = pending + tokens
+        decisions[#decisions + 1] = locality.record(fields[4])
+        grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
+      else
+        if req then redis.call('DEL', req) end  -- expired, or its replica died
+        fairness.charge(class, tenant, user, queue, active, saved, 0, 0)
+      end
+    end
+  end
+  if #grants > 0 then locality.trim() end
+  local depth = 0
+  for _, queued in ipairs(redis.call('HVALS', depth_key)) do depth = depth + tonumber(queued) end
+  return {grants, depth, decisions, redis.call('HGETALL', key_backlogged_since(prefix)),
+          redis.call('LRANGE', key_recent(prefix), 0, -1)}
+end

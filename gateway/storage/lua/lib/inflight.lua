@@ -1,0 +1,117 @@
+-- In-flight state of a backend's requests: grant (a queued request becomes dispatched
+-- there), start (its first token streamed) and the one release every path that frees a
+-- request takes (settle.lua, reap.lua, cancel.lua).
+
+-- inflight_for(prefix, backend, replica, k, recent_kept, now, stamp), k = the key names
+-- {user_inflight, sent, backend_inflight, recent, prefill}.
+local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp)
+  local I = {}
+
+  -- grant request `id` (hash `req`) of `user` in `class`, whose client `owner` holds,
+  -- with `tokens` uncached prompt tokens: its vLLM priority rank (the user's requests
+  -- already in flight), the per-user and per-backend counts, the sent-since-snapshot set,
+  -- the owner's running set (or its grant list when another replica holds the client),
+  -- the recent classes and the pending prefill. Returns the rank and the backend's
+  -- requests in flight.
+  function I.grant(id, req, class, user, owner, tokens)
+    local rank = redis.call('HINCRBY', k.user_inflight, user, 1) - 1
+    redis.call('ZADD', k.sent, now, id)
+    local inflight = redis.call('INCR', k.backend_inflight)
+    redis.call('HSET', req, 'state', 'dispatched', 'backend', backend, 'rank', rank,
+      'dispatched_at', now)
+    redis.call('SADD', key_running(prefix, owner), id)
+    redis.call('LPUSH', k.recent, class)
+    redis.call('LTRIM', k.recent, 0, recent_kept - 1)
+    if owner ~= replica then
+      redis.call('RPUSH', key_grants(prefix, owner), grant_entry(id, backend, rank, stamp))
+    end
+    if tokens > 0 then redis.call('HSET', k.prefill, id, prefill_entry(tokens, stamp)) end
+    return rank, inflight
+  end
+
+  return I
+end
+
+-- Request `id` streams its first token on `backend` since `at`: it runs there, so it no
+-- longer counts against the gate as dispatched-since-snapshot or as on its way ("unseen");
+-- its prefill is done; it took a batch slot the snapshot may have seen free, so it joins
+-- the started-since-snapshot set (policies/gates.py Gate.used). A start the stored
+-- snapshot already shows (its scrape began after `at`: a start sent late, see
+-- start_each) only leaves the sent set: the snapshot counts it running, not unseen, and
+-- its started set is trimmed to after it. Returns 1 when a gate slot was freed, 0
+-- otherwise (marked already, or released).
+local function start_inflight(prefix, backend, id, at)
+  local req = key_request(prefix, id)
+  if redis.call('EXISTS', req) == 0 then return 0 end  -- settled (or reaped) already
+  if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
+  redis.call('HDEL', key_backend_prefill(prefix, backend), id)
+  local sent = redis.call('ZREM', key_backend_sent(prefix, backend), id)
+  local snapshot = key_backend_snapshot(prefix, backend)
+  if at <= (tonumber(redis.call('HGET', snapshot, 'taken_at')) or 0) then return sent end
+  redis.call('ZADD', key_backend_started(prefix, backend), at, id)
+  if sent == 1 then return 1 end
+  return take_unseen(snapshot)
+end
+
+-- The starts a call carries (started.lua, and those a replica held back while nothing
+-- was queued, sent with its next enqueue or settle: gateway/scheduling/dispatcher.py): a list of
+-- {id, backend, at}. Returns the number of gate slots freed.
+local function start_each(prefix, starts)
+  local freed = 0
+  for _, s in ipairs(starts or {}) do
+    freed = freed + start_inflight(prefix, s.backend, s.id, s.at)
+  end
+  return freed
+end
+
+-- Take request `id` out of its user's `queue` in `class` (`head`: it is the queue's
+-- first) and out of the class's depth; a class left with nothing queued is no longer
+-- backlogged. False when it was not queued.
+local function unqueue(prefix, class, queue, id, head)
+  if head then
+    redis.call('LPOP', queue)
+  elseif redis.call('LREM', queue, 1, id) == 0 then
+    return false
+  end
+  if redis.call('HINCRBY', key_depth(prefix), class, -1) <= 0 then
+    redis.call('HDEL', key_backlogged_since(prefix), class)
+  end
+  return true
+end
+
+-- Out of `backend`'s in-flight state: its in-flight count, pending prefill, started and
+-- sent-since-snapshot sets, the user's in-flight count and the owner's running set. True
+-- when it was still in the sent-since-snapshot set.
+local function release_inflight(prefix, id, user, backend, owner)
+  redis.call('HDEL', key_backend_prefill(prefix, backend), id)
+  redis.call('ZREM', key_backend_started(prefix, backend), id)
+  if owner then redis.call('SREM', key_running(prefix, owner), id) end
+  local users = key_user_inflight(prefix)
+  if redis.call('HINCRBY', users, user, -1) <= 0 then redis.call('HDEL', users, user) end
+  local inflight = key_backend_inflight(prefix, backend)
+  if redis.call('DECR', inflight) <= 0 then redis.call('DEL', inflight) end
+  return redis.call('ZREM', key_backend_sent(prefix, backend), id) == 1
+end
+
+-- The one release: request `id` leaves wherever it is. `f`: its {state, user, class,
+-- tenant, owner, backend, started}. Queued (cancel.lua): out of its user's queue, and a
+-- user (tenant) left with nothing queued leaves its tenant's users (the class's
+-- tenants), keeping its score. Dispatched (settle.lua, reap.lua): out of its backend's
+-- in-flight state; one it was dispatched before the snapshot and never seen starting may
+-- be among the snapshot's "unseen", and is gone now. Its hash goes. False when there was
+-- nothing to release (no longer queued; released already).
+local function release_request(prefix, id, f)
+  local req = key_request(prefix, id)
+  if f.state == 'queued' then
+    local queue = key_queue(prefix, f.class, f.tenant, f.user)
+    if not unqueue(prefix, f.class, queue, id, false) then return false end
+    redis.call('DEL', req)
+    if redis.call('LLEN', queue) == 0 then leave(prefix, f.class, f.tenant, f.user) end
+    return true
+  end
+  if redis.call('DEL', req) == 0 or not (f.user and f.backend) then return false end
+  if not release_inflight(prefix, id, f.user, f.backend, f.owner) and not f.started then
+    take_unseen(key_backend_snapshot(prefix, f.backend))
+  end
+  return true
+end

@@ -1,0 +1,37 @@
+-- Release a dispatched request (release_request in lib/inflight.lua), add the fairness
+-- policy's settle charges to its user's score in its tenant and to the tenant's score
+-- (each to the saved score when idle, see charge in _lib.lua; the tenant and class are
+-- the request's, kept in its hash), record its usage, and let the slot it frees grant
+-- the backend's next requests in the same call. Starts its replica held back (its own
+-- among them: start_each in lib/inflight.lua) are marked first, as if sent at once.
+-- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/store.py)
+-- ARGV[1]: one JSON object {prefix, id, user, backend, charge (user level), tcharge
+-- (tenant level), usage (optional: {key, ttl, counts: {row field -> amount}}, the day's
+-- usage hash, gateway/scheduling/usage.py), starts (optional: a list of {id, backend, at}),
+-- dispatch (optional: the backend's dispatch arguments, see dispatch_for in
+-- lib/dispatch.lua)}
+-- Returns {released (0 when it had been released already), dispatch_for's result when
+-- it ran}.
+local a = cjson.decode(ARGV[1])
+local prefix = a.prefix
+start_each(prefix, a.starts)
+local info = redis.call('HMGET', key_request(prefix, a.id), 'owner', 'started', 'tenant',
+  'class')
+local released = release_request(prefix, a.id, {state = 'dispatched', user = a.user,
+  backend = a.backend, owner = info[1], started = info[2]})
+if released then
+  local tenant = info[3] or a.user
+  if info[4] then
+    charge(key_users(prefix, info[4], tenant), key_user_saved(prefix, info[4], tenant),
+      a.user, a.charge)
+    charge(key_active(prefix, info[4]), key_saved(prefix, info[4]), tenant, a.tcharge)
+  end
+end
+if a.usage then
+  for field, amount in pairs(a.usage.counts) do
+    redis.call('HINCRBY', a.usage.key, field, amount)
+  end
+  redis.call('EXPIRE', a.usage.key, a.usage.ttl)
+end
+if a.dispatch then return {released and 1 or 0, dispatch_for(a.dispatch)} end
+return {released and 1 or 0}

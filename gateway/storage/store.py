@@ -1,0 +1,617 @@
+"""The Redis store: fairgate's queue verbs, each one atomic (a Lua script) where it
+changes shared state, and the reads operators need. Keys come from ``gateway/storage/keys.py``;
+Redis errors arrive already mapped by the client (``gateway/storage/redis_client.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+from gateway.core.errors import StoreUnavailable
+from gateway.storage.keys import ModelKeys, lua_prelude
+from gateway.storage.values import GRANT, PREFILL, UsageCounts, lua_values
+from policies.classes import CLASS_ORDER
+from policies.gates import BackendSnapshot, Gate
+from policies.prefill import TOKENS_PER_BLOCK, PromptRange
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    request_id: str
+    user: str
+    klass: str
+    owner: str
+    cost: float  # the fairness policy's dispatch cost, at the user level
+    enqueued_at: float
+    prefix: tuple[str, ...] = ()  # the prompt's block-hash chain (policies/locality.py)
+    tenant: str = ""  # "": the tenant named after the user
+    tenant_cost: float | None = None  # the dispatch cost at the tenant level (None: cost)
+    deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
+    prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant or self.user
+
+    @property
+    def tenant_charge(self) -> float:
+        return self.cost if self.tenant_cost is None else self.tenant_cost
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    request_id: str
+    klass: str
+    user: str
+    rank: int
+    owner: str
+    backend: str
+    enqueued_at: float
+    # known where it was dispatched (dispatch.lua), not on a grant read back from Redis:
+    matched_blocks: int = 0  # leading blocks of its chain the backend's prefix index held
+    prompt_blocks: int = 0  # blocks of its chain (0: no index, routing least_loaded)
+    reason: str = "load"  # why it went there: policies.locality.DISPATCH_REASONS
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A request's first token on ``backend`` at ``at`` (unix s), as the scripts mark it
+    (``start_each`` in ``lua/lib/inflight.lua``)."""
+
+    request_id: str
+    backend: str
+    at: float
+
+
+def start_keys(model: str, starts: Sequence[Start]) -> list[str]:
+    """The keys marking ``starts`` touches, declared for Redis Cluster."""
+    k = ModelKeys(model)
+    return [key for s in starts for key in (
+        k.backend_sent(s.backend), k.backend_snapshot(s.backend), k.request(s.request_id),
+        k.backend_prefill(s.backend), k.backend_started(s.backend))]
+
+
+def _starts(starts: Sequence[Start]) -> list[dict[str, Any]]:
+    return [{"id": s.request_id, "backend": s.backend, "at": s.at} for s in starts]
+
+
+@dataclass(frozen=True, slots=True)
+class Locality:
+    """Locality-aware dispatch (``routing: locality``): the fairness slack (service
+    units), how many users within it are compared, the bounds of each backend's prefix
+    index (block hashes kept, seconds an unused hash lives), and the bounded-load
+    affinity (the model's backends, the in-flight imbalance a request waits out)."""
+
+    slack: float
+    candidates: int
+    index_size: int
+    index_ttl_s: float
+    max_imbalance: int = 0  # a head whose prefix another backend holds waits for it unless
+    others: tuple[str, ...] = ()  # that one has more in flight than this one + this
+    lookahead: int = 4  # requests of each user's queue compared (its oldest first)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendFit:
+    """What one backend takes, for dispatch.lua (``policies/prefill.py``): its prompt
+    range and each class's prefill-token limit (0: none)."""
+
+    prompt_range: PromptRange = field(default_factory=PromptRange)
+    prefill_limits: Mapping[str, int] = field(default_factory=dict)
+    backfill_s: float = 0.0  # smaller requests may pass one the gate holds this long
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    snapshot: BackendSnapshot | None
+    sent_since_snapshot: int
+    inflight: int
+    unseen: int  # on the way at the snapshot, not yet registered by the server
+    pending_prefill_tokens: int = 0  # dispatched, maybe not yet scheduled (uncached tokens)
+    started_since_snapshot: int = 0  # first token since the snapshot: in a slot it saw free
+
+
+def _gate(limit: int | Gate) -> Gate:
+    return limit if isinstance(limit, Gate) else Gate(limit)
+
+
+# A replica's grant listener waits on its grant list all the time: a grant unread this long
+# means the replica died (scripts: replica_alive in gateway/storage/lua/_lib.lua).
+GRANT_PICKUP_S = 2.0
+
+
+# The library modules (``lua/lib/``), each after the ones it uses.
+LIBRARY = ("inflight", "replicas", "pools", "locality", "fairness", "dispatch")
+
+
+def load_library() -> str:
+    """What every script starts with: the generated key functions and value readers
+    (``gateway/storage/keys.py``, ``gateway/storage/values.py``), the shared helpers
+    (``lua/_lib.lua``)
+    and the library modules (``lua/lib/``, :data:`LIBRARY`: the parts of the dispatch
+    decision, the in-flight state, the replicas)."""
+    lua = resources.files("gateway.storage") / "lua"
+    found = {f.name.removesuffix(".lua") for f in (lua / "lib").iterdir()
+             if f.name.endswith(".lua")}
+    if found != set(LIBRARY):
+        raise RuntimeError(f"lua/lib/ holds {sorted(found)}, LIBRARY lists {list(LIBRARY)}")
+    return (lua_prelude() + lua_values() + (lua / "_lib.lua").read_text()
+            + "".join((lua / "lib" / f"{name}.lua").read_text() for name in LIBRARY))
+
+
+def load_script(name: str) -> str:
+    """A script's text, after :func:`load_library`."""
+    return load_library() + (resources.files("gateway.storage") / "lua" / f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """What a dispatch decision (``dispatch_for`` in ``lua/lib/dispatch.lua``) returned,
+    whichever script ran it: the grants, the requests still queued for the model, and the
+    class service picture ``policies/starvation.py`` reads."""
+
+    grants: list[Grant]
+    depth: int
+    backlogged_since: dict[str, float]
+    recent: list[str]
+
+
+def dispatch_args(
+    model: str, backend: str, limits: Mapping[str, int | Gate], replica: str, now: float,
+    replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER, recent_window: int = 100,
+    max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
+    locality: Locality | None = None, fit: BackendFit | None = None,
+) -> dict[str, Any]:
+    """The named arguments of one dispatch decision for ``backend`` (see
+    :meth:`Store.dispatch`), as ``dispatch_for`` in ``lua/lib/dispatch.lua`` reads them."""
+    fit = fit or BackendFit()
+    loc = locality or Locality(0.0, 0, 0, 0.0)
+    span = fit.prompt_range
+    gates = {c: _gate(limits.get(c, 0)) for c in order}
+    return {
+        "now": now, "replica_ttl": replica_ttl_s, "prefix": ModelKeys(model).prefix,
+        "replica": replica, "backend": backend, "recent_kept": recent_window,
+        "want": max_grants, "pickup": grant_pickup_s,
+        "classes": [{"name": c, "limit": g.limit if g.reason is None else 0,
+                     "prefill_limit": fit.prefill_limits.get(c, 0),
+                     "free_slots": g.free_slots,
+                     "max_inflight": g.max_inflight if g.reason is None else 0}
+                    for c, g in gates.items()],
+        "locality": {"slack": loc.slack, "compared": loc.candidates,
+                     "index_size": loc.index_size, "index_ttl": int(loc.index_ttl_s),
+                     "max_imbalance": loc.max_imbalance, "lookahead": loc.lookahead,
+                     "others": [b for b in loc.others if b != backend]},
+        "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
+        "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
+    }
+
+
+def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
+    """The keys a dispatch decision touches, declared for Redis Cluster (all in the
+    model's slot; the script derives them, and the queues and requests, from the prefix)."""
+    if args is None:
+        return []
+    k, backend = ModelKeys(model), args["backend"]
+    order = [c["name"] for c in args["classes"]]
+    return ([k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
+             k.backend_inflight(backend), k.backlogged_since, k.recent,
+             k.backend_snapshot(backend), k.drained, k.backend_prefill(backend),
+             k.backend_started(backend)]
+            + [k.active(c) for c in order] + [k.saved(c) for c in order])
+
+
+def _dispatched(backend: str, raw: Sequence[Any]) -> Dispatched:
+    found, depth, decisions, since, recent = raw
+    grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at),
+                    int(held), int(blocks), reason)
+              for (rid, klass, user, rank, owner, enqueued_at), (held, blocks, reason)
+              in zip(found, decisions, strict=True)]
+    backlogged = {str(since[i]): float(since[i + 1]) for i in range(0, len(since), 2)}
+    return Dispatched(grants, int(depth), backlogged, [str(c) for c in recent])
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedUser:
+    klass: str
+    user: str
+    score: float
+    queued: int
+    oldest_request_id: str | None
+    oldest_enqueued_at: float | None
+    tenant: str = ""  # "": the tenant named after the user (score: the tenant's)
+
+
+class Store:
+    """Domain verbs over one Redis client (``decode_responses=True``)."""
+
+    def __init__(self, client: aioredis.Redis, request_ttl_s: float) -> None:
+        self.client = client
+        self.request_ttl_s = request_ttl_s
+        self._scripts: dict[str, AsyncScript] = {
+            name: client.register_script(load_script(name))
+            for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
+                         "started", "share")
+        }
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run a script. redis-py loads a script the server lacks once, then runs it again;
+        a Redis that restarts in between (its script cache empty again) answers that second
+        run with NOSCRIPT too: load once more, then call it unavailable (a script that
+        answers NOSCRIPT did not run, so running it again is safe)."""
+        script = self._scripts[name]
+        try:
+            return await script(keys=list(keys), args=list(args))
+        except NoScriptError:
+            pass
+        try:
+            return await script(keys=list(keys), args=list(args))
+        except NoScriptError as exc:
+            raise StoreUnavailable(f"script {name} not loaded: {exc}") from exc
+
+    async def ping(self) -> bool:
+        return bool(await cast("Awaitable[bool]", self.client.ping()))
+
+    async def enqueue(self, model: str, req: QueuedRequest, max_queued: int) -> int:
+        """Queue length after the push, or -1 when the user's cap is reached."""
+        positions, _ = await self.enqueue_many(model, [req], max_queued)
+        return positions[0]
+
+    async def enqueue_many(self, model: str, reqs: Sequence[QueuedRequest], max_queued: int,
+                           then: Mapping[str, Any] | None = None,
+                           starts: Sequence[Start] = ()
+                           ) -> tuple[list[int], Dispatched | None]:
+        """Queue a tick's requests in one call (each: its queue length after the push, or
+        -1 when its user's cap is reached) and, with ``then`` (:func:`dispatch_args`),
+        dispatch to that backend in the same call. ``starts`` are marked first."""
+        k = ModelKeys(model)
+        keys = [k.depth, k.backlogged_since, k.replicas]
+        requests = []
+        for req in reqs:
+            tenant = req.tenant_name
+            keys += [k.queue(req.klass, req.user, tenant), k.request(req.request_id),
+                     k.active(req.klass), k.saved(req.klass), k.users(req.klass, tenant),
+                     k.user_saved(req.klass, tenant), k.user_floor(req.klass)]
+            # numbers kept as text where the script stores them as given
+            requests.append({
+                "id": req.request_id, "user": req.user, "class": req.klass,
+                "tenant": tenant, "owner": req.owner, "cost": repr(float(req.cost)),
+                "tcost": repr(float(req.tenant_charge)), "now": repr(req.enqueued_at),
+                "chain": " ".join(req.prefix),
+                "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
+                "ptok": int(req.prompt_tokens)})
+        args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
+                                "ttl": int(self.request_ttl_s), "requests": requests}
+        if starts:
+            args["starts"] = _starts(starts)
+        if then is not None:
+            args["dispatch"] = then
+        keys += start_keys(model, starts) + dispatch_keys(model, then)
+        out = await self._run("enqueue", list(dict.fromkeys(keys)), [json.dumps(args)])
+        return ([int(p) for p in out[0]],
+                _dispatched(then["backend"], out[1]) if then is not None else None)
+
+    async def dispatch(
+        self, model: str, backend: str, limits: Mapping[str, int | Gate], replica: str,
+        now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
+        recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
+        locality: Locality | None = None, fit: BackendFit | None = None,
+    ) -> tuple[list[Grant], int]:
+        """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
+        gates admit, trying the classes in ``order`` with the given per-class limits: the
+        least-served tenant's least-served user's oldest request (two levels,
+        ``policies/fairness.py``). With ``locality``, among the users within its slack of
+        the smallest score at both levels (``policies/locality.py`` within_slack) the one
+        whose head prompt is best cached on the backend goes first, and the backend's
+        prefix index records what it was sent (``policies/locality.py``). With ``fit``,
+        only requests its prompt range takes are considered, and a class dispatches only
+        while its prefill-token gate admits the next request (``policies/prefill.py``).
+        ``limits`` holds each class's gate (``policies/gates.py`` Gate.admits), or just
+        its burst limit.
+        Returns the grants and how many requests are still queued for the model."""
+        done = await self.dispatch_with(model, dispatch_args(
+            model, backend, limits, replica, now, replica_ttl_s, order, recent_window,
+            max_grants, grant_pickup_s, locality, fit))
+        return done.grants, done.depth
+
+    async def dispatch_with(self, model: str, args: Mapping[str, Any],
+                            starts: Sequence[Start] = ()) -> Dispatched:
+        """:meth:`dispatch` from its arguments (:func:`dispatch_args`); ``starts`` are
+        marked first."""
+        keys = start_keys(model, starts) + dispatch_keys(model, args)
+        if starts:
+            args = {**args, "starts": _starts(starts)}
+        raw = await self._run("dispatch", list(dict.fromkeys(keys)), [json.dumps(args)])
+        return _dispatched(args["backend"], raw)
+
+    async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
+        """(class → backlogged since, classes of the latest dispatches, newest first)."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(k.backlogged_since)
+        pipe.lrange(k.recent, 0, -1)
+        since, recent = await pipe.execute()
+        return {c: float(t) for c, t in since.items()}, list(recent)
+
+    async def mark_started(self, model: str, grant: Grant, now: float | None = None,
+                           then: Mapping[str, Any] | None = None,
+                           held: Sequence[Start] = ()) -> Dispatched | None:
+        """The backend is running this request (since ``now``, default the clock): it no
+        longer counts as waiting there, and took one of the batch's free slots; the
+        ``held`` starts of other requests are marked in the same call. With ``then``
+        (:func:`dispatch_args` for its backend), a gate slot that frees grants the
+        backend's next requests in the same call: what that decision returned (None when
+        no slot freed)."""
+        starts = [*held, Start(grant.request_id, grant.backend,
+                               time.time() if now is None else now)]
+        args: dict[str, Any] = {"prefix": ModelKeys(model).prefix, "starts": _starts(starts)}
+        if then is not None:
+            args["dispatch"] = then
+        keys = start_keys(model, starts) + dispatch_keys(model, then)
+        out = await self._run("started", list(dict.fromkeys(keys)), [json.dumps(args)])
+        return _dispatched(grant.backend, out[1]) if len(out) > 1 else None
+
+    async def settle(self, model: str, grant: Grant, charge: float,
+                     tenant_charge: float | None = None) -> bool:
+        """Release a dispatched request: ``charge`` is added to its user's score in its
+        tenant, ``tenant_charge`` (None: ``charge``) to its tenant's (the request's, kept
+        in its hash). False when it had been released already."""
+        released, _ = await self.settle_and_dispatch(model, grant, charge, tenant_charge)
+        return released
+
+    async def settle_and_dispatch(
+        self, model: str, grant: Grant, charge: float, tenant_charge: float | None = None,
+        usage: UsageCounts | None = None, then: Mapping[str, Any] | None = None,
+        starts: Sequence[Start] = (),
+    ) -> tuple[bool, Dispatched | None]:
+        """:meth:`settle`, adding ``usage`` to its day's usage hash
+        (``gateway/scheduling/usage.py``),
+        and with ``then`` (:func:`dispatch_args` for its backend) the freed slot grants
+        the backend's next requests in the same call: (released, what that returned).
+        ``starts`` (the request's own among them, perhaps) are marked first."""
+        k = ModelKeys(model)
+        keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
+                k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
+                k.backend_snapshot(grant.backend), k.backend_prefill(grant.backend),
+                k.backend_started(grant.backend)]
+        args: dict[str, Any] = {
+            "prefix": k.prefix, "id": grant.request_id, "user": grant.user,
+            "backend": grant.backend, "charge": charge,
+            "tcharge": charge if tenant_charge is None else tenant_charge}
+        if usage is not None:
+            keys.append(usage.key)
+            args["usage"] = {"key": usage.key, "ttl": usage.ttl_s, "counts": usage.counts}
+        if starts:
+            args["starts"] = _starts(starts)
+        if then is not None:
+            args["dispatch"] = then
+        keys += start_keys(model, starts) + dispatch_keys(model, then)
+        out = await self._run("settle", list(dict.fromkeys(keys)), [json.dumps(args)])
+        return bool(out[0]), (_dispatched(grant.backend, out[1]) if len(out) > 1 else None)
+
+    async def reap(self, model: str, now: float, replica_ttl_s: float,
+                   grant_pickup_s: float = GRANT_PICKUP_S) -> int:
+        """Release what dead replicas held (silent for ``replica_ttl_s``, or leaving a
+        grant unread for ``grant_pickup_s``); returns the count."""
+        k = ModelKeys(model)
+        return int(await self._run("reap", [k.replicas, k.user_inflight],
+                                   [now, replica_ttl_s, k.prefix, grant_pickup_s]))
+
+    async def cancel(self, model: str, request_id: str, user: str, klass: str,
+                     tenant: str | None = None) -> bool:
+        """Take a queued request out of its user's queue in ``tenant`` (None: the tenant
+        its hash names, else the user's own)."""
+        k = ModelKeys(model)
+        if tenant is None:
+            tenant = await cast("Awaitable[str | None]", self.client.hget(
+                k.request(request_id), "tenant")) or user
+        keys = [k.queue(klass, user, tenant), k.active(klass), k.saved(klass),
+                k.request(request_id), k.depth, k.backlogged_since, k.users(klass, tenant),
+                k.user_saved(klass, tenant), k.user_floor(klass)]
+        return bool(await self._run("cancel", keys,
+                                    [request_id, user, klass, tenant, k.prefix]))
+
+    async def store_snapshot(self, model: str, backend: str,
+                             snap: BackendSnapshot) -> tuple[bool, bool, int]:
+        """Store a snapshot unless a newer one is there; returns (stored, drained, the
+        backend's pending prefill tokens once the snapshot trimmed them; 0 if not stored)."""
+        k = ModelKeys(model)
+        tpot = "" if snap.tpot_s is None else snap.tpot_s
+        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend,
+                k.prefix]
+        keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
+                k.drained, k.backend_prefill(backend), k.backend_started(backend)]
+        stored, drained, pending = await self._run("snapshot", keys, args)
+        return bool(stored), bool(drained), int(pending)
+
+    async def add_service(self, model: str, amounts: Mapping[str, float], now: float,
+                          half_life_s: float, cap: int, ttl_s: float) -> int:
+        """Add each user's service to the model's decayed shares (every replica's);
+        returns the number of users kept (at most ``cap``)."""
+        k = ModelKeys(model)
+        args: list[Any] = [now, half_life_s, cap, int(ttl_s)]
+        for user, amount in amounts.items():
+            args += [user, amount]
+        return int(await self._run("share", [k.service, k.service_epoch], args))
+
+    async def service_shares(self, model: str) -> dict[str, float]:
+        """Each user's share of the model's decayed service across replicas, largest
+        first (at most the cap kept by ``add_service``)."""
+        raw = await cast("Awaitable[list[tuple[str, float]]]", self.client.zrange(
+            ModelKeys(model).service, 0, -1, desc=True, withscores=True))
+        total = sum(score for _, score in raw)
+        return {} if total <= 0 else {user: score / total for user, score in raw}
+
+    async def forget_prefixes(self, model: str, backend: str) -> None:
+        """Drop a backend's prefix index (it restarted or went away: its cache is gone)."""
+        await cast("Awaitable[int]", self.client.delete(ModelKeys(model).backend_prefixes(backend)))
+
+    async def set_drained(self, model: str, backend: str, drained: bool) -> None:
+        """Drain (or undrain) a backend for every replica."""
+        key = ModelKeys(model).drained
+        change = self.client.sadd if drained else self.client.srem
+        await cast("Awaitable[int]", change(key, backend))
+
+    async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
+        """What Redis holds about each backend (snapshot, sent-since, in flight)."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        for name in backends:
+            pipe.hgetall(k.backend_snapshot(name))
+            pipe.zcard(k.backend_sent(name))
+            pipe.get(k.backend_inflight(name))
+            pipe.hvals(k.backend_prefill(name))
+            pipe.zcard(k.backend_started(name))
+        raw = await pipe.execute()
+        states = {}
+        for i, name in enumerate(backends):
+            snap, sent, inflight, prefill, started = raw[5 * i: 5 * i + 5]
+            states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0),
+                                        int(float(snap.get("unseen") or 0)),
+                                        sum(int(float(PREFILL.decode(v)["tokens"]))
+                                            for v in prefill),
+                                        int(started))
+        return states
+
+    async def heartbeat(self, models: Sequence[str], replica: str, now: float,
+                        listened: Mapping[str, float] | None = None) -> None:
+        """Mark ``replica`` alive at ``now``; ``listened``: per model, when its grant
+        listener last turned (a grant left unread is a dead replica only if that is old
+        too, see ``replica_alive`` in ``lua/_lib.lua``)."""
+        pipe = self.client.pipeline(transaction=False)
+        for model in models:
+            k = ModelKeys(model)
+            pipe.zadd(k.replicas, {replica: now})
+            if listened and model in listened:
+                pipe.hset(k.listened, replica, str(listened[model]))
+        await pipe.execute()
+
+    async def next_grant(
+        self, model: str, replica: str, timeout_s: float
+    ) -> tuple[str, str, int] | None:
+        """Block until a grant for one of this replica's requests arrives (or timeout)."""
+        item = await cast("Awaitable[list[str] | None]", self.client.blpop(
+            [ModelKeys(model).grants(replica)], timeout=timeout_s))
+        if item is None:
+            return None
+        entry = GRANT.decode(item[1])
+        rid, backend, rank = entry["request_id"], entry["backend"], entry["rank"]
+        return rid, backend, int(rank)
+
+    async def held_by(self, model: str, replica: str) -> list[tuple[Grant, float]]:
+        """The dispatched, unsettled requests whose client ``replica`` holds, by Redis,
+        each with its dispatch time."""
+        k = ModelKeys(model)
+        ids = await cast("Awaitable[set[str]]", self.client.smembers(k.running(replica)))
+        pipe = self.client.pipeline(transaction=False)
+        for request_id in ids:
+            pipe.hgetall(k.request(request_id))
+        found = []
+        for request_id, raw in zip(ids, await pipe.execute(), strict=True):
+            if raw.get("state") == "dispatched":
+                found.append((_grant(request_id, raw), float(raw.get("dispatched_at") or 0)))
+        return found
+
+    async def dispatched(self, model: str, request_id: str) -> Grant | None:
+        """The grant of a dispatched, unsettled request, read back from Redis."""
+        k = ModelKeys(model)
+        raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(k.request(request_id)))
+        if raw.get("state") != "dispatched":
+            return None
+        return _grant(request_id, raw)
+
+    async def request_fields(self, model: str, request_id: str) -> dict[str, str]:
+        """A queued or running request's hash (empty when there is none)."""
+        return await cast("Awaitable[dict[str, str]]",
+                          self.client.hgetall(ModelKeys(model).request(request_id)))
+
+    async def queued_users(self, model: str, per_class: int) -> list[QueuedUser]:
+        """The first ``per_class`` active users of each class, in the first ``per_class``
+        active tenants, with their queue heads; each with its tenant's score."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        for klass in CLASS_ORDER:
+            pipe.zrange(k.active(klass), 0, per_class - 1, withscores=True)
+        actives = await pipe.execute()
+        tenants = [(klass, str(tenant), float(score))
+                   for klass, members in zip(CLASS_ORDER, actives, strict=True)
+                   for tenant, score in members]
+        pipe = self.client.pipeline(transaction=False)
+        for klass, tenant, _ in tenants:
+            pipe.zrange(k.users(klass, tenant), 0, per_class - 1)
+        members = await pipe.execute()
+        pairs = [(klass, str(user), score, tenant)
+                 for (klass, tenant, score), users in zip(tenants, members, strict=True)
+                 for user in users]
+        pipe = self.client.pipeline(transaction=False)
+        for klass, user, _, tenant in pairs:
+            pipe.llen(k.queue(klass, user, tenant))
+            pipe.lindex(k.queue(klass, user, tenant), 0)
+        heads = await pipe.execute()
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(len(pairs)):
+            pipe.hget(k.request(str(heads[2 * i + 1] or "")), "enqueued_at")
+        enqueued = await pipe.execute()
+        return [QueuedUser(klass, user, score, int(heads[2 * i]), heads[2 * i + 1],
+                           float(enqueued[i]) if enqueued[i] else None,
+                           "" if tenant == user else tenant)
+                for i, (klass, user, score, tenant) in enumerate(pairs)]
+
+    async def queue_place(self, model: str, klass: str, user: str,
+                          request_id: str | None, tenant: str | None = None
+                          ) -> tuple[float | None, int | None]:
+        """(the score of the user's tenant among its class's active tenants, the request's
+        index in its user's queue, or without ``request_id`` the queue's length); None when
+        absent. For the wait estimate. ``tenant`` None: the request's (its hash), else the
+        user's own."""
+        k = ModelKeys(model)
+        if tenant is None and request_id is not None:
+            tenant = await cast("Awaitable[str | None]", self.client.hget(
+                k.request(request_id), "tenant"))
+        tenant = tenant or user
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zscore(k.active(klass), tenant)
+        if request_id is None:
+            pipe.llen(k.queue(klass, user, tenant))
+        else:
+            pipe.lpos(k.queue(klass, user, tenant), request_id)
+        score, index = await pipe.execute()
+        return (None if score is None else float(score)), (None if index is None else int(index))
+
+    async def request_exists(self, model: str, request_id: str) -> bool:
+        return bool(await self.client.exists(ModelKeys(model).request(request_id)))
+
+    async def depths(self, model: str) -> dict[str, int]:
+        raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(ModelKeys(model).depth))
+        return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}
+
+    async def user_inflight(self, model: str) -> dict[str, int]:
+        raw = await cast("Awaitable[dict[str, str]]",
+                         self.client.hgetall(ModelKeys(model).user_inflight))
+        return {u: int(v) for u, v in raw.items()}
+
+
+def _grant(request_id: str, raw: Mapping[str, str]) -> Grant:
+    return Grant(request_id, raw["class"], raw["user"], int(raw["rank"]), raw["owner"],
+                 raw["backend"], float(raw["enqueued_at"]))
+
+
+def _snapshot(raw: Mapping[str, str]) -> BackendSnapshot | None:
+    if not raw:
+        return None
+    tpot = raw.get("tpot", "")
+    return BackendSnapshot(
+        waiting=int(float(raw["waiting"])),
+        running=int(float(raw["running"])),
+        kv_usage=float(raw["kv"]),
+        tpot_s=float(tpot) if tpot else None,
+        taken_at_s=float(raw["taken_at"]),
+    )

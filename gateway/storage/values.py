@@ -1,0 +1,87 @@
+"""The values fairgate keeps in Redis, declared once (``gateway/storage/keys.py`` owns the key
+names): the fields of a request's hash, and the two packed entries, a grant (in a
+replica's grant list) and a pending prefill (in a backend's prefill hash).
+
+Python reads and writes them here; :func:`lua_values` generates the Lua each script gets
+(a builder ``<record>_entry(...)`` and one reader ``<record>_<field>(entry)`` per field),
+as :func:`gateway.storage.keys.lua_prelude` does for the keys. ``docs/redis-schema.md`` lists them,
+and ``tests/store/test_values.py`` checks that the scripts name no request field this
+module does not declare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A request's hash (``req:{request_id}``): field -> what it holds, and who writes it.
+REQUEST_FIELDS: dict[str, str] = {
+    "user": "the user (enqueue)",
+    "class": "its priority class (enqueue)",
+    "tenant": "its tenant (enqueue)",
+    "owner": "the replica that holds its client (enqueue)",
+    "cost": "user-level dispatch cost (enqueue)",
+    "tcost": "tenant-level dispatch cost (enqueue)",
+    "enqueued_at": "unix s (enqueue)",
+    "state": "queued, then dispatched (enqueue, dispatch)",
+    "ptok": "estimated prompt tokens (enqueue)",
+    "prefix": "its prompt's block-hash chain, space-separated (enqueue, locality only)",
+    "deadline": "first-token deadline, unix s (enqueue, when given)",
+    "held_at": "when the prefill-token gate first held it, unix s (dispatch)",
+    "backend": "where it was dispatched (dispatch)",
+    "rank": "its user's requests already in flight: the vLLM priority rank (dispatch)",
+    "dispatched_at": "unix s (dispatch)",
+    "started": "1 once its first token streamed and its start reached Redis",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """A value packed into one string: ``fields`` joined by ``sep``."""
+
+    name: str
+    fields: tuple[str, ...]
+    sep: str
+
+    def encode(self, *values: object) -> str:
+        if len(values) != len(self.fields):
+            raise ValueError(f"{self.name} takes {self.fields}, got {values!r}")
+        return self.sep.join(str(v) for v in values)
+
+    def decode(self, text: str) -> dict[str, str]:
+        parts = text.split(self.sep)
+        if len(parts) != len(self.fields):
+            raise ValueError(f"not a {self.name} entry: {text!r}")
+        return dict(zip(self.fields, parts, strict=True))
+
+    def lua(self) -> str:
+        sep = "\\t" if self.sep == "\t" else self.sep
+        joined = (" .. '" + sep + "' .. ").join(self.fields)
+        out = [f"local function {self.name}_entry({', '.join(self.fields)})\n"
+               f"  return {joined}\nend\n"]
+        other = f"[^{sep}]"
+        for i, name in enumerate(self.fields):
+            pattern = "^" + (other + "*" + sep) * i + "(" + other + "*)"
+            out.append(f"local function {self.name}_{name}(entry)\n"
+                       f"  return string.match(entry, '{pattern}')\nend\n")
+        return "".join(out)
+
+
+# A grant pushed to the replica that holds the client (``grants:{replica}``).
+GRANT = Record("grant", ("request_id", "backend", "rank", "pushed_at"), "\t")
+# A request's uncached prompt tokens, maybe not yet scheduled (``bk:{backend}:prefill``).
+PREFILL = Record("prefill", ("tokens", "dispatched_at"), " ")
+RECORDS = (GRANT, PREFILL)
+
+
+def lua_values() -> str:
+    """Lua builders and readers of every packed entry."""
+    return "".join(r.lua() for r in RECORDS)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageCounts:
+    """One request's additions to its day's usage hash: row field -> amount."""
+
+    key: str
+    counts: dict[str, int]
+    ttl_s: int
