@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,10 @@ class Dispatcher(ReadsSettings):
         self._to_enqueue: dict[str, list[tuple[QueuedRequest, asyncio.Future[int]]]] = {}
         # first tokens not yet sent, by model: they ride on its next call to Redis
         self._starts: dict[str, dict[str, Start]] = {}
+        # decisions on their way to Redis, by (model, backend): while one is, a settle or a
+        # start does not fold another in but wakes the dispatch loop, which takes every
+        # slot freed meanwhile in one decision (under load, folds would each make one)
+        self._deciding: dict[tuple[str, str], int] = {}
         # grants this replica holds (delivered, not yet released): what "running:<me>"
         # in Redis should say, and what reconcile() makes it say after a Redis restart
         self.held: dict[str, Grant] = {}
@@ -236,9 +241,14 @@ class Dispatcher(ReadsSettings):
         try:
             plan = await self.plan(model, time.time())
             target = plan.open[0] if plan.open and self._beating.is_set() else None
+            if target is not None and (self._queued.get(model, 0) > 0
+                                       or self._deciding.get((model, target))):
+                target = None  # a backlog, or a decision on its way: the loop decides
             then = self._dispatch_args(model, plan, target) if target else None
-            positions, done = await self.store.enqueue_many(
-                model, [r for r, _ in batch], self.settings.max_queued_per_user, then, starts)
+            with self._decision(model, target):
+                positions, done = await self.store.enqueue_many(
+                    model, [r for r, _ in batch], self.settings.max_queued_per_user, then,
+                    starts)
         except (Exception, asyncio.CancelledError) as exc:
             self._hold(model, starts)
             for _, position in batch:
@@ -267,8 +277,9 @@ class Dispatcher(ReadsSettings):
         starts = self._take_starts(model)
         try:
             plan, then = await self._fold(model, grant.backend)
-            _, done = await self.store.settle_and_dispatch(model, grant, charge, tenant_charge,
-                                                           usage, then, starts)
+            with self._decision(model, grant.backend if then else None):
+                _, done = await self.store.settle_and_dispatch(
+                    model, grant, charge, tenant_charge, usage, then, starts)
         except StoreUnavailable as exc:
             log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
             self._unsettled.append(Settle(model, grant, charge, tenant_charge, usage,
@@ -348,8 +359,9 @@ class Dispatcher(ReadsSettings):
         for backend in plan.open:
             starts = self._take_starts(model)
             try:
-                done = await self.store.dispatch_with(
-                    model, self._dispatch_args(model, plan, backend), starts)
+                with self._decision(model, backend):
+                    done = await self.store.dispatch_with(
+                        model, self._dispatch_args(model, plan, backend), starts)
             except StoreUnavailable:
                 self._hold(model, starts)
                 raise
@@ -390,13 +402,31 @@ class Dispatcher(ReadsSettings):
     async def _fold(self, model: str, backend: str
                     ) -> tuple[Plan | None, dict[str, Any] | None]:
         """The decision a started or settled request on ``backend`` folds in: none while
-        nothing is known to be queued for the model, or when the backend is not open."""
-        if self._queued.get(model, 1) == 0:
+        nothing is known to be queued for the model, while another decision for the backend
+        is on its way (the caller wakes the dispatch loop), or when the backend is not
+        open."""
+        if self._queued.get(model, 1) == 0 or self._deciding.get((model, backend)):
             return None, None
         plan = await self.plan(model, time.time())
         if backend not in plan.open:
             return plan, None
         return plan, self._dispatch_args(model, plan, backend)
+
+    @contextlib.contextmanager
+    def _decision(self, model: str, backend: str | None) -> Iterator[None]:
+        """A call that carries a decision for ``backend`` (None: none) is on its way."""
+        if backend is None:
+            yield
+            return
+        key = (model, backend)
+        self._deciding[key] = self._deciding.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            if self._deciding[key] == 1:
+                del self._deciding[key]
+            else:
+                self._deciding[key] -= 1
 
     def _granted(self, model: str, plan: Plan, done: Dispatched) -> bool:
         """Take in what a decision returned, whichever call made it: deliver this
@@ -441,8 +471,9 @@ class Dispatcher(ReadsSettings):
         starts = [*self._take_starts(model), start]
         try:
             plan, then = await self._fold(model, grant.backend)
-            done = await self.store.mark_started(model, grant, start.at, then,
-                                                 held=starts[:-1])
+            with self._decision(model, grant.backend if then else None):
+                done = await self.store.mark_started(model, grant, start.at, then,
+                                                     held=starts[:-1])
         except StoreUnavailable:
             self._hold(model, starts)  # sent with the next call, the settle at the latest
             self.wake_freed()
