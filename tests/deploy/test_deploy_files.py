@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.core.settings import load_settings
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 CHART = ROOT / "helm" / "fairgate"
@@ -448,10 +450,9 @@ def test_pools_sharing_a_model_name_split_it_by_prompt_length() -> None:
 def test_gateway_settings_accept_the_compose_configs(
     config_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    settings_mod = pytest.importorskip("gateway.settings")
     for var in [v for v in os.environ if v.startswith("FAIRGATE_")]:
         monkeypatch.delenv(var)
-    settings = settings_mod.load_settings(DEPLOY / "config" / config_name)
+    settings = load_settings(DEPLOY / "config" / config_name)
     assert settings.redis_url == "redis://redis:6379/0"
     assert settings.listen.port == 8000 and settings.listen.host == "0.0.0.0"
     assert settings.models() == ["llama-3.1-8b"]

@@ -21,6 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gateway.core.settings import load_settings
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "fairgate"
 RENDERER = Path(__file__).with_name("helm_render.py")
@@ -483,7 +485,6 @@ def test_headless_services_give_each_pool_pod_the_dns_name_the_gateway_uses(
 def load_gateway_settings(
     release: Release, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, secret: dict[str, str]
 ) -> Any:
-    settings_mod = pytest.importorskip("gateway.settings")
     for var in [v for v in os.environ if v.startswith("FAIRGATE_")]:
         monkeypatch.delenv(var)
     path = tmp_path / "config.yaml"
@@ -493,7 +494,7 @@ def load_gateway_settings(
     for env in container(release.gateway(), "gateway")["env"]:
         if env["name"] != "FAIRGATE_CONFIG":
             monkeypatch.setenv(env["name"], env["value"])
-    return settings_mod.load_settings(path)
+    return load_settings(path)
 
 
 @pytest.mark.parametrize("case_id", list(RENDERS))
