@@ -239,12 +239,13 @@ class Dispatcher(ReadsSettings):
         done: Dispatched | None = None
         starts = self._take_starts(model)
         try:
-            plan = await self.plan(model, time.time())
-            target = plan.open[0] if plan.open and self._beating.is_set() else None
-            if target is not None and (self._queued.get(model, 0) > 0
-                                       or self._deciding.get((model, target))):
-                target = None  # a backlog, or a decision on its way: the loop decides
-            then = self._dispatch_args(model, plan, target) if target else None
+            # with a backlog the loop decides: no plan is worked out for a decision not made
+            plan = (await self.plan(model, time.time())
+                    if self._queued.get(model, 0) == 0 and self._beating.is_set() else None)
+            target = plan.open[0] if plan is not None and plan.open else None
+            if target is not None and self._deciding.get((model, target)):
+                target = None  # a decision on its way: the loop follows it
+            then = self._dispatch_args(model, plan, target) if plan and target else None
             with self._decision(model, target):
                 positions, done = await self.store.enqueue_many(
                     model, [r for r, _ in batch], self.settings.max_queued_per_user, then,
@@ -262,7 +263,7 @@ class Dispatcher(ReadsSettings):
                 position.set_result(queued)
         if done is None and any(p > 0 for p in positions):  # queued, no decision yet:
             self._queued[model] = max(self._queued.get(model, 0), 1)  # starts go at once
-        if done is None or self._granted(model, plan, done) or done.depth > 0:
+        if done is None or plan is None or self._granted(model, plan, done) or done.depth > 0:
             self.wake()
 
     async def release(self, model: str, grant: Grant, charge: float,
