@@ -67,9 +67,12 @@ class Inspector(ReadsSettings):
 
     async def share_ratios(self, model: str, queued: list[QueuedUser]) -> ShareRatios:
         """Each backlogged tenant's and user's served share against its weight's, from
-        the service every replica fed into Redis (``policies/share_ratio.py``)."""
+        the service every replica fed into Redis (``policies/share_ratio.py``). The
+        backlogged are the users queued in the most urgent class with a queue: strict
+        class order owes a lower class nothing (its starvation floor aside)."""
+        top = next((c for c in CLASS_ORDER if any(q.klass == c for q in queued)), None)
         return share_ratios(await self.store.service_accounts(model),
-                            {q.user for q in queued})
+                            {q.user for q in queued if q.klass == top})
 
     async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
         handles = self.pool.for_model(model)

@@ -37,7 +37,7 @@ WEIGHTS = {"heavy": 4.0, "light": 1.0}
 KEYS = [{"key": f"sk-{u}", "user": u, "priority_class": "interactive", "weight": w}
         for u, w in WEIGHTS.items()]
 HEAVY_CLIENTS, LIGHT_CLIENTS_PER_REPLICA = 20, 4
-WARMUP, WINDOW = 60, 250  # completions
+WARMUP, WINDOW = 60, 300  # completions
 RATIO_BOUND = (3.0, 5.3)
 METRIC_BOUND = (0.75, 1.35)
 EVENT_TIMEOUT_S = 120.0
