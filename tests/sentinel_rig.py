@@ -21,6 +21,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel
 
 from gateway.core.settings import RedisSentinel
 from gateway.storage.embedded_redis import die_with_parent, free_port, server_binary
@@ -154,6 +155,14 @@ class SentinelRig:
                 pass
             await asyncio.sleep(0.05)
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+    def store_client(self) -> aioredis.Redis:
+        """A plain client on whichever node the sentinels name master."""
+        sentinel = Sentinel([("127.0.0.1", p) for p in self.sentinel_ports],  # type: ignore[no-untyped-call]
+                            sentinel_kwargs={"socket_timeout": 1})
+        client: aioredis.Redis = sentinel.master_for(MASTER_NAME, decode_responses=True,
+                                                     socket_timeout=2)
+        return client
 
     def master_client(self) -> aioredis.Redis:
         return aioredis.Redis(port=self.master_port, decode_responses=True)
