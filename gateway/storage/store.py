@@ -291,11 +291,13 @@ class Store:
 
     async def enqueue_many(self, model: str, reqs: Sequence[QueuedRequest], max_queued: int,
                            then: Mapping[str, Any] | None = None,
-                           starts: Sequence[Start] = ()
+                           starts: Sequence[Start] = (), requeue: bool = False
                            ) -> tuple[list[int], Dispatched | None]:
         """Queue a tick's requests in one call (each: its queue length after the push, or
         -1 when its user's cap is reached) and, with ``then`` (:func:`dispatch_args`),
-        dispatch to that backend in the same call. ``starts`` are marked first."""
+        dispatch to that backend in the same call. ``starts`` are marked first.
+        ``requeue``: requests queued again after a failover, with their first arrival
+        time; each goes in only if the store forgot it (0 when it did not), past the cap."""
         k = ModelKeys(model)
         keys = [k.depth, k.backlogged_since, k.replicas]
         requests = []
@@ -311,7 +313,7 @@ class Store:
                 "tcost": repr(float(req.tenant_charge)), "now": repr(req.enqueued_at),
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
-                "ptok": int(req.prompt_tokens)})
+                "ptok": int(req.prompt_tokens), **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
         if starts:
