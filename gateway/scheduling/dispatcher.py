@@ -46,6 +46,7 @@ from gateway.core.errors import (
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.scheduling.local import LocalScheduler
 from gateway.storage.store import (
     Dispatched,
     Grant,
@@ -135,6 +136,8 @@ class Dispatcher(ReadsSettings):
         self.held: dict[str, Grant] = {}
         self._store_down = False
         self._beats = 0
+        # store_outage "local": this replica's own queues while Redis is unreachable
+        self.local = LocalScheduler(pool, replica_id)
         self.floors: FloorPolicy
         self.locality: Locality | None
         self._derive(settings.current)
@@ -173,9 +176,12 @@ class Dispatcher(ReadsSettings):
         self.waiters[req.request_id] = Waiter(req, model, future)
         try:
             position = await self._enqueue(model, req)
-        except StoreUnavailable:
-            self.waiters.pop(req.request_id, None)
-            raise
+        except StoreUnavailable as exc:
+            if not self._serves_locally:
+                self.waiters.pop(req.request_id, None)
+                raise
+            self.store_lost(exc)  # queued here with the others this replica holds
+            position = 1
         except asyncio.CancelledError:
             # The script may have run although its reply was never read: take it back.
             await self._withdraw(model, req, future)
@@ -200,6 +206,8 @@ class Dispatcher(ReadsSettings):
             try:
                 return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
             except TimeoutError:
+                if self.local.holds(req.request_id):
+                    continue  # queued here while the store is unreachable
                 if not await self.store.request_exists(model, req.request_id):
                     # dropped at dispatch (this replica looked dead) or expired: say so now
                     # instead of waiting out the whole queue timeout
@@ -209,6 +217,9 @@ class Dispatcher(ReadsSettings):
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:
+        if self.local.cancel(req.request_id):
+            self.waiters.pop(req.request_id, None)
+            return
         if await self.store.cancel(model, req.request_id, req.user, req.klass,
                                    req.tenant_name):
             self.waiters.pop(req.request_id, None)
@@ -275,6 +286,10 @@ class Dispatcher(ReadsSettings):
         retried by the heartbeat loop, so no in-flight count leaks (a leaked one would
         hold a gate closed for good)."""
         self.held.pop(grant.request_id, None)
+        if grant.local:  # granted here while the store was unreachable: settled here
+            self.local.release(model, grant, charge, tenant_charge)
+            self.wake_freed()
+            return
         starts = self._take_starts(model)
         try:
             plan, then = await self._fold(model, grant.backend)
@@ -298,14 +313,57 @@ class Dispatcher(ReadsSettings):
             self._unsettled.popleft()
             self.wake_freed()
 
+    @property
+    def _serves_locally(self) -> bool:
+        return self.settings.store_outage == "local"
+
     def store_lost(self, error: StoreUnavailable) -> None:
         """Redis is unreachable: every queued client of this replica gets a 503 now
-        rather than waiting blind (a batch line retries; running streams go on)."""
+        rather than waiting blind (a batch line retries; running streams go on). With
+        ``store_outage: local`` they are queued and served here instead
+        (``gateway/scheduling/local.py``) until the store answers again."""
         if not self._store_down:
-            log.warning("store_lost", waiting=len(self.waiters), error=error.message)
+            log.warning("store_lost", waiting=len(self.waiters), error=error.message,
+                        serving_locally=self._serves_locally)
         self._store_down = True
+        if self._serves_locally:
+            self.metrics.serving_locally.set(1)
+            for waiter in list(self.waiters.values()):
+                if not waiter.future.done():
+                    self.local.queue(waiter.model, waiter.request, waiter.future)
+            self._dispatch_locally()
+            return
         for request_id in list(self.waiters):
             self.cancel(request_id, StoreUnavailable("connection lost while queued; retry"))
+
+    def _dispatch_locally(self) -> None:
+        """Grant what this replica queues itself while the store is unreachable."""
+        for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
+            self.waiters.pop(grant.request_id, None)  # a grant from the store comes too late
+            self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
+
+    async def _hand_back(self) -> None:
+        """The store answers again: the requests queued here go back to it with their
+        arrival time (unless it still queues them), those served here leave its queues."""
+        queued, served = self.local.take_back()
+        self.metrics.serving_locally.set(0)
+        for wait in served:
+            r = wait.request
+            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name)
+        for wait in queued:
+            if wait.future.done() or await self.store.request_exists(
+                    wait.model, wait.request.request_id):
+                continue  # still queued in the store (restored from its AOF, or a replica)
+            try:
+                position = await self._enqueue(wait.model, wait.request)
+            except StoreUnavailable as exc:
+                self.store_lost(exc)
+                return
+            if position < 0:
+                self.cancel(wait.request.request_id, RateLimited(
+                    f"user {wait.request.user!r}'s queue filled while the store was away"))
+        if queued or served:
+            log.info("store_back", handed_back=len(queued), served_locally=len(served))
 
     def cancel(self, request_id: str, error: FairgateError) -> bool:
         """Fail a request this replica holds while it waits for its grant (an operator
@@ -340,6 +398,9 @@ class Dispatcher(ReadsSettings):
             await self._wake.wait()
             self._wake.clear()
             forced, self._maybe_work = self._maybe_work, False
+            if self._store_down and self._serves_locally:
+                self._dispatch_locally()
+                continue
             for model in models:
                 if not forced and self._queued.get(model, 1) == 0:
                     continue  # a slot freed but nothing is queued: no Redis round trip
@@ -465,6 +526,8 @@ class Dispatcher(ReadsSettings):
         queued for the model the start is held, to ride on the model's next call to Redis;
         otherwise it goes at once (with the starts held), its gate slot frees, and the same
         call grants the backend's next requests."""
+        if grant.local:
+            return  # the store never counted it
         start = Start(grant.request_id, grant.backend, time.time())
         if self._queued.get(model, 1) == 0:
             self._hold(model, [start])
@@ -547,9 +610,12 @@ class Dispatcher(ReadsSettings):
         while True:
             try:
                 now = time.time()
-                await self.store.heartbeat(models, self.replica_id, now, self._listened)
+                self.local.replicas = await self.store.heartbeat(
+                    models, self.replica_id, now, self._listened, now - self.replica_ttl_s)
                 self._beating.set()
                 await self._settle_deferred()
+                if self._store_down and self._serves_locally:
+                    await self._hand_back()
                 recovered, self._store_down = self._store_down, False
                 self._beats += 1
                 for model in models:
