@@ -87,7 +87,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     svc = request.app[SERVICES]
     key = await svc.keys.identify(request.headers.get("Authorization"))
     creq = await read_completion(request, endpoint, svc.settings.max_body_bytes,
-                                 Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
+                                 Limits.of(svc.settings))
     user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
@@ -137,8 +137,7 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     one if the connection is refused)."""
     svc = request.app[SERVICES]
     await svc.keys.identify(request.headers.get("Authorization"))
-    body = await read_json_object(request, svc.settings.max_body_bytes,
-                                  svc.settings.client_idle_timeout_s)
+    body = await read_json_object(request, svc.settings.max_body_bytes)
     validate_unscheduled(body, Limits.of(svc.settings))
     model = str(body["model"])
     _known_model(svc, model)

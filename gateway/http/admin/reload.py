@@ -36,7 +36,8 @@ RESTART_FIELDS = ("backends", "fairness", "redis_url", "listen", "replica_id",
                   "usage_retention_days", "session_ttl_s", "upstream_timeout_s",
                   "max_request_s", "upstream_keepalive_s", "metrics_top_users",
                   "metrics_user_idle_s", "max_body_bytes", "client_idle_timeout_s",
-                  "max_client_connections", "log_level", "event_loop",
+                  "max_client_connections", "min_body_bytes_per_s",
+                  "max_unauthenticated_connections", "log_level", "event_loop",
                   "log_sample_above_per_s")
 ALWAYS_RELOADED = ("api_keys", "admin_keys")
 
