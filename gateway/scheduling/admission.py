@@ -45,9 +45,8 @@ from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
-from policies.cost import estimate_prompt_tokens
+from policies.cost import estimate_prompt_tokens, max_cost_tokens
 from policies.fairness import FairnessPolicy, tenant_of
-from policies.limits import reservation
 from policies.locality import prefix_chain
 from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
@@ -152,8 +151,8 @@ class Admission(ReadsSettings):
         prompt_est = estimate(creq)
         if account is not None and self.quotas is not None:
             try:
-                held = await self.quotas.admit(account, request_id, reservation(
-                    prompt_est, creq.endpoint.output_bound(creq.body)))
+                held = await self.quotas.admit(account, request_id, self.max_cost(
+                    model, creq, prompt_est))
             except RateLimitExceeded as exc:
                 self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
                 await self._record_usage(account, model, klass, 0, 0, error=True)
@@ -177,6 +176,14 @@ class Admission(ReadsSettings):
                 await self._record_usage(account, model, klass, prompt, output, error=not (
                     ticket is not None and ticket.completed),
                     stored=ticket is not None and ticket.usage_recorded)
+
+    def max_cost(self, model: str, creq: CompletionRequest, prompt_est: int) -> int:
+        """What the request can cost at most (``policies/cost.max_cost_tokens``): the
+        model's context length bounds a request that sets no output limit (the
+        ``max_output_tokens`` setting until a backend reported it)."""
+        context = self.pool.max_model_len(model) or self.settings.max_output_tokens
+        return max_cost_tokens(prompt_est, creq.body, creq.endpoint.output_token_fields,
+                               context)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False) -> None:
