@@ -23,13 +23,12 @@ class TokenCost:
 
 
 def _units(text: str) -> int:
-    """A text's size in quarter tokens: an ASCII character is a quarter, every UTF-8 byte
-    of any other character a whole token."""
-    if text.isascii():
-        return len(text)
-    ascii_chars = len(text.encode("ascii", "ignore"))
-    other_bytes = len(text.encode("utf-8", "surrogatepass")) - ascii_chars
-    return ascii_chars + CHARS_PER_TOKEN * other_bytes
+    """A text's size in quarter tokens: an ASCII character is a quarter (a text's ASCII
+    part rounded up to whole tokens), every UTF-8 byte of any other character a token."""
+    ascii_chars = len(text) if text.isascii() else len(text.encode("ascii", "ignore"))
+    other_bytes = (0 if ascii_chars == len(text)
+                   else len(text.encode("utf-8", "surrogatepass")) - ascii_chars)
+    return -(-ascii_chars // CHARS_PER_TOKEN) * CHARS_PER_TOKEN + CHARS_PER_TOKEN * other_bytes
 
 
 def _prompt_units(value: Any) -> int:

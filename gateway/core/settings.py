@@ -215,6 +215,10 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
     max_body_bytes: int = 4 * 1024 * 1024
+    # /tokenize and /detokenize (not queued): their own body limit, and how many of one
+    # user's may be at the backends at once on a replica (beyond: 429)
+    max_unqueued_body_bytes: int = Field(1024 * 1024, ge=1)
+    max_unqueued_per_user: int = Field(4, ge=1)
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most

@@ -115,6 +115,39 @@ class Admission(ReadsSettings):
         self.metrics = metrics
         self.replica_id = replica_id
         self.waits = Waits(settings, dispatcher.store)
+        self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
+
+    @asynccontextmanager
+    async def forwarded(self, account: ApiKey) -> AsyncIterator[dict[str, str]]:
+        """An unqueued call (``/tokenize``, ``/detokenize``): one of the user's at most
+        ``max_unqueued_per_user`` at once on this replica, and a request against the
+        key's and tenant's limits (rpm, max_concurrent; no tokens reserved). Yields the
+        ``x-ratelimit-*`` headers; 429 ``rate_limit_exceeded`` when either refuses."""
+        user, bound = account.user, self.settings.max_unqueued_per_user
+        if self.forwarding.get(user, 0) >= bound:
+            self.metrics.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
+            raise RateLimitExceeded(f"Rate limit reached for user {user!r}: {bound} "
+                                    "concurrent tokenizer calls. Please try again in 1s.",
+                                    retry_after_s=1)
+        self.forwarding[user] = self.forwarding.get(user, 0) + 1
+        try:
+            held = None
+            if self.quotas is not None:
+                try:
+                    held = await self.quotas.admit(account, uuid.uuid4().hex, 0)
+                except RateLimitExceeded as exc:
+                    self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                    raise
+            try:
+                yield held.headers if held is not None else {}
+            finally:
+                if held is not None and self.quotas is not None:
+                    with contextlib.suppress(StoreUnavailable):
+                        await asyncio.shield(self.quotas.settle(held, 0))
+        finally:
+            left = self.forwarding.pop(user) - 1
+            if left:
+                self.forwarding[user] = left
 
     async def call(self, model: str, user: str, klass: str, weight: float,
                    creq: CompletionRequest, send: Callable[[Ticket], Awaitable[T]],
