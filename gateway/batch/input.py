@@ -1,11 +1,12 @@
 """Validation of a Batch API input file (JSONL), line by line.
 
 Each line: ``{"custom_id": str, "method": "POST", "url": <endpoint>, "body": {...}}`` with
-a unique ``custom_id``, a ``body.model`` fairgate serves and a body that passes the checks
-of a request to ``url`` (``gateway/proxy/completion_request.validate_body`` with the
-settings' :class:`Limits`: depth, output tokens within ``max_output_tokens``, the end
-user), so no accepted line fails later on what the upload could see. Errors name the
-first bad lines so a user can fix the file in one go.
+a unique ``custom_id``, a ``url`` the Batch API takes (chat, completions, embeddings,
+responses: ``BATCHABLE`` in ``gateway/proxy/endpoints.py``), a ``body.model`` fairgate
+serves and a body its endpoint accepts, within the request limits (``Limits``: depth,
+output tokens, end user), checked as an interactive call's body is, so no accepted line
+can fail later on its shape. Errors name the first bad lines so a user can fix the file in
+one go.
 
 Parsing a large file takes seconds of CPU: callers on the event loop run
 :func:`summarize_file` and :func:`load_file` in a worker thread (``asyncio.to_thread``).
@@ -63,12 +64,12 @@ def _check(obj: Any, models: Collection[str], limits: Limits) -> str | None:
         return "'body' must be an object"
     if body.get("stream"):
         return "streaming is not supported in a batch"
-    if body.get("model") not in models:
-        return f"model {body.get('model')!r} is not served here"
     try:
         validate_body(body, BY_PATH[obj["url"]], limits)
     except BadRequest as exc:
         return "'body': " + exc.message
+    if body["model"] not in models:
+        return f"model {body['model']!r} is not served here"
     return None
 
 
