@@ -113,7 +113,7 @@ def test_prompt_estimate_is_an_upper_bound_for_every_script() -> None:
     assert estimate_prompt_tokens({"input": [[1] * 700]}, "input") == 700
     chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "é" * 100}]}]}
     assert estimate_prompt_tokens(chat) == 200 + 4  # two UTF-8 bytes a character
-    assert estimate_prompt_tokens({"prompt": "ab\ud800"}) == 3  # a lone surrogate: 3 bytes
+    assert estimate_prompt_tokens({"prompt": "ab\ud800"}) == 1 + 3  # a lone surrogate: 3 bytes
     assert estimate_prompt_tokens({"prompt": "x" * 4000}) == 1000  # ASCII: 4 characters
 
 

@@ -77,8 +77,7 @@ async def test_a_users_tokenize_calls_in_flight_are_bounded(
     held = HeldTokenizer(await sim(profile="instant"))
     await held.start()
     try:
-        gw = await gateway([], backends=[{"name": "b0", "url": held.url, "model": MODEL}],
-                           max_unqueued_per_user=2)
+        gw = await gateway([held], max_unqueued_per_user=2)  # serves /metrics and /tokenize
         calls = [asyncio.create_task(call(http, "POST", gw.url + "/tokenize",
                                           json={"model": MODEL, "prompt": "hi"}))
                  for _ in range(6)]
