@@ -36,7 +36,7 @@ from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.embedded_redis import EmbeddedRedis
-from gateway.storage.redis_client import connect
+from gateway.storage.redis_client import connect, connect_cluster
 from gateway.storage.store import Store
 from policies.cost import TokenCost
 from policies.fairness import FairnessPolicy, policy_for
@@ -88,14 +88,19 @@ def fairness_policy(settings: Settings) -> FairnessPolicy:
 async def running_services(settings: Settings, metrics: GatewayMetrics
                            ) -> AsyncIterator[Services]:
     async with contextlib.AsyncExitStack() as stack:
+        cluster = settings.redis_cluster
         redis_url = settings.redis_url
-        if redis_url is None:
-            embedded = EmbeddedRedis(data_dir=None).start()
-            stack.callback(embedded.stop)
-            redis_url = embedded.url
-            log.info("embedded_redis_started", url=redis_url)
-        client = connect(redis_url, metrics.redis, socket_connect_timeout=2,
-                         health_check_interval=10)
+        if cluster is not None:
+            client = connect_cluster(cluster, metrics.redis, socket_connect_timeout=2)
+            redis_url = "redis-cluster://" + ",".join(cluster.nodes)
+        else:
+            if redis_url is None:
+                embedded = EmbeddedRedis(data_dir=None).start()
+                stack.callback(embedded.stop)
+                redis_url = embedded.url
+                log.info("embedded_redis_started", url=redis_url)
+            client = connect(redis_url, metrics.redis, socket_connect_timeout=2,
+                             health_check_interval=10)
         stack.push_async_callback(client.aclose)
         # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
         # that moment fails a request, so ours expire first
@@ -112,7 +117,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake
         quotas = Quotas(client, config)
-        usage = UsageLedger(client, settings.usage_retention_days)
+        usage = UsageLedger(client, settings.usage_retention_days,
+                            lambda: config.current.models())
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage)
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)

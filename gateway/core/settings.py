@@ -6,6 +6,7 @@ Precedence: explicit overrides > environment (``FAIRGATE_REDIS_URL``,
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,35 @@ from policies.prefill import PromptRange
 class Listen(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
+
+
+class RedisCluster(BaseModel):
+    """A Redis (or Valkey) Cluster as the store (``redis_cluster``; env
+    ``FAIRGATE_REDIS_CLUSTER__NODES='["10.0.0.1:6379", …]'``): any of its nodes, the rest
+    is discovered. Each model's keys live in one slot (its hash tag), so models spread
+    over the shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: list[str] = Field(min_length=1)  # "host:port" of any cluster nodes
+    username: str | None = None
+    password: SecretStr | None = None
+    ssl: bool = False
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_port(cls, nodes: list[str]) -> list[str]:
+        for node in nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_cluster node {node!r} is not host:port")
+        return nodes
+
+    def env(self) -> str:
+        """The JSON of ``FAIRGATE_REDIS_CLUSTER`` that gives a worker process this
+        cluster (the password included)."""
+        return json.dumps({**self.model_dump(exclude={"password"}), "password":
+                           None if self.password is None else self.password.get_secret_value()})
 
 
 class Backend(BaseModel):
@@ -145,6 +175,8 @@ class Settings(BaseSettings):
     )
 
     redis_url: str | None = None  # None → embedded Valkey server
+    # a Redis Cluster instead of redis_url (gateway/storage/redis_client.py connect_cluster)
+    redis_cluster: RedisCluster | None = None
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
     listen: Listen = Listen()
@@ -244,6 +276,12 @@ class Settings(BaseSettings):
     max_output_tokens: int = Field(131072, ge=1)  # max_tokens / max_completion_tokens
     max_end_user_chars: int = Field(256, ge=1)  # body field `user`, printable text only
     max_files_bytes_per_user: int = Field(2 * 1024**3, ge=0)  # all of a user's files → 413
+
+    @model_validator(mode="after")
+    def _one_store(self) -> Settings:
+        if self.redis_url is not None and self.redis_cluster is not None:
+            raise ValueError("redis_url and redis_cluster are both set: configure one store")
+        return self
 
     @field_validator("fairness")
     @classmethod

@@ -8,7 +8,8 @@ The parent process (:class:`Supervisor`) serves nothing itself:
 
 - it holds the port (bound with SO_REUSEPORT, never listening: port 0 resolves once, and
   no other program takes the port while a worker restarts);
-- it starts the embedded Redis when none is configured, so all workers share it;
+- it starts the embedded Redis when none is configured, so all workers share it (a
+  configured Redis or Redis Cluster reaches each worker through its environment);
 - it gives the workers one metrics directory (``PROMETHEUS_MULTIPROC_DIR``): a scrape of
   ``/metrics`` through any worker sees every worker's counts (``gateway/core/metrics.py``);
 - it restarts a worker that exits (backoff 0.1 s doubling to 5 s, reset after 10 s up),
@@ -132,12 +133,7 @@ class Supervisor:
         self.port = int(reservation.getsockname()[1])
         with contextlib.ExitStack() as stack:
             stack.callback(reservation.close)
-            redis_url = self.settings.redis_url
-            if redis_url is None:
-                embedded = EmbeddedRedis(data_dir=None).start()
-                stack.callback(embedded.stop)
-                redis_url = embedded.url
-                log.info("embedded_redis_started", url=redis_url)
+            store_env = self._store_env(stack)
             metrics_dir = os.environ.get(MULTIPROC_DIR_ENV)
             if not metrics_dir:
                 metrics_dir = tempfile.mkdtemp(prefix="fairgate-metrics-")
@@ -145,10 +141,24 @@ class Supervisor:
             ready_r, ready_w = os.pipe()
             for fd in (ready_r, ready_w):
                 stack.callback(os.close, fd)
-            env = {**os.environ, "FAIRGATE_REDIS_URL": redis_url,
+            env = {**os.environ, **store_env,
                    "FAIRGATE_LISTEN__PORT": str(self.port), MULTIPROC_DIR_ENV: metrics_dir,
                    READY_FD_ENV: str(ready_w)}
             return await self._supervise(env, ready_w, ready_r, banner)
+
+    def _store_env(self, stack: contextlib.ExitStack) -> dict[str, str]:
+        """The store every worker shares: the configured cluster or Redis, else an
+        embedded Valkey started here."""
+        cluster = self.settings.redis_cluster
+        if cluster is not None:
+            return {"FAIRGATE_REDIS_CLUSTER": cluster.env()}
+        redis_url = self.settings.redis_url
+        if redis_url is None:
+            embedded = EmbeddedRedis(data_dir=None).start()
+            stack.callback(embedded.stop)
+            redis_url = embedded.url
+            log.info("embedded_redis_started", url=redis_url)
+        return {"FAIRGATE_REDIS_URL": redis_url}
 
     async def _supervise(self, env: dict[str, str], ready_w: int, ready_r: int,
                          banner: Callable[[Supervisor], str] | None) -> int:
