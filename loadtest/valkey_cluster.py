@@ -176,16 +176,16 @@ def _owner(shards: Any, slot: int) -> str | None:
 
 
 def spread_models(masters: int, count: int, prefix: str = "model") -> list[str]:
-    """``count`` model names whose hash tags land on different masters of a cluster
-    made by :class:`ValkeyCluster` (round robin over its equal slot ranges)."""
+    """``count`` model names whose hash tags land on the masters of a cluster made by
+    :class:`ValkeyCluster` in turn (its equal slot ranges): model i on master i % masters."""
     per = SLOTS // masters
-    found: dict[int, str] = {}
+    by_shard: dict[int, list[str]] = {s: [] for s in range(masters)}
+    want = -(-count // masters)  # per shard, rounded up
     i = 0
-    while len(found) < min(count, masters):
+    while any(len(names) < want for names in by_shard.values()):
         name = f"{prefix}-{i}"
         shard = min(key_slot(f"{{{name}}}".encode()) // per, masters - 1)
-        found.setdefault(shard, name)
+        if len(by_shard[shard]) < want:
+            by_shard[shard].append(name)
         i += 1
-    names = [found[s] for s in sorted(found)]
-    return [names[i % len(names)] if i < len(names) else f"{prefix}-x{i}"
-            for i in range(count)]
+    return [by_shard[i % masters][i // masters] for i in range(count)]

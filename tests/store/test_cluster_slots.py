@@ -29,7 +29,7 @@ from gateway.storage.store import Start, Store, dispatch_args
 from policies.gates import BackendSnapshot
 from tests.store.test_scripts import req
 
-MODELS = ("m", "llama-3.1-8b", "qwen")  # three hash tags: {m} and {qwen} on other shards
+MODELS = ("m", "llama-3.1-8b", "mistral")  # three hash tags, one on each master
 ALL_OPEN = {"interactive": 5, "default": 5, "batch": 5}
 
 

@@ -77,9 +77,43 @@ whole, so two pools never collide after truncation.
 {{- end -}}
 {{- end -}}
 
+{{- define "fairgate.redisClusterName" -}}
+{{- printf "%s-valkey" (include "fairgate.fullname" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Whether the store is a Redis Cluster (in-chart or external). */}}
+{{- define "fairgate.usesCluster" -}}
+{{- if or .Values.redisCluster.enabled .Values.redisCluster.externalNodes -}}
+{{- if .Values.redis.enabled -}}
+{{- fail "redisCluster replaces redis: set redis.enabled=false" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The cluster's nodes as a JSON list: every in-chart pod, or redisCluster.externalNodes. */}}
+{{- define "fairgate.redisClusterNodes" -}}
+{{- $c := .Values.redisCluster -}}
+{{- if $c.enabled -}}
+{{- $name := include "fairgate.redisClusterName" . -}}
+{{- $nodes := list -}}
+{{- range $i, $_ := until (int (mul $c.masters (add1 $c.replicasPerMaster))) -}}
+{{- $nodes = append $nodes (printf "%s-%d.%s-headless:%d" $name $i $name (int $c.port)) -}}
+{{- end -}}
+{{- toJson $nodes -}}
+{{- else -}}
+{{- toJson $c.externalNodes -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The gateway's config.yaml: every pod of every pool is one backend. */}}
 {{- define "fairgate.gatewayConfig" -}}
+{{- if include "fairgate.usesCluster" . }}
+redis_cluster:
+  nodes: {{ include "fairgate.redisClusterNodes" . }}
+{{- else }}
 redis_url: {{ include "fairgate.redisUrl" . | quote }}
+{{- end }}
 data_dir: {{ .Values.gateway.dataDir | quote }}
 listen:
   host: 0.0.0.0
