@@ -238,17 +238,21 @@ class BatchRunner(ReadsSettings):
         """Run one line until it has a result in the output or the error file."""
         creq = CompletionRequest(BY_PATH[line.url], line.body)
         attempt = 0
+        answer: tuple[int, bytes] | None = None  # received: recorded, never run again
         while True:
             attempt += 1
             try:
+                if answer is not None:
+                    await self._record_answer(batch_id, line, *answer)
+                    return
                 async with self.admission.admitted(line.model, doc["user"], "batch",
                                                    doc.get("weight", 1.0), creq,
                                                    account=account) as ticket:
-                    status, data = await self.upstream.fetch(ticket.backend, creq,
-                                                             ticket.priority, ticket)
+                    answer = await self.upstream.fetch(ticket.backend, creq,
+                                                       ticket.priority, ticket)
                     # record before releasing: the crash window that would run the line
                     # again (answer received, not yet recorded) stays as short as it can
-                    await self._record_answer(batch_id, line, status, data)
+                    await self._record_answer(batch_id, line, *answer)
                 return
             except StoreUnavailable:
                 pass  # Redis is down: no result can be recorded either; wait for it

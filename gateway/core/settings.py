@@ -10,11 +10,12 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -59,6 +60,51 @@ class RedisCluster(BaseModel):
         cluster (the password included)."""
         return json.dumps({**self.model_dump(exclude={"password"}), "password":
                            None if self.password is None else self.password.get_secret_value()})
+
+
+class RedisSentinel(BaseModel):
+    """The store behind Redis Sentinel (``gateway/storage/redis_client.py``
+    connect_sentinel): the master of ``master_name`` as the sentinels at ``nodes``
+    ("host:port", a list or one comma-separated string) name it, followed through a
+    failover. Passwords and TLS as redis-py takes them; ``sentinel_*`` for the sentinels'
+    own connections."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    master_name: str = Field(min_length=1)
+    nodes: Annotated[list[str], NoDecode] = Field(min_length=1)
+    db: int = Field(0, ge=0)
+    username: str | None = None
+    password: SecretStr | None = None
+    sentinel_username: str | None = None
+    sentinel_password: SecretStr | None = None
+    ssl: bool = False  # TLS to the master
+    sentinel_ssl: bool = False  # TLS to the sentinels
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        """From the environment: a JSON list, or "host:port,host:port"."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [n.strip() for n in value.split(",") if n.strip()]
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        for node in value:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"sentinel node {node!r} is not host:port")
+        return value
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(n.rpartition(":")[0], int(n.rpartition(":")[2])) for n in self.nodes]
 
 
 class Backend(BaseModel):
@@ -174,9 +220,15 @@ class Settings(BaseSettings):
         env_prefix="FAIRGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    redis_url: str | None = None  # None → embedded Valkey server
+    redis_url: str | None = None  # None → embedded Valkey server (or redis_sentinel)
+    redis_sentinel: RedisSentinel | None = None  # the store behind Sentinel, not redis_url
     # a Redis Cluster instead of redis_url (gateway/storage/redis_client.py connect_cluster)
     redis_cluster: RedisCluster | None = None
+    # with redis_sentinel or redis_cluster: how long queued clients (and newcomers) wait
+    # for the store to come back (a failover: the master's down-after-milliseconds, or
+    # the cluster-node-timeout, plus the promotion) before they get a 503; 0: at once, as
+    # with a single Redis
+    store_failover_wait_s: float = Field(10.0, ge=0)
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
     listen: Listen = Listen()
@@ -279,9 +331,25 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:
-        if self.redis_url is not None and self.redis_cluster is not None:
-            raise ValueError("redis_url and redis_cluster are both set: configure one store")
+        stores = [name for name, value in (("redis_url", self.redis_url),
+                                           ("redis_sentinel", self.redis_sentinel),
+                                           ("redis_cluster", self.redis_cluster))
+                  if value is not None]
+        if len(stores) > 1:
+            raise ValueError(f"set one of redis_url, redis_sentinel and redis_cluster, not "
+                             f"{' and '.join(stores)}")
         return self
+
+    def embedded_store(self) -> bool:
+        """No store configured: the process runs an embedded Valkey server."""
+        return (self.redis_url is None and self.redis_sentinel is None
+                and self.redis_cluster is None)
+
+    def failover_wait_s(self) -> float:
+        """How long a client waits through a store outage: a Sentinel failover's or a
+        cluster shard's bound; 0 with a single Redis (its outage answers 503 at once)."""
+        failover = self.redis_sentinel is not None or self.redis_cluster is not None
+        return self.store_failover_wait_s if failover else 0.0
 
     @field_validator("fairness")
     @classmethod

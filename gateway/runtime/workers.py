@@ -133,7 +133,18 @@ class Supervisor:
         self.port = int(reservation.getsockname()[1])
         with contextlib.ExitStack() as stack:
             stack.callback(reservation.close)
-            store_env = self._store_env(stack)
+            # the workers read the config file and the environment as this process did
+            # (a Sentinel's too; a cluster's passed on whole, as it may come from
+            # overrides); an embedded Valkey is started once, here, and shared
+            url = self.settings.redis_url
+            store = {"FAIRGATE_REDIS_URL": url} if url else {}
+            if self.settings.redis_cluster is not None:
+                store["FAIRGATE_REDIS_CLUSTER"] = self.settings.redis_cluster.env()
+            if self.settings.embedded_store():
+                embedded = EmbeddedRedis(data_dir=None).start()
+                stack.callback(embedded.stop)
+                store["FAIRGATE_REDIS_URL"] = embedded.url
+                log.info("embedded_redis_started", url=embedded.url)
             metrics_dir = os.environ.get(MULTIPROC_DIR_ENV)
             if not metrics_dir:
                 metrics_dir = tempfile.mkdtemp(prefix="fairgate-metrics-")
@@ -141,24 +152,10 @@ class Supervisor:
             ready_r, ready_w = os.pipe()
             for fd in (ready_r, ready_w):
                 stack.callback(os.close, fd)
-            env = {**os.environ, **store_env,
+            env = {**os.environ, **store,
                    "FAIRGATE_LISTEN__PORT": str(self.port), MULTIPROC_DIR_ENV: metrics_dir,
                    READY_FD_ENV: str(ready_w)}
             return await self._supervise(env, ready_w, ready_r, banner)
-
-    def _store_env(self, stack: contextlib.ExitStack) -> dict[str, str]:
-        """The store every worker shares: the configured cluster or Redis, else an
-        embedded Valkey started here."""
-        cluster = self.settings.redis_cluster
-        if cluster is not None:
-            return {"FAIRGATE_REDIS_CLUSTER": cluster.env()}
-        redis_url = self.settings.redis_url
-        if redis_url is None:
-            embedded = EmbeddedRedis(data_dir=None).start()
-            stack.callback(embedded.stop)
-            redis_url = embedded.url
-            log.info("embedded_redis_started", url=redis_url)
-        return {"FAIRGATE_REDIS_URL": redis_url}
 
     async def _supervise(self, env: dict[str, str], ready_w: int, ready_r: int,
                          banner: Callable[[Supervisor], str] | None) -> int:

@@ -47,6 +47,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
+    "service_who": "service:who",         # hash: user -> JSON [tenant, weight, tenant weight]
     "usage": "usage:{day}",               # hash: usage row -> count, one UTC day (YYYYMMDD)
 }
 
@@ -171,6 +172,10 @@ class ModelKeys:
     @property
     def service_epoch(self) -> str:
         return self._key("service_epoch")
+
+    @property
+    def service_who(self) -> str:
+        return self._key("service_who")
 
     def usage(self, day: str) -> str:
         """The model's usage hash of one UTC day (``YYYYMMDD``)."""

@@ -33,9 +33,20 @@ def started_order(backends: list[SimServer]) -> list[int]:
     return [r.max_tokens for r in records]
 
 
+def queued_for_a_slot(backend: SimServer) -> int:
+    """The requests waiting at the engine beyond its free batch slots: what vLLM's
+    ``num_requests_waiting`` shows. vLLM takes new arrivals into the scheduler between two
+    steps and schedules them into free slots at once, so its gauge (set after each step)
+    never counts them; the simulator's waiting list does until its next step, which on a
+    loaded machine may come after a whole burst arrived (seen: 7 waiting, 0 running)."""
+    engine = backend.engine
+    free = max(0, engine.config.max_num_seqs - engine.num_running)
+    return max(0, engine.num_waiting - free)
+
+
 async def sample_waiting(backend: SimServer, peaks: list[int], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        peaks.append(backend.engine.num_waiting)
+        peaks.append(queued_for_a_slot(backend))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.002)
 
@@ -89,7 +100,7 @@ async def test_newcomers_start_before_the_flood_drains(sim: SimFactory,
     bound = NEWCOMER_BOUND + max(0, ahead - AHEAD_ON_IDLE)
     assert last_newcomer <= bound, (last_newcomer, bound, ahead, order[:24])
     # pacing: vLLM's waiting queue stays at the threshold plus in-flight slack
-    assert max(peaks) <= WAITING_BOUND, max(peaks)
+    assert max(peaks) <= WAITING_BOUND, f"queued for a slot at vLLM peaked at {max(peaks)}"
 
 
 async def test_direct_flood_makes_newcomers_wait(sim: SimFactory) -> None:
@@ -269,4 +280,4 @@ async def test_a_streamed_flood_is_paced_on_every_endpoint(
         await sampler
     order = started_order([backend])
     assert max(order.index(21), order.index(22)) <= NEWCOMER_BOUND, order[:16]
-    assert max(peaks) <= WAITING_BOUND, max(peaks)
+    assert max(peaks) <= WAITING_BOUND, f"queued for a slot at vLLM peaked at {max(peaks)}"
