@@ -25,6 +25,7 @@ outage of that shard's models, then their commands reach the promoted replica).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from importlib import resources
@@ -176,6 +177,23 @@ class BoundaryCluster(CommandBoundary, RedisCluster):  # type: ignore[misc]
         pipe = BoundaryClusterPipeline(self, transaction)  # type: ignore[abstract]
         pipe.metrics, pipe.script_names = self.metrics, self.script_names
         return pipe
+
+    async def script_load(self, script: Any) -> str:
+        """Load a script on every node the client knows, replicas too, each on its own:
+        a script object reloads after NOSCRIPT, and redis-py would load it on the
+        primaries of a slot map a failover left stale (the promoted replica, where the
+        script runs next, among the replicas), so the next call found NOSCRIPT again. A
+        node that cannot be reached (the dead master) is skipped."""
+        results = await asyncio.gather(
+            *(self.execute_command("SCRIPT LOAD", script, target_nodes=node)
+              for node in self.get_nodes()), return_exceptions=True)
+        if not results:  # no slot map yet
+            return str(await super().script_load(script))
+        for result in results:
+            if isinstance(result, str):
+                return result
+        error = next(r for r in results if isinstance(r, BaseException))
+        raise error
 
 
 def _no_backoff_retry() -> Retry:

@@ -109,6 +109,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[ValkeyCluster]:
     c.stop()
 
 
+@pytest.mark.timeout(300)
 async def test_a_shard_master_killed_under_load(cluster: ValkeyCluster, tmp_path: Path) -> None:
     k = ModelKeys(MODEL)
     victim = cluster.master_of(k.depth)
