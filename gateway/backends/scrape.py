@@ -219,7 +219,9 @@ class BackendPool(ReadsSettings):
                 handle.config.model, handle.name, snap)
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
-            return
+            if self.settings.store_outage != "local":
+                return
+            stored, pending = True, 0  # degraded mode paces by this replica's scrape alone
         if not handle.healthy:
             log.info("backend_healthy", backend=handle.name)
             if handle.failures:  # it was down, perhaps restarted: its prefix cache is gone,

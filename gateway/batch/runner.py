@@ -38,7 +38,7 @@ from gateway.core.errors import (
 )
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
-from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.completion_request import CompletionRequest, Limits
 from gateway.proxy.endpoints import BY_PATH
 from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
@@ -146,7 +146,7 @@ class BatchRunner(ReadsSettings):
         try:  # parsing takes seconds for a large file: off the event loop
             lines = await asyncio.to_thread(load_file, self.files.path(doc["input_file_id"]),
                                             self.settings.models(),
-                                            self.settings.max_json_depth)
+                                            Limits.of(self.settings))
         except (FairgateError, OSError) as exc:
             await self._fail(batch_id, str(exc))
             return

@@ -236,6 +236,14 @@ class GatewayMetrics:
             "fairgate_redis_commands_total",
             "Redis commands sent (pipelined ones too); a Lua script by its name",
             ["command", "script"], registry=r)
+        self.local_dispatches = Counter(
+            "fairgate_local_dispatches_total",
+            "Requests this replica granted on its own while Redis was unreachable "
+            "(store_outage: local)", ["model", "backend", "priority_class"], registry=r)
+        self.serving_locally = Gauge(
+            "fairgate_serving_locally",
+            "1 while this replica serves from its own queues because Redis is unreachable "
+            "(store_outage: local)", registry=r, multiprocess_mode="livemax")
         self.share_ratio = Gauge(
             "fairgate_share_ratio",
             "Served ÷ entitled share of each backlogged tenant and user: its share of the "

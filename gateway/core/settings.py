@@ -304,6 +304,10 @@ class Settings(BaseSettings):
     # held in flight is released (sooner when it leaves a grant unread for 2 s). Three
     # heartbeats: a killed replica's slots must not hold the survivors' gates for long.
     replica_ttl_s: float = 3.0
+    # A Redis outage: "fail_closed" answers queued and new requests 503 until it is back;
+    # "local" keeps serving each replica's own clients from its own fair queues, pacing each
+    # backend with its share of the gate (gateway/scheduling/local.py, docs/reliability.md)
+    store_outage: Literal["fail_closed", "local"] = "fail_closed"
     retry_after_s: int = 1
 
     # Batch API

@@ -46,6 +46,7 @@ from gateway.core.errors import (
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.scheduling.local import LocalScheduler
 from gateway.storage.store import (
     Dispatched,
     Grant,
@@ -138,6 +139,8 @@ class Dispatcher(ReadsSettings):
         self._store_back.set()
         self._outages = 0
         self._beats = 0
+        # store_outage "local": this replica's own queues while Redis is unreachable
+        self.local = LocalScheduler(pool, replica_id)
         self.floors: FloorPolicy
         self.locality: Locality | None
         self._derive(settings.current)
@@ -178,7 +181,11 @@ class Dispatcher(ReadsSettings):
             try:
                 position = await self._enqueue(model, req)
             except StoreUnavailable as exc:
-                position = await self._enqueue_after_outage(model, req, exc)
+                if self._serves_locally:
+                    self.store_lost(exc)  # queued here with the others this replica holds
+                    position = 1
+                else:
+                    position = await self._enqueue_after_outage(model, req, exc)
         except StoreUnavailable:
             self.waiters.pop(req.request_id, None)
             if future.done() and not future.cancelled():
@@ -222,6 +229,8 @@ class Dispatcher(ReadsSettings):
             try:
                 return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
             except TimeoutError:
+                if self.local.holds(req.request_id):
+                    continue  # queued here while the store is unreachable
                 try:
                     if await self.store.request_exists(model, req.request_id):
                         continue
@@ -240,6 +249,9 @@ class Dispatcher(ReadsSettings):
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:
+        if self.local.cancel(req.request_id):
+            self.waiters.pop(req.request_id, None)
+            return
         if await self.store.cancel(model, req.request_id, req.user, req.klass,
                                    req.tenant_name):
             self.waiters.pop(req.request_id, None)
@@ -306,6 +318,10 @@ class Dispatcher(ReadsSettings):
         retried by the heartbeat loop, so no in-flight count leaks (a leaked one would
         hold a gate closed for good)."""
         self.held.pop(grant.request_id, None)
+        if grant.local:  # granted here while the store was unreachable: settled here
+            self.local.release(model, grant, charge, tenant_charge)
+            self.wake_freed()
+            return
         starts = self._take_starts(model)
         try:
             plan, then = await self._fold(model, grant.backend)
@@ -329,21 +345,52 @@ class Dispatcher(ReadsSettings):
             self._unsettled.popleft()
             self.wake_freed()
 
+    @property
+    def _serves_locally(self) -> bool:
+        return self.settings.store_outage == "local"
+
     def store_lost(self, error: StoreUnavailable) -> None:
         """Redis is unreachable: every queued client of this replica gets a 503 now
         rather than waiting blind (a batch line retries; running streams go on). Behind
         Sentinel they wait up to ``store_failover_wait_s`` for the promoted master
-        first (:meth:`_fail_waiters_after`)."""
+        first (:meth:`_fail_waiters_after`). With ``store_outage: local`` they are queued
+        and served here instead (``gateway/scheduling/local.py``) until the store answers
+        again (:meth:`_hand_back`)."""
         if not self._store_down:
-            log.warning("store_lost", waiting=len(self.waiters), error=error.message)
+            log.warning("store_lost", waiting=len(self.waiters), error=error.message,
+                        serving_locally=self._serves_locally)
             self._store_back.clear()
             wait_s = self.settings.failover_wait_s()
-            if wait_s > 0:
+            if wait_s > 0 and not self._serves_locally:
                 self._outages += 1
                 self._background_task(self._fail_waiters_after(self._outages, wait_s))
         self._store_down = True
-        if self.settings.failover_wait_s() == 0:
+        if self._serves_locally:
+            self.metrics.serving_locally.set(1)
+            for waiter in list(self.waiters.values()):
+                if not waiter.future.done():
+                    self.local.queue(waiter.model, waiter.request, waiter.future)
+            self._dispatch_locally()
+        elif self.settings.failover_wait_s() == 0:
             self._fail_waiters()
+
+    def _dispatch_locally(self) -> None:
+        """Grant what this replica queues itself while the store is unreachable."""
+        for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
+            self.waiters.pop(grant.request_id, None)  # a grant from the store comes too late
+            self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
+
+    async def _hand_back(self) -> None:
+        """The store answers again after this replica served locally: the requests
+        granted here leave its queues (they run to their end here), and those still
+        queued here go back to it with their arrival time unless it still queues them."""
+        queued, served = self.local.take_back()
+        self.metrics.serving_locally.set(0)
+        for wait in served:
+            r = wait.request
+            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name)
+        await self._requeue_waiters()  # the waiters still queued here
+        log.info("store_back", handed_back=len(queued), served_locally=len(served))
 
     def _fail_waiters(self) -> None:
         for request_id in list(self.waiters):
@@ -431,6 +478,9 @@ class Dispatcher(ReadsSettings):
             await self._wake.wait()
             self._wake.clear()
             forced, self._maybe_work = self._maybe_work, False
+            if self._store_down and self._serves_locally:
+                self._dispatch_locally()
+                continue
             for model in models:
                 if not forced and self._queued.get(model, 1) == 0:
                     continue  # a slot freed but nothing is queued: no Redis round trip
@@ -556,6 +606,8 @@ class Dispatcher(ReadsSettings):
         queued for the model the start is held, to ride on the model's next call to Redis;
         otherwise it goes at once (with the starts held), its gate slot frees, and the same
         call grants the backend's next requests."""
+        if grant.local:
+            return  # the store never counted it
         start = Start(grant.request_id, grant.backend, time.time())
         if self._queued.get(model, 1) == 0:
             self._hold(model, [start])
@@ -650,11 +702,14 @@ class Dispatcher(ReadsSettings):
         while True:
             try:
                 now = time.time()
-                await self.store.heartbeat(models, self.replica_id, now, self._listened)
+                self.local.replicas = await self.store.heartbeat(
+                    models, self.replica_id, now, self._listened, now - self.replica_ttl_s)
                 self._beating.set()
                 recovered, self._store_down = self._store_down, False
                 self._store_back.set()
-                if recovered and self.settings.failover_wait_s() > 0:
+                if recovered and self._serves_locally:
+                    await self._hand_back()
+                elif recovered and self.settings.failover_wait_s() > 0:
                     await self._requeue_waiters()
                 await self._settle_deferred()
                 self._beats += 1

@@ -84,6 +84,7 @@ class Grant:
     matched_blocks: int = 0  # leading blocks of its chain the backend's prefix index held
     prompt_blocks: int = 0  # blocks of its chain (0: no index, routing least_loaded)
     reason: str = "load"  # why it went there: policies.locality.DISPATCH_REASONS
+    local: bool = False  # granted by this replica alone while the store was unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -527,17 +528,22 @@ class Store:
         return states
 
     async def heartbeat(self, models: Sequence[str], replica: str, now: float,
-                        listened: Mapping[str, float] | None = None) -> None:
+                        listened: Mapping[str, float] | None = None,
+                        live_since: float | None = None) -> int:
         """Mark ``replica`` alive at ``now``; ``listened``: per model, when its grant
         listener last turned (a grant left unread is a dead replica only if that is old
-        too, see ``replica_alive`` in ``lua/_lib.lua``)."""
+        too, see ``replica_alive`` in ``lua/_lib.lua``). Returns how many replicas beat
+        since ``live_since`` (of the first model; 1 without it or without models)."""
         pipe = self.client.pipeline(transaction=False)
         for model in models:
             k = ModelKeys(model)
             pipe.zadd(k.replicas, {replica: now})
             if listened and model in listened:
                 pipe.hset(k.listened, replica, str(listened[model]))
-        await pipe.execute()
+        if models and live_since is not None:
+            pipe.zcount(ModelKeys(models[0]).replicas, live_since, "+inf")
+        replies = await pipe.execute()
+        return max(1, int(replies[-1])) if models and live_since is not None else 1
 
     async def next_grant(
         self, model: str, replica: str, timeout_s: float

@@ -26,6 +26,8 @@ def _run(name: str, tmp_path: Path, redis_url: str, **options: Any) -> dict[str,
     assert on_disk["scenario"] == name
     assert {"command", "date", "machine", "params", "headline", "runs", "plots"} <= set(on_disk)
     assert on_disk["headline"] and all(set(r) == HEADLINE_KEYS for r in on_disk["headline"])
+    verdicts = [r["met"] for r in on_disk["headline"]]
+    assert verdicts == [None] * len(verdicts), verdicts  # a quick run is not judged
     assert "| metric | direct | gateway |" in (tmp_path / name / "report.md").read_text()
     for plot in on_disk["plots"]:
         assert (tmp_path / name / plot).read_bytes()[:4] == b"\x89PNG"
