@@ -141,8 +141,15 @@ RENDERS: dict[str, dict[str, Any]] = {
                    "redisCluster": {"externalNodes": EXTERNAL_CLUSTER},
                    "networkPolicy": {"enabled": True}},
     },
+    # Redis behind Sentinel (a master, a replica, three sentinels) behind NetworkPolicies.
+    "sentinel": {"values": {"redis": {"topology": "sentinel"},
+                            "networkPolicy": {"enabled": True}}},
 }
 FAILURES: dict[str, tuple[dict[str, Any], str]] = {
+    "unknown-redis-topology": ({"redis": {"topology": "ring"}},
+                               "redis.topology must be standalone or sentinel"),
+    "sentinel-below-quorum": ({"redis": {"topology": "sentinel", "sentinel": {"sentinels": 1}}},
+                              "must be at least redis.sentinel.quorum"),
     "no-keys": ({"gateway": {"keys": {"apiKeys": []}}}, "gateway.keys.apiKeys is empty"),
     "external-redis-without-url": (
         {"redis": {"enabled": False}},
@@ -174,6 +181,7 @@ LINTS = {
     "full": RENDERS["full"]["values"],
     "pods-hpa": RENDERS["pods-hpa"]["values"],
     "cluster": RENDERS["cluster"]["values"],
+    "sentinel": RENDERS["sentinel"]["values"],
 }
 
 
@@ -831,3 +839,41 @@ def test_service_monitors_select_the_gateway_and_vllm_services(
         if s["metadata"]["labels"]["app.kubernetes.io/component"] in {"gateway", "vllm"}
     }
     assert selected == wanted
+
+
+def test_sentinel_topology_replaces_the_single_redis(releases: dict[str, Release],
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    release = releases["sentinel"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["redis"]["sentinel"]
+    (nodes,) = release.component("StatefulSet", "redis")
+    (sentinels,) = release.component("StatefulSet", "redis-sentinel")
+    assert nodes["spec"]["replicas"] == 1 + values["replicas"]  # a master and its replicas
+    assert sentinels["spec"]["replicas"] == values["sentinels"] >= values["quorum"]
+    script = container(nodes, "redis")["args"][0]
+    assert "--appendonly yes" in script and "--replicaof" in script, script
+    conf = container(sentinels, "sentinel")["args"][0]
+    assert f"down-after-milliseconds {values['masterName']} {values['downAfterMilliseconds']}" \
+        in conf, conf
+    # the gateway asks each sentinel pod, by its stable DNS name, for the master
+    (svc,) = release.component("Service", "redis-sentinel")
+    name, port = svc["metadata"]["name"], svc["spec"]["ports"][0]["port"]
+    config = release.config()
+    assert "redis_url" not in config
+    assert config["redis_sentinel"] == {
+        "master_name": values["masterName"],
+        "nodes": [f"{sentinels['metadata']['name']}-{i}.{name}:{port}"
+                  for i in range(values["sentinels"])]}
+    settings = load_gateway_settings(release, monkeypatch, tmp_path, {
+        "FAIRGATE_API_KEYS": "[]", "FAIRGATE_ADMIN_KEYS": "[]"})
+    assert settings.redis_sentinel is not None and settings.redis_url is None
+    assert settings.failover_wait_s() == values["failoverWaitSeconds"]
+    assert port_of(container(sentinels, "sentinel"), "sentinel") == port
+    # the gateway may reach the sentinels; the Redis pods take replication and checks
+    egress = netpol(release, "gateway")["spec"]["egress"]
+    assert any(egress_ports(r) == {(port, "TCP")}
+               and selects(r["to"][0]["podSelector"], pod_labels(sentinels)) for r in egress)
+    (rule,) = netpol(release, "redis")["spec"]["ingress"]
+    assert [selects(p["podSelector"], pod_labels(w)) for p in rule["from"]
+            for w in (nodes, sentinels)].count(True) == 2
+    assert selects(netpol(release, "redis-sentinel")["spec"]["podSelector"], pod_labels(sentinels))
