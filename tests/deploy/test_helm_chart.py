@@ -79,11 +79,10 @@ EXTRA_BACKEND = {"name": "ext-8b", "url": "http://vllm-ext.other.svc:8100", "mod
 
 
 def readme_values() -> dict[str, Any]:
-    """The `# my-values.yaml` block of README.md's "## Deploying" section."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Deploying\n") :]
+    """The `# my-values.yaml` block of docs/deploying.md."""
+    section = (ROOT / "docs" / "deploying.md").read_text()
     block = re.search(r"```yaml\n\s*# my-values.yaml\n(.*?)\n\s*```", section, re.S)
-    assert block, "README's Deploying section has no my-values.yaml block"
+    assert block, "docs/deploying.md has no my-values.yaml block"
     text = textwrap.dedent(block.group(1))
     data: dict[str, Any] = yaml.safe_load(text)
     return data
@@ -128,7 +127,7 @@ RENDERS: dict[str, dict[str, Any]] = {
     },
     # Names at their limits: a 40-character release still yields valid DNS labels.
     "long-name": {"name": "a-rather-long-release-name-for-fairgate01"},
-    # The values file README's "Deploying" section tells operators to write.
+    # The values file docs/deploying.md tells operators to write.
     "readme": {"values": readme_values()},
     # An in-chart Valkey Cluster (3 masters x 1 replica) behind a NetworkPolicy.
     "cluster": {
