@@ -33,6 +33,35 @@ class Listen(BaseModel):
     port: int = 8000
 
 
+class RedisCluster(BaseModel):
+    """A Redis (or Valkey) Cluster as the store (``redis_cluster``; env
+    ``FAIRGATE_REDIS_CLUSTER__NODES='["10.0.0.1:6379", …]'``): any of its nodes, the rest
+    is discovered. Each model's keys live in one slot (its hash tag), so models spread
+    over the shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: list[str] = Field(min_length=1)  # "host:port" of any cluster nodes
+    username: str | None = None
+    password: SecretStr | None = None
+    ssl: bool = False
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_port(cls, nodes: list[str]) -> list[str]:
+        for node in nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_cluster node {node!r} is not host:port")
+        return nodes
+
+    def env(self) -> str:
+        """The JSON of ``FAIRGATE_REDIS_CLUSTER`` that gives a worker process this
+        cluster (the password included)."""
+        return json.dumps({**self.model_dump(exclude={"password"}), "password":
+                           None if self.password is None else self.password.get_secret_value()})
+
+
 class RedisSentinel(BaseModel):
     """The store behind Redis Sentinel (``gateway/storage/redis_client.py``
     connect_sentinel): the master of ``master_name`` as the sentinels at ``nodes``
@@ -193,9 +222,12 @@ class Settings(BaseSettings):
 
     redis_url: str | None = None  # None → embedded Valkey server (or redis_sentinel)
     redis_sentinel: RedisSentinel | None = None  # the store behind Sentinel, not redis_url
-    # with redis_sentinel: how long queued clients (and newcomers) wait for the store to
-    # come back (a failover: the master's down-after-milliseconds plus the promotion)
-    # before they get a 503; 0: at once, as with a single Redis
+    # a Redis Cluster instead of redis_url (gateway/storage/redis_client.py connect_cluster)
+    redis_cluster: RedisCluster | None = None
+    # with redis_sentinel or redis_cluster: how long queued clients (and newcomers) wait
+    # for the store to come back (a failover: the master's down-after-milliseconds, or
+    # the cluster-node-timeout, plus the promotion) before they get a 503; 0: at once, as
+    # with a single Redis
     store_failover_wait_s: float = Field(10.0, ge=0)
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
@@ -257,12 +289,20 @@ class Settings(BaseSettings):
     prefill_backfill_s: float = Field(1.0, ge=0)
 
     # Client connections (gateway/http/server.py): a cap with a clear 503, and a deadline for
-    # a connection to complete a request's headers (also closes idle keep-alives).
+    # a connection to complete a request's headers (also closes idle keep-alives) or for
+    # a body to keep arriving (gateway/http/client_guard.py), then at least this rate.
     max_client_connections: int = Field(10000, ge=1)
     client_idle_timeout_s: float = Field(30.0, gt=0)
+    min_body_bytes_per_s: int = Field(1024, ge=0)
+    # connections on which no request authenticated yet; None: half the cap
+    max_unauthenticated_connections: int | None = Field(None, ge=1)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
     max_body_bytes: int = 4 * 1024 * 1024
+    # /tokenize and /detokenize (not queued): their own body limit, and how many of one
+    # user's may be at the backends at once on a replica (beyond: 429)
+    max_unqueued_body_bytes: int = Field(1024 * 1024, ge=1)
+    max_unqueued_per_user: int = Field(4, ge=1)
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
@@ -315,18 +355,25 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:
-        if self.redis_url is not None and self.redis_sentinel is not None:
-            raise ValueError("set redis_url or redis_sentinel, not both")
+        stores = [name for name, value in (("redis_url", self.redis_url),
+                                           ("redis_sentinel", self.redis_sentinel),
+                                           ("redis_cluster", self.redis_cluster))
+                  if value is not None]
+        if len(stores) > 1:
+            raise ValueError(f"set one of redis_url, redis_sentinel and redis_cluster, not "
+                             f"{' and '.join(stores)}")
         return self
 
     def embedded_store(self) -> bool:
         """No store configured: the process runs an embedded Valkey server."""
-        return self.redis_url is None and self.redis_sentinel is None
+        return (self.redis_url is None and self.redis_sentinel is None
+                and self.redis_cluster is None)
 
     def failover_wait_s(self) -> float:
-        """How long a client waits through a store outage: a Sentinel failover's bound;
-        0 with a single Redis (its outage answers 503 at once)."""
-        return self.store_failover_wait_s if self.redis_sentinel is not None else 0.0
+        """How long a client waits through a store outage: a Sentinel failover's or a
+        cluster shard's bound; 0 with a single Redis (its outage answers 503 at once)."""
+        failover = self.redis_sentinel is not None or self.redis_cluster is not None
+        return self.store_failover_wait_s if failover else 0.0
 
     @field_validator("fairness")
     @classmethod
