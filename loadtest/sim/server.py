@@ -188,6 +188,7 @@ class SimServer:
                 "kv_usage": engine.kv_usage,
                 "prefix_cache_queries": engine.prefix_cache_queries,
                 "prefix_cache_hits": engine.prefix_cache_hits,
+                "scrapes": self.scrapes,
             }
         )
 
