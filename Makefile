@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8000
+# make bench SCENARIO=newcomer ARGS=--quick  (fairgate bench SCENARIO ARGS)
+SCENARIO ?= all
+ARGS ?=
 
 .PHONY: run try test test-deps lint bench clean
 
@@ -33,7 +36,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/fairgate bench all
+	$(BIN)/fairgate bench $(SCENARIO) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .fairgate test-artifacts results build *.egg-info \

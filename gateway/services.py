@@ -14,6 +14,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import structlog
@@ -36,7 +37,7 @@ from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.embedded_redis import EmbeddedRedis
-from gateway.storage.redis_client import connect
+from gateway.storage.redis_client import BoundaryRedis, connect, connect_sentinel
 from gateway.storage.store import Store
 from policies.cost import TokenCost
 from policies.fairness import FairnessPolicy, policy_for
@@ -66,7 +67,7 @@ class Services:
     inspector: Inspector
     sessions: SessionStore
     replica_id: str
-    redis_url: str
+    redis_url: str  # where the store is (a URL, or the Sentinel master's name and nodes)
 
     @property
     def settings(self) -> Settings:
@@ -84,18 +85,29 @@ def fairness_policy(settings: Settings) -> FairnessPolicy:
                       TokenCost(settings.vtc_input_weight, settings.vtc_output_weight))
 
 
+def store_client(settings: Settings, metrics: GatewayMetrics,
+                 stack: contextlib.AsyncExitStack) -> tuple[BoundaryRedis, str]:
+    """The client of the configured store (an embedded Valkey when none is) and where it
+    is, for the logs."""
+    options: dict[str, Any] = {"socket_connect_timeout": 2, "health_check_interval": 10}
+    if settings.redis_sentinel is not None:
+        sentinel = settings.redis_sentinel
+        where = f"sentinel:{sentinel.master_name}@{','.join(sentinel.nodes)}"
+        return connect_sentinel(sentinel, metrics.redis, **options), where
+    redis_url = settings.redis_url
+    if redis_url is None:
+        embedded = EmbeddedRedis(data_dir=None).start()
+        stack.callback(embedded.stop)
+        redis_url = embedded.url
+        log.info("embedded_redis_started", url=redis_url)
+    return connect(redis_url, metrics.redis, **options), redis_url
+
+
 @contextlib.asynccontextmanager
 async def running_services(settings: Settings, metrics: GatewayMetrics
                            ) -> AsyncIterator[Services]:
     async with contextlib.AsyncExitStack() as stack:
-        redis_url = settings.redis_url
-        if redis_url is None:
-            embedded = EmbeddedRedis(data_dir=None).start()
-            stack.callback(embedded.stop)
-            redis_url = embedded.url
-            log.info("embedded_redis_started", url=redis_url)
-        client = connect(redis_url, metrics.redis, socket_connect_timeout=2,
-                         health_check_interval=10)
+        client, redis_url = store_client(settings, metrics, stack)
         stack.push_async_callback(client.aclose)
         # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
         # that moment fails a request, so ours expire first

@@ -131,3 +131,15 @@ def queued_for_a_slot(snapshot: BackendSnapshot, peak_running: int) -> int:
     request to finish. The others entered a free slot and start at the next engine step."""
     free = max(0, peak_running - snapshot.running)
     return max(0, snapshot.waiting - free)
+
+
+def share(gate: Gate, replicas: int) -> Gate:
+    """This replica's part of ``gate`` when ``replicas`` replicas pace the backend each on
+    its own (degraded mode, ``gateway/scheduling/local.py``: no shared count of what is on
+    its way): 1/N of the burst and of the occupancy, rounded up, so N replicas together
+    overshoot the whole gate by less than N requests on each bound. A closed gate stays
+    closed; one replica (or none known) keeps the whole gate."""
+    if gate.reason is not None or replicas <= 1:
+        return gate
+    limit = -(-gate.limit // replicas)
+    return Gate(limit, None, min(gate.free_slots, limit), -(-gate.max_inflight // replicas))

@@ -43,3 +43,35 @@ def test_missing_file_and_bad_values_fail_clearly(tmp_path: Path) -> None:
         load_settings(None, classes={"urgent": {}})
     with pytest.raises(ValidationError):
         load_settings(None, api_keys=[{"key": "k", "user": "u", "priority_class": "vip"}])
+
+
+def test_redis_sentinel_from_yaml_and_env(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "fairgate.yaml"
+    path.write_text("redis_sentinel: {master_name: fairgate, nodes: ['s1:26379']}\n")
+    s = load_settings(path)
+    assert s.redis_sentinel is not None and s.redis_sentinel.addresses() == [("s1", 26379)]
+    assert s.failover_wait_s() == s.store_failover_wait_s > 0 and not s.embedded_store()
+    monkeypatch.setenv("FAIRGATE_REDIS_SENTINEL__NODES", "s1:26379, s2:26380")
+    monkeypatch.setenv("FAIRGATE_REDIS_SENTINEL__PASSWORD", "pw")
+    s = load_settings(path)
+    assert s.redis_sentinel is not None
+    assert s.redis_sentinel.addresses() == [("s1", 26379), ("s2", 26380)], s.redis_sentinel
+    assert s.redis_sentinel.password is not None
+    assert s.redis_sentinel.password.get_secret_value() == "pw"
+    monkeypatch.setenv("FAIRGATE_REDIS_SENTINEL__NODES", '["s3:1"]')
+    assert load_settings(path).redis_sentinel.nodes == ["s3:1"]  # type: ignore[union-attr]
+    # a single Redis: an outage answers at once, as before
+    monkeypatch.delenv("FAIRGATE_REDIS_SENTINEL__NODES")
+    monkeypatch.delenv("FAIRGATE_REDIS_SENTINEL__PASSWORD")
+    assert load_settings(None).failover_wait_s() == 0 and load_settings(None).embedded_store()
+
+
+def test_redis_sentinel_and_url_are_exclusive_and_nodes_checked() -> None:
+    sentinel = {"master_name": "m", "nodes": ["h:1"]}
+    with pytest.raises(ValidationError, match="redis_url or redis_sentinel, not both"):
+        load_settings(None, redis_url="redis://x:1/0", redis_sentinel=sentinel)
+    with pytest.raises(ValidationError, match="is not host:port"):
+        load_settings(None, redis_sentinel={"master_name": "m", "nodes": ["h"]})
+    with pytest.raises(ValidationError):
+        load_settings(None, redis_sentinel={"master_name": "m", "nodes": []})

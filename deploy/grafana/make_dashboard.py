@@ -187,6 +187,12 @@ def build() -> dict[str, Any]:
     lay.add(timeseries("Requests dispatched per user", [
         (f"sum by (user) (rate(fairgate_user_requests_total{{{M}}}[{RI}]))", "{{user}}")],
         unit="reqps", stack=True), w=12)
+    lay.add(timeseries("Share ratio: served ÷ entitled share (1 = fair)", [
+        (f"max by (level, name) (fairgate_share_ratio{{{M}}})", "{{level}} {{name}}")],
+        description="Each backlogged tenant's and user's share of the recent service (60 s "
+                    "half-life, every replica's) over the share its weight entitles it to "
+                    "among the backlogged. Every replica reports the same value (from "
+                    "Redis)."), w=12)
 
     lay.row("Batch")
     lay.add(timeseries("Batch jobs by status", [

@@ -48,7 +48,14 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
-from gateway.storage.store import BackendFit, LeaseWish, ScrapeView, Store, snapshot_from
+from gateway.storage.store import (
+    BackendFit,
+    LeaseWish,
+    ScrapeView,
+    Store,
+    Stored,
+    snapshot_from,
+)
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, queued_for_a_slot
 from policies.pacing import Pacing, PacingTargets, adjust
@@ -232,7 +239,10 @@ class BackendPool(ReadsSettings):
         except StoreUnavailable as exc:
             if not self._store_down:
                 log.warning("scrape_leases_failed", error=str(exc))
-            self._store_down = True
+                self._store_down = True
+                if self.alone:  # degraded mode: every process scrapes for itself
+                    for h in handles.values():
+                        h.wake.set()
             return
         self._store_down = False
         for queued, views in found.values():
@@ -240,6 +250,12 @@ class BackendPool(ReadsSettings):
                 handle = handles[name]
                 if self.handles.get(name) is handle:
                     self._take_view(handle, view, queued > 0, now)
+
+    @property
+    def alone(self) -> bool:
+        """Scraping every backend for this process only: Redis is unreachable and
+        ``store_outage: local`` serves on (no lease, no published snapshot meanwhile)."""
+        return self._store_down and self.settings.store_outage == "local"
 
     async def _give_up_leases(self) -> None:
         """On the way out: the leases this process holds go to the next tick of another."""
@@ -336,12 +352,12 @@ class BackendPool(ReadsSettings):
         return report
 
     async def _loop(self, handle: BackendHandle) -> None:
-        """Scrape the backend while this process holds its lease, at the fast interval
-        while it is busy, at the idle one otherwise; wait for the lease while another
-        process holds it."""
+        """Scrape the backend while this process holds its lease (or Redis is down and
+        each process serves alone), at the fast interval while it is busy, at the idle
+        one otherwise; wait for the lease while another process holds it."""
         while True:
             delay = None
-            if handle.held:
+            if handle.held or self.alone:
                 handle.wake.clear()
                 started = time.monotonic()
                 await self.scrape_once(handle)
@@ -388,8 +404,12 @@ class BackendPool(ReadsSettings):
                                                      shared.encode())
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
-            return
-        handle.published_at = time.monotonic()
+            if self.settings.store_outage != "local":
+                return
+            # degraded mode: this process paces by its own scrape alone
+            stored = Stored(True, handle.drained, 0, handle.seen)
+        else:
+            handle.published_at = time.monotonic()
         if stored.drained != handle.drained:
             self.set_drained(handle, stored.drained)
         if stored.stored:

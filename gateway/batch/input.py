@@ -1,9 +1,12 @@
 """Validation of a Batch API input file (JSONL), line by line.
 
 Each line: ``{"custom_id": str, "method": "POST", "url": <endpoint>, "body": {...}}`` with
-a unique ``custom_id``, a ``body.model`` fairgate serves and a body nested no deeper than
-``max_json_depth`` (so no accepted line can fail later on its depth). Errors name the first
-bad lines so a user can fix the file in one go.
+a unique ``custom_id``, a ``url`` the Batch API takes (chat, completions, embeddings,
+responses: ``BATCHABLE`` in ``gateway/proxy/endpoints.py``), a ``body.model`` fairgate
+serves and a body its endpoint accepts, within the request limits (``Limits``: depth,
+output tokens, end user), checked as an interactive call's body is, so no accepted line
+can fail later on its shape. Errors name the first bad lines so a user can fix the file in
+one go.
 
 Parsing a large file takes seconds of CPU: callers on the event loop run
 :func:`summarize_file` and :func:`load_file` in a worker thread (``asyncio.to_thread``).
@@ -19,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.core.errors import BadRequest
-from gateway.proxy.completion_request import check_depth
-from gateway.proxy.endpoints import BATCHABLE
+from gateway.proxy.completion_request import NO_LIMITS, Limits, validate_body
+from gateway.proxy.endpoints import BATCHABLE, BY_PATH
 
 MAX_REPORTED = 10
 
@@ -45,7 +48,7 @@ class FileSummary:
     lines_by_url: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _check(obj: Any, models: Collection[str], max_depth: int | None) -> str | None:
+def _check(obj: Any, models: Collection[str], limits: Limits) -> str | None:
     """The problem with one parsed line, or None."""
     if not isinstance(obj, dict):
         return "not a JSON object"
@@ -61,18 +64,17 @@ def _check(obj: Any, models: Collection[str], max_depth: int | None) -> str | No
         return "'body' must be an object"
     if body.get("stream"):
         return "streaming is not supported in a batch"
-    if body.get("model") not in models:
-        return f"model {body.get('model')!r} is not served here"
-    if max_depth is not None:
-        try:
-            check_depth(body, max_depth)
-        except BadRequest as exc:
-            return "'body': " + exc.message
+    try:
+        validate_body(body, BY_PATH[obj["url"]], limits)
+    except BadRequest as exc:
+        return "'body': " + exc.message
+    if body["model"] not in models:
+        return f"model {body['model']!r} is not served here"
     return None
 
 
 def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
-               max_depth: int | None = None) -> Iterator[BatchLine]:
+               limits: Limits = NO_LIMITS) -> Iterator[BatchLine]:
     """Valid lines in order (blank lines skipped), as they are read; once the input is
     exhausted, raises BadRequest listing the bad lines (or if there were none at all)."""
     problems: list[str] = []
@@ -89,7 +91,7 @@ def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
         except RecursionError:
             problem: str | None = "not valid JSON: nested too deeply"
         else:
-            problem = _check(obj, models, max_depth)
+            problem = _check(obj, models, limits)
             if problem is None and obj["custom_id"] in seen:
                 problem = f"duplicate custom_id {obj['custom_id']!r}"
         if problem is not None:
@@ -110,24 +112,24 @@ def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
 
 
 def parse_lines(raw_lines: Iterable[bytes], models: Collection[str],
-                max_depth: int | None = None) -> Iterator[BatchLine]:
+                limits: Limits = NO_LIMITS) -> Iterator[BatchLine]:
     """Every valid line, once the whole input is known to be valid."""
-    return iter(list(scan_lines(raw_lines, models, max_depth)))
+    return iter(list(scan_lines(raw_lines, models, limits)))
 
 
-def load_file(path: Path, models: Collection[str], max_depth: int | None = None
+def load_file(path: Path, models: Collection[str], limits: Limits = NO_LIMITS
               ) -> list[BatchLine]:
     """Every line of a valid input file (blocking: run it in a worker thread)."""
     with path.open("rb") as fh:
-        return list(scan_lines(fh, models, max_depth))
+        return list(scan_lines(fh, models, limits))
 
 
-def summarize_file(path: Path, models: Collection[str], max_depth: int | None = None
+def summarize_file(path: Path, models: Collection[str], limits: Limits = NO_LIMITS
                    ) -> FileSummary:
     """Validate a file without keeping its lines (blocking: run it in a worker thread)."""
     summary = FileSummary()
     with path.open("rb") as fh:
-        for line in scan_lines(fh, models, max_depth):
+        for line in scan_lines(fh, models, limits):
             summary.requests += 1
             first = summary.lines_by_url.setdefault(line.url, [])
             if len(first) < MAX_REPORTED:

@@ -38,7 +38,7 @@ from gateway.core.errors import (
 )
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
-from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.completion_request import CompletionRequest, Limits
 from gateway.proxy.endpoints import BY_PATH
 from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
@@ -146,7 +146,7 @@ class BatchRunner(ReadsSettings):
         try:  # parsing takes seconds for a large file: off the event loop
             lines = await asyncio.to_thread(load_file, self.files.path(doc["input_file_id"]),
                                             self.settings.models(),
-                                            self.settings.max_json_depth)
+                                            Limits.of(self.settings))
         except (FairgateError, OSError) as exc:
             await self._fail(batch_id, str(exc))
             return
@@ -238,17 +238,21 @@ class BatchRunner(ReadsSettings):
         """Run one line until it has a result in the output or the error file."""
         creq = CompletionRequest(BY_PATH[line.url], line.body)
         attempt = 0
+        answer: tuple[int, bytes] | None = None  # received: recorded, never run again
         while True:
             attempt += 1
             try:
+                if answer is not None:
+                    await self._record_answer(batch_id, line, *answer)
+                    return
                 async with self.admission.admitted(line.model, doc["user"], "batch",
                                                    doc.get("weight", 1.0), creq,
                                                    account=account) as ticket:
-                    status, data = await self.upstream.fetch(ticket.backend, creq,
-                                                             ticket.priority, ticket)
+                    answer = await self.upstream.fetch(ticket.backend, creq,
+                                                       ticket.priority, ticket)
                     # record before releasing: the crash window that would run the line
                     # again (answer received, not yet recorded) stays as short as it can
-                    await self._record_answer(batch_id, line, status, data)
+                    await self._record_answer(batch_id, line, *answer)
                 return
             except StoreUnavailable:
                 pass  # Redis is down: no result can be recorded either; wait for it

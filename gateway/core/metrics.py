@@ -87,6 +87,10 @@ class GatewayMetrics:
         self.shares: dict[str, ServiceShares] = {}
         # service not yet added to the cross-replica shares in Redis (gateway/ops/history.py)
         self.pending_service: dict[str, dict[str, float]] = {}
+        # model -> user -> (tenant, weight, tenant weight) of users queued since the last
+        # flush: the share ratio needs the weight of a backlogged user not served yet
+        self.pending_who: dict[str, dict[str, tuple[str, float, float]]] = {}
+        self._share_series: set[tuple[str, str, str]] = set()
         self.recent_dispatches: dict[str, deque[float]] = {}
         # per backend: (time, hit blocks, query blocks) of this replica's recent dispatches
         self.recent_predictions: dict[str, deque[tuple[float, int, int]]] = {}
@@ -236,6 +240,21 @@ class GatewayMetrics:
             "fairgate_redis_commands_total",
             "Redis commands sent (pipelined ones too); a Lua script by its name",
             ["command", "script"], registry=r)
+        self.local_dispatches = Counter(
+            "fairgate_local_dispatches_total",
+            "Requests this replica granted on its own while Redis was unreachable "
+            "(store_outage: local)", ["model", "backend", "priority_class"], registry=r)
+        self.serving_locally = Gauge(
+            "fairgate_serving_locally",
+            "1 while this replica serves from its own queues because Redis is unreachable "
+            "(store_outage: local)", registry=r, multiprocess_mode="livemax")
+        self.share_ratio = Gauge(
+            "fairgate_share_ratio",
+            "Served ÷ entitled share of each backlogged tenant and user: its share of the "
+            "model's recent (decayed, 60 s half-life) service across every replica against "
+            "its weight's share among the backlogged; 1 is exactly fair "
+            "(policies/share_ratio.py)", ["model", "level", "name"], registry=r,
+            multiprocess_mode=SHARED)
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
@@ -284,6 +303,33 @@ class GatewayMetrics:
         if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
             pending[user] = pending.get(user, 0.0) + service
 
+    def on_queued(self, model: str, user: str, tenant: str, weight: float,
+                  tenant_weight: float) -> None:
+        """A request of ``user`` (in ``tenant``, "": its own) was queued: who it is goes to
+        the shares in Redis with the next flush (bounded like the service)."""
+        pending = self.pending_who.setdefault(model, {})
+        if user in pending or len(pending) < MAX_SHARE_USERS:
+            pending[user] = (tenant, weight, tenant_weight)
+
+    def set_share_ratios(self, model: str, tenants: Mapping[str, float],
+                         users: Mapping[str, float]) -> None:
+        """``fairgate_share_ratio`` of ``model`` now: series for those given (users and
+        tenants within the label caps), the model's others removed."""
+        shown: set[tuple[str, str, str]] = set()
+        for level, ratios, labelled in (("tenant", tenants, self._tenant_label),
+                                        ("user", users, self._user_label)):
+            for name, ratio in ratios.items():
+                label = labelled(name)
+                if label != OTHER_USERS:
+                    shown.add((model, level, label))
+                    self.share_ratio.labels(model, level, label).set(ratio)
+        for series in [s for s in self._share_series if s[0] == model and s not in shown]:
+            if self.multiprocess:  # a removed series keeps its last value there
+                self.share_ratio.labels(*series).set(float("nan"))
+            self.share_ratio.remove(*series)
+            self._share_series.discard(series)
+        self._share_series |= shown
+
     def on_tenant_usage(self, tenant: str, klass: str, prompt_tokens: int,
                         output_tokens: int, error: bool) -> None:
         label = self._tenant_label(tenant)
@@ -307,12 +353,18 @@ class GatewayMetrics:
                     metric.remove(*labels)
         return label
 
-    def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
-                  tail: tuple[str, ...] = ()) -> None:
+    def _user_label(self, user: str) -> str:
+        """At most ``top_users`` user label values (rest: ``other``); an idle user's
+        series give way to an active one's."""
         label, expired = self.users.label(user, time.monotonic())
         for gone in expired:
             for metric, labels in self._user_series.pop(gone, set()):
                 metric.remove(*labels)
+        return label
+
+    def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
+                  tail: tuple[str, ...] = ()) -> None:
+        label = self._user_label(user)
         labels = (*head, label, *tail)
         if label != OTHER_USERS:
             self._user_series.setdefault(label, set()).add((counter, labels))

@@ -6,14 +6,16 @@ Precedence: explicit overrides > environment (``FAIRGATE_REDIS_URL``,
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
@@ -29,6 +31,51 @@ from policies.prefill import PromptRange
 class Listen(BaseModel):
     host: str = "127.0.0.1"
     port: int = 8000
+
+
+class RedisSentinel(BaseModel):
+    """The store behind Redis Sentinel (``gateway/storage/redis_client.py``
+    connect_sentinel): the master of ``master_name`` as the sentinels at ``nodes``
+    ("host:port", a list or one comma-separated string) name it, followed through a
+    failover. Passwords and TLS as redis-py takes them; ``sentinel_*`` for the sentinels'
+    own connections."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    master_name: str = Field(min_length=1)
+    nodes: Annotated[list[str], NoDecode] = Field(min_length=1)
+    db: int = Field(0, ge=0)
+    username: str | None = None
+    password: SecretStr | None = None
+    sentinel_username: str | None = None
+    sentinel_password: SecretStr | None = None
+    ssl: bool = False  # TLS to the master
+    sentinel_ssl: bool = False  # TLS to the sentinels
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        """From the environment: a JSON list, or "host:port,host:port"."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("["):
+            return json.loads(value)
+        return [n.strip() for n in value.split(",") if n.strip()]
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_port(cls, value: list[str]) -> list[str]:
+        for node in value:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"sentinel node {node!r} is not host:port")
+        return value
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [(n.rpartition(":")[0], int(n.rpartition(":")[2])) for n in self.nodes]
 
 
 class Backend(BaseModel):
@@ -144,7 +191,12 @@ class Settings(BaseSettings):
         env_prefix="FAIRGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
     )
 
-    redis_url: str | None = None  # None → embedded Valkey server
+    redis_url: str | None = None  # None → embedded Valkey server (or redis_sentinel)
+    redis_sentinel: RedisSentinel | None = None  # the store behind Sentinel, not redis_url
+    # with redis_sentinel: how long queued clients (and newcomers) wait for the store to
+    # come back (a failover: the master's down-after-milliseconds plus the promotion)
+    # before they get a 503; 0: at once, as with a single Redis
+    store_failover_wait_s: float = Field(10.0, ge=0)
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
     listen: Listen = Listen()
@@ -225,6 +277,10 @@ class Settings(BaseSettings):
     # held in flight is released (sooner when it leaves a grant unread for 2 s). Three
     # heartbeats: a killed replica's slots must not hold the survivors' gates for long.
     replica_ttl_s: float = 3.0
+    # A Redis outage: "fail_closed" answers queued and new requests 503 until it is back;
+    # "local" keeps serving each replica's own clients from its own fair queues, pacing each
+    # backend with its share of the gate (gateway/scheduling/local.py, docs/reliability.md)
+    store_outage: Literal["fail_closed", "local"] = "fail_closed"
     retry_after_s: int = 1
 
     # Batch API
@@ -249,6 +305,21 @@ class Settings(BaseSettings):
     max_output_tokens: int = Field(131072, ge=1)  # max_tokens / max_completion_tokens
     max_end_user_chars: int = Field(256, ge=1)  # body field `user`, printable text only
     max_files_bytes_per_user: int = Field(2 * 1024**3, ge=0)  # all of a user's files → 413
+
+    @model_validator(mode="after")
+    def _one_store(self) -> Settings:
+        if self.redis_url is not None and self.redis_sentinel is not None:
+            raise ValueError("set redis_url or redis_sentinel, not both")
+        return self
+
+    def embedded_store(self) -> bool:
+        """No store configured: the process runs an embedded Valkey server."""
+        return self.redis_url is None and self.redis_sentinel is None
+
+    def failover_wait_s(self) -> float:
+        """How long a client waits through a store outage: a Sentinel failover's bound;
+        0 with a single Redis (its outage answers 503 at once)."""
+        return self.store_failover_wait_s if self.redis_sentinel is not None else 0.0
 
     @field_validator("fairness")
     @classmethod

@@ -17,6 +17,7 @@ from gateway.batch.input import summarize_file
 from gateway.batch.records import FINAL, WINDOW_S
 from gateway.core.errors import BadRequest, FairgateError
 from gateway.http.routes import add_endpoint_routes
+from gateway.proxy.completion_request import Limits
 from gateway.proxy.endpoints import BATCHABLE, BATCHES, FILES
 from gateway.services import SERVICES, Services
 
@@ -44,7 +45,7 @@ async def upload_file(request: web.Request) -> web.Response:
     meta = await _receive(request, svc, user)
     try:  # parsing takes seconds for a large file: off the event loop
         await asyncio.to_thread(summarize_file, svc.files.path(meta.id), svc.settings.models(),
-                                svc.settings.max_json_depth)
+                                Limits.of(svc.settings))
     except FairgateError:
         await svc.files.delete(user, meta.id)
         raise
@@ -152,7 +153,7 @@ async def create_batch(request: web.Request) -> web.Response:
         raise BadRequest(f"file {file_id} was not uploaded with purpose \"batch\"",
                          param="input_file_id")
     summary = await asyncio.to_thread(summarize_file, svc.files.path(file_id),
-                                      svc.settings.models(), svc.settings.max_json_depth)
+                                      svc.settings.models(), Limits.of(svc.settings))
     wrong = sorted((index, url) for url, first in summary.lines_by_url.items()
                    if url != endpoint for index in first)[:10]
     if wrong:

@@ -1,6 +1,7 @@
 """``/openapi.json``: the operations of the endpoint table (``gateway/proxy/endpoints.py``)
 generated from it, over ``static/openapi.yaml`` (the shared components and the routes
-outside the table: operations, admin, fairgate's extensions).
+outside the table: operations, admin, fairgate's extensions), and the Batch API's
+endpoints (``CreateBatchRequest.endpoint``) from the table's batchable entries.
 
 A queued or forwarded endpoint's operation is generated whole (its body schema, its
 answer, its stream, the errors its kind can answer); a local endpoint's operation is
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gateway.proxy.endpoints import ENDPOINTS, Endpoint, Kind
+from gateway.proxy.endpoints import BATCHABLE, ENDPOINTS, Endpoint, Kind
 
 _ERRORS = {  # status: components/responses
     "400": "BadRequest", "401": "Unauthorized", "403": "Forbidden", "404": "NotFound",
@@ -77,6 +78,9 @@ def build(base: dict[str, Any], endpoints: tuple[Endpoint, ...] = ENDPOINTS
                              "which the endpoint table generates")
         else:
             item[method] = operation(endpoint)
+    batch = spec.get("components", {}).get("schemas", {}).get("CreateBatchRequest")
+    if batch is not None:
+        batch["properties"]["endpoint"]["enum"] = list(BATCHABLE)
     return spec
 
 

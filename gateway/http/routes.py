@@ -1,4 +1,4 @@
-"""HTTP routes: the OpenAI-compatible surface plus health, readiness and metrics.
+"""HTTP routes: the OpenAI-compatible surface plus the index, health, readiness and metrics.
 
 The OpenAI endpoints are routed from their table (``gateway/proxy/endpoints.py``). The queued
 ones (chat, completions, embeddings, the Responses API) go through
@@ -34,6 +34,7 @@ from gateway.core.errors import (
     Unavailable,
 )
 from gateway.core.settings import ApiKey
+from gateway.http.index import index
 from gateway.http.openapi import openapi_json
 from gateway.proxy.completion_request import (
     DEADLINE_HEADER,
@@ -286,6 +287,7 @@ def add_routes(app: web.Application) -> None:
     add_endpoint_routes(app, {"listModels": list_models, "retrieveModel": retrieve_model})
     app.router.add_get("/v1/fairgate/requests/{id}", request_status)
     app.router.add_get("/v1/fairgate/usage", own_usage)
+    app.router.add_get("/", index)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

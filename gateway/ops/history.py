@@ -20,8 +20,9 @@ replica's memory (a restart starts empty; each replica keeps its own):
   deltas of ``fairgate_gate_closed_seconds_total``.
 
 The same loop adds, every ``tick_s`` (1 s), the service this replica served to the
-cross-replica service shares in Redis (``Store.add_service``; the read model also does
-before it reads them), batched so the request path makes no extra Redis call.
+cross-replica service shares in Redis, with the tenant and weights of the users it
+queued requests for (``Store.add_service``; the read model also does before it reads
+them), batched so the request path makes no extra Redis call.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.core.user_series import MAX_SHARE_USERS, SHARE_HALF_LIFE_S
-from gateway.storage.store import Store
+from gateway.storage.store import Store, Who
 from policies.classes import CLASS_ORDER
 
 log = structlog.get_logger("fairgate.history")
@@ -122,20 +123,28 @@ class History(ReadsSettings):
             await asyncio.sleep(max(0.0, min(self.tick_s, due)))
 
     async def flush_service(self) -> None:
-        """Move this replica's pending service into the shares every replica reads."""
+        """Move this replica's pending service, and who its queued users are, into the
+        shares every replica reads."""
         pending, self.metrics.pending_service = self.metrics.pending_service, {}
-        for model, amounts in pending.items():
-            if not amounts:
+        queued, self.metrics.pending_who = self.metrics.pending_who, {}
+        for model in pending.keys() | queued.keys():
+            amounts, who = pending.get(model, {}), queued.get(model, {})
+            if not amounts and not who:
                 continue
             try:
                 await self.store.add_service(model, amounts, time.time(), SHARE_HALF_LIFE_S,
-                                             MAX_SHARE_USERS, SHARE_TTL_S)
+                                             MAX_SHARE_USERS, SHARE_TTL_S,
+                                             {user: Who(*entry) for user, entry in who.items()})
             except StoreUnavailable as exc:  # kept for the next tick, still bounded
                 log.warning("service_shares_deferred", model=model, error=str(exc))
                 kept = self.metrics.pending_service.setdefault(model, {})
                 for user, amount in amounts.items():
                     if user in kept or len(kept) < MAX_SHARE_USERS:
                         kept[user] = kept.get(user, 0.0) + amount
+                kept_who = self.metrics.pending_who.setdefault(model, {})
+                for user, entry in who.items():
+                    if user in kept_who or len(kept_who) < MAX_SHARE_USERS:
+                        kept_who.setdefault(user, entry)
 
     async def sample(self) -> dict[str, Any]:
         """Take one sample (deltas since the previous one) and append it to the ring."""

@@ -21,9 +21,10 @@ from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.ops.history import History
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger, group
-from gateway.storage.store import Store
+from gateway.storage.store import QueuedUser, Store
 from policies.classes import CLASS_ORDER
 from policies.gates import queued_for_a_slot
+from policies.share_ratio import ShareRatios, share_ratios
 
 USERS_SCANNED = 1000  # per (model, class): bounds the Redis reads of one state request
 TOP_USERS = 20
@@ -39,13 +40,17 @@ class Inspector(ReadsSettings):
         self.replica_id = replica_id
         self.history = History(settings, store, metrics)
 
-    async def queues(self, model: str, now: float) -> dict[str, dict[str, Any]]:
-        """Per class: depth, oldest wait, and the users with the most queued requests."""
+    async def queues(self, model: str, now: float,
+                     queued: list[QueuedUser] | None = None) -> dict[str, dict[str, Any]]:
+        """Per class: depth, oldest wait, and the users with the most queued requests
+        (``queued``: the queued users already read)."""
         depth = await self.store.depths(model)
         classes: dict[str, dict[str, Any]] = {
             c: {"depth": depth[c], "oldest_wait_s": None, "active_users": 0, "users": []}
             for c in CLASS_ORDER}
-        for q in await self.store.queued_users(model, USERS_SCANNED):
+        if queued is None:
+            queued = await self.store.queued_users(model, USERS_SCANNED)
+        for q in queued:
             wait = None if q.oldest_enqueued_at is None else now - q.oldest_enqueued_at
             entry = classes[q.klass]
             entry["active_users"] += 1
@@ -59,6 +64,15 @@ class Inspector(ReadsSettings):
             entry["users"].sort(key=lambda u: (-u["queued"], u["score"]))
             del entry["users"][TOP_USERS:]
         return classes
+
+    async def share_ratios(self, model: str, queued: list[QueuedUser]) -> ShareRatios:
+        """Each backlogged tenant's and user's served share against its weight's, from
+        the service every replica fed into Redis (``policies/share_ratio.py``). The
+        backlogged are the users queued in the most urgent class with a queue: strict
+        class order owes a lower class nothing (its starvation floor aside)."""
+        top = next((c for c in CLASS_ORDER if any(q.klass == c for q in queued)), None)
+        return share_ratios(await self.store.service_accounts(model),
+                            {q.user for q in queued if q.klass == top})
 
     async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
         handles = self.pool.for_model(model)
@@ -121,12 +135,15 @@ class Inspector(ReadsSettings):
                 {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
             everyone = await self.store.service_shares(model)
             inflight = await self.store.user_inflight(model)
+            queued = await self.store.queued_users(model, USERS_SCANNED)
+            ratios = await self.share_ratios(model, queued)
             models[model] = {
-                "queues": await self.queues(model, now),
+                "queues": await self.queues(model, now, queued),
                 "backends": await self.backends(model, now),
                 "service_shares": [{"user": u, "share": s}
                                    for u, s in list(everyone.items())[:TOP_USERS]],
                 "replica_service_shares": share_list[:TOP_USERS],
+                "share_ratios": {"tenants": _top(ratios.tenants), "users": _top(ratios.users)},
                 "inflight_by_user": dict(sorted(inflight.items(),
                                                 key=lambda kv: -kv[1])[:TOP_USERS]),
             }
@@ -134,13 +151,23 @@ class Inspector(ReadsSettings):
                 "models": models, "history": self.history.view()}
 
     async def refresh_queue_metrics(self) -> None:
-        """Queue depth and oldest wait gauges, read from Redis at scrape time."""
+        """Gauges read from Redis at scrape time: queue depth and oldest wait, and the
+        share ratios (with this replica's latest service added first)."""
         now = time.time()
+        await self.history.flush_service()
         for model in self.settings.models():
-            for klass, entry in (await self.queues(model, now)).items():
+            queued = await self.store.queued_users(model, USERS_SCANNED)
+            for klass, entry in (await self.queues(model, now, queued)).items():
                 self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
                 self.metrics.queue_oldest_wait.labels(model, klass).set(
                     entry["oldest_wait_s"] or 0.0)
+            ratios = await self.share_ratios(model, queued)
+            self.metrics.set_share_ratios(model, ratios.tenants, ratios.users)
+
+
+def _top(ratios: dict[str, float]) -> dict[str, float]:
+    """The ``TOP_USERS`` farthest from fair, farthest first."""
+    return dict(sorted(ratios.items(), key=lambda kv: -abs(kv[1] - 1.0))[:TOP_USERS])
 
 
 async def usage_today(usage: UsageLedger, quotas: Quotas, tenants: Iterable[str],

@@ -103,12 +103,12 @@ COMPLETIONS = Endpoint(
 EMBEDDINGS = Endpoint(
     "/v1/embeddings", "POST", "createEmbedding", Kind.QUEUED,
     "Embeddings, queued fairly in the key's class (cost = input tokens)",
-    "CreateEmbeddingRequest", "EmbeddingList", "input", sim="embeddings")
+    "CreateEmbeddingRequest", "EmbeddingList", "input", batchable=True, sim="embeddings")
 RESPONSES = Endpoint(
     "/v1/responses", "POST", "createResponse", Kind.QUEUED,
     "The Responses API, queued fairly like chat; stream events relayed as they come",
     "CreateResponseRequest", "Response", "input", ("max_output_tokens",), Frames.EVENTS,
-    RESPONSES_USAGE, sim="responses")
+    RESPONSES_USAGE, batchable=True, sim="responses")
 TOKENIZE = Endpoint(
     "/tokenize", "POST", "tokenize", Kind.FORWARDED,
     "vLLM's tokenizer (any API key; cheap, so not queued)",

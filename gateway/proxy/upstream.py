@@ -65,7 +65,7 @@ class Upstream:
     async def fetch(self, handle: BackendHandle, creq: CompletionRequest, priority: int,
                     listener: RelayListener) -> tuple[int, bytes]:
         """A non-streaming call whose answer stays in fairgate (the Batch API)."""
-        body = {**creq.body, "stream": False}
+        body = {**creq.body, "stream": False} if creq.endpoint.streams else dict(creq.body)
         resp = await self._post(handle, creq.path, body, priority)
         try:
             status, data, _ = await _read(handle, resp, listener, creq.endpoint.usage)

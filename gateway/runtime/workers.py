@@ -132,12 +132,15 @@ class Supervisor:
         self.port = int(reservation.getsockname()[1])
         with contextlib.ExitStack() as stack:
             stack.callback(reservation.close)
-            redis_url = self.settings.redis_url
-            if redis_url is None:
+            # the workers read the config file and the environment as this process did
+            # (a Sentinel's too); an embedded Valkey is started once, here, and shared
+            url = self.settings.redis_url
+            store = {"FAIRGATE_REDIS_URL": url} if url else {}
+            if self.settings.embedded_store():
                 embedded = EmbeddedRedis(data_dir=None).start()
                 stack.callback(embedded.stop)
-                redis_url = embedded.url
-                log.info("embedded_redis_started", url=redis_url)
+                store["FAIRGATE_REDIS_URL"] = embedded.url
+                log.info("embedded_redis_started", url=embedded.url)
             metrics_dir = os.environ.get(MULTIPROC_DIR_ENV)
             if not metrics_dir:
                 metrics_dir = tempfile.mkdtemp(prefix="fairgate-metrics-")
@@ -145,7 +148,7 @@ class Supervisor:
             ready_r, ready_w = os.pipe()
             for fd in (ready_r, ready_w):
                 stack.callback(os.close, fd)
-            env = {**os.environ, "FAIRGATE_REDIS_URL": redis_url,
+            env = {**os.environ, **store,
                    "FAIRGATE_LISTEN__PORT": str(self.port), MULTIPROC_DIR_ENV: metrics_dir,
                    READY_FD_ENV: str(ready_w)}
             return await self._supervise(env, ready_w, ready_r, banner)

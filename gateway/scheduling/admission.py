@@ -203,6 +203,8 @@ class Admission(ReadsSettings):
         await self._check_fit(model, klass, creq, prompt_est)
         tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
+        self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
+                               tenant_weight)
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
                                (prefix_chain(creq.body) if self.settings.routing == "locality"

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ from gateway.core.errors import (
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.scheduling.local import LocalScheduler
 from gateway.storage.store import (
     Dispatched,
     Grant,
@@ -134,7 +135,12 @@ class Dispatcher(ReadsSettings):
         # in Redis should say, and what reconcile() makes it say after a Redis restart
         self.held: dict[str, Grant] = {}
         self._store_down = False
+        self._store_back = asyncio.Event()  # set while the store answers
+        self._store_back.set()
+        self._outages = 0
         self._beats = 0
+        # store_outage "local": this replica's own queues while Redis is unreachable
+        self.local = LocalScheduler(pool, replica_id)
         self.floors: FloorPolicy
         self.locality: Locality | None
         self._derive(settings.current)
@@ -172,9 +178,18 @@ class Dispatcher(ReadsSettings):
         future: asyncio.Future[Grant] = asyncio.get_running_loop().create_future()
         self.waiters[req.request_id] = Waiter(req, model, future)
         try:
-            position = await self._enqueue(model, req)
+            try:
+                position = await self._enqueue(model, req)
+            except StoreUnavailable as exc:
+                if self._serves_locally:
+                    self.store_lost(exc)  # queued here with the others this replica holds
+                    position = 1
+                else:
+                    position = await self._enqueue_after_outage(model, req, exc)
         except StoreUnavailable:
             self.waiters.pop(req.request_id, None)
+            if future.done() and not future.cancelled():
+                future.exception()  # store_lost's 503: this one is raised instead
             raise
         except asyncio.CancelledError:
             # The script may have run although its reply was never read: take it back.
@@ -193,6 +208,20 @@ class Dispatcher(ReadsSettings):
             self.waiters.pop(req.request_id, None)
             raise
 
+    async def _enqueue_after_outage(self, model: str, req: QueuedRequest,
+                                    error: StoreUnavailable) -> int:
+        """Behind Sentinel: wait for the promoted master (``store_failover_wait_s`` at
+        most), then queue the request there, once (the failed call may have reached the
+        old master and been replicated). Raises ``error`` otherwise."""
+        ends = time.monotonic() + self.settings.failover_wait_s()
+        while await self._store_back_by(ends, error):
+            try:
+                await self._requeue(model, [req])
+                return 1
+            except StoreUnavailable as exc:
+                error = exc
+        raise error
+
     async def _await_grant(self, model: str, req: QueuedRequest,
                            future: asyncio.Future[Grant], timeout_s: float) -> Grant:
         deadline = time.monotonic() + timeout_s
@@ -200,15 +229,29 @@ class Dispatcher(ReadsSettings):
             try:
                 return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
             except TimeoutError:
-                if not await self.store.request_exists(model, req.request_id):
-                    # dropped at dispatch (this replica looked dead) or expired: say so now
-                    # instead of waiting out the whole queue timeout
-                    self.waiters.pop(req.request_id, None)
-                    raise RequestLost("the queued request was lost; retry it") from None
+                if self.local.holds(req.request_id):
+                    continue  # queued here while the store is unreachable
+                try:
+                    if await self.store.request_exists(model, req.request_id):
+                        continue
+                    if self.settings.failover_wait_s() > 0:  # the store forgot it
+                        await self._requeue(model, [req])
+                        continue
+                except StoreUnavailable:
+                    if self.settings.failover_wait_s() > 0:
+                        continue  # store_lost bounds the wait
+                    raise
+                # dropped at dispatch (this replica looked dead) or expired: say so now
+                # instead of waiting out the whole queue timeout
+                self.waiters.pop(req.request_id, None)
+                raise RequestLost("the queued request was lost; retry it") from None
         raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue")
 
     async def _withdraw(self, model: str, req: QueuedRequest,
                         future: asyncio.Future[Grant]) -> None:
+        if self.local.cancel(req.request_id):
+            self.waiters.pop(req.request_id, None)
+            return
         if await self.store.cancel(model, req.request_id, req.user, req.klass,
                                    req.tenant_name):
             self.waiters.pop(req.request_id, None)
@@ -276,6 +319,10 @@ class Dispatcher(ReadsSettings):
         retried by the heartbeat loop, so no in-flight count leaks (a leaked one would
         hold a gate closed for good)."""
         self.held.pop(grant.request_id, None)
+        if grant.local:  # granted here while the store was unreachable: settled here
+            self.local.release(model, grant, charge, tenant_charge)
+            self.wake_freed()
+            return
         starts = self._take_starts(model)
         try:
             plan, then = await self._fold(model, grant.backend)
@@ -299,14 +346,105 @@ class Dispatcher(ReadsSettings):
             self._unsettled.popleft()
             self.wake_freed()
 
+    @property
+    def _serves_locally(self) -> bool:
+        return self.settings.store_outage == "local"
+
     def store_lost(self, error: StoreUnavailable) -> None:
         """Redis is unreachable: every queued client of this replica gets a 503 now
-        rather than waiting blind (a batch line retries; running streams go on)."""
+        rather than waiting blind (a batch line retries; running streams go on). Behind
+        Sentinel they wait up to ``store_failover_wait_s`` for the promoted master
+        first (:meth:`_fail_waiters_after`). With ``store_outage: local`` they are queued
+        and served here instead (``gateway/scheduling/local.py``) until the store answers
+        again (:meth:`_hand_back`)."""
         if not self._store_down:
-            log.warning("store_lost", waiting=len(self.waiters), error=error.message)
+            log.warning("store_lost", waiting=len(self.waiters), error=error.message,
+                        serving_locally=self._serves_locally)
+            self._store_back.clear()
+            wait_s = self.settings.failover_wait_s()
+            if wait_s > 0 and not self._serves_locally:
+                self._outages += 1
+                self._background_task(self._fail_waiters_after(self._outages, wait_s))
         self._store_down = True
+        if self._serves_locally:
+            self.metrics.serving_locally.set(1)
+            for waiter in list(self.waiters.values()):
+                if not waiter.future.done():
+                    self.local.queue(waiter.model, waiter.request, waiter.future)
+            self._dispatch_locally()
+        elif self.settings.failover_wait_s() == 0:
+            self._fail_waiters()
+
+    def _dispatch_locally(self) -> None:
+        """Grant what this replica queues itself while the store is unreachable."""
+        for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
+            self.waiters.pop(grant.request_id, None)  # a grant from the store comes too late
+            self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
+
+    async def _hand_back(self) -> None:
+        """The store answers again after this replica served locally: the requests
+        granted here leave its queues (they run to their end here), and those still
+        queued here go back to it with their arrival time unless it still queues them."""
+        queued, served = self.local.take_back()
+        self.metrics.serving_locally.set(0)
+        for wait in served:
+            r = wait.request
+            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name)
+        await self._requeue_waiters()  # the waiters still queued here
+        log.info("store_back", handed_back=len(queued), served_locally=len(served))
+
+    def _fail_waiters(self) -> None:
         for request_id in list(self.waiters):
             self.cancel(request_id, StoreUnavailable("connection lost while queued; retry"))
+
+    async def _fail_waiters_after(self, outage: int, wait_s: float) -> None:
+        """The store is still unreachable ``wait_s`` after the outage began: the queued
+        clients get their 503 (a failover takes longer than it may)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._store_back.wait(), wait_s)
+        if self._store_down and outage == self._outages:
+            log.warning("store_failover_wait_over", waiting=len(self.waiters), wait_s=wait_s)
+            self._fail_waiters()
+
+    async def _store_back_by(self, deadline: float, error: StoreUnavailable) -> bool:
+        """A call failed on the store: behind Sentinel, wait until it is back (a
+        failover) but not past ``deadline`` (monotonic). True when it is back."""
+        if self.settings.failover_wait_s() == 0:
+            return False
+        self.store_lost(error)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._store_back.wait(), left)
+        return self._store_back.is_set()
+
+    async def _requeue(self, model: str, reqs: list[QueuedRequest]) -> int:
+        """Queue again requests the store forgot while their clients wait here (a
+        promoted replica missed the last writes), with their first arrival time; the
+        ones it still knows stay as they are. Returns how many went in."""
+        positions, _ = await self.store.enqueue_many(
+            model, reqs, self.settings.max_queued_per_user, requeue=True)
+        again = sum(p > 0 for p in positions)
+        if again:
+            log.warning("requeued_forgotten", model=model, requests=again)
+            self.wake()
+        return again
+
+    async def _requeue_waiters(self) -> None:
+        """After an outage behind Sentinel: every client still queued here whose request
+        the (new) master does not know is queued again."""
+        by_model: dict[str, list[QueuedRequest]] = {}
+        for waiter in list(self.waiters.values()):
+            if not waiter.future.done():
+                by_model.setdefault(waiter.model, []).append(waiter.request)
+        for model, reqs in by_model.items():
+            await self._requeue(model, reqs)
+
+    def _background_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def cancel(self, request_id: str, error: FairgateError) -> bool:
         """Fail a request this replica holds while it waits for its grant (an operator
@@ -341,6 +479,9 @@ class Dispatcher(ReadsSettings):
             await self._wake.wait()
             self._wake.clear()
             forced, self._maybe_work = self._maybe_work, False
+            if self._store_down and self._serves_locally:
+                self._dispatch_locally()
+                continue
             for model in models:
                 if not forced and self._queued.get(model, 1) == 0:
                     continue  # a slot freed but nothing is queued: no Redis round trip
@@ -466,6 +607,8 @@ class Dispatcher(ReadsSettings):
         queued for the model the start is held, to ride on the model's next call to Redis;
         otherwise it goes at once (with the starts held), its gate slot frees, and the same
         call grants the backend's next requests."""
+        if grant.local:
+            return  # the store never counted it
         start = Start(grant.request_id, grant.backend, time.time())
         if self._queued.get(model, 1) == 0:
             self._hold(model, [start])
@@ -496,6 +639,14 @@ class Dispatcher(ReadsSettings):
         return list(self._starts.pop(model, {}).values())
 
     def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
+        running = self.held.get(request_id)
+        if running is not None:
+            # granted again (a failed-over store lost the first dispatch and still queued
+            # it): it runs here already, never twice; that second grant's slot is freed
+            log.warning("duplicate_grant_released", request_id=request_id, backend=backend)
+            self._background_task(self._release_duplicate(
+                model, dataclasses.replace(running, backend=backend, rank=rank)))
+            return
         waiter = self.waiters.pop(request_id, None)
         if waiter is not None and not waiter.future.done():
             req = waiter.request
@@ -504,10 +655,14 @@ class Dispatcher(ReadsSettings):
             self.held[request_id] = grant
             waiter.future.set_result(grant)
             return
-        # Nobody waits (the client left between dispatch and delivery): release it.
-        task = asyncio.get_running_loop().create_task(self._release_orphan(model, request_id))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        # Nobody waits (the client left between dispatch and delivery, or a failed-over
+        # store granted a request that already ran here): release it.
+        self._background_task(self._release_orphan(model, request_id))
+
+    async def _release_duplicate(self, model: str, grant: Grant) -> None:
+        with contextlib.suppress(StoreUnavailable):  # else reconcile() releases it
+            if await self.store.settle(model, grant, 0.0):
+                self.wake_freed()
 
     async def _release_orphan(self, model: str, request_id: str) -> None:
         with contextlib.suppress(StoreUnavailable):
@@ -548,10 +703,16 @@ class Dispatcher(ReadsSettings):
         while True:
             try:
                 now = time.time()
-                await self.store.heartbeat(models, self.replica_id, now, self._listened)
+                self.local.replicas = await self.store.heartbeat(
+                    models, self.replica_id, now, self._listened, now - self.replica_ttl_s)
                 self._beating.set()
-                await self._settle_deferred()
                 recovered, self._store_down = self._store_down, False
+                self._store_back.set()
+                if recovered and self._serves_locally:
+                    await self._hand_back()
+                elif recovered and self.settings.failover_wait_s() > 0:
+                    await self._requeue_waiters()
+                await self._settle_deferred()
                 self._beats += 1
                 for model in models:
                     if await self.store.reap(model, now, self.replica_ttl_s):

@@ -45,6 +45,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
+    "service_who": "service:who",         # hash: user -> JSON [tenant, weight, tenant weight]
 }
 
 BATCH_PREFIX = f"{ROOT}:batch:"           # hash fg:batch:{id}; :out, :err hashes; :lease
@@ -164,6 +165,10 @@ class ModelKeys:
     @property
     def service_epoch(self) -> str:
         return self._key("service_epoch")
+
+    @property
+    def service_who(self) -> str:
+        return self._key("service_who")
 
 
 @dataclass(frozen=True, slots=True)

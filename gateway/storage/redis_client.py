@@ -7,6 +7,11 @@ command's latency and failures, and counts every command sent (pipelined ones to
 script by its name (``gateway/storage/lua/<name>.lua``): ``fairgate_redis_commands_total``. A
 pipeline is one round trip, recorded in the latency histogram as ``PIPELINE``.
 
+With Redis Sentinel (:func:`connect_sentinel`) the client is the same boundary on a
+``SentinelConnectionPool``: each new connection asks the sentinels for the master, so
+after a failover the next command reaches the promoted replica; until then every command
+fails as ``StoreUnavailable``.
+
 ``NoScriptError`` is let through on purpose: redis-py's script objects catch it to load
 the script again (a restarted Redis has an empty script cache).
 """
@@ -21,11 +26,13 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import RedisMetrics
+from gateway.core.settings import RedisSentinel
 
 # Blocking reads wait on purpose: their duration is not Redis latency.
 BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
@@ -88,11 +95,27 @@ class BoundaryRedis(aioredis.Redis):
         pipe.metrics, pipe.script_names = self.metrics, self.script_names
         return pipe
 
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for sentinel in self.__dict__.get("sentinels", ()):  # connect_sentinel's
+            await sentinel.aclose()
+
     def register_script(self, script: Any) -> Any:
         text = script.decode() if isinstance(script, bytes) else str(script)
         names: dict[str, str] = self.__dict__.setdefault("script_names", {})
         names[hashlib.sha1(text.encode()).hexdigest()] = script_name(text)
         return super().register_script(script)
+
+
+def _no_backoff_retry() -> Retry:
+    return Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), 1)
+
+
+def _boundary(client: aioredis.Redis, metrics: RedisMetrics | None) -> BoundaryRedis:
+    boundary = cast("BoundaryRedis", client)
+    boundary.metrics = metrics
+    boundary.script_names = {}
+    return boundary
 
 
 def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> BoundaryRedis:
@@ -102,8 +125,39 @@ def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> Bou
     then the error surfaces. redis-py's default (3 retries, exponential backoff up to 10 s)
     would hide a Redis outage for seconds: queued clients would wait instead of getting a
     503, and every loop would stall; fairgate's own loops back off instead."""
-    kwargs.setdefault("retry", Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), 1))
-    client = cast("BoundaryRedis", BoundaryRedis.from_url(url, decode_responses=True, **kwargs))
-    client.metrics = metrics
-    client.script_names = {}
-    return client
+    kwargs.setdefault("retry", _no_backoff_retry())
+    return _boundary(BoundaryRedis.from_url(url, decode_responses=True, **kwargs), metrics)
+
+
+def connect_sentinel(config: RedisSentinel, metrics: RedisMetrics | None = None,
+                     **kwargs: Any) -> BoundaryRedis:
+    """A client on the master the sentinels of ``config`` name, as :func:`connect`'s.
+
+    Every new connection asks the sentinels first (``SentinelConnectionPool``): after a
+    failover the next command reaches the promoted replica; between the master's death
+    and the promotion commands fail (``StoreUnavailable``), which the dispatcher waits
+    out (``store_failover_wait_s``). ``kwargs`` go to every connection, the sentinels'
+    too (timeouts)."""
+    kwargs.setdefault("retry", _no_backoff_retry())
+    tls = {k: v for k, v in (("ssl_ca_certs", config.ssl_ca_certs),
+                             ("ssl_certfile", config.ssl_certfile),
+                             ("ssl_keyfile", config.ssl_keyfile)) if v is not None}
+    to_sentinels: dict[str, Any] = {
+        k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    to_sentinels.update(username=config.sentinel_username, password=_secret(
+        config.sentinel_password), decode_responses=True)
+    if config.sentinel_ssl:
+        to_sentinels.update(ssl=True, **tls)
+    to_master = dict(kwargs, db=config.db, username=config.username,
+                     password=_secret(config.password), decode_responses=True)
+    if config.ssl:
+        to_master.update(ssl=True, **tls)
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        config.addresses(), sentinel_kwargs=to_sentinels)
+    client = sentinel.master_for(config.master_name, redis_class=BoundaryRedis, **to_master)
+    client.__dict__["sentinels"] = sentinel.sentinels
+    return _boundary(client, metrics)
+
+
+def _secret(value: Any) -> str | None:
+    return None if value is None else str(value.get_secret_value())

@@ -23,6 +23,7 @@ from gateway.storage.values import GRANT, PREFILL, UsageCounts, lua_values
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
 from policies.prefill import TOKENS_PER_BLOCK, PromptRange
+from policies.share_ratio import Account
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,29 @@ class QueuedRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Who:
+    """A user's tenant ("": its own) and weights, as the share ratio reads them (the
+    ``service:who`` hash, a JSON array per user)."""
+
+    tenant: str = ""
+    weight: float = 1.0
+    tenant_weight: float = 1.0
+
+    def encode(self) -> str:
+        return json.dumps([self.tenant, self.weight, self.tenant_weight])
+
+    @classmethod
+    def decode(cls, text: str | None) -> Who:
+        """An entry; a missing or unreadable one (a user served by an older replica)
+        reads as weight 1 in its own tenant."""
+        try:
+            tenant, weight, tenant_weight = json.loads(text or "")
+            return cls(str(tenant), float(weight), float(tenant_weight))
+        except (ValueError, TypeError):
+            return cls()
+
+
+@dataclass(frozen=True, slots=True)
 class Grant:
     request_id: str
     klass: str
@@ -61,6 +85,7 @@ class Grant:
     matched_blocks: int = 0  # leading blocks of its chain the backend's prefix index held
     prompt_blocks: int = 0  # blocks of its chain (0: no index, routing least_loaded)
     reason: str = "load"  # why it went there: policies.locality.DISPATCH_REASONS
+    local: bool = False  # granted by this replica alone while the store was unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,11 +323,13 @@ class Store:
 
     async def enqueue_many(self, model: str, reqs: Sequence[QueuedRequest], max_queued: int,
                            then: Mapping[str, Any] | None = None,
-                           starts: Sequence[Start] = ()
+                           starts: Sequence[Start] = (), requeue: bool = False
                            ) -> tuple[list[int], Dispatched | None]:
         """Queue a tick's requests in one call (each: its queue length after the push, or
         -1 when its user's cap is reached) and, with ``then`` (:func:`dispatch_args`),
-        dispatch to that backend in the same call. ``starts`` are marked first."""
+        dispatch to that backend in the same call. ``starts`` are marked first.
+        ``requeue``: requests queued again after a failover, with their first arrival
+        time; each goes in only if the store forgot it (0 when it did not), past the cap."""
         k = ModelKeys(model)
         keys = [k.depth, k.backlogged_since, k.replicas]
         requests = []
@@ -318,7 +345,7 @@ class Store:
                 "tcost": repr(float(req.tenant_charge)), "now": repr(req.enqueued_at),
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
-                "ptok": int(req.prompt_tokens)})
+                "ptok": int(req.prompt_tokens), **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
         if starts:
@@ -499,14 +526,17 @@ class Store:
         return dict(zip(models, found, strict=True))
 
     async def add_service(self, model: str, amounts: Mapping[str, float], now: float,
-                          half_life_s: float, cap: int, ttl_s: float) -> int:
-        """Add each user's service to the model's decayed shares (every replica's);
-        returns the number of users kept (at most ``cap``)."""
+                          half_life_s: float, cap: int, ttl_s: float,
+                          who: Mapping[str, Who] | None = None) -> int:
+        """Add each user's service to the model's decayed shares (every replica's), and
+        record who the users of ``who`` are; returns the number of users kept (at most
+        ``cap``)."""
         k = ModelKeys(model)
-        args: list[Any] = [now, half_life_s, cap, int(ttl_s)]
-        for user, amount in amounts.items():
-            args += [user, amount]
-        return int(await self._run("share", [k.service, k.service_epoch], args))
+        args = {"now": now, "half_life": half_life_s, "cap": cap, "ttl": int(ttl_s),
+                "amounts": dict(amounts),
+                "who": {user: w.encode() for user, w in (who or {}).items()}}
+        return int(await self._run("share", [k.service, k.service_epoch, k.service_who],
+                                   [json.dumps(args)]))
 
     async def service_shares(self, model: str) -> dict[str, float]:
         """Each user's share of the model's decayed service across replicas, largest
@@ -514,7 +544,23 @@ class Store:
         raw = await cast("Awaitable[list[tuple[str, float]]]", self.client.zrange(
             ModelKeys(model).service, 0, -1, desc=True, withscores=True))
         total = sum(score for _, score in raw)
-        return {} if total <= 0 else {user: score / total for user, score in raw}
+        return {} if total <= 0 else {user: score / total for user, score in raw if score > 0}
+
+    async def service_accounts(self, model: str) -> dict[str, Account]:
+        """Each user's decayed service across replicas at weight 1 (its score times its
+        key's weight), with its tenant and weights (``policies/share_ratio.py``); one
+        round trip."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zrange(k.service, 0, -1, withscores=True)
+        pipe.hgetall(k.service_who)
+        scores, entries = await pipe.execute()
+        accounts = {}
+        for user, score in scores:
+            who = Who.decode(entries.get(user))
+            accounts[str(user)] = Account(float(score) * who.weight, who.weight, who.tenant,
+                                          who.tenant_weight)
+        return accounts
 
     async def forget_prefixes(self, model: str, backend: str) -> None:
         """Drop a backend's prefix index (it restarted or went away: its cache is gone)."""
@@ -548,17 +594,22 @@ class Store:
         return states
 
     async def heartbeat(self, models: Sequence[str], replica: str, now: float,
-                        listened: Mapping[str, float] | None = None) -> None:
+                        listened: Mapping[str, float] | None = None,
+                        live_since: float | None = None) -> int:
         """Mark ``replica`` alive at ``now``; ``listened``: per model, when its grant
         listener last turned (a grant left unread is a dead replica only if that is old
-        too, see ``replica_alive`` in ``lua/_lib.lua``)."""
+        too, see ``replica_alive`` in ``lua/_lib.lua``). Returns how many replicas beat
+        since ``live_since`` (of the first model; 1 without it or without models)."""
         pipe = self.client.pipeline(transaction=False)
         for model in models:
             k = ModelKeys(model)
             pipe.zadd(k.replicas, {replica: now})
             if listened and model in listened:
                 pipe.hset(k.listened, replica, str(listened[model]))
-        await pipe.execute()
+        if models and live_since is not None:
+            pipe.zcount(ModelKeys(models[0]).replicas, live_since, "+inf")
+        replies = await pipe.execute()
+        return max(1, int(replies[-1])) if models and live_since is not None else 1
 
     async def next_grant(
         self, model: str, replica: str, timeout_s: float

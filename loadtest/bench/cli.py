@@ -19,7 +19,7 @@ from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
 SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
-             "locality", "tenants", "pacing", "fleet")
+             "locality", "tenants", "pacing", "replicas", "fleet")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -32,7 +32,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="results directory (default results/bench/<scenario>)")
     parser.add_argument("--backend", default=None,
                         help="URL of a running vLLM (default: a simulated H100 per phase)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes (a smoke test): numbers printed, not judged "
+                             "against the full-size targets")
     parser.add_argument("--size", type=int, default=None,
                         help="scenario size (flood length, queued requests, …)")
     parser.add_argument("--duration", type=float, default=None,

@@ -143,6 +143,13 @@ class Bench:
             client.flushdb()
         finally:
             client.close()
+        async with self.replica(backend, users, label, workers, **settings) as proc:
+            yield proc
+
+    @contextlib.asynccontextmanager
+    async def replica(self, backend: Backend, users: Sequence[tuple[str, str]], label: str,
+                      workers: int | None = None, **settings: Any) -> AsyncIterator[Proc]:
+        """Like :meth:`gateway`, on the Redis database as it is: one more replica."""
         config: dict[str, Any] = {
             "redis_url": self.redis_url,
             "backends": [{"name": "b0", "url": backend.url, "model": backend.model}],

@@ -1,4 +1,8 @@
-"""Results: ``report.json`` + ``report.md`` (headline table) + PNG plots (matplotlib Agg)."""
+"""Results: ``report.json`` + ``report.md`` (headline table) + PNG plots (matplotlib Agg).
+
+A ``--quick`` run's numbers are printed as measured but not judged: its sizes are too
+small for the targets, which are stated for full-size runs (``met`` is left empty).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import os
 import platform
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import matplotlib
@@ -30,6 +34,17 @@ class Headline:
     ratio: float | None
     target: str
     met: bool | None
+
+
+QUICK_NOTE = ("Quick run (`--quick`): tiny sizes, a smoke check that the scenario runs. "
+              "The numbers are as measured, but too small a run to judge: the targets are "
+              "for full-size runs (drop `--quick`), so none is marked met or not.")
+
+
+def unjudged(row: Headline) -> Headline:
+    """A quick run's row: its numbers, its target named as the full-size one, no verdict."""
+    target = f"full size: {row.target}" if row.target not in ("", "–") else row.target
+    return replace(row, target=target, met=None)
 
 
 def machine() -> dict[str, Any]:
@@ -61,7 +76,8 @@ def _fmt(value: Any) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"### {report['scenario']}", "",
+    quick = " (quick run: not judged)" if report.get("quick") else ""
+    lines = [f"### {report['scenario']}{quick}", "",
              f"`{report['command']}` — {report['date']}, {report['machine']['cpus']} CPUs "
              f"({report['machine']['cpu']}, load avg {report['machine']['loadavg_1m_at_end']} at "
              f"the end), commit {report['machine']['commit']}", "",
@@ -82,6 +98,9 @@ def write(opts: Options, scenario: str, params: dict[str, Any], runs: dict[str, 
           notes: list[str] | None = None) -> dict[str, Any]:
     """Write the results directory; returns the JSON report."""
     opts.out.mkdir(parents=True, exist_ok=True)
+    if opts.quick:
+        headline = [unjudged(row) for row in headline]
+        notes = [QUICK_NOTE, *(notes or [])]
     plots = []
     for name, fig in (figures or {}).items():
         fig.savefig(opts.out / name, dpi=110, bbox_inches="tight")

@@ -133,7 +133,7 @@ async def test_cancel_stops_promptly_with_partial_results(sim: SimFactory,
     (b'{"custom_id": "a", "method": "POST"\n', "line 1: not valid JSON"),
     (jsonl(2).replace(b"req-1", b"req-0"), "duplicate custom_id 'req-0'"),
     (jsonl(1).replace(MODEL.encode(), b"gpt-9"), "model 'gpt-9' is not served here"),
-    (jsonl(1).replace(b"/v1/chat/completions", b"/v1/embeddings"), "'url' must be one of"),
+    (jsonl(1).replace(b"/v1/chat/completions", b"/v1/moderations"), "'url' must be one of"),
     (jsonl(1).replace(b'"POST"', b'"GET"'), "'method' must be"),
     (b"\n\n", "has no requests"),
 ])

@@ -26,6 +26,8 @@ def _run(name: str, tmp_path: Path, redis_url: str, **options: Any) -> dict[str,
     assert on_disk["scenario"] == name
     assert {"command", "date", "machine", "params", "headline", "runs", "plots"} <= set(on_disk)
     assert on_disk["headline"] and all(set(r) == HEADLINE_KEYS for r in on_disk["headline"])
+    verdicts = [r["met"] for r in on_disk["headline"]]
+    assert verdicts == [None] * len(verdicts), verdicts  # a quick run is not judged
     assert "| metric | direct | gateway |" in (tmp_path / name / "report.md").read_text()
     for plot in on_disk["plots"]:
         assert (tmp_path / name / plot).read_bytes()[:4] == b"\x89PNG"
@@ -169,6 +171,19 @@ def test_pacing(tmp_path: Path, redis_url: str) -> None:
         assert stats["weighted_jain"] is None or 0.0 < stats["weighted_jain"] <= 1.0
     for name in ("adaptive_0", "fixed_0"):
         assert report["runs"][name]["gateway_cpu_s"] > 0, report["runs"][name]
+
+
+@pytest.mark.timeout(120)
+def test_replicas(tmp_path: Path, redis_url: str) -> None:
+    report = _run("replicas", tmp_path, redis_url)
+    run = report["runs"]["replicas"]
+    for phase in ("three_replicas", "after_kill"):
+        stats = run[phase]
+        assert stats["service"]["heavy"] > 0 and stats["service"]["light"] > 0, stats
+        assert stats["ratio"] is not None and stats["ratio"] > 0, stats
+    assert run["share_ratio_samples"], "replica 1's /metrics never scraped"
+    assert run["summary"]["completed"] > 0
+    assert report["params"]["killed_replica"] == 3
 
 
 @pytest.mark.timeout(120)

@@ -48,7 +48,10 @@ def test_every_entry_is_declared_once() -> None:
     assert len(keys) == len(set(keys)), keys
     ids = [e.operation_id for e in ENDPOINTS]
     assert len(ids) == len(set(ids)), ids
-    assert BATCHABLE == (CHAT.path, COMPLETIONS.path)
+    assert BATCHABLE == (CHAT.path, COMPLETIONS.path, BY_PATH["/v1/embeddings"].path,
+                         RESPONSES.path)
+    batch = document()["components"]["schemas"]["CreateBatchRequest"]
+    assert batch["properties"]["endpoint"]["enum"] == list(BATCHABLE), batch
 
 
 @pytest.mark.parametrize(("endpoint", "body", "bound"), [

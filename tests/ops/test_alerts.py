@@ -14,7 +14,7 @@ RULES = PROM / "rules" / "fairgate.yml"
 CASES = PROM / "tests" / "fairgate_test.yml"
 ALERTS = {"FairgateInteractiveQueueWaitOverSLO", "FairgateDefaultQueueWaitOverSLO",
           "FairgateBackendUnhealthy", "FairgateBackendTPOTHigh", "FairgateRedisErrors",
-          "FairgateBatchClassStalled", "FairgateBatchJobsStalled"}
+          "FairgateBatchClassStalled", "FairgateBatchJobsStalled", "FairgateShareBelowWeight"}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -25,7 +25,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_rules_pass_promtool_check() -> None:
     result = promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 8 rules found" in result.stdout
+    assert "SUCCESS: 9 rules found" in result.stdout
 
 
 def test_rule_unit_cases_pass_and_cover_every_alert() -> None:

@@ -160,18 +160,25 @@ function backendsPanel(backends) {
           "no backends"));
 }
 
-function sharesPanel(shares) {
-  const rows = shares.map((s) => {
+function sharesPanel(shares, ratios) {
+  // vs weight: served ÷ entitled share of a backlogged user (fairgate_share_ratio)
+  const owed = (ratios && ratios.users) || {};
+  const listed = new Set(shares.map((s) => s.user));
+  const all = shares.concat(Object.keys(owed).filter((u) => !listed.has(u))
+    .map((u) => ({ user: u, share: 0 })));
+  const rows = all.map((s) => {
     const bar = el("div", { class: "bar" });
     bar.style.width = `${(100 * s.share).toFixed(1)}%`;  // CSSOM: allowed by the page's CSP
     return el("tr", { "data-user": s.user },
       el("td", {}, s.user),
       el("td", { "data-metric": "share" }, fmt(100 * s.share, 1) + "%"),
+      el("td", { "data-metric": "share_ratio" },
+        s.user in owed ? fmt(owed[s.user], 2) + "×" : "–"),
       el("td", { class: "barcell" }, bar));
   });
   return el("div", { class: "panel" },
     el("h3", {}, "Service share (decayed, all replicas)"),
-    table(["user", "share", ""], rows, "no service yet"));
+    table(["user", "share", "vs weight", ""], rows, "no service yet"));
 }
 
 function batchesPanel(batches) {
@@ -369,7 +376,7 @@ function render(state) {
       el("h2", {}, model),
       el("div", { class: "grid" },
         backendsPanel(m.backends), queuesPanel(model, m.queues),
-        usersPanel(m.queues), sharesPanel(m.service_shares))));
+        usersPanel(m.queues), sharesPanel(m.service_shares, m.share_ratios))));
   root.replaceChildren(...sections, usagePanel(state.usage_today), batchesPanel(state.batches));
   document.getElementById("meta").textContent =
     `replica ${state.replica_id} · fairness ${state.fairness}`;

@@ -16,9 +16,19 @@ local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 start_each(prefix, a.starts)
 local info = redis.call('HMGET', key_request(prefix, a.id), 'owner', 'started', 'tenant',
-  'class')
-local released = release_request(prefix, a.id, {state = 'dispatched', user = a.user,
-  backend = a.backend, owner = info[1], started = info[2]})
+  'class', 'state', 'backend')
+local released
+if info[5] == 'queued' then
+  -- it ran here, but a store that failed over lost its dispatch and still queues it:
+  -- it leaves the queue (never dispatched again), charged as it ran
+  released = release_request(prefix, a.id, {state = 'queued', user = a.user,
+    class = info[4], tenant = info[3] or a.user})
+else
+  -- the backend its hash names: after a failover the store may have dispatched it
+  -- again elsewhere (that grant's in-flight state is the one to release)
+  released = release_request(prefix, a.id, {state = 'dispatched', user = a.user,
+    backend = info[6] or a.backend, owner = info[1], started = info[2]})
+end
 if released then
   local tenant = info[3] or a.user
   if info[4] then

@@ -1,0 +1,60 @@
+"""What a failover leaves behind, on the scripts (real server): a request queued again
+goes in only if the store forgot it, with its first arrival time and past the cap; a
+request that ran although the store still queues it leaves the queue at its settle; a
+settle releases the backend its hash names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import redis.asyncio as aioredis
+
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import QueuedRequest, Store
+
+M = "m"
+K = ModelKeys(M)
+OPEN = {"interactive": 10, "default": 10, "batch": 10}
+
+
+def req(rid: str, at: float = 1000.0) -> QueuedRequest:
+    return QueuedRequest(rid, "u", "default", "r1", 1.0, at)
+
+
+async def test_requeue_goes_in_only_when_forgotten(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    assert await store.enqueue(M, req("a"), 1) == 1
+    positions, _ = await store.enqueue_many(M, [req("a"), req("b", at=990.0)], 1,
+                                            requeue=True)
+    assert positions == [0, 2], f"known one skipped, forgotten one past the cap: {positions}"
+    assert await redis.lrange(K.queue("default", "u", "u"), 0, -1) == ["a", "b"]
+    assert await redis.hget(K.request("b"), "enqueued_at") == "990.0"
+    assert await redis.hget(K.depth, "default") == "2"
+
+
+async def test_settle_of_a_request_still_queued_takes_it_out(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await store.enqueue(M, req("a"), 10)
+    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+    # the store failed over without that dispatch: "a" is queued again there
+    await redis.flushdb()
+    await store.heartbeat([M], "r1", 1000.0)
+    await store.enqueue(M, req("a"), 10)
+    assert await store.settle(M, grants[0], 5.0) is True
+    assert await redis.llen(K.queue("default", "u", "u")) == 0
+    assert await redis.hget(K.depth, "default") == "0"
+    assert not await redis.exists(K.request("a"), K.user_inflight, K.backend_inflight("b1"))
+    assert (await store.dispatch(M, "b1", OPEN, "r1", 1001.0, 10.0))[0] == []
+
+
+async def test_settle_releases_the_backend_the_hash_names(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await store.enqueue(M, req("a"), 10)
+    grants, _ = await store.dispatch(M, "b2", OPEN, "r1", 1000.0, 10.0)
+    assert await redis.get(K.backend_inflight("b2")) == "1"
+    # the replica's own grant named b1 (the dispatch the failed-over store forgot)
+    assert await store.settle(M, dataclasses.replace(grants[0], backend="b1"), 0.0)
+    assert not await redis.exists(K.backend_inflight("b2"), K.backend_inflight("b1"))
