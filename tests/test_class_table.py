@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from gateway.core.settings import ClassConfig, load_settings
 from policies.classes import CLASSES, DEFAULT_CLASS, SPECS
 from policies.gates import GatePolicy
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_settings_start_from_the_table() -> None:
@@ -34,9 +36,11 @@ def test_gate_defaults_are_the_default_class_row() -> None:
         DEFAULT_CLASS.max_waiting, DEFAULT_CLASS.max_tpot_ms, DEFAULT_CLASS.max_kv_usage), gate
 
 
-def test_the_readme_shows_the_table() -> None:
-    shown = dict(re.findall(r"^  (\w+): +\{(max_waiting: .*)\}$", README.read_text(), re.M))
-    assert set(shown) == set(SPECS), shown
+@pytest.mark.parametrize("page", ["README.md", "docs/configuration.md"])
+def test_the_docs_show_the_table(page: str) -> None:
+    text = (ROOT / page).read_text()
+    shown = dict(re.findall(r"^  (\w+): +\{(max_waiting: .*)\}$", text, re.M))
+    assert set(shown) == set(SPECS), (page, shown)
     for name, row in shown.items():
         values = dict(part.split(": ") for part in row.split(", "))
         spec = SPECS[name]

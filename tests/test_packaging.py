@@ -1,5 +1,5 @@
 """Packaging: the import names are this checkout's, and the product never imports its
-test rig (README, "Import names")."""
+test rig (docs/layout.md, "Import names")."""
 
 from __future__ import annotations
 

@@ -306,6 +306,11 @@ class Settings(BaseSettings):
     max_end_user_chars: int = Field(256, ge=1)  # body field `user`, printable text only
     max_files_bytes_per_user: int = Field(2 * 1024**3, ge=0)  # all of a user's files → 413
 
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_url_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value  # FAIRGATE_REDIS_URL="" unsets a file's
+
     @model_validator(mode="after")
     def _one_store(self) -> Settings:
         if self.redis_url is not None and self.redis_sentinel is not None:

@@ -685,12 +685,18 @@ class Dispatcher(ReadsSettings):
     async def reconcile(self, model: str, now: float) -> int:
         """Release what Redis says this replica holds but it does not: requests whose
         settle a Redis restart lost (an AOF replays up to its last fsync). Returns the
-        count. Grants younger than RECONCILE_GRACE_S may still be on their way here."""
+        count. Grants younger than RECONCILE_GRACE_S may still be on their way here; an
+        older one whose client still waits here is delivered to it."""
         unsettled = {s.grant.request_id for s in self._unsettled}
         released = 0
         for grant, dispatched_at in await self.store.held_by(model, self.replica_id):
             if (grant.request_id in self.held or grant.request_id in unsettled
                     or now - dispatched_at < RECONCILE_GRACE_S):
+                continue
+            if grant.request_id in self.waiters:
+                # its grant never arrived (popped from a store that died before
+                # answering): its client still waits here, so it goes now
+                self._deliver(model, grant.request_id, grant.backend, grant.rank)
                 continue
             if await self.store.settle(model, grant, 0.0):
                 released += 1

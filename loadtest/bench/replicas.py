@@ -48,8 +48,11 @@ TARGET = (3.8, 4.2)
 def params(opts: Options) -> dict[str, Any]:
     return {
         "replicas": REPLICAS, "killed_replica": KILLED + 1, "weights": WEIGHTS,
-        "heavy_concurrency": opts.size or opts.pick(32, 8),
-        "light_concurrency_per_replica": opts.pick(4, 2),
+        # deep loops: the heavy user's queue in Redis holds about a second of its service,
+        # so a replica or client stalling for a moment does not empty it (an emptied queue
+        # loses its turns: no banked credit)
+        "heavy_concurrency": opts.size or opts.pick(64, 16),
+        "light_concurrency_per_replica": opts.pick(8, 3),
         "prompt_tokens": 128, "max_tokens": opts.pick(64, 16),
         "phase_s": opts.duration_s or opts.pick(45.0, 4.0), "warmup_s": opts.pick(5.0, 1.0),
         "window_s": opts.pick(10.0, 2.0), "step_s": opts.pick(1.0, 0.5),

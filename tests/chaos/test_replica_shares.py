@@ -3,7 +3,10 @@
 A weight-4 user's requests all enter replica 1; a weight-1 user's are spread over the
 three (closed loops, both backlogged: together they want more than the backend's batch
 plus its waiting room, so requests queue in Redis and the dispatch order decides who is
-served). Every request costs the same (same prompt, ``max_tokens`` with ``ignore_eos``),
+served). Deep: the weight-4 user's 32 clients keep about 25 requests queued, half a
+second of its service, so a replica or client stalling for a moment does not empty its
+queue in Redis (a user whose queue empties loses its turns: no banked credit). Every
+request costs the same (same prompt, ``max_tokens`` with ``ignore_eos``),
 so served service is counted in completed requests, over windows delimited by
 completion counts (no clock).
 
@@ -36,7 +39,7 @@ from tests.processes import start_gateway, until_ready
 WEIGHTS = {"heavy": 4.0, "light": 1.0}
 KEYS = [{"key": f"sk-{u}", "user": u, "priority_class": "interactive", "weight": w}
         for u, w in WEIGHTS.items()]
-HEAVY_CLIENTS, LIGHT_CLIENTS_PER_REPLICA = 20, 4
+HEAVY_CLIENTS, LIGHT_CLIENTS_PER_REPLICA = 32, 6
 WARMUP, WINDOW = 60, 300  # completions
 RATIO_BOUND = (3.0, 5.3)
 METRIC_BOUND = (0.75, 1.35)

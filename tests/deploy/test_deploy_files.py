@@ -458,3 +458,38 @@ def test_gateway_settings_accept_the_compose_configs(
     assert settings.models() == ["llama-3.1-8b"]
     assert len(settings.backends) == 2
     assert settings.classes["batch"].max_waiting == 1
+
+
+SENTINEL_COMPOSE = DEPLOY / "docker-compose.sentinel.yml"
+
+
+@pytest.mark.parametrize("compose", COMPOSE_FILES, ids=lambda p: p.name)
+def test_sentinel_override_points_the_gateways_at_its_sentinels(
+    compose: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`-f <stack> -f docker-compose.sentinel.yml`: each gateway's settings (its config
+    file, then the two files' environment merged) name the override's sentinels, which
+    monitor the stack's `redis`, and a replica follows it."""
+    base, extra = services(compose), services(SENTINEL_COMPOSE)
+    sentinels = {n for n, s in extra.items() if "--sentinel" in str(s.get("command"))}
+    assert len(sentinels) == 3, sentinels
+    for name in sentinels:
+        script = str(extra[name]["command"])
+        assert "sentinel monitor fairgate redis 6379 2" in script, script
+        assert extra[name]["hostname"] == name
+    replica = extra["redis-replica"]
+    assert flag_value(command_list(replica), "--replicaof") == "redis"
+    assert flag_value(command_list(replica), "--appendonly") == "yes"
+    gateways = [n for n, s in base.items() if is_gateway(s)]
+    assert set(gateways) <= set(extra), (gateways, sorted(extra))
+    for name in gateways:
+        env = {**base[name]["environment"], **extra[name]["environment"]}
+        for var in [v for v in os.environ if v.startswith("FAIRGATE_")]:
+            monkeypatch.delenv(var)
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        settings = load_settings(mounted_config(base[name], compose))
+        assert settings.redis_url is None and settings.redis_sentinel is not None
+        assert {host for host, _ in settings.redis_sentinel.addresses()} == sentinels
+        assert settings.redis_sentinel.master_name == "fairgate"
+        assert set(extra[name]["depends_on"]) == sentinels

@@ -78,11 +78,10 @@ EXTRA_BACKEND = {"name": "ext-8b", "url": "http://vllm-ext.other.svc:8100", "mod
 
 
 def readme_values() -> dict[str, Any]:
-    """The `# my-values.yaml` block of README.md's "## Deploying" section."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Deploying\n") :]
+    """The `# my-values.yaml` block of docs/deploying.md."""
+    section = (ROOT / "docs" / "deploying.md").read_text()
     block = re.search(r"```yaml\n\s*# my-values.yaml\n(.*?)\n\s*```", section, re.S)
-    assert block, "README's Deploying section has no my-values.yaml block"
+    assert block, "docs/deploying.md has no my-values.yaml block"
     text = textwrap.dedent(block.group(1))
     data: dict[str, Any] = yaml.safe_load(text)
     return data
@@ -127,10 +126,17 @@ RENDERS: dict[str, dict[str, Any]] = {
     },
     # Names at their limits: a 40-character release still yields valid DNS labels.
     "long-name": {"name": "a-rather-long-release-name-for-fairgate01"},
-    # The values file README's "Deploying" section tells operators to write.
+    # The values file docs/deploying.md tells operators to write.
     "readme": {"values": readme_values()},
+    # Redis behind Sentinel (a master, a replica, three sentinels) behind NetworkPolicies.
+    "sentinel": {"values": {"redis": {"topology": "sentinel"},
+                            "networkPolicy": {"enabled": True}}},
 }
 FAILURES: dict[str, tuple[dict[str, Any], str]] = {
+    "unknown-redis-topology": ({"redis": {"topology": "ring"}},
+                               "redis.topology must be standalone or sentinel"),
+    "sentinel-below-quorum": ({"redis": {"topology": "sentinel", "sentinel": {"sentinels": 1}}},
+                              "must be at least redis.sentinel.quorum"),
     "no-keys": ({"gateway": {"keys": {"apiKeys": []}}}, "gateway.keys.apiKeys is empty"),
     "external-redis-without-url": (
         {"redis": {"enabled": False}},
@@ -157,6 +163,7 @@ LINTS = {
     "default": {},
     "full": RENDERS["full"]["values"],
     "pods-hpa": RENDERS["pods-hpa"]["values"],
+    "sentinel": RENDERS["sentinel"]["values"],
 }
 
 
@@ -771,3 +778,41 @@ def test_service_monitors_select_the_gateway_and_vllm_services(
         if s["metadata"]["labels"]["app.kubernetes.io/component"] in {"gateway", "vllm"}
     }
     assert selected == wanted
+
+
+def test_sentinel_topology_replaces_the_single_redis(releases: dict[str, Release],
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    release = releases["sentinel"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["redis"]["sentinel"]
+    (nodes,) = release.component("StatefulSet", "redis")
+    (sentinels,) = release.component("StatefulSet", "redis-sentinel")
+    assert nodes["spec"]["replicas"] == 1 + values["replicas"]  # a master and its replicas
+    assert sentinels["spec"]["replicas"] == values["sentinels"] >= values["quorum"]
+    script = container(nodes, "redis")["args"][0]
+    assert "--appendonly yes" in script and "--replicaof" in script, script
+    conf = container(sentinels, "sentinel")["args"][0]
+    assert f"down-after-milliseconds {values['masterName']} {values['downAfterMilliseconds']}" \
+        in conf, conf
+    # the gateway asks each sentinel pod, by its stable DNS name, for the master
+    (svc,) = release.component("Service", "redis-sentinel")
+    name, port = svc["metadata"]["name"], svc["spec"]["ports"][0]["port"]
+    config = release.config()
+    assert "redis_url" not in config
+    assert config["redis_sentinel"] == {
+        "master_name": values["masterName"],
+        "nodes": [f"{sentinels['metadata']['name']}-{i}.{name}:{port}"
+                  for i in range(values["sentinels"])]}
+    settings = load_gateway_settings(release, monkeypatch, tmp_path, {
+        "FAIRGATE_API_KEYS": "[]", "FAIRGATE_ADMIN_KEYS": "[]"})
+    assert settings.redis_sentinel is not None and settings.redis_url is None
+    assert settings.failover_wait_s() == values["failoverWaitSeconds"]
+    assert port_of(container(sentinels, "sentinel"), "sentinel") == port
+    # the gateway may reach the sentinels; the Redis pods take replication and checks
+    egress = netpol(release, "gateway")["spec"]["egress"]
+    assert any(egress_ports(r) == {(port, "TCP")}
+               and selects(r["to"][0]["podSelector"], pod_labels(sentinels)) for r in egress)
+    (rule,) = netpol(release, "redis")["spec"]["ingress"]
+    assert [selects(p["podSelector"], pod_labels(w)) for p in rule["from"]
+            for w in (nodes, sentinels)].count(True) == 2
+    assert selects(netpol(release, "redis-sentinel")["spec"]["podSelector"], pod_labels(sentinels))

@@ -3,6 +3,7 @@ holds requests it already finished: reconcile() settles exactly those."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -11,7 +12,7 @@ import pytest
 from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import SettingsHolder, load_settings
-from gateway.scheduling.dispatcher import RECONCILE_GRACE_S, Dispatcher
+from gateway.scheduling.dispatcher import RECONCILE_GRACE_S, Dispatcher, Waiter
 from gateway.storage.keys import ModelKeys
 from gateway.storage.redis_client import BoundaryRedis, connect
 from gateway.storage.store import QueuedRequest, Store
@@ -53,3 +54,32 @@ async def test_reconcile_releases_only_what_the_replica_does_not_hold(
         assert await client.smembers(K.running("r1")) == {"held", "young"}
         # nothing more to do on a second pass
         assert await dispatcher.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0
+
+
+async def test_reconcile_delivers_a_grant_whose_client_still_waits(
+        client: BoundaryRedis) -> None:
+    """A grant popped from a store that died before answering never reached the replica:
+    Redis says it holds the request, its client still waits, so reconcile hands it over
+    (instead of releasing it, which would leave the client waiting for nothing)."""
+    settings = load_settings(None, backends=[{"name": "b1", "url": "http://127.0.0.1:1",
+                                              "model": M}])
+    store = Store(client, request_ttl_s=600)
+    async with aiohttp.ClientSession() as session:
+        holder = SettingsHolder(settings)
+        pool = BackendPool(holder, session, store, GatewayMetrics())
+        dispatcher = Dispatcher(holder, store, pool, GatewayMetrics(), "r1")
+        now = 1000.0
+        await store.heartbeat([M], "r1", now)
+        queued = QueuedRequest("lost-reply", "a", "default", "r1", 1.0, now)
+        future = asyncio.get_running_loop().create_future()
+        dispatcher.waiters["lost-reply"] = Waiter(queued, M, future)
+        await store.enqueue(M, queued, 10)
+        await store.dispatch(M, "b1", OPEN, "r1", now, 10.0)
+        await client.delete(K.grants("r1"))  # the grant list entry went with the reply
+
+        assert await dispatcher.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0
+        assert future.done(), "the waiting client got no grant"
+        grant = future.result()
+        assert (grant.request_id, grant.backend) == ("lost-reply", "b1"), grant
+        assert dispatcher.held["lost-reply"] == grant
+        assert await client.hget(K.request("lost-reply"), "state") == "dispatched"

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.runtime.workers import WORKER_HEADER
 from gateway.storage.embedded_redis import free_port
+from gateway.storage.keys import ModelKeys
 from gateway.storage.store import Store
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, until
 from tests.gateway.test_scheduling import (
@@ -31,6 +32,7 @@ from tests.gateway.test_scheduling import (
     flood_then_newcomers,
     started_order,
 )
+from tests.sentinel_rig import SentinelRig
 
 START_TIMEOUT_S = 60.0
 
@@ -78,7 +80,7 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def serve(backend_url: str, redis_url: str, tmp_path: Path, workers: int,
+async def serve(backend_url: str, redis_url: str | None, tmp_path: Path, workers: int,
                 **extra: Any) -> AsyncIterator[Served]:
     port = free_port()
     config = {"listen": {"host": "127.0.0.1", "port": port}, "redis_url": redis_url,
@@ -297,3 +299,21 @@ async def test_a_config_reload_reaches_every_worker(sim: SimFactory, redis_url: 
         for worker in (0, 1):
             await served.event("config_reloaded", after=seen, worker=worker)
         assert set(await answered_by(served.url, "sk-newer", 20)) == {"0", "1"}
+
+
+async def test_workers_use_the_sentinel_store(sim: SimFactory, tmp_path: Path) -> None:
+    """With redis_sentinel the supervisor starts no embedded Redis and passes no URL: each
+    worker reads the Sentinel config and registers on the master the sentinels name."""
+    rig = SentinelRig()
+    try:
+        await rig.start()
+        backend = await sim()
+        sentinel = rig.config().model_dump(mode="json")
+        async with serve(backend.url, None, tmp_path, workers=2, redis_sentinel=sentinel) as gw:
+            statuses = [(await one_request(gw.url, "sk-alice", f"w{i}"))[0] for i in range(4)]
+            assert statuses == [200] * 4, statuses
+            async with rig.master_client() as master:
+                replicas = await master.zcard(ModelKeys(MODEL).replicas)
+            assert replicas == 2, f"{replicas} workers registered on the Sentinel master"
+    finally:
+        await rig.stop()

@@ -77,9 +77,37 @@ whole, so two pools never collide after truncation.
 {{- end -}}
 {{- end -}}
 
+{{- define "fairgate.sentinelName" -}}
+{{- printf "%s-redis-sentinel" (include "fairgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fairgate.sentinelTopology" -}}
+{{- if and .Values.redis.enabled (eq .Values.redis.topology "sentinel") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The store's lines of the gateway config: redis_url, or redis_sentinel (in-chart). */}}
+{{- define "fairgate.storeConfig" -}}
+{{- if not (has .Values.redis.topology (list "standalone" "sentinel")) -}}
+{{- fail (printf "redis.topology must be standalone or sentinel, not %q" .Values.redis.topology) -}}
+{{- end -}}
+{{- if include "fairgate.sentinelTopology" . -}}
+{{- $s := .Values.redis.sentinel -}}
+{{- $name := include "fairgate.sentinelName" . -}}
+redis_sentinel:
+  master_name: {{ $s.masterName | quote }}
+  nodes:
+  {{- range $i, $_ := until (int $s.sentinels) }}
+    - {{ printf "%s-%d.%s:%d" $name $i $name (int $s.port) | quote }}
+  {{- end }}
+store_failover_wait_s: {{ $s.failoverWaitSeconds }}
+{{- else -}}
+redis_url: {{ include "fairgate.redisUrl" . | quote }}
+{{- end -}}
+{{- end -}}
+
 {{/* The gateway's config.yaml: every pod of every pool is one backend. */}}
 {{- define "fairgate.gatewayConfig" -}}
-redis_url: {{ include "fairgate.redisUrl" . | quote }}
+{{ include "fairgate.storeConfig" . }}
 data_dir: {{ .Values.gateway.dataDir | quote }}
 listen:
   host: 0.0.0.0
