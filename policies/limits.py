@@ -6,7 +6,8 @@ one Lua script, ``gateway/storage/lua/quota_admit.lua``, which mirrors :func:`bu
 
 - ``rpm`` and ``tpm`` are token buckets of that capacity, refilled evenly over a minute:
   a request needs one request unit and, for ``tpm``, its reservation (capped at the
-  capacity) — the prompt estimate plus ``max_tokens`` when the request sets it. The end
+  capacity) — the most it can cost, ``policies/cost.max_cost_tokens``: the prompt
+  estimate plus its output bound (the model's context when it sets none) times ``n``. The end
   of the request corrects the reservation to the tokens vLLM reported (the bucket may go
   below zero: the next request waits until it refilled).
 - ``max_concurrent``: requests admitted and not yet finished (slots with a lease).
@@ -73,12 +74,6 @@ class Refusal:
     code: str  # "rate_limit_exceeded" or "insufficient_quota"
     message: str
     retry_after_s: int
-
-
-def reservation(prompt_estimate: int, max_tokens: object) -> int:
-    """Tokens charged when a request is admitted, before vLLM reports the real count."""
-    extra = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else 0
-    return max(0, prompt_estimate) + max(0, extra)
 
 
 def bucket_level(level: float | None, at: float | None, capacity: int, now: float) -> float:

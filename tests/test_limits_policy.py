@@ -14,7 +14,6 @@ from policies.limits import (
     rate_headers,
     refill_s,
     refusal,
-    reservation,
     reset_text,
 )
 
@@ -33,13 +32,6 @@ def test_bucket_refills_over_a_minute_and_caps() -> None:
     assert bucket_level(50.0, 100.0, 60, 1000.0) == 60
     assert refill_s(0.0, 1.0, 60) == pytest.approx(1.0)
     assert refill_s(5.0, 1.0, 60) == 0.0
-
-
-def test_reservation_counts_the_prompt_and_max_tokens() -> None:
-    assert reservation(12, 100) == 112
-    assert reservation(12, None) == 12
-    assert reservation(12, True) == 12  # not a number of tokens
-    assert reservation(-1, -5) == 0
 
 
 def test_periods_are_utc_days_and_months() -> None:

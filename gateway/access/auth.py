@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from gateway.core.connections import authenticated
 from gateway.core.errors import AdminRequired, Unauthorized
 from gateway.core.settings import ApiKey
 
@@ -64,6 +65,7 @@ class KeyRing:
             found = await self.runtime.lookup(token)
         if found is None:
             raise Unauthorized(UNKNOWN_KEY)
+        authenticated()
         return found
 
     def admin_id(self, authorization: str | None) -> str | None:
@@ -73,6 +75,8 @@ class KeyRing:
         for known, key_id in self._admin.items():  # all compared: constant time
             if hmac.compare_digest(digest, known):
                 found = key_id
+        if found is not None:
+            authenticated()
         return found
 
     def is_admin(self, authorization: str | None) -> bool:

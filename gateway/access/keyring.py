@@ -1,9 +1,11 @@
 """API keys created at runtime (``/admin/keys``), held in Redis and seen by every replica.
 
 A secret is shown once, when it is created or rotated; Redis holds only its HMAC-SHA256
-digest under the server's pepper (``key_pepper``, or a random one kept in Redis when none
-is configured), and a lookup is one hash-table read by digest, so no secret is compared in
-clear. Each replica caches what it looked up (found or not) for ``key_cache_s`` (≤ 1 s):
+digest under the server's pepper (``key_pepper``, or else one drawn once per store and
+kept in Redis: every lookup puts this replica's back when a Redis restarted empty, and
+adopts the store's when another replica's got there first), and a lookup is one
+hash-table read by digest, so no secret is compared in clear. Each replica caches what
+it looked up (found or not) for ``key_cache_s`` (≤ 1 s):
 a new key, a revocation or the end of a rotation's grace period takes effect on every
 replica within that time, without a reload. Keys from the config file stay in
 ``gateway/access/auth.py`` and keep working alongside.
@@ -44,6 +46,7 @@ class RuntimeKeys(ReadsSettings):
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.holder = settings
         configured = settings.current.key_pepper  # a restart changes it, not a reload
+        self._configured = configured is not None
         self._pepper = configured.get_secret_value().encode() if configured else None
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
         self._lookup = client.register_script(load_script("key_lookup"))
@@ -51,24 +54,44 @@ class RuntimeKeys(ReadsSettings):
         self._revoke = client.register_script(load_script("key_revoke"))
 
     async def pepper(self) -> bytes:
-        """The HMAC pepper: from the settings, or else one random pepper shared in Redis
-        (read once, when first needed: a gateway starts while Redis is down)."""
-        if self._pepper is None:
-            await self.client.set(KEY_PEPPER, secrets.token_hex(32), nx=True)
-            self._pepper = str(await self.client.get(KEY_PEPPER)).encode()
-            log.warning("key_pepper_from_redis",
-                        hint="set key_pepper (FAIRGATE_KEY_PEPPER) to keep it out of Redis")
-        return self._pepper
+        """The HMAC pepper: from the settings, or else the store's, generated once per
+        store (``SET NX``) and kept in Redis (read when first needed: a gateway starts
+        while Redis is down)."""
+        if self._pepper is not None:
+            return self._pepper
+        log.warning("key_pepper_from_redis",
+                    hint="set key_pepper (FAIRGATE_KEY_PEPPER) to keep it out of Redis")
+        return await self._store_pepper()
+
+    async def _store_pepper(self) -> bytes:
+        """The store's pepper, this replica's kept there when it has none (a Redis that
+        restarted empty), adopted when another replica's got there first."""
+        mine = self._pepper or secrets.token_hex(32).encode()
+        await self.client.set(KEY_PEPPER, mine, nx=True)
+        stored = str(await self.client.get(KEY_PEPPER)).encode()
+        if stored != self._pepper:
+            self._pepper = stored
+            self._cache.clear()
+        return stored
+
+    async def _writing_pepper(self) -> bytes:
+        """The pepper a new digest is made with: the store's, checked before each write."""
+        return await self.pepper() if self._configured else await self._store_pepper()
 
     async def lookup(self, secret: str) -> ApiKey | None:
         """The key of this secret, from the cache while it is fresh."""
-        digest_hex = digest(await self.pepper(), secret)
+        pepper = await self.pepper()
+        digest_hex = digest(pepper, secret)
         now = time.monotonic()
         cached = self._cache.get(digest_hex)
         if cached is not None and cached[0] > now:
             return cached[1]
-        fields = await self._lookup(keys=[key_digest(digest_hex)],
-                                    args=[KEYRING_PREFIX, round(time.time(), 3)])
+        fields = await self._lookup(keys=[key_digest(digest_hex), KEY_PEPPER], args=[
+            KEYRING_PREFIX, round(time.time(), 3), b"" if self._configured else pepper])
+        if fields and str(fields[0]) == "pepper":  # the store's pepper changed: adopt it
+            self._pepper = str(fields[1]).encode()
+            self._cache.clear()
+            return await self.lookup(secret)
         found = _api_key(_pairs(fields)) if fields else None
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
@@ -86,7 +109,7 @@ class RuntimeKeys(ReadsSettings):
                   "weight": repr(weight), "trusted_end_users": "1" if trusted_end_users else "0",
                   "limits": limits.model_dump_json(exclude_none=True) if limits else "",
                   "created": repr(now), "prefix": secret[:SHOWN_PREFIX_CHARS],
-                  "digest": digest(await self.pepper(), secret)}
+                  "digest": digest(await self._writing_pepper(), secret)}
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(key_record(key_id), mapping=fields)
             pipe.set(key_digest(fields["digest"]), key_id)
@@ -98,7 +121,7 @@ class RuntimeKeys(ReadsSettings):
     async def rotate(self, key_id: str, grace_s: float) -> tuple[dict[str, Any], str] | None:
         """A new secret; the current one keeps working for ``grace_s``. None: no key."""
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
-        new = digest(await self.pepper(), secret)
+        new = digest(await self._writing_pepper(), secret)
         done = await self._rotate(keys=[key_record(key_id), key_digest(new)],
                                   args=[KEYRING_PREFIX, key_id, new,
                                         secret[:SHOWN_PREFIX_CHARS], round(grace_s * 1000),

@@ -22,6 +22,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from gateway.access.auth import KeyRing
+from gateway.core.connections import authenticated
 from gateway.storage.keys import session
 
 CSRF_HEADER = "X-CSRF-Token"
@@ -58,7 +59,10 @@ class SessionStore:
             return False
         owner = await cast("Awaitable[str | None]",
                            self.client.get(session(_hashed(token))))
-        return owner is not None and keys.owns(owner)
+        if owner is None or not keys.owns(owner):
+            return False
+        authenticated()
+        return True
 
     async def close(self, token: str | None) -> None:
         if token:

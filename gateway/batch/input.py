@@ -73,6 +73,18 @@ def _check(obj: Any, models: Collection[str], limits: Limits) -> str | None:
     return None
 
 
+def _parse(raw: bytes) -> tuple[Any, str | None]:
+    """(the line's JSON, None) or (None, what is wrong with it)."""
+    try:
+        return json.loads(raw), None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None, "not valid JSON"
+    except RecursionError:
+        return None, "not valid JSON: nested too deeply"
+    except ValueError:  # Python converts integers of at most 4,300 digits
+        return None, "not valid JSON: a number too large"
+
+
 def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
                limits: Limits = NO_LIMITS) -> Iterator[BatchLine]:
     """Valid lines in order (blank lines skipped), as they are read; once the input is
@@ -83,14 +95,8 @@ def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
     for number, raw in enumerate(raw_lines, start=1):
         if not raw.strip():
             continue
-        try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            problems.append(f"line {number}: not valid JSON")
-            continue
-        except RecursionError:
-            problem: str | None = "not valid JSON: nested too deeply"
-        else:
+        obj, problem = _parse(raw)
+        if problem is None:
             problem = _check(obj, models, limits)
             if problem is None and obj["custom_id"] in seen:
                 problem = f"duplicate custom_id {obj['custom_id']!r}"

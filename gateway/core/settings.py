@@ -262,12 +262,20 @@ class Settings(BaseSettings):
     prefill_backfill_s: float = Field(1.0, ge=0)
 
     # Client connections (gateway/http/server.py): a cap with a clear 503, and a deadline for
-    # a connection to complete a request's headers (also closes idle keep-alives).
+    # a connection to complete a request's headers (also closes idle keep-alives) or for
+    # a body to keep arriving (gateway/http/client_guard.py), then at least this rate.
     max_client_connections: int = Field(10000, ge=1)
     client_idle_timeout_s: float = Field(30.0, gt=0)
+    min_body_bytes_per_s: int = Field(1024, ge=0)
+    # connections on which no request authenticated yet; None: half the cap
+    max_unauthenticated_connections: int | None = Field(None, ge=1)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
     max_body_bytes: int = 4 * 1024 * 1024
+    # /tokenize and /detokenize (not queued): their own body limit, and how many of one
+    # user's may be at the backends at once on a replica (beyond: 429)
+    max_unqueued_body_bytes: int = Field(1024 * 1024, ge=1)
+    max_unqueued_per_user: int = Field(4, ge=1)
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most

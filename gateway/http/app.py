@@ -12,6 +12,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings
 from gateway.http.admin.routes import add_admin_routes
 from gateway.http.batch_routes import add_batch_routes
+from gateway.http.client_guard import AUTHENTICATED, client_guard
 from gateway.http.dashboard import add_dashboard_routes
 from gateway.http.routes import add_routes
 from gateway.services import SERVICES, running_services
@@ -20,8 +21,12 @@ from gateway.services import SERVICES, running_services
 def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web.Application:
     metrics = metrics or GatewayMetrics(top_users=settings.metrics_top_users,
                                         user_idle_s=settings.metrics_user_idle_s)
-    app = web.Application(middlewares=[error_boundary(metrics, _retry_after)],
+    # the guard outside the boundary: it closes the connection after a cut body's 408
+    app = web.Application(middlewares=[client_guard(settings.client_idle_timeout_s,
+                                                    settings.min_body_bytes_per_s),
+                                       error_boundary(metrics, _retry_after)],
                           client_max_size=settings.max_body_bytes)
+    app[AUTHENTICATED] = set()
     app.cleanup_ctx.append(_services(settings, metrics))
     add_routes(app)
     add_batch_routes(app)

@@ -15,9 +15,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.batch.files import FileMeta
 from gateway.batch.input import summarize_file
 from gateway.batch.records import FINAL, WINDOW_S
-from gateway.core.errors import BadRequest, FairgateError
+from gateway.core.errors import BadRequest
 from gateway.http.routes import add_endpoint_routes
-from gateway.proxy.completion_request import Limits
+from gateway.proxy.completion_request import Limits, parse_json
 from gateway.proxy.endpoints import BATCHABLE, BATCHES, FILES
 from gateway.services import SERVICES, Services
 
@@ -46,8 +46,8 @@ async def upload_file(request: web.Request) -> web.Response:
     try:  # parsing takes seconds for a large file: off the event loop
         await asyncio.to_thread(summarize_file, svc.files.path(meta.id), svc.settings.models(),
                                 Limits.of(svc.settings))
-    except FairgateError:
-        await svc.files.delete(user, meta.id)
+    except BaseException:  # a file that failed validation is not kept, whatever failed
+        await asyncio.shield(svc.files.delete(user, meta.id))
         raise
     return web.json_response(meta.to_openai())
 
@@ -113,12 +113,7 @@ async def delete_file(request: web.Request) -> web.Response:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("request body is not valid JSON") from None
-    except RecursionError:
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    body = parse_json(await request.read())
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body

@@ -88,7 +88,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     svc = request.app[SERVICES]
     key = await svc.keys.identify(request.headers.get("Authorization"))
     creq = await read_completion(request, endpoint, svc.settings.max_body_bytes,
-                                 Limits.of(svc.settings), svc.settings.client_idle_timeout_s)
+                                 Limits.of(svc.settings))
     user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
@@ -135,24 +135,27 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
 
 async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     """Any API key; straight to the least loaded healthy backend of the model (another
-    one if the connection is refused)."""
+    one if the connection is refused), within the key's rpm and the user's bound on
+    unqueued calls (``Admission.forwarded``), the body within its own size limit."""
     svc = request.app[SERVICES]
-    await svc.keys.identify(request.headers.get("Authorization"))
-    body = await read_json_object(request, svc.settings.max_body_bytes,
-                                  svc.settings.client_idle_timeout_s)
+    key = await svc.keys.identify(request.headers.get("Authorization"))
+    body = await read_json_object(request, min(svc.settings.max_body_bytes,
+                                               svc.settings.max_unqueued_body_bytes))
     validate_unscheduled(body, Limits.of(svc.settings))
     model = str(body["model"])
     _known_model(svc, model)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
     if not candidates:
         raise Unavailable(f"no healthy backend serves {model!r}")
-    for handle in candidates:
-        try:
-            return await svc.upstream.unscheduled(handle, endpoint.path, body)
-        except BackendUnreachable as exc:
-            svc.pool.unreachable(handle, exc)
-            if handle is candidates[-1]:
-                raise
+    async with svc.admission.forwarded(key) as limit_headers:
+        request[ANSWER_HEADERS] = limit_headers
+        for handle in candidates:
+            try:
+                return await svc.upstream.unscheduled(handle, endpoint.path, body)
+            except BackendUnreachable as exc:
+                svc.pool.unreachable(handle, exc)
+                if handle is candidates[-1]:
+                    raise
     raise AssertionError("unreachable")
 
 

@@ -6,6 +6,13 @@ connection over the cap gets a 503 in OpenAI's format and is closed before anyth
 read), a connection that sends no complete request within ``client_idle_timeout_s`` is
 closed (slow or idle headers, idle keep-alive), and the process's open-file limit is
 raised to its hard limit at start so the cap, not the kernel, refuses first.
+
+Connections on which no request has authenticated yet (just opened, idle, or stuck in an
+unauthenticated body such as a dashboard login) hold at most
+``max_unauthenticated_connections`` (half the cap by default): a new connection beyond
+that closes the oldest of them, so a flood of stalled logins cannot take the places of the
+users being served. Bodies have their own deadline on every route
+(``gateway/http/client_guard.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from gateway.core.errors import TooManyConnections
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings
 from gateway.http.app import create_app
+from gateway.http.client_guard import AUTHENTICATED
 from gateway.services import SERVICES, Services
 
 log = structlog.get_logger("fairgate.server")
@@ -68,6 +76,7 @@ class GatewayServer:
                                     keepalive_timeout=settings.client_idle_timeout_s)
         self.port = settings.listen.port
         self.refused = 0
+        self.evicted = 0  # unauthenticated connections closed to make room
         self._listener: asyncio.Server | None = None
 
     @property
@@ -82,6 +91,10 @@ class GatewayServer:
         return max(1, min(self.settings.max_client_connections,
                           raise_open_file_limit() - FD_HEADROOM))
 
+    def max_unauthenticated(self, cap: int) -> int:
+        allowance = self.settings.max_unauthenticated_connections
+        return max(1, min(cap, allowance if allowance is not None else cap // 2))
+
     async def start(self) -> None:
         await self.runner.setup()
         if self.reuse_port:
@@ -89,9 +102,14 @@ class GatewayServer:
         server = self.runner.server
         assert server is not None
         cap = self.max_connections()
+        allowance = self.max_unauthenticated(cap)
+        authenticated: set[object] = self.app[AUTHENTICATED]
 
         def protocol() -> asyncio.BaseProtocol:
-            if len(server.connections) >= cap:
+            open_ = [h for h in server.connections if h.transport is not None]  # not closing
+            if len(open_) >= allowance:
+                open_ = self._within_allowance(open_, authenticated, allowance)
+            if len(open_) >= cap:
                 self.refused += 1
                 if self.refused % 1000 == 1:  # a flood must not flood the log too
                     log.warning("connection_refused", open=len(server.connections), cap=cap,
@@ -104,6 +122,23 @@ class GatewayServer:
             protocol, self.settings.listen.host, self.settings.listen.port,
             reuse_address=True, reuse_port=self.reuse_port or None, backlog=1024)
         self.port = int(self._listener.sockets[0].getsockname()[1])
+
+    def _within_allowance(self, open_: list[web.RequestHandler], authenticated: set[object],
+                          allowance: int) -> list[web.RequestHandler]:
+        """Close the oldest unauthenticated connection when they fill their allowance;
+        the connections left open."""
+        if len(authenticated) > 2 * len(open_):  # forget connections long closed
+            authenticated.intersection_update(open_)
+        unauthenticated = [h for h in open_ if h not in authenticated]
+        if len(unauthenticated) >= allowance:
+            self.evicted += 1
+            if self.evicted % 1000 == 1:
+                log.warning("unauthenticated_connection_closed", open=len(open_),
+                            unauthenticated=len(unauthenticated), allowance=allowance,
+                            evicted=self.evicted)
+            unauthenticated[0].force_close()
+            return [h for h in open_ if h is not unauthenticated[0]]
+        return open_
 
     async def _first_scrapes(self) -> None:
         """A worker joining a shared port (its siblings serve already) takes connections

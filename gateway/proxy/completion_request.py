@@ -14,7 +14,6 @@ first-token deadline, milliseconds from arrival) is read here too.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from gateway.core.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from gateway.core.errors import BadRequest, PayloadTooLarge
 from gateway.proxy.endpoints import Endpoint, Frames
 
 if TYPE_CHECKING:
@@ -75,47 +74,44 @@ class CompletionRequest:
 
 
 async def read_completion(request: web.Request, endpoint: Endpoint, max_bytes: int,
-                          limits: Limits = NO_LIMITS,
-                          idle_timeout_s: float | None = None) -> CompletionRequest:
-    body = await read_json_object(request, max_bytes, idle_timeout_s)
+                          limits: Limits = NO_LIMITS) -> CompletionRequest:
+    body = await read_json_object(request, max_bytes)
     validate_body(body, endpoint, limits)
     return CompletionRequest(endpoint, body)
 
 
-async def read_json_object(request: web.Request, max_bytes: int,
-                           idle_timeout_s: float | None = None) -> dict[str, Any]:
-    """The request's body, a JSON object of at most ``max_bytes`` bytes. A client that
-    sends nothing for ``idle_timeout_s`` while the body is incomplete gets a 408."""
+async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
+    """The request's body, a JSON object of at most ``max_bytes`` bytes (a body that stops
+    arriving is cut on every route: ``gateway/http/client_guard.py``)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
     # StreamReader.read(n) returns whatever has arrived (up to n), not n bytes: read to EOF,
     # stopping as soon as the body is known to be too large.
     parts: list[bytes] = []
     size = 0
-    while chunk := await _read(request, max_bytes + 1 - size, idle_timeout_s):
+    while chunk := await request.content.read(max_bytes + 1 - size):
         parts.append(chunk)
         size += len(chunk)
         if size > max_bytes:
             raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
-    raw = b"".join(parts)
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    except RecursionError:  # e.g. "[[[[…": nested deeper than the decoder can go
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    body = parse_json(b"".join(parts))
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
 
 
-async def _read(request: web.Request, n: int, idle_timeout_s: float | None) -> bytes:
+def parse_json(raw: bytes | str, what: str = "request body") -> Any:
+    """``raw`` decoded, or :class:`BadRequest` saying why not: not JSON, not UTF-8, nested
+    deeper than the decoder goes, or an integer longer than Python converts
+    (``sys.get_int_max_str_digits()``, 4,300 digits)."""
     try:
-        async with asyncio.timeout(idle_timeout_s):
-            return await request.content.read(n)
-    except TimeoutError:
-        raise RequestTimeout(f"the request body stopped arriving for {idle_timeout_s:g}s"
-                             ) from None
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. "[[[[…": nested deeper than the decoder can go
+        raise BadRequest(f"{what} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string …"
+        raise BadRequest(f"{what} holds a number too large: {exc}") from None
 
 
 def validate_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_LIMITS

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 
 class Kind(enum.Enum):
@@ -60,7 +59,7 @@ class Endpoint:
     request_schema: str | None = None  # components/schemas in the OpenAPI document
     response_schema: str | None = None
     prompt_field: str | None = None  # messages | prompt | input
-    output_token_fields: tuple[str, ...] = ()  # the first present bounds the output
+    output_token_fields: tuple[str, ...] = ()  # the smallest set bounds the output
     frames: Frames = Frames.NONE
     usage: Usage = CHOICES_USAGE
     batchable: bool = False  # a Batch API line may target it
@@ -78,14 +77,6 @@ class Endpoint:
     def stream_usage_option(self) -> bool:
         """A stream's usage comes only when asked (``stream_options.include_usage``)."""
         return self.frames is Frames.CHOICES
-
-    def output_bound(self, body: dict[str, Any]) -> int | None:
-        """The request's output-token bound: its first output-token field that is set."""
-        for name in self.output_token_fields:
-            value = body.get(name)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        return None
 
 
 _OUTPUT = ("max_tokens", "max_completion_tokens")

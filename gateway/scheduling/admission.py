@@ -45,9 +45,8 @@ from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
-from policies.cost import estimate_prompt_tokens
+from policies.cost import estimate_prompt_tokens, max_cost_tokens
 from policies.fairness import FairnessPolicy, tenant_of
-from policies.limits import reservation
 from policies.locality import prefix_chain
 from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
@@ -116,6 +115,39 @@ class Admission(ReadsSettings):
         self.metrics = metrics
         self.replica_id = replica_id
         self.waits = Waits(settings, dispatcher.store)
+        self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
+
+    @asynccontextmanager
+    async def forwarded(self, account: ApiKey) -> AsyncIterator[dict[str, str]]:
+        """An unqueued call (``/tokenize``, ``/detokenize``): one of the user's at most
+        ``max_unqueued_per_user`` at once on this replica, and a request against the
+        key's and tenant's limits (rpm, max_concurrent; no tokens reserved). Yields the
+        ``x-ratelimit-*`` headers; 429 ``rate_limit_exceeded`` when either refuses."""
+        user, bound = account.user, self.settings.max_unqueued_per_user
+        if self.forwarding.get(user, 0) >= bound:
+            self.metrics.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
+            raise RateLimitExceeded(f"Rate limit reached for user {user!r}: {bound} "
+                                    "concurrent tokenizer calls. Please try again in 1s.",
+                                    retry_after_s=1)
+        self.forwarding[user] = self.forwarding.get(user, 0) + 1
+        try:
+            held = None
+            if self.quotas is not None:
+                try:
+                    held = await self.quotas.admit(account, uuid.uuid4().hex, 0)
+                except RateLimitExceeded as exc:
+                    self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                    raise
+            try:
+                yield held.headers if held is not None else {}
+            finally:
+                if held is not None and self.quotas is not None:
+                    with contextlib.suppress(StoreUnavailable):
+                        await asyncio.shield(self.quotas.settle(held, 0))
+        finally:
+            left = self.forwarding.pop(user) - 1
+            if left:
+                self.forwarding[user] = left
 
     async def call(self, model: str, user: str, klass: str, weight: float,
                    creq: CompletionRequest, send: Callable[[Ticket], Awaitable[T]],
@@ -152,8 +184,8 @@ class Admission(ReadsSettings):
         prompt_est = estimate(creq)
         if account is not None and self.quotas is not None:
             try:
-                held = await self.quotas.admit(account, request_id, reservation(
-                    prompt_est, creq.endpoint.output_bound(creq.body)))
+                held = await self.quotas.admit(account, request_id, self.max_cost(
+                    model, creq, prompt_est))
             except RateLimitExceeded as exc:
                 self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
                 await self._record_usage(account, model, klass, 0, 0, error=True)
@@ -177,6 +209,14 @@ class Admission(ReadsSettings):
                 await self._record_usage(account, model, klass, prompt, output, error=not (
                     ticket is not None and ticket.completed),
                     stored=ticket is not None and ticket.usage_recorded)
+
+    def max_cost(self, model: str, creq: CompletionRequest, prompt_est: int) -> int:
+        """What the request can cost at most (``policies/cost.max_cost_tokens``): the
+        model's context length bounds a request that sets no output limit (the
+        ``max_output_tokens`` setting until a backend reported it)."""
+        context = self.pool.max_model_len(model) or self.settings.max_output_tokens
+        return max_cost_tokens(prompt_est, creq.body, creq.endpoint.output_token_fields,
+                               context)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False) -> None:

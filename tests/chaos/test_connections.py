@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 
 from tests.gateway.conftest import GatewayFactory, SimFactory, complete
 
@@ -35,11 +36,23 @@ async def test_idle_and_half_sent_connections_are_closed(sim: SimFactory,
         writer.close()
 
 
+async def open_authenticated(port: int) -> tuple[asyncio.StreamReader,
+                                                 asyncio.StreamWriter]:
+    """A keep-alive connection on which one request authenticated (then idle)."""
+    reader, writer = await open_idle(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+                                           b"Authorization: Bearer sk-alice\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    await asyncio.wait_for(reader.readexactly(length), 10)
+    return reader, writer
+
+
 async def test_connections_over_the_cap_get_a_503(sim: SimFactory,
                                                   gateway: GatewayFactory) -> None:
     backend = await sim(profile="instant")
     gw = await gateway([backend], max_client_connections=5)
-    held = [await open_idle(gw.port, b"") for _ in range(5)]
+    held = [await open_authenticated(gw.port) for _ in range(5)]
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
     raw = await asyncio.wait_for(reader.read(), 10)  # answered and closed, nothing sent
     writer.close()
@@ -94,3 +107,98 @@ async def test_a_stream_longer_than_max_request_s_ends_with_an_error_event(
     assert 1 < len(events) < 2000
     await backend.engine.wait_until(lambda: backend.engine.num_running == 0)
     assert all(r.aborted for r in backend.engine.records.values())  # vLLM stops too
+
+
+STALLED_LOGIN = (b"POST /dashboard/login HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/x-www-form-urlencoded\r\n"
+                 b"Content-Length: 1000\r\n\r\nkey=")  # ...and nothing more
+
+
+def _multipart_head(key: str) -> bytes:
+    return (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+            + b"\r\nContent-Type: multipart/form-data; boundary=B\r\n"
+            b"Content-Length: 100000\r\n\r\n--B\r\nContent-Disposition: form-data; "
+            b"name=\"purpose\"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: form-data; "
+            b"name=\"file\"; filename=\"in.jsonl\"\r\n\r\n{\"custom_id\"")
+
+
+def _json_head(path: str, key: str) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"a\": "
+            ).encode()
+
+
+STALLED = {
+    "dashboard login (no key)": STALLED_LOGIN,
+    "file upload": _multipart_head("sk-alice"),
+    "batch create": _json_head("/v1/batches", "sk-alice"),
+    "admin key create": _json_head("/admin/keys", "sk-admin"),
+    "tokenize": _json_head("/tokenize", "sk-alice"),
+}
+
+
+@pytest.mark.parametrize("route", list(STALLED))
+async def test_a_body_that_stops_arriving_is_cut_on_every_route(
+        route: str, sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], client_idle_timeout_s=0.5, admin_keys=["sk-admin"])
+    reader, writer = await open_idle(gw.port, STALLED[route])
+    try:
+        answer = await asyncio.wait_for(reader.read(), 20)  # the answer, then EOF
+    except TimeoutError:
+        raise AssertionError(f"{route}: a stalled body was never cut") from None
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), (route, answer[:200])
+    assert b"stopped arriving" in answer, (route, answer)
+
+
+async def test_a_trickled_body_is_cut_by_the_minimum_rate(sim: SimFactory,
+                                                          gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], client_idle_timeout_s=0.5, min_body_bytes_per_s=200)
+    reader, writer = await open_idle(gw.port, STALLED_LOGIN)
+    answer = asyncio.ensure_future(reader.read())
+    sent = 0
+    for _ in range(400):  # a byte every 50 ms (20 B/s): never idle for 0.5 s; ≤ 20 s
+        done, _ = await asyncio.wait([answer], timeout=0.05)
+        if done:
+            break
+        writer.write(b"x")
+        sent += 1
+    else:
+        answer.cancel()
+        writer.close()
+        raise AssertionError(f"a body trickled at 20 B/s was never cut ({sent} bytes sent)")
+    writer.close()
+    assert answer.result().startswith(b"HTTP/1.1 408"), answer.result()[:200]
+    assert b"slower than 200 bytes/s" in answer.result(), answer.result()
+
+
+async def test_stalled_unauthenticated_connections_leave_room_for_users(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], max_client_connections=10)  # 5 unauthenticated at most
+    stalled = [await open_idle(gw.port, STALLED_LOGIN) for _ in range(10)]
+    statuses = []
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection each request
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(15):
+            async with session.post(gw.url + "/v1/completions", json={
+                    "model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": "Bearer sk-alice"}) as resp:
+                statuses.append(resp.status)
+    assert statuses == [200] * 15, statuses
+    closed = 0
+    for reader, writer in stalled:  # the oldest stalled logins were closed for them
+        if reader.at_eof() or await _closed_soon(reader):
+            closed += 1
+        writer.close()
+    assert closed >= 5, f"only {closed} of 10 stalled logins were closed"
+
+
+async def _closed_soon(reader: asyncio.StreamReader) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(), 0.2) == b""
+    except TimeoutError:
+        return False

@@ -28,7 +28,7 @@ from gateway.proxy.endpoints import (
 from gateway.scheduling.admission import estimate
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
-from policies.cost import estimate_prompt_tokens
+from policies.cost import estimate_prompt_tokens, max_cost_tokens
 from tests.gateway.conftest import MODEL
 
 # a hypothetical new endpoint: queued, streamed as typed events, its own prompt and
@@ -54,16 +54,19 @@ def test_every_entry_is_declared_once() -> None:
     assert batch["properties"]["endpoint"]["enum"] == list(BATCHABLE), batch
 
 
-@pytest.mark.parametrize(("endpoint", "body", "bound"), [
-    (CHAT, {"max_tokens": 7, "max_completion_tokens": 9}, 7),
-    (CHAT, {"max_completion_tokens": 9}, 9),
-    (COMPLETIONS, {}, None),
+@pytest.mark.parametrize(("endpoint", "body", "cost"), [
+    (CHAT, {"max_tokens": 7, "max_completion_tokens": 9}, 9),
+    (CHAT, {"max_tokens": 900, "max_completion_tokens": 1}, 900),
+    (CHAT, {"max_completion_tokens": 9, "n": 3}, 27),
+    (COMPLETIONS, {}, 1000),  # none set: the context
+    (COMPLETIONS, {"max_tokens": 5, "n": 2, "best_of": 4}, 20),
     (RESPONSES, {"max_output_tokens": 11, "max_tokens": 3}, 11),  # max_tokens is not its
-    (BY_PATH["/v1/embeddings"], {"max_tokens": 5}, None),
+    (BY_PATH["/v1/embeddings"], {"max_tokens": 5}, 0),
 ])
-def test_output_bound_is_the_endpoints_field(endpoint: Endpoint, body: dict[str, Any],
-                                             bound: int | None) -> None:
-    assert endpoint.output_bound(body) == bound
+def test_the_output_cost_reads_the_endpoints_fields(endpoint: Endpoint, body: dict[str, Any],
+                                                    cost: int) -> None:
+    got = max_cost_tokens(0, body, endpoint.output_token_fields, 1000)
+    assert got == cost, (endpoint.path, body, got)
 
 
 def test_the_estimate_reads_the_endpoints_prompt_field() -> None:
@@ -118,7 +121,7 @@ def test_a_new_entry_needs_nothing_else() -> None:
     assert bad.value.param == "input", bad.value
     body = {"model": "m", "input": "x" * 40, "max_output_tokens": 5, "stream": True}
     validate_body(body, NEW)
-    assert NEW.output_bound(body) == 5
+    assert max_cost_tokens(0, body, NEW.output_token_fields, 100) == 5
     assert estimate(CompletionRequest(NEW, body)) == estimate_prompt_tokens(body, "input")
     spec = build(document(), (NEW,))
     op = spec["paths"][NEW.path]["post"]

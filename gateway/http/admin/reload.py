@@ -13,6 +13,7 @@ reported under ``restart_required``.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -36,7 +37,8 @@ RESTART_FIELDS = ("backends", "fairness", "redis_url", "redis_sentinel", "listen
                   "usage_retention_days", "session_ttl_s", "upstream_timeout_s",
                   "max_request_s", "upstream_keepalive_s", "metrics_top_users",
                   "metrics_user_idle_s", "max_body_bytes", "client_idle_timeout_s",
-                  "max_client_connections", "log_level", "event_loop",
+                  "max_client_connections", "min_body_bytes_per_s",
+                  "max_unauthenticated_connections", "log_level", "event_loop",
                   "log_sample_above_per_s")
 ALWAYS_RELOADED = ("api_keys", "admin_keys")
 
@@ -52,6 +54,34 @@ async def reload_config(request: web.Request) -> web.Response:
     return web.json_response(report)
 
 
+def _read_config(path: Path) -> Settings:
+    """The whole new config, validated; ``BadRequest`` naming the problem otherwise: not
+    UTF-8, not YAML, empty or comments only, not a mapping, invalid settings, no backends,
+    or no keys at all (a reload must never lock the operators out)."""
+    def refuse(problem: str) -> BadRequest:
+        return BadRequest(f"config file {str(path)!r} {problem}; nothing reloaded, the "
+                          "current config stays")
+
+    try:
+        parsed = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        if parsed is None:
+            raise refuse("is empty (or holds only comments)")
+        if not isinstance(parsed, dict):
+            raise refuse(f"must hold a mapping of settings, not a {type(parsed).__name__}")
+        new = load_settings(path)
+    except UnicodeDecodeError as exc:
+        raise refuse(f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise refuse(f"cannot be read: {exc.strerror or exc}") from None
+    except (ValidationError, yaml.YAMLError, ValueError) as exc:
+        raise refuse(f"is invalid: {exc}") from None
+    if not new.backends:
+        raise refuse("names no backends")
+    if not new.api_keys and not new.admin_keys:
+        raise refuse("names no API keys and no admin keys")
+    return new
+
+
 def reload_settings(svc: Services) -> dict[str, Any]:
     """Re-read the config file and swap ``svc.config`` once; what changed and what needs a
     restart. Raises ``NoConfigFile``/``BadRequest`` and changes nothing when there is no
@@ -59,11 +89,7 @@ def reload_settings(svc: Services) -> dict[str, Any]:
     current = svc.settings
     if current.config_file is None:
         raise NoConfigFile("the gateway was started without a config file: nothing to reload")
-    try:
-        new = load_settings(current.config_file)
-    except (ValidationError, FileNotFoundError, yaml.YAMLError) as exc:
-        raise BadRequest(f"config file {str(current.config_file)!r} is invalid; "
-                         f"nothing reloaded: {exc}") from None
+    new = _read_config(current.config_file)
     restart = _changed(current, new, RESTART_FIELDS)
     repoint = "backends" in restart and new.models() == current.models()
     if repoint:  # same models: re-point the pool in place; queues and connections stay
