@@ -37,7 +37,12 @@ from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.embedded_redis import EmbeddedRedis
-from gateway.storage.redis_client import BoundaryRedis, connect, connect_sentinel
+from gateway.storage.redis_client import (
+    BoundaryRedis,
+    connect,
+    connect_cluster,
+    connect_sentinel,
+)
 from gateway.storage.store import Store
 from policies.cost import TokenCost
 from policies.fairness import FairnessPolicy, policy_for
@@ -94,6 +99,10 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
         sentinel = settings.redis_sentinel
         where = f"sentinel:{sentinel.master_name}@{','.join(sentinel.nodes)}"
         return connect_sentinel(sentinel, metrics.redis, **options), where
+    if settings.redis_cluster is not None:
+        cluster = settings.redis_cluster
+        return (connect_cluster(cluster, metrics.redis, socket_connect_timeout=2),
+                "cluster:" + ",".join(cluster.nodes))
     redis_url = settings.redis_url
     if redis_url is None:
         embedded = EmbeddedRedis(data_dir=None).start()
@@ -124,7 +133,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake
         quotas = Quotas(client, config)
-        usage = UsageLedger(client, settings.usage_retention_days)
+        usage = UsageLedger(client, settings.usage_retention_days,
+                            lambda: config.current.models())
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage)
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)

@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.storage.embedded_redis import EmbeddedRedis
+from loadtest.valkey_cluster import ValkeyCluster
 
 _SESSION_TMP = pytest.StashKey[tuple[Path, str | None]]()
 
@@ -63,3 +64,20 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    """A Valkey Cluster on loopback (3 masters, 3 replicas), shared by the session's
+    tests that need one; a test that kills a node starts its own."""
+    with ValkeyCluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def cluster_nodes(valkey_cluster: ValkeyCluster) -> list[str]:
+    """The shared cluster's nodes (``host:port``), every master flushed."""
+    for node in valkey_cluster.live():
+        if node.call("ROLE")[0] == "master":
+            node.call("FLUSHALL")
+    return valkey_cluster.addresses

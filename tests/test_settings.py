@@ -45,6 +45,29 @@ def test_missing_file_and_bad_values_fail_clearly(tmp_path: Path) -> None:
         load_settings(None, api_keys=[{"key": "k", "user": "u", "priority_class": "vip"}])
 
 
+def test_a_redis_cluster_from_env_and_one_store_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER__NODES", '["10.0.0.1:6379", "10.0.0.2:6379"]')
+    monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER__PASSWORD", "s3cret")
+    s = load_settings()
+    assert s.redis_cluster is not None and s.redis_url is None, s.redis_cluster
+    assert s.redis_cluster.nodes == ["10.0.0.1:6379", "10.0.0.2:6379"]
+    # what a worker process gets: the same cluster, the password included
+    monkeypatch.delenv("FAIRGATE_REDIS_CLUSTER__NODES")
+    monkeypatch.delenv("FAIRGATE_REDIS_CLUSTER__PASSWORD")
+    monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER", s.redis_cluster.env())
+    again = load_settings().redis_cluster
+    assert again is not None and again.password is not None, again
+    assert again.nodes == s.redis_cluster.nodes and again.password.get_secret_value() == "s3cret"
+    with pytest.raises(ValidationError, match="not redis_url and redis_cluster"):
+        load_settings(redis_url="redis://127.0.0.1:6379/0")
+    with pytest.raises(ValidationError, match="is not host:port"):
+        load_settings(redis_url=None, redis_cluster={"nodes": ["10.0.0.1"]})
+    monkeypatch.delenv("FAIRGATE_REDIS_CLUSTER")
+    with pytest.raises(ValidationError):
+        load_settings(redis_cluster={"nodes": []})
+    assert load_settings(redis_cluster={"nodes": ["h:1"]}).failover_wait_s() > 0
+
+
 def test_redis_sentinel_from_yaml_and_env(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "fairgate.yaml"
@@ -69,7 +92,7 @@ def test_redis_sentinel_from_yaml_and_env(tmp_path: Path,
 
 def test_redis_sentinel_and_url_are_exclusive_and_nodes_checked() -> None:
     sentinel = {"master_name": "m", "nodes": ["h:1"]}
-    with pytest.raises(ValidationError, match="redis_url or redis_sentinel, not both"):
+    with pytest.raises(ValidationError, match="not redis_url and redis_sentinel"):
         load_settings(None, redis_url="redis://x:1/0", redis_sentinel=sentinel)
     with pytest.raises(ValidationError, match="is not host:port"):
         load_settings(None, redis_sentinel={"master_name": "m", "nodes": ["h"]})

@@ -1,9 +1,11 @@
 """Batch records in Redis, shaped like OpenAI's Batch object.
 
-``fg:batch:{id}`` holds the batch (static fields as JSON in ``doc``, status and timestamps
-as plain fields); results live in ``fg:batch:{id}:out`` / ``:err`` hashes keyed by
-``custom_id`` and written with HSETNX, so a line is recorded at most once and the request
-counts are simply their sizes. Every key is built in ``gateway/storage/keys.py``.
+The batch hash (``fg:{batches}:batch:<id>``) holds the batch (static fields as JSON in
+``doc``, status and timestamps as plain fields); results live in its ``:out`` / ``:err``
+hashes keyed by ``custom_id`` and written with HSETNX, so a line is recorded at most once
+and the request counts are simply their sizes. Every key is built in
+``gateway/storage/keys.py``, all under one hash tag (a batch's creation is one MULTI on a
+Redis Cluster too).
 """
 
 from __future__ import annotations

@@ -33,6 +33,35 @@ class Listen(BaseModel):
     port: int = 8000
 
 
+class RedisCluster(BaseModel):
+    """A Redis (or Valkey) Cluster as the store (``redis_cluster``; env
+    ``FAIRGATE_REDIS_CLUSTER__NODES='["10.0.0.1:6379", …]'``): any of its nodes, the rest
+    is discovered. Each model's keys live in one slot (its hash tag), so models spread
+    over the shards."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: list[str] = Field(min_length=1)  # "host:port" of any cluster nodes
+    username: str | None = None
+    password: SecretStr | None = None
+    ssl: bool = False
+
+    @field_validator("nodes")
+    @classmethod
+    def _host_port(cls, nodes: list[str]) -> list[str]:
+        for node in nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_cluster node {node!r} is not host:port")
+        return nodes
+
+    def env(self) -> str:
+        """The JSON of ``FAIRGATE_REDIS_CLUSTER`` that gives a worker process this
+        cluster (the password included)."""
+        return json.dumps({**self.model_dump(exclude={"password"}), "password":
+                           None if self.password is None else self.password.get_secret_value()})
+
+
 class RedisSentinel(BaseModel):
     """The store behind Redis Sentinel (``gateway/storage/redis_client.py``
     connect_sentinel): the master of ``master_name`` as the sentinels at ``nodes``
@@ -193,9 +222,12 @@ class Settings(BaseSettings):
 
     redis_url: str | None = None  # None → embedded Valkey server (or redis_sentinel)
     redis_sentinel: RedisSentinel | None = None  # the store behind Sentinel, not redis_url
-    # with redis_sentinel: how long queued clients (and newcomers) wait for the store to
-    # come back (a failover: the master's down-after-milliseconds plus the promotion)
-    # before they get a 503; 0: at once, as with a single Redis
+    # a Redis Cluster instead of redis_url (gateway/storage/redis_client.py connect_cluster)
+    redis_cluster: RedisCluster | None = None
+    # with redis_sentinel or redis_cluster: how long queued clients (and newcomers) wait
+    # for the store to come back (a failover: the master's down-after-milliseconds, or
+    # the cluster-node-timeout, plus the promotion) before they get a 503; 0: at once, as
+    # with a single Redis
     store_failover_wait_s: float = Field(10.0, ge=0)
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
@@ -321,18 +353,25 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:
-        if self.redis_url is not None and self.redis_sentinel is not None:
-            raise ValueError("set redis_url or redis_sentinel, not both")
+        stores = [name for name, value in (("redis_url", self.redis_url),
+                                           ("redis_sentinel", self.redis_sentinel),
+                                           ("redis_cluster", self.redis_cluster))
+                  if value is not None]
+        if len(stores) > 1:
+            raise ValueError(f"set one of redis_url, redis_sentinel and redis_cluster, not "
+                             f"{' and '.join(stores)}")
         return self
 
     def embedded_store(self) -> bool:
         """No store configured: the process runs an embedded Valkey server."""
-        return self.redis_url is None and self.redis_sentinel is None
+        return (self.redis_url is None and self.redis_sentinel is None
+                and self.redis_cluster is None)
 
     def failover_wait_s(self) -> float:
-        """How long a client waits through a store outage: a Sentinel failover's bound;
-        0 with a single Redis (its outage answers 503 at once)."""
-        return self.store_failover_wait_s if self.redis_sentinel is not None else 0.0
+        """How long a client waits through a store outage: a Sentinel failover's or a
+        cluster shard's bound; 0 with a single Redis (its outage answers 503 at once)."""
+        failover = self.redis_sentinel is not None or self.redis_cluster is not None
+        return self.store_failover_wait_s if failover else 0.0
 
     @field_validator("fairness")
     @classmethod

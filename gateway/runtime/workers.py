@@ -8,7 +8,8 @@ The parent process (:class:`Supervisor`) serves nothing itself:
 
 - it holds the port (bound with SO_REUSEPORT, never listening: port 0 resolves once, and
   no other program takes the port while a worker restarts);
-- it starts the embedded Redis when none is configured, so all workers share it;
+- it starts the embedded Redis when none is configured, so all workers share it (a
+  configured Redis or Redis Cluster reaches each worker through its environment);
 - it gives the workers one metrics directory (``PROMETHEUS_MULTIPROC_DIR``): a scrape of
   ``/metrics`` through any worker sees every worker's counts (``gateway/core/metrics.py``);
 - it restarts a worker that exits (backoff 0.1 s doubling to 5 s, reset after 10 s up),
@@ -133,9 +134,12 @@ class Supervisor:
         with contextlib.ExitStack() as stack:
             stack.callback(reservation.close)
             # the workers read the config file and the environment as this process did
-            # (a Sentinel's too); an embedded Valkey is started once, here, and shared
+            # (a Sentinel's too; a cluster's passed on whole, as it may come from
+            # overrides); an embedded Valkey is started once, here, and shared
             url = self.settings.redis_url
             store = {"FAIRGATE_REDIS_URL": url} if url else {}
+            if self.settings.redis_cluster is not None:
+                store["FAIRGATE_REDIS_CLUSTER"] = self.settings.redis_cluster.env()
             if self.settings.embedded_store():
                 embedded = EmbeddedRedis(data_dir=None).start()
                 stack.callback(embedded.stop)

@@ -1,9 +1,13 @@
 """Usage accounting: per UTC day, per (tenant, user, key, model, class), the requests,
 prompt tokens, completion tokens and errors, in Redis for ``usage_retention_days``.
 
-Each finished (or refused) request adds to one hash per day (``fg:usage:<YYYYMMDD>``): a
-dispatched request's counts ride on its settle (``lua/settle.lua``), any other's take one
-pipelined round trip. The admin export (``GET /admin/usage``) reads the days asked for
+Each finished (or refused) request adds to one hash per model and day
+(``fg:{model}:usage:<YYYYMMDD>``, under the model's hash tag so the settle that carries it
+stays in one Redis Cluster slot): a dispatched request's counts ride on its settle
+(``lua/settle.lua``), any other's take one pipelined round trip. The models read are the
+configured ones and those named in ``fg:usage:models`` (each export and each pipelined
+record adds its models), so a model taken out of the config stays in the export until
+its hashes expire. The admin export (``GET /admin/usage``) reads the days asked for
 and sums them along the chosen dimensions. The user is the key's owner (end users of a
 ``trusted_end_users`` key are counted under it), so the rows stay bounded by the keys.
 """
@@ -14,12 +18,12 @@ import csv
 import io
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import date, timedelta
 from typing import Any
 
 from gateway.core.settings import ApiKey
-from gateway.storage.keys import usage_day
+from gateway.storage.keys import USAGE_MODELS, ModelKeys
 from gateway.storage.redis_client import BoundaryRedis
 from gateway.storage.values import UsageCounts
 
@@ -32,15 +36,17 @@ def day_of(now: float) -> str:
 
 
 class UsageLedger:
-    def __init__(self, client: BoundaryRedis, retention_days: int) -> None:
+    def __init__(self, client: BoundaryRedis, retention_days: int,
+                 models: Callable[[], Iterable[str]] = tuple) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.retention_s = retention_days * 86400
         self.retention_days = retention_days
+        self.models = models  # the configured models (read at each export)
 
     def counts(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
                completion_tokens: int, error: bool, now: float | None = None) -> UsageCounts:
         """What one request adds (for :meth:`record`, or folded into its settle)."""
-        day = usage_day(day_of(time.time() if now is None else now))
+        day = ModelKeys(model).usage(day_of(time.time() if now is None else now))
         row = [key.tenant_name, key.user, key.id or "", model, klass]
         amounts = {"requests": 1, "prompt_tokens": prompt_tokens,
                    "completion_tokens": completion_tokens, "errors": 1 if error else 0}
@@ -55,17 +61,25 @@ class UsageLedger:
             for field, amount in usage.counts.items():
                 pipe.hincrby(usage.key, field, amount)
             pipe.expire(usage.key, usage.ttl_s)
+            pipe.sadd(USAGE_MODELS, model)
             await pipe.execute()
 
     async def rows(self, first: date, last: date) -> list[dict[str, Any]]:
         """Every (day, tenant, user, key, model, class) row with its counters."""
         days = [first + timedelta(days=i) for i in range((last - first).days + 1)]
+        configured = sorted(self.models())
         async with self.client.pipeline(transaction=False) as pipe:
-            for d in days:
-                pipe.hgetall(usage_day(d.strftime("%Y%m%d")))
-            found = await pipe.execute()
+            if configured:
+                pipe.sadd(USAGE_MODELS, *configured)
+            pipe.smembers(USAGE_MODELS)
+            models = sorted(set(configured) | set((await pipe.execute())[-1]))
+        pairs = [(d, m) for d in days for m in models]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for d, model in pairs:
+                pipe.hgetall(ModelKeys(model).usage(d.strftime("%Y%m%d")))
+            found = await pipe.execute() if pairs else []
         rows: dict[tuple[str, ...], dict[str, Any]] = {}
-        for d, fields in zip(days, found, strict=True):
+        for (d, _), fields in zip(pairs, found, strict=True):
             for field, value in fields.items():
                 try:
                     *parts, counter = json.loads(field)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, cast
@@ -63,6 +64,7 @@ class EmbeddedRedis:
         data_dir: str | Path | None = None,
         start_timeout_s: float = 10.0,
         append_only: bool = False,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -70,6 +72,7 @@ class EmbeddedRedis:
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="fairgate-redis-"))
         self.start_timeout_s = start_timeout_s
         self.append_only = append_only  # an AOF, fsynced per write: survives a kill -9
+        self.extra_args = tuple(extra_args)  # more server options ("--cluster-enabled", "yes")
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -89,6 +92,7 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--protected-mode", "no",
             "--logfile", str(self.data_dir / "server.log"),
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             args,

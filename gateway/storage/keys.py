@@ -7,8 +7,11 @@ list) builds it with the functions of :func:`lua_prelude`, generated from the pa
 below, from the model prefix passed in ARGV. The schema, with each key's type, writer and
 lifetime, is in ``docs/redis-schema.md``.
 
-Batch and file keys are global (``fg:batch:…``, ``fg:file:…``): they are touched by
-plain commands and two single-key scripts only.
+Every other key that a script or a MULTI changes together with another shares a hash
+tag too, so on a Redis Cluster each script call and each transaction stays in one slot:
+a model's usage hash is under the model's tag, batch records under ``{batches}``, file
+records under ``{files}``, runtime API keys under ``{keys}``, a tenant's limit counters
+under ``{q:<tenant>}``. ``tests/store/test_cluster_slots.py`` checks every call.
 """
 
 from __future__ import annotations
@@ -46,13 +49,19 @@ MODEL_PATTERNS: dict[str, str] = {
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
     "service_who": "service:who",         # hash: user -> JSON [tenant, weight, tenant weight]
+    "usage": "usage:{day}",               # hash: usage row -> count, one UTC day (YYYYMMDD)
 }
 
-BATCH_PREFIX = f"{ROOT}:batch:"           # hash fg:batch:{id}; :out, :err hashes; :lease
-USER_BATCHES_PREFIX = f"{ROOT}:batches:"  # zset fg:batches:{user}: batch id -> created
-ACTIVE_BATCHES = f"{ROOT}:batches:active"  # set: unfinished batch ids
-FILE_PREFIX = f"{ROOT}:file:"             # string fg:file:{id}: JSON metadata
-USER_FILES_PREFIX = f"{ROOT}:files:"      # zset fg:files:{user}: file id -> created
+# Batch records and their indexes: one hash tag, so a batch is created (record, its
+# user's list, the active set) in one MULTI on a Redis Cluster too.
+BATCHES_TAG = f"{ROOT}:{{batches}}:"
+BATCH_PREFIX = BATCHES_TAG + "batch:"     # hash …batch:<id>; :out, :err hashes; :lease
+USER_BATCHES_PREFIX = BATCHES_TAG + "user:"  # zset …user:<user>: batch id -> created
+ACTIVE_BATCHES = BATCHES_TAG + "active"   # set: unfinished batch ids
+# File records and their per-user index, likewise one hash tag.
+FILES_TAG = f"{ROOT}:{{files}}:"
+FILE_PREFIX = FILES_TAG + "file:"         # string …file:<id>: JSON metadata
+USER_FILES_PREFIX = FILES_TAG + "user:"   # zset …user:<user>: file id -> created
 SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
 
 # API keys created at runtime (gateway/access/keyring.py): one hash tag, so a key's records
@@ -60,7 +69,9 @@ SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: a
 KEYRING_PREFIX = f"{ROOT}:{{keys}}:"
 KEY_IDS = KEYRING_PREFIX + "ids"          # zset: key id -> created (unix s)
 KEY_PEPPER = KEYRING_PREFIX + "pepper"    # string: the HMAC pepper when none is configured
-USAGE_PREFIX = f"{ROOT}:usage:"           # hash fg:usage:{YYYYMMDD}: usage row -> count
+# Usage is kept per model (``fg:{model}:usage:<day>``, written by settle.lua with the
+# model's other keys); this set names the models the export reads.
+USAGE_MODELS = f"{ROOT}:usage:models"     # set: models whose usage may be kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +181,10 @@ class ModelKeys:
     def service_who(self) -> str:
         return self._key("service_who")
 
+    def usage(self, day: str) -> str:
+        """The model's usage hash of one UTC day (``YYYYMMDD``)."""
+        return self._key("usage", day=day)
+
 
 @dataclass(frozen=True, slots=True)
 class BatchKeys:
@@ -234,10 +249,6 @@ def quota_keys(tenant: str, scope: str) -> tuple[str, str, str]:
 def quota_budget(tenant: str, scope: str, period: str) -> str:
     """String: tokens spent in ``period`` (``d20261129`` or ``m202611``), with a TTL."""
     return f"{quota_prefix(tenant)}{scope}:{period}"
-
-
-def usage_day(day: str) -> str:
-    return USAGE_PREFIX + day
 
 
 def _lua_function(name: str, pattern: str) -> str:

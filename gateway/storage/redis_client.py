@@ -13,11 +13,19 @@ after a failover the next command reaches the promoted replica; until then every
 fails as ``StoreUnavailable``.
 
 ``NoScriptError`` is let through on purpose: redis-py's script objects catch it to load
-the script again (a restarted Redis has an empty script cache).
+the script again (a restarted Redis, or a promoted replica, has an empty script cache).
+
+A Redis Cluster (setting ``redis_cluster``) gets the same boundary over redis-py's
+cluster client (:func:`connect_cluster`): it routes each command and script by its
+first key's slot (every script's keys share one hash tag, ``gateway/storage/keys.py``),
+follows MOVED and ASK itself, and after a broken connection refreshes its slot map and
+tries once more, at once, before the error surfaces (a shard's failover reads as a short
+outage of that shard's models, then their commands reach the promoted replica).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from importlib import resources
@@ -25,13 +33,20 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import (
+    CrossSlotTransactionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+)
 
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import RedisMetrics
+from gateway.core.settings import RedisCluster as RedisClusterSettings
 from gateway.core.settings import RedisSentinel
 
 # Blocking reads wait on purpose: their duration is not Redis latency.
@@ -46,27 +61,65 @@ def script_name(text: str) -> str:
     return "?"
 
 
-class BoundaryPipeline(Pipeline):
+# redis-py's cluster client refuses a command or a transaction whose keys lie in several
+# slots before sending it: a bug, never an outage
+CROSS_SLOT = "same key slot"
+
+
+def unavailable(exc: Exception) -> bool:
+    """Whether a redis-py error means "the store cannot answer now" (mapped to
+    :class:`StoreUnavailable`): any Redis error, and a cluster client's own (no node
+    reachable, a slot no node serves during a failover); keys of several slots in one
+    call are a bug and surface as they are."""
+    if isinstance(exc, RedisError):
+        return True
+    return (isinstance(exc, RedisClusterException)
+            and not isinstance(exc, CrossSlotTransactionError) and CROSS_SLOT not in str(exc))
+
+
+class PipelineBoundary:
+    """What both pipelines (plain and cluster) add: each command counted, errors mapped,
+    one round trip recorded as ``PIPELINE``."""
+
     metrics: RedisMetrics | None = None
     script_names: dict[str, str] = {}  # noqa: RUF012 - replaced per pipeline
 
-    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+    def queued(self) -> list[tuple[Any, ...]]:
+        raise NotImplementedError
+
+    async def execute(self, raise_on_error: bool = True, *rest: Any) -> list[Any]:
         metrics = self.metrics
         if metrics is not None:
-            for args, _ in self.command_stack:
+            for args in self.queued():
                 metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
-            result = await super().execute(raise_on_error)
-        except RedisError as exc:
+            result: list[Any] = await super().execute(  # type: ignore[misc]
+                raise_on_error, *rest)
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         if metrics is not None:
             metrics.latency.labels("PIPELINE").observe(time.perf_counter() - started)
         return result
 
 
-class BoundaryRedis(aioredis.Redis):
-    """redis-py's asyncio client with errors mapped once and latency recorded."""
+# (type: ignore[misc] on these classes: redis-py's own bases disagree on command_info,
+# which mypy checks again for a class with two bases)
+class BoundaryPipeline(PipelineBoundary, Pipeline):  # type: ignore[misc]
+    def queued(self) -> list[tuple[Any, ...]]:
+        return [args for args, _ in self.command_stack]
+
+
+class BoundaryClusterPipeline(PipelineBoundary, ClusterPipeline):  # type: ignore[misc]
+    def queued(self) -> list[tuple[Any, ...]]:
+        return [cmd.args for cmd in self._execution_strategy._command_queue]  # type: ignore[attr-defined]
+
+
+class CommandBoundary:
+    """What both clients (plain and cluster) add to redis-py's: errors mapped once,
+    commands counted by name (a script by its file's name), latency recorded."""
 
     metrics: RedisMetrics | None = None
     script_names: dict[str, str]  # script SHA1 → name, filled by register_script
@@ -77,17 +130,28 @@ class BoundaryRedis(aioredis.Redis):
             self.metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
-            result = await super().execute_command(  # type: ignore[no-untyped-call]
-                *args, **options)
+            result = await super().execute_command(*args, **options)  # type: ignore[misc]
         except NoScriptError:
             raise
-        except RedisError as exc:
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
             if self.metrics is not None:
                 self.metrics.errors.labels(command).inc()
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         if self.metrics is not None and command not in BLOCKING_COMMANDS:
             self.metrics.latency.labels(command).observe(time.perf_counter() - started)
         return result
+
+    def register_script(self, script: Any) -> Any:
+        text = script.decode() if isinstance(script, bytes) else str(script)
+        names: dict[str, str] = self.__dict__.setdefault("script_names", {})
+        names[hashlib.sha1(text.encode()).hexdigest()] = script_name(text)
+        return super().register_script(script)  # type: ignore[misc]
+
+
+class BoundaryRedis(CommandBoundary, aioredis.Redis):  # type: ignore[misc]
+    """redis-py's asyncio client with errors mapped once and latency recorded."""
 
     def pipeline(self, transaction: bool = True, shard_hint: str | None = None) -> Pipeline:
         pipe = BoundaryPipeline(self.connection_pool, self.response_callbacks, transaction,
@@ -100,11 +164,36 @@ class BoundaryRedis(aioredis.Redis):
         for sentinel in self.__dict__.get("sentinels", ()):  # connect_sentinel's
             await sentinel.aclose()
 
-    def register_script(self, script: Any) -> Any:
-        text = script.decode() if isinstance(script, bytes) else str(script)
-        names: dict[str, str] = self.__dict__.setdefault("script_names", {})
-        names[hashlib.sha1(text.encode()).hexdigest()] = script_name(text)
-        return super().register_script(script)
+
+class BoundaryCluster(CommandBoundary, RedisCluster):  # type: ignore[misc]
+    """redis-py's asyncio cluster client behind the same boundary. A pipeline without a
+    transaction sends each node its share in one round trip; a transaction (MULTI) must
+    keep to one slot, as every caller's does (one hash tag)."""
+
+    def pipeline(self, transaction: Any | None = None,
+                 shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise ValueError("shard_hint is not supported on a Redis Cluster")
+        pipe = BoundaryClusterPipeline(self, transaction)  # type: ignore[abstract]
+        pipe.metrics, pipe.script_names = self.metrics, self.script_names
+        return pipe
+
+    async def script_load(self, script: Any) -> str:
+        """Load a script on every node the client knows, replicas too, each on its own:
+        a script object reloads after NOSCRIPT, and redis-py would load it on the
+        primaries of a slot map a failover left stale (the promoted replica, where the
+        script runs next, among the replicas), so the next call found NOSCRIPT again. A
+        node that cannot be reached (the dead master) is skipped."""
+        results = await asyncio.gather(
+            *(self.execute_command("SCRIPT LOAD", script, target_nodes=node)
+              for node in self.get_nodes()), return_exceptions=True)
+        if not results:  # no slot map yet
+            return str(await super().script_load(script))
+        for result in results:
+            if isinstance(result, str):
+                return result
+        error = next(r for r in results if isinstance(r, BaseException))
+        raise error
 
 
 def _no_backoff_retry() -> Retry:
@@ -161,3 +250,26 @@ def connect_sentinel(config: RedisSentinel, metrics: RedisMetrics | None = None,
 
 def _secret(value: Any) -> str | None:
     return None if value is None else str(value.get_secret_value())
+
+
+def connect_cluster(config: RedisClusterSettings, metrics: RedisMetrics | None = None,
+                    **kwargs: Any) -> BoundaryRedis:
+    """A client on the Redis Cluster that ``config.nodes`` (``host:port`` each, any of
+    its nodes) lead to; it discovers the rest, and its slot map, at the first command.
+
+    The same retry policy as :func:`connect`: after a broken connection or a slot no node
+    serves, the slot map is refreshed and the command tried once more at once; then the
+    error surfaces (fairgate's loops back off; a client gets a 503). Typed as the plain
+    client: the cluster client offers the same commands to every adapter."""
+    kwargs.setdefault("retry", _no_backoff_retry())
+    if config.username is not None:
+        kwargs.setdefault("username", config.username)
+    if config.password is not None:
+        kwargs.setdefault("password", config.password.get_secret_value())
+    seeds = []
+    for node in config.nodes:
+        host, _, port = node.rpartition(":")
+        seeds.append(ClusterNode(host.strip("[]"), int(port)))
+    client = BoundaryCluster(startup_nodes=seeds, decode_responses=True, ssl=config.ssl,
+                             **kwargs)
+    return _boundary(cast("aioredis.Redis", client), metrics)

@@ -34,6 +34,7 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 
 EXTERNAL_REDIS = "rediss://redis.shared.svc:6380/2"
+EXTERNAL_CLUSTER = ["vk-0.vk-headless.data.svc:6380", "vk-1.vk-headless.data.svc:6380"]
 MONITORING = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
 APPS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "apps"}}}
 FULL_POOLS = [
@@ -128,6 +129,17 @@ RENDERS: dict[str, dict[str, Any]] = {
     "long-name": {"name": "a-rather-long-release-name-for-fairgate01"},
     # The values file docs/deploying.md tells operators to write.
     "readme": {"values": readme_values()},
+    # An in-chart Valkey Cluster (3 masters x 1 replica) behind a NetworkPolicy.
+    "cluster": {
+        "values": {"redis": {"enabled": False}, "redisCluster": {"enabled": True},
+                   "networkPolicy": {"enabled": True}},
+    },
+    # An external cluster, named by some of its nodes.
+    "cluster-external": {
+        "values": {"redis": {"enabled": False},
+                   "redisCluster": {"externalNodes": EXTERNAL_CLUSTER},
+                   "networkPolicy": {"enabled": True}},
+    },
     # Redis behind Sentinel (a master, a replica, three sentinels) behind NetworkPolicies.
     "sentinel": {"values": {"redis": {"topology": "sentinel"},
                             "networkPolicy": {"enabled": True}}},
@@ -141,6 +153,10 @@ FAILURES: dict[str, tuple[dict[str, Any], str]] = {
     "external-redis-without-url": (
         {"redis": {"enabled": False}},
         "redis.externalUrl is required",
+    ),
+    "cluster-and-redis": (
+        {"redisCluster": {"enabled": True}},
+        "redisCluster replaces redis: set redis.enabled=false",
     ),
     "hpa-min-over-max": (
         {"gateway": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
@@ -163,6 +179,7 @@ LINTS = {
     "default": {},
     "full": RENDERS["full"]["values"],
     "pods-hpa": RENDERS["pods-hpa"]["values"],
+    "cluster": RENDERS["cluster"]["values"],
     "sentinel": RENDERS["sentinel"]["values"],
 }
 
@@ -671,6 +688,49 @@ def test_external_redis_url_replaces_the_statefulset(releases: dict[str, Release
     assert not release.component("Service", "redis")
     assert not release.component("StatefulSet", "redis")
     assert "in-chart StatefulSet" not in release.notes
+
+
+def test_in_chart_redis_cluster_replaces_the_single_pod(releases: dict[str, Release]) -> None:
+    release = releases["cluster"]
+    assert not release.component("StatefulSet", "redis")
+    (sts,) = release.component("StatefulSet", "valkey-cluster")
+    assert sts["spec"]["replicas"] == 6, sts["spec"]["replicas"]
+    valkey = container(sts, "valkey")
+    args = [str(a) for a in valkey["args"]]
+    assert flag_value(args, "--cluster-enabled") == "yes"
+    assert flag_value(args, "--appendonly") == "yes"
+    assert flag_value(args, "--cluster-preferred-endpoint-type") == "hostname"
+    (svc,) = release.component("Service", "valkey-cluster")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert selects({"matchLabels": svc["spec"]["selector"]}, pod_labels(sts))
+    name, headless = sts["metadata"]["name"], svc["metadata"]["name"]
+    port = port_of(valkey, "redis")
+    config = release.config()
+    assert "redis_url" not in config, config
+    assert config["redis_cluster"]["nodes"] == [f"{name}-{i}.{headless}:{port}"
+                                                for i in range(6)]
+    (job,) = release.component("Job", "valkey-cluster-create")
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "--cluster-replicas 1" in script, script
+    assert "seq 0 5" in script, script
+    gw_np = netpol(release, "gateway")
+    assert any(selects(p["podSelector"], pod_labels(sts)) and egress_ports(r) == {(port, "TCP")}
+               for r in gw_np["spec"]["egress"] for p in r.get("to", [])), gw_np
+    assert "Redis Cluster" in release.notes
+
+
+def test_an_external_redis_cluster_is_named_by_its_nodes(
+        releases: dict[str, Release], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    release = releases["cluster-external"]
+    assert not release.component("StatefulSet", "redis")
+    assert not release.component("StatefulSet", "valkey-cluster")
+    assert release.config()["redis_cluster"] == {"nodes": EXTERNAL_CLUSTER}
+    egress = netpol(release, "gateway")["spec"]["egress"]
+    assert any(egress_ports(r) == {(6380, "TCP")} and "to" not in r for r in egress), egress
+    (secret,) = release.of("Secret")
+    settings = load_gateway_settings(release, monkeypatch, tmp_path, secret["stringData"])
+    assert settings.redis_cluster is not None and settings.redis_url is None
+    assert settings.redis_cluster.nodes == EXTERNAL_CLUSTER
 
 
 # --- NetworkPolicy ------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from gateway.core.settings import load_settings
 from gateway.http.app import create_app
 from gateway.http.openapi import document, openapi_json
 from gateway.http.server import GatewayServer
+from gateway.storage.keys import ACTIVE_BATCHES
 from tests.gateway.conftest import (
     CHAT,
     MODEL,
@@ -108,10 +109,10 @@ async def leftover_request_keys(redis: aioredis.Redis) -> list[str]:
 async def batches_idle(redis: aioredis.Redis, timeout_s: float = 20.0) -> None:
     """Batches the fuzzer created and left running finish or are cancelled: wait."""
     for _ in range(int(timeout_s / 0.05)):
-        if not await redis.scard("fg:batches:active"):
+        if not await redis.scard(ACTIVE_BATCHES):
             return
         await asyncio.sleep(0.05)
-    pytest.fail(f"batches still active: {await redis.smembers('fg:batches:active')}")
+    pytest.fail(f"batches still active: {await redis.smembers(ACTIVE_BATCHES)}")
 
 
 async def fuzz_gateway(gateway: GatewayFactory, sim: SimFactory, data_dir: Path

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.scheduling.usage import day_of
-from gateway.storage.keys import usage_day
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, call
 
 ADMIN = "sk-admin"
@@ -105,7 +105,7 @@ async def test_usage_export_dashboard_and_metrics(sim: SimFactory, gateway: Gate
     assert status == 403
 
     # kept for the configured retention
-    ttl = await redis.ttl(usage_day(day_of(time.time())))
+    ttl = await redis.ttl(ModelKeys(MODEL).usage(day_of(time.time())))
     assert 30 * 86400 < ttl <= 31 * 86400
 
     # the dashboard's panel: top tenants and users today, tenant budgets used

@@ -103,7 +103,7 @@ async def test_a_ticks_enqueues_and_their_dispatch_are_one_call(redis: aioredis.
 async def test_a_settle_adds_the_requests_usage(redis: aioredis.Redis) -> None:
     store = Store(redis, 600)
     grant = await first_granted(store)
-    ledger = UsageLedger(redis, 30)  # type: ignore[arg-type]
+    ledger = UsageLedger(redis, 30, lambda: [M])  # type: ignore[arg-type]
     key = ApiKey(key="sk-x", user="alice")
     usage = ledger.counts(key, M, "default", 12, 3, error=False, now=86400.0)
     await store.settle_and_dispatch(M, grant, 5.0, usage=usage)

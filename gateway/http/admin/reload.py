@@ -31,7 +31,8 @@ from gateway.services import Services
 log = structlog.get_logger("fairgate.admin")
 
 # settings wired into something built once at start: a change needs a restart
-RESTART_FIELDS = ("backends", "fairness", "redis_url", "redis_sentinel", "listen", "replica_id",
+RESTART_FIELDS = ("backends", "fairness", "redis_url", "redis_sentinel", "redis_cluster",
+                  "listen", "replica_id",
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap", "tenants",
                   "key_pepper", "workers", "data_dir", "max_file_bytes",
                   "usage_retention_days", "session_ttl_s", "upstream_timeout_s",

@@ -77,6 +77,35 @@ whole, so two pools never collide after truncation.
 {{- end -}}
 {{- end -}}
 
+{{- define "fairgate.redisClusterName" -}}
+{{- printf "%s-valkey" (include "fairgate.fullname" .) | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Whether the store is a Redis Cluster (in-chart or external). */}}
+{{- define "fairgate.usesCluster" -}}
+{{- if or .Values.redisCluster.enabled .Values.redisCluster.externalNodes -}}
+{{- if .Values.redis.enabled -}}
+{{- fail "redisCluster replaces redis: set redis.enabled=false" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The cluster's nodes as a JSON list: every in-chart pod, or redisCluster.externalNodes. */}}
+{{- define "fairgate.redisClusterNodes" -}}
+{{- $c := .Values.redisCluster -}}
+{{- if $c.enabled -}}
+{{- $name := include "fairgate.redisClusterName" . -}}
+{{- $nodes := list -}}
+{{- range $i, $_ := until (int (mul $c.masters (add1 $c.replicasPerMaster))) -}}
+{{- $nodes = append $nodes (printf "%s-%d.%s-headless:%d" $name $i $name (int $c.port)) -}}
+{{- end -}}
+{{- toJson $nodes -}}
+{{- else -}}
+{{- toJson $c.externalNodes -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "fairgate.sentinelName" -}}
 {{- printf "%s-redis-sentinel" (include "fairgate.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
@@ -85,12 +114,16 @@ whole, so two pools never collide after truncation.
 {{- if and .Values.redis.enabled (eq .Values.redis.topology "sentinel") -}}true{{- end -}}
 {{- end -}}
 
-{{/* The store's lines of the gateway config: redis_url, or redis_sentinel (in-chart). */}}
+{{/* The store's lines of the gateway config: redis_cluster, redis_sentinel (in-chart) or
+redis_url. */}}
 {{- define "fairgate.storeConfig" -}}
 {{- if not (has .Values.redis.topology (list "standalone" "sentinel")) -}}
 {{- fail (printf "redis.topology must be standalone or sentinel, not %q" .Values.redis.topology) -}}
 {{- end -}}
-{{- if include "fairgate.sentinelTopology" . -}}
+{{- if include "fairgate.usesCluster" . -}}
+redis_cluster:
+  nodes: {{ include "fairgate.redisClusterNodes" . }}
+{{- else if include "fairgate.sentinelTopology" . -}}
 {{- $s := .Values.redis.sentinel -}}
 {{- $name := include "fairgate.sentinelName" . -}}
 redis_sentinel:
