@@ -3,9 +3,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.vllm_metrics import (
     PREFIX_CACHE,
+    WANTED,
     HistogramWindow,
     MetricsFormatError,
     parse_metrics,
@@ -21,6 +23,50 @@ def test_parses_real_vllm_output() -> None:
     assert 0.0 <= raw.kv_usage <= 1.0
     s, c = raw.sums["vllm:request_time_per_output_token_seconds"]
     assert c > 0 and s > 0
+
+
+def full_parse(text: str) -> dict[str, float]:
+    """The wanted samples as prometheus_client's full exposition parser reads them, summed
+    over their labels: the reference the line filter must match."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in WANTED:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def test_line_filter_reads_what_the_full_parse_reads() -> None:
+    text = REFERENCE.read_text()
+    full, raw = full_parse(text), parse_metrics(text)
+    seen = {"vllm:num_requests_running": raw.running, "vllm:num_requests_waiting": raw.waiting,
+            "vllm:kv_cache_usage_perc": raw.kv_usage}
+    for name, (total, count) in raw.sums.items():
+        seen[name + "_sum"], seen[name + "_count"] = total, count
+    assert raw.prefix_cache is not None
+    seen["vllm:prefix_cache_hits_total"], seen["vllm:prefix_cache_queries_total"] = \
+        raw.prefix_cache
+    assert seen == pytest.approx(full), f"line filter {seen} != full parse {full}"
+    assert len(seen) == 11, sorted(seen)  # running, waiting, kv, TPOT, ITL, TTFT, prefix
+
+
+def test_line_filter_skips_lookalike_families_and_reads_bare_samples() -> None:
+    text = "\n".join([
+        'vllm:num_requests_running_by_thing{engine="0"} 9',  # a longer name: not ours
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 9',
+        'vllm:num_requests_running{engine="0",model_name="a}b"} 2',  # a brace in a label
+        "vllm:num_requests_running 3 1700000000000",  # no labels, a timestamp
+        'vllm:num_requests_waiting{engine="0"} 1.5e0',
+        'vllm:time_to_first_token_seconds_bucket{le="0.1"} 7',
+        "",
+    ])
+    raw = parse_metrics(text)
+    assert (raw.running, raw.waiting, raw.sums) == (5, 1.5, {}), raw
+
+
+def test_line_filter_rejects_a_garbled_sample() -> None:
+    with pytest.raises(MetricsFormatError):
+        parse_metrics("vllm:num_requests_running{engine=\"0\"} many\n")
 
 
 def test_sums_over_engines_and_reads_old_names() -> None:

@@ -1,9 +1,23 @@
-"""The backend pool: one scrape loop per vLLM server, snapshots stored in Redis.
+"""The backend pool: each vLLM server scraped by one process of all replicas and workers,
+its snapshot published in Redis for the others.
 
-A scrape that fails or times out closes this replica's gates to that backend at once and
-stores nothing, so the shared snapshot goes stale and every other replica's gate closes
-too; after ``unhealthy_after_failures`` in a row the backend is also marked unhealthy here.
-A request that cannot connect to the backend closes its gates the same way.
+A lease in Redis per backend (``lua/scrapers.lua``) names the process that scrapes it. The
+holder scrapes, works out each class's gate and pacing, and publishes them with the
+snapshot (``gateway/backends/published.py``, ``lua/snapshot.lua``); every process, the
+holder too, renews or takes its leases and reads what was published since its last look
+in one call per model and tick (every ``scrape_interval_s``). A process dies: its leases
+expire (``lease_s``: three intervals, at least :data:`LEASE_FLOOR_S`) and the next tick of
+another takes them. A holder that stops publishing (its scrapes hang) gives its lease up.
+
+The holder scrapes every ``scrape_interval_s`` while the backend is busy (requests run,
+wait or are in flight there, or are queued for its model), every idle interval otherwise;
+an enqueue brings it back at once (:meth:`BackendPool.hurry`, or the next tick elsewhere).
+
+A scrape that fails or times out closes the holder's gates to that backend at once and is
+published, so every process closes them on its next tick; after
+``unhealthy_after_failures`` in a row the backend is also marked unhealthy. A snapshot
+that stops coming goes stale and closes the gates too. A request that cannot connect to
+the backend closes this process's gates the same way until the next snapshot.
 """
 
 from __future__ import annotations
@@ -12,13 +26,17 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 import structlog
 
+from gateway.backends.published import Published
 from gateway.backends.vllm_metrics import (
     PREFIX_CACHE,
     TTFT_HISTOGRAMS,
@@ -30,13 +48,24 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
-from gateway.storage.store import BackendFit, Store
+from gateway.storage.store import (
+    BackendFit,
+    LeaseWish,
+    ScrapeView,
+    Store,
+    Stored,
+    snapshot_from,
+)
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, queued_for_a_slot
 from policies.pacing import Pacing, PacingTargets, adjust
 from policies.prefill import class_limit, fitting
 
 log = structlog.get_logger("fairgate.backends")
+
+LEASE_FLOOR_S = 0.5
+"""A scrape lease lasts three scrape intervals, never less than this: a holder's tick
+that runs late on a loaded machine must not hand its backends to another process."""
 
 
 @dataclass
@@ -62,6 +91,12 @@ class BackendHandle:
     gates: dict[str, Gate] = field(default_factory=lambda: dict.fromkeys(
         CLASS_ORDER, Gate(0, "stale")))
     fit: BackendFit = field(default_factory=BackendFit)  # its prompt range, prefill limits
+    held: bool = False  # this process holds its scrape lease: scrapes it and publishes
+    held_since: float = 0.0  # monotonic s
+    published_at: float = 0.0  # monotonic s of this process's last publication
+    seen: str = ""  # the version of its published snapshot this process read last
+    busy: bool = True  # scraped at the configured interval (False: the idle one)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # lease taken, or work came
 
     @property
     def name(self) -> str:
@@ -92,6 +127,8 @@ class BackendPool(ReadsSettings):
         store: Store,
         metrics: GatewayMetrics,
         on_snapshot: Callable[[], None] = lambda: None,
+        *,
+        scraper_id: str | None = None,
     ) -> None:
         self.holder = settings
         self.session = session
@@ -104,6 +141,10 @@ class BackendPool(ReadsSettings):
         self._derive(settings.current)
         self.handles = {b.name: self._handle(b) for b in settings.current.backends}
         self._loops: dict[str, asyncio.Task[None]] = {}
+        # this process, as its scrape leases name it
+        self.scraper_id = scraper_id or (
+            f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
+        self._store_down = False
         settings.on_swap(self._derive)
 
     def _derive(self, settings: Settings) -> None:
@@ -150,15 +191,133 @@ class BackendPool(ReadsSettings):
         handles = self.for_model(model) if model else list(self.handles.values())
         return any(h.healthy for h in handles)
 
+    @property
+    def lease_s(self) -> float:
+        return max(3 * self.settings.scrape_interval_s, LEASE_FLOOR_S)
+
+    @property
+    def idle_interval_s(self) -> float:
+        """The scrape interval of an idle backend: never more than half the staleness
+        bound (its snapshot must not close its gates between two scrapes)."""
+        s = self.settings
+        return max(s.scrape_interval_s, min(s.idle_scrape_interval_s, s.snapshot_stale_s / 2))
+
     async def run(self) -> None:
         for handle in self.handles.values():
             self._start(handle)
+        leases = asyncio.create_task(
+            supervise("scrape", self._lease_loop, self.metrics.loop_restarts),
+            name="scrape-leases")
         try:
             await asyncio.Event().wait()  # until cancelled; scrape loops come and go
         finally:
-            for task in self._loops.values():
+            for task in [leases, *self._loops.values()]:
                 task.cancel()
-            await asyncio.gather(*self._loops.values(), return_exceptions=True)
+            await asyncio.gather(leases, *self._loops.values(), return_exceptions=True)
+            with contextlib.suppress(StoreUnavailable, TimeoutError):
+                await asyncio.wait_for(self._give_up_leases(), self.lease_s)
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(self.settings.scrape_interval_s)
+
+    async def tick(self) -> None:
+        """Renew or take this process's scrape leases, give up those it stopped serving,
+        and take in what the backends' scrapers published since the last tick."""
+        now = time.monotonic()
+        yield_s = self.settings.snapshot_stale_s + self.settings.scrape_timeout_s
+        handles = dict(self.handles)  # a reload may change them while Redis answers
+        wanted: dict[str, list[LeaseWish]] = {}
+        for h in handles.values():
+            keeps = not h.held or now - max(h.held_since, h.published_at) < yield_s
+            if not keeps:
+                log.warning("scrape_lease_given_up", backend=h.name, silent_s=yield_s)
+            wanted.setdefault(h.config.model, []).append(LeaseWish(h.name, keeps, h.seen))
+        try:
+            found = await self.store.scrape_leases(self.scraper_id, self.lease_s, wanted)
+        except StoreUnavailable as exc:
+            if not self._store_down:
+                log.warning("scrape_leases_failed", error=str(exc))
+                self._store_down = True
+                if self.alone:  # degraded mode: every process scrapes for itself
+                    for h in handles.values():
+                        h.wake.set()
+            return
+        self._store_down = False
+        for queued, views in found.values():
+            for name, view in views.items():
+                handle = handles[name]
+                if self.handles.get(name) is handle:
+                    self._take_view(handle, view, queued > 0, now)
+
+    @property
+    def alone(self) -> bool:
+        """Scraping every backend for this process only: Redis is unreachable and
+        ``store_outage: local`` serves on (no lease, no published snapshot meanwhile)."""
+        return self._store_down and self.settings.store_outage == "local"
+
+    async def _give_up_leases(self) -> None:
+        """On the way out: the leases this process holds go to the next tick of another."""
+        wanted: dict[str, list[LeaseWish]] = {}
+        for h in self.handles.values():
+            if h.held:
+                wanted.setdefault(h.config.model, []).append(LeaseWish(h.name, False, h.seen))
+        if wanted:
+            await self.store.scrape_leases(self.scraper_id, self.lease_s, wanted)
+
+    def _take_view(self, handle: BackendHandle, view: ScrapeView, queued: bool,
+                   now: float) -> None:
+        if view.held != handle.held:
+            handle.held, handle.held_since = view.held, now
+            log.info("scrape_lease_taken" if view.held else "scrape_lease_lost",
+                     backend=handle.name, scraper=self.scraper_id)
+            self.metrics.backend_scraping.labels(handle.name).set(1 if view.held else 0)
+            if view.held:
+                handle.wake.set()  # scrape now
+        if view.drained != handle.drained:
+            self.set_drained(handle, view.drained)
+        handle.pending_prefill_tokens = view.pending_prefill_tokens
+        if view.published is not None:
+            self._adopt(handle, view.published)
+        last = handle.last
+        busy = (queued or view.inflight > 0
+                or (last is not None and last.running + last.waiting > 0))
+        if busy and not handle.busy and handle.held:
+            handle.wake.set()  # back to the fast interval at once
+        handle.busy = busy
+
+    def hurry(self, model: str) -> None:
+        """Work was queued for ``model``: its idle backends this process scrapes are
+        scraped now and at the fast interval (elsewhere the next tick tells their
+        scrapers)."""
+        for h in self.handles.values():
+            if not h.busy and h.config.model == model:
+                h.busy = True
+                if h.held:
+                    h.wake.set()
+
+    def _adopt(self, handle: BackendHandle, raw: dict[str, str]) -> None:
+        """Take in what another process (or this one, before a restart) published."""
+        handle.seen = raw.get("v", "")
+        snap = snapshot_from(raw)
+        try:
+            shared = Published.decode(raw["shared"]) if "shared" in raw else None
+        except ValueError as exc:
+            log.warning("published_snapshot_unreadable", backend=handle.name, error=str(exc))
+            return
+        failures = int(raw.get("failures") or 0)
+        last = handle.last
+        if (snap is not None and shared is not None
+                and (last is None or snap.taken_at_s > last.taken_at_s)):
+            for window in (handle.tpot, handle.ttft, handle.prefix_hits):
+                window.add(snap.taken_at_s, shared.sums)
+            if failures == 0:
+                self._apply(handle, snap, shared)
+                return
+            handle.last = snap
+        if failures:
+            self._mark_failures(handle, failures, "published by its scraper")
 
     def _start(self, handle: BackendHandle) -> None:
         loop = supervise("scrape", lambda: self._loop(handle), self.metrics.loop_restarts)
@@ -193,11 +352,20 @@ class BackendPool(ReadsSettings):
         return report
 
     async def _loop(self, handle: BackendHandle) -> None:
-        next_at = time.monotonic()
+        """Scrape the backend while this process holds its lease (or Redis is down and
+        each process serves alone), at the fast interval while it is busy, at the idle
+        one otherwise; wait for the lease while another process holds it."""
         while True:
-            await self.scrape_once(handle)
-            next_at = max(next_at + self.settings.scrape_interval_s, time.monotonic())
-            await asyncio.sleep(next_at - time.monotonic())
+            delay = None
+            if handle.held or self.alone:
+                handle.wake.clear()
+                started = time.monotonic()
+                await self.scrape_once(handle)
+                interval = (self.settings.scrape_interval_s if handle.busy
+                            else self.idle_interval_s)
+                delay = max(0.0, started + interval - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(handle.wake.wait(), delay)
 
     async def scrape_once(self, handle: BackendHandle) -> None:
         started = time.time()
@@ -208,56 +376,84 @@ class BackendPool(ReadsSettings):
                 raw = parse_metrics(await resp.text())
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError) as exc:
             self._failed(handle, exc)
+            with contextlib.suppress(StoreUnavailable):
+                handle.seen = await self.store.publish_failure(
+                    handle.config.model, handle.name, handle.failures)
+                handle.published_at = time.monotonic()
             return
-        tpot = handle.tpot.add(started, raw.sums)
-        ttft = handle.ttft.add(started, raw.sums)
-        prefix_hit_ratio = handle.prefix_hits.add(
-            started, {} if raw.prefix_cache is None else {PREFIX_CACHE: raw.prefix_cache})
+        sums = dict(raw.sums)
+        if raw.prefix_cache is not None:
+            sums[PREFIX_CACHE] = raw.prefix_cache
+        tpot = handle.tpot.add(started, sums)
+        ttft = handle.ttft.add(started, sums)
+        prefix_hit_ratio = handle.prefix_hits.add(started, sums)
         snap = BackendSnapshot(int(raw.waiting), int(raw.running), raw.kv_usage, tpot, started)
+        # back after failures, perhaps restarted: its batch may be smaller now (learnt
+        # again from what runs) and its prefix cache is gone
+        recovering = not handle.healthy and handle.failures > 0
+        pacing = ({c: dataclasses.replace(p, peak_running=0) for c, p in handle.pacing.items()}
+                  if recovering else handle.pacing)
+        peak = max(0 if recovering else handle.peak_running, snap.running)
+        if not handle.model_card_read:
+            await self._read_model_card(handle)
+        gates, pacing = self._assess(pacing, snap, ttft, peak)
+        shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
+                           handle.max_model_len, handle.model_card_read)
         try:
-            stored, handle.drained, pending = await self.store.store_snapshot(
-                handle.config.model, handle.name, snap)
+            stored = await self.store.store_snapshot(handle.config.model, handle.name, snap,
+                                                     shared.encode())
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
             if self.settings.store_outage != "local":
                 return
-            stored, pending = True, 0  # degraded mode paces by this replica's scrape alone
+            # degraded mode: this process paces by its own scrape alone
+            stored = Stored(True, handle.drained, 0, handle.seen)
+        else:
+            handle.published_at = time.monotonic()
+        if stored.drained != handle.drained:
+            self.set_drained(handle, stored.drained)
+        if stored.stored:
+            handle.pending_prefill_tokens, handle.seen = stored.pending, stored.version
+        if recovering:
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.forget_prefixes(handle.config.model, handle.name)
+        self._apply(handle, snap, shared)
+
+    def _assess(self, pacing: dict[str, Pacing], snap: BackendSnapshot, ttft_s: float | None,
+                peak: int) -> tuple[dict[str, Gate], dict[str, Pacing]]:
+        """Each class's gate by this snapshot, and its pacing after it: the class's gate
+        policy with the batch as seen so far, its ``max_waiting`` moved by adaptive
+        pacing."""
+        gates, after = {}, dict(pacing)
+        for cls, base in self.gate_policies.items():
+            policy = dataclasses.replace(base, batch=peak)
+            if self.pacing_targets is not None:
+                p = after[cls] = adjust(pacing[cls], snap, ttft_s, self.pacing_targets[cls])
+                policy = dataclasses.replace(policy, max_waiting=p.max_waiting,
+                                             free_slots=p.bonus)
+            gates[cls] = evaluate_gate(snap, policy, snap.taken_at_s, math.inf)
+        return gates, after
+
+    def _apply(self, handle: BackendHandle, snap: BackendSnapshot, shared: Published) -> None:
+        """A new snapshot, scraped here or published by the backend's scraper: its gates,
+        pacing and numbers become this process's view."""
         if not handle.healthy:
             log.info("backend_healthy", backend=handle.name)
-            if handle.failures:  # it was down, perhaps restarted: its prefix cache is gone,
-                # and its batch may be smaller now (learnt again from what runs)
-                with contextlib.suppress(StoreUnavailable):
-                    await self.store.forget_prefixes(handle.config.model, handle.name)
-                handle.peak_running = 0
-                handle.pacing = {c: dataclasses.replace(p, peak_running=0)
-                                 for c, p in handle.pacing.items()}
-        if not handle.model_card_read:
-            await self._read_model_card(handle)
+        before = handle.pacing
         handle.healthy, handle.failures, handle.last = True, 0, snap
-        handle.peak_running = max(handle.peak_running, snap.running)
-        handle.prefix_hit_ratio = prefix_hit_ratio
         handle.sent_since_snapshot = 0
-        if stored:
-            handle.pending_prefill_tokens = pending
-        handle.gates = {c: evaluate_gate(snap, self._policy(handle, c, snap, ttft),
-                                         snap.taken_at_s, math.inf)
-                        for c in self.gate_policies}
+        handle.peak_running, handle.prefix_hit_ratio = shared.peak_running, shared.prefix_hit_ratio
+        handle.max_model_len, handle.model_card_read = shared.max_model_len, shared.model_card_read
+        handle.gates = dict(shared.gates)
+        if self.pacing_targets is not None:
+            handle.pacing = {c: shared.pacing.get(c, p) for c, p in before.items()}
+            for cls, after in handle.pacing.items():
+                changed = after.allowance != before[cls].allowance
+                self.metrics.record_pacing(handle.name, cls, after.allowance, after.bonus,
+                                           after.reason if changed else None)
         self._record(handle, snap)
         handle.scraped.set()
         self.on_snapshot()
-
-    def _policy(self, handle: BackendHandle, cls: str, snap: BackendSnapshot,
-                ttft_s: float | None) -> GatePolicy:
-        """The class's gate policy on this backend: its batch as seen so far, and its
-        ``max_waiting`` moved by adaptive pacing."""
-        policy = dataclasses.replace(self.gate_policies[cls], batch=handle.peak_running)
-        if self.pacing_targets is None:
-            return policy
-        before = handle.pacing[cls]
-        after = handle.pacing[cls] = adjust(before, snap, ttft_s, self.pacing_targets[cls])
-        self.metrics.record_pacing(handle.name, cls, after.allowance, after.bonus,
-                                   after.reason if after.allowance != before.allowance else None)
-        return dataclasses.replace(policy, max_waiting=after.max_waiting, free_slots=after.bonus)
 
     def max_model_len(self, model: str) -> int | None:
         """The smallest context length the model's backends report (None: unknown)."""
@@ -290,13 +486,16 @@ class BackendPool(ReadsSettings):
         self._failed(handle, exc)
 
     def _failed(self, handle: BackendHandle, exc: BaseException) -> None:
+        self._mark_failures(handle, handle.failures + 1, repr(exc))
+
+    def _mark_failures(self, handle: BackendHandle, failures: int, error: str) -> None:
         # a failed scrape (or connection) closes the gates at once; the next good scrape
         # opens them again
         handle.gates = dict.fromkeys(CLASS_ORDER, Gate(0, "stale"))
-        handle.failures += 1
+        handle.failures = failures
         if handle.healthy and handle.failures >= self.settings.unhealthy_after_failures:
             handle.healthy = False
-            log.warning("backend_unhealthy", backend=handle.name, error=repr(exc))
+            log.warning("backend_unhealthy", backend=handle.name, error=error)
         self.metrics.backend_healthy.labels(handle.name).set(1 if handle.healthy else 0)
         reason = "drained" if handle.drained else "stale"
         self.metrics.record_gates(handle.name, dict.fromkeys(CLASS_ORDER, reason), time.time())

@@ -7,14 +7,17 @@ accepts the names of old servers (``vllm:gpu_cache_usage_perc``,
 differencing ``_sum``/``_count`` over a sliding window; the prefix cache's recent hit
 rate (``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total``, tokens;
 ``vllm:gpu_prefix_cache_*`` on servers before 0.11) the same way.
+
+Only the sample lines of those families are read: a line filter by exact sample name (a
+vLLM server's /metrics has ~600 lines, mostly histogram buckets nobody here needs), not a
+full exposition parse. ``tests/test_backend_metrics.py`` checks it against
+prometheus_client's parser on a real server's text.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -47,18 +50,25 @@ class MetricsFormatError(ValueError):
     """The text is not Prometheus exposition or lacks vLLM's queue gauges."""
 
 
+WANTED = frozenset({RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS}
+                   | {h + "_sum" for h in HISTOGRAMS} | {h + "_count" for h in HISTOGRAMS})
+# a sample line starts with its name, then labels or a space: one C-level test per line
+_LINE_STARTS = tuple(name + end for name in WANTED for end in ("{", " "))
+
+
 def parse_metrics(text: str) -> RawMetrics:
     totals: dict[str, float] = {}
-    wanted = {RUNNING, WAITING, *KV_USAGE}
-    wanted |= {h + "_sum" for h in HISTOGRAMS} | {h + "_count" for h in HISTOGRAMS}
-    wanted |= {*PREFIX_QUERIES, *PREFIX_HITS}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in wanted:
-                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    except ValueError as exc:
-        raise MetricsFormatError(f"unparsable /metrics: {exc}") from exc
+    for line in text.splitlines():
+        if not line.startswith(_LINE_STARTS):
+            continue
+        labels_end = line.rfind("}")
+        name_end = line.find("{") if labels_end > 0 else line.find(" ")
+        name = line[:name_end]
+        try:  # the value, then an optional timestamp
+            value = float(line[max(labels_end + 1, name_end):].split()[0])
+        except (ValueError, IndexError) as exc:
+            raise MetricsFormatError(f"unparsable /metrics line: {line[:200]!r}") from exc
+        totals[name] = totals.get(name, 0.0) + value
     if RUNNING not in totals or WAITING not in totals:
         raise MetricsFormatError("no vllm:num_requests_running/waiting in /metrics")
     kv = next((totals[name] for name in KV_USAGE if name in totals), 0.0)

@@ -183,6 +183,10 @@ class GatewayMetrics:
         self.backend_healthy = Gauge(
             "fairgate_backend_healthy", "1 when the last scrapes succeeded", ["backend"],
             registry=r, multiprocess_mode=SHARED)
+        self.backend_scraping = Gauge(
+            "fairgate_backend_scraping",
+            "1 while this process holds the backend's scrape lease (scrapes it for all)",
+            ["backend"], registry=r, multiprocess_mode="livesum")
         self.backend_drained = Gauge(
             "fairgate_backend_drained", "1 when an operator drained the backend (this replica)",
             ["backend"], registry=r, multiprocess_mode=SHARED)

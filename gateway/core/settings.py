@@ -261,7 +261,12 @@ class Settings(BaseSettings):
     class_floors: dict[str, float] = Field(default_factory=default_floors)
     starvation_window: int = 100
 
-    scrape_interval_s: float = 0.1
+    # One process scrapes each backend (a lease in Redis, gateway/backends/scrape.py) every
+    # `scrape_interval_s` while it is busy or work is queued for its model, every
+    # `idle_scrape_interval_s` while idle (never more than half of `snapshot_stale_s`, so
+    # an idle backend's snapshot stays fresh); the next enqueue brings it back at once.
+    scrape_interval_s: float = Field(0.1, gt=0)
+    idle_scrape_interval_s: float = Field(0.5, gt=0)
     scrape_timeout_s: float = 1.0
     snapshot_stale_s: float = 1.0
     unhealthy_after_failures: int = 3

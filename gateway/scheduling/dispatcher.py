@@ -279,6 +279,7 @@ class Dispatcher(ReadsSettings):
         batch = [(r, f) for r, f in self._to_enqueue.pop(model, []) if not f.done()]
         if not batch:
             return
+        self.pool.hurry(model)  # an idle backend's scrapes go back to the fast interval
         done: Dispatched | None = None
         starts = self._take_starts(model)
         try:

@@ -42,6 +42,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
     "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
+    "backend_scraper": "bk:{backend}:scraper",  # string: the process scraping it (PX lease)
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
@@ -155,6 +156,9 @@ class ModelKeys:
 
     def backend_snapshot(self, backend: str) -> str:
         return self._key("backend_snapshot", backend=backend)
+
+    def backend_scraper(self, backend: str) -> str:
+        return self._key("backend_scraper", backend=backend)
 
     def backend_inflight(self, backend: str) -> str:
         return self._key("backend_inflight", backend=backend)

@@ -5,12 +5,13 @@ Redis errors arrive already mapped by the client (``gateway/storage/redis_client
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
@@ -145,6 +146,36 @@ class BackendState:
     started_since_snapshot: int = 0  # first token since the snapshot: in a slot it saw free
 
 
+class Stored(NamedTuple):
+    """What storing a snapshot did (``lua/snapshot.lua``)."""
+
+    stored: bool  # False: an equal or newer snapshot was there
+    drained: bool  # an operator drained the backend
+    pending: int  # its pending prefill tokens after the trim (0 when not stored)
+    version: str  # the snapshot hash's version after it ("0" when not stored)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseWish:
+    """A backend's scrape lease as one process wants it: held (taken or renewed) or given
+    up, and the version of its published snapshot the process read last."""
+
+    backend: str
+    want: bool
+    seen: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeView:
+    """One backend as ``lua/scrapers.lua`` saw it for one process."""
+
+    held: bool  # this process holds the scrape lease now
+    drained: bool
+    inflight: int  # dispatched, unsettled requests at it (all replicas)
+    pending_prefill_tokens: int
+    published: dict[str, str] | None  # the snapshot hash, when changed since ``seen``
+
+
 def _gate(limit: int | Gate) -> Gate:
     return limit if isinstance(limit, Gate) else Gate(limit)
 
@@ -264,7 +295,7 @@ class Store:
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
-                         "started", "share")
+                         "started", "share", "scrapers")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -446,18 +477,53 @@ class Store:
         return bool(await self._run("cancel", keys,
                                     [request_id, user, klass, tenant, k.prefix]))
 
-    async def store_snapshot(self, model: str, backend: str,
-                             snap: BackendSnapshot) -> tuple[bool, bool, int]:
-        """Store a snapshot unless a newer one is there; returns (stored, drained, the
-        backend's pending prefill tokens once the snapshot trimmed them; 0 if not stored)."""
+    async def store_snapshot(self, model: str, backend: str, snap: BackendSnapshot,
+                             shared: str = "") -> Stored:
+        """Store a snapshot, with what its scraper publishes beside it (``shared``), unless
+        a newer one is there."""
         k = ModelKeys(model)
         tpot = "" if snap.tpot_s is None else snap.tpot_s
         args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend,
-                k.prefix]
+                k.prefix, shared]
         keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
                 k.drained, k.backend_prefill(backend), k.backend_started(backend)]
-        stored, drained, pending = await self._run("snapshot", keys, args)
-        return bool(stored), bool(drained), int(pending)
+        stored, drained, pending, version = await self._run("snapshot", keys, args)
+        return Stored(bool(stored), bool(drained), int(pending), str(version))
+
+    async def publish_failure(self, model: str, backend: str, failures: int) -> str:
+        """Publish that the backend's last ``failures`` scrapes failed (its snapshot stays,
+        closed by them); returns the snapshot hash's new version."""
+        key = ModelKeys(model).backend_snapshot(backend)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(key, "failures", str(failures))
+        pipe.hincrby(key, "v", 1)
+        _, version = await pipe.execute()
+        return str(version)
+
+    async def scrape_leases(self, holder: str, ttl_s: float,
+                            wanted: Mapping[str, Sequence[LeaseWish]]
+                            ) -> dict[str, tuple[int, dict[str, ScrapeView]]]:
+        """Take, renew or give up ``holder``'s scrape leases (``lua/scrapers.lua``), one
+        call per model (concurrently), and read what each backend's scraper published
+        since ``seen``: model -> (requests queued for it, backend -> its view)."""
+        async def one(model: str, wishes: Sequence[LeaseWish]
+                      ) -> tuple[int, dict[str, ScrapeView]]:
+            k = ModelKeys(model)
+            keys = [key for w in wishes for key in (
+                k.backend_scraper(w.backend), k.backend_snapshot(w.backend),
+                k.backend_inflight(w.backend), k.backend_prefill(w.backend))]
+            arg = {"holder": holder, "ttl_ms": int(ttl_s * 1000), "backends": [
+                {"name": w.backend, "want": w.want, "seen": w.seen} for w in wishes]}
+            queued, rows = await self._run("scrapers", [*keys, k.depth, k.drained],
+                                           [json.dumps(arg)])
+            return int(queued), {w.backend: ScrapeView(
+                bool(held), bool(drained), int(inflight), int(pending),
+                None if raw == 0 else dict(zip(raw[::2], raw[1::2], strict=True)))
+                for w, (held, drained, inflight, pending, raw) in zip(wishes, rows, strict=True)}
+
+        models = [m for m, wishes in wanted.items() if wishes]
+        found = await asyncio.gather(*(one(m, wanted[m]) for m in models))
+        return dict(zip(models, found, strict=True))
 
     async def add_service(self, model: str, amounts: Mapping[str, float], now: float,
                           half_life_s: float, cap: int, ttl_s: float,
@@ -520,7 +586,7 @@ class Store:
         states = {}
         for i, name in enumerate(backends):
             snap, sent, inflight, prefill, started = raw[5 * i: 5 * i + 5]
-            states[name] = BackendState(_snapshot(snap), int(sent), int(inflight or 0),
+            states[name] = BackendState(snapshot_from(snap), int(sent), int(inflight or 0),
                                         int(float(snap.get("unseen") or 0)),
                                         sum(int(float(PREFILL.decode(v)["tokens"]))
                                             for v in prefill),
@@ -655,8 +721,9 @@ def _grant(request_id: str, raw: Mapping[str, str]) -> Grant:
                  raw["backend"], float(raw["enqueued_at"]))
 
 
-def _snapshot(raw: Mapping[str, str]) -> BackendSnapshot | None:
-    if not raw:
+def snapshot_from(raw: Mapping[str, str]) -> BackendSnapshot | None:
+    """A snapshot hash's numbers (None: no scrape of the backend ever succeeded)."""
+    if "taken_at" not in raw:
         return None
     tpot = raw.get("tpot", "")
     return BackendSnapshot(

@@ -136,6 +136,33 @@ async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Pro
     return Proc(label, url, proc, log)
 
 
+async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label: str
+                     ) -> tuple[Proc, list[str]]:
+    """``count`` simulators in one process (``fairgate sim --count``), each on a free port;
+    returns the process and their URLs (from the lines naming them)."""
+    log_path = log_dir / f"{label}.log"
+    args = ["sim", "--port", "0", "--count", str(count), "--model", model,
+            "--profile", spec.profile, "--max-num-seqs", str(spec.max_num_seqs),
+            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
+            "--scheduling-policy", spec.scheduling_policy]
+    proc, log = _spawn(label, args, log_path)
+    sims = Proc(label, "", proc, log)
+    try:
+        deadline, urls = time.monotonic() + START_TIMEOUT_S, list[str]()
+        while len(urls) < count:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{label}: {len(urls)} of {count} simulators started")
+            await asyncio.sleep(0.05)
+            urls = [line.rsplit(" on ", 1)[1] for line in log_path.read_text().splitlines()
+                    if line.startswith("fairgate sim: serving")]
+        for url in urls:
+            await wait_http(url, "/health", proc)
+    except BaseException:
+        sims.stop()
+        raise
+    return sims, urls
+
+
 async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1
                         ) -> Proc:
     """``fairgate serve --workers N`` with ``config`` (YAML written next to its log); waits

@@ -21,6 +21,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "sim", help="run a simulated vLLM server", description=__doc__
     )
     parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument(
+        "--count", type=int, default=1,
+        help="servers in this process, on --port, --port + 1, … (port 0: each a free one)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--model", required=True, help="served model name")
     parser.add_argument("--profile", choices=sorted(PROFILES), default=DEFAULT_PROFILE)
@@ -60,18 +64,20 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def serve(server: SimServer) -> None:
-    """Run ``server`` until SIGINT or SIGTERM."""
+async def serve(*servers: SimServer) -> None:
+    """Run ``servers`` until SIGINT or SIGTERM; one line each names its URL."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    print(f"fairgate sim: serving {server.config.model!r} on {server.url}", flush=True)
     try:
+        for server in servers:
+            await server.start()
+            print(f"fairgate sim: serving {server.config.model!r} on {server.url}", flush=True)
         await stop.wait()
     finally:
-        await server.stop()
+        for server in servers:
+            await server.stop()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,12 +90,18 @@ def run(args: argparse.Namespace) -> int:
     if args.embedding_dimensions < 1:
         print("fairgate sim: --embedding-dimensions must be at least 1", file=sys.stderr)
         return 2
-    server = SimServer(
-        config,
-        host=args.host,
-        port=args.port,
-        reject_priority=args.reject_priority,
-        embedding_dimensions=args.embedding_dimensions,
-    )
-    asyncio.run(serve(server))
+    if args.count < 1:
+        print("fairgate sim: --count must be at least 1", file=sys.stderr)
+        return 2
+    servers = [
+        SimServer(
+            config,
+            host=args.host,
+            port=args.port + i if args.port else 0,
+            reject_priority=args.reject_priority,
+            embedding_dimensions=args.embedding_dimensions,
+        )
+        for i in range(args.count)
+    ]
+    asyncio.run(serve(*servers))
     return 0

@@ -86,6 +86,7 @@ class SimServer:
         self.metrics = SimMetrics(config.model, config.model_len, CollectorRegistry())
         self._engine = SimEngine(config, observer=self.metrics)
         self._runner: web.AppRunner | None = None
+        self.scrapes = 0  # GET /metrics answered (how often the gateways scrape it)
 
     @property
     def engine(self) -> SimEngine:
@@ -170,6 +171,7 @@ class SimServer:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
         body = self.metrics.render(self._engine)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -186,6 +188,7 @@ class SimServer:
                 "kv_usage": engine.kv_usage,
                 "prefix_cache_queries": engine.prefix_cache_queries,
                 "prefix_cache_hits": engine.prefix_cache_hits,
+                "scrapes": self.scrapes,
             }
         )
 

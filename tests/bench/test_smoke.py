@@ -184,3 +184,17 @@ def test_replicas(tmp_path: Path, redis_url: str) -> None:
     assert run["share_ratio_samples"], "replica 1's /metrics never scraped"
     assert run["summary"]["completed"] > 0
     assert report["params"]["killed_replica"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_fleet(tmp_path: Path, redis_url: str) -> None:
+    report = _run("fleet", tmp_path, redis_url)
+    p = report["params"]
+    assert set(report["runs"]) == {f"replicas_{n}" for n in p["replicas"]}
+    for n in p["replicas"]:
+        run = report["runs"][f"replicas_{n}"]
+        assert len(run["idle"]["cpu_pct_per_backend_per_process"]) == n, run["idle"]
+        assert run["idle"]["scrapes_per_backend_s"]["mean"] > 0, run["idle"]
+        load = run["load"]
+        assert load["requests"]["ok"] == load["requests"]["sent"] > 0, load["requests"]
+        assert load["dispatches_per_s"] > 0 and load["snapshot_age_ms"]["p99"] is not None, load

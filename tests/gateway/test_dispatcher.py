@@ -118,7 +118,7 @@ async def set_backend(rig: Rig, name: str, waiting: int, running: int) -> None:
     ``handle.drained`` is left as the test set it."""
     handle = rig.pool.handles[name]
     snap = BackendSnapshot(waiting, running, 0.2, 0.02, time.time())
-    stored, _, _ = await rig.store.store_snapshot(MODEL, name, snap)
+    stored, _, _, _ = await rig.store.store_snapshot(MODEL, name, snap)
     assert stored
     handle.healthy, handle.last, handle.sent_since_snapshot = True, snap, 0
     handle.gates = {c: evaluate_gate(snap, rig.pool.gate_policies[c], snap.taken_at_s,

@@ -25,7 +25,7 @@ from gateway.core.settings import ApiKey, RedisCluster, SettingsHolder, load_set
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.redis_client import BoundaryRedis, connect_cluster
-from gateway.storage.store import Start, Store, dispatch_args
+from gateway.storage.store import LeaseWish, Start, Store, dispatch_args
 from policies.gates import BackendSnapshot
 from tests.store.test_scripts import req
 
@@ -68,8 +68,12 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     await store.heartbeat([model], "r1", now, {model: now})
     await store.heartbeat([model], "r2", now, {model: now})
     snap = BackendSnapshot(waiting=0, running=0, kv_usage=0.1, tpot_s=0.02, taken_at_s=now)
-    stored, _, _ = await store.store_snapshot(model, "b1", snap)
-    assert stored, "the snapshot was not stored"
+    stored = await store.store_snapshot(model, "b1", snap, "{}")
+    assert stored.stored, "the snapshot was not stored"
+    assert await store.publish_failure(model, "b2", 1) == "1"
+    queued, views = (await store.scrape_leases("s1", 1.0, {model: [
+        LeaseWish("b1", True), LeaseWish("b2", True)]}))[model]
+    assert queued == 0 and views["b1"].held and views["b2"].published is not None, views
     reqs = [req("a1", "alice", at=now), req("b1", "bob", at=now, owner="r2"),
             req("c1", "carol", at=now)]
     then = dispatch_args(model, "b1", {"default": 1}, "r1", now, 10.0)

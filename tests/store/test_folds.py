@@ -125,7 +125,7 @@ async def test_a_late_start_the_snapshot_already_shows_takes_no_other_requests_u
     first, second = await dispatch(store), await dispatch(store)
     assert first is not None and second is not None
     # the scrape began at 1005: a1 (first token at 1003) runs, b1 is not registered yet
-    assert await store.store_snapshot(M, "b1", BackendSnapshot(0, 1, 0.1, None, 1005.0))
+    assert (await store.store_snapshot(M, "b1", BackendSnapshot(0, 1, 0.1, None, 1005.0))).stored
     assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"
     await store.mark_started(M, first, 1003.0)
     unseen = await redis.hget(K.backend_snapshot("b1"), "unseen")

@@ -175,12 +175,12 @@ async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis
     await redis.zadd(K.backend_sent("b1"), {"old": 990.0, "after_scrape": 1000.5})
     await redis.set(K.backend_inflight("b1"), 10)
     snap = BackendSnapshot(waiting=2, running=5, kv_usage=0.5, tpot_s=0.02, taken_at_s=1000.0)
-    assert await store.store_snapshot(M, "b1", snap) == (True, False, 0)
+    assert (await store.store_snapshot(M, "b1", snap))[:3] == (True, False, 0)
     assert await redis.zrange(K.backend_sent("b1"), 0, -1) == ["after_scrape"]
     # 10 in flight, the backend showed 7, one went out after the scrape: 2 still on the way
     assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "2"
     older = BackendSnapshot(9, 9, 0.9, None, 999.0)
-    assert await store.store_snapshot(M, "b1", older) == (False, False, 0)
+    assert (await store.store_snapshot(M, "b1", older))[:3] == (False, False, 0)
     states = await store.backend_states(M, ["b1", "b2"])
     assert states["b1"].snapshot == snap and states["b1"].sent_since_snapshot == 1
     assert states["b2"].snapshot is None
@@ -300,7 +300,7 @@ async def test_a_drained_backend_gets_nothing_and_every_replica_learns_it(
     await store.set_drained(M, "b1", True)
     assert await dispatch(store) is None  # limits were open: the script refuses anyway
     snap = BackendSnapshot(0, 0, 0.0, None, 1000.0)
-    assert await store.store_snapshot(M, "b1", snap) == (True, True, 0)
+    assert (await store.store_snapshot(M, "b1", snap))[:3] == (True, True, 0)
     await store.set_drained(M, "b1", False)
     g = await dispatch(store)
     assert g is not None and g.request_id == "a0"

@@ -5,19 +5,23 @@
 -- KEYS[6] backend started-since-snapshot zset: the snapshot shows what started before it
 -- ARGV[1] taken_at (s)  ARGV[2] waiting  ARGV[3] running  ARGV[4] kv usage
 -- ARGV[5] tpot seconds or ""  ARGV[6] backend name  ARGV[7] model key prefix
+-- ARGV[8] what the scraper publishes with it (gateway/backends/published.py, JSON): every
+-- process reads the snapshot, its gates and pacing from here (scrapers.lua)
 -- "unseen" = dispatched and unsettled, minus what the backend showed (running + waiting),
 -- minus what was dispatched after the scrape began: requests a slow server has not
 -- registered yet. They count against the gate like waiting ones, with no time guesswork.
 -- The pending prefill keeps what the snapshot may not have scheduled (policies/prefill.py
 -- still_pending): what was sent after the scrape began, and of the earlier ones the
 -- newest waiting + unseen; an entry whose request is gone leaves too.
--- Returns {stored, drained, pending}: stored 1 unless an equal or newer snapshot was
--- already there; drained 1 when an operator drained this backend (so every replica learns
--- it); pending the backend's pending prefill tokens after the trim.
+-- A stored snapshot clears the published failures and moves the hash's version "v" on.
+-- Returns {stored, drained, pending, version}: stored 1 unless an equal or newer snapshot
+-- was already there; drained 1 when an operator drained this backend (so every replica
+-- learns it); pending the backend's pending prefill tokens after the trim; version the
+-- hash's "v" after it (0 when not stored).
 local drained = redis.call('SISMEMBER', KEYS[4], ARGV[6])
 local stored = tonumber(redis.call('HGET', KEYS[1], 'taken_at'))
 if stored and stored >= tonumber(ARGV[1]) then
-  return {0, drained, 0}
+  return {0, drained, 0, 0}
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', ARGV[1])
@@ -40,5 +44,6 @@ for i = tonumber(ARGV[2]) + unseen + 1, #before do
   redis.call('HDEL', KEYS[5], before[i][2])
 end
 redis.call('HSET', KEYS[1], 'taken_at', ARGV[1], 'waiting', ARGV[2], 'running', ARGV[3],
-  'kv', ARGV[4], 'tpot', ARGV[5], 'unseen', unseen)
-return {1, drained, pending_prefill(KEYS[5])}
+  'kv', ARGV[4], 'tpot', ARGV[5], 'unseen', unseen, 'shared', ARGV[8], 'failures', 0)
+local version = redis.call('HINCRBY', KEYS[1], 'v', 1)
+return {1, drained, pending_prefill(KEYS[5]), version}

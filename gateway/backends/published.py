@@ -1,0 +1,62 @@
+"""What a backend's scraper publishes with each snapshot, so that every gateway process
+dispatches by the same gates without scraping the backend itself.
+
+One process holds a backend's scrape lease (``gateway/backends/scrape.py``); with each
+snapshot it stores these plain numbers in the snapshot hash (field ``shared``, JSON):
+each class's gate and pacing state as that scrape left them, the batch's size, the recent
+prefix-cache hit ratio and TTFT, the scrape's cumulative histogram sums (a process that
+takes the lease over continues the recent-mean windows from them) and the model card.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from policies.gates import Gate
+from policies.pacing import Pacing
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    gates: dict[str, Gate]  # each class's gate by this snapshot
+    pacing: dict[str, Pacing]  # each class's adaptive pacing after it
+    peak_running: int  # the most requests seen running at once (the batch's size)
+    prefix_hit_ratio: float | None  # recent prefix-cache hits / queries (None: no queries)
+    ttft_s: float | None  # recent mean time to first token
+    sums: dict[str, tuple[float, float]]  # the scrape's histogram (sum, count) pairs
+    max_model_len: int | None  # from the backend's /v1/models (None: unknown)
+    model_card_read: bool  # /v1/models was read (or the backend has none)
+
+    def encode(self) -> str:
+        return json.dumps({
+            "gates": {c: [g.limit, g.reason, g.free_slots, g.max_inflight]
+                      for c, g in self.gates.items()},
+            "pacing": {c: [p.allowance, p.reason, p.peak_running, p.bonus]
+                       for c, p in self.pacing.items()},
+            "peak": self.peak_running, "hit": self.prefix_hit_ratio, "ttft": self.ttft_s,
+            "sums": {name: list(pair) for name, pair in self.sums.items()},
+            "card": self.max_model_len, "card_read": self.model_card_read,
+        }, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str) -> Published:
+        """The published numbers; ValueError when ``text`` is not what :meth:`encode`
+        wrote."""
+        try:
+            d: dict[str, Any] = json.loads(text)
+            return cls(
+                {c: Gate(int(limit), reason, int(free), int(inflight))
+                 for c, (limit, reason, free, inflight) in d["gates"].items()},
+                {c: Pacing(float(allowance), str(reason), int(peak), int(bonus))
+                 for c, (allowance, reason, peak, bonus) in d["pacing"].items()},
+                int(d["peak"]), _number(d["hit"]), _number(d["ttft"]),
+                {name: (float(s), float(n)) for name, (s, n) in d["sums"].items()},
+                None if d["card"] is None else int(d["card"]), bool(d["card_read"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"not a published snapshot: {text[:200]!r}") from exc
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)

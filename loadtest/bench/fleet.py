@@ -1,0 +1,209 @@
+"""``fleet``: the gateway's own cost at fleet size, by the number of gateway replicas.
+
+Processes: ``--size`` (default 32) ``instant``-profile simulators in one process
+(``fairgate sim --count N``, each its own port and /metrics), 1, 2 and 4 gateway replicas
+(``fairgate serve --workers 1`` each, all backends in every config, one Redis), the load
+generator in this one. For each replica count:
+
+- **idle** (no traffic, ``idle_s``): CPU of each gateway process from /proc ticks over
+  the window, per backend (% of a core), and the scrapes each backend answered per second
+  (counted by the simulator, ``/debug/state``);
+- **load** (open loop at a fixed rate, spread evenly over the replicas): gateway CPU per
+  request, scrapes per backend per second, dispatch decisions per second (every replica's
+  ``fairgate_dispatches_total``), and the published snapshots' age (now - ``taken_at`` of
+  every ``bk:<backend>:snap`` in Redis, sampled every 50 ms) at p50/p99.
+
+Targets (issue "the gateway's own cost at fleet size"): idle CPU ≤ 1 % of a core per
+backend per gateway process; scrapes per backend per second ≤ 1.2 / ``scrape_interval_s``
+whatever the replica count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.bench import report
+from loadtest.bench.client import Spec, Target, new_session
+from loadtest.bench.env import MODEL, Bench, Options, api_keys
+from loadtest.bench.loadgen import open_loop, progress
+from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sims
+from loadtest.bench.stats import percentile, summarize
+
+SCRAPE_INTERVAL_S = 0.1  # the default setting
+SIM = SimSpec(profile="instant", max_num_seqs=1024, max_num_batched_tokens=8192)
+USERS = 16
+
+
+def params(opts: Options) -> dict[str, Any]:
+    return {
+        "backends": opts.size or opts.pick(32, 4),
+        "replicas": opts.pick([1, 2, 4], [1, 2]),
+        "idle_s": opts.duration_s or opts.pick(20.0, 1.5),
+        "load_s": opts.duration_s or opts.pick(10.0, 1.5),
+        "rate": opts.pick(100, 20),
+        "prompt_tokens": 16, "max_tokens": 8, "scrape_interval_s": SCRAPE_INTERVAL_S,
+        "processes": "simulators: one process; each gateway replica: one process "
+                     "(--workers 1); load generator: this process; Valkey",
+    }
+
+
+async def scrapes(http: aiohttp.ClientSession, urls: list[str]) -> list[int]:
+    async def one(url: str) -> int:
+        async with http.get(url + "/debug/state") as resp:
+            return int((await resp.json())["scrapes"])
+    return list(await asyncio.gather(*(one(u) for u in urls)))
+
+
+async def dispatches(http: aiohttp.ClientSession, gateways: list[Proc]) -> float:
+    total = 0.0
+    for gw in gateways:
+        async with http.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+        for family in text_string_to_metric_families(text):
+            total += sum(s.value for s in family.samples
+                         if s.name == "fairgate_dispatches_total")
+    return total
+
+
+async def snapshot_ages(client: aioredis.Redis, backends: int, stop: asyncio.Event,
+                        ages: list[float]) -> None:
+    keys = [f"fg:{{{MODEL}}}:bk:b{i}:snap" for i in range(backends)]
+    while not stop.is_set():
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, "taken_at")
+        now = time.time()
+        ages += [now - float(t) for t in await pipe.execute() if t]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.05)
+
+
+async def _measured(http: aiohttp.ClientSession, gateways: list[Proc], urls: list[str],
+                    window: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``window()``; the gateway CPU, scrapes and dispatches over it."""
+    cpu0 = [g.cpu_seconds() for g in gateways]
+    s0, d0 = await scrapes(http, urls), await dispatches(http, gateways)
+    start = time.perf_counter()
+    out: dict[str, Any] = await window()
+    wall = time.perf_counter() - start
+    cpu = [g.cpu_seconds() - c for g, c in zip(gateways, cpu0, strict=True)]
+    s1, d1 = await scrapes(http, urls), await dispatches(http, gateways)
+    per_backend = [(b - a) / wall for a, b in zip(s0, s1, strict=True)]
+    return {**out, "wall_s": round(wall, 3),
+            "gateway_cores": [round(c / wall, 4) for c in cpu],
+            "cpu_s": round(sum(cpu), 4),
+            "scrapes_per_backend_s": {"mean": round(sum(per_backend) / len(per_backend), 3),
+                                      "max": round(max(per_backend), 3)},
+            "dispatches_per_s": round((d1 - d0) / wall, 2)}
+
+
+async def _phase(opts: Options, p: dict[str, Any], bench: Bench, urls: list[str],
+                 replicas: int) -> dict[str, Any]:
+    n = p["backends"]
+    config = {"redis_url": bench.redis_url,
+              "backends": [{"name": f"b{i}", "url": u, "model": MODEL}
+                           for i, u in enumerate(urls)],
+              "api_keys": api_keys([(f"u{i:02d}", "interactive") for i in range(USERS)]),
+              "scrape_interval_s": p["scrape_interval_s"]}
+    async with aioredis.Redis.from_url(bench.redis_url, decode_responses=True) as client:
+        await client.flushdb()
+        gateways = [await start_gateway(config, bench.log_dir, f"fleet-{replicas}-{i}", 1)
+                    for i in range(replicas)]
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def idle() -> dict[str, Any]:
+                    await asyncio.sleep(p["idle_s"])  # the idle window itself
+                    return {}
+
+                await asyncio.sleep(min(2.0, p["idle_s"]))  # settle: leases, first scrapes
+                quiet = await _measured(http, gateways, urls, idle)
+                quiet["cpu_pct_per_backend_per_process"] = [
+                    round(100 * c / n, 3) for c in quiet["gateway_cores"]]
+                busy = await _measured(http, gateways, urls,
+                                       lambda: _load(opts, p, client, gateways))
+                busy["cpu_ms_per_req"] = round(
+                    busy["cpu_s"] * 1000 / max(1, busy["requests"]["sent"]), 3)
+        finally:
+            for gw in gateways:
+                gw.stop()
+    return {"idle": quiet, "load": busy}
+
+
+async def _load(opts: Options, p: dict[str, Any], client: aioredis.Redis,
+                gateways: list[Proc]) -> dict[str, Any]:
+    specs = [Spec(f"u{i:02d}", "fleet", p["prompt_tokens"], p["max_tokens"])
+             for i in range(USERS)]
+    stop, ages = asyncio.Event(), list[float]()
+    sampler = asyncio.create_task(snapshot_ages(client, p["backends"], stop, ages))
+    bar = progress(int(p["rate"] * p["load_s"]), f"fleet x{len(gateways)}", opts.progress)
+    rate = p["rate"] / len(gateways)
+    def spreader(i: int) -> Callable[[int], Spec]:
+        return lambda k: specs[(k * len(gateways) + i) % len(specs)]
+
+    async with new_session() as session:
+        runs = await asyncio.gather(*(
+            open_loop(session, Target(f"gateway{i}", gw.url, MODEL, via_gateway=True),
+                      spreader(i), rate, p["load_s"], bar, poisson=False, seed=i)
+            for i, gw in enumerate(gateways)))
+    bar.close()
+    stop.set()
+    await sampler
+    results = [r for run in runs for r in run]
+    stats = summarize(results)
+    return {"requests": {"sent": len(results), "ok": sum(r.status == 200 for r in results)},
+            "req_s": stats["req_s"], "e2e_ms": stats["e2e_ms"],
+            "snapshot_age_ms": {q: None if (v := percentile(ages, f)) is None else
+                                round(v * 1000, 1) for q, f in (("p50", 50), ("p99", 99))}}
+
+
+def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
+    rows = []
+    most_scrapes = 1.2 / p["scrape_interval_s"]
+    for replicas in p["replicas"]:
+        r = runs[f"replicas_{replicas}"]
+        idle_pct = max(r["idle"]["cpu_pct_per_backend_per_process"])
+        rows.append(report.Headline(
+            f"{replicas} replica(s): idle CPU per backend per gateway process (% of a core, "
+            "the busiest process)", None, idle_pct, None, "≤ 1 %", idle_pct <= 1.0))
+        for phase in ("idle", "load"):
+            got = r[phase]["scrapes_per_backend_s"]["max"]
+            rows.append(report.Headline(
+                f"{replicas} replica(s): scrapes per backend per second, {phase} (max over "
+                "backends)", None, got, None, f"≤ {most_scrapes:g}", got <= most_scrapes))
+        load = r["load"]
+        rows.append(report.Headline(
+            f"{replicas} replica(s): gateway CPU per request at {p['rate']} req/s (ms, all "
+            "replicas)", None, load["cpu_ms_per_req"], None, "–", None))
+        rows.append(report.Headline(
+            f"{replicas} replica(s): snapshot age p99 under load (ms)", None,
+            load["snapshot_age_ms"]["p99"], None, "–", None))
+        rows.append(report.Headline(
+            f"{replicas} replica(s): dispatch decisions per second under load", None,
+            load["dispatches_per_s"], None, "–", None))
+    return rows
+
+
+async def run(opts: Options) -> dict[str, Any]:
+    p = params(opts)
+    runs: dict[str, Any] = {}
+    async with Bench(opts) as bench:
+        sims, urls = await start_sims(SIM, MODEL, p["backends"], bench.log_dir, "sims")
+        try:
+            for replicas in p["replicas"]:
+                runs[f"replicas_{replicas}"] = await _phase(opts, p, bench, urls, replicas)
+        finally:
+            sims.stop()
+    fig, ax = report.figure(f"Gateway cost with {p['backends']} backends", "gateway replicas",
+                            "% of a core per backend per process (idle)")
+    ax.plot(p["replicas"], [max(runs[f"replicas_{n}"]["idle"]["cpu_pct_per_backend_per_process"])
+                            for n in p["replicas"]], "-o", label="busiest process")
+    ax.legend()
+    return report.write(opts, "fleet", p, runs, _headline(p, runs), {"fleet_idle_cpu.png": fig})

@@ -1,0 +1,174 @@
+"""One scraper per backend across replicas: the scrape lease, the published snapshot, the
+staleness rule on a published snapshot, and the idle scrape interval.
+
+Scrapes are counted where they land, at the simulated backend (``SimServer.scrapes``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from gateway.backends.published import Published
+from gateway.backends.scrape import BackendPool
+from gateway.http.server import GatewayServer
+from gateway.storage.keys import ModelKeys
+from gateway.storage.store import Store
+from loadtest.sim.server import SimServer
+from policies.classes import CLASS_ORDER
+from policies.gates import BackendSnapshot, Gate
+from policies.pacing import Pacing
+from tests.gateway.conftest import (
+    MODEL,
+    GatewayFactory,
+    SimFactory,
+    complete,
+    gateway_settings,
+    until,
+)
+
+K = ModelKeys(MODEL)
+WINDOW_S = 2.0
+
+
+async def scrapes_over(backends: list[SimServer], window_s: float) -> tuple[list[int], float]:
+    """Each backend's scrapes over a window of about ``window_s`` (the measured length)."""
+    before, start = [b.scrapes for b in backends], time.monotonic()
+    await asyncio.sleep(window_s)  # a measuring window, not a wait for an event
+    return [b.scrapes - n for b, n in zip(backends, before, strict=True)], \
+        time.monotonic() - start
+
+
+def holders(gateways: list[GatewayServer], name: str) -> list[str]:
+    return [gw.services.pool.scraper_id for gw in gateways
+            if gw.services.pool.handles[name].held]
+
+
+async def test_three_replicas_scrape_each_backend_once_per_interval_between_them(
+        sim: SimFactory, gateway: GatewayFactory, redis: aioredis.Redis) -> None:
+    backends = [await sim(profile="instant"), await sim(profile="instant")]
+    interval = 0.05
+    # idle as fast as busy: the expected rate is one scrape per interval either way
+    replicas = [await gateway(backends, scrape_interval_s=interval,
+                              idle_scrape_interval_s=interval) for _ in range(3)]
+    for name in ("b0", "b1"):
+        await until(lambda n=name: len(holders(replicas, n)) == 1, f"one scraper of {name}")
+    counts, elapsed = await scrapes_over(backends, WINDOW_S)
+    most = 1.2 * elapsed / interval + 2
+    print(f"\nscrapes per backend over {elapsed:.2f}s by 3 replicas: {counts} "
+          f"(one scraper at {interval}s: {elapsed / interval:.0f}; at most {most:.0f})")
+    for name, count in zip(("b0", "b1"), counts, strict=True):
+        assert 0 < count <= most, (
+            f"{name} was scraped {count} times in {elapsed:.2f}s by 3 replicas: one "
+            f"scraper every {interval}s makes at most {most:.0f}")
+        lease = await redis.get(K.backend_scraper(name))
+        assert lease == holders(replicas, name)[0], (lease, holders(replicas, name))
+    # every replica dispatches by the same published gates, and reads fresh snapshots
+    for name in ("b0", "b1"):
+        views = [gw.services.pool.handles[name] for gw in replicas]
+        assert all(h.healthy for h in views), [h.failures for h in views]
+        ages = [time.time() - h.last.taken_at_s for h in views if h.last is not None]
+        assert len(ages) == 3 and max(ages) < replicas[0].services.settings.snapshot_stale_s, (
+            f"snapshot ages of {name} per replica: {ages}")
+    async with aiohttp.ClientSession() as session:
+        for gw in replicas:
+            await complete(session, gw.url, "sk-alice", 2)
+
+
+def published(taken_at: float) -> tuple[BackendSnapshot, str]:
+    """An idle backend's snapshot with open gates, as a scraper publishes it."""
+    snap = BackendSnapshot(0, 0, 0.0, None, taken_at)
+    gates = {c: Gate(3, None, 0, 0) for c in CLASS_ORDER}
+    shared = Published(gates, {c: Pacing(3.0) for c in CLASS_ORDER}, 0, None, None, {},
+                       None, True)
+    return snap, shared.encode()
+
+
+async def test_a_stale_published_snapshot_closes_the_gate_then_the_lease_moves(
+        sim: SimFactory, redis: aioredis.Redis, redis_url: str) -> None:
+    """A scraper that stops publishing (here: a process that took the lease and vanished):
+    the snapshot it left goes stale and closes every reader's gates; its lease runs out
+    and a reader takes it over and scrapes."""
+    backend = await sim(profile="instant")
+    stale_s, ghost_lease_s = 0.3, 3.0
+    await redis.set(K.backend_scraper("b0"), "ghost", px=int(ghost_lease_s * 1000))
+    gw = GatewayServer(gateway_settings(redis_url, [backend], snapshot_stale_s=stale_s))
+    snap, shared = published(time.time())
+    await Store(redis, 60.0).store_snapshot(MODEL, "b0", snap, shared)
+    await gw.start()
+    try:
+        pool: BackendPool = gw.services.pool
+        handle = pool.handles["b0"]
+        await asyncio.wait_for(handle.scraped.wait(), 10)  # the ghost's snapshot, read
+        assert not handle.held and backend.scrapes == 0, (handle.held, backend.scrapes)
+        assert handle.last == snap, handle.last
+
+        def gates() -> dict[str, Gate]:
+            return handle.gates_at(time.time(), stale_s)
+
+        await until(lambda: all(g.reason == "stale" for g in gates().values()),
+                    "the published snapshot going stale")
+        holder = await redis.get(K.backend_scraper("b0"))
+        plan = await gw.services.dispatcher.plan(MODEL, time.time())
+        assert holder == "ghost" and plan.open == [], (
+            f"stale while {holder!r} holds the lease: gates {gates()}, open {plan.open}")
+        assert backend.scrapes == 0, f"scraped {backend.scrapes} times under another's lease"
+
+        lost_at = time.monotonic()
+        bound = ghost_lease_s + pool.lease_s + 5.0
+        await until(lambda: handle.held, "the lease taken over", timeout_s=bound)
+        await until(lambda: backend.scrapes > 0 and all(g.open for g in gates().values()),
+                    "the new scraper's snapshot opening the gates", timeout_s=bound)
+        print(f"\nlease taken over {time.monotonic() - lost_at:.2f}s after the stale "
+              f"snapshot was seen (ghost lease {ghost_lease_s}s, bound {bound}s)")
+        assert await redis.get(K.backend_scraper("b0")) == pool.scraper_id
+        async with aiohttp.ClientSession() as session:
+            await complete(session, gw.url, "sk-alice", 2)
+    finally:
+        await gw.stop()
+
+
+async def test_a_failed_scrape_is_published_to_every_replica(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    a, b = await gateway([backend]), await gateway([backend])
+    scraper, reader = (a, b) if a.services.pool.handles["b0"].held else (b, a)
+    await until(lambda: scraper.services.pool.handles["b0"].held, "a scraper")
+    await backend.stop()  # every scrape fails from now on
+    handle = reader.services.pool.handles["b0"]
+    failures = reader.services.settings.unhealthy_after_failures
+    await until(lambda: not handle.healthy, "the reader marking the backend unhealthy")
+    assert handle.failures >= failures and all(
+        g.reason == "stale" for g in handle.gates_at(time.time(), 60.0).values()), (
+        handle.failures, handle.gates)
+    assert not reader.services.pool.any_healthy(MODEL)
+
+
+async def test_an_idle_backend_is_scraped_slowly_and_fast_again_once_work_comes(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(max_num_seqs=1)
+    fast, idle = 0.02, 0.4
+    gw = await gateway([backend], scrape_interval_s=fast, idle_scrape_interval_s=idle)
+    handle = gw.services.pool.handles["b0"]
+    await until(lambda: not handle.busy, "the backend seen idle")
+    (idle_count,), elapsed = await scrapes_over([backend], WINDOW_S)
+    most_idle = 1.2 * elapsed / idle + 2
+    print(f"\nidle: {idle_count} scrapes in {elapsed:.2f}s (at most {most_idle:.0f})")
+    assert idle_count <= most_idle, (
+        f"an idle backend was scraped {idle_count} times in {elapsed:.2f}s: the idle "
+        f"interval {idle}s allows {most_idle:.0f}")
+    async with aiohttp.ClientSession() as session:
+        long = asyncio.create_task(complete(session, gw.url, "sk-alice", 2000))
+        await until(lambda: handle.busy and backend.engine.num_running == 1,
+                    "the backend busy with a long request")
+        (busy_count,), busy_s = await scrapes_over([backend], WINDOW_S)
+        assert not long.done(), "the long request ended inside the window"
+        long.cancel()
+        await asyncio.gather(long, return_exceptions=True)
+    print(f"busy: {busy_count} scrapes in {busy_s:.2f}s (fast interval {fast}s)")
+    assert busy_count > 1.2 * busy_s / idle + 2, (
+        f"a busy backend was scraped {busy_count} times in {busy_s:.2f}s: no faster "
+        f"than the idle interval {idle}s")
