@@ -255,6 +255,21 @@ class GatewayMetrics:
             "its weight's share among the backlogged; 1 is exactly fair "
             "(policies/share_ratio.py)", ["model", "level", "name"], registry=r,
             multiprocess_mode=SHARED)
+        # Continued answers (gateway/proxy/continuation.py): why, and what they cost.
+        self.continuations = Counter(
+            "fairgate_continuations_total",
+            "Answers continued on another backend, by reason (failover, drain) and outcome "
+            "(continued: a backend took the rest; failed: none could, the stream ended with "
+            "an error)", ["reason", "outcome"], registry=r)
+        self.continuation_recomputed_tokens = Counter(
+            "fairgate_continuation_recomputed_tokens_total",
+            "Prompt plus already generated tokens a continuation sent again (the backend "
+            "recomputes what its prefix cache lacks); charged to nobody", ["reason"],
+            registry=r)
+        self.continuation_pause = Histogram(
+            "fairgate_continuation_pause_seconds",
+            "From a stream's failure to its continuation's first frame", ["reason"],
+            buckets=TTFT_BUCKETS, registry=r)
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "

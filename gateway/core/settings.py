@@ -312,6 +312,13 @@ class Settings(BaseSettings):
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
     upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
+    # A chat or completion whose backend fails mid-answer (connection reset, an error
+    # event, a broken frame) continues on another backend of its model from the tokens
+    # generated so far (gateway/proxy/continuation.py), at most this many times (0: the
+    # stream ends with an error event, as before); each continuation waits in the
+    # scheduler at most `continue_wait_s`.
+    continue_attempts: int = Field(2, ge=0, le=10)
+    continue_wait_s: float = Field(60.0, gt=0)
     replica_heartbeat_s: float = 1.0
     # A replica silent this long is dead: its queued requests are dropped and what it
     # held in flight is released (sooner when it leaves a grant unread for 2 s). Three

@@ -11,12 +11,24 @@ when the client did not. Which frames to expect is the endpoint's (``Frames`` in
 ``gateway/proxy/endpoints.py``): a Responses API stream (``EVENTS``) has no usage frame and no
 ``[DONE]``: its final event (``response.completed``) carries the usage in
 ``response.usage`` and ends the answer. The usage counts' names are the endpoint's too.
+
+A chat or completion stream that can be continued (``gateway/proxy/continuation.py``)
+is read frame by frame: its token ids are recorded (and stripped unless the client asked
+for them), and when its backend fails mid-answer (a reset, an error event, a broken
+frame, or an end before the answer's) the relay asks ``resume`` for a continuation on
+another backend and writes its frames, re-framed, into the same client stream. Only a
+stream that cannot continue ends with an error event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import re
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
@@ -24,6 +36,7 @@ from aiohttp import web
 
 from gateway.core.edge import sse_frame
 from gateway.core.errors import UpstreamError
+from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Endpoint, Frames, Usage
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -36,6 +49,27 @@ OUTPUT_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls"
 RESPONSE_FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                                    "response.failed"))
 RESPONSE_OBJECT = b'"response":'  # in those events (generated text has its quotes escaped)
+# token ids fairgate asked for and the client did not (in generated text a quote is \")
+TOKEN_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[-0-9,\s]*\]')
+
+
+class StreamBroke(Exception):
+    """A backend's stream failed before its answer ended."""
+
+
+@dataclass(slots=True)
+class Segment:
+    """A continuation's answer: its response, who hears its first output, and whether it
+    is the original request sent again (its prompt's token ids never came)."""
+
+    resp: aiohttp.ClientResponse
+    started: Callable[[], Awaitable[None]]
+    restart: bool = False
+
+
+# (what failed) → a continuation's segment (entering it may raise StreamBroke: try the
+# next), or None: no more continuations
+Resume = Callable[[str], AbstractAsyncContextManager[Segment] | None]
 
 
 class RelayListener(Protocol):
@@ -80,10 +114,14 @@ def _data(frame: bytes) -> bytes | None:
 class FrameFilter:
     """Splits a stream into whole SSE frames and reads what the relay reports."""
 
-    def __init__(self, wants_usage: bool, frames: Frames = Frames.CHOICES) -> None:
+    def __init__(self, wants_usage: bool, frames: Frames = Frames.CHOICES,
+                 progress: Progress | None = None) -> None:
         self.wants_usage = wants_usage
         self.events = frames is Frames.EVENTS  # typed events, the final one with usage
+        self.progress = progress  # a continuable answer: every frame is read
+        self.continued = False  # the frames come from a continuation (re-framed)
         self.started = False  # an output frame has passed
+        self.segment_started = False  # … from the current backend
         self.output_frames = 0
         self.usage: dict[str, Any] | None = None
         self.done = False  # the [DONE] frame has passed
@@ -96,8 +134,8 @@ class FrameFilter:
         if end < 0:
             return b""
         complete, self._pending = self._pending[: end + 2], self._pending[end + 2:]
-        if (self.started and b'"usage"' not in complete and DONE not in complete
-                and not (self.events and RESPONSE_OBJECT in complete)):
+        if (self.started and self.progress is None and b'"usage"' not in complete
+                and DONE not in complete and not (self.events and RESPONSE_OBJECT in complete)):
             # the hot path, no parsing: lines that start a JSON payload (a JSON string
             # cannot hold a raw newline, so generated text never matches)
             self.output_frames += (complete.count(b"\ndata: {")
@@ -110,6 +148,13 @@ class FrameFilter:
         rest, self._pending = self._pending, b""
         return rest
 
+    def switch(self, continued: bool) -> None:
+        """The next frames come from another backend: a continuation (re-framed) or the
+        request sent again; a partial frame of the failed stream is dropped."""
+        self._pending = b""
+        self.continued = continued
+        self.segment_started = False
+
     def _frame(self, frame: bytes) -> bytes:
         if frame.startswith(DONE):
             self.done = True
@@ -117,6 +162,8 @@ class FrameFilter:
         payload = _data(frame)
         if payload is None:
             return frame
+        if self.progress is not None:
+            return self._tracked(frame, payload, self.progress)
         if not self.started or b'"usage"' in payload:
             try:
                 event = json.loads(payload)
@@ -124,8 +171,36 @@ class FrameFilter:
                 return frame
             if not isinstance(event, dict):
                 return frame
+            return self._event(frame, event)
+        return self._counted(frame)
+
+    def _tracked(self, frame: bytes, payload: bytes, progress: Progress) -> bytes:
+        """A frame of a continuable answer: recorded, its ids stripped unless asked for,
+        re-framed when it comes from a continuation."""
+        try:
+            event = json.loads(payload)
+        except (ValueError, RecursionError):
+            raise StreamBroke("the backend sent a broken frame") from None
+        if not isinstance(event, dict):
+            raise StreamBroke("the backend sent a frame that is not a JSON object")
+        if "error" in event:
+            error = event["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise StreamBroke(f"the backend sent an error event: {message}")
+        if self.continued:
+            event = progress.continued(event)
+            frame = b"data: " + json.dumps(event, separators=(",", ":"),
+                                           ensure_ascii=False).encode() + b"\n\n"
+        else:
+            progress.original(event)
+            if not progress.wants_ids:
+                frame = TOKEN_IDS.sub(rb'"\1":null', frame)
+        return self._event(frame, event)
+
+    def _event(self, frame: bytes, event: dict[str, Any]) -> bytes:
+        if not self.started or b'"usage"' in frame:
             if carries_output(event):
-                self.started = True
+                self.started = self.segment_started = True
             if self.events and event.get("type") in RESPONSE_FINAL_EVENTS:
                 self.done = True
                 response = event.get("response")
@@ -138,6 +213,8 @@ class FrameFilter:
                 self.usage = usage
                 if not (self.wants_usage or event.get("choices")):
                     return b""  # the usage-only frame fairgate asked for, not the client
+        elif carries_output(event):
+            self.segment_started = True
         return self._counted(frame)
 
     def _counted(self, frame: bytes) -> bytes:
@@ -170,42 +247,50 @@ async def _write(out: web.StreamResponse, data: bytes) -> None:
 
 
 async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
-                       listener: RelayListener, wants_usage: bool,
-                       endpoint: Endpoint) -> web.StreamResponse:
+                       listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
+                       progress: Progress | None = None, resume: Resume | None = None,
+                       started: Callable[[], Awaitable[None]] | None = None
+                       ) -> web.StreamResponse:
     """Relay the backend's SSE stream. A client that hangs up is handled like the handler's
     cancellation (its request settles as ``client_closed`` and the backend connection
-    closes, so vLLM aborts it), not as a gateway error."""
+    closes, so vLLM aborts it), not as a gateway error. With ``progress`` and ``resume``
+    a failed backend's answer continues elsewhere."""
     try:
-        return await _relay(request, resp, listener, wants_usage, endpoint)
+        return await _relay(request, resp, listener, wants_usage, endpoint, progress, resume,
+                            started or listener.first_token)
     except ClientGone:
         raise asyncio.CancelledError from None
 
 
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
-                 listener: RelayListener, wants_usage: bool,
-                 endpoint: Endpoint) -> web.StreamResponse:
+                 listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
+                 progress: Progress | None, resume: Resume | None,
+                 started: Callable[[], Awaitable[None]]) -> web.StreamResponse:
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     try:
         await out.prepare(request)
     except ConnectionResetError as exc:
         listener.end(False)
         raise ClientGone from exc
-    frames = FrameFilter(wants_usage, endpoint.frames)
+    frames = FrameFilter(wants_usage, endpoint.frames, progress)
     try:
-        async for chunk in resp.content.iter_any():
-            was_started, sent_before = frames.started, frames.output_frames
-            data = frames.feed(chunk)
-            if data:
-                await _write(out, data)
-            if frames.output_frames != sent_before:
-                listener.tokens_sent(frames.output_frames - sent_before)
-            if frames.started and not was_started:
-                await listener.first_token()
-        if rest := frames.rest():
-            await _write(out, rest)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        # The status line is gone already: end the stream with an error event instead.
-        await _write(out, sse_frame(UpstreamError(f"backend failed mid-stream: {exc!r}")))
+        async with contextlib.AsyncExitStack() as stack:
+            while (failure := await _pump(out, resp, frames, listener, started)) is not None:
+                if progress is not None and progress.finish_reason is not None:
+                    # the last token came, its backend died before the usage and [DONE]
+                    await _close(out, frames, progress)
+                    break
+                segment = None
+                if progress is not None and resume is not None and (
+                        progress.resumable or not frames.started):
+                    segment = await next_segment(stack, resume, failure)
+                if segment is None:
+                    # The status line is gone already: end the stream with an error event.
+                    await _write(out, sse_frame(UpstreamError(
+                        f"backend failed mid-stream: {failure}")))
+                    break
+                resp, started = segment.resp, segment.started
+                frames.switch(continued=not segment.restart)
     finally:
         report_usage(frames.usage, listener, endpoint.usage)
         if not frames.usage:
@@ -218,3 +303,49 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
             raise ClientGone from None
         # the client hung up after reading [DONE]: the answer was delivered
     return out
+
+
+async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: FrameFilter,
+                listener: RelayListener, started: Callable[[], Awaitable[None]]) -> str | None:
+    """Relay one backend's stream; what failed, or ``None`` when it ended (for a
+    continuable answer: with its ``[DONE]``)."""
+    try:
+        async for chunk in resp.content.iter_any():
+            was_started, sent_before = frames.segment_started, frames.output_frames
+            data = frames.feed(chunk)
+            if data:
+                await _write(out, data)
+            if frames.output_frames != sent_before:
+                listener.tokens_sent(frames.output_frames - sent_before)
+            if frames.segment_started and not was_started:
+                await started()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return repr(exc)
+    except StreamBroke as exc:
+        return str(exc)
+    if frames.progress is not None and not frames.done:
+        return "the stream ended before the answer did"
+    if rest := frames.rest():
+        await _write(out, rest)
+    return None
+
+
+async def next_segment(stack: contextlib.AsyncExitStack, resume: Resume,
+                        failure: str) -> Segment | None:
+    """The next continuation that starts, each failed start one attempt; ``None`` when
+    no more are allowed."""
+    while (attempt := resume(failure)) is not None:
+        try:
+            return await stack.enter_async_context(attempt)
+        except StreamBroke as exc:
+            failure = str(exc)
+    return None
+
+
+async def _close(out: web.StreamResponse, frames: FrameFilter, progress: Progress) -> None:
+    """End an answer whose last token was relayed: its usage (as asked) and ``[DONE]``."""
+    for event in progress.closing(frames.wants_usage):
+        await _write(out, b"data: " + json.dumps(event, separators=(",", ":")).encode()
+                     + b"\n\n")
+    await _write(out, DONE + b"\n\n")
+    frames.usage, frames.done = progress.usage(), True

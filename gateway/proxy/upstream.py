@@ -13,25 +13,60 @@ JSON object, and for an error OpenAI's ``{"error": {...}}`` or vLLM's older top-
 from a proxy in front of vLLM, FastAPI's ``{"detail": ...}`` — is wrapped in OpenAI's error
 format (type and code ``upstream_error``), keeping the upstream status as the status code
 (502 for a success that is not JSON) and in the message.
+
+When the backend fails mid-answer, ``forward`` continues the answer on another backend
+(``continuation``: the caller's way to get one, ``gateway/scheduling/admission.py``): a
+continuable stream from its token ids (``gateway/proxy/continuation.py``), a whole answer
+(nothing reached the client yet) by sending the request again; a backend that answers a
+whole request with a 5xx counts as failed too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from gateway.backends.scrape import BackendHandle
 from gateway.core.edge import error_json
-from gateway.core.errors import BackendUnreachable, BadRequest, UpstreamError
+from gateway.core.errors import BackendUnreachable, BadRequest, FairgateError, UpstreamError
 from gateway.proxy.completion_request import CompletionRequest
-from gateway.proxy.endpoints import CHOICES_USAGE, Usage
-from gateway.proxy.relay import RelayListener, relay_stream, report_usage
+from gateway.proxy.continuation import Progress
+from gateway.proxy.endpoints import CHOICES_USAGE, COMPLETIONS, Usage
+from gateway.proxy.relay import (
+    RelayListener,
+    Resume,
+    Segment,
+    StreamBroke,
+    next_segment,
+    relay_stream,
+    report_usage,
+)
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+FAILOVER = "failover"
+
+
+class Lease(Protocol):
+    """Where a continuation runs: its backend and priority; it hears the first output."""
+
+    @property
+    def backend(self) -> BackendHandle: ...
+
+    @property
+    def priority(self) -> int: ...
+
+    async def first_token(self) -> None: ...
+
+
+# (reason, tokens sent again, the failed backend) → a lease on another backend, or None
+Continuation = Callable[[str, int, BackendHandle], AbstractAsyncContextManager[Lease] | None]
 
 
 class Upstream:
@@ -44,23 +79,118 @@ class Upstream:
                                              sock_read=read_timeout_s)
 
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
-                      priority: int, listener: RelayListener) -> web.StreamResponse:
-        body = dict(creq.body)
+                      priority: int, listener: RelayListener,
+                      continuation: Continuation | None = None) -> web.StreamResponse:
+        """Send the request to ``handle`` and relay the answer; with ``continuation``, a
+        backend that fails mid-answer hands the rest to another."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
             wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
-            if creq.stream:
-                body["stream_options"] = {**(body.get("stream_options") or {}),
-                                          "include_usage": True}
-        resp = await self._post(handle, creq.path, body, priority)
-        try:
-            if resp.status != 200 or not creq.stream:
+        progress = Progress.of(creq.endpoint, creq.body) if (
+            continuation is not None and creq.stream) else None
+        body = self._body(creq, progress)
+        resume = None if continuation is None else self._resumer(
+            creq, body, progress, handle, continuation)
+        async with contextlib.AsyncExitStack() as stack:
+            started = None
+            try:
+                resp = await self._post(handle, creq.path, body, priority)
+                stack.callback(resp.release)
+            except BackendUnreachable:  # nothing was sent: queued again (admission)
+                raise
+            except UpstreamError as exc:  # it broke off before its status line
+                segment = None if resume is None else await next_segment(stack, resume,
+                                                                         str(exc))
+                if segment is None:
+                    raise
+                resp, started = segment.resp, segment.started
+            if not creq.stream:
+                return await self._whole(handle, resp, listener, creq.endpoint.usage, resume)
+            if resp.status != 200:
                 status, data, content_type = await _read(handle, resp, listener,
                                                          creq.endpoint.usage)
                 return web.Response(body=data, status=status, content_type=content_type)
-            return await relay_stream(request, resp, listener, wants_usage, creq.endpoint)
-        finally:
-            resp.release()
+            return await relay_stream(request, resp, listener, wants_usage, creq.endpoint,
+                                      progress, resume, started)
+
+    @staticmethod
+    def _body(creq: CompletionRequest, progress: Progress | None) -> dict[str, Any]:
+        """What the backend gets: a stream always reports its usage; a continuable one
+        its token ids too."""
+        body = dict(creq.body)
+        if creq.stream and creq.endpoint.stream_usage_option:
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
+        if progress is not None:
+            body["return_token_ids"] = True
+        return body
+
+    def _resumer(self, creq: CompletionRequest, body: dict[str, Any],
+                 progress: Progress | None, handle: BackendHandle,
+                 continuation: Continuation) -> Resume:
+        failed = [handle]  # the backend the answer last ran on
+
+        def resume(failure: str) -> AbstractAsyncContextManager[Segment] | None:
+            tokens = (0 if progress is None
+                      else len(progress.prompt_ids or ()) + len(progress.generated))
+            lease = continuation(FAILOVER, tokens, failed[0])
+            return None if lease is None else self._segment(lease, creq, body, progress,
+                                                            failed)
+        return resume
+
+    @asynccontextmanager
+    async def _segment(self, lease: AbstractAsyncContextManager[Lease],
+                       creq: CompletionRequest, body: dict[str, Any],
+                       progress: Progress | None, failed: list[BackendHandle]
+                       ) -> AsyncIterator[Segment]:
+        """One continuation: scheduled, sent, answered 200, or ``StreamBroke``."""
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                ticket = await stack.enter_async_context(lease)
+            except FairgateError as exc:  # not placed: queue timeout, Redis down, …
+                raise StreamBroke(f"no backend took the rest of the answer: {exc}") from exc
+            failed[0] = ticket.backend
+            restart = progress is None or not progress.resumable
+            path, sent = creq.path, body
+            if progress is not None and not restart:
+                path = COMPLETIONS.path
+                sent = progress.continuation_body(creq.body, creq.endpoint, creq.stream)
+            try:
+                resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
+            except UpstreamError as exc:  # BackendUnreachable too
+                raise StreamBroke(str(exc)) from exc
+            stack.callback(resp.release)
+            if resp.status != 200:
+                raise StreamBroke(f"backend {ticket.backend.name} answered HTTP {resp.status}")
+            yield Segment(resp, ticket.first_token, restart)
+
+    async def _whole(self, handle: BackendHandle, resp: aiohttp.ClientResponse,
+                     listener: RelayListener, usage: Usage,
+                     resume: Resume | None) -> web.Response:
+        """A whole answer; when its backend fails (a 5xx, or the body breaks off) the
+        request goes again to another backend: nothing reached the client yet."""
+        async with contextlib.AsyncExitStack() as stack:
+            while True:
+                failure = None
+                if resp.status >= 500 and resume is not None:
+                    failure = f"backend {handle.name} answered HTTP {resp.status}"
+                else:
+                    try:
+                        status, data, content_type = await _read(handle, resp, listener,
+                                                                 usage)
+                        return web.Response(body=data, status=status,
+                                            content_type=content_type)
+                    except UpstreamError as exc:
+                        if resume is None:
+                            raise
+                        failure = str(exc)
+                segment = await next_segment(stack, resume, failure)
+                if segment is None:
+                    if resp.status >= 500:  # today's answer: the backend's error
+                        resume = None
+                        continue
+                    raise UpstreamError(failure)
+                resp = segment.resp
 
     async def fetch(self, handle: BackendHandle, creq: CompletionRequest, priority: int,
                     listener: RelayListener) -> tuple[int, bytes]:

@@ -19,8 +19,9 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TypeVar
 
 import structlog
@@ -53,6 +54,7 @@ from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
 
 log = structlog.get_logger("fairgate.request")
+FAILOVER, DRAIN = "failover", "drain"  # why an answer continues elsewhere
 
 T = TypeVar("T")
 
@@ -75,11 +77,25 @@ class Ticket:
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
     limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
     usage_recorded: bool = False  # its usage counts rode on its settle
+    # continuing the answer elsewhere: (reason, tokens to resend, the failed backend) → a
+    # ticket for the rest, or None when no more continuations are allowed
+    resumer: Callable[[str, int, BackendHandle],
+                      AbstractAsyncContextManager[Ticket] | None] | None = None
+    continuations: int = 0
+    on_started: Callable[[], None] | None = None
     _started: bool = field(default=False, repr=False)
+
+    def continuation(self, reason: str, tokens: int,
+                     failed: BackendHandle) -> AbstractAsyncContextManager[Ticket] | None:
+        """A ticket for the rest of this answer on another backend (``reason``: failover
+        or drain; ``tokens``: what the continuation sends again), or ``None``."""
+        return None if self.resumer is None else self.resumer(reason, tokens, failed)
 
     async def first_token(self) -> None:
         if not self._started:
             self._started = True
+            if self.on_started is not None:
+                self.on_started()
             if self.waits is not None and self.timing is not None:
                 self.waits.first_token(self.model, time.monotonic() - self.dispatched_s)
             await self.dispatcher.started(self.model, self.grant)
@@ -297,6 +313,7 @@ class Admission(ReadsSettings):
                                  retry_after_s=self.waits.retry_after(None))
         timing = StreamTiming(arrived_s) if arrived_s is not None else None
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits)
+        ticket.resumer = partial(self._continued, model, queued, ticket)
         self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
         try:
             yield ticket
@@ -321,6 +338,49 @@ class Admission(ReadsSettings):
                 ticket.usage_recorded = True
             await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
                                                          usage))
+
+    def _continued(self, model: str, queued: QueuedRequest, original: Ticket, reason: str,
+                   tokens: int, failed: BackendHandle
+                   ) -> AbstractAsyncContextManager[Ticket] | None:
+        if original.continuations >= self.settings.continue_attempts:
+            self.metrics.continuations.labels(reason, "failed").inc()
+            return None
+        original.continuations += 1
+        return self._continuation(model, queued, reason, tokens, failed)
+
+    @asynccontextmanager
+    async def _continuation(self, model: str, queued: QueuedRequest, reason: str,
+                            tokens: int, failed: BackendHandle) -> AsyncIterator[Ticket]:
+        """The rest of an answer, scheduled like a request at the head of its user's queue
+        (the earliest deadline) that costs nothing: the original request's settle charges
+        the whole answer once, so the tokens sent again are charged to nobody (they are
+        counted in ``fairgate_continuation_recomputed_tokens_total``). Its gate slot is
+        its own; a backend that failed has its gates closed first."""
+        if reason == FAILOVER:
+            self.pool.unreachable(failed, ConnectionError("the answer failed mid-way"))
+        paused = time.monotonic()
+        cont = replace(queued, request_id=uuid.uuid4().hex, cost=0.0, tenant_cost=0.0,
+                       enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens)
+        cls_cfg = self.settings.classes[queued.klass]
+        grant = await self.dispatcher.acquire(
+            model, cont, min(cls_cfg.max_queue_wait_s, self.settings.continue_wait_s))
+        backend = self.pool.handles.get(grant.backend)
+        if backend is None:  # removed by a config reload since the dispatch
+            await self.dispatcher.release(model, grant, 0.0, 0.0)
+            raise BackendRemoved(f"backend {grant.backend} was just removed")
+        priority = vllm_priority(cls_cfg.priority_base, grant.rank,
+                                 self.settings.priority_class_gap)
+        ticket = Ticket(model, grant, backend, priority, self.dispatcher, None)
+        pause = self.metrics.continuation_pause.labels(reason)
+        ticket.on_started = lambda: pause.observe(time.monotonic() - paused)
+        self.metrics.continuations.labels(reason, "continued").inc()
+        self.metrics.continuation_recomputed_tokens.labels(reason).inc(tokens)
+        log.info("continued", request_id=queued.request_id, reason=reason,
+                 backend=grant.backend, from_backend=failed.name, resent_tokens=tokens)
+        try:
+            yield ticket
+        finally:
+            await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
 
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
                          prompt_tokens: int) -> None:

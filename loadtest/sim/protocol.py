@@ -27,7 +27,14 @@ Token counts (no tokenizer; deterministic and documented):
   otherwise a seeded draw from ``hash(seed, prompt, choice)`` uniform in [16, 512],
   capped by ``max_tokens`` (whose default is ``max_model_len - prompt_tokens``). It ends
   with ``finish_reason`` "length" when the cap cut it, else "stop".
-- the output text is one filler word per token, chosen from that hash.
+- the output text is one filler word per token, chosen from that hash; each generated
+  token is a word token (``loadtest/sim/tokenizer.py``) whose id carries its answer's
+  state. The draw is seeded with the prompt's text as its tokens decode (a chat's
+  template text, a token-id prompt's decoded bytes), so a prompt sent as text, as
+  messages or as the same token ids gets the same answer; a token-id prompt that ends
+  with a word token continues that answer: the next words, stopping where the
+  uninterrupted answer would have stopped (or at ``max_tokens``). This is what makes a
+  continuation exact (``return_token_ids`` returns the prompt's and the generated ids).
 """
 
 from __future__ import annotations
@@ -46,10 +53,7 @@ CHAT_REPLY_OVERHEAD = 3
 MIN_DRAW, MAX_DRAW = 16, 512
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default
 GREEDY_EPS = 1e-5  # vLLM: a temperature below this is greedy sampling
-FILLER = (
-    "the", "model", "is", "simulated", "and", "every", "token", "costs", "time", "on",
-    "an", "imaginary", "GPU", "while", "fair", "queues", "wait", "patiently",
-)  # fmt: skip
+FILLER = tokenizer.FILLER
 VALIDATION_TYPE = "Bad Request"  # vLLM's ``type`` for body (pydantic) validation errors
 
 
@@ -121,6 +125,10 @@ class SimRequest:
     continuous_usage: bool
     seed_hash: int
     prompt: Prompt | None = field(default=None, compare=False, repr=False)
+    bases: tuple[int, ...] = ()  # per choice: the answer's first filler word
+    naturals: tuple[int, ...] = ()  # per choice: where the answer stops by itself
+    start: int = 0  # position of the first generated token (a continued answer's)
+    return_token_ids: bool = False
 
     def prompt_ids(self) -> tuple[int, ...]:
         """The prompt's token ids (derived on demand: only the prefix cache needs them)."""
@@ -131,9 +139,23 @@ class SimRequest:
         """Number of choices."""
         return len(self.output_tokens)
 
+    def _base(self, choice: int) -> int:
+        if self.bases:
+            return self.bases[choice]
+        return (self.seed_hash + 7 * choice) % len(FILLER)
+
     def word(self, index: int, choice: int = 0) -> str:
         """The filler text of output token ``index`` of ``choice``."""
-        return " " + FILLER[(self.seed_hash + 7 * choice + index) % len(FILLER)]
+        return tokenizer.word_text(self._base(choice), self.start + index)
+
+    def token_id(self, index: int, choice: int = 0) -> int:
+        """The id of output token ``index`` of ``choice`` (a word token)."""
+        natural = self.naturals[choice] if self.naturals else 0
+        return tokenizer.word_token(self._base(choice), natural, self.start + index)
+
+    def token_ids(self, count: int, choice: int = 0) -> list[int]:
+        """The first ``count`` tokens' ids of ``choice``."""
+        return [self.token_id(i, choice) for i in range(count)]
 
     def text(self, count: int, choice: int = 0) -> str:
         """The first ``count`` tokens' text of ``choice``."""
@@ -233,7 +255,7 @@ def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
                 "Cannot apply chat template to an empty conversation. Provide at least one "
                 "message.",
             )
-        key = json.dumps(messages, sort_keys=True).encode()
+        key = tokenizer.chat_text(messages).encode()
         tokens = CHAT_REPLY_OVERHEAD
         chars = CHAT_REPLY_OVERHEAD * CHARS_PER_TOKEN
         for message in messages:
@@ -257,11 +279,20 @@ def _prompt(body: dict[str, Any], chat: bool) -> Prompt:
     if isinstance(prompt, list) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
-        return Prompt(json.dumps(prompt).encode(), len(prompt), None, prompt)
+        return Prompt(_ids_key(prompt), len(prompt), None, prompt)
     # vLLM batches several prompts in one request; the simulator serves one.
     raise SimError(
         400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
     )
+
+
+def _ids_key(ids: list[int]) -> bytes:
+    """A token-id prompt's seed: its decoded bytes (the same as its text's), or, with an id
+    outside the vocabulary, its JSON."""
+    try:
+        return b"".join(tokenizer.token_bytes(t) for t in ids)
+    except ValueError:
+        return json.dumps(ids).encode()
 
 
 def _seed_hash(key: bytes, seed: int, choice: int) -> int:
@@ -360,10 +391,17 @@ def parse_request(
     n = 1 if n is None else n
     _check_sampling(n, temperature, max_tokens)
     hashes = [_seed_hash(key, seed, i) for i in range(n)]
+    bases = tuple((hashes[0] + 7 * i) % len(FILLER) for i in range(n))
+    naturals = tuple(MIN_DRAW + h % (MAX_DRAW - MIN_DRAW + 1) for h in hashes)
+    start = 0
+    state = _continued(prompt)
+    if state is not None:  # the prompt ends inside an answer: continue it
+        base, natural, index = state
+        bases, naturals, start = (base,) * n, (natural,) * n, index + 1
     if body.get("ignore_eos"):
         outputs = tuple(max_tokens for _ in hashes)
     else:
-        outputs = tuple(min(MIN_DRAW + h % (MAX_DRAW - MIN_DRAW + 1), max_tokens) for h in hashes)
+        outputs = tuple(min(max(1, natural - start), max_tokens) for natural in naturals)
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
     return SimRequest(
@@ -378,4 +416,16 @@ def parse_request(
         continuous_usage=continuous,
         seed_hash=hashes[0],
         prompt=prompt,
+        bases=bases,
+        naturals=naturals,
+        start=start,
+        return_token_ids=bool(body.get("return_token_ids")),
     )
+
+
+def _continued(prompt: Prompt) -> tuple[int, int, int] | None:
+    """The state of the answer a token-id prompt ends inside, if it does."""
+    ids = prompt.body
+    if prompt.chars is not None or not isinstance(ids, list) or not ids:
+        return None
+    return tokenizer.word_state(ids[-1])

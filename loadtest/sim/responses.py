@@ -12,7 +12,10 @@ Field sets and their order follow vLLM (``chat_completion/serving.py`` and
   ``system_fingerprint`` when no usage frame follows;
 - ``stream_options.include_usage`` adds a final ``choices: []`` frame with the usage;
   ``continuous_usage_stats`` adds the running usage to every frame;
-- the stream ends with ``data: [DONE]``, except when the request was aborted.
+- the stream ends with ``data: [DONE]``, except when the request was aborted;
+- ``return_token_ids`` fills ``prompt_token_ids`` (chat: top level, in the first frame;
+  completions: on each choice's first frame) and each frame's ``token_ids`` (whole
+  answers: the same fields, complete).
 
 Token frames are built from a per-choice prefix and suffix around the token text
 (filler words never need JSON escaping), so a token costs two byte concatenations.
@@ -64,6 +67,8 @@ def full_body(
     }
     head = {"id": request_id}
     fingerprint = system_fingerprint(model)
+    ids = req.return_token_ids
+    prompt_ids = list(req.prompt_ids()) if ids else None
     if req.chat:
         choices: list[dict[str, Any]] = [
             {
@@ -80,7 +85,7 @@ def full_body(
                 "logprobs": None,
                 "finish_reason": reason,
                 "stop_reason": None,
-                "token_ids": None,
+                "token_ids": req.token_ids(count, i) if ids else None,
                 "routed_experts": None,
             }
             for i, (count, reason) in enumerate(zip(counts, finish_reasons, strict=True))
@@ -95,7 +100,7 @@ def full_body(
             "system_fingerprint": fingerprint,
             "usage": usage,
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": prompt_ids,
             "prompt_text": None,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
@@ -108,9 +113,9 @@ def full_body(
             "logprobs": None,
             "finish_reason": reason,
             "stop_reason": None,
-            "token_ids": None,
+            "token_ids": req.token_ids(count, i) if ids else None,
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": prompt_ids,
             "routed_experts": None,
         }
         for i, (count, reason) in enumerate(zip(counts, finish_reasons, strict=True))
@@ -168,6 +173,9 @@ class StreamFramer:
             "model": self.model,
         }
 
+    def _prompt_ids(self) -> list[int] | None:
+        return list(self.req.prompt_ids()) if self.req.return_token_ids else None
+
     def _running_usage(self, choice: int) -> dict[str, Any]:
         usage: dict[str, Any] = _usage(self.req.prompt_tokens, self.counts[choice])
         if self.req.chat:
@@ -190,7 +198,7 @@ class StreamFramer:
             payload: dict[str, Any] = {**self._base(), "choices": [choice]}
             if self.req.continuous_usage:
                 payload["usage"] = self._running_usage(i)
-            payload["prompt_token_ids"] = None
+            payload["prompt_token_ids"] = self._prompt_ids()
             payload["prompt_text"] = None
             out.append(_frame(payload))
         return b"".join(out)
@@ -200,7 +208,8 @@ class StreamFramer:
         choice = token.choice
         self.counts[choice] += 1
         text = self.req.word(token.index, choice)
-        if token.finish_reason is None and not self.req.continuous_usage:
+        ids = self.req.return_token_ids
+        if token.finish_reason is None and not self.req.continuous_usage and not ids:
             return self._prefixes[choice] + text.encode() + self._suffix
         data: dict[str, Any]
         if self.req.chat:
@@ -210,9 +219,9 @@ class StreamFramer:
         data["finish_reason"] = token.finish_reason
         if token.finish_reason is not None or not self.req.chat:
             data["stop_reason"] = None
-        if not self.req.chat:
-            data["prompt_token_ids"] = None
-        data["token_ids"] = None
+        if not self.req.chat:  # the prompt's ids with each choice's first token
+            data["prompt_token_ids"] = self._prompt_ids() if token.index == 0 else None
+        data["token_ids"] = [self.req.token_id(token.index, choice)] if ids else None
         payload: dict[str, Any] = {**self._base(), "choices": [data]}
         if self.req.continuous_usage:
             payload["usage"] = self._running_usage(choice)
