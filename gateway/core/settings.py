@@ -312,6 +312,9 @@ class Settings(BaseSettings):
     # the Grafana dashboard (deploy/grafana/dashboards/fairgate.json) as operators reach
     # it: the live dashboard links to it (None: no link)
     grafana_url: str | None = None
+    # a streamed request sent with X-Fairgate-Queue-Status: 1 gets its 200 at once and an
+    # SSE comment with its place in the queue this often (gateway/http/queue_status.py)
+    queue_status_interval_s: float = Field(1.0, gt=0)
     max_body_bytes: int = 4 * 1024 * 1024
     # /tokenize and /detokenize (not queued): their own body limit, and how many of one
     # user's may be at the backends at once on a replica (beyond: 429)

@@ -80,9 +80,12 @@ class Upstream:
 
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener,
-                      continuation: Continuation | None = None) -> web.StreamResponse:
+                      continuation: Continuation | None = None,
+                      early: web.StreamResponse | None = None) -> web.StreamResponse:
         """Send the request to ``handle`` and relay the answer; with ``continuation``, a
-        backend that fails mid-answer hands the rest to another."""
+        backend that fails mid-answer hands the rest to another. ``early``: the client's
+        stream, answered 200 already (``gateway/http/queue_status.py``): an error answer
+        ends it as an error event."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
             wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
@@ -109,9 +112,14 @@ class Upstream:
             if resp.status != 200:
                 status, data, content_type = await _read(handle, resp, listener,
                                                          creq.endpoint.usage)
+                if early is not None:  # one line: the error object as the last event
+                    event = json.dumps(json.loads(data), separators=(",", ":")).encode()
+                    await early.write(b"data: " + event + b"\n\n")
+                    await early.write_eof()
+                    return early
                 return web.Response(body=data, status=status, content_type=content_type)
             return await relay_stream(request, resp, listener, wants_usage, creq.endpoint,
-                                      progress, resume, started)
+                                      progress, resume, started, early)
 
     @staticmethod
     def _body(creq: CompletionRequest, progress: Progress | None) -> dict[str, Any]:
