@@ -331,6 +331,10 @@ class Settings(BaseSettings):
     # scheduler at most `continue_wait_s`.
     continue_attempts: int = Field(2, ge=0, le=10)
     continue_wait_s: float = Field(60.0, gt=0)
+    # A running answer moved on purpose (a drain with migrate, preemption) continues the
+    # same way; one request is moved at most this many times (its own budget, apart from
+    # `continue_attempts`; 0: nothing is ever moved).
+    max_moves: int = Field(4, ge=0, le=100)
     replica_heartbeat_s: float = 1.0
     # A replica silent this long is dead: its queued requests are dropped and what it
     # held in flight is released (sooner when it leaves a grant unread for 2 s). Three
