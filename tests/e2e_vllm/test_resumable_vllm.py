@@ -1,10 +1,16 @@
 """Resumable streams on real vLLM (CPU, the tiny model), through the ``openai`` SDK.
 
-Mid-stream failover: two servers (the session's and this module's), 12 streams at
-temperature 0; this module's server is SIGKILLed (its whole process group) once the
-streams have output. Every stream ends with exactly the text of a reference run without
-the kill, usage counted once, and ``fairgate_continuations_total{reason="failover"}``
-counts the continued ones.
+- Preemption for fairness: this module's server (``--max-num-seqs 8``); a batch-class key
+  fills every slot with long generations (``ignore_eos``), then an interactive newcomer
+  arrives. Its time to first token with preemption on, off (two gateway configs) and
+  straight to vLLM; with preemption it streams before any batch stream ends, and every
+  batch stream still ends with exactly its ``max_tokens`` tokens and the text it has
+  unpreempted.
+- Mid-stream failover: two servers (the session's and this module's), 12 streams at
+  temperature 0; this module's server is SIGKILLed (its whole process group) once the
+  streams have output. Every stream ends with exactly the text of a reference run without
+  the kill, usage counted once, and ``fairgate_continuations_total{reason="failover"}``
+  counts the continued ones.
 
 This module's server (8 slots) is started once; the failover test kills it, so it runs
 last (a test that needs it afterwards gets it started again).
@@ -246,6 +252,125 @@ async def twelve_streams(gw: GatewayServer, model: str,
         for c in clients:
             await c.close()
     return streams
+
+
+BATCH_TOKENS = 1900  # each batch stream's length (its prompt + this within 2,048)
+NEWCOMER_TOKENS = 16
+PREEMPT_AFTER_MS = 100  # the interactive class's wait before it preempts (default 500)
+# The CPU build's time per token on 2 shared cores is no H100's: the TPOT gate would close
+# for load, not for what this test looks at (slots).
+CPU_TPOT_MS = 5000
+
+
+def preemption_config(on: bool) -> dict[str, Any]:
+    return {"preemption": on, "classes": {
+        "interactive": {"max_tpot_ms": CPU_TPOT_MS, "preempt_after_ms": PREEMPT_AFTER_MS},
+        "batch": {"max_tpot_ms": CPU_TPOT_MS}}}
+
+
+@dataclass
+class Scene:
+    """Eight batch streams filling every slot, then an interactive newcomer."""
+
+    batch: list[Stream]
+    newcomer: Stream
+    sent_at: float  # monotonic: the newcomer's request left the client
+
+    @property
+    def ttft_s(self) -> float:
+        assert self.newcomer.first_at is not None, self.newcomer
+        return self.newcomer.first_at - self.sent_at
+
+
+async def batch_then_newcomer(api: str, model: str, batch_key: str, newcomer_key: str
+                              ) -> Scene:
+    """SLOTS long batch completions (``ignore_eos``) through ``api``; once every one of
+    them streams (all slots taken), an interactive chat newcomer."""
+    batch_client = openai.AsyncOpenAI(base_url=api, api_key=batch_key, max_retries=0)
+    new_client = openai.AsyncOpenAI(base_url=api, api_key=newcomer_key, max_retries=0)
+    progressed = asyncio.Event()
+    batch = [Stream(i) for i in range(SLOTS)]
+    newcomer = Stream(SLOTS)
+    try:
+        tasks = [asyncio.create_task(run_stream(
+            batch_client, s, {"model": model, "max_tokens": BATCH_TOKENS, "temperature": 0,
+                              "prompt": f"batch job {s.index}: summarise the archive",
+                              "extra_body": {"ignore_eos": True}}, progressed))
+            for s in batch]
+        async with asyncio.timeout(RUN_TIMEOUT_S):
+            while not all(s.chunks >= 1 or s.ended_at is not None for s in batch):
+                progressed.clear()
+                await progressed.wait()
+        assert all(s.ended_at is None for s in batch), (
+            f"a batch stream ended before all {SLOTS} ran: "
+            f"{[(s.chunks, s.finish, s.error) for s in batch]}")
+        sent_at = time.monotonic()
+        await run_stream(new_client, newcomer, {
+            "model": model, "max_tokens": NEWCOMER_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": "a quick question"}],
+            "extra_body": {"ignore_eos": True}})
+        await asyncio.gather(*tasks)
+    finally:
+        await batch_client.close()
+        await new_client.close()
+    return Scene(batch, newcomer, sent_at)
+
+
+def check_scene(name: str, scene: Scene) -> None:
+    """Every stream of the scene ended whole: the newcomer's NEWCOMER_TOKENS, each batch
+    stream's BATCH_TOKENS, each counted once."""
+    for s, tokens in [(scene.newcomer, NEWCOMER_TOKENS), *((b, BATCH_TOKENS)
+                                                            for b in scene.batch)]:
+        assert s.error is None and s.finish == "length", (name, s.index, s.error, s.finish)
+        assert s.usage is not None and s.usage[1] == tokens, (name, s.index, s.usage)
+        assert len(s.ids) == 1, (name, s.index, s.ids)
+
+
+async def test_preemption_gives_an_interactive_newcomer_a_batch_slot(
+        eight_slots: ModuleServer, redis: aioredis.Redis, redis_url: str) -> None:
+    started = time.monotonic()
+    server = eight_slots.get()
+    scenes: dict[str, Scene] = {}
+    preempted = continued = recomputed = 0.0
+    for name, on in (("on", True), ("off", False)):
+        async with gateway(redis_url, [server], **preemption_config(on)) as gw:
+            scenes[name] = await batch_then_newcomer(gw.url + "/v1", server.model,
+                                                     "sk-batch", "sk-alice")
+            await settled(gw, server.model)
+            if on:
+                preempted = await gateway_counter(gw, "fairgate_preemptions_total",
+                                                  priority_class="batch")
+                continued = await gateway_counter(gw, "fairgate_continuations_total",
+                                                  reason="preempt", outcome="continued")
+                recomputed = await gateway_counter(
+                    gw, "fairgate_continuation_recomputed_tokens_total", reason="preempt")
+    scenes["direct"] = await batch_then_newcomer(server.api, server.model, "none", "none")
+    elapsed = time.monotonic() - started
+    TIMINGS["preemption test"] = elapsed
+    ttft = {name: scene.ttft_s for name, scene in scenes.items()}
+    ratio = ttft["off"] / ttft["on"]
+    completed = sum(s.error is None and s.usage is not None and s.usage[1] == BATCH_TOKENS
+                    for scene in scenes.values() for s in scene.batch)
+    print("newcomer TTFT beside 8 running batch streams: "
+          + ", ".join(f"{k} {v:.3f} s" for k, v in ttft.items())
+          + f", off/on {ratio:.1f}x; batch streams whole {completed} of {3 * SLOTS}; "
+          f"preempted {preempted:.0f}, continued {continued:.0f}, {recomputed:.0f} tokens "
+          f"sent again; load {os.getloadavg()[0]:.2f}; {elapsed:.1f} s")
+    for name, scene in scenes.items():
+        check_scene(name, scene)
+    # the same batch answers whichever way they ran, preempted or not (temperature 0)
+    for name, scene in scenes.items():
+        for got, want in zip(scene.batch, scenes["off"].batch, strict=True):
+            assert got.text == want.text, (name, got.index,
+                                           first_difference(got.text, want.text))
+    on = scenes["on"]
+    assert on.newcomer.first_at is not None
+    first_end = min(s.ended_at or 0.0 for s in on.batch)
+    assert on.newcomer.first_at < first_end, (
+        f"with preemption the newcomer's first token came {on.newcomer.first_at - first_end:.3f}"
+        " s after a batch stream ended")
+    assert preempted >= 1 and continued >= preempted, (preempted, continued)
+    assert ratio >= 10, f"TTFT {ttft}: off/on only {ratio:.1f}x"
 
 
 def first_difference(a: str, b: str) -> int:
