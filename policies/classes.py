@@ -6,7 +6,8 @@ are written: its vLLM priority base, its pacing gate (``max_waiting``, ``max_tpo
 dispatches a backlogged class is owed; see ``policies/starvation.py``), its default
 first-token deadline (``ttft_slo_ms``; None: none, a client may still send one), its
 prefill-token limit (``max_waiting_prefill_tokens``; None: from the backend's step budget,
-see ``policies/prefill.py``) and its preemption rule (``policies/preemption.py``). ``gateway/core/settings.py``'s class entries start from these rows.
+see ``policies/prefill.py``) and its preemption rule (``policies/preemption.py``).
+``gateway/core/settings.py``'s class entries start from these rows.
 """
 
 from __future__ import annotations

@@ -255,6 +255,13 @@ class GatewayMetrics:
             "its weight's share among the backlogged; 1 is exactly fair "
             "(policies/share_ratio.py)", ["model", "level", "name"], registry=r,
             multiprocess_mode=SHARED)
+        # Preemption for fairness (policies/preemption.py): streams this replica moved off
+        # a full backend for a waiting request of a higher class, by the victim's class
+        self.preemptions = Counter(
+            "fairgate_preemptions_total",
+            "Running requests preempted (their slot given to a waiting request of a higher "
+            "class; they continue later, fairgate_continuations_total{reason=\"preempt\"})",
+            ["model", "priority_class"], registry=r)
         # Continued answers (gateway/proxy/continuation.py): why, and what they cost.
         self.continuations = Counter(
             "fairgate_continuations_total",
