@@ -266,7 +266,7 @@ class Admission(ReadsSettings):
                                (prefix_chain(creq.body) if self.settings.routing == "locality"
                                 else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
-                               prompt_tokens=prompt_est)
+                               prompt_tokens=prompt_est, whole=not creq.stream)
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms

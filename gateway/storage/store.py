@@ -39,6 +39,7 @@ class QueuedRequest:
     tenant_cost: float | None = None  # the dispatch cost at the tenant level (None: cost)
     deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
     prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
+    whole: bool = False  # a whole answer (not streamed): it never reports a first token
 
     @property
     def tenant_name(self) -> str:
@@ -364,7 +365,8 @@ class Store:
                 "tcost": repr(float(req.tenant_charge)), "now": repr(req.enqueued_at),
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
-                "ptok": int(req.prompt_tokens), **({"requeue": True} if requeue else {})})
+                "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
+                **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
         if starts:

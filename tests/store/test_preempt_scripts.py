@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import redis.asyncio as aioredis
 
 from gateway.storage.store import Grant, Preempt, Store
@@ -90,3 +92,16 @@ async def test_an_order_needs_a_streaming_request_on_that_backend(
     assert not await store.order_preemption(M, Preempt("b-1", "b-1", "b2"), 1001.0, 2, 0.1, 5.0)
     assert not await store.order_preemption(M, Preempt("gone", "gone", "b1"), 1001.0, 2, 0.1,
                                             5.0)
+
+
+async def test_a_whole_answer_runs_once_dispatched(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    line = dataclasses.replace(req("line-1", "bert", "batch"), whole=True)
+    await store.enqueue(M, line, 10)
+    grants, _ = await store.dispatch(M, "b1", ALL_OPEN, "r1", 1000.0, 10.0)
+    assert [g.request_id for g in grants] == ["line-1"]
+    view = await store.preemption_view(M, ["batch"], 0.0)
+    assert [(r["id"], r["started"]) for r in view.inflight] == [("line-1", True)], view
+    assert await store.order_preemption(M, Preempt("line-1", "line-1", "b1"), 1001.0, 2, 0.1,
+                                        5.0)

@@ -1,8 +1,8 @@
 -- Order one preemption (gateway/scheduling/preemption.py): the running segment `id` of
 -- the answer `original` on `backend` gives its slot back. Refused while the backend's
 -- previous preemption is not yet behind a snapshot taken `settle_s` after it (its slot
--- may not be free, or not yet taken, in what the deciders see), when the segment no
--- longer streams there, when its replica refused to move it, or when the answer was
+-- may not be free, or not yet taken, in what the deciders see), when the segment does
+-- not stream there (or, a whole answer, run there), when its replica refused to move it, or when the answer was
 -- preempted `max` times already. Else: the answer's count + 1, the backend's hold set,
 -- and the order pushed to the replica that holds the stream.
 -- KEYS[1] the segment's request hash  KEYS[2] the original's request hash (the same for
@@ -22,8 +22,10 @@ local held = tonumber(redis.call('GET', KEYS[3]))
 if held and (tonumber(redis.call('HGET', KEYS[4], 'taken_at')) or 0) < held + p.settle_s then
   return 0
 end
-local f = redis.call('HMGET', KEYS[1], 'state', 'started', 'backend', 'owner', 'unmovable')
-if f[1] ~= 'dispatched' or f[2] ~= '1' or f[3] ~= p.backend or f[5] or not f[4] then
+local f = redis.call('HMGET', KEYS[1], 'state', 'started', 'backend', 'owner', 'unmovable',
+  'whole')
+if f[1] ~= 'dispatched' or (f[2] ~= '1' and f[6] ~= '1') or f[3] ~= p.backend or f[5]
+    or not f[4] then
   return 0
 end
 if (tonumber(redis.call('HGET', KEYS[2], 'preempted')) or 0) >= p.max then return 0 end
