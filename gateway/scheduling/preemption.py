@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
@@ -32,6 +31,8 @@ from gateway.backends.scrape import BackendHandle, BackendPool
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
+from gateway.proxy.moving import PREEMPT
+from gateway.scheduling.running import RunningStreams
 from gateway.storage.store import Preempt, PreemptView, Store
 from gateway.storage.values import original_id
 from policies.classes import CLASS_ORDER
@@ -46,24 +47,7 @@ from policies.preemption import (
 )
 
 log = structlog.get_logger("fairgate.preemption")
-PREEMPT = "preempt"
 HOLD_FLOOR_S = 2.0  # a backend's hold outlives a replica that never answers its order
-
-
-class Entry(Protocol):
-    @property
-    def request_id(self) -> str: ...
-
-    @property
-    def klass(self) -> str: ...
-
-
-class Moves(Protocol):
-    """What preemption needs of this process's running streams."""
-
-    def entries(self, backend: str | None = None) -> Sequence[Entry]: ...
-
-    def move(self, request_id: str, reason: str) -> bool: ...
 
 
 class Preemptor(ReadsSettings):
@@ -73,7 +57,7 @@ class Preemptor(ReadsSettings):
         self.store = store
         self.pool = pool
         self.metrics = metrics
-        self.streams: Moves | None = None  # this process's (set by the composition root)
+        self.streams: RunningStreams | None = None  # this process's (set by the composition root)
         self._checked: dict[str, float] = {}  # model → monotonic time of its last read
         self._background: set[asyncio.Task[None]] = set()
 
