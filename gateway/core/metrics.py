@@ -416,6 +416,19 @@ class GatewayMetrics:
         queried = sum(q for _, _, q in recent) if recent else 0
         return sum(h for _, h, _ in recent) / queried if recent and queried else None
 
+    def moves_view(self) -> dict[str, Any]:
+        """This replica's continued answers by reason (continued, failed, tokens sent
+        again) and its preemptions by model and class: the dashboard's reliability panel."""
+        reasons: dict[str, dict[str, float]] = {}
+        for sample in _totals(self.continuations):
+            row = reasons.setdefault(sample.labels["reason"], {})
+            row[sample.labels["outcome"]] = sample.value
+        for sample in _totals(self.continuation_recomputed_tokens):
+            reasons.setdefault(sample.labels["reason"], {})["recomputed_tokens"] = sample.value
+        preempted = {f"{s.labels['model']} · {s.labels['priority_class']}": s.value
+                     for s in _totals(self.preemptions)}
+        return {"continuations": reasons, "preempted": preempted}
+
     def dispatch_rate(self, backend: str) -> float:
         """Dispatches per second to ``backend`` over the last few seconds (this replica)."""
         recent = self.recent_dispatches.get(backend)
@@ -471,3 +484,9 @@ class StreamTiming:
         if self.first_token_s is None:
             self.first_token_s = now
         self.last_token_s = now
+
+
+def _totals(counter: Counter) -> list[Any]:
+    """A labelled counter's ``_total`` samples (one per label set seen)."""
+    return [sample for family in counter.collect() for sample in family.samples
+            if sample.name.endswith("_total")]

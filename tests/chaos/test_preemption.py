@@ -119,6 +119,9 @@ async def test_a_newcomer_preempts_a_batch_stream_that_then_completes_exactly(
     async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as resp:
         scraped = await resp.text()
     assert 'fairgate_preemptions_total{model="llama-3.1-8b",priority_class="batch"}' in scraped
+    moves = (await gw.services.inspector.state())["moves"]  # the dashboard's panel
+    assert moves["continuations"]["preempt"]["continued"] == continued, moves
+    assert moves["preempted"] == {f"{MODEL} · batch": preempted}, moves
 
 
 @pytest.mark.timeout(120)
