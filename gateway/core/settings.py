@@ -158,6 +158,22 @@ class Tenant(BaseModel):
     limits: UsageLimits | None = None
 
 
+# ':' joins the parts of a Redis key name (a user's queue is ``q:<class>:<tenant>:<user>``,
+# gateway/storage/keys.py) and '/' a trusted key's user to its end user ("app/alice"), so
+# neither may be part of a key's user or tenant: ("a", "b:c") and ("a:b", "c") would share
+# one queue, and a key of user "app/alice" would be an end user of the trusted key "app".
+NAME_SEPARATORS = (":", "/")
+
+
+def check_name(value: str) -> str:
+    """A user or tenant name of a key, else ValueError naming the separator it holds."""
+    held = [c for c in NAME_SEPARATORS if c in value]
+    if held:
+        raise ValueError(f"must not contain {' or '.join(map(repr, held))}: it separates "
+                         "the parts of Redis key names")
+    return value
+
+
 class ApiKey(BaseModel):
     key: str
     user: str
@@ -357,6 +373,21 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_url_is_none(cls, value: Any) -> Any:
         return None if value == "" else value  # FAIRGATE_REDIS_URL="" unsets a file's
+
+    @model_validator(mode="after")
+    def _names_without_separators(self) -> Settings:
+        """The config's names (a key's are checked here, not by :class:`ApiKey`, which
+        also holds names read back from Redis and batch records)."""
+        named = [(f"api_keys.{i}.{field}", getattr(key, field))
+                 for i, key in enumerate(self.api_keys) for field in ("user", "tenant")]
+        named += [(f"tenants.{name}", name) for name in self.tenants]
+        for where, name in named:
+            if name is not None:
+                try:
+                    check_name(name)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {name!r} {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:
