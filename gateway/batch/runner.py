@@ -139,7 +139,10 @@ class BatchRunner(ReadsSettings):
 
     async def _execute_batch(self, batch_id: str) -> None:
         raw = await self.batches.raw(batch_id)
-        if raw is None or raw["status"] in FINAL:
+        if raw is None:
+            await self.batches.forget(batch_id)
+            return
+        if raw["status"] in FINAL:
             await self.batches.retire(batch_id)
             return
         doc = json.loads(raw["doc"])
@@ -161,10 +164,15 @@ class BatchRunner(ReadsSettings):
             outcome = await self._feed(batch_id, doc, pending)
             if outcome != "completed":
                 break
+        if outcome == "lost":  # Redis restarted empty: there is no batch to finish
+            log.warning("batch_record_lost", batch_id=batch_id, total=len(lines))
+            await self.batches.forget(batch_id)
+            return
         await self._finalize(batch_id, doc, lines, outcome)
 
     async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
-        """Run the pending lines; returns "completed", "cancelled" or "expired"."""
+        """Run the pending lines; returns "completed", "cancelled", "expired" or "lost"
+        (the record is gone)."""
         slots = asyncio.Semaphore(self.feed_limit())
         tasks: set[asyncio.Task[None]] = set()
         outcome = "completed"
@@ -227,7 +235,9 @@ class BatchRunner(ReadsSettings):
             raw = await self.batches.raw(batch_id)
         except StoreUnavailable:
             return "completed"  # cannot tell while Redis is down: go on, ask again later
-        if raw is None or raw["status"] == "cancelling":
+        if raw is None:
+            return "lost"
+        if raw["status"] == "cancelling":
             return "cancelled"
         if time.time() >= json.loads(raw["doc"])["expires_at"]:
             return "expired"
