@@ -284,6 +284,9 @@ class Settings(BaseSettings):
     scrape_interval_s: float = Field(0.1, gt=0)
     idle_scrape_interval_s: float = Field(0.5, gt=0)
     scrape_timeout_s: float = 1.0
+    # a request that finds no healthy backend of its model before each was scraped (or
+    # failed) once, right after the start, waits for that at most this long (then 503)
+    first_scrape_wait_s: float = Field(5.0, ge=0)
     snapshot_stale_s: float = 1.0
     unhealthy_after_failures: int = 3
     tpot_window_s: float = 5.0
