@@ -35,6 +35,7 @@ from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Quotas
+from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.embedded_redis import EmbeddedRedis
 from gateway.storage.redis_client import (
@@ -63,6 +64,7 @@ class Services:
     pool: BackendPool
     dispatcher: Dispatcher
     admission: Admission
+    running: RunningStreams  # this process's dispatched, unsettled requests
     quotas: Quotas
     usage: UsageLedger
     upstream: Upstream
@@ -135,8 +137,9 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         quotas = Quotas(client, config)
         usage = UsageLedger(client, settings.usage_retention_days,
                             lambda: config.current.models())
+        running = RunningStreams(lambda: config.current.max_moves)
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
-                              usage)
+                              usage, running)
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
@@ -145,7 +148,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         keyring = KeyRing(settings.api_keys, settings.admin_keys, RuntimeKeys(client, config))
         services = Services(
             config, keyring, policy, metrics, store,
-            pool, dispatcher, admission, quotas, usage, upstream, files, batches, runner,
+            pool, dispatcher, admission, running, quotas, usage, upstream, files, batches, runner,
             Inspector(config, store, pool, metrics, replica_id),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url)
         runner.account_of = lambda key_id: services.keys.find(key_id)

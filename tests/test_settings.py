@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.core.settings import load_settings
+from gateway.core.settings import RedisCluster, RedisSentinel, addresses, load_settings
 
 YAML = """
 redis_url: redis://127.0.0.1:6399/0
@@ -98,3 +98,13 @@ def test_redis_sentinel_and_url_are_exclusive_and_nodes_checked() -> None:
         load_settings(None, redis_sentinel={"master_name": "m", "nodes": ["h"]})
     with pytest.raises(ValidationError):
         load_settings(None, redis_sentinel={"master_name": "m", "nodes": []})
+
+
+def test_redis_nodes_are_read_alike_for_cluster_and_sentinel() -> None:
+    """One reading of "host:port" for both topologies; an IPv6 host loses its brackets."""
+    nodes = ["10.0.0.1:6379", "[::1]:26379"]
+    cluster = RedisCluster(nodes=nodes)
+    sentinel = RedisSentinel(master_name="m", nodes=",".join(nodes))
+    want = [("10.0.0.1", 6379), ("::1", 26379)]
+    assert addresses(cluster.nodes) == want, addresses(cluster.nodes)
+    assert sentinel.addresses() == want, sentinel.addresses()

@@ -258,7 +258,8 @@ class GatewayMetrics:
         # Continued answers (gateway/proxy/continuation.py): why, and what they cost.
         self.continuations = Counter(
             "fairgate_continuations_total",
-            "Answers continued on another backend, by reason (failover, drain) and outcome "
+            "Answers continued on another backend, by reason (failover; drain, preempt: "
+            "moved on purpose) and outcome "
             "(continued: a backend took the rest; failed: none could, the stream ended with "
             "an error)", ["reason", "outcome"], registry=r)
         self.continuation_recomputed_tokens = Counter(

@@ -12,7 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -33,6 +41,22 @@ class Listen(BaseModel):
     port: int = 8000
 
 
+def _host_port(node: str) -> str:
+    host, _, port = node.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"node {node!r} is not host:port")
+    return node
+
+
+HostPort = Annotated[str, AfterValidator(_host_port)]  # a Redis node: "host:port"
+
+
+def addresses(nodes: list[str]) -> list[tuple[str, int]]:
+    """(host, port) of each "host:port" node; an IPv6 host loses its brackets."""
+    return [(host.strip("[]"), int(port))
+            for host, _, port in (node.rpartition(":") for node in nodes)]
+
+
 class RedisCluster(BaseModel):
     """A Redis (or Valkey) Cluster as the store (``redis_cluster``; env
     ``FAIRGATE_REDIS_CLUSTER__NODES='["10.0.0.1:6379", …]'``): any of its nodes, the rest
@@ -41,19 +65,10 @@ class RedisCluster(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    nodes: list[str] = Field(min_length=1)  # "host:port" of any cluster nodes
+    nodes: list[HostPort] = Field(min_length=1)  # any of the cluster's nodes
     username: str | None = None
     password: SecretStr | None = None
     ssl: bool = False
-
-    @field_validator("nodes")
-    @classmethod
-    def _host_port(cls, nodes: list[str]) -> list[str]:
-        for node in nodes:
-            host, _, port = node.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"redis_cluster node {node!r} is not host:port")
-        return nodes
 
     def env(self) -> str:
         """The JSON of ``FAIRGATE_REDIS_CLUSTER`` that gives a worker process this
@@ -72,7 +87,7 @@ class RedisSentinel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     master_name: str = Field(min_length=1)
-    nodes: Annotated[list[str], NoDecode] = Field(min_length=1)
+    nodes: Annotated[list[HostPort], NoDecode] = Field(min_length=1)
     db: int = Field(0, ge=0)
     username: str | None = None
     password: SecretStr | None = None
@@ -94,17 +109,8 @@ class RedisSentinel(BaseModel):
             return json.loads(value)
         return [n.strip() for n in value.split(",") if n.strip()]
 
-    @field_validator("nodes")
-    @classmethod
-    def _host_port(cls, value: list[str]) -> list[str]:
-        for node in value:
-            host, _, port = node.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"sentinel node {node!r} is not host:port")
-        return value
-
     def addresses(self) -> list[tuple[str, int]]:
-        return [(n.rpartition(":")[0], int(n.rpartition(":")[2])) for n in self.nodes]
+        return addresses(self.nodes)
 
 
 class Backend(BaseModel):
@@ -338,6 +344,10 @@ class Settings(BaseSettings):
     # scheduler at most `continue_wait_s`.
     continue_attempts: int = Field(2, ge=0, le=10)
     continue_wait_s: float = Field(60.0, gt=0)
+    # A running answer moved on purpose (a drain with migrate, preemption) continues the
+    # same way; one request is moved at most this many times (its own budget, apart from
+    # `continue_attempts`; 0: nothing is ever moved).
+    max_moves: int = Field(4, ge=0, le=100)
     replica_heartbeat_s: float = 1.0
     # A replica silent this long is dead: its queued requests are dropped and what it
     # held in flight is released (sooner when it leaves a grant unread for 2 s). Three

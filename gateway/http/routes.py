@@ -113,7 +113,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
         headers.update(ticket.limit_headers)
         headers[QUEUE_WAIT_HEADER] = str(round((time.monotonic() - queued_at) * 1000))
         return await svc.upstream.forward(request, ticket.backend, creq, ticket.priority,
-                                          ticket, ticket.continuation)
+                                          ticket, ticket.continuation, ticket.mover)
 
     try:
         response = await svc.admission.call(model, user, klass, key.weight, creq,

@@ -17,7 +17,9 @@ is read frame by frame: its token ids are recorded (and stripped unless the clie
 for them), and when its backend fails mid-answer (a reset, an error event, a broken
 frame, or an end before the answer's) the relay asks ``resume`` for a continuation on
 another backend and writes its frames, re-framed, into the same client stream. Only a
-stream that cannot continue ends with an error event.
+stream that cannot continue ends with an error event. A stream moved on purpose (its
+:class:`~gateway.proxy.moving.Mover` closed the response) continues the same way, with
+the move's reason.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from gateway.core.edge import sse_frame
 from gateway.core.errors import UpstreamError
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Endpoint, Frames, Usage
+from gateway.proxy.moving import FAILOVER, Mover
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -67,9 +70,9 @@ class Segment:
     restart: bool = False
 
 
-# (what failed) → a continuation's segment (entering it may raise StreamBroke: try the
-# next), or None: no more continuations
-Resume = Callable[[str], AbstractAsyncContextManager[Segment] | None]
+# (why: failover or a move's reason, what failed) → a continuation's segment (entering it
+# may raise StreamBroke: try the next), or None: no more continuations
+Resume = Callable[[str, str], AbstractAsyncContextManager[Segment] | None]
 
 
 class RelayListener(Protocol):
@@ -249,15 +252,16 @@ async def _write(out: web.StreamResponse, data: bytes) -> None:
 async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
                        listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                        progress: Progress | None = None, resume: Resume | None = None,
-                       started: Callable[[], Awaitable[None]] | None = None
-                       ) -> web.StreamResponse:
+                       started: Callable[[], Awaitable[None]] | None = None,
+                       mover: Mover | None = None) -> web.StreamResponse:
     """Relay the backend's SSE stream. A client that hangs up is handled like the handler's
     cancellation (its request settles as ``client_closed`` and the backend connection
     closes, so vLLM aborts it), not as a gateway error. With ``progress`` and ``resume``
-    a failed backend's answer continues elsewhere."""
+    a failed backend's answer continues elsewhere; ``mover`` hears each response read so
+    the answer can be moved on purpose."""
     try:
         return await _relay(request, resp, listener, wants_usage, endpoint, progress, resume,
-                            started or listener.first_token)
+                            started or listener.first_token, mover or Mover())
     except ClientGone:
         raise asyncio.CancelledError from None
 
@@ -265,7 +269,7 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                  listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                  progress: Progress | None, resume: Resume | None,
-                 started: Callable[[], Awaitable[None]]) -> web.StreamResponse:
+                 started: Callable[[], Awaitable[None]], mover: Mover) -> web.StreamResponse:
     out = web.StreamResponse(status=200, headers=SSE_HEADERS)
     try:
         await out.prepare(request)
@@ -273,9 +277,12 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
         listener.end(False)
         raise ClientGone from exc
     frames = FrameFilter(wants_usage, endpoint.frames, progress)
+    mover.attach(resp)
     try:
         async with contextlib.AsyncExitStack() as stack:
             while (failure := await _pump(out, resp, frames, listener, started)) is not None:
+                reason = mover.take() or FAILOVER
+                mover.detach()
                 if progress is not None and progress.finish_reason is not None:
                     # the last token came, its backend died before the usage and [DONE]
                     await _close(out, frames, progress)
@@ -283,7 +290,7 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                 segment = None
                 if progress is not None and resume is not None and (
                         progress.resumable or not frames.started):
-                    segment = await next_segment(stack, resume, failure)
+                    segment = await next_segment(stack, resume, reason, failure)
                 if segment is None:
                     # The status line is gone already: end the stream with an error event.
                     await _write(out, sse_frame(UpstreamError(
@@ -291,7 +298,9 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                     break
                 resp, started = segment.resp, segment.started
                 frames.switch(continued=not segment.restart)
+                mover.attach(resp)
     finally:
+        mover.detach()
         report_usage(frames.usage, listener, endpoint.usage)
         if not frames.usage:
             listener.usage(0, frames.output_frames)
@@ -330,11 +339,11 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
     return None
 
 
-async def next_segment(stack: contextlib.AsyncExitStack, resume: Resume,
-                        failure: str) -> Segment | None:
-    """The next continuation that starts, each failed start one attempt; ``None`` when
-    no more are allowed."""
-    while (attempt := resume(failure)) is not None:
+async def next_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason: str,
+                       failure: str) -> Segment | None:
+    """The next continuation that starts, each failed start one attempt (of ``reason``'s
+    budget); ``None`` when no more are allowed."""
+    while (attempt := resume(reason, failure)) is not None:
         try:
             return await stack.enter_async_context(attempt)
         except StreamBroke as exc:

@@ -23,6 +23,7 @@ whole request with a 5xx counts as failed too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -39,6 +40,7 @@ from gateway.core.errors import BackendUnreachable, BadRequest, FairgateError, U
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import CHOICES_USAGE, COMPLETIONS, Usage
+from gateway.proxy.moving import FAILOVER, Mover
 from gateway.proxy.relay import (
     RelayListener,
     Resume,
@@ -50,7 +52,6 @@ from gateway.proxy.relay import (
 )
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-FAILOVER = "failover"
 
 
 class Lease(Protocol):
@@ -80,9 +81,11 @@ class Upstream:
 
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener,
-                      continuation: Continuation | None = None) -> web.StreamResponse:
+                      continuation: Continuation | None = None,
+                      mover: Mover | None = None) -> web.StreamResponse:
         """Send the request to ``handle`` and relay the answer; with ``continuation``, a
-        backend that fails mid-answer hands the rest to another."""
+        backend that fails mid-answer hands the rest to another, and ``mover`` can move
+        the answer there on purpose."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
             wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
@@ -91,27 +94,50 @@ class Upstream:
         body = self._body(creq, progress)
         resume = None if continuation is None else self._resumer(
             creq, body, progress, handle, continuation)
+        mover = mover or Mover()
+        if resume is not None:
+            mover.progress, mover.whole = progress, not creq.stream
         async with contextlib.AsyncExitStack() as stack:
             started = None
             try:
-                resp = await self._post(handle, creq.path, body, priority)
+                resp = await (self._post(handle, creq.path, body, priority) if creq.stream
+                              else self._movable_post(mover, handle, creq.path, body,
+                                                      priority))
                 stack.callback(resp.release)
             except BackendUnreachable:  # nothing was sent: queued again (admission)
                 raise
-            except UpstreamError as exc:  # it broke off before its status line
-                segment = None if resume is None else await next_segment(stack, resume,
-                                                                         str(exc))
+            except UpstreamError as exc:  # it broke off (or was moved) before its status line
+                segment = None if resume is None else await next_segment(
+                    stack, resume, mover.take() or FAILOVER, str(exc))
                 if segment is None:
                     raise
                 resp, started = segment.resp, segment.started
             if not creq.stream:
-                return await self._whole(handle, resp, listener, creq.endpoint.usage, resume)
+                return await self._whole(handle, resp, listener, creq.endpoint.usage, resume,
+                                         mover)
             if resp.status != 200:
                 status, data, content_type = await _read(handle, resp, listener,
                                                          creq.endpoint.usage)
                 return web.Response(body=data, status=status, content_type=content_type)
             return await relay_stream(request, resp, listener, wants_usage, creq.endpoint,
-                                      progress, resume, started)
+                                      progress, resume, started, mover)
+
+    async def _movable_post(self, mover: Mover, handle: BackendHandle, path: str,
+                            body: dict[str, Any], priority: int) -> aiohttp.ClientResponse:
+        """A whole answer's request: vLLM sends its status line with the whole answer, so
+        the answer can be moved while it is generated (the request is cancelled)."""
+        task = asyncio.ensure_future(self._post(handle, path, body, priority))
+        mover.attach_pending(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if mover.reason is None or current is None or current.cancelling():
+                raise  # not a move: the handler itself is cancelled
+            raise UpstreamError(f"backend {handle.name}: the answer was moved "
+                                f"({mover.reason})") from None
+        finally:
+            mover.detach()
 
     @staticmethod
     def _body(creq: CompletionRequest, progress: Progress | None) -> dict[str, Any]:
@@ -130,10 +156,10 @@ class Upstream:
                  continuation: Continuation) -> Resume:
         failed = [handle]  # the backend the answer last ran on
 
-        def resume(failure: str) -> AbstractAsyncContextManager[Segment] | None:
+        def resume(reason: str, failure: str) -> AbstractAsyncContextManager[Segment] | None:
             tokens = (0 if progress is None
                       else len(progress.prompt_ids or ()) + len(progress.generated))
-            lease = continuation(FAILOVER, tokens, failed[0])
+            lease = continuation(reason, tokens, failed[0])
             return None if lease is None else self._segment(lease, creq, body, progress,
                                                             failed)
         return resume
@@ -166,15 +192,16 @@ class Upstream:
 
     async def _whole(self, handle: BackendHandle, resp: aiohttp.ClientResponse,
                      listener: RelayListener, usage: Usage,
-                     resume: Resume | None) -> web.Response:
-        """A whole answer; when its backend fails (a 5xx, or the body breaks off) the
-        request goes again to another backend: nothing reached the client yet."""
+                     resume: Resume | None, mover: Mover) -> web.Response:
+        """A whole answer; when its backend fails (a 5xx, or the body breaks off) or it is
+        moved, the request goes again to another backend: nothing reached the client yet."""
         async with contextlib.AsyncExitStack() as stack:
             while True:
-                failure = None
+                failure, reason = None, FAILOVER
                 if resp.status >= 500 and resume is not None:
                     failure = f"backend {handle.name} answered HTTP {resp.status}"
                 else:
+                    mover.attach(resp)
                     try:
                         status, data, content_type = await _read(handle, resp, listener,
                                                                  usage)
@@ -183,8 +210,10 @@ class Upstream:
                     except UpstreamError as exc:
                         if resume is None:
                             raise
-                        failure = str(exc)
-                segment = await next_segment(stack, resume, failure)
+                        failure, reason = str(exc), mover.take() or FAILOVER
+                    finally:
+                        mover.detach()
+                segment = await next_segment(stack, resume, reason, failure)
                 if segment is None:
                     if resp.status >= 500:  # today's answer: the backend's error
                         resume = None

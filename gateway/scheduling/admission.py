@@ -41,8 +41,12 @@ from gateway.core.errors import (
 from gateway.core.metrics import GatewayMetrics, StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
+from gateway.proxy.moving import FAILOVER, Mover
+from gateway.proxy.moving import PREEMPT as PREEMPT
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Held, Quotas
+from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
@@ -54,7 +58,6 @@ from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
 
 log = structlog.get_logger("fairgate.request")
-FAILOVER, DRAIN = "failover", "drain"  # why an answer continues elsewhere
 
 T = TypeVar("T")
 
@@ -82,13 +85,15 @@ class Ticket:
     resumer: Callable[[str, int, BackendHandle],
                       AbstractAsyncContextManager[Ticket] | None] | None = None
     continuations: int = 0
+    mover: Mover = field(default_factory=Mover)  # the relay's: moves the answer on purpose
     on_started: Callable[[], None] | None = None
     _started: bool = field(default=False, repr=False)
 
     def continuation(self, reason: str, tokens: int,
                      failed: BackendHandle) -> AbstractAsyncContextManager[Ticket] | None:
-        """A ticket for the rest of this answer on another backend (``reason``: failover
-        or drain; ``tokens``: what the continuation sends again), or ``None``."""
+        """A ticket for the rest of this answer on another backend (``reason``: failover,
+        or a move's: drain, preempt; ``tokens``: what the continuation sends again), or
+        ``None``."""
         return None if self.resumer is None else self.resumer(reason, tokens, failed)
 
     async def first_token(self) -> None:
@@ -121,8 +126,11 @@ def estimate(creq: CompletionRequest) -> int:
 class Admission(ReadsSettings):
     def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
-                 quotas: Quotas | None = None, usage: UsageLedger | None = None) -> None:
+                 quotas: Quotas | None = None, usage: UsageLedger | None = None,
+                 running: RunningStreams | None = None) -> None:
         self.holder = settings
+        self.running = (running if running is not None
+                        else RunningStreams(lambda: self.settings.max_moves))
         self.quotas = quotas
         self.usage = usage
         self.dispatcher = dispatcher
@@ -313,11 +321,15 @@ class Admission(ReadsSettings):
                                  retry_after_s=self.waits.retry_after(None))
         timing = StreamTiming(arrived_s) if arrived_s is not None else None
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits)
-        ticket.resumer = partial(self._continued, model, queued, ticket)
+        running = Running(queued.request_id, model, user, tenant, klass, grant.backend,
+                          ticket.dispatched_s, ticket.mover)
+        ticket.resumer = partial(self._continued, model, queued, ticket, running)
         self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
+        self.running.add(running)
         try:
             yield ticket
         finally:
+            self.running.remove(running)
             prompt = ticket.prompt_tokens or prompt_est
             output = ticket.completion_tokens
             charge = (-queued.cost if ticket.unsent
@@ -339,23 +351,35 @@ class Admission(ReadsSettings):
             await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
                                                          usage))
 
-    def _continued(self, model: str, queued: QueuedRequest, original: Ticket, reason: str,
-                   tokens: int, failed: BackendHandle
+    def _continued(self, model: str, queued: QueuedRequest, original: Ticket,
+                   running: Running, reason: str, tokens: int, failed: BackendHandle
                    ) -> AbstractAsyncContextManager[Ticket] | None:
-        if original.continuations >= self.settings.continue_attempts:
+        """The next continuation attempt within its budget: a failure's
+        (``continue_attempts``) or a move's (``max_moves``, apart: moves on purpose
+        never use up what failures may need)."""
+        if reason == FAILOVER:
+            allowed = original.continuations < self.settings.continue_attempts
+            if allowed:
+                original.continuations += 1
+        else:
+            allowed = running.moves < self.settings.max_moves
+            if allowed:
+                running.moves += 1
+        if not allowed:
             self.metrics.continuations.labels(reason, "failed").inc()
             return None
-        original.continuations += 1
-        return self._continuation(model, queued, reason, tokens, failed)
+        return self._continuation(model, queued, reason, tokens, failed, running)
 
     @asynccontextmanager
     async def _continuation(self, model: str, queued: QueuedRequest, reason: str,
-                            tokens: int, failed: BackendHandle) -> AsyncIterator[Ticket]:
+                            tokens: int, failed: BackendHandle,
+                            running: Running) -> AsyncIterator[Ticket]:
         """The rest of an answer, scheduled like a request at the head of its user's queue
         (the earliest deadline) that costs nothing: the original request's settle charges
         the whole answer once, so the tokens sent again are charged to nobody (they are
         counted in ``fairgate_continuation_recomputed_tokens_total``). Its gate slot is
-        its own; a backend that failed has its gates closed first."""
+        its own; a backend that failed has its gates closed first (one a request was moved
+        off on purpose keeps them open)."""
         if reason == FAILOVER:
             self.pool.unreachable(failed, ConnectionError("the answer failed mid-way"))
         paused = time.monotonic()
@@ -371,6 +395,7 @@ class Admission(ReadsSettings):
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
                                  self.settings.priority_class_gap)
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, None)
+        running.backend = grant.backend
         pause = self.metrics.continuation_pause.labels(reason)
         ticket.on_started = lambda: pause.observe(time.monotonic() - paused)
         self.metrics.continuations.labels(reason, "continued").inc()

@@ -47,7 +47,7 @@ from redis.exceptions import (
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import RedisMetrics
 from gateway.core.settings import RedisCluster as RedisClusterSettings
-from gateway.core.settings import RedisSentinel
+from gateway.core.settings import RedisSentinel, addresses
 
 # Blocking reads wait on purpose: their duration is not Redis latency.
 BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
@@ -266,10 +266,7 @@ def connect_cluster(config: RedisClusterSettings, metrics: RedisMetrics | None =
         kwargs.setdefault("username", config.username)
     if config.password is not None:
         kwargs.setdefault("password", config.password.get_secret_value())
-    seeds = []
-    for node in config.nodes:
-        host, _, port = node.rpartition(":")
-        seeds.append(ClusterNode(host.strip("[]"), int(port)))
+    seeds = [ClusterNode(host, port) for host, port in addresses(config.nodes)]
     client = BoundaryCluster(startup_nodes=seeds, decode_responses=True, ssl=config.ssl,
                              **kwargs)
     return _boundary(cast("aioredis.Redis", client), metrics)
