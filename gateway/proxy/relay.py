@@ -17,9 +17,11 @@ is read frame by frame: its token ids are recorded (and stripped unless the clie
 for them), and when its backend fails mid-answer (a reset, an error event, a broken
 frame, or an end before the answer's) the relay asks ``resume`` for a continuation on
 another backend and writes its frames, re-framed, into the same client stream. Only a
-stream that cannot continue ends with an error event. A stream moved on purpose (its
-:class:`~gateway.proxy.moving.Mover` closed the response) continues the same way, with
-the move's reason.
+stream that cannot continue ends with an error event. Every stream must be one: a 200
+that is not ``text/event-stream`` (a JSON or text body) or that ends without its
+``[DONE]`` (Responses API: its final event) is such a failure, never relayed as it came.
+A stream moved on purpose (its :class:`~gateway.proxy.moving.Mover` closed the response)
+continues the same way, with the move's reason.
 """
 
 from __future__ import annotations
@@ -316,8 +318,12 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
 
 async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: FrameFilter,
                 listener: RelayListener, started: Callable[[], Awaitable[None]]) -> str | None:
-    """Relay one backend's stream; what failed, or ``None`` when it ended (for a
-    continuable answer: with its ``[DONE]``)."""
+    """Relay one backend's stream; what failed, or ``None`` when it ended with its
+    ``[DONE]`` (or, for the Responses API, its final event). A 200 that is not an event
+    stream (a JSON or text body) failed before it began."""
+    if resp.content_type != "text/event-stream":
+        return (f"the backend answered the stream with {resp.content_type or 'no content type'},"
+                " not an event stream")
     try:
         async for chunk in resp.content.iter_any():
             was_started, sent_before = frames.segment_started, frames.output_frames
@@ -332,8 +338,8 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
         return repr(exc)
     except StreamBroke as exc:
         return str(exc)
-    if frames.progress is not None and not frames.done:
-        return "the stream ended before the answer did"
+    if not frames.done:
+        return "the stream ended before the answer did (no [DONE])"
     if rest := frames.rest():
         await _write(out, rest)
     return None
