@@ -50,6 +50,7 @@ from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHold
 from gateway.core.supervise import supervise
 from gateway.storage.store import (
     BackendFit,
+    BackendState,
     LeaseWish,
     ScrapeView,
     Store,
@@ -110,6 +111,16 @@ class BackendHandle:
         return {c: Gate(g.limit, "prefill_tokens")
                 if g.reason is None and 0 < self.fit.prefill_limits.get(c, 0) <= pending
                 else g for c, g in gates.items()}
+
+    def badge_gates(self, state: BackendState, now_s: float,
+                    stale_after_s: float) -> dict[str, Gate]:
+        """Each class's gate as operators see it now (the dashboard's badges and its
+        gates-closed chart): in force at ``now_s``, with pending prefill shown, once the
+        requests in transit that Redis holds (``state``) count against it."""
+        in_transit = state.sent_since_snapshot + state.unseen
+        return {c: g.after(in_transit, state.started_since_snapshot, state.inflight)
+                for c, g in self.shown_gates(self.gates_at(now_s, stale_after_s),
+                                             state.pending_prefill_tokens).items()}
 
     def gates_at(self, now_s: float, stale_after_s: float) -> dict[str, Gate]:
         """The gates in force now: the snapshot's, unless drained, unhealthy or stale."""

@@ -33,6 +33,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
 DISPATCH_RATE_WINDOW_S = 10.0
+MAX_RECENT_TTFT = 100_000  # first-token times kept for the history's next interval
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SHARED: Final = "livemostrecent"
 """Multiprocess mode of a gauge set from state every worker sees alike."""
@@ -90,6 +91,8 @@ class GatewayMetrics:
         # model -> user -> (tenant, weight, tenant weight) of users queued since the last
         # flush: the share ratio needs the weight of a backlogged user not served yet
         self.pending_who: dict[str, dict[str, tuple[str, float, float]]] = {}
+        # streams' times to first token (s) since the history's last interval ended
+        self.recent_ttft: list[float] = []
         self._share_series: set[tuple[str, str, str]] = set()
         self.recent_dispatches: dict[str, deque[float]] = {}
         # per backend: (time, hit blocks, query blocks) of this replica's recent dispatches
@@ -311,7 +314,10 @@ class GatewayMetrics:
             timing.end_s = time.monotonic()
             self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
             if timing.first_token_s is not None:
-                self.ttft.labels(klass).observe(timing.first_token_s - timing.arrived_s)
+                ttft = timing.first_token_s - timing.arrived_s
+                self.ttft.labels(klass).observe(ttft)
+                if len(self.recent_ttft) < MAX_RECENT_TTFT:
+                    self.recent_ttft.append(ttft)
                 if output_tokens > 1 and timing.last_token_s is not None:
                     self.tpot.labels(klass).observe(
                         (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))

@@ -328,6 +328,12 @@ class Settings(BaseSettings):
     max_unauthenticated_connections: int | None = Field(None, ge=1)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
+    # the Grafana dashboard (deploy/grafana/dashboards/fairgate.json) as operators reach
+    # it: the live dashboard links to it (None: no link)
+    grafana_url: str | None = None
+    # a streamed request sent with X-Fairgate-Queue-Status: 1 gets its 200 at once and an
+    # SSE comment with its place in the queue this often (gateway/http/queue_status.py)
+    queue_status_interval_s: float = Field(1.0, gt=0)
     max_body_bytes: int = 4 * 1024 * 1024
     # /tokenize and /detokenize (not queued): their own body limit, and how many of one
     # user's may be at the backends at once on a replica (beyond: 429)

@@ -255,15 +255,17 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
                        listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                        progress: Progress | None = None, resume: Resume | None = None,
                        started: Callable[[], Awaitable[None]] | None = None,
-                       mover: Mover | None = None) -> web.StreamResponse:
+                       mover: Mover | None = None,
+                       out: web.StreamResponse | None = None) -> web.StreamResponse:
     """Relay the backend's SSE stream. A client that hangs up is handled like the handler's
     cancellation (its request settles as ``client_closed`` and the backend connection
     closes, so vLLM aborts it), not as a gateway error. With ``progress`` and ``resume``
     a failed backend's answer continues elsewhere; ``mover`` hears each response read so
-    the answer can be moved on purpose."""
+    the answer can be moved on purpose. ``out``: the client's stream when it was answered
+    already (``gateway/http/queue_status.py``)."""
     try:
         return await _relay(request, resp, listener, wants_usage, endpoint, progress, resume,
-                            started or listener.first_token, mover or Mover())
+                            started or listener.first_token, mover or Mover(), out)
     except ClientGone:
         raise asyncio.CancelledError from None
 
@@ -271,13 +273,15 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                  listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                  progress: Progress | None, resume: Resume | None,
-                 started: Callable[[], Awaitable[None]], mover: Mover) -> web.StreamResponse:
-    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    try:
-        await out.prepare(request)
-    except ConnectionResetError as exc:
-        listener.end(False)
-        raise ClientGone from exc
+                 started: Callable[[], Awaitable[None]], mover: Mover,
+                 out: web.StreamResponse | None) -> web.StreamResponse:
+    if out is None:
+        out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        try:
+            await out.prepare(request)
+        except ConnectionResetError as exc:
+            listener.end(False)
+            raise ClientGone from exc
     frames = FrameFilter(wants_usage, endpoint.frames, progress)
     mover.attach(resp)
     try:

@@ -82,10 +82,12 @@ class Upstream:
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener,
                       continuation: Continuation | None = None,
-                      mover: Mover | None = None) -> web.StreamResponse:
+                      mover: Mover | None = None,
+                      early: web.StreamResponse | None = None) -> web.StreamResponse:
         """Send the request to ``handle`` and relay the answer; with ``continuation``, a
         backend that fails mid-answer hands the rest to another, and ``mover`` can move
-        the answer there on purpose."""
+        the answer there on purpose. ``early``: the client's stream, answered 200 already
+        (``gateway/http/queue_status.py``): an error answer ends it as an error event."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
             wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
@@ -118,9 +120,15 @@ class Upstream:
             if resp.status != 200:
                 status, data, content_type = await _read(handle, resp, listener,
                                                          creq.endpoint.usage)
+                if early is not None:  # one line: the error object as the last event
+                    event = json.dumps(json.loads(data), separators=(",", ":")).encode()
+                    await early.write(b"data: " + event + b"\n\n")
+                    await early.write_eof()
+                    return early
                 return web.Response(body=data, status=status, content_type=content_type)
             return await relay_stream(request, resp, listener, wants_usage, creq.endpoint,
-                                      progress, resume, started, mover)
+                                      progress, resume, started, mover,
+                                      early)
 
     async def _movable_post(self, mover: Mover, handle: BackendHandle, path: str,
                             body: dict[str, Any], priority: int) -> aiohttp.ClientResponse:

@@ -77,6 +77,7 @@ class Ticket:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     completed: bool = False
+    cancelled: bool = False  # its caller ended it (a client that hung up, a batch cancelled)
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
     limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
     usage_recorded: bool = False  # its usage counts rode on its settle
@@ -215,6 +216,7 @@ class Admission(ReadsSettings):
                 await self._record_usage(account, model, klass, 0, 0, error=True)
                 raise
         ticket: Ticket | None = None
+        cancelled = False
         try:
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
@@ -222,6 +224,9 @@ class Admission(ReadsSettings):
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             sent = ticket is not None and not ticket.unsent
             prompt = (ticket.prompt_tokens or prompt_est) if ticket is not None and sent else 0
@@ -230,9 +235,10 @@ class Admission(ReadsSettings):
                 with contextlib.suppress(StoreUnavailable):
                     await asyncio.shield(self.quotas.settle(held, prompt + output))
             if account is not None:
-                await self._record_usage(account, model, klass, prompt, output, error=not (
-                    ticket is not None and ticket.completed),
-                    stored=ticket is not None and ticket.usage_recorded)
+                await self._record_usage(
+                    account, model, klass, prompt, output,
+                    error=not (cancelled or (ticket is not None and ticket.completed)),
+                    stored=ticket is not None and ticket.usage_recorded, cancelled=cancelled)
 
     def max_cost(self, model: str, creq: CompletionRequest, prompt_est: int) -> int:
         """What the request can cost at most (``policies/cost.max_cost_tokens``): the
@@ -243,12 +249,13 @@ class Admission(ReadsSettings):
                                context)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
-                            output: int, error: bool, stored: bool = False) -> None:
+                            output: int, error: bool, stored: bool = False,
+                            cancelled: bool = False) -> None:
         self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
         if self.usage is not None and not stored:
             with contextlib.suppress(StoreUnavailable):
                 await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
-                                                       error))
+                                                       error, cancelled=cancelled))
 
     @asynccontextmanager
     async def _admitted(self, model: str, user: str, klass: str, weight: float,
@@ -328,6 +335,9 @@ class Admission(ReadsSettings):
         self.running.add(running)
         try:
             yield ticket
+        except asyncio.CancelledError:
+            ticket.cancelled = True
+            raise
         finally:
             self.running.remove(running)
             prompt = ticket.prompt_tokens or prompt_est
@@ -346,7 +356,9 @@ class Admission(ReadsSettings):
             if account is not None and self.usage is not None:
                 sent = not ticket.unsent
                 usage = self.usage.counts(account, model, klass, prompt if sent else 0,
-                                          output if sent else 0, error=not ticket.completed)
+                                          output if sent else 0,
+                                          error=not (ticket.completed or ticket.cancelled),
+                                          cancelled=ticket.cancelled)
                 ticket.usage_recorded = True
             await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
                                                          usage))

@@ -63,6 +63,14 @@ FILES_TAG = f"{ROOT}:{{files}}:"
 FILE_PREFIX = FILES_TAG + "file:"         # string …file:<id>: JSON metadata
 USER_FILES_PREFIX = FILES_TAG + "user:"   # zset …user:<user>: file id -> created
 SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
+# The dashboard's last 15 minutes, one hash per interval, added to by every process
+# (gateway/ops/history.py); one hash tag: small, written once per interval per process.
+HISTORY_PREFIX = f"{ROOT}:{{history}}:"   # hash …:<unix ms of the interval's start> (TTL)
+HISTORY_INDEX = HISTORY_PREFIX + "index"  # zset: bucket hash -> its start (unix ms)
+
+
+def history_key(start_ms: int) -> str:
+    return f"{HISTORY_PREFIX}{start_ms}"
 
 # API keys created at runtime (gateway/access/keyring.py): one hash tag, so a key's records
 # change in one MULTI/Lua call on a Redis Cluster too. Secrets only as HMAC digests.

@@ -18,7 +18,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from gateway.core.errors import StoreUnavailable
-from gateway.storage.keys import ModelKeys, lua_prelude
+from gateway.storage.keys import HISTORY_INDEX, ModelKeys, history_key, lua_prelude
 from gateway.storage.values import GRANT, PREFILL, UsageCounts, lua_values
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
@@ -295,7 +295,7 @@ class Store:
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
-                         "started", "share", "scrapers")
+                         "started", "share", "scrapers", "history")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -709,6 +709,27 @@ class Store:
     async def depths(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(ModelKeys(model).depth))
         return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}
+
+    async def add_history(self, start_ms: int, sums: Mapping[str, float],
+                          maxima: Mapping[str, float], ttl_s: float) -> None:
+        """Add one process's counts for the interval that began at ``start_ms`` (unix ms)
+        to the dashboard history every process shares (``lua/history.lua``)."""
+        await self._run("history", [history_key(start_ms), HISTORY_INDEX], [json.dumps(
+            {"start": start_ms, "ttl": ttl_s, "sum": sums, "max": maxima})])
+
+    async def history(self, since_ms: int) -> list[tuple[int, dict[str, float]]]:
+        """The shared history's intervals that began at ``since_ms`` or later, oldest
+        first: (start in unix ms, its fields)."""
+        names = await cast("Awaitable[list[tuple[str, float]]]", self.client.zrangebyscore(
+            HISTORY_INDEX, since_ms, "+inf", withscores=True))
+        if not names:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for name, _ in names:
+            pipe.hgetall(name)
+        rows = await pipe.execute()
+        return [(int(start), {f: float(v) for f, v in raw.items()})
+                for (_, start), raw in zip(names, rows, strict=True) if raw]
 
     async def user_inflight(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]",

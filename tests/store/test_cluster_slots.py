@@ -109,6 +109,8 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     await store.set_drained(model, "b2", True)
     assert await store.next_grant(model, "r2", 0.01) is not None or True
     assert await store.reap(model, now + 60, 3.0) >= 0
+    await store.add_history(int(now * 1000), {"n": 1.0, f"d:{model}": 2.0}, {"tmax": 0.5}, 60)
+    assert (await store.history(int(now * 1000)))[-1][1]["n"] >= 1
 
 
 async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:
