@@ -342,6 +342,10 @@ class Settings(BaseSettings):
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
+    # a stream under way that brings no whole frame for this long is cut: continued
+    # elsewhere when it can be, else ended with an error event (bytes trickled in do not
+    # count: they reset aiohttp's sock_read timer, so upstream_timeout_s never fires)
+    stream_idle_timeout_s: float = Field(60.0, gt=0)
     upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
     # A chat or completion whose backend fails mid-answer (connection reset, an error
     # event, a broken frame) continues on another backend of its model from the tokens

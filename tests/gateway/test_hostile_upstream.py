@@ -8,6 +8,7 @@ format with the upstream status kept, as status code and in the message.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -167,18 +168,44 @@ BROKEN_STREAMS: dict[str, tuple[int, str, bytes]] = {
 }
 
 
+class Trickle:
+    """A stream that sends ``opening`` and then one byte of a frame every 20 ms, never
+    completing it (at most 500 bytes: 10 s); ``cut`` is set when fairgate hangs up."""
+
+    def __init__(self, opening: bytes) -> None:
+        self.opening = opening
+        self.cut = asyncio.Event()
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        try:
+            await out.write(self.opening)
+            for byte in (b'data: {"x": "' + b"y" * 500)[:500]:
+                await asyncio.sleep(0.02)
+                await out.write(bytes([byte]))
+        except ConnectionError:
+            self.cut.set()
+            raise
+        await out.write_eof()
+        return out
+
+
 class OddStreams(OddBackend):
     """Answers the first streamed requests from ``first`` (one each), then streams what
     the simulator streams."""
 
     def __init__(self, metrics_from: SimServer) -> None:
         super().__init__(metrics_from)
-        self.first: list[tuple[int, str, bytes]] = []
+        self.first: list[tuple[int, str, bytes] | Trickle] = []
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if self.first:
-            status, content_type, data = self.first.pop(0)
+            first = self.first.pop(0)
+            if isinstance(first, Trickle):
+                return await first.answer(request)
+            status, content_type, data = first
             return web.Response(status=status, body=data, content_type=content_type)
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -257,6 +284,55 @@ async def test_a_continuable_stream_that_is_not_an_event_stream_is_sent_again(
         assert status == 200 and frames[-1] == b"data: [DONE]", frames
         assert not any(b'"error"' in f for f in frames), frames
         assert backend.first == [], "the broken answer was never asked for"
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()
+
+
+
+ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+        b'"finish_reason":null}]}\n\n')
+
+
+async def test_a_trickling_stream_is_cut_by_the_idle_deadline(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A frame, then a byte every 20 ms that never completes the next: aiohttp's
+    sock_read never fires (each byte resets it); stream_idle_timeout_s cuts it with an
+    error event and the backend's connection is closed."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        trickle = Trickle(CHUNK_A)
+        backend.first = [trickle]
+        gw = await gateway([backend], stream_idle_timeout_s=0.3)
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
+                                             "stream": True, "stop": ["zzz"]})
+        assert status == 200 and frames[0] == CHUNK_A.strip(), frames
+        message = assert_error(json.loads(frames[-1][len(b"data: "):]),
+                               type_="server_error", code="upstream_error")
+        assert "stream_idle_timeout_s" in message, message
+        await trickle.cut.wait()  # fairgate hung up on the backend
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()
+
+
+async def test_a_continuable_trickling_stream_is_sent_elsewhere(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """The same before any output (a role frame only): a backend failure, the request is
+    sent again and the client gets a whole answer."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        trickle = Trickle(ROLE)
+        backend.first = [trickle]
+        gw = await gateway([backend], stream_idle_timeout_s=0.3)
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 3,
+                                             "stream": True, "ignore_eos": True})
+        assert status == 200 and frames[-1] == b"data: [DONE]", frames
+        assert not any(b'"error"' in f for f in frames), frames
+        await trickle.cut.wait()
         await store_is_idle(gw)
     finally:
         await backend.stop()
