@@ -212,7 +212,8 @@ class GatewayMetrics:
             "fairgate_errors_total", "Error responses by HTTP status and OpenAI error type",
             ["status", "type", "code"], registry=r)
         self.tokens = Counter(
-            "fairgate_tokens_total", "Tokens served, by kind", ["model", "kind"], registry=r)
+            "fairgate_tokens_total", "Tokens served, by kind (prompt; prompt_cached: of the "
+            "prompt, found in vLLM's prefix cache; completion)", ["model", "kind"], registry=r)
         self.user_tokens = Counter(
             "fairgate_user_tokens_total", "Tokens served per user (top users, rest: other)",
             ["model", "user", "kind"], registry=r)
@@ -302,9 +303,12 @@ class GatewayMetrics:
         self._user_inc(self.user_requests, (model,), user, 1.0)
 
     def on_finish(self, model: str, klass: str, user: str, prompt_tokens: int,
-                  output_tokens: int, service: float, timing: StreamTiming | None) -> None:
+                  output_tokens: int, service: float, timing: StreamTiming | None,
+                  cached_tokens: int = 0) -> None:
         """After the answer went out (or failed): latency histograms, per-user counters."""
         self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        if cached_tokens:
+            self.tokens.labels(model, "prompt_cached").inc(cached_tokens)
         self.tokens.labels(model, "completion").inc(output_tokens)
         if timing is not None:
             timing.end_s = time.monotonic()

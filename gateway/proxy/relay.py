@@ -82,8 +82,9 @@ class RelayListener(Protocol):
     def tokens_sent(self, frames: int) -> None:
         """``frames`` output frames were written to the client."""
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
-        """The backend's token counts for the request."""
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
+        """The backend's token counts for the request (``cached_tokens``: of the prompt,
+        those found in its prefix cache; 0 when it does not say)."""
 
     def end(self, completed: bool) -> None:
         """The answer is over; ``completed`` when the client got all of it."""
@@ -228,9 +229,13 @@ class FrameFilter:
 
 def report_usage(usage: Any, listener: RelayListener, names: Usage) -> None:
     """The endpoint's usage counts (``names``); a count that is missing or not an integer
-    is 0 (embeddings have no completion tokens)."""
+    is 0 (embeddings have no completion tokens, a backend without
+    ``--enable-prompt-tokens-details`` reports no cached tokens)."""
     if isinstance(usage, dict):
-        listener.usage(_count(usage, names.prompt), _count(usage, names.output))
+        details = usage.get(names.details)
+        prompt = _count(usage, names.prompt)
+        cached = _count(details, "cached_tokens") if isinstance(details, dict) else 0
+        listener.usage(prompt, _count(usage, names.output), min(cached, prompt))
 
 
 def _count(usage: dict[str, Any], name: str) -> int:
