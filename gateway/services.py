@@ -140,7 +140,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         running = RunningStreams(lambda: config.current.max_moves)
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage, running)
-        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)
+        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s,
+                            settings.stream_idle_timeout_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
         runner = BatchRunner(config, admission, upstream, files, batches, metrics,

@@ -275,6 +275,10 @@ class GatewayMetrics:
             "fairgate_continuation_pause_seconds",
             "From a stream's failure to its continuation's first frame", ["reason"],
             buckets=TTFT_BUCKETS, registry=r)
+        self.first_scrape_waits = Counter(
+            "fairgate_first_scrape_waits_total",
+            "Requests that found no healthy backend of their model before its backends' "
+            "first scrape and waited for it (first_scrape_wait_s)", ["model"], registry=r)
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "

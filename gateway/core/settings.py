@@ -164,6 +164,22 @@ class Tenant(BaseModel):
     limits: UsageLimits | None = None
 
 
+# ':' joins the parts of a Redis key name (a user's queue is ``q:<class>:<tenant>:<user>``,
+# gateway/storage/keys.py) and '/' a trusted key's user to its end user ("app/alice"), so
+# neither may be part of a key's user or tenant: ("a", "b:c") and ("a:b", "c") would share
+# one queue, and a key of user "app/alice" would be an end user of the trusted key "app".
+NAME_SEPARATORS = (":", "/")
+
+
+def check_name(value: str) -> str:
+    """A user or tenant name of a key, else ValueError naming the separator it holds."""
+    held = [c for c in NAME_SEPARATORS if c in value]
+    if held:
+        raise ValueError(f"must not contain {' or '.join(map(repr, held))}: it separates "
+                         "the parts of Redis key names")
+    return value
+
+
 class ApiKey(BaseModel):
     key: str
     user: str
@@ -274,6 +290,9 @@ class Settings(BaseSettings):
     scrape_interval_s: float = Field(0.1, gt=0)
     idle_scrape_interval_s: float = Field(0.5, gt=0)
     scrape_timeout_s: float = 1.0
+    # a request that finds no healthy backend of its model before each was scraped (or
+    # failed) once, right after the start, waits for that at most this long (then 503)
+    first_scrape_wait_s: float = Field(5.0, ge=0)
     snapshot_stale_s: float = 1.0
     unhealthy_after_failures: int = 3
     tpot_window_s: float = 5.0
@@ -323,6 +342,10 @@ class Settings(BaseSettings):
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
+    # a stream under way that brings no whole frame for this long is cut: continued
+    # elsewhere when it can be, else ended with an error event (bytes trickled in do not
+    # count: they reset aiohttp's sock_read timer, so upstream_timeout_s never fires)
+    stream_idle_timeout_s: float = Field(60.0, gt=0)
     upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
     # A chat or completion whose backend fails mid-answer (connection reset, an error
     # event, a broken frame) continues on another backend of its model from the tokens
@@ -373,6 +396,21 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_url_is_none(cls, value: Any) -> Any:
         return None if value == "" else value  # FAIRGATE_REDIS_URL="" unsets a file's
+
+    @model_validator(mode="after")
+    def _names_without_separators(self) -> Settings:
+        """The config's names (a key's are checked here, not by :class:`ApiKey`, which
+        also holds names read back from Redis and batch records)."""
+        named = [(f"api_keys.{i}.{field}", getattr(key, field))
+                 for i, key in enumerate(self.api_keys) for field in ("user", "tenant")]
+        named += [(f"tenants.{name}", name) for name in self.tenants]
+        for where, name in named:
+            if name is not None:
+                try:
+                    check_name(name)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {name!r} {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:

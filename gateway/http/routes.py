@@ -96,8 +96,10 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
+    healthy = svc.pool.any_healthy(model) or await svc.pool.first_scrapes(
+        model, svc.settings.first_scrape_wait_s)
     check_context(creq.body, endpoint, svc.pool.max_model_len(model))
-    if not svc.pool.any_healthy(model):
+    if not healthy:
         raise Unavailable(f"no healthy backend serves {model!r}",
                           retry_after_s=await svc.admission.waits.drain_retry_after(
                               model, klass))
@@ -166,6 +168,8 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     validate_unscheduled(body, Limits.of(svc.settings))
     model = str(body["model"])
     _known_model(svc, model)
+    if not svc.pool.any_healthy(model):
+        await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
     if not candidates:
         raise Unavailable(f"no healthy backend serves {model!r}")

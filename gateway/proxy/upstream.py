@@ -72,8 +72,10 @@ Continuation = Callable[[str, int, BackendHandle], AbstractAsyncContextManager[L
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float,
-                 max_request_s: float | None = None) -> None:
+                 max_request_s: float | None = None,
+                 stream_idle_s: float | None = None) -> None:
         self.session = session
+        self.stream_idle_s = stream_idle_s  # no whole frame this long mid-stream: failed
         # sock_read: the backend went quiet; total: no answer, streamed or not, runs longer
         # than max_request_s (a stream then ends with an error event)
         self.timeout = aiohttp.ClientTimeout(total=max_request_s, sock_connect=10,
@@ -128,7 +130,7 @@ class Upstream:
                 return web.Response(body=data, status=status, content_type=content_type)
             return await relay_stream(request, resp, listener, wants_usage, creq.endpoint,
                                       progress, resume, started, mover,
-                                      early)
+                                      early, self.stream_idle_s)
 
     async def _movable_post(self, mover: Mover, handle: BackendHandle, path: str,
                             body: dict[str, Any], priority: int) -> aiohttp.ClientResponse:

@@ -121,7 +121,8 @@ def group(rows: Iterable[dict[str, Any]], by: list[str]) -> list[dict[str, Any]]
 
 def to_csv(rows: list[dict[str, Any]], by: list[str]) -> str:
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
+    # RFC 4180 rows: with CRLF as the terminator a CR inside a cell is quoted too
+    writer = csv.writer(buffer, lineterminator="\r\n")
     columns = [*by, *COUNTERS, "total_tokens"]
     writer.writerow(columns)
     for row in rows:
@@ -129,8 +130,11 @@ def to_csv(rows: list[dict[str, Any]], by: list[str]) -> str:
     return buffer.getvalue()
 
 
+FORMULA_LEADS = ("=", "+", "-", "@", "\t", "\r")  # OWASP's CSV-injection list
+
+
 def _cell(value: Any) -> Any:
     """A text cell a spreadsheet will not run as a formula."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@"):
+    if isinstance(value, str) and value[:1] in FORMULA_LEADS:
         return "'" + value
     return value

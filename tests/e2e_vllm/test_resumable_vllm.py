@@ -20,7 +20,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import openai
@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.core.settings import Backend
 from gateway.http.server import GatewayServer
+from gateway.scheduling.running import RunningEntry
 from tests.e2e_vllm.conftest import (
     TIMINGS,
     Launched,
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.vllm
 SLOTS = 8  # --max-num-seqs of this module's server
 STREAMS = 12
 STREAM_TOKENS = 200
-CUT_AFTER = 4  # content chunks a stream on the killed server has read at the kill
+CUT_AFTER = 4  # tokens a stream on the killed server has generated at the kill
 RUN_TIMEOUT_S = 180.0
 KEYS = ("sk-alice", "sk-bob", "sk-carol")
 CPU_SCRAPES: dict[str, Any] = {
@@ -155,7 +156,6 @@ class Stream:
     usage: tuple[int, int] | None = None  # (prompt, completion) tokens
     error: str | None = None
     ids: set[str] = field(default_factory=set)
-    request_id: str | None = None  # fairgate's (X-Request-Id)
 
 
 def is_chat(i: int) -> bool:
@@ -173,28 +173,17 @@ def stream_args(model: str, i: int, max_tokens: int) -> dict[str, Any]:
     return args
 
 
-class Watcher(Protocol):
-    async def located(self, stream: Stream) -> None:
-        """The stream's headers came (fairgate has dispatched it)."""
-
-    def chunk(self, stream: Stream) -> None:
-        """The stream read a content chunk."""
-
-
 async def run_stream(client: openai.AsyncOpenAI, out: Stream, args: dict[str, Any],
                      progressed: asyncio.Event | None = None,
-                     watcher: Watcher | None = None) -> Stream:
+                     on_chunk: Callable[[Stream], None] | None = None) -> Stream:
     """Read one stream to its end (bounded), recording what came; ``progressed`` is set
-    and ``watcher`` told at each content chunk."""
+    and ``on_chunk`` called at each content chunk."""
     chat = "messages" in args
     try:
         async with asyncio.timeout(RUN_TIMEOUT_S):
             create = client.chat.completions.create if chat else client.completions.create
             stream: Any = await create(**args, stream=True,
                                        stream_options={"include_usage": True})
-            out.request_id = stream.response.headers.get("x-request-id")
-            if watcher is not None:
-                await watcher.located(out)
             async for chunk in stream:
                 out.ids.add(chunk.id)
                 if chunk.usage is not None:
@@ -208,8 +197,8 @@ async def run_stream(client: openai.AsyncOpenAI, out: Stream, args: dict[str, An
                             out.first_at = time.monotonic()
                         if progressed is not None:
                             progressed.set()
-                        if watcher is not None:
-                            watcher.chunk(out)
+                        if on_chunk is not None:
+                            on_chunk(out)
                     if choice.finish_reason is not None:
                         out.finish = choice.finish_reason
     except (openai.APIError, TimeoutError) as exc:
@@ -222,31 +211,25 @@ async def run_stream(client: openai.AsyncOpenAI, out: Stream, args: dict[str, An
 
 @dataclass
 class KillMidStream:
-    """Kills ``victim`` the moment a stream that fairgate runs there has read CUT_AFTER
-    content chunks (checked at each chunk the client reads: the answers of the tiny model
-    take well under a second, no timer would catch them); ``at_kill``: the victim's
-    streams that had output then."""
+    """Kills ``victim`` the moment fairgate has relayed CUT_AFTER (not all) generated
+    tokens of a stream running there (by the gateway's own record of its running requests, checked
+    at every chunk a client reads: the tiny model's answers take under a second, the
+    clients read behind the gateway, no timer would catch them); ``at_kill``: the
+    requests on the victim with output then."""
 
     gw: GatewayServer
-    model: str
     victim: str
     kill: Callable[[], None]
     streams: list[Stream]
-    backends: dict[int, str] = field(default_factory=dict)  # stream index → backend
-    at_kill: list[Stream] | None = None
+    at_kill: list[RunningEntry] | None = None
 
-    async def located(self, stream: Stream) -> None:
-        assert stream.request_id is not None, "no X-Request-Id on the stream"
-        grant = await self.gw.services.store.dispatched(self.model, stream.request_id)
-        if grant is not None:
-            self.backends[stream.index] = grant.backend
-
-    def chunk(self, stream: Stream) -> None:
-        if self.at_kill is None and self.backends.get(stream.index) == self.victim and (
-                stream.chunks >= CUT_AFTER):
+    def __call__(self, stream: Stream) -> None:
+        if self.at_kill is not None:
+            return
+        there = self.gw.services.running.entries(self.victim)
+        if any(CUT_AFTER <= e.generated < STREAM_TOKENS for e in there):
             self.kill()
-            self.at_kill = [s for s in self.streams if s.chunks > 0 and s.ended_at is None
-                            and self.backends.get(s.index) == self.victim]
+            self.at_kill = [e for e in there if 0 < e.generated < STREAM_TOKENS]
 
 
 async def twelve_streams(gw: GatewayServer, model: str,
@@ -279,11 +262,10 @@ async def test_a_killed_vllm_server_streams_continue_on_the_other(
     async with gateway(redis_url, servers) as gw:
         reference = await twelve_streams(gw, model)
         await settled(gw, model)
-        killer = KillMidStream(gw, model, "cpu1", eight_slots.kill,
+        killer = KillMidStream(gw, "cpu1", eight_slots.kill,
                                [Stream(i) for i in range(STREAMS)])
         streams = await twelve_streams(gw, model, killer)
-        assert killer.at_kill is not None, (
-            f"no stream read {CUT_AFTER} chunks from cpu1: {killer.backends}")
+        assert killer.at_kill is not None, f"no stream had {CUT_AFTER} tokens from cpu1"
         await eight_slots.reap()
         await settled(gw, model)
         continued = await gateway_counter(gw, "fairgate_continuations_total",

@@ -146,14 +146,15 @@ def test_tenant_series_are_bounded() -> None:
     assert labels == {"t0", "t1", "other"}
 
 
-@pytest.mark.parametrize("value", ["=cmd()", "+1", "-2", "@x"])
+@pytest.mark.parametrize("value", ["=cmd()", "+1", "-2", "@x", "\t=cmd()", "\r=cmd()"])
 def test_csv_cells_never_run_as_formulas(value: str) -> None:
     from gateway.scheduling.usage import to_csv
 
     text = to_csv([{"tenant": value, "requests": 1, "prompt_tokens": 0,
                     "completion_tokens": 0, "errors": 0, "cancelled": 0, "cached_prompt_tokens": 0,
                     "total_tokens": 0}], ["tenant"])
-    assert text.splitlines()[1].startswith("'")
+    [row] = list(csv.reader(io.StringIO(text, newline="")))[1:]
+    assert row[0] == "'" + value, f"cell {row[0]!r} for {value!r}"
 
 
 async def test_a_client_that_hangs_up_counts_as_cancelled_not_as_an_error(
