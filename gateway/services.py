@@ -138,6 +138,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         usage = UsageLedger(client, settings.usage_retention_days,
                             lambda: config.current.models())
         running = RunningStreams(lambda: config.current.max_moves)
+        dispatcher.preemptor.streams = running  # preemption orders move this process's
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage, running)
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s,

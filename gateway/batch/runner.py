@@ -275,8 +275,11 @@ class BatchRunner(ReadsSettings):
                 async with self.admission.admitted(line.model, doc["user"], "batch",
                                                    doc.get("weight", 1.0), creq,
                                                    account=account) as ticket:
+                    # a whole answer nobody saw yet: moved (drain, preemption) or failing
+                    # it is sent again elsewhere, recorded once below
                     answer = await self.upstream.fetch(ticket.backend, creq,
-                                                       ticket.priority, ticket)
+                                                       ticket.priority, ticket,
+                                                       ticket.continuation, ticket.mover)
                     # record before releasing: the crash window that would run the line
                     # again (answer received, not yet recorded) stays as short as it can
                     await self._record_answer(batch_id, line, *answer)

@@ -259,6 +259,13 @@ class GatewayMetrics:
             "its weight's share among the backlogged; 1 is exactly fair "
             "(policies/share_ratio.py)", ["model", "level", "name"], registry=r,
             multiprocess_mode=SHARED)
+        # Preemption for fairness (policies/preemption.py): streams this replica moved off
+        # a full backend for a waiting request of a higher class, by the victim's class
+        self.preemptions = Counter(
+            "fairgate_preemptions_total",
+            "Running requests preempted (their slot given to a waiting request of a higher "
+            "class; they continue later, fairgate_continuations_total{reason=\"preempt\"})",
+            ["model", "priority_class"], registry=r)
         # Continued answers (gateway/proxy/continuation.py): why, and what they cost.
         self.continuations = Counter(
             "fairgate_continuations_total",
@@ -423,6 +430,19 @@ class GatewayMetrics:
         queried = sum(q for _, _, q in recent) if recent else 0
         return sum(h for _, h, _ in recent) / queried if recent and queried else None
 
+    def moves_view(self) -> dict[str, Any]:
+        """This replica's continued answers by reason (continued, failed, tokens sent
+        again) and its preemptions by model and class: the dashboard's reliability panel."""
+        reasons: dict[str, dict[str, float]] = {}
+        for sample in _totals(self.continuations):
+            row = reasons.setdefault(sample.labels["reason"], {})
+            row[sample.labels["outcome"]] = sample.value
+        for sample in _totals(self.continuation_recomputed_tokens):
+            reasons.setdefault(sample.labels["reason"], {})["recomputed_tokens"] = sample.value
+        preempted = {f"{s.labels['model']} · {s.labels['priority_class']}": s.value
+                     for s in _totals(self.preemptions)}
+        return {"continuations": reasons, "preempted": preempted}
+
     def dispatch_rate(self, backend: str) -> float:
         """Dispatches per second to ``backend`` over the last few seconds (this replica)."""
         recent = self.recent_dispatches.get(backend)
@@ -478,3 +498,9 @@ class StreamTiming:
         if self.first_token_s is None:
             self.first_token_s = now
         self.last_token_s = now
+
+
+def _totals(counter: Counter) -> list[Any]:
+    """A labelled counter's ``_total`` samples (one per label set seen)."""
+    return [sample for family in counter.collect() for sample in family.samples
+            if sample.name.endswith("_total")]

@@ -33,6 +33,7 @@ from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, def
 from policies.fairness import POLICIES
 from policies.gates import GatePolicy
 from policies.pacing import PacingTargets
+from policies.preemption import PreemptRule
 from policies.prefill import PromptRange
 
 
@@ -219,6 +220,12 @@ class ClassConfig(BaseModel):
     # before it takes more of this class (policies/prefill.py); None: the backend's
     # max_num_batched_tokens × PREFILL_GATE_STEPS; 0: no limit
     max_waiting_prefill_tokens: int | None = Field(ge=0)
+    # preemption (policies/preemption.py): its running requests may be preempted for a
+    # higher class; its waiting requests may preempt after preempt_after_ms (None: never);
+    # one request is preempted at most max_preemptions times
+    preemptible: bool
+    preempt_after_ms: int | None = Field(ge=0)
+    max_preemptions: int = Field(ge=0, le=10)
 
     @classmethod
     def of(cls, spec: ClassSpec) -> ClassConfig:
@@ -227,6 +234,10 @@ class ClassConfig(BaseModel):
 
     def gate(self) -> GatePolicy:
         return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)
+
+    def preempt_rule(self) -> PreemptRule:
+        after_s = None if self.preempt_after_ms is None else self.preempt_after_ms / 1000.0
+        return PreemptRule(self.preemptible, after_s, self.max_preemptions, self.max_kv_usage)
 
     def pacing_targets(self) -> PacingTargets:
         ttft_slo_s = None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000.0
@@ -354,6 +365,14 @@ class Settings(BaseSettings):
     # scheduler at most `continue_wait_s`.
     continue_attempts: int = Field(2, ge=0, le=10)
     continue_wait_s: float = Field(60.0, gt=0)
+    # Preemption for fairness (policies/preemption.py, docs/scheduling.md): a request of a
+    # higher class that waited its class's preempt_after_ms while the model's backends are
+    # full takes the slot of a running request of a preemptible lower class, which
+    # continues later from its token ids. false: never.
+    preemption: bool = True
+    # also within a preemptible class: a waiting user whose fairness score is this far
+    # (service units) below a running user's may take its slot; None: only across classes
+    preempt_fair_gap: float | None = Field(None, gt=0)
     # A running answer moved on purpose (a drain with migrate, preemption) continues the
     # same way; one request is moved at most this many times (its own budget, apart from
     # `continue_attempts`; 0: nothing is ever moved).

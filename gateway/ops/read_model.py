@@ -147,7 +147,8 @@ class Inspector(ReadsSettings):
                                                 key=lambda kv: -kv[1])[:TOP_USERS]),
             }
         return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
-                "models": models, "history": await self.history.view()}
+                "models": models, "history": await self.history.view(),
+                "moves": self.metrics.moves_view()}
 
     async def refresh_queue_metrics(self) -> None:
         """Gauges read from Redis at scrape time: queue depth and oldest wait, and the

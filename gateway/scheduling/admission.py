@@ -50,6 +50,7 @@ from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.values import continuation_id
 from policies.cost import estimate_prompt_tokens, max_cost_tokens
 from policies.fairness import FairnessPolicy, tenant_of
 from policies.locality import prefix_chain
@@ -283,7 +284,7 @@ class Admission(ReadsSettings):
                                (prefix_chain(creq.body) if self.settings.routing == "locality"
                                 else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
-                               prompt_tokens=prompt_est)
+                               prompt_tokens=prompt_est, whole=not creq.stream)
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -388,12 +389,13 @@ class Admission(ReadsSettings):
         if not allowed:
             self.metrics.continuations.labels(reason, "failed").inc()
             return None
-        return self._continuation(model, queued, reason, tokens, failed, running)
+        number = original.continuations + running.moves  # this attempt's, from 1
+        return self._continuation(model, queued, reason, tokens, failed, running, number)
 
     @asynccontextmanager
     async def _continuation(self, model: str, queued: QueuedRequest, reason: str,
                             tokens: int, failed: BackendHandle,
-                            running: Running) -> AsyncIterator[Ticket]:
+                            running: Running, number: int) -> AsyncIterator[Ticket]:
         """The rest of an answer, scheduled like a request at the head of its user's queue
         (the earliest deadline) that costs nothing: the original request's settle charges
         the whole answer once, so the tokens sent again are charged to nobody (they are
@@ -403,7 +405,10 @@ class Admission(ReadsSettings):
         if reason == FAILOVER:
             self.pool.unreachable(failed, ConnectionError("the answer failed mid-way"))
         paused = time.monotonic()
-        cont = replace(queued, request_id=uuid.uuid4().hex, cost=0.0, tenant_cost=0.0,
+        # its id names the answer it continues (whoever reads this replica's running set
+        # in Redis, preemption, tells the answer's segments apart)
+        cont = replace(queued, request_id=continuation_id(queued.request_id, number),
+                       cost=0.0, tenant_cost=0.0,
                        enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens)
         cls_cfg = self.settings.classes[queued.klass]
         grant = await self.dispatcher.acquire(

@@ -39,6 +39,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "listened": "listened",               # hash: replica -> its grant listener's last turn
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
+    "preempts": "preempts:{replica}",     # list: preemption orders for streams a replica holds
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
     "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
@@ -46,6 +47,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
+    "backend_preempt": "bk:{backend}:preempt",  # string: when its last preemption was ordered
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
     "service_who": "service:who",         # hash: user -> JSON [tenant, weight, tenant weight]
@@ -155,6 +157,12 @@ class ModelKeys:
 
     def running(self, replica: str) -> str:
         return self._key("running", replica=replica)
+
+    def preempts(self, replica: str) -> str:
+        return self._key("preempts", replica=replica)
+
+    def backend_preempt(self, backend: str) -> str:
+        return self._key("backend_preempt", backend=backend)
 
     def backend_started(self, backend: str) -> str:
         return self._key("backend_started", backend=backend)

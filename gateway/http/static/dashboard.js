@@ -220,6 +220,23 @@ function sharesPanel(shares, ratios) {
            ""], rows, "no service yet"));
 }
 
+function movesPanel(moves) {
+  // continued answers (failover, drain, preempt) and preemptions, this replica's counts
+  const reasons = (moves && moves.continuations) || {};
+  const rows = Object.entries(reasons).map(([reason, r]) => el("tr", { "data-reason": reason },
+    el("td", {}, reason), el("td", { "data-metric": "continued" }, fmt(r.continued || 0, 0)),
+    el("td", { "data-metric": "failed" }, fmt(r.failed || 0, 0)),
+    el("td", { "data-metric": "recomputed" }, fmt(r.recomputed_tokens || 0, 0))));
+  const preempted = Object.entries((moves && moves.preempted) || {})
+    .map(([what, n]) => `${what}: ${fmt(n, 0)}`).join(" · ");
+  return el("section", { class: "model" }, el("h2", {}, "Continued answers and preemption"),
+    el("div", { class: "panel" },
+      table(["reason", "continued", "failed", "tokens sent again"], rows,
+            "no answer continued yet"),
+      el("p", { class: "meta", "data-metric": "preempted" },
+         `preempted (this replica): ${preempted || "none"}`)));
+}
+
 function batchesPanel(batches) {
   const rows = (batches || []).map((b) => el("tr", { "data-batch": b.id },
     el("td", {}, b.id), el("td", {}, b.user), el("td", {}, b.status),
@@ -426,7 +443,8 @@ function render(state) {
       el("div", { class: "grid" },
         backendsPanel(m.backends), queuesPanel(model, m.queues),
         usersPanel(m.queues), sharesPanel(m.service_shares, m.share_ratios))));
-  root.replaceChildren(...sections, usagePanel(state.usage_today), batchesPanel(state.batches));
+  root.replaceChildren(...sections, usagePanel(state.usage_today), batchesPanel(state.batches),
+                       movesPanel(state.moves));
   const grafana = document.getElementById("grafana");
   if (state.grafana_url) grafana.setAttribute("href", state.grafana_url);
   grafana.hidden = !state.grafana_url;
