@@ -452,6 +452,7 @@ def test_vllm_pools_carry_the_fairgate_contract(releases: dict[str, Release], ca
         assert mounts["/cache"] == "cache"
 
 
+@pytest.mark.parametrize("case_id", list(RENDERS))
 def test_vllm_pods_drain_with_migrate_before_they_stop(
     releases: dict[str, Release], case_id: str
 ) -> None:

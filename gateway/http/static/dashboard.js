@@ -349,14 +349,14 @@ function describe(button) {
 async function perform(what) {
   try {
     const headers = { "X-CSRF-Token": csrfToken || "" };
-    let body;
+    let sent;
     if (what.grace) {
       headers["Content-Type"] = "application/json";
-      body = JSON.stringify({ migrate: true,
+      sent = JSON.stringify({ migrate: true,
                               grace_s: Number(document.getElementById("grace-s").value) });
     }
     const resp = await fetch(what.url, { method: what.method, credentials: "same-origin",
-                                         headers, body });
+                                         headers, body: sent });
     const body = await resp.json().catch(() => ({}));
     if (resp.ok) flash(what.done, true);
     else flash(`failed: ${(body.error && body.error.message) || `HTTP ${resp.status}`}`, false);
