@@ -139,9 +139,11 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         usage = UsageLedger(client, settings.usage_retention_days,
                             lambda: config.current.models())
         running = RunningStreams(lambda: config.current.max_moves)
+        dispatcher.preemptor.streams = running  # preemption orders move this process's
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage, running)
-        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s)
+        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s,
+                            settings.stream_idle_timeout_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
         runner = BatchRunner(config, admission, upstream, files, batches, metrics,

@@ -4,9 +4,10 @@ Lower position = served first. Each row holds the class's defaults — the only 
 are written: its vLLM priority base, its pacing gate (``max_waiting``, ``max_tpot_ms``,
 ``max_kv_usage``), how long a request may wait, its starvation floor (the share of recent
 dispatches a backlogged class is owed; see ``policies/starvation.py``), its default
-first-token deadline (``ttft_slo_ms``; None: none, a client may still send one) and its
+first-token deadline (``ttft_slo_ms``; None: none, a client may still send one), its
 prefill-token limit (``max_waiting_prefill_tokens``; None: from the backend's step budget,
-see ``policies/prefill.py``). ``gateway/core/settings.py``'s class entries start from these rows.
+see ``policies/prefill.py``) and its preemption rule (``policies/preemption.py``).
+``gateway/core/settings.py``'s class entries start from these rows.
 """
 
 from __future__ import annotations
@@ -25,13 +26,23 @@ class ClassSpec:
     max_tpot_ms: float = 150.0
     max_kv_usage: float | None = None
     max_waiting_prefill_tokens: int | None = None
+    # preemption for fairness (policies/preemption.py): its running requests may give
+    # their slot to a waiting request of a higher class; a waiting request of the class may
+    # take one after this long (None: never); one request is preempted at most this often
+    preemptible: bool = False
+    preempt_after_ms: int | None = None
+    max_preemptions: int = 2
 
 
 CLASSES: tuple[ClassSpec, ...] = (
-    ClassSpec("interactive", priority_base=0, max_waiting=3, max_queue_wait_s=300.0, floor=0.0),
-    ClassSpec("default", priority_base=1000, max_waiting=3, max_queue_wait_s=300.0, floor=0.10),
-    # batch runs only when the backend queue is empty: a little idle GPU beats a slower user
-    ClassSpec("batch", priority_base=2000, max_waiting=1, max_queue_wait_s=86400.0, floor=0.05),
+    ClassSpec("interactive", priority_base=0, max_waiting=3, max_queue_wait_s=300.0, floor=0.0,
+              preempt_after_ms=500),
+    ClassSpec("default", priority_base=1000, max_waiting=3, max_queue_wait_s=300.0, floor=0.10,
+              preempt_after_ms=2000),
+    # batch runs only when the backend queue is empty: a little idle GPU beats a slower
+    # user; a batch request gives its slot back when a higher class waits (preemption)
+    ClassSpec("batch", priority_base=2000, max_waiting=1, max_queue_wait_s=86400.0, floor=0.05,
+              preemptible=True),
 )
 CLASS_ORDER: tuple[str, ...] = tuple(c.name for c in CLASSES)
 SPECS: dict[str, ClassSpec] = {c.name: c for c in CLASSES}

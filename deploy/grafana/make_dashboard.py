@@ -205,6 +205,21 @@ def build() -> dict[str, Any]:
         (f'sum(rate(fairgate_dispatches_total{{{M},priority_class="batch"}}[{RI}]))',
          "dispatched/s")]))
 
+    lay.row("Reliability: continued answers and preemption")
+    lay.add(timeseries("Preemptions/s by the preempted request's class", [
+        (f"sum by (priority_class) (rate(fairgate_preemptions_total{{{M}}}[{RI}]))",
+         "{{priority_class}}")], unit="reqps", stack=True,
+        description="Running requests that gave their slot to a waiting request of a "
+                    "higher class (docs/scheduling.md, preemption)"))
+    lay.add(timeseries("Continued answers/s by reason and outcome", [
+        (f"sum by (reason, outcome) (rate(fairgate_continuations_total[{RI}]))",
+         "{{reason}} {{outcome}}")], unit="reqps", stack=True))
+    lay.add(timeseries("Tokens sent again by continuations/s (the cost)", [
+        (f"sum by (reason) (rate(fairgate_continuation_recomputed_tokens_total[{RI}]))",
+         "{{reason}}")]))
+    lay.add(timeseries("Pause of a continued answer (p50, p90)", quantiles(
+        "fairgate_continuation_pause_seconds", "reason", (0.5, 0.9)), unit="s"))
+
     lay.row("Errors and Redis")
     lay.add(timeseries("Errors/s by status and type", [
         (f"sum by (status, type) (rate(fairgate_errors_total[{RI}]))", "{{status}} {{type}}")],

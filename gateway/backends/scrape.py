@@ -50,6 +50,7 @@ from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHold
 from gateway.core.supervise import supervise
 from gateway.storage.store import (
     BackendFit,
+    BackendState,
     LeaseWish,
     ScrapeView,
     Store,
@@ -87,6 +88,7 @@ class BackendHandle:
     max_model_len: int | None = None  # from its /v1/models, once it is healthy
     model_card_read: bool = False
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
+    judged: asyncio.Event = field(default_factory=asyncio.Event)  # scraped, or failed, once
     # each class's gate by the latest snapshot, computed once when it arrives
     gates: dict[str, Gate] = field(default_factory=lambda: dict.fromkeys(
         CLASS_ORDER, Gate(0, "stale")))
@@ -109,6 +111,16 @@ class BackendHandle:
         return {c: Gate(g.limit, "prefill_tokens")
                 if g.reason is None and 0 < self.fit.prefill_limits.get(c, 0) <= pending
                 else g for c, g in gates.items()}
+
+    def badge_gates(self, state: BackendState, now_s: float,
+                    stale_after_s: float) -> dict[str, Gate]:
+        """Each class's gate as operators see it now (the dashboard's badges and its
+        gates-closed chart): in force at ``now_s``, with pending prefill shown, once the
+        requests in transit that Redis holds (``state``) count against it."""
+        in_transit = state.sent_since_snapshot + state.unseen
+        return {c: g.after(in_transit, state.started_since_snapshot, state.inflight)
+                for c, g in self.shown_gates(self.gates_at(now_s, stale_after_s),
+                                             state.pending_prefill_tokens).items()}
 
     def gates_at(self, now_s: float, stale_after_s: float) -> dict[str, Gate]:
         """The gates in force now: the snapshot's, unless drained, unhealthy or stale."""
@@ -189,6 +201,30 @@ class BackendPool(ReadsSettings):
 
     def any_healthy(self, model: str | None = None) -> bool:
         handles = self.for_model(model) if model else list(self.handles.values())
+        return any(h.healthy for h in handles)
+
+    async def first_scrapes(self, model: str, timeout_s: float) -> bool:
+        """Right after the start (or a reload that added backends): wait, at most
+        ``timeout_s``, until a backend of ``model`` is healthy or each was scraped or
+        failed once, so a request that came before the first scrape is not told there is
+        no healthy backend. Whether one is healthy."""
+        handles = self.for_model(model)
+        pending = {asyncio.ensure_future(h.judged.wait()) for h in handles
+                   if not h.judged.is_set()}
+        if pending:
+            log.info("waiting_for_first_scrape", model=model, backends=len(pending))
+            self.metrics.first_scrape_waits.labels(model).inc()
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        try:
+            while pending and not any(h.healthy for h in handles):
+                left = deadline - asyncio.get_running_loop().time()
+                done, pending = await asyncio.wait(pending, timeout=max(left, 0),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    break
+        finally:
+            for task in pending:
+                task.cancel()
         return any(h.healthy for h in handles)
 
     @property
@@ -453,6 +489,7 @@ class BackendPool(ReadsSettings):
                                            after.reason if changed else None)
         self._record(handle, snap)
         handle.scraped.set()
+        handle.judged.set()
         self.on_snapshot()
 
     def max_model_len(self, model: str) -> int | None:
@@ -499,6 +536,7 @@ class BackendPool(ReadsSettings):
         self.metrics.backend_healthy.labels(handle.name).set(1 if handle.healthy else 0)
         reason = "drained" if handle.drained else "stale"
         self.metrics.record_gates(handle.name, dict.fromkeys(CLASS_ORDER, reason), time.time())
+        handle.judged.set()
 
     def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
         m, name = self.metrics, handle.name

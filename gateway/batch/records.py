@@ -60,8 +60,8 @@ class BatchStore:
         pipe.hlen(keys.out)
         pipe.hlen(keys.err)
         fields, done, failed = await pipe.execute()
-        if not fields:
-            return None
+        if "doc" not in fields or "status" not in fields:
+            return None  # none, or a remnant of one Redis lost (a result written after)
         return {**fields, "completed": str(done), "failed": str(failed)}
 
     async def get(self, user: str, batch_id: str) -> dict[str, Any]:
@@ -127,6 +127,15 @@ class BatchStore:
 
     async def retire(self, batch_id: str) -> None:
         await self.client.srem(ACTIVE_BATCHES, batch_id)
+
+    async def forget(self, batch_id: str) -> None:
+        """Drop what is left of a batch whose record Redis lost (restarted empty): the
+        results written since and its place among the active batches."""
+        keys = BatchKeys(batch_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(keys.hash, keys.out, keys.err, keys.lease)
+        pipe.srem(ACTIVE_BATCHES, batch_id)
+        await pipe.execute()
 
 
 def to_openai(raw: dict[str, str]) -> dict[str, Any]:

@@ -11,6 +11,10 @@ runs only the lines without a result. A line that was at the backend when its ru
 was aborted there (the connection closed) and runs again; only a line whose answer had
 arrived but was not yet recorded at the moment of the crash (a window of one Redis
 round trip) can have been executed twice — at-least-once there, exactly once elsewhere.
+
+A batch whose key is revoked (or taken out of the config) is cancelled at its next line:
+the lines under way are aborted, those that finished stay in its files, and its
+``errors`` say ``api_key_revoked``.
 """
 
 from __future__ import annotations
@@ -139,7 +143,10 @@ class BatchRunner(ReadsSettings):
 
     async def _execute_batch(self, batch_id: str) -> None:
         raw = await self.batches.raw(batch_id)
-        if raw is None or raw["status"] in FINAL:
+        if raw is None:
+            await self.batches.forget(batch_id)
+            return
+        if raw["status"] in FINAL:
             await self.batches.retire(batch_id)
             return
         doc = json.loads(raw["doc"])
@@ -161,10 +168,15 @@ class BatchRunner(ReadsSettings):
             outcome = await self._feed(batch_id, doc, pending)
             if outcome != "completed":
                 break
+        if outcome == "lost":  # Redis restarted empty: there is no batch to finish
+            log.warning("batch_record_lost", batch_id=batch_id, total=len(lines))
+            await self.batches.forget(batch_id)
+            return
         await self._finalize(batch_id, doc, lines, outcome)
 
     async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
-        """Run the pending lines; returns "completed", "cancelled" or "expired"."""
+        """Run the pending lines; returns "completed", "cancelled", "expired", "revoked"
+        (its key) or "lost" (the record is gone)."""
         slots = asyncio.Semaphore(self.feed_limit())
         tasks: set[asyncio.Task[None]] = set()
         outcome = "completed"
@@ -209,7 +221,7 @@ class BatchRunner(ReadsSettings):
 
     async def _account(self, doc: dict[str, Any]) -> ApiKey:
         """Whose limits and budgets the lines count against: the owner's key (as it is
-        now), or, for a key since revoked, its tenant's."""
+        now), or its tenant's until a revoked key's batch is cancelled (its next line)."""
         key_id = doc.get("key_id")
         found = None
         if key_id and self.account_of is not None:
@@ -227,11 +239,26 @@ class BatchRunner(ReadsSettings):
             raw = await self.batches.raw(batch_id)
         except StoreUnavailable:
             return "completed"  # cannot tell while Redis is down: go on, ask again later
-        if raw is None or raw["status"] == "cancelling":
+        if raw is None:
+            return "lost"
+        if raw["status"] == "cancelling":
             return "cancelled"
-        if time.time() >= json.loads(raw["doc"])["expires_at"]:
+        doc = json.loads(raw["doc"])
+        if time.time() >= doc["expires_at"]:
             return "expired"
+        if await self._revoked(doc):
+            return "revoked"
         return "completed"
+
+    async def _revoked(self, doc: dict[str, Any]) -> bool:
+        """Was the key that created the batch revoked (or taken out of the config)?"""
+        key_id = doc.get("key_id")
+        if not key_id or self.account_of is None:
+            return False
+        try:
+            return await self.account_of(key_id) is None
+        except StoreUnavailable:
+            return False  # cannot tell while Redis is down: go on, ask again later
 
     async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine,
                             account: ApiKey | None = None) -> None:
@@ -248,8 +275,11 @@ class BatchRunner(ReadsSettings):
                 async with self.admission.admitted(line.model, doc["user"], "batch",
                                                    doc.get("weight", 1.0), creq,
                                                    account=account) as ticket:
+                    # a whole answer nobody saw yet: moved (drain, preemption) or failing
+                    # it is sent again elsewhere, recorded once below
                     answer = await self.upstream.fetch(ticket.backend, creq,
-                                                       ticket.priority, ticket)
+                                                       ticket.priority, ticket,
+                                                       ticket.continuation, ticket.mover)
                     # record before releasing: the crash window that would run the line
                     # again (answer received, not yet recorded) stays as short as it can
                     await self._record_answer(batch_id, line, *answer)
@@ -322,10 +352,17 @@ class BatchRunner(ReadsSettings):
                 meta = await self.files.create(doc["user"], f"{batch_id}_{suffix}.jsonl",
                                                "batch_output", data)
                 fields[name] = meta.id
+        if outcome == "revoked":
+            fields["errors"] = json.dumps({"object": "list", "data": [{
+                "code": "api_key_revoked", "param": None, "line": None,
+                "message": "the API key that created this batch was revoked: the batch was "
+                           "cancelled, the lines that had finished are in its files"}]})
         if fields:
             await self.batches.set_fields(batch_id, **fields)
         final = {"completed": ("completed", "completed_at", ("finalizing",)),
                  "cancelled": ("cancelled", "cancelled_at", ("cancelling", "in_progress")),
+                 "revoked": ("cancelled", "cancelled_at",
+                             ("cancelling", "in_progress", "validating")),
                  "expired": ("expired", "expired_at", ("in_progress", "validating"))}[outcome]
         await self.batches.transition(batch_id, final[2], final[0], final[1])
         await self.batches.retire(batch_id)

@@ -33,6 +33,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 
 RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
 DISPATCH_RATE_WINDOW_S = 10.0
+MAX_RECENT_TTFT = 100_000  # first-token times kept for the history's next interval
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SHARED: Final = "livemostrecent"
 """Multiprocess mode of a gauge set from state every worker sees alike."""
@@ -90,6 +91,8 @@ class GatewayMetrics:
         # model -> user -> (tenant, weight, tenant weight) of users queued since the last
         # flush: the share ratio needs the weight of a backlogged user not served yet
         self.pending_who: dict[str, dict[str, tuple[str, float, float]]] = {}
+        # streams' times to first token (s) since the history's last interval ended
+        self.recent_ttft: list[float] = []
         self._share_series: set[tuple[str, str, str]] = set()
         self.recent_dispatches: dict[str, deque[float]] = {}
         # per backend: (time, hit blocks, query blocks) of this replica's recent dispatches
@@ -255,6 +258,13 @@ class GatewayMetrics:
             "its weight's share among the backlogged; 1 is exactly fair "
             "(policies/share_ratio.py)", ["model", "level", "name"], registry=r,
             multiprocess_mode=SHARED)
+        # Preemption for fairness (policies/preemption.py): streams this replica moved off
+        # a full backend for a waiting request of a higher class, by the victim's class
+        self.preemptions = Counter(
+            "fairgate_preemptions_total",
+            "Running requests preempted (their slot given to a waiting request of a higher "
+            "class; they continue later, fairgate_continuations_total{reason=\"preempt\"})",
+            ["model", "priority_class"], registry=r)
         # Continued answers (gateway/proxy/continuation.py): why, and what they cost.
         self.continuations = Counter(
             "fairgate_continuations_total",
@@ -271,6 +281,10 @@ class GatewayMetrics:
             "fairgate_continuation_pause_seconds",
             "From a stream's failure to its continuation's first frame", ["reason"],
             buckets=TTFT_BUCKETS, registry=r)
+        self.first_scrape_waits = Counter(
+            "fairgate_first_scrape_waits_total",
+            "Requests that found no healthy backend of their model before its backends' "
+            "first scrape and waited for it (first_scrape_wait_s)", ["model"], registry=r)
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
@@ -307,7 +321,10 @@ class GatewayMetrics:
             timing.end_s = time.monotonic()
             self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
             if timing.first_token_s is not None:
-                self.ttft.labels(klass).observe(timing.first_token_s - timing.arrived_s)
+                ttft = timing.first_token_s - timing.arrived_s
+                self.ttft.labels(klass).observe(ttft)
+                if len(self.recent_ttft) < MAX_RECENT_TTFT:
+                    self.recent_ttft.append(ttft)
                 if output_tokens > 1 and timing.last_token_s is not None:
                     self.tpot.labels(klass).observe(
                         (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))
@@ -409,6 +426,19 @@ class GatewayMetrics:
         queried = sum(q for _, _, q in recent) if recent else 0
         return sum(h for _, h, _ in recent) / queried if recent and queried else None
 
+    def moves_view(self) -> dict[str, Any]:
+        """This replica's continued answers by reason (continued, failed, tokens sent
+        again) and its preemptions by model and class: the dashboard's reliability panel."""
+        reasons: dict[str, dict[str, float]] = {}
+        for sample in _totals(self.continuations):
+            row = reasons.setdefault(sample.labels["reason"], {})
+            row[sample.labels["outcome"]] = sample.value
+        for sample in _totals(self.continuation_recomputed_tokens):
+            reasons.setdefault(sample.labels["reason"], {})["recomputed_tokens"] = sample.value
+        preempted = {f"{s.labels['model']} · {s.labels['priority_class']}": s.value
+                     for s in _totals(self.preemptions)}
+        return {"continuations": reasons, "preempted": preempted}
+
     def dispatch_rate(self, backend: str) -> float:
         """Dispatches per second to ``backend`` over the last few seconds (this replica)."""
         recent = self.recent_dispatches.get(backend)
@@ -464,3 +494,9 @@ class StreamTiming:
         if self.first_token_s is None:
             self.first_token_s = now
         self.last_token_s = now
+
+
+def _totals(counter: Counter) -> list[Any]:
+    """A labelled counter's ``_total`` samples (one per label set seen)."""
+    return [sample for family in counter.collect() for sample in family.samples
+            if sample.name.endswith("_total")]

@@ -33,6 +33,7 @@ from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, def
 from policies.fairness import POLICIES
 from policies.gates import GatePolicy
 from policies.pacing import PacingTargets
+from policies.preemption import PreemptRule
 from policies.prefill import PromptRange
 
 
@@ -164,6 +165,22 @@ class Tenant(BaseModel):
     limits: UsageLimits | None = None
 
 
+# ':' joins the parts of a Redis key name (a user's queue is ``q:<class>:<tenant>:<user>``,
+# gateway/storage/keys.py) and '/' a trusted key's user to its end user ("app/alice"), so
+# neither may be part of a key's user or tenant: ("a", "b:c") and ("a:b", "c") would share
+# one queue, and a key of user "app/alice" would be an end user of the trusted key "app".
+NAME_SEPARATORS = (":", "/")
+
+
+def check_name(value: str) -> str:
+    """A user or tenant name of a key, else ValueError naming the separator it holds."""
+    held = [c for c in NAME_SEPARATORS if c in value]
+    if held:
+        raise ValueError(f"must not contain {' or '.join(map(repr, held))}: it separates "
+                         "the parts of Redis key names")
+    return value
+
+
 class ApiKey(BaseModel):
     key: str
     user: str
@@ -203,6 +220,12 @@ class ClassConfig(BaseModel):
     # before it takes more of this class (policies/prefill.py); None: the backend's
     # max_num_batched_tokens × PREFILL_GATE_STEPS; 0: no limit
     max_waiting_prefill_tokens: int | None = Field(ge=0)
+    # preemption (policies/preemption.py): its running requests may be preempted for a
+    # higher class; its waiting requests may preempt after preempt_after_ms (None: never);
+    # one request is preempted at most max_preemptions times
+    preemptible: bool
+    preempt_after_ms: int | None = Field(ge=0)
+    max_preemptions: int = Field(ge=0, le=10)
 
     @classmethod
     def of(cls, spec: ClassSpec) -> ClassConfig:
@@ -211,6 +234,10 @@ class ClassConfig(BaseModel):
 
     def gate(self) -> GatePolicy:
         return GatePolicy(self.max_waiting, self.max_tpot_ms, self.max_kv_usage)
+
+    def preempt_rule(self) -> PreemptRule:
+        after_s = None if self.preempt_after_ms is None else self.preempt_after_ms / 1000.0
+        return PreemptRule(self.preemptible, after_s, self.max_preemptions, self.max_kv_usage)
 
     def pacing_targets(self) -> PacingTargets:
         ttft_slo_s = None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000.0
@@ -274,6 +301,9 @@ class Settings(BaseSettings):
     scrape_interval_s: float = Field(0.1, gt=0)
     idle_scrape_interval_s: float = Field(0.5, gt=0)
     scrape_timeout_s: float = 1.0
+    # a request that finds no healthy backend of its model before each was scraped (or
+    # failed) once, right after the start, waits for that at most this long (then 503)
+    first_scrape_wait_s: float = Field(5.0, ge=0)
     snapshot_stale_s: float = 1.0
     unhealthy_after_failures: int = 3
     tpot_window_s: float = 5.0
@@ -309,6 +339,12 @@ class Settings(BaseSettings):
     max_unauthenticated_connections: int | None = Field(None, ge=1)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
+    # the Grafana dashboard (deploy/grafana/dashboards/fairgate.json) as operators reach
+    # it: the live dashboard links to it (None: no link)
+    grafana_url: str | None = None
+    # a streamed request sent with X-Fairgate-Queue-Status: 1 gets its 200 at once and an
+    # SSE comment with its place in the queue this often (gateway/http/queue_status.py)
+    queue_status_interval_s: float = Field(1.0, gt=0)
     max_body_bytes: int = 4 * 1024 * 1024
     # /tokenize and /detokenize (not queued): their own body limit, and how many of one
     # user's may be at the backends at once on a replica (beyond: 429)
@@ -317,6 +353,10 @@ class Settings(BaseSettings):
     max_queued_per_user: int = 1000
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
+    # a stream under way that brings no whole frame for this long is cut: continued
+    # elsewhere when it can be, else ended with an error event (bytes trickled in do not
+    # count: they reset aiohttp's sock_read timer, so upstream_timeout_s never fires)
+    stream_idle_timeout_s: float = Field(60.0, gt=0)
     upstream_keepalive_s: float = 4.0  # below uvicorn's 5 s idle close (vLLM's server)
     # A chat or completion whose backend fails mid-answer (connection reset, an error
     # event, a broken frame) continues on another backend of its model from the tokens
@@ -325,6 +365,14 @@ class Settings(BaseSettings):
     # scheduler at most `continue_wait_s`.
     continue_attempts: int = Field(2, ge=0, le=10)
     continue_wait_s: float = Field(60.0, gt=0)
+    # Preemption for fairness (policies/preemption.py, docs/scheduling.md): a request of a
+    # higher class that waited its class's preempt_after_ms while the model's backends are
+    # full takes the slot of a running request of a preemptible lower class, which
+    # continues later from its token ids. false: never.
+    preemption: bool = True
+    # also within a preemptible class: a waiting user whose fairness score is this far
+    # (service units) below a running user's may take its slot; None: only across classes
+    preempt_fair_gap: float | None = Field(None, gt=0)
     # A running answer moved on purpose (a drain with migrate, preemption) continues the
     # same way; one request is moved at most this many times (its own budget, apart from
     # `continue_attempts`; 0: nothing is ever moved).
@@ -367,6 +415,21 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_url_is_none(cls, value: Any) -> Any:
         return None if value == "" else value  # FAIRGATE_REDIS_URL="" unsets a file's
+
+    @model_validator(mode="after")
+    def _names_without_separators(self) -> Settings:
+        """The config's names (a key's are checked here, not by :class:`ApiKey`, which
+        also holds names read back from Redis and batch records)."""
+        named = [(f"api_keys.{i}.{field}", getattr(key, field))
+                 for i, key in enumerate(self.api_keys) for field in ("user", "tenant")]
+        named += [(f"tenants.{name}", name) for name in self.tenants]
+        for where, name in named:
+            if name is not None:
+                try:
+                    check_name(name)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {name!r} {exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:

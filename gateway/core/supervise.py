@@ -23,10 +23,31 @@ MAX_BACKOFF_S = 5.0
 HEALTHY_AFTER_S = 30.0  # a loop that ran this long before failing starts from a short pause
 
 
+class Backoff:
+    """Pauses between restarts: ``first_s`` doubling up to ``cap_s``; :meth:`reset` after
+    a run that was healthy. Shared by the loops here and the worker processes
+    (``gateway/runtime/workers.py``)."""
+
+    __slots__ = ("cap_s", "first_s", "next_s")
+
+    def __init__(self, first_s: float, cap_s: float) -> None:
+        self.first_s, self.cap_s = first_s, cap_s
+        self.next_s = first_s
+
+    def take(self) -> float:
+        """The pause to wait now; the next one doubles (up to the cap)."""
+        pause = self.next_s
+        self.next_s = min(self.next_s * 2, self.cap_s)
+        return pause
+
+    def reset(self) -> None:
+        self.next_s = self.first_s
+
+
 async def supervise(name: str, loop: Callable[[], Awaitable[None]], restarts: Counter,
                     first_backoff_s: float = FIRST_BACKOFF_S,
                     max_backoff_s: float = MAX_BACKOFF_S) -> None:
-    backoff = first_backoff_s
+    backoff = Backoff(first_backoff_s, max_backoff_s)
     while True:
         started = time.monotonic()
         try:
@@ -38,9 +59,8 @@ async def supervise(name: str, loop: Callable[[], Awaitable[None]], restarts: Co
             log.exception("loop_crashed", loop=name, error=str(exc))
         restarts.labels(name).inc()
         if time.monotonic() - started >= HEALTHY_AFTER_S:
-            backoff = first_backoff_s
-        await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-        backoff = min(backoff * 2, max_backoff_s)
+            backoff.reset()
+        await asyncio.sleep(backoff.take() * random.uniform(0.5, 1.5))
 
 
 def start(name: str, loop: Callable[[], Awaitable[None]], restarts: Counter

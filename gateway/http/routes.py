@@ -20,6 +20,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import structlog
 from aiohttp import web
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.backends.scrape import BackendHandle
 from gateway.core.errors import (
     BackendUnreachable,
+    FairgateError,
     Forbidden,
     NotFound,
     StoreUnavailable,
@@ -36,6 +38,7 @@ from gateway.core.errors import (
 from gateway.core.settings import ApiKey
 from gateway.http.index import index
 from gateway.http.openapi import openapi_json
+from gateway.http.queue_status import QUEUE_STATUS_HEADER, QueueStatus, wants_queue_status
 from gateway.proxy.completion_request import (
     DEADLINE_HEADER,
     CompletionRequest,
@@ -48,6 +51,7 @@ from gateway.proxy.completion_request import (
 )
 from gateway.proxy.endpoints import ENDPOINTS, Endpoint, Kind
 from gateway.scheduling.admission import Ticket
+from gateway.scheduling.waits import Place
 from gateway.services import SERVICES, Services
 from policies.classes import effective_class
 
@@ -92,8 +96,10 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
+    healthy = svc.pool.any_healthy(model) or await svc.pool.first_scrapes(
+        model, svc.settings.first_scrape_wait_s)
     check_context(creq.body, endpoint, svc.pool.max_model_len(model))
-    if not svc.pool.any_healthy(model):
+    if not healthy:
         raise Unavailable(f"no healthy backend serves {model!r}",
                           retry_after_s=await svc.admission.waits.drain_retry_after(
                               model, klass))
@@ -105,13 +111,18 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     log.info("queued")
     status = "error"
     tickets: list[Ticket] = []
+    early = None
+    if wants_queue_status(request.headers.get(QUEUE_STATUS_HEADER), creq.stream):
+        early = await QueueStatus.open(request, partial(_queued_place, svc, model, request_id),
+                                       svc.settings.queue_status_interval_s)
 
     async def forward(ticket: Ticket) -> web.StreamResponse:
         tickets.append(ticket)
         headers.update(ticket.limit_headers)
         headers[QUEUE_WAIT_HEADER] = str(round((time.monotonic() - queued_at) * 1000))
         return await svc.upstream.forward(request, ticket.backend, creq, ticket.priority,
-                                          ticket, ticket.continuation, ticket.mover)
+                                          ticket, ticket.continuation, ticket.mover,
+                                          None if early is None else await early.dispatched())
 
     try:
         response = await svc.admission.call(model, user, klass, key.weight, creq,
@@ -119,6 +130,12 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
                                             deadline_ms=deadline_ms, account=key)
         status = str(response.status)
         return response
+    except FairgateError as exc:
+        if early is None:
+            raise
+        status = str(exc.status)  # refused after its 200: the error is the last event
+        log.info("refused_in_stream", error_code=exc.code, status=exc.status)
+        return await early.failed(exc)
     except asyncio.CancelledError:
         # a client that hangs up right after the whole answer cancels the handler while
         # it cleans up: it was still served
@@ -130,7 +147,14 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
                 log.info("client_disconnected")
         raise
     finally:
+        if early is not None:
+            await early.close()
         svc.metrics.requests.labels(model, klass, status).inc()
+
+
+async def _queued_place(svc: Services, model: str, request_id: str) -> Place | None:
+    status = await svc.admission.waits.status([model], request_id)
+    return None if status is None else status.place
 
 
 async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -144,6 +168,8 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     validate_unscheduled(body, Limits.of(svc.settings))
     model = str(body["model"])
     _known_model(svc, model)
+    if not svc.pool.any_healthy(model):
+        await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
     if not candidates:
         raise Unavailable(f"no healthy backend serves {model!r}")

@@ -5,7 +5,8 @@ this replica's pool (its scrapes, gates and dispatch rates). Gates are read from
 backend handle, where they were computed once per snapshot; the requests in transit to a
 backend (sent since its snapshot, or not yet registered by it) use up the burst allowance.
 Service shares are every replica's (a decayed zset in Redis, fed by ``gateway/ops/history.py``),
-with this replica's own view beside them; the last 15 minutes come from its ``History``.
+with this replica's own view beside them; the last 15 minutes are every process's too
+(``History``, kept in Redis).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Inspector(ReadsSettings):
         self.pool = pool
         self.metrics = metrics
         self.replica_id = replica_id
-        self.history = History(settings, store, metrics)
+        self.history = History(settings, store, metrics, pool)
 
     async def queues(self, model: str, now: float,
                      queued: list[QueuedUser] | None = None) -> dict[str, dict[str, Any]]:
@@ -86,9 +87,7 @@ class Inspector(ReadsSettings):
             st = states[h.name]
             in_transit = st.sent_since_snapshot + st.unseen
             started = st.started_since_snapshot
-            gates = {c: g.after(in_transit, started, st.inflight) for c, g in h.shown_gates(
-                h.gates_at(now, self.settings.snapshot_stale_s),
-                st.pending_prefill_tokens).items()}
+            gates = h.badge_gates(st, now, self.settings.snapshot_stale_s)
             queued = None if st.snapshot is None else queued_for_a_slot(st.snapshot,
                                                                          h.peak_running)
             span = h.fit.prompt_range
@@ -156,7 +155,8 @@ class Inspector(ReadsSettings):
                                                 key=lambda kv: -kv[1])[:TOP_USERS]),
             }
         return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
-                "models": models, "history": self.history.view()}
+                "models": models, "history": await self.history.view(),
+                "moves": self.metrics.moves_view()}
 
     async def refresh_queue_metrics(self) -> None:
         """Gauges read from Redis at scrape time: queue depth and oldest wait, and the

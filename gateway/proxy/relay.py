@@ -17,9 +17,11 @@ is read frame by frame: its token ids are recorded (and stripped unless the clie
 for them), and when its backend fails mid-answer (a reset, an error event, a broken
 frame, or an end before the answer's) the relay asks ``resume`` for a continuation on
 another backend and writes its frames, re-framed, into the same client stream. Only a
-stream that cannot continue ends with an error event. A stream moved on purpose (its
-:class:`~gateway.proxy.moving.Mover` closed the response) continues the same way, with
-the move's reason.
+stream that cannot continue ends with an error event. Every stream must be one: a 200
+that is not ``text/event-stream`` (a JSON or text body) or that ends without its
+``[DONE]`` (Responses API: its final event) is such a failure, never relayed as it came.
+A stream moved on purpose (its :class:`~gateway.proxy.moving.Mover` closed the response)
+continues the same way, with the move's reason.
 """
 
 from __future__ import annotations
@@ -253,15 +255,19 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
                        listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                        progress: Progress | None = None, resume: Resume | None = None,
                        started: Callable[[], Awaitable[None]] | None = None,
-                       mover: Mover | None = None) -> web.StreamResponse:
+                       mover: Mover | None = None,
+                       out: web.StreamResponse | None = None,
+                       idle_s: float | None = None) -> web.StreamResponse:
     """Relay the backend's SSE stream. A client that hangs up is handled like the handler's
     cancellation (its request settles as ``client_closed`` and the backend connection
     closes, so vLLM aborts it), not as a gateway error. With ``progress`` and ``resume``
     a failed backend's answer continues elsewhere; ``mover`` hears each response read so
-    the answer can be moved on purpose."""
+    the answer can be moved on purpose. ``out``: the client's stream when it was answered
+    already (``gateway/http/queue_status.py``). ``idle_s``: a backend that sends no whole
+    frame for this long after its first has failed (``stream_idle_timeout_s``)."""
     try:
         return await _relay(request, resp, listener, wants_usage, endpoint, progress, resume,
-                            started or listener.first_token, mover or Mover())
+                            started or listener.first_token, mover or Mover(), out, idle_s)
     except ClientGone:
         raise asyncio.CancelledError from None
 
@@ -269,18 +275,21 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
 async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                  listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                  progress: Progress | None, resume: Resume | None,
-                 started: Callable[[], Awaitable[None]], mover: Mover) -> web.StreamResponse:
-    out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    try:
-        await out.prepare(request)
-    except ConnectionResetError as exc:
-        listener.end(False)
-        raise ClientGone from exc
+                 started: Callable[[], Awaitable[None]], mover: Mover,
+                 out: web.StreamResponse | None, idle_s: float | None) -> web.StreamResponse:
+    if out is None:
+        out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        try:
+            await out.prepare(request)
+        except ConnectionResetError as exc:
+            listener.end(False)
+            raise ClientGone from exc
     frames = FrameFilter(wants_usage, endpoint.frames, progress)
     mover.attach(resp)
     try:
         async with contextlib.AsyncExitStack() as stack:
-            while (failure := await _pump(out, resp, frames, listener, started)) is not None:
+            while (failure := await _pump(out, resp, frames, listener, started,
+                                          idle_s)) is not None:
                 reason = mover.take() or FAILOVER
                 mover.detach()
                 if progress is not None and progress.finish_reason is not None:
@@ -315,28 +324,52 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
 
 
 async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: FrameFilter,
-                listener: RelayListener, started: Callable[[], Awaitable[None]]) -> str | None:
-    """Relay one backend's stream; what failed, or ``None`` when it ended (for a
-    continuable answer: with its ``[DONE]``)."""
+                listener: RelayListener, started: Callable[[], Awaitable[None]],
+                idle_s: float | None = None) -> str | None:
+    """Relay one backend's stream; what failed, or ``None`` when it ended with its
+    ``[DONE]`` (or, for the Responses API, its final event). A 200 that is not an event
+    stream (a JSON or text body) failed before it began."""
+    if resp.content_type != "text/event-stream":
+        return (f"the backend answered the stream with {resp.content_type or 'no content type'},"
+                " not an event stream")
+    loop = asyncio.get_running_loop()
+    last_frame: float | None = None  # when the latest whole frame passed
     try:
-        async for chunk in resp.content.iter_any():
-            was_started, sent_before = frames.segment_started, frames.output_frames
-            data = frames.feed(chunk)
-            if data:
-                await _write(out, data)
-            if frames.output_frames != sent_before:
-                listener.tokens_sent(frames.output_frames - sent_before)
-            if frames.segment_started and not was_started:
-                await started()
+        # the idle deadline counts whole frames from the backend (a byte trickle resets
+        # aiohttp's sock_read, not this), never the time spent writing to the client
+        async with asyncio.timeout(None) as idle:
+            async for chunk in resp.content.iter_any():
+                idle.reschedule(None)
+                if await _pass(out, chunk, frames, listener, started):
+                    last_frame = loop.time()
+                if last_frame is not None and idle_s is not None:
+                    idle.reschedule(last_frame + idle_s)
     except (aiohttp.ClientError, TimeoutError) as exc:
+        if idle.expired():
+            return f"no whole frame for {idle_s:g} s (stream_idle_timeout_s)"
         return repr(exc)
     except StreamBroke as exc:
         return str(exc)
-    if frames.progress is not None and not frames.done:
-        return "the stream ended before the answer did"
+    if not frames.done:
+        return "the stream ended before the answer did (no [DONE])"
     if rest := frames.rest():
         await _write(out, rest)
     return None
+
+
+async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,
+                listener: RelayListener, started: Callable[[], Awaitable[None]]) -> bool:
+    """One chunk of the backend's stream to the client (its whole frames); whether a
+    whole frame passed."""
+    was_started, sent_before = frames.segment_started, frames.output_frames
+    data = frames.feed(chunk)
+    if data:
+        await _write(out, data)
+    if frames.output_frames != sent_before:
+        listener.tokens_sent(frames.output_frames - sent_before)
+    if frames.segment_started and not was_started:
+        await started()
+    return bool(data)
 
 
 async def next_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason: str,

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
@@ -50,6 +50,7 @@ from gateway.proxy.relay import (
     relay_stream,
     report_usage,
 )
+from policies.cost import estimate_prompt_tokens
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -72,8 +73,10 @@ Continuation = Callable[[str, int, BackendHandle], AbstractAsyncContextManager[L
 
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float,
-                 max_request_s: float | None = None) -> None:
+                 max_request_s: float | None = None,
+                 stream_idle_s: float | None = None) -> None:
         self.session = session
+        self.stream_idle_s = stream_idle_s  # no whole frame this long mid-stream: failed
         # sock_read: the backend went quiet; total: no answer, streamed or not, runs longer
         # than max_request_s (a stream then ends with an error event)
         self.timeout = aiohttp.ClientTimeout(total=max_request_s, sock_connect=10,
@@ -82,10 +85,12 @@ class Upstream:
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener,
                       continuation: Continuation | None = None,
-                      mover: Mover | None = None) -> web.StreamResponse:
+                      mover: Mover | None = None,
+                      early: web.StreamResponse | None = None) -> web.StreamResponse:
         """Send the request to ``handle`` and relay the answer; with ``continuation``, a
         backend that fails mid-answer hands the rest to another, and ``mover`` can move
-        the answer there on purpose."""
+        the answer there on purpose. ``early``: the client's stream, answered 200 already
+        (``gateway/http/queue_status.py``): an error answer ends it as an error event."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
             wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
@@ -98,29 +103,44 @@ class Upstream:
         if resume is not None:
             mover.progress, mover.whole = progress, not creq.stream
         async with contextlib.AsyncExitStack() as stack:
-            started = None
-            try:
-                resp = await (self._post(handle, creq.path, body, priority) if creq.stream
-                              else self._movable_post(mover, handle, creq.path, body,
-                                                      priority))
-                stack.callback(resp.release)
-            except BackendUnreachable:  # nothing was sent: queued again (admission)
-                raise
-            except UpstreamError as exc:  # it broke off (or was moved) before its status line
-                segment = None if resume is None else await next_segment(
-                    stack, resume, mover.take() or FAILOVER, str(exc))
-                if segment is None:
-                    raise
-                resp, started = segment.resp, segment.started
+            resp, started = await self._open(stack, handle, creq.path, body, priority,
+                                             resume, mover, creq.stream)
             if not creq.stream:
                 return await self._whole(handle, resp, listener, creq.endpoint.usage, resume,
                                          mover)
             if resp.status != 200:
                 status, data, content_type = await _read(handle, resp, listener,
                                                          creq.endpoint.usage)
+                if early is not None:  # one line: the error object as the last event
+                    event = json.dumps(json.loads(data), separators=(",", ":")).encode()
+                    await early.write(b"data: " + event + b"\n\n")
+                    await early.write_eof()
+                    return early
                 return web.Response(body=data, status=status, content_type=content_type)
             return await relay_stream(request, resp, listener, wants_usage, creq.endpoint,
-                                      progress, resume, started, mover)
+                                      progress, resume, started, mover,
+                                      early, self.stream_idle_s)
+
+    async def _open(self, stack: contextlib.AsyncExitStack, handle: BackendHandle, path: str,
+                    body: dict[str, Any], priority: int, resume: Resume | None,
+                    mover: Mover, stream: bool
+                    ) -> tuple[aiohttp.ClientResponse, Callable[[], Awaitable[None]] | None]:
+        """The answer's first response (and who hears its first output, for a
+        continuation's): a whole answer's request can be moved before its status line;
+        one that breaks off (or is moved) then continues elsewhere."""
+        try:
+            resp = await (self._post(handle, path, body, priority) if stream
+                          else self._movable_post(mover, handle, path, body, priority))
+            stack.callback(resp.release)
+            return resp, None
+        except BackendUnreachable:  # nothing was sent: queued again (admission)
+            raise
+        except UpstreamError as exc:  # it broke off (or was moved) before its status line
+            segment = None if resume is None else await next_segment(
+                stack, resume, mover.take() or FAILOVER, str(exc))
+            if segment is None:
+                raise
+            return segment.resp, segment.started
 
     async def _movable_post(self, mover: Mover, handle: BackendHandle, path: str,
                             body: dict[str, Any], priority: int) -> aiohttp.ClientResponse:
@@ -157,7 +177,8 @@ class Upstream:
         failed = [handle]  # the backend the answer last ran on
 
         def resume(reason: str, failure: str) -> AbstractAsyncContextManager[Segment] | None:
-            tokens = (0 if progress is None
+            tokens = (estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
+                      if progress is None  # a whole answer, sent again from the start
                       else len(progress.prompt_ids or ()) + len(progress.generated))
             lease = continuation(reason, tokens, failed[0])
             return None if lease is None else self._segment(lease, creq, body, progress,
@@ -222,15 +243,23 @@ class Upstream:
                 resp = segment.resp
 
     async def fetch(self, handle: BackendHandle, creq: CompletionRequest, priority: int,
-                    listener: RelayListener) -> tuple[int, bytes]:
-        """A non-streaming call whose answer stays in fairgate (the Batch API)."""
+                    listener: RelayListener, continuation: Continuation | None = None,
+                    mover: Mover | None = None) -> tuple[int, bytes]:
+        """A non-streaming call whose answer stays in fairgate (the Batch API). With
+        ``continuation`` it is a whole answer like a non-streamed request's: moved on
+        purpose (a drain, preemption) or failing, it is sent again elsewhere from the start
+        (nothing of it was recorded yet)."""
         body = {**creq.body, "stream": False} if creq.endpoint.streams else dict(creq.body)
-        resp = await self._post(handle, creq.path, body, priority)
-        try:
-            status, data, _ = await _read(handle, resp, listener, creq.endpoint.usage)
-            return status, data
-        finally:
-            resp.release()
+        resume = None if continuation is None else self._resumer(
+            creq, body, None, handle, continuation)
+        mover = mover or Mover()
+        mover.whole = resume is not None
+        async with contextlib.AsyncExitStack() as stack:
+            resp, _ = await self._open(stack, handle, creq.path, body, priority, resume,
+                                       mover, False)
+            answer = await self._whole(handle, resp, listener, creq.endpoint.usage, resume,
+                                       mover)
+        return answer.status, bytes(answer.body)  # type: ignore[arg-type]
 
     async def unscheduled(self, handle: BackendHandle, path: str,
                           body: dict[str, Any]) -> web.Response:

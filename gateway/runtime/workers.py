@@ -12,9 +12,14 @@ The parent process (:class:`Supervisor`) serves nothing itself:
   configured Redis or Redis Cluster reaches each worker through its environment);
 - it gives the workers one metrics directory (``PROMETHEUS_MULTIPROC_DIR``): a scrape of
   ``/metrics`` through any worker sees every worker's counts (``gateway/core/metrics.py``);
-- it restarts a worker that exits (backoff 0.1 s doubling to 5 s, reset after 10 s up),
-  each time under a new replica id: the dead worker's queued requests and held slots are
-  reaped as any dead replica's;
+- it restarts a worker that exits (backoff 0.1 s doubling to 5 s, reset once a worker
+  has served 10 s), each time under a new replica id: the dead worker's queued requests
+  and held slots are reaped as any dead replica's;
+- a worker that exits before it listens (a config file broken since the start, a store
+  it cannot reach) is retried after 0.5 s doubling to 60 s, each attempt logged
+  (``worker_start_failed`` with the next pause), not every few seconds forever; SIGHUP
+  (the operator fixed the config) retries it at once. A worker of the first start that
+  never listens stops the supervisor instead: that setup cannot work;
 - on SIGTERM/SIGINT it sends SIGTERM to every worker, each drains as ``fairgate serve``
   does, and it exits 0 once all have exited.
 
@@ -51,6 +56,7 @@ from gateway.core import event_loop
 from gateway.core.logs import configure_logging
 from gateway.core.metrics import MULTIPROC_DIR_ENV
 from gateway.core.settings import Settings, load_settings
+from gateway.core.supervise import Backoff
 from gateway.core.worker_signals import RELOAD_SIGNAL, WORKER_INDEX_ENV
 from gateway.http.server import GatewayServer
 from gateway.runtime.serve import (
@@ -68,8 +74,9 @@ log = structlog.get_logger("fairgate.workers")
 READY_FD_ENV = "FAIRGATE_WORKER_READY_FD"
 WORKER_HEADER = "X-Fairgate-Worker"
 
-RESTART_BACKOFF_S = (0.1, 5.0)
-STABLE_AFTER_S = 10.0  # a worker up this long restarts at the shortest backoff again
+RESTART_BACKOFF_S = (0.1, 5.0)  # a worker that served, then exited: first pause, cap
+START_BACKOFF_S = (0.5, 60.0)  # a worker that exited before it listened
+STABLE_AFTER_S = 10.0  # a worker that served this long restarts at the shortest backoff
 STOP_TIMEOUT_S = 90.0  # a worker still draining after this is killed
 PR_SET_PDEATHSIG = 1
 
@@ -100,7 +107,9 @@ class Worker:
     index: int
     process: asyncio.subprocess.Process | None = None
     generation: int = 0
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # served once, any generation
+    ready_at: float | None = None  # when this generation listened (monotonic)
+    retry_now: asyncio.Event = field(default_factory=asyncio.Event)  # SIGHUP: skip the pause
 
 
 class Supervisor:
@@ -191,11 +200,14 @@ class Supervisor:
         return self.failed or 0
 
     def _reload_all(self) -> None:
-        """SIGHUP: every live worker re-reads the config file."""
+        """SIGHUP: every live worker re-reads the config file; one waiting to be started
+        again is started now."""
         for worker in self.workers:
             if worker.process is not None and worker.process.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.send_signal(RELOAD_SIGNAL)
+            else:
+                worker.retry_now.set()
         log.info("workers_reload", workers=self.count)
 
     async def _read_ready(self, reader: asyncio.StreamReader) -> None:
@@ -203,16 +215,19 @@ class Supervisor:
             index, pid = (int(x) for x in line.split())
             worker = self.workers[index]
             if worker.process is not None and worker.process.pid == pid:
+                worker.ready_at = time.monotonic()
                 worker.ready.set()
                 log.info("worker_ready", worker=index, pid=pid)
 
     async def _keep(self, worker: Worker, env: dict[str, str], ready_w: int) -> None:
         """Run ``worker``, restarting it whenever it exits, until the supervisor stops."""
-        backoff = RESTART_BACKOFF_S[0]
+        crashes, failed_starts = Backoff(*RESTART_BACKOFF_S), Backoff(*START_BACKOFF_S)
+        attempt = 0
         while not self.stopping.is_set():
             worker.generation += 1
+            worker.ready_at = None
+            worker.retry_now.clear()
             process = await self._spawn(worker, env, ready_w)
-            started = time.monotonic()
             code = await process.wait()
             _mark_dead(process.pid)
             if self.stopping.is_set():
@@ -222,11 +237,30 @@ class Supervisor:
                 self.failed = code if code == EXIT_USAGE else 1
                 self.stopping.set()
                 return
-            if time.monotonic() - started > STABLE_AFTER_S:
-                backoff = RESTART_BACKOFF_S[0]
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), backoff)
-            backoff = min(backoff * 2, RESTART_BACKOFF_S[1])
+            if worker.ready_at is None:  # it could not start (its config, its store)
+                attempt += 1
+                pause = failed_starts.take()
+                log.error("worker_start_failed", worker=worker.index, code=code,
+                          attempt=attempt, retry_in_s=pause)
+            else:
+                attempt = 0
+                failed_starts.reset()
+                if time.monotonic() - worker.ready_at > STABLE_AFTER_S:
+                    crashes.reset()
+                pause = crashes.take()
+            await self._pause(worker, pause)
+
+    async def _pause(self, worker: Worker, pause_s: float) -> None:
+        """Wait ``pause_s`` before a restart, less if the supervisor stops or SIGHUP asks
+        for a retry now."""
+        waits = [asyncio.create_task(e.wait()) for e in (self.stopping, worker.retry_now)]
+        try:
+            await asyncio.wait(waits, timeout=pause_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        if worker.retry_now.is_set() and not self.stopping.is_set():
+            log.info("worker_retry_now", worker=worker.index)
 
     async def _spawn(self, worker: Worker, env: dict[str, str], ready_w: int
                      ) -> asyncio.subprocess.Process:

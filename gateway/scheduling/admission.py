@@ -50,6 +50,7 @@ from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.values import continuation_id
 from policies.cost import estimate_prompt_tokens, max_cost_tokens
 from policies.fairness import FairnessPolicy, tenant_of
 from policies.locality import prefix_chain
@@ -77,6 +78,7 @@ class Ticket:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     completed: bool = False
+    cancelled: bool = False  # its caller ended it (a client that hung up, a batch cancelled)
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
     limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
     usage_recorded: bool = False  # its usage counts rode on its settle
@@ -215,6 +217,7 @@ class Admission(ReadsSettings):
                 await self._record_usage(account, model, klass, 0, 0, error=True)
                 raise
         ticket: Ticket | None = None
+        cancelled = False
         try:
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
@@ -222,6 +225,9 @@ class Admission(ReadsSettings):
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             sent = ticket is not None and not ticket.unsent
             prompt = (ticket.prompt_tokens or prompt_est) if ticket is not None and sent else 0
@@ -230,9 +236,10 @@ class Admission(ReadsSettings):
                 with contextlib.suppress(StoreUnavailable):
                     await asyncio.shield(self.quotas.settle(held, prompt + output))
             if account is not None:
-                await self._record_usage(account, model, klass, prompt, output, error=not (
-                    ticket is not None and ticket.completed),
-                    stored=ticket is not None and ticket.usage_recorded)
+                await self._record_usage(
+                    account, model, klass, prompt, output,
+                    error=not (cancelled or (ticket is not None and ticket.completed)),
+                    stored=ticket is not None and ticket.usage_recorded, cancelled=cancelled)
 
     def max_cost(self, model: str, creq: CompletionRequest, prompt_est: int) -> int:
         """What the request can cost at most (``policies/cost.max_cost_tokens``): the
@@ -243,12 +250,13 @@ class Admission(ReadsSettings):
                                context)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
-                            output: int, error: bool, stored: bool = False) -> None:
+                            output: int, error: bool, stored: bool = False,
+                            cancelled: bool = False) -> None:
         self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
         if self.usage is not None and not stored:
             with contextlib.suppress(StoreUnavailable):
                 await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
-                                                       error))
+                                                       error, cancelled=cancelled))
 
     @asynccontextmanager
     async def _admitted(self, model: str, user: str, klass: str, weight: float,
@@ -274,7 +282,7 @@ class Admission(ReadsSettings):
                                (prefix_chain(creq.body) if self.settings.routing == "locality"
                                 else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
-                               prompt_tokens=prompt_est)
+                               prompt_tokens=prompt_est, whole=not creq.stream)
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -328,6 +336,9 @@ class Admission(ReadsSettings):
         self.running.add(running)
         try:
             yield ticket
+        except asyncio.CancelledError:
+            ticket.cancelled = True
+            raise
         finally:
             self.running.remove(running)
             prompt = ticket.prompt_tokens or prompt_est
@@ -346,7 +357,9 @@ class Admission(ReadsSettings):
             if account is not None and self.usage is not None:
                 sent = not ticket.unsent
                 usage = self.usage.counts(account, model, klass, prompt if sent else 0,
-                                          output if sent else 0, error=not ticket.completed)
+                                          output if sent else 0,
+                                          error=not (ticket.completed or ticket.cancelled),
+                                          cancelled=ticket.cancelled)
                 ticket.usage_recorded = True
             await asyncio.shield(self.dispatcher.release(model, grant, charge, tenant_charge,
                                                          usage))
@@ -368,12 +381,13 @@ class Admission(ReadsSettings):
         if not allowed:
             self.metrics.continuations.labels(reason, "failed").inc()
             return None
-        return self._continuation(model, queued, reason, tokens, failed, running)
+        number = original.continuations + running.moves  # this attempt's, from 1
+        return self._continuation(model, queued, reason, tokens, failed, running, number)
 
     @asynccontextmanager
     async def _continuation(self, model: str, queued: QueuedRequest, reason: str,
                             tokens: int, failed: BackendHandle,
-                            running: Running) -> AsyncIterator[Ticket]:
+                            running: Running, number: int) -> AsyncIterator[Ticket]:
         """The rest of an answer, scheduled like a request at the head of its user's queue
         (the earliest deadline) that costs nothing: the original request's settle charges
         the whole answer once, so the tokens sent again are charged to nobody (they are
@@ -383,7 +397,10 @@ class Admission(ReadsSettings):
         if reason == FAILOVER:
             self.pool.unreachable(failed, ConnectionError("the answer failed mid-way"))
         paused = time.monotonic()
-        cont = replace(queued, request_id=uuid.uuid4().hex, cost=0.0, tenant_cost=0.0,
+        # its id names the answer it continues (whoever reads this replica's running set
+        # in Redis, preemption, tells the answer's segments apart)
+        cont = replace(queued, request_id=continuation_id(queued.request_id, number),
+                       cost=0.0, tenant_cost=0.0,
                        enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens)
         cls_cfg = self.settings.classes[queued.klass]
         grant = await self.dispatcher.acquire(

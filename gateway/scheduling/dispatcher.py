@@ -47,10 +47,12 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
 from gateway.scheduling.local import LocalScheduler
+from gateway.scheduling.preemption import Preemptor
 from gateway.storage.store import (
     Dispatched,
     Grant,
     Locality,
+    Preempt,
     QueuedRequest,
     Start,
     Store,
@@ -114,6 +116,9 @@ class Dispatcher(ReadsSettings):
         self.pool = pool
         self.metrics = metrics
         self.replica_id = replica_id
+        # preemption for fairness: checked after each dispatch pass, its orders carried
+        # out when this replica's listener reads them
+        self.preemptor = Preemptor(settings, store, pool, metrics)
         self.waiters: dict[str, Waiter] = {}
         self._wake = asyncio.Event()
         self._maybe_work = False
@@ -488,6 +493,7 @@ class Dispatcher(ReadsSettings):
                 try:
                     while await self.dispatch_once(model):
                         pass
+                    await self.preemptor.check(model, self._queued.get(model, 0))
                 except StoreUnavailable as exc:
                     log.warning("dispatch_failed", model=model, error=str(exc))
                     self._maybe_work = True  # try again on the next wake-up
@@ -673,13 +679,15 @@ class Dispatcher(ReadsSettings):
     async def _listen(self, model: str) -> None:
         while True:
             try:
-                item = await self.store.next_grant(model, self.replica_id, 1.0)
+                item = await self.store.next_order(model, self.replica_id, 1.0)
             except StoreUnavailable as exc:
                 self.store_lost(exc)
                 await asyncio.sleep(STORE_RETRY_S)
                 continue
             self._listened[model] = time.time()  # reported with the heartbeat
-            if item is not None:
+            if isinstance(item, Preempt):
+                self.preemptor.carry_out(model, item)
+            elif item is not None:
                 self._deliver(model, *item)
 
     async def reconcile(self, model: str, now: float) -> int:

@@ -28,7 +28,9 @@ from gateway.storage.redis_client import BoundaryRedis
 from gateway.storage.values import UsageCounts
 
 DIMENSIONS = ("day", "tenant", "user", "key", "model", "class")
-COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "errors")
+# errors: requests that failed (refused, or the backend or fairgate failed them);
+# cancelled: requests their caller ended (a client that hung up, a cancelled batch's lines)
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "errors", "cancelled")
 
 
 def day_of(now: float) -> str:
@@ -44,19 +46,23 @@ class UsageLedger:
         self.models = models  # the configured models (read at each export)
 
     def counts(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
-               completion_tokens: int, error: bool, now: float | None = None) -> UsageCounts:
+               completion_tokens: int, error: bool, now: float | None = None,
+               cancelled: bool = False) -> UsageCounts:
         """What one request adds (for :meth:`record`, or folded into its settle)."""
         day = ModelKeys(model).usage(day_of(time.time() if now is None else now))
         row = [key.tenant_name, key.user, key.id or "", model, klass]
         amounts = {"requests": 1, "prompt_tokens": prompt_tokens,
-                   "completion_tokens": completion_tokens, "errors": 1 if error else 0}
+                   "completion_tokens": completion_tokens, "errors": 1 if error else 0,
+                   "cancelled": 1 if cancelled else 0}
         return UsageCounts(day, {json.dumps([*row, name]): amount
                                  for name, amount in amounts.items() if amount},
                            self.retention_s + 86400)
 
     async def record(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
-                     completion_tokens: int, error: bool, now: float | None = None) -> None:
-        usage = self.counts(key, model, klass, prompt_tokens, completion_tokens, error, now)
+                     completion_tokens: int, error: bool, now: float | None = None,
+                     cancelled: bool = False) -> None:
+        usage = self.counts(key, model, klass, prompt_tokens, completion_tokens, error, now,
+                            cancelled)
         async with self.client.pipeline(transaction=False) as pipe:
             for field, amount in usage.counts.items():
                 pipe.hincrby(usage.key, field, amount)
@@ -111,7 +117,8 @@ def group(rows: Iterable[dict[str, Any]], by: list[str]) -> list[dict[str, Any]]
 
 def to_csv(rows: list[dict[str, Any]], by: list[str]) -> str:
     buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
+    # RFC 4180 rows: with CRLF as the terminator a CR inside a cell is quoted too
+    writer = csv.writer(buffer, lineterminator="\r\n")
     columns = [*by, *COUNTERS, "total_tokens"]
     writer.writerow(columns)
     for row in rows:
@@ -119,8 +126,11 @@ def to_csv(rows: list[dict[str, Any]], by: list[str]) -> str:
     return buffer.getvalue()
 
 
+FORMULA_LEADS = ("=", "+", "-", "@", "\t", "\r")  # OWASP's CSV-injection list
+
+
 def _cell(value: Any) -> Any:
     """A text cell a spreadsheet will not run as a formula."""
-    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@"):
+    if isinstance(value, str) and value[:1] in FORMULA_LEADS:
         return "'" + value
     return value

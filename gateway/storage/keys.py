@@ -40,6 +40,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "listened": "listened",               # hash: replica -> its grant listener's last turn
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
+    "preempts": "preempts:{replica}",     # list: preemption orders for streams a replica holds
     "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
     "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
@@ -47,6 +48,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
+    "backend_preempt": "bk:{backend}:preempt",  # string: when its last preemption was ordered
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
     "service_who": "service:who",         # hash: user -> JSON [tenant, weight, tenant weight]
@@ -64,6 +66,14 @@ FILES_TAG = f"{ROOT}:{{files}}:"
 FILE_PREFIX = FILES_TAG + "file:"         # string …file:<id>: JSON metadata
 USER_FILES_PREFIX = FILES_TAG + "user:"   # zset …user:<user>: file id -> created
 SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
+# The dashboard's last 15 minutes, one hash per interval, added to by every process
+# (gateway/ops/history.py); one hash tag: small, written once per interval per process.
+HISTORY_PREFIX = f"{ROOT}:{{history}}:"   # hash …:<unix ms of the interval's start> (TTL)
+HISTORY_INDEX = HISTORY_PREFIX + "index"  # zset: bucket hash -> its start (unix ms)
+
+
+def history_key(start_ms: int) -> str:
+    return f"{HISTORY_PREFIX}{start_ms}"
 
 # API keys created at runtime (gateway/access/keyring.py): one hash tag, so a key's records
 # change in one MULTI/Lua call on a Redis Cluster too. Secrets only as HMAC digests.
@@ -152,6 +162,12 @@ class ModelKeys:
 
     def running(self, replica: str) -> str:
         return self._key("running", replica=replica)
+
+    def preempts(self, replica: str) -> str:
+        return self._key("preempts", replica=replica)
+
+    def backend_preempt(self, backend: str) -> str:
+        return self._key("backend_preempt", backend=backend)
 
     def backend_started(self, backend: str) -> str:
         return self._key("backend_started", backend=backend)

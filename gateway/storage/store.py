@@ -18,8 +18,8 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from gateway.core.errors import StoreUnavailable
-from gateway.storage.keys import ModelKeys, lua_prelude
-from gateway.storage.values import GRANT, PREFILL, UsageCounts, lua_values
+from gateway.storage.keys import HISTORY_INDEX, ModelKeys, history_key, lua_prelude
+from gateway.storage.values import GRANT, PREEMPT, PREFILL, UsageCounts, lua_values
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
 from policies.prefill import TOKENS_PER_BLOCK, PromptRange
@@ -39,6 +39,7 @@ class QueuedRequest:
     tenant_cost: float | None = None  # the dispatch cost at the tenant level (None: cost)
     deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
     prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
+    whole: bool = False  # a whole answer (not streamed): it never reports a first token
 
     @property
     def tenant_name(self) -> str:
@@ -210,6 +211,25 @@ def load_script(name: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Preempt:
+    """An order to preempt a running stream: its segment's id (a continuation's, or the
+    original's), the original request's id, the backend it runs on."""
+
+    request_id: str
+    original: str
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptView:
+    """What ``lua/preempt_view.lua`` read: each backlogged class's next request, and the
+    dispatched requests of the live replicas (plain dicts, its JSON)."""
+
+    queued: list[dict[str, Any]]
+    inflight: list[dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
 class Dispatched:
     """What a dispatch decision (``dispatch_for`` in ``lua/lib/dispatch.lua``) returned,
     whichever script ran it: the grants, the requests still queued for the model, and the
@@ -295,7 +315,8 @@ class Store:
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
-                         "started", "share", "scrapers")
+                         "started", "share", "scrapers", "history", "preempt_view",
+                         "preempt")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -345,7 +366,8 @@ class Store:
                 "tcost": repr(float(req.tenant_charge)), "now": repr(req.enqueued_at),
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
-                "ptok": int(req.prompt_tokens), **({"requeue": True} if requeue else {})})
+                "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
+                **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
         if starts:
@@ -628,17 +650,51 @@ class Store:
         replies = await pipe.execute()
         return max(1, int(replies[-1])) if models and live_since is not None else 1
 
-    async def next_grant(
-        self, model: str, replica: str, timeout_s: float
-    ) -> tuple[str, str, int] | None:
-        """Block until a grant for one of this replica's requests arrives (or timeout)."""
+    async def next_order(self, model: str, replica: str, timeout_s: float
+                         ) -> tuple[str, str, int] | Preempt | None:
+        """Block until a grant for one of this replica's requests, or an order to preempt
+        one of its streams, arrives (or timeout)."""
+        k = ModelKeys(model)
         item = await cast("Awaitable[list[str] | None]", self.client.blpop(
-            [ModelKeys(model).grants(replica)], timeout=timeout_s))
+            [k.grants(replica), k.preempts(replica)], timeout=timeout_s))
         if item is None:
             return None
+        if item[0] == k.preempts(replica):
+            order = PREEMPT.decode(item[1])
+            return Preempt(order["request_id"], order["original"], order["backend"])
         entry = GRANT.decode(item[1])
-        rid, backend, rank = entry["request_id"], entry["backend"], entry["rank"]
-        return rid, backend, int(rank)
+        return entry["request_id"], entry["backend"], int(entry["rank"])
+
+    async def preemption_view(self, model: str, classes: Sequence[str],
+                              alive_after: float) -> PreemptView:
+        """What a preemption decision reads (``lua/preempt_view.lua``)."""
+        k = ModelKeys(model)
+        raw = json.loads(await self._run("preempt_view", [k.replicas, k.depth], [json.dumps(
+            {"prefix": k.prefix, "classes": list(classes), "alive_after": alive_after})]))
+        return PreemptView([q for q in raw.get("queued") or [] if isinstance(q, dict)],
+                           [r for r in raw.get("inflight") or [] if isinstance(r, dict)])
+
+    async def order_preemption(self, model: str, order: Preempt, now: float,
+                               max_preemptions: int, settle_s: float, hold_s: float) -> bool:
+        """Order the replica that holds ``order``'s stream to preempt it
+        (``lua/preempt.lua``); False when refused (see there)."""
+        k = ModelKeys(model)
+        return bool(await self._run("preempt", self._preempt_keys(k, order), [json.dumps({
+            "prefix": k.prefix, "id": order.request_id, "original": order.original,
+            "backend": order.backend, "now": now, "max": max_preemptions,
+            "settle_s": settle_s, "hold_ms": max(1, round(hold_s * 1000))})]))
+
+    async def preempt_refused(self, model: str, order: Preempt) -> None:
+        """This replica could not move the stream ``order`` named: it is not ordered again,
+        and the backend may preempt another at once."""
+        k = ModelKeys(model)
+        await self._run("preempt", self._preempt_keys(k, order),
+                        [json.dumps({"refused": True})])
+
+    @staticmethod
+    def _preempt_keys(k: ModelKeys, order: Preempt) -> list[str]:
+        return [k.request(order.request_id), k.request(order.original),
+                k.backend_preempt(order.backend), k.backend_snapshot(order.backend)]
 
     async def held_by(self, model: str, replica: str) -> list[tuple[Grant, float]]:
         """The dispatched, unsettled requests whose client ``replica`` holds, by Redis,
@@ -726,6 +782,27 @@ class Store:
     async def depths(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]", self.client.hgetall(ModelKeys(model).depth))
         return {c: int(raw.get(c, 0)) for c in CLASS_ORDER}
+
+    async def add_history(self, start_ms: int, sums: Mapping[str, float],
+                          maxima: Mapping[str, float], ttl_s: float) -> None:
+        """Add one process's counts for the interval that began at ``start_ms`` (unix ms)
+        to the dashboard history every process shares (``lua/history.lua``)."""
+        await self._run("history", [history_key(start_ms), HISTORY_INDEX], [json.dumps(
+            {"start": start_ms, "ttl": ttl_s, "sum": sums, "max": maxima})])
+
+    async def history(self, since_ms: int) -> list[tuple[int, dict[str, float]]]:
+        """The shared history's intervals that began at ``since_ms`` or later, oldest
+        first: (start in unix ms, its fields)."""
+        names = await cast("Awaitable[list[tuple[str, float]]]", self.client.zrangebyscore(
+            HISTORY_INDEX, since_ms, "+inf", withscores=True))
+        if not names:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for name, _ in names:
+            pipe.hgetall(name)
+        rows = await pipe.execute()
+        return [(int(start), {f: float(v) for f, v in raw.items()})
+                for (_, start), raw in zip(names, rows, strict=True) if raw]
 
     async def user_inflight(self, model: str) -> dict[str, int]:
         raw = await cast("Awaitable[dict[str, str]]",

@@ -26,11 +26,14 @@ REQUEST_FIELDS: dict[str, str] = {
     "ptok": "estimated prompt tokens (enqueue)",
     "prefix": "its prompt's block-hash chain, space-separated (enqueue, locality only)",
     "deadline": "first-token deadline, unix s (enqueue, when given)",
+    "whole": "1 for a whole answer, never streamed: it runs once dispatched (enqueue)",
     "held_at": "when the prefill-token gate first held it, unix s (dispatch)",
     "backend": "where it was dispatched (dispatch)",
     "rank": "its user's requests already in flight: the vLLM priority rank (dispatch)",
     "dispatched_at": "unix s (dispatch)",
     "started": "1 once its first token streamed and its start reached Redis",
+    "preempted": "how often the stream was preempted (preempt.lua, on the original's hash)",
+    "unmovable": "1 once its replica refused to preempt it (Store.preempt_refused)",
 }
 
 
@@ -70,7 +73,10 @@ class Record:
 GRANT = Record("grant", ("request_id", "backend", "rank", "pushed_at"), "\t")
 # A request's uncached prompt tokens, maybe not yet scheduled (``bk:{backend}:prefill``).
 PREFILL = Record("prefill", ("tokens", "dispatched_at"), " ")
-RECORDS = (GRANT, PREFILL)
+# A preemption order pushed to the replica that holds the stream (``preempts:{replica}``):
+# the running segment's id, the original request's id and the backend it runs on.
+PREEMPT = Record("preempt", ("request_id", "original", "backend"), "\t")
+RECORDS = (GRANT, PREFILL, PREEMPT)
 
 
 def lua_values() -> str:
@@ -85,3 +91,18 @@ class UsageCounts:
     key: str
     counts: dict[str, int]
     ttl_s: int
+
+
+# A continuation's request id: the original's, then the continuation's number, so that
+# whoever reads a replica's running set knows which answer a segment continues.
+CONTINUED_SEP = "~"
+
+
+def continuation_id(original: str, number: int) -> str:
+    return f"{original}{CONTINUED_SEP}{number}"
+
+
+def original_id(request_id: str) -> tuple[str, int]:
+    """(the original request's id, the segment's number: 0 for the original)."""
+    original, _, number = request_id.partition(CONTINUED_SEP)
+    return original, int(number) if number.isdigit() else 0

@@ -108,7 +108,8 @@ async def test_cancel_stops_promptly_with_partial_results(sim: SimFactory,
                                                           gateway: GatewayFactory,
                                                           tmp_path: Path) -> None:
     backend = await sim(max_num_seqs=2)
-    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05, batch_max_in_flight=2)
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05, batch_max_in_flight=2,
+                       admin_keys=["sk-admin"])
     c = client(gw)
     f = await c.files.create(file=("in.jsonl", jsonl(40, max_tokens=200)), purpose="batch")
     batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
@@ -127,6 +128,14 @@ async def test_cancel_stops_promptly_with_partial_results(sim: SimFactory,
     out = (await c.files.content(done.output_file_id)).text.splitlines()
     assert len(out) == done.request_counts.completed
     await c.close()
+    # usage: the lines the cancel cut count as cancelled, not as errors
+    async with aiohttp.ClientSession() as http, http.get(
+            gw.url + "/admin/usage?group_by=user",
+            headers={"Authorization": "Bearer sk-admin"}) as resp:
+        rows = (await resp.json())["data"]
+    assert len(rows) == 1 and rows[0]["errors"] == 0, rows
+    assert rows[0]["requests"] == done.request_counts.completed + rows[0]["cancelled"], rows
+    assert rows[0]["cancelled"] >= 1, rows
 
 
 @pytest.mark.parametrize(("content", "needle"), [

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -151,3 +152,50 @@ async def test_concurrent_batches_wait_for_room_in_a_full_queue(capped: GatewayS
         counts = batch.request_counts
         assert counts is not None and (counts.completed, counts.failed) == (12, 0), counts
         assert all(r["error"] is None for r in lines.values())
+
+
+
+async def test_a_revoked_keys_running_batch_is_cancelled_at_its_next_line(
+        sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> None:
+    """The rule (issue 29, item 9): revoking the key that created a running batch cancels
+    the batch at its next line; the lines that finished stay in its output file, the
+    batch says why."""
+    backend = await sim(max_num_seqs=2)
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05, batch_max_in_flight=2,
+                       admin_keys=["sk-admin"], key_pepper="test-pepper")
+    admin = {"Authorization": "Bearer sk-admin"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/admin/keys", headers=admin,
+                             json={"user": "rita", "priority_class": "batch"}) as resp:
+            created = await resp.json()
+            assert resp.status == 201, created
+        c = client(gw, created["key"])
+        try:
+            f = await c.files.create(file=("in.jsonl", jsonl(40, max_tokens=200)),
+                                     purpose="batch")
+            batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT,
+                                           completion_window="24h")
+        finally:
+            await c.close()
+        engine = backend.engine
+        await engine.wait_until(lambda: sum(r.finished_s is not None for r in
+                                            engine.records.values()) >= 2)
+        async with http.delete(gw.url + f"/admin/keys/{created['id']}",
+                               headers=admin) as resp:
+            assert resp.status == 200, await resp.text()
+
+    async def final() -> dict[str, Any]:
+        for _ in range(1200):
+            found = await gw.services.batches.get("rita", batch.id)
+            if found["status"] in FINISHED:
+                return found
+            await asyncio.sleep(0.05)  # polling, as an operator does
+        raise AssertionError(f"the batch stayed {found['status']}")
+
+    done = await final()
+    assert done["status"] == "cancelled", done
+    assert [e["code"] for e in done["errors"]["data"]] == ["api_key_revoked"], done
+    completed = done["request_counts"]["completed"]
+    assert 2 <= completed < 40, done["request_counts"]
+    out = gw.services.files.path(done["output_file_id"]).read_text().splitlines()
+    assert len(out) == completed, (len(out), completed)

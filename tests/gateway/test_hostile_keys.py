@@ -2,11 +2,13 @@
 older secret's grace at its own grace (rotating with grace 3600 and then 0 leaves no old
 secret working, and revoking kills them all); without ``key_pepper`` the pepper is the
 store's, so after Redis restarts empty a replica that started before and one that
-started after still agree on every runtime key."""
+started after still agree on every runtime key. Item 9: a key's user or tenant holds no
+':' (the separator of Redis key names) or '/' (a trusted key's end users')."""
 
 from __future__ import annotations
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from tests.gateway.conftest import GatewayFactory, SimFactory, until
@@ -68,3 +70,24 @@ async def test_the_pepper_is_the_stores_after_redis_restarts_empty(
     assert status == 201
     await until(lambda: works(late, created["key"]),
                 "a key created on the earlier worker works on the later one")
+
+
+@pytest.mark.parametrize(("body", "field", "separator"), [
+    ({"user": "b:c", "tenant": "a"}, "user", ":"),
+    ({"user": "c", "tenant": "a:b"}, "tenant", ":"),
+    ({"user": "a:b"}, "user", ":"),
+    ({"user": "app/alice"}, "user", "/"),
+])
+async def test_key_names_cannot_hold_a_key_separator(
+        body: dict[str, str], field: str, separator: str, sim: SimFactory,
+        gateway: GatewayFactory, http: aiohttp.ClientSession) -> None:
+    """("a", "b:c") and ("a:b", "c") would name one queue, ``q:<class>:a:b:c``."""
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], admin_keys=[ADMIN])
+    status, answer = await admin(http, "POST", gw.url + "/admin/keys", json=body)
+    error = answer.get("error", {})
+    assert status == 400 and error.get("param") == field, (status, answer)
+    assert f"must not contain {separator!r}" in error["message"], answer
+    status, answer = await admin(http, "POST", gw.url + "/admin/keys",
+                                 json={**body, field: "a.b"})
+    assert status == 201, answer

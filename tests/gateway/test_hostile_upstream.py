@@ -8,6 +8,7 @@ format with the upstream status kept, as status code and in the message.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -152,3 +153,186 @@ async def test_sdk_sees_the_wrapped_error(odd: OddBackend, gw: GatewayServer) ->
     assert exc.value.code == "upstream_error" and exc.value.type == "upstream_error"
     assert "413" in exc.value.message and "Request Entity Too Large" in exc.value.message
     await store_is_idle(gw)
+
+
+# A stream=true request answered 200 with something that is not a whole event stream
+# (issue 29, item 9): the client's stream must end with an OpenAI error event.
+CHUNK_A = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m",'
+           b'"choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}\n\n')
+BROKEN_STREAMS: dict[str, tuple[int, str, bytes]] = {
+    "json-200": (200, "application/json", json.dumps({
+        "id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}}]}).encode()),
+    "text-200": (200, "text/plain", b"data: not an event stream\n\n"),
+    "sse-without-done": (200, "text/event-stream", CHUNK_A),
+}
+
+
+class Trickle:
+    """A stream that sends ``opening`` and then one byte of a frame every 20 ms, never
+    completing it (at most 500 bytes: 10 s); ``cut`` is set when fairgate hangs up."""
+
+    def __init__(self, opening: bytes) -> None:
+        self.opening = opening
+        self.cut = asyncio.Event()
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        try:
+            await out.write(self.opening)
+            for byte in (b'data: {"x": "' + b"y" * 500)[:500]:
+                await asyncio.sleep(0.02)
+                await out.write(bytes([byte]))
+        except ConnectionError:
+            self.cut.set()
+            raise
+        await out.write_eof()
+        return out
+
+
+class OddStreams(OddBackend):
+    """Answers the first streamed requests from ``first`` (one each), then streams what
+    the simulator streams."""
+
+    def __init__(self, metrics_from: SimServer) -> None:
+        super().__init__(metrics_from)
+        self.first: list[tuple[int, str, bytes] | Trickle] = []
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if self.first:
+            first = self.first.pop(0)
+            if isinstance(first, Trickle):
+                return await first.answer(request)
+            status, content_type, data = first
+            return web.Response(status=status, body=data, content_type=content_type)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        async with aiohttp.ClientSession() as http, http.post(
+                self.source.url + request.path, json=body) as resp:
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+        await out.write_eof()
+        return out
+
+
+async def streamed(gw: GatewayServer, body: dict[str, Any]) -> tuple[int, list[bytes]]:
+    async with aiohttp.ClientSession() as http, http.post(
+            gw.url + CHAT, json=body, headers=auth("sk-alice")) as resp:
+        return resp.status, [f for f in (await resp.read()).split(b"\n\n") if f]
+
+
+@pytest.mark.parametrize("name", list(BROKEN_STREAMS))
+async def test_a_stream_that_is_not_a_whole_event_stream_ends_with_an_error_event(
+        name: str, sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Not continuable (``stop`` strings): the stream ends with an error event, and no
+    foreign byte reaches the client."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        backend.first = [BROKEN_STREAMS[name]]
+        gw = await gateway([backend])  # only .url is used
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
+                                             "stream": True, "stop": ["zzz"]})
+        assert status == 200 and frames, (status, frames)
+        assert all(f.startswith(b"data: {") for f in frames), frames
+        message = assert_error(json.loads(frames[-1][len(b"data: "):]),
+                               type_="server_error", code="upstream_error")
+        expected = "not an event stream" if name != "sse-without-done" else "no [DONE]"
+        assert expected in message, message
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()
+
+
+async def test_the_sdk_sees_the_error_event_of_a_json_200_stream(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    client = None
+    try:
+        backend.first = [BROKEN_STREAMS["json-200"]]
+        gw = await gateway([backend])
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice",
+                                    max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=HI, max_tokens=2, stream=True, stop=["zzz"])
+        with pytest.raises(openai.APIError) as exc:
+            async for _ in stream:
+                pass
+        assert "not an event stream" in exc.value.message, exc.value.message
+    finally:
+        if client is not None:
+            await client.close()
+        await backend.stop()
+
+
+@pytest.mark.parametrize("name", ["json-200", "text-200"])
+async def test_a_continuable_stream_that_is_not_an_event_stream_is_sent_again(
+        name: str, sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A continuable stream treats such an answer as its backend's failure: nothing
+    reached the client, so it is sent again and ends with ``[DONE]`` (a stream cut short
+    continues from its token ids: ``tests/chaos/test_continuation.py``)."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        backend.first = [BROKEN_STREAMS[name]]
+        gw = await gateway([backend])
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 3,
+                                             "stream": True, "ignore_eos": True})
+        assert status == 200 and frames[-1] == b"data: [DONE]", frames
+        assert not any(b'"error"' in f for f in frames), frames
+        assert backend.first == [], "the broken answer was never asked for"
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()
+
+
+
+ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+        b'"finish_reason":null}]}\n\n')
+
+
+async def test_a_trickling_stream_is_cut_by_the_idle_deadline(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A frame, then a byte every 20 ms that never completes the next: aiohttp's
+    sock_read never fires (each byte resets it); stream_idle_timeout_s cuts it with an
+    error event and the backend's connection is closed."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        trickle = Trickle(CHUNK_A)
+        backend.first = [trickle]
+        gw = await gateway([backend], stream_idle_timeout_s=0.3)
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
+                                             "stream": True, "stop": ["zzz"]})
+        assert status == 200 and frames[0] == CHUNK_A.strip(), frames
+        message = assert_error(json.loads(frames[-1][len(b"data: "):]),
+                               type_="server_error", code="upstream_error")
+        assert "stream_idle_timeout_s" in message, message
+        await trickle.cut.wait()  # fairgate hung up on the backend
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()
+
+
+async def test_a_continuable_trickling_stream_is_sent_elsewhere(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """The same before any output (a role frame only): a backend failure, the request is
+    sent again and the client gets a whole answer."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        trickle = Trickle(ROLE)
+        backend.first = [trickle]
+        gw = await gateway([backend], stream_idle_timeout_s=0.3)
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 3,
+                                             "stream": True, "ignore_eos": True})
+        assert status == 200 and frames[-1] == b"data: [DONE]", frames
+        assert not any(b'"error"' in f for f in frames), frames
+        await trickle.cut.wait()
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from gateway.scheduling.usage import day_of
 from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, call
+from tests.ops.conftest import until
 
 ADMIN = "sk-admin"
 KEYS = [{"key": "sk-r1", "user": "rae", "tenant": "research", "limits": {"rpm": 2}},
@@ -81,7 +82,7 @@ async def test_usage_export_dashboard_and_metrics(sim: SimFactory, gateway: Gate
         text = await resp.text()
     rows = list(csv.DictReader(io.StringIO(text)))
     assert list(rows[0]) == ["tenant", "requests", "prompt_tokens", "completion_tokens",
-                             "errors", "total_tokens"]
+                             "errors", "cancelled", "total_tokens"]
     research = next(r for r in rows if r["tenant"] == "research")
     assert int(research["requests"]) == 5 and int(research["errors"]) == 1
     assert int(research["completion_tokens"]) == sum(
@@ -145,10 +146,35 @@ def test_tenant_series_are_bounded() -> None:
     assert labels == {"t0", "t1", "other"}
 
 
-@pytest.mark.parametrize("value", ["=cmd()", "+1", "-2", "@x"])
+@pytest.mark.parametrize("value", ["=cmd()", "+1", "-2", "@x", "\t=cmd()", "\r=cmd()"])
 def test_csv_cells_never_run_as_formulas(value: str) -> None:
     from gateway.scheduling.usage import to_csv
 
     text = to_csv([{"tenant": value, "requests": 1, "prompt_tokens": 0,
-                    "completion_tokens": 0, "errors": 0, "total_tokens": 0}], ["tenant"])
-    assert text.splitlines()[1].startswith("'")
+                    "completion_tokens": 0, "errors": 0, "cancelled": 0,
+                    "total_tokens": 0}], ["tenant"])
+    [row] = list(csv.reader(io.StringIO(text, newline="")))[1:]
+    assert row[0] == "'" + value, f"cell {row[0]!r} for {value!r}"
+
+
+async def test_a_client_that_hangs_up_counts_as_cancelled_not_as_an_error(
+        sim: SimFactory, gateway: GatewayFactory, http: aiohttp.ClientSession) -> None:
+    """The caller ended it: usage says cancelled, not errors (a cancelled batch's lines
+    end the same way: their tasks are cancelled)."""
+    gw = await gateway([await sim()], api_keys=KEYS, admin_keys=[ADMIN])
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    async with http.post(gw.url + "/v1/completions", json=body,
+                         headers={"Authorization": "Bearer sk-r2"}) as resp:
+        assert resp.status == 200
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: {"), first
+    # the response is closed: the client hung up mid-stream
+
+    async def recorded() -> bool:
+        _, usage, _ = await call(http, "GET", gw.url + "/admin/usage?group_by=user", key=ADMIN)
+        return any(r["user"] == "ron" and r["requests"] == 1 for r in usage["data"])
+    await until(recorded, what="the hung-up request's usage")
+    _, usage, _ = await call(http, "GET", gw.url + "/admin/usage?group_by=user", key=ADMIN)
+    ron = next(r for r in usage["data"] if r["user"] == "ron")
+    assert (ron["cancelled"], ron["errors"]) == (1, 0), ron

@@ -233,6 +233,41 @@ async def test_a_killed_worker_is_replaced_and_sigterm_stops_all(
     assert not any(e.get("level") == "error" for e in gw.events), gw.events
 
 
+async def test_a_worker_that_cannot_start_is_retried_with_a_growing_pause(
+        sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """A worker whose config broke after the start (killed, then restarted on the broken
+    file) is retried after 0.5, 1, 2, 4 … s (up to 60 s), each attempt logged, while the
+    other worker serves; SIGHUP after the fix starts it again."""
+    backend = await sim(profile="instant")
+    async with serve(backend.url, redis_url, tmp_path, workers=2) as gw:
+        path = tmp_path / "fairgate.yaml"
+        good = path.read_text()
+        path.write_text("backends: [\n")  # not YAML
+        mark = len(gw.events)
+        os.kill(gw.ready_pids()[0], signal.SIGKILL)
+        failures = [await gw.event("worker_start_failed", mark, worker=0, attempt=n)
+                    for n in (1, 2, 3, 4)]
+        pauses = [f["retry_in_s"] for f in failures]
+        assert pauses == [0.5, 1.0, 2.0, 4.0], f"pauses between failed starts: {pauses}"
+        assert all(f["code"] == 1 and f["level"] == "error" for f in failures), failures
+        assert (await one_request(gw.url, "sk-bob", "meanwhile"))[1] == "1"
+        path.write_text(good)
+        mark = len(gw.events)
+        gw.proc.send_signal(signal.SIGHUP)
+        await gw.event("worker_ready", mark, worker=0)
+        assert set(await answered_by(gw.url, "sk-alice", 20)) == {"0", "1"}
+
+
+def test_backoff_doubles_to_its_cap_and_resets() -> None:
+    from gateway.core.supervise import Backoff
+
+    backoff = Backoff(0.5, 3.0)
+    taken = [backoff.take() for _ in range(5)]
+    assert taken == [0.5, 1.0, 2.0, 3.0, 3.0], taken
+    backoff.reset()
+    assert backoff.take() == 0.5
+
+
 async def test_one_worker_serves_in_the_process_itself(
         sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
     backend = await sim(profile="instant")

@@ -6,6 +6,7 @@ The screenshots land in test-artifacts/ (dashboard.png, dashboard-queued.png).""
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -115,8 +116,9 @@ def login_and_see_the_queue(driver: webdriver.Chrome, url: str) -> None:
     assert text_of(driver, gate) == "interactive: drained"
     assert text_of(driver, '[data-backend="b0"] [data-metric="backend-state"]') == "drained"
     # no prompt range: it takes any length; nothing dispatched, so no pending prefill
-    assert text_of(driver, '[data-backend="b0"] [data-metric="prompt-range"]') == "any"
-    assert text_of(driver, '[data-backend="b0"] [data-metric="pending-prefill"]') == "0 tok"
+    assert text_of(driver, '[data-backend="b0"] [data-metric="prompt-range"]') == "any length"
+    assert text_of(driver, '[data-backend="b0"] [data-metric="pending-prefill"]') == (
+        "0 tok pending")
     ARTIFACTS.mkdir(exist_ok=True)
     assert driver.save_screenshot(str(ARTIFACTS / "dashboard-queued.png"))
 
@@ -218,3 +220,59 @@ def forged_cookie_gets_the_login_form(driver: webdriver.Chrome, url: str) -> Non
     driver.add_cookie({"name": "fairgate_admin", "value": "forged"})
     driver.get(url + "/dashboard")
     assert driver.find_elements(By.NAME, "key")
+
+
+async def test_two_page_loads_on_two_replicas_show_one_history(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Each replica (or worker) adds its counts to one history in Redis: whichever process
+    answers a page load, the charts show the same samples, with every replica's
+    dispatches in them."""
+    require_tool("chromium")
+    require_tool("chromedriver")
+    backend = await sim()
+    replicas = [await gateway([backend], admin_keys=[ADMIN]) for _ in range(2)]
+    for gw in replicas:
+        gw.services.inspector.history.interval_s = 0.25  # samples in seconds, not minutes
+    async with aiohttp.ClientSession() as http:
+        statuses = await asyncio.gather(*(completion_status(http, gw.url, "sk-alice")
+                                          for gw in replicas for _ in range(3)))
+        assert statuses == [200] * 6, statuses
+    with tempfile.TemporaryDirectory(prefix="fairgate-chromium-") as profile:
+        driver = await asyncio.to_thread(start_browser, profile)
+        try:
+            first = await asyncio.to_thread(charted_history, driver, replicas[0].url)
+            second = await asyncio.to_thread(charted_history, driver, replicas[1].url)
+        finally:
+            await asyncio.to_thread(driver.quit)
+    shared = first.keys() & second.keys()
+    differ = {t: (first[t], second[t]) for t in shared if first[t] != second[t]}
+    assert not differ, f"two loads disagree on {len(differ)} samples: {differ}"
+    dispatched = sum(rate * 0.25 for rate in (first[t]["dispatch-rate"] for t in shared))
+    assert round(dispatched) == 6, (dispatched, first)
+
+
+def charted_history(driver: webdriver.Chrome, url: str) -> dict[float, dict[str, Any]]:
+    """Log in on ``url``'s dashboard once its charts show dispatches; every sample's
+    plotted values by time: {t: {chart: value of its first series}}."""
+    driver.delete_all_cookies()
+    driver.get(url + "/dashboard")
+    field = driver.find_element(By.NAME, "key")
+    field.send_keys(ADMIN)
+    field.submit()
+
+    def values(d: webdriver.Chrome) -> dict[float, dict[str, Any]] | None:
+        charts = {}
+        for chart in (f"queue-depth:{MODEL}", "dispatch-rate"):
+            raw = d.execute_script(
+                "const c = document.querySelector(`[data-chart=\"${arguments[0]}\"]`);"
+                "return c ? c.dataset.values : null;", chart)
+            if raw is None:
+                return None
+            charts[chart] = json.loads(raw)[0][1]  # the first series: [[t, value], …]
+        by_t: dict[float, dict[str, Any]] = {}
+        for chart, points in charts.items():
+            for t, value in points:
+                by_t.setdefault(t, {})[chart] = value
+        dispatched = sum(v.get("dispatch-rate") or 0 for v in by_t.values())
+        return by_t if dispatched > 0 else None
+    return wait_for(driver, values)

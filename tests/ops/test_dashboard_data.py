@@ -1,17 +1,21 @@
 """What the dashboard reads beyond one replica's memory: service shares kept in Redis for
-every replica (share.lua on a real Redis, two replicas), the history ring buffer and its
-TTFT quantiles, and CSRF on the page's writes (drain, undrain, cancel)."""
+every replica (share.lua on a real Redis, two replicas), the history every process adds
+to in Redis and its TTFT quantiles, and CSRF on the page's writes (drain, undrain,
+cancel)."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gateway.access.auth import SESSION_COOKIE
 from gateway.access.sessions import CSRF_HEADER, csrf_token
-from gateway.ops.history import bucket_quantile
+from gateway.ops.history import TTFT_RATIO, fine_quantile, ttft_bound, ttft_bucket
 from gateway.storage.keys import ModelKeys
 from gateway.storage.store import Store
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
@@ -44,14 +48,29 @@ async def test_service_shares_decay_cap_and_expire_in_redis(redis: aioredis.Redi
     assert 0 < await redis.ttl(K.service) <= 120 and 0 < await redis.ttl(K.service_epoch) <= 120
 
 
-def test_bucket_quantile_interpolates_like_histogram_quantile() -> None:
-    inf = float("inf")
-    assert bucket_quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None
-    # 10 in (0, 1], 10 in (1, 2]: the median is at 1, p99 near 2
-    buckets = [(1.0, 10.0), (2.0, 20.0), (inf, 20.0)]
-    assert bucket_quantile(0.5, buckets) == 1.0
-    assert math.isclose(bucket_quantile(0.99, buckets) or 0, 1.98)
-    assert bucket_quantile(0.99, [(1.0, 0.0), (inf, 5.0)]) == 1.0  # past the last bound
+def test_fine_quantile_reads_the_bucket_bound_never_above_the_slowest() -> None:
+    assert fine_quantile(0.5, {}, None) is None
+    ttfts = [0.2, 0.4, 17.8]
+    counts: dict[int, float] = {}
+    for t in ttfts:
+        counts[ttft_bucket(t)] = counts.get(ttft_bucket(t), 0) + 1
+    p50 = fine_quantile(0.5, counts, max(ttfts))
+    assert p50 is not None and 0.4 <= p50 <= 0.4 * TTFT_RATIO, p50
+    # the slowest first token seen bounds p99: 17.8 s, not a coarse bucket's 30 s
+    assert fine_quantile(0.99, counts, max(ttfts)) == 17.8
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=600.0), min_size=1, max_size=200),
+       st.sampled_from([0.5, 0.9, 0.99]))
+def test_fine_quantile_is_at_most_five_percent_high(ttfts: list[float], q: float) -> None:
+    counts: dict[int, float] = {}
+    for t in ttfts:
+        counts[ttft_bucket(t)] = counts.get(ttft_bucket(t), 0) + 1
+        assert t <= ttft_bound(ttft_bucket(t)) + 1e-12, (t, ttft_bucket(t))
+    got = fine_quantile(q, counts, max(ttfts))
+    exact = sorted(ttfts)[max(0, math.ceil(q * len(ttfts)) - 1)]  # the sample at rank q·n
+    assert got is not None and exact - 1e-9 <= got <= max(exact * TTFT_RATIO, 0.001) + 1e-9, (
+        got, exact)
 
 
 async def test_shares_cover_every_replica_and_history_samples(
@@ -67,22 +86,35 @@ async def test_shares_cover_every_replica_and_history_samples(
             _, state = await admin_call(http, "GET", first.url + "/admin/state")
             return len(state["models"][MODEL]["service_shares"]) == 2
         await until(both_seen, what="bob's service, served by the second replica")
-        for gw in (first, second):
-            sample = await gw.services.inspector.history.sample()
-            assert sample["models"][MODEL]["depth"] == {"interactive": 0, "default": 0,
-                                                         "batch": 0}
-            status, state = await admin_call(http, "GET", gw.url + "/admin/state")
-            assert status == 200 and state["csrf_token"] is None  # Bearer: no token
-            model = state["models"][MODEL]
-            shares = {s["user"]: s["share"] for s in model["service_shares"]}
-            assert set(shares) == {"alice", "bob"} and shares["alice"] > shares["bob"]
-            assert len(model["replica_service_shares"]) == 1  # its own client only
-            history = state["history"]
-            assert history["window_s"] == 900 and history["samples"][-1]["t"] == sample["t"]
-        # either replica's dispatcher may have granted a request (grants go to the owner)
-        dispatched = [s["models"][MODEL]["dispatch_rate_per_s"] for gw in (first, second)
-                      for s in gw.services.inspector.history.samples]
-        assert sum(dispatched) > 0
+        for gw in (first, second):  # each process adds its interval to the shared history
+            added = await gw.services.inspector.history.sample()
+            assert added["n"] == 1 and f"q:{MODEL}:interactive" in added, added
+        views: list[dict[str, object]] = []
+
+        async def one_picture() -> bool:
+            """Both replicas show the same samples (read again if an interval ended in
+            between)."""
+            views.clear()
+            for gw in (first, second):
+                status, state = await admin_call(http, "GET", gw.url + "/admin/state")
+                assert status == 200 and state["csrf_token"] is None  # Bearer: no token
+                model = state["models"][MODEL]
+                shares = {s["user"]: s["share"] for s in model["service_shares"]}
+                assert set(shares) == {"alice", "bob"} and shares["alice"] > shares["bob"]
+                assert len(model["replica_service_shares"]) == 1  # its own client only
+                views.append(state["history"])
+            return views[0] == views[1]
+        await until(one_picture, what=f"the same history on both replicas: {views}")
+        history: dict[str, Any] = views[0]  # type: ignore[assignment]
+        assert history["window_s"] == 900 and history["scope"] == "all workers and replicas"
+        samples = history["samples"]
+        assert sum(s["processes"] for s in samples) >= 2, samples
+        assert all(s["models"][MODEL]["depth"] == {"interactive": 0, "default": 0, "batch": 0}
+                   for s in samples if s["models"][MODEL]["depth"] is not None), samples
+        # two requests, dispatched by either replica's dispatcher (grants go to the owner)
+        dispatched = sum(s["models"][MODEL]["dispatch_rate_per_s"] * s["interval_s"]
+                         for s in samples)
+        assert math.isclose(dispatched, 2), samples
 
 
 async def test_page_writes_need_the_sessions_csrf_token(sim: SimFactory,

@@ -54,6 +54,14 @@ async def test_a_config_that_would_break_the_gateway_is_refused(
 @pytest.mark.parametrize(("change", "problem"), [
     ({"backends": []}, "names no backends"),
     ({"api_keys": [], "admin_keys": []}, "names no API keys and no admin keys"),
+    # issue 29, item 9: ("a", "b:c") and ("a:b", "c") would share one queue
+    ({"api_keys": [{"key": "sk-x", "user": "b:c", "tenant": "a"}]},
+     "api_keys.0.user: 'b:c' must not contain ':'"),
+    ({"api_keys": [{"key": "sk-x", "user": "c", "tenant": "a:b"}]},
+     "api_keys.0.tenant: 'a:b' must not contain ':'"),
+    ({"tenants": {"a:b": {"weight": 2}}}, "tenants.a:b: 'a:b' must not contain ':'"),
+    ({"api_keys": [{"key": "sk-x", "user": "app/alice"}]},
+     "api_keys.0.user: 'app/alice' must not contain '/'"),
 ])
 async def test_a_config_without_backends_or_keys_is_refused(
         change: dict[str, list[object]], problem: str, tmp_path: Path, sim: SimFactory,

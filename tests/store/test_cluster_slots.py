@@ -25,7 +25,7 @@ from gateway.core.settings import ApiKey, RedisCluster, SettingsHolder, load_set
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.redis_client import BoundaryRedis, connect_cluster
-from gateway.storage.store import LeaseWish, Start, Store, dispatch_args
+from gateway.storage.store import LeaseWish, Preempt, Start, Store, dispatch_args
 from policies.gates import BackendSnapshot
 from tests.store.test_scripts import req
 
@@ -107,8 +107,15 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     await store.queued_users(model, 5)
     await store.queue_place(model, "default", "alice", None)
     await store.set_drained(model, "b2", True)
-    assert await store.next_grant(model, "r2", 0.01) is not None or True
+    assert await store.next_order(model, "r2", 0.01) is not None or True
+    view = await store.preemption_view(model, ["interactive", "default", "batch"], 0.0)
+    assert {r["id"] for r in view.inflight} <= {"a1", "b1", "c1"}, view
+    order = Preempt(grants[1].request_id, grants[1].request_id, "b1")
+    if await store.order_preemption(model, order, now, 2, 0.1, 5.0):
+        await store.preempt_refused(model, order)
     assert await store.reap(model, now + 60, 3.0) >= 0
+    await store.add_history(int(now * 1000), {"n": 1.0, f"d:{model}": 2.0}, {"tmax": 0.5}, 60)
+    assert (await store.history(int(now * 1000)))[-1][1]["n"] >= 1
 
 
 async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:

@@ -10,13 +10,13 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.core.errors import BadRequest, KeyInConfig, NotFound
-from gateway.core.settings import ApiKey, UsageLimits
+from gateway.core.settings import ApiKey, UsageLimits, check_name
 from gateway.http.admin.access import admin_services
 from gateway.http.routes import key_usage
 from gateway.services import Services
 from policies.classes import CLASS_ORDER, DEFAULT_CLASS
 
-NAME = re.compile(r"[A-Za-z0-9._@:-]{1,128}")
+NAME = re.compile(r"[A-Za-z0-9._@-]{1,128}")  # no ':' or '/' (settings.NAME_SEPARATORS)
 
 
 class NewKey(BaseModel):
@@ -33,7 +33,8 @@ class NewKey(BaseModel):
     @classmethod
     def _name(cls, value: str | None) -> str | None:
         if value is not None and not NAME.fullmatch(value):
-            raise ValueError("1-128 characters of letters, digits and ._@:-")
+            check_name(value)
+            raise ValueError("1-128 characters of letters, digits and ._@-")
         return value
 
     @field_validator("priority_class")
@@ -60,7 +61,8 @@ async def _body(request: web.Request, model: type[BaseModel], empty_ok: bool = F
         errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else None
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) \
             if errors else "the body must be a JSON object"
-        raise BadRequest(f"invalid request body: {detail}") from None
+        param = ".".join(map(str, errors[0]["loc"])) if errors else None
+        raise BadRequest(f"invalid request body: {detail}", param=param) from None
 
 
 def _config_key(svc: Services, key_id: str) -> ApiKey | None:

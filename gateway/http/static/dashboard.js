@@ -26,10 +26,12 @@ function fmt(x, digits = 1) {
   return x === null || x === undefined ? "–" : Number(x).toFixed(digits);
 }
 
+// headers: a label, or [label, what it means] (shown as the column's tooltip)
 function table(headers, rows, empty) {
   if (!rows.length) return el("p", { class: "empty" }, empty);
+  const th = (h) => (Array.isArray(h) ? el("th", { title: h[1] }, h[0]) : el("th", {}, h));
   return el("table", {},
-    el("thead", {}, el("tr", {}, headers.map((h) => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, headers.map(th))),
     el("tbody", {}, rows));
 }
 
@@ -43,7 +45,9 @@ function queuesPanel(model, queues) {
       el("td", { "data-metric": "active-users", "data-class": c }, q.active_users));
   });
   return el("div", { class: "panel" }, el("h3", {}, "Queues by class"),
-    table(["class", "queued", "oldest wait s", "users"], rows, ""));
+    table(["class", ["queued", "requests waiting in fairgate's queue (every replica)"],
+           ["oldest wait s", "how long the oldest queued request has waited"],
+           ["users", "users with a queued request"]], rows, ""));
 }
 
 function actionButton(action, label, attrs) {
@@ -67,7 +71,9 @@ function usersPanel(queues) {
   }
   rows.sort((a, b) => Number(b.children[2].textContent) - Number(a.children[2].textContent));
   return el("div", { class: "panel" }, el("h3", {}, "Top queued users"),
-    table(["user", "class", "queued", "oldest wait s", "fairness score", ""], rows.slice(0, 20),
+    table(["user", "class", "queued", "oldest wait s",
+           ["fairness score", "the user's virtual service counter: the lowest is served next"],
+           ""], rows.slice(0, 20),
       "nobody is waiting"));
 }
 
@@ -78,9 +84,21 @@ function gateBadges(gates, inTransit) {
     const reason = g.reason === "in_transit" ? `in transit (${inTransit})` : g.reason;
     const label = g.open ? `${c}: open` : `${c}: ${reason}`;
     return el("span", { class: `gate ${g.open ? "open" : "closed"}`, "data-gate": c,
-                        "data-reason": g.reason || "" }, label);
+                        "data-reason": g.reason || "", title: GATE_REASONS[g.reason || "open"] || "" },
+      label);
   });
 }
+
+const GATE_REASONS = {
+  open: "fairgate may dispatch this class to the backend now",
+  in_transit: "the room the last snapshot showed is taken by requests on their way",
+  waiting: "vLLM's waiting queue is at this class's bound",
+  tpot: "streaming is slower than this class's TPOT bound",
+  kv: "KV cache use is above this class's bound",
+  stale: "no fresh /metrics snapshot: the backend is not scraped or does not answer",
+  drained: "an operator drained it: no new requests go to it",
+  prefill_tokens: "the prompt tokens sent and not yet prefilled fill this class's budget",
+};
 
 function pacingCell(pacing) {
   // adaptive pacing: how many of each class may wait at the backend, why it last moved,
@@ -111,9 +129,14 @@ function prefixCell(b) {
   const p = b.prefix_cache || {};
   const reasons = Object.entries(b.dispatch_reasons || {}).sort();
   return [
-    el("div", { "data-metric": "prefix-hit" }, `vLLM ${pct(p.hit_ratio)}`),
-    el("div", { "data-metric": "prefix-predicted" }, `index ${pct(p.predicted_hit_ratio)}`),
-    ...reasons.map(([r, n]) => el("div", { "data-reason-count": r }, `${r}: ${n}`)),
+    el("div", { "data-metric": "prefix-hit", title: "vLLM's prefix cache hit rate, recent window" },
+      `vLLM ${pct(p.hit_ratio)}`),
+    el("div", { "data-metric": "prefix-predicted",
+                title: "the hit rate fairgate's prefix index predicted at dispatch" },
+      `index ${pct(p.predicted_hit_ratio)}`),
+    ...reasons.map(([r, n]) => el("div", { "data-reason-count": r,
+      title: `this replica's dispatches here chosen by ${r === "load" ? "least load" : r}` },
+      `${r}: ${n}`)),
   ];
 }
 
@@ -122,11 +145,15 @@ function prefillCell(b) {
   // uncached prompt tokens dispatched there and maybe not yet scheduled
   const span = b.prompt_tokens || {};
   const range = span.max === null || span.max === undefined
-    ? (span.min ? `≥ ${span.min}` : "any") : `${span.min}–${span.max}`;
+    ? (span.min ? `≥ ${span.min}` : "any length") : `${span.min}–${span.max}`;
   const p = b.prefill || {};
   return [
-    el("div", { "data-metric": "prompt-range" }, `${b.pool ? b.pool + ": " : ""}${range}`),
-    el("div", { "data-metric": "pending-prefill" }, `${p.pending_tokens ?? "–"} tok`),
+    el("div", { "data-metric": "prompt-range",
+                title: "the estimated prompt lengths (tokens) this backend takes" },
+      `${b.pool ? b.pool + ": " : ""}${range}`),
+    el("div", { "data-metric": "pending-prefill",
+                title: "prompt tokens dispatched here and maybe not yet prefilled" },
+      `${p.pending_tokens ?? "–"} tok pending`),
   ];
 }
 
@@ -165,9 +192,19 @@ function backendsPanel(backends) {
       el("td", {}, ...drainCell(b)));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
-    table(["backend", "state", "waiting", "of which", "running", "in transit", "KV", "TPOT ms",
-           "in flight", "dispatch/s", "gates", "pacing allowance", "prefix cache",
-           "prompts, pending prefill", ""], rows,
+    table(["backend", "state",
+           ["waiting", "vLLM's num_requests_waiting (latest snapshot)"],
+           ["of which", "queued: waiting for a running request to end; entering: start at the next engine step"],
+           ["running", "vLLM's num_requests_running"],
+           ["in transit", "dispatched since the snapshot, not yet seen by vLLM"],
+           ["KV", "vLLM's KV cache usage"], ["TPOT ms", "time per output token, recent window"],
+           ["in flight", "dispatched by fairgate and not finished (every replica)"],
+           ["dispatch/s", "this replica's dispatches, last 10 s"],
+           ["gates", "may fairgate dispatch each class here now? hover a badge for why not"],
+           ["pacing allowance", "how many of each class may wait at vLLM (adaptive pacing), and why it last moved"],
+           ["prefix cache", "vLLM's hit rate, the prefix index's prediction, dispatches by reason"],
+           ["prompts, pending prefill", "the prompt lengths it takes; prompt tokens not yet prefilled"],
+           ""], rows,
           "no backends"));
 }
 
@@ -189,7 +226,26 @@ function sharesPanel(shares, ratios) {
   });
   return el("div", { class: "panel" },
     el("h3", {}, "Service share (decayed, all replicas)"),
-    table(["user", "share", "vs weight", ""], rows, "no service yet"));
+    table(["user", ["share", "of the service (tokens, weighted) every replica gave, decayed"],
+           ["vs weight", "served share ÷ the share its weight entitles it to, while backlogged (1 = fair)"],
+           ""], rows, "no service yet"));
+}
+
+function movesPanel(moves) {
+  // continued answers (failover, drain, preempt) and preemptions, this replica's counts
+  const reasons = (moves && moves.continuations) || {};
+  const rows = Object.entries(reasons).map(([reason, r]) => el("tr", { "data-reason": reason },
+    el("td", {}, reason), el("td", { "data-metric": "continued" }, fmt(r.continued || 0, 0)),
+    el("td", { "data-metric": "failed" }, fmt(r.failed || 0, 0)),
+    el("td", { "data-metric": "recomputed" }, fmt(r.recomputed_tokens || 0, 0))));
+  const preempted = Object.entries((moves && moves.preempted) || {})
+    .map(([what, n]) => `${what}: ${fmt(n, 0)}`).join(" · ");
+  return el("section", { class: "model" }, el("h2", {}, "Continued answers and preemption"),
+    el("div", { class: "panel" },
+      table(["reason", "continued", "failed", "tokens sent again"], rows,
+            "no answer continued yet"),
+      el("p", { class: "meta", "data-metric": "preempted" },
+         `preempted (this replica): ${preempted || "none"}`)));
 }
 
 function batchesPanel(batches) {
@@ -199,13 +255,19 @@ function batchesPanel(batches) {
     el("td", {}, String(b.failed))));
   return el("section", { class: "model" }, el("h2", {}, "Running batches"),
     el("div", { class: "panel" },
-      table(["batch", "owner", "status", "done", "failed"], rows, "no batch running")));
+      table(["batch", "owner", "status", ["done", "lines answered (completed + failed) / lines"],
+             ["failed", "lines answered with an error (in the error file)"]], rows,
+            "no batch running")));
 }
 
 function usagePanel(usage) {
   if (!usage) return el("section", { class: "model" });
   const counts = (r) => [el("td", { "data-metric": "tokens" }, String(r.total_tokens)),
-    el("td", {}, String(r.requests)), el("td", {}, String(r.errors))];
+    el("td", {}, String(r.requests)), el("td", { "data-metric": "errors" }, String(r.errors)),
+    el("td", { "data-metric": "cancelled" }, String(r.cancelled ?? 0))];
+  const heads = [["tokens", "prompt + completion tokens today"], "requests",
+    ["errors", "requests that failed (the backend or fairgate)"],
+    ["cancelled", "requests their caller ended: a client that hung up, a cancelled batch's lines"]];
   const tenants = usage.tenants.map((r) => el("tr", { "data-tenant": r.tenant },
     el("td", {}, r.tenant), ...counts(r)));
   const users = usage.users.map((r) => el("tr", { "data-usage-user": r.user },
@@ -221,9 +283,9 @@ function usagePanel(usage) {
   return el("section", { class: "model", id: "usage" }, el("h2", {}, `Usage today (${usage.day}, UTC)`),
     el("div", { class: "grid" },
       el("div", { class: "panel" }, el("h3", {}, "Top tenants"),
-        table(["tenant", "tokens", "requests", "errors"], tenants, "no usage today")),
+        table(["tenant", ...heads], tenants, "no usage today")),
       el("div", { class: "panel" }, el("h3", {}, "Top users"),
-        table(["user", "tenant", "tokens", "requests", "errors"], users, "no usage today")),
+        table(["user", "tenant", ...heads], users, "no usage today")),
       el("div", { class: "panel" }, el("h3", {}, "Tenant budgets"),
         table(["tenant", "period", "used", ""], budgets, "no tenant budgets"))));
 }
@@ -240,7 +302,7 @@ function svg(tag, attrs, ...children) {
 }
 
 // series: [{name, points: [[t, value|null], …]}]; a null value breaks the line
-function chart(id, title, series, now, windowS, unit) {
+function chart(id, title, series, now, windowS, unit, hint) {
   const values = series.flatMap((s) => s.points.map((p) => p[1])).filter((v) => v !== null);
   const top = Math.max(...values, 0) || 1;
   const w = CHART_W - PAD.left - PAD.right;
@@ -278,8 +340,10 @@ function chart(id, title, series, now, windowS, unit) {
     return el("span", { class: `key s${i % 5}`, "data-series": s.name },
       `${s.name} ${last ? fmt(last[1], unit === "s" ? 3 : 1) : "–"}`);
   }));
-  return el("div", { class: "chart", "data-chart": id, "data-points": drawn },
-    el("h4", {}, title),
+  // data-values: the plotted [time, value] pairs by series, for tests and the curious
+  return el("div", { class: "chart", "data-chart": id, "data-points": drawn,
+                     "data-values": JSON.stringify(series.map((s) => [s.name, s.points])) },
+    el("h4", { title: hint || "" }, title),
     svg("svg", { viewBox: `0 0 ${CHART_W} ${CHART_H}`, width: CHART_W, height: CHART_H,
                  role: "img", "aria-label": title }, axis, shapes),
     legend);
@@ -288,32 +352,34 @@ function chart(id, title, series, now, windowS, unit) {
 function historySection(history, models, now) {  // now: the server's clock, not the browser's
   const samples = (history && history.samples) || [];
   const windowS = (history && history.window_s) || 900;
+  const scope = (history && history.scope) || "this replica";
   const at = (f) => samples.map((s) => [s.t, f(s)]);
   const charts = [];
   for (const model of Object.keys(models)) {
     charts.push(chart(`queue-depth:${model}`, `Queued by class · ${model}`,
       CLASSES.map((c) => ({ name: c,
         points: at((s) => (s.models[model] && s.models[model].depth ? s.models[model].depth[c] : null)) })),
-      now, windowS, ""));
+      now, windowS, "", "requests in fairgate's queue at the end of each interval"));
   }
-  charts.push(chart("dispatch-rate", "Dispatches/s (this replica)",
+  charts.push(chart("dispatch-rate", "Dispatches/s",
     Object.keys(models).map((m) => ({ name: m,
       points: at((s) => (s.models[m] ? s.models[m].dispatch_rate_per_s : null)) })),
-    now, windowS, ""));
-  charts.push(chart("ttft", "Time to first token, s (streams, this replica)",
+    now, windowS, "", "requests sent to a backend per second, every worker and replica"));
+  charts.push(chart("ttft", "Time to first token, s (streams, as clients saw it)",
     [{ name: "p50", points: at((s) => s.ttft_p50_s) },
-     { name: "p99", points: at((s) => s.ttft_p99_s) }], now, windowS, "s"));
-  const backends = [...new Set(samples.flatMap((s) => Object.keys(s.gate_closed_s)))].sort();
+     { name: "p99", points: at((s) => s.ttft_p99_s) },
+     { name: "max", points: at((s) => s.ttft_max_s) }], now, windowS, "s",
+    "from a stream's arrival to its first token written to the client, streams that ended in the interval"));
+  const backends = [...new Set(samples.flatMap((s) => Object.keys(s.gate_closed_pct || {})))].sort();
   charts.push(chart("gate-closed", "Gates closed, % of the time (all classes)",
     backends.map((b) => ({ name: b, points: at((s) => {
-      const closed = s.gate_closed_s[b];
-      if (!closed) return null;
-      const sum = Object.values(closed).reduce((a, v) => a + v, 0);
-      // closed time is charged at each snapshot, so an interval may get a bit of the last
-      return Math.min(100, (100 * sum) / (Object.keys(closed).length * s.interval_s));
-    }) })), now, windowS, ""));
+      const closed = (s.gate_closed_pct || {})[b];
+      return closed === undefined ? null : closed;
+    }) })), now, windowS, "",
+    "the share of the time the gate badges were red, sampled every second as the badges decide"));
   return [el("h2", {}, `Last ${Math.round(windowS / 60)} minutes`,
-    el("span", { class: "meta" }, ` · a sample every ${history ? history.interval_s : "?"} s`)),
+    el("span", { class: "meta", "data-history-scope": scope },
+      ` · ${scope} · a sample every ${history ? history.interval_s : "?"} s`)),
     el("div", { class: "charts" }, charts)];
 }
 
@@ -402,7 +468,11 @@ function render(state) {
       el("div", { class: "grid" },
         backendsPanel(m.backends), queuesPanel(model, m.queues),
         usersPanel(m.queues), sharesPanel(m.service_shares, m.share_ratios))));
-  root.replaceChildren(...sections, usagePanel(state.usage_today), batchesPanel(state.batches));
+  root.replaceChildren(...sections, usagePanel(state.usage_today), batchesPanel(state.batches),
+                       movesPanel(state.moves));
+  const grafana = document.getElementById("grafana");
+  if (state.grafana_url) grafana.setAttribute("href", state.grafana_url);
+  grafana.hidden = !state.grafana_url;
   document.getElementById("meta").textContent =
     `replica ${state.replica_id} · fairness ${state.fairness}`;
 }

@@ -14,8 +14,9 @@
 -- dispatch costs, added to the scores at dispatch), now (s), chain (the prompt's
 -- block-hash chain, space-separated, "" when not hashed), deadline (first-token
 -- deadline, unix s, "" for none), ptok (estimated prompt tokens: where it fits, the
--- prefill gate), requeue (optional: true for a request its replica queues again after a
--- failover: skipped when its hash exists, not held to the cap)}
+-- prefill gate), whole (optional: true for a whole answer, never streamed), requeue
+-- (optional: true for a request its replica queues again after a failover: skipped when
+-- its hash exists, not held to the cap)}
 -- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
 -- length, -1 when the per-user cap is reached, 0 when a requeued request was known.
 local a = cjson.decode(ARGV[1])
@@ -35,6 +36,7 @@ local function enqueue(r)
     'cost', r.cost, 'enqueued_at', r.now, 'state', 'queued', 'tenant', r.tenant,
     'tcost', r.tcost, 'ptok', r.ptok)
   if r.chain ~= '' then redis.call('HSET', req, 'prefix', r.chain) end
+  if r.whole then redis.call('HSET', req, 'whole', 1) end
   redis.call('EXPIRE', req, a.ttl)
   local deadline = tonumber(r.deadline)
   local pivot = nil

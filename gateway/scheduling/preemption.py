@@ -1,0 +1,181 @@
+"""Preemption for fairness, decided by any replica and carried out by the one that holds
+the stream (the rule: ``policies/preemption.py``; docs/scheduling.md).
+
+The dispatch loop asks :meth:`Preemptor.check` after each pass over a model. While no
+backend of the model is full by this replica's view of the snapshots (or nothing waits),
+that costs no Redis call. Otherwise one script reads what the rule needs
+(``lua/preempt_view.lua``: each backlogged class's next request, and every dispatched
+request the live replicas hold, with their users' fairness scores), the rule picks at
+most one victim, and a second script orders it (``lua/preempt.lua``): at most
+``max_preemptions`` times per answer, and on one backend not again before a snapshot
+taken a scrape interval after the last order (the freed slot is then free or taken in
+what every replica sees), so one preemption frees one slot for one waiting request.
+
+The order travels to the replica that holds the stream through its preemption list,
+which its grant listener reads with its grants; that replica moves the stream
+(``RunningStreams.move(request_id, "preempt")``): the backend connection closes (vLLM
+aborts the request and frees its KV) and the answer's continuation waits at the head of
+its user's queue, to resume from its token ids. A stream it cannot move is marked so and
+the backend's hold is lifted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import structlog
+
+from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.core.errors import StoreUnavailable
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.settings import ReadsSettings, SettingsHolder
+from gateway.proxy.moving import PREEMPT
+from gateway.scheduling.running import RunningStreams
+from gateway.storage.store import Preempt, PreemptView, Store
+from gateway.storage.values import original_id
+from policies.classes import CLASS_ORDER
+from policies.preemption import (
+    BackendLoad,
+    Preemption,
+    PreemptRule,
+    Running,
+    Waiting,
+    choose,
+    is_full,
+)
+
+log = structlog.get_logger("fairgate.preemption")
+HOLD_FLOOR_S = 2.0  # a backend's hold outlives a replica that never answers its order
+
+
+class Preemptor(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+                 metrics: GatewayMetrics) -> None:
+        self.holder = settings
+        self.store = store
+        self.pool = pool
+        self.metrics = metrics
+        self.streams: RunningStreams | None = None  # this process's (set by the composition root)
+        self._checked: dict[str, float] = {}  # model → monotonic time of its last read
+        self._background: set[asyncio.Task[None]] = set()
+
+    def rules(self) -> dict[str, PreemptRule]:
+        return {c: cfg.preempt_rule() for c, cfg in self.settings.classes.items()}
+
+    def loads(self, model: str, now: float) -> list[BackendLoad]:
+        """The model's backends that take work now, as their snapshots show them."""
+        stale = self.settings.snapshot_stale_s
+        return [BackendLoad(h.name, h.last.running, h.peak_running, h.last.kv_usage)
+                for h in self.pool.for_model(model) if h.last is not None
+                and h.gates_at(now, stale)[CLASS_ORDER[0]].reason not in ("stale", "drained")]
+
+    async def check(self, model: str, queued: int) -> bool:
+        """Order one preemption for ``model`` when the rule finds one; True when ordered.
+        ``queued``: the requests the latest decision left queued for the model."""
+        settings = self.settings
+        if not settings.preemption:
+            return False
+        now = time.time()
+        handles = {h.name: h for h in self.pool.for_model(model)}
+        loads = self.loads(model, now)
+        rules = self.rules()
+        limits = {r.max_kv_usage for r in rules.values()}
+        full = [ld for ld in loads if any(is_full(ld, kv) for kv in limits)]
+        if not full or not (queued > 0 or any(handles[ld.name].last.waiting > 0  # type: ignore[union-attr]
+                                              for ld in full)):
+            return False
+        moment = time.monotonic()
+        if moment - self._checked.get(model, 0.0) < settings.scrape_interval_s:
+            return False
+        self._checked[model] = moment
+        view = await self.store.preemption_view(model, CLASS_ORDER,
+                                                now - settings.replica_ttl_s)
+        waiting, running = plain(view, now, handles)
+        chosen = choose(waiting, running, loads, rules, settings.preempt_fair_gap)
+        if chosen is None:
+            return False
+        return await self._order(model, chosen, now, rules)
+
+    async def _order(self, model: str, chosen: Preemption, now: float,
+                     rules: dict[str, PreemptRule]) -> bool:
+        victim = chosen.victim
+        order = Preempt(victim.request_id, original_id(victim.request_id)[0], victim.backend)
+        settings = self.settings
+        ordered = await self.store.order_preemption(
+            model, order, now, rules[victim.klass].max_preemptions,
+            settings.scrape_interval_s, max(HOLD_FLOOR_S, 2 * settings.snapshot_stale_s))
+        if ordered:
+            log.info("preemption_ordered", model=model, request_id=order.original,
+                     backend=victim.backend, victim_class=victim.klass, victim_user=victim.user,
+                     waiting_class=chosen.waiter.klass, waiting_user=chosen.waiter.user,
+                     waited_s=round(chosen.waiter.waited_s, 3))
+        return ordered
+
+    def carry_out(self, model: str, order: Preempt) -> None:
+        """This replica holds the stream ``order`` names: move it (the listener's call)."""
+        klass = self._class_of(order)  # before the move: it may settle at once
+        if self.streams is not None and self.streams.move(order.original, PREEMPT):
+            self.metrics.preemptions.labels(model, klass).inc()
+            log.info("preempted", model=model, request_id=order.original, backend=order.backend)
+            return
+        log.info("preemption_refused", model=model, request_id=order.original,
+                 backend=order.backend)
+        self._spawn(self._refused(model, order))
+
+    def _class_of(self, order: Preempt) -> str:
+        for entry in self.streams.entries() if self.streams is not None else ():
+            if entry.request_id == order.original:
+                return entry.klass
+        return ""
+
+    async def _refused(self, model: str, order: Preempt) -> None:
+        try:
+            await self.store.preempt_refused(model, order)
+        except StoreUnavailable:
+            pass  # the backend's hold expires on its own
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
+          ) -> tuple[list[Waiting], list[Running]]:
+    """The rule's inputs from what Redis holds: each backlogged class's next request and
+    each dispatched request that has not streamed yet wait; the current segment of each
+    streaming answer runs (a continued answer's older segments are left out), with its
+    tokens so far estimated from its time on the backend and the backend's recent TPOT
+    (vLLM's batch decodes one token per running request per step)."""
+    waiting = [Waiting(q["class"], q["user"], max(0.0, now - float(q["enqueued_at"])),
+                       None, _number(q.get("score"))) for q in view.queued]
+    latest: dict[str, int] = {}  # original → the number of its latest segment
+    preempted: dict[str, int] = {}
+    for r in view.inflight:
+        original, number = original_id(str(r["id"]))
+        latest[original] = max(number, latest.get(original, 0))
+        if number == 0:
+            preempted[original] = int(r.get("preempted") or 0)
+        if not r.get("started"):
+            waiting.append(Waiting(r["class"], r["user"],
+                                   max(0.0, now - float(r["enqueued_at"])), r["backend"],
+                                   _number(r.get("score"))))
+    running = []
+    for r in view.inflight:
+        original, number = original_id(str(r["id"]))
+        if not r.get("started") or r.get("unmovable") or number != latest[original]:
+            continue
+        handle = handles.get(r["backend"])
+        tpot = handle.last.tpot_s if handle is not None and handle.last is not None else None
+        elapsed = max(0.0, now - float(r["dispatched_at"]))
+        generated = int(elapsed / tpot) if tpot else int(elapsed * 1000)
+        running.append(Running(str(r["id"]), r["backend"], r["class"], r["user"],
+                               float(r.get("score") or 0.0), generated,
+                               preempted.get(original, 0)))
+    return waiting, running
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,204 @@
+"""Preemption for fairness end to end, through the ``openai`` SDK: a batch key fills every
+slot of a simulated vLLM (``max_num_seqs`` 4) with long generations, then an interactive
+newcomer arrives. With preemption on, a batch stream gives its slot back: the newcomer's
+first token comes before any batch stream ends, and every batch stream still completes
+with exactly its ``max_tokens`` tokens and the text of an unpreempted run (temperature
+0). With preemption off, or when the slots are held by interactive streams (never
+preempted by default), the newcomer waits until one of them ends. The per-answer cap
+holds. A Batch API line is preempted the same way: sent again later, recorded once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from gateway.http.server import GatewayServer
+from loadtest.sim.server import SimServer
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, until
+
+SLOTS = 4
+FILL_TOKENS = 900  # each filler's answer: a few seconds on the simulated H100
+NEW_TOKENS = 16
+
+
+@dataclass
+class Events:
+    """What happened, in the order it happened (no clock involved)."""
+
+    seen: list[str] = field(default_factory=list)
+
+    def index(self, event: str) -> int:
+        assert event in self.seen, (event, self.seen)
+        return self.seen.index(event)
+
+    def first_of(self, prefix: str) -> int:
+        found = [i for i, e in enumerate(self.seen) if e.startswith(prefix)]
+        assert found, (prefix, self.seen)
+        return found[0]
+
+
+def body(i: int, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": f"job {i}: write on and on"}]}
+
+
+async def stream(gw: GatewayServer, key: str, name: str, i: int, max_tokens: int,
+                 events: Events) -> tuple[str, int]:
+    """One chat stream through the SDK: (its text, its completion tokens)."""
+    oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    out = await oai.chat.completions.create(
+        **body(i, max_tokens), stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    text, tokens = [], 0
+    async for chunk in out:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            if choice.delta.content:
+                if not text:
+                    events.seen.append(f"first:{name}")
+                text.append(choice.delta.content)
+    events.seen.append(f"done:{name}")
+    return "".join(text), tokens
+
+
+async def reference(sim: SimServer, i: int, max_tokens: int) -> str:
+    """An unpreempted answer, straight from a simulator."""
+    async with aiohttp.ClientSession() as http, http.post(
+            sim.url + "/v1/chat/completions",
+            json={**body(i, max_tokens), "ignore_eos": True}) as resp:
+        return str((await resp.json())["choices"][0]["message"]["content"])
+
+
+async def fill(gw: GatewayServer, backend: SimServer, key: str, events: Events,
+               count: int = SLOTS) -> list[asyncio.Task[tuple[str, int]]]:
+    """``count`` long streams of ``key``, running (the gateway's snapshot shows them)."""
+    tasks = [asyncio.create_task(stream(gw, key, f"fill{i}", i, FILL_TOKENS, events))
+             for i in range(count)]
+    handle = gw.services.pool.handles["b0"]
+    await until(lambda: backend.engine.num_running == count, f"{count} fillers running")
+    await until(lambda: handle.last is not None and handle.last.running == count
+                and handle.peak_running == count, "a snapshot with every slot running")
+    return tasks
+
+
+def counter(gw: GatewayServer) -> Callable[[str], float]:
+    metrics = gw.services.metrics
+    return lambda klass: metrics.preemptions.labels(MODEL, klass)._value.get()
+
+
+@pytest.mark.timeout(120)
+async def test_a_newcomer_preempts_a_batch_stream_that_then_completes_exactly(
+        gateway: GatewayFactory, sim: SimFactory) -> None:
+    backend, spare = await sim(max_num_seqs=SLOTS), await sim(max_num_seqs=SLOTS)
+    gw = await gateway([backend], classes={"interactive": {"preempt_after_ms": 300}})
+    want = asyncio.gather(*(reference(spare, i, FILL_TOKENS) for i in range(SLOTS)))
+    events = Events()
+    fillers = await fill(gw, backend, "sk-batch", events)
+    new_text, new_tokens = await stream(gw, "sk-alice", "new", 99, NEW_TOKENS, events)
+    answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)
+    assert events.index("first:new") < events.first_of("done:fill"), events.seen
+    assert new_tokens == NEW_TOKENS, new_text
+    for i, ((text, tokens), expected) in enumerate(zip(answers, await want, strict=True)):
+        assert tokens == FILL_TOKENS, (i, tokens)
+        assert text == expected, (i, len(text), len(expected), text[-60:], expected[-60:])
+    preempted = counter(gw)("batch")
+    m = gw.services.metrics
+    continued = m.continuations.labels("preempt", "continued")._value.get()
+    assert preempted >= 1 and continued == preempted, (preempted, continued)
+    assert m.continuation_recomputed_tokens.labels("preempt")._value.get() > 0
+    assert m.continuations.labels("failover", "continued")._value.get() == 0
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as resp:
+        scraped = await resp.text()
+    assert 'fairgate_preemptions_total{model="llama-3.1-8b",priority_class="batch"}' in scraped
+    moves = (await gw.services.inspector.state())["moves"]  # the dashboard's panel
+    assert moves["continuations"]["preempt"]["continued"] == continued, moves
+    assert moves["preempted"] == {f"{MODEL} · batch": preempted}, moves
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("key", "preemption"), [("sk-batch", False), ("sk-bob", True)],
+                         ids=["preemption-off", "interactive-fillers"])
+async def test_without_a_preemptible_victim_the_newcomer_waits_for_a_slot(
+        gateway: GatewayFactory, sim: SimFactory, key: str, preemption: bool) -> None:
+    backend = await sim(max_num_seqs=SLOTS)
+    gw = await gateway([backend], preemption=preemption,
+                       classes={"interactive": {"preempt_after_ms": 300}})
+    events = Events()
+    fillers = await fill(gw, backend, key, events)
+    _, new_tokens = await stream(gw, "sk-alice", "new", 99, NEW_TOKENS, events)
+    answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)
+    assert events.first_of("done:fill") < events.index("first:new"), events.seen
+    assert new_tokens == NEW_TOKENS and [t for _, t in answers] == [FILL_TOKENS] * SLOTS
+    assert counter(gw)("batch") == counter(gw)("interactive") == 0
+
+
+@pytest.mark.timeout(120)
+async def test_one_answer_is_preempted_at_most_max_preemptions_times(
+        gateway: GatewayFactory, sim: SimFactory) -> None:
+    backend = await sim(max_num_seqs=1)
+    gw = await gateway([backend], classes={"interactive": {"preempt_after_ms": 200},
+                                           "batch": {"max_preemptions": 1}})
+    events = Events()
+    [filler] = await fill(gw, backend, "sk-batch", events, count=1)
+    await stream(gw, "sk-alice", "new1", 98, NEW_TOKENS, events)  # preempts it: the cap
+    # the preempted answer runs again; the next newcomer may not take its slot
+    await until(lambda: backend.engine.num_running == 1, "the batch answer running again")
+    await stream(gw, "sk-bob", "new2", 99, NEW_TOKENS, events)
+    text, tokens = await asyncio.wait_for(filler, 90)
+    assert events.index("first:new1") < events.index("done:fill0") < events.index(
+        "first:new2"), events.seen
+    assert tokens == FILL_TOKENS, (tokens, text[-40:])
+    assert counter(gw)("batch") == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
+        gateway: GatewayFactory, sim: SimFactory, tmp_path: Path) -> None:
+    backend, spare = await sim(max_num_seqs=SLOTS), await sim(max_num_seqs=SLOTS)
+    gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05,
+                       classes={"interactive": {"preempt_after_ms": 300}})
+    want = asyncio.gather(*(reference(spare, i, FILL_TOKENS) for i in range(SLOTS)))
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**body(i, FILL_TOKENS), "ignore_eos": True}} for i in range(SLOTS)]
+    oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-batch", max_retries=0)
+    upload = await oai.files.create(
+        file=("in.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode()),
+        purpose="batch")
+    batch = await oai.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                     completion_window="24h")
+    handle = gw.services.pool.handles["b0"]
+    await until(lambda: backend.engine.num_running == SLOTS, "every line running")
+    await until(lambda: handle.last is not None and handle.last.running == SLOTS
+                and handle.peak_running == SLOTS, "a snapshot with every slot running")
+    events = Events()
+    _, new_tokens = await stream(gw, "sk-alice", "new", 99, NEW_TOKENS, events)
+    counts = (await oai.batches.retrieve(batch.id)).request_counts
+    assert new_tokens == NEW_TOKENS and counts is not None and counts.completed == 0, counts
+    for _ in range(2400):  # bounded: the lines take a few seconds each
+        batch = await oai.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            break
+        await asyncio.sleep(0.05)
+    assert batch.status == "completed" and batch.output_file_id, batch
+    out = [json.loads(row) for row in
+           (await oai.files.content(batch.output_file_id)).text.splitlines()]
+    assert sorted(r["custom_id"] for r in out) == [f"line-{i}" for i in range(SLOTS)], out
+    expected = await want
+    for row in out:
+        i = int(row["custom_id"].split("-")[1])
+        answer = row["response"]["body"]
+        assert answer["usage"]["completion_tokens"] == FILL_TOKENS, row["custom_id"]
+        assert answer["choices"][0]["message"]["content"] == expected[i], row["custom_id"]
+    m = gw.services.metrics
+    assert counter(gw)("batch") >= 1
+    assert m.continuations.labels("preempt", "continued")._value.get() >= 1
+    assert m.continuation_recomputed_tokens.labels("preempt")._value.get() > 0
