@@ -97,7 +97,11 @@ async def _set_drained(request: web.Request, drained: bool) -> web.Response:
     log.info("backend_drained" if drained else "backend_undrained", backend=name,
              migrate_at=migrate_at)
     svc.dispatcher.wake()
-    return web.json_response(await svc.inspector.backend(name))
+    answer = await svc.inspector.backend(name)
+    # what Redis holds now: a view refresh that read the flag before the change may apply
+    # the old one to this process's pool until its next refresh
+    answer["drained"] = drained
+    return web.json_response(answer)
 
 
 async def drain(request: web.Request) -> web.Response:
