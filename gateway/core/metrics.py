@@ -289,7 +289,7 @@ class GatewayMetrics:
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
-            "batch, history)", ["loop"], registry=r)
+            "batch, history, quotas, migrate)", ["loop"], registry=r)
         # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
         self.batch_jobs = Gauge(
             "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r,
