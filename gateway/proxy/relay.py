@@ -315,6 +315,11 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                 mover.attach(resp)
     finally:
         mover.detach()
+        if not frames.usage and progress is not None and (progress.prompt_ids is not None
+                                                          or progress.generated):
+            # cut short (the client left, the backend failed): charged by the token ids
+            # received, not by frames (vLLM puts several tokens in one when it runs ahead)
+            frames.usage = progress.usage()
         report_usage(frames.usage, listener, endpoint.usage)
         if not frames.usage:
             listener.usage(0, frames.output_frames)
