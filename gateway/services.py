@@ -2,7 +2,7 @@
 
 :func:`running_services` builds the services into one typed :class:`Services` object,
 starts the long-lived loops (each supervised: scrape, dispatch, heartbeat, listen, batch,
-history)
+history, migrate)
 and stops them on exit. Handlers read what they need from it; nothing else constructs a
 service.
 """
@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway.access.auth import KeyRing
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
+from gateway.backends.migrate import Migrations
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
@@ -151,7 +152,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         services = Services(
             config, keyring, policy, metrics, store,
             pool, dispatcher, admission, running, quotas, usage, upstream, files, batches, runner,
-            Inspector(config, store, pool, metrics, replica_id),
+            Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url)
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
@@ -160,6 +161,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
                  asyncio.create_task(supervise("quotas", quotas.run, restarts), name="quotas"),
+                 asyncio.create_task(supervise("migrate", Migrations(
+                     store, pool, running).run, restarts), name="migrate"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,
                                                restarts), name="history")]
         try:

@@ -22,6 +22,7 @@ exec vllm serve "$MODEL" \
   --served-model-name "$SERVED_MODEL_NAME" \
   --host 0.0.0.0 --port "$PORT" \
   --enable-chunked-prefill \
+  --enable-prompt-tokens-details \
   --max-num-batched-tokens 2048 \
   --scheduling-policy priority \
   --max-num-seqs 256 \

@@ -33,6 +33,7 @@ exec vllm serve "$MODEL" \
   --tensor-parallel-size 4 \
   --max-model-len 131072 \
   --enable-chunked-prefill \
+  --enable-prompt-tokens-details \
   --max-num-batched-tokens 2048 \
   --scheduling-policy priority \
   --max-num-seqs 64 \

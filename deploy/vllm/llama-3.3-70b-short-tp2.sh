@@ -35,6 +35,7 @@ exec vllm serve "$MODEL" \
   --max-model-len 10240 \
   "${quant_args[@]}" \
   --enable-chunked-prefill \
+  --enable-prompt-tokens-details \
   --max-num-batched-tokens 2048 \
   --scheduling-policy priority \
   --max-num-seqs 256 \

@@ -212,7 +212,8 @@ class GatewayMetrics:
             "fairgate_errors_total", "Error responses by HTTP status and OpenAI error type",
             ["status", "type", "code"], registry=r)
         self.tokens = Counter(
-            "fairgate_tokens_total", "Tokens served, by kind", ["model", "kind"], registry=r)
+            "fairgate_tokens_total", "Tokens served, by kind (prompt; prompt_cached: of the "
+            "prompt, found in vLLM's prefix cache; completion)", ["model", "kind"], registry=r)
         self.user_tokens = Counter(
             "fairgate_user_tokens_total", "Tokens served per user (top users, rest: other)",
             ["model", "user", "kind"], registry=r)
@@ -288,7 +289,7 @@ class GatewayMetrics:
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
-            "batch, history)", ["loop"], registry=r)
+            "batch, history, quotas, migrate)", ["loop"], registry=r)
         # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
         self.batch_jobs = Gauge(
             "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r,
@@ -313,9 +314,12 @@ class GatewayMetrics:
         self._user_inc(self.user_requests, (model,), user, 1.0)
 
     def on_finish(self, model: str, klass: str, user: str, prompt_tokens: int,
-                  output_tokens: int, service: float, timing: StreamTiming | None) -> None:
+                  output_tokens: int, service: float, timing: StreamTiming | None,
+                  cached_tokens: int = 0) -> None:
         """After the answer went out (or failed): latency histograms, per-user counters."""
         self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        if cached_tokens:
+            self.tokens.labels(model, "prompt_cached").inc(cached_tokens)
         self.tokens.labels(model, "completion").inc(output_tokens)
         if timing is not None:
             timing.end_s = time.monotonic()

@@ -21,6 +21,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.ops.history import History
 from gateway.scheduling.quotas import Quotas
+from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.usage import UsageLedger, group
 from gateway.storage.store import QueuedUser, Store
 from policies.classes import CLASS_ORDER
@@ -33,8 +34,10 @@ TOP_USERS = 20
 
 class Inspector(ReadsSettings):
     def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
-                 metrics: GatewayMetrics, replica_id: str) -> None:
+                 metrics: GatewayMetrics, replica_id: str,
+                 running: RunningStreams | None = None) -> None:
         self.holder = settings
+        self.running = running  # this process's dispatched, unsettled requests
         self.store = store
         self.pool = pool
         self.metrics = metrics
@@ -78,6 +81,7 @@ class Inspector(ReadsSettings):
     async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
         handles = self.pool.for_model(model)
         states = await self.store.backend_states(model, [h.name for h in handles])
+        migrate = await self.store.migrate_times(model)
         out = []
         for h in handles:
             st = states[h.name]
@@ -94,6 +98,10 @@ class Inspector(ReadsSettings):
                 "prefill": {"pending_tokens": st.pending_prefill_tokens,
                             "limits": dict(h.fit.prefill_limits)},
                 "drained": h.drained, "accepts_priority": h.accepts_priority,
+                # a drain with migrate: when running answers move off it (unix s)
+                "migrate_at": migrate.get(h.name),
+                # this process's requests running there (every replica's: inflight)
+                "running": 0 if self.running is None else self.running.count(h.name),
                 "snapshot": None if st.snapshot is None else {
                     "waiting": st.snapshot.waiting, "running": st.snapshot.running,
                     # of those waiting: beyond the batch's free slots (the rest entered a

@@ -43,10 +43,13 @@ class Usage:
 
     prompt: str = "prompt_tokens"
     output: str = "completion_tokens"
+    # the object holding ``cached_tokens``: the prompt tokens vLLM found in its prefix
+    # cache (reported with --enable-prompt-tokens-details)
+    details: str = "prompt_tokens_details"
 
 
 CHOICES_USAGE = Usage()
-RESPONSES_USAGE = Usage("input_tokens", "output_tokens")
+RESPONSES_USAGE = Usage("input_tokens", "output_tokens", "input_tokens_details")
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,8 +84,9 @@ class RelayListener(Protocol):
     def tokens_sent(self, frames: int) -> None:
         """``frames`` output frames were written to the client."""
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
-        """The backend's token counts for the request."""
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
+        """The backend's token counts for the request (``cached_tokens``: of the prompt,
+        those found in its prefix cache; 0 when it does not say)."""
 
     def end(self, completed: bool) -> None:
         """The answer is over; ``completed`` when the client got all of it."""
@@ -230,9 +231,13 @@ class FrameFilter:
 
 def report_usage(usage: Any, listener: RelayListener, names: Usage) -> None:
     """The endpoint's usage counts (``names``); a count that is missing or not an integer
-    is 0 (embeddings have no completion tokens)."""
+    is 0 (embeddings have no completion tokens, a backend without
+    ``--enable-prompt-tokens-details`` reports no cached tokens)."""
     if isinstance(usage, dict):
-        listener.usage(_count(usage, names.prompt), _count(usage, names.output))
+        details = usage.get(names.details)
+        prompt = _count(usage, names.prompt)
+        cached = _count(details, "cached_tokens") if isinstance(details, dict) else 0
+        listener.usage(prompt, _count(usage, names.output), min(cached, prompt))
 
 
 def _count(usage: dict[str, Any], name: str) -> int:
@@ -310,6 +315,11 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                 mover.attach(resp)
     finally:
         mover.detach()
+        if not frames.usage and progress is not None and (progress.prompt_ids is not None
+                                                          or progress.generated):
+            # cut short (the client left, the backend failed): charged by the token ids
+            # received, not by frames (vLLM puts several tokens in one when it runs ahead)
+            frames.usage = progress.usage()
         report_usage(frames.usage, listener, endpoint.usage)
         if not frames.usage:
             listener.usage(0, frames.output_frames)

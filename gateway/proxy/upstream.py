@@ -315,7 +315,7 @@ class _NoListener:
     def tokens_sent(self, frames: int) -> None:
         pass
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
         pass
 
     def end(self, completed: bool) -> None:

@@ -77,6 +77,7 @@ class Ticket:
     dispatched_s: float = field(default_factory=time.monotonic)
     prompt_tokens: int | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, found in the backend's prefix cache
     completed: bool = False
     cancelled: bool = False  # its caller ended it (a client that hung up, a batch cancelled)
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
@@ -111,9 +112,10 @@ class Ticket:
         if self.timing is not None:
             self.timing.token_frames_sent()
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
         self.prompt_tokens = prompt_tokens or None
         self.completion_tokens = completion_tokens
+        self.cached_tokens = cached_tokens
 
     def end(self, completed: bool) -> None:
         self.completed = completed
@@ -343,13 +345,18 @@ class Admission(ReadsSettings):
             self.running.remove(running)
             prompt = ticket.prompt_tokens or prompt_est
             output = ticket.completion_tokens
+            # what the GPU computed: the prompt tokens its prefix cache lacked (dispatch
+            # charged the whole estimate; the settle corrects it, a refund when cached)
+            computed = prompt - min(ticket.cached_tokens, prompt)
             charge = (-queued.cost if ticket.unsent
-                      else self.policy.settle_charge(prompt, prompt_est, output, weight))
+                      else self.policy.settle_charge(computed, prompt_est, output, weight))
             tenant_charge = (-queued.tenant_charge if ticket.unsent else
-                             self.policy.settle_charge(prompt, prompt_est, output, tenant_weight))
+                             self.policy.settle_charge(computed, prompt_est, output,
+                                                       tenant_weight))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
-                                   self.policy.service(ticket.prompt_tokens or 0, output,
-                                                       weight), timing)
+                                   self.policy.service(
+                                       (ticket.prompt_tokens or 0) - ticket.cached_tokens,
+                                       output, weight), timing, ticket.cached_tokens)
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
@@ -358,6 +365,7 @@ class Admission(ReadsSettings):
                 sent = not ticket.unsent
                 usage = self.usage.counts(account, model, klass, prompt if sent else 0,
                                           output if sent else 0,
+                                          cached_tokens=ticket.cached_tokens if sent else 0,
                                           error=not (ticket.completed or ticket.cancelled),
                                           cancelled=ticket.cancelled)
                 ticket.usage_recorded = True

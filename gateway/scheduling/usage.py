@@ -30,7 +30,10 @@ from gateway.storage.values import UsageCounts
 DIMENSIONS = ("day", "tenant", "user", "key", "model", "class")
 # errors: requests that failed (refused, or the backend or fairgate failed them);
 # cancelled: requests their caller ended (a client that hung up, a cancelled batch's lines)
-COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "errors", "cancelled")
+# cached_prompt_tokens: of the prompt tokens, those the backend found in its prefix cache
+# (vLLM's --enable-prompt-tokens-details); fairness charges only the others
+COUNTERS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens",
+            "errors", "cancelled")
 
 
 def day_of(now: float) -> str:
@@ -47,11 +50,12 @@ class UsageLedger:
 
     def counts(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
                completion_tokens: int, error: bool, now: float | None = None,
-               cancelled: bool = False) -> UsageCounts:
+               cancelled: bool = False, cached_tokens: int = 0) -> UsageCounts:
         """What one request adds (for :meth:`record`, or folded into its settle)."""
         day = ModelKeys(model).usage(day_of(time.time() if now is None else now))
         row = [key.tenant_name, key.user, key.id or "", model, klass]
         amounts = {"requests": 1, "prompt_tokens": prompt_tokens,
+                   "cached_prompt_tokens": cached_tokens,
                    "completion_tokens": completion_tokens, "errors": 1 if error else 0,
                    "cancelled": 1 if cancelled else 0}
         return UsageCounts(day, {json.dumps([*row, name]): amount

@@ -34,6 +34,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backlogged_since": "since",          # hash: class -> when its queue became non-empty
     "recent": "recent",                   # list: classes of the latest dispatches
     "drained": "drained",                 # set: backends no replica may dispatch to
+    "migrate": "migrate",                 # hash: drained backend -> when its answers move
     "user_inflight": "inflight",          # hash: user -> dispatched, unsettled requests
     "replicas": "replicas",               # zset: replica -> last heartbeat (unix s)
     "listened": "listened",               # hash: replica -> its grant listener's last turn
@@ -139,6 +140,10 @@ class ModelKeys:
     @property
     def drained(self) -> str:
         return self._key("drained")
+
+    @property
+    def migrate(self) -> str:
+        return self._key("migrate")
 
     @property
     def user_inflight(self) -> str:

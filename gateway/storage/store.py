@@ -588,11 +588,28 @@ class Store:
         """Drop a backend's prefix index (it restarted or went away: its cache is gone)."""
         await cast("Awaitable[int]", self.client.delete(ModelKeys(model).backend_prefixes(backend)))
 
-    async def set_drained(self, model: str, backend: str, drained: bool) -> None:
-        """Drain (or undrain) a backend for every replica."""
-        key = ModelKeys(model).drained
-        change = self.client.sadd if drained else self.client.srem
-        await cast("Awaitable[int]", change(key, backend))
+    async def set_drained(self, model: str, backend: str, drained: bool,
+                          migrate_at: float | None = None) -> None:
+        """Drain (or undrain) a backend for every replica; with ``migrate_at`` (unix s)
+        every process moves its running answers off the backend from then on. An undrain,
+        or a drain without it, clears a pending migrate."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=True)
+        if drained:
+            pipe.sadd(k.drained, backend)
+        else:
+            pipe.srem(k.drained, backend)
+        if drained and migrate_at is not None:
+            pipe.hset(k.migrate, backend, repr(migrate_at))
+        else:
+            pipe.hdel(k.migrate, backend)
+        await pipe.execute()
+
+    async def migrate_times(self, model: str) -> dict[str, float]:
+        """Drained backends whose running answers move elsewhere, and from when (unix s)."""
+        raw = await cast("Awaitable[dict[str, str]]",
+                         self.client.hgetall(ModelKeys(model).migrate))
+        return {str(name): float(at) for name, at in raw.items()}
 
     async def backend_states(self, model: str, backends: Sequence[str]) -> dict[str, BackendState]:
         """What Redis holds about each backend (snapshot, sent-since, in flight)."""

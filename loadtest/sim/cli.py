@@ -42,6 +42,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="automatic prefix caching, as in vLLM V1 (default: on)",
     )  # fmt: skip
     parser.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="report the prompt's cached tokens in usage, as vLLM's flag does",
+    )  # fmt: skip
+    parser.add_argument(
         "--embedding-dimensions", type=int, default=DEFAULT_DIMENSIONS,
         help="length of /v1/embeddings vectors",
     )  # fmt: skip
@@ -61,6 +65,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

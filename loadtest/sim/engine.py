@@ -44,6 +44,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enable_prefix_caching: bool = True
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
+    enable_prompt_tokens_details: bool = False
     cost: Profile = field(init=False)
     num_kv_blocks: int = field(init=False)
     model_len: int = field(init=False)

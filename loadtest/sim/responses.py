@@ -48,6 +48,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _details(cached: int | None) -> dict[str, int] | None:
+    """``prompt_tokens_details`` (vLLM's ``--enable-prompt-tokens-details``; None: off)."""
+    return None if cached is None else {"cached_tokens": cached}
+
+
 def _frame(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
@@ -58,11 +63,13 @@ def full_body(
     model: str,
     counts: list[int],
     finish_reasons: list[str],
+    cached: int | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming response (``counts`` and ``finish_reasons`` per choice)."""
+    """The non-streaming response (``counts`` and ``finish_reasons`` per choice;
+    ``cached``: the prompt tokens found in the prefix cache, reported when not None)."""
     usage: dict[str, Any] = {
         **_usage(req.prompt_tokens, sum(counts)),
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": _details(cached),
         "completion_tokens_details": None,
     }
     head = {"id": request_id}
@@ -229,14 +236,18 @@ class StreamFramer:
             payload["system_fingerprint"] = self.fingerprint
         return _frame(payload)
 
-    def closing(self) -> bytes:
-        """The usage frame (if asked for) and ``[DONE]``."""
+    def closing(self, cached: int | None = None) -> bytes:
+        """The usage frame (if asked for; with ``cached`` prompt tokens when not None) and
+        ``[DONE]``."""
         if not self.req.include_usage:
             return DONE_FRAME
+        usage: dict[str, Any] = _usage(self.req.prompt_tokens, sum(self.counts))
+        if cached is not None:
+            usage["prompt_tokens_details"] = _details(cached)
         payload = {
             **self._base(),
             "choices": [],
-            "usage": _usage(self.req.prompt_tokens, sum(self.counts)),
+            "usage": usage,
             "system_fingerprint": self.fingerprint,
         }
         return _frame(payload) + DONE_FRAME

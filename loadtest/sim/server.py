@@ -232,6 +232,10 @@ class SimServer:
         except ValueError as exc:
             raise SimError(400, str(exc)) from exc
 
+    def _cached(self, stream: RequestStream) -> int | None:
+        """The prompt tokens found in the prefix cache, when usage reports them."""
+        return stream.record.cached_tokens if self.config.enable_prompt_tokens_details else None
+
     async def _collect(self, req: SimRequest, stream: RequestStream) -> tuple[list[int], list[str]]:
         """Token counts and finish reasons per choice of a request answered whole."""
         counts = [0] * req.n
@@ -260,7 +264,8 @@ class SimServer:
             if req.stream:
                 return await self._stream(request, req, request_id, stream)
             counts, reasons = await self._collect(req, stream)
-            body = full_body(req, request_id, self.config.model, counts, reasons)
+            body = full_body(req, request_id, self.config.model, counts, reasons,
+                             self._cached(stream))
             return json_response(body)
         finally:
             if not stream.finished:
@@ -395,7 +400,7 @@ class SimServer:
                     first = False
                 await response.write(b"".join(frames))
             if not stream.aborted:
-                await response.write(framer.closing())
+                await response.write(framer.closing(self._cached(stream)))
             await response.write_eof()
         except ConnectionError:
             self._engine.abort_stream(stream)

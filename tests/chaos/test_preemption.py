@@ -150,8 +150,15 @@ async def test_one_answer_is_preempted_at_most_max_preemptions_times(
     events = Events()
     [filler] = await fill(gw, backend, "sk-batch", events, count=1)
     await stream(gw, "sk-alice", "new1", 98, NEW_TOKENS, events)  # preempts it: the cap
-    # the preempted answer runs again; the next newcomer may not take its slot
-    await until(lambda: backend.engine.num_running == 1, "the batch answer running again")
+    # the preempted answer runs again (its continuation, the engine's newest request, has
+    # produced a token: not merely queued, where an interactive newcomer would overtake it
+    # in the gateway's or the engine's queue); the next newcomer may not take its slot
+    def continuation_running() -> bool:
+        records = list(backend.engine.records.values())
+        newest = max(records, key=lambda r: r.arrival_s)
+        return (len(records) >= 3 and newest.first_token_s is not None
+                and newest.finished_s is None)
+    await until(continuation_running, "the batch answer running again")
     await stream(gw, "sk-bob", "new2", 99, NEW_TOKENS, events)
     text, tokens = await asyncio.wait_for(filler, 90)
     assert events.index("first:new1") < events.index("done:fill0") < events.index(

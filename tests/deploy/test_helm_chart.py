@@ -452,6 +452,40 @@ def test_vllm_pools_carry_the_fairgate_contract(releases: dict[str, Release], ca
         assert mounts["/cache"] == "cache"
 
 
+@pytest.mark.parametrize("case_id", list(RENDERS))
+def test_vllm_pods_drain_with_migrate_before_they_stop(
+    releases: dict[str, Release], case_id: str
+) -> None:
+    """preStop drains the pod's backend through the gateway with migrate and waits grace +
+    margin; postStart undrains it; the termination grace covers both and vLLM's shutdown."""
+    release = releases[case_id]
+    (secret,) = release.component("Secret", "gateway") or [None]
+    for sts in release.pools():
+        vllm = container(sts, "vllm")
+        env = {e["name"]: e for e in vllm["env"]}
+        pool = sts["metadata"]["labels"]["fairgate.io/pool"]
+        assert env["FAIRGATE_POOL"]["value"] == pool
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        (service,) = release.component("Service", "gateway")
+        assert env["FAIRGATE_URL"]["value"] == (
+            f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}")
+        key_ref = env["DRAIN_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]
+        assert key_ref["key"] == "DRAIN_ADMIN_KEY"
+        grace = int(env["FAIRGATE_DRAIN_GRACE_S"]["value"])
+        margin = int(env["FAIRGATE_DRAIN_MARGIN_S"]["value"])
+        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == (
+            grace + margin + 60)
+        hooks = vllm["lifecycle"]
+        for hook, action in (("preStop", "drain"), ("postStart", "undrain")):
+            command = hooks[hook]["exec"]["command"]
+            assert command[:2] == ["python3", "-c"] and command[-1] == action, command
+            compile(command[2], "drain_hook.py", "exec")  # the script is Python
+            assert '"migrate": True' in command[2] and "urlopen" in command[2]
+    if secret is not None:
+        assert secret["stringData"]["DRAIN_ADMIN_KEY"] in json.loads(
+            secret["stringData"]["FAIRGATE_ADMIN_KEYS"])
+
+
 def test_the_tp4_long_context_pool(releases: dict[str, Release]) -> None:
     (long_pool,) = [
         s
@@ -802,11 +836,17 @@ def test_network_policies_isolate_redis_and_vllm(
         (53, "UDP"),
         (53, "TCP"),
         (443, "TCP"),
+        (port_of(container(release.gateway(), "gateway"), "http"), "TCP"),  # drainOnStop
     }
+    (to_gateway,) = [r for r in vllm_np["spec"]["egress"] if "to" in r]
+    assert selects(to_gateway["to"][0]["podSelector"], gateway_labels)
     # gateway ingress: from anywhere unless gatewayFrom is set
     (gw_in,) = gw_np["spec"]["ingress"]
     if case_id == "full":
-        assert gw_in["from"] == [APPS, MONITORING]
+        assert gw_in["from"][:2] == [APPS, MONITORING]
+        (from_vllm,) = gw_in["from"][2:]  # the vLLM pods' drain hooks
+        for sts in release.pools():
+            assert selects(from_vllm["podSelector"], pod_labels(sts))
     else:
         assert "from" not in gw_in
     assert egress_ports(gw_in) == {("http", "TCP")}

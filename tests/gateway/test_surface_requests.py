@@ -81,7 +81,7 @@ class Usage:
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> None:
         self.seen.append((prompt_tokens, completion_tokens))
 
 

@@ -81,8 +81,8 @@ async def test_usage_export_dashboard_and_metrics(sim: SimFactory, gateway: Gate
         assert resp.status == 200 and resp.content_type == "text/csv"
         text = await resp.text()
     rows = list(csv.DictReader(io.StringIO(text)))
-    assert list(rows[0]) == ["tenant", "requests", "prompt_tokens", "completion_tokens",
-                             "errors", "cancelled", "total_tokens"]
+    assert list(rows[0]) == ["tenant", "requests", "prompt_tokens", "cached_prompt_tokens",
+                             "completion_tokens", "errors", "cancelled", "total_tokens"]
     research = next(r for r in rows if r["tenant"] == "research")
     assert int(research["requests"]) == 5 and int(research["errors"]) == 1
     assert int(research["completion_tokens"]) == sum(
@@ -151,7 +151,7 @@ def test_csv_cells_never_run_as_formulas(value: str) -> None:
     from gateway.scheduling.usage import to_csv
 
     text = to_csv([{"tenant": value, "requests": 1, "prompt_tokens": 0,
-                    "completion_tokens": 0, "errors": 0, "cancelled": 0,
+                    "completion_tokens": 0, "errors": 0, "cancelled": 0, "cached_prompt_tokens": 0,
                     "total_tokens": 0}], ["tenant"])
     [row] = list(csv.reader(io.StringIO(text, newline="")))[1:]
     assert row[0] == "'" + value, f"cell {row[0]!r} for {value!r}"

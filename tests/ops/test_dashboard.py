@@ -160,6 +160,24 @@ def drain_and_undrain_from_the_page(driver: webdriver.Chrome) -> None:
     act_from_the_page(driver, "b0", "undrain")
     wait_for(driver, lambda d: text_of(d, B0_STATE) == "healthy")
     assert text_of(driver, "#flash") == "undrained b0"
+    # drain and move streams: the grace from the dialog's field, the time shown
+    wait_for(driver, lambda d: d.execute_script(
+        "const b = document.querySelector('button[data-action=\"migrate\"]"
+        "[data-backend=\"b0\"]'); if (b) b.click(); return !!b;"))
+    wait_for(driver, lambda d: d.execute_script(
+        "return document.getElementById('confirm').open"))
+    assert "migrate" in text_of(driver, "#confirm-text").lower()
+    grace = driver.find_element(By.ID, "grace-s")
+    assert grace.is_displayed()
+    grace.clear()
+    grace.send_keys("3000")
+    driver.find_element(By.ID, "confirm-yes").click()
+    wait_for(driver, lambda d: text_of(d, B0_STATE) == "drained" and text_of(
+        d, '[data-backend="b0"] [data-metric="migrate-at"]').startswith("streams move at"))
+    assert text_of(driver, "#flash") == "drained b0, streams move"
+    act_from_the_page(driver, "b0", "undrain")
+    wait_for(driver, lambda d: text_of(d, B0_STATE) == "healthy")
+    assert not driver.find_element(By.ID, "confirm-grace").is_displayed()
 
 
 def chart_points(driver: webdriver.Chrome, chart: str) -> int:

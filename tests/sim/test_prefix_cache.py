@@ -197,3 +197,30 @@ def test_prompt_ids_match_the_token_count() -> None:
     ):  # fmt: skip
         req = parse_request(body, chat=chat, headers_priority=None, model_len=4096, seed=0)
         assert len(req.prompt_ids()) == req.prompt_tokens
+
+
+async def test_usage_reports_the_cached_prompt_tokens_when_asked(
+        make_server: ServerFactory) -> None:
+    """``--enable-prompt-tokens-details``: usage.prompt_tokens_details.cached_tokens, whole
+    and streamed, as vLLM reports it; without the flag the details stay null."""
+    args = build_parser().parse_args(["sim", "--model", MODEL, "--enable-prompt-tokens-details"])
+    assert config_from_args(args).enable_prompt_tokens_details is True
+    plain = await make_server()
+    server = await make_server(enable_prompt_tokens_details=True)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first"}]
+    first = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert first.usage and first.usage.prompt_tokens_details, first.usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages[1]["content"] = "second"
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, stream=True,
+        stream_options={"include_usage": True})
+    usages = [c.usage async for c in stream if c.usage is not None]
+    assert len(usages) == 1 and usages[0].prompt_tokens_details, usages
+    assert usages[0].prompt_tokens_details.cached_tokens == 432  # the shared system blocks
+    await client.close()
+    off = openai.AsyncOpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0)
+    answer = await off.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert answer.usage and answer.usage.prompt_tokens_details is None, answer.usage
+    await off.close()

@@ -2,25 +2,33 @@
 
 State comes from the read model (``gateway/ops/read_model.py``). One replica's view:
 - drain is global: the flag lives in Redis, the dispatch script honours it at once and
-  every replica's scraper picks it up within a scrape interval;
+  every replica's scraper picks it up within a scrape interval; a drain with
+  ``{"migrate": true, "grace_s": N}`` also stores when the backend's running answers move
+  elsewhere, and every process moves its own then (``gateway/backends/migrate.py``);
 - cancelling a request held by another replica removes it from the queue, but that
   replica's client only learns at its queue timeout (504).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from gateway.access.auth import SESSION_COOKIE
 from gateway.access.sessions import csrf_token
-from gateway.core.errors import NotFound, NotQueued, RequestCancelled
+from gateway.core.errors import BadRequest, NotFound, NotQueued, RequestCancelled
 from gateway.http.admin.access import admin_services
 from gateway.ops.read_model import usage_today
+from gateway.proxy.completion_request import read_json_object
 
 log = structlog.get_logger("fairgate.admin")
+
+MAX_GRACE_S = 3600.0  # a drain's grace before its running answers move: at most an hour
+MAX_DRAIN_BODY_BYTES = 4096
 
 
 async def get_state(request: web.Request) -> web.Response:
@@ -50,17 +58,50 @@ async def get_backends(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
+def drain_grace_s(body: dict[str, Any]) -> float | None:
+    """A drain's options: the grace before its running answers move (``None``: they are
+    not moved, today's drain). ``BadRequest`` for anything but ``migrate`` (a boolean)
+    and ``grace_s`` (0 to :data:`MAX_GRACE_S` seconds, with ``migrate``)."""
+    for name in body:
+        if name not in ("migrate", "grace_s"):
+            raise BadRequest(f"unknown drain option {name!r} (known: migrate, grace_s)",
+                             param=name)
+    migrate = body.get("migrate", False)
+    if not isinstance(migrate, bool):
+        raise BadRequest("migrate must be true or false", param="migrate")
+    grace = body.get("grace_s")
+    if grace is None:
+        return 0.0 if migrate else None
+    if not migrate:
+        raise BadRequest("grace_s needs \"migrate\": true", param="grace_s")
+    if (isinstance(grace, bool) or not isinstance(grace, int | float)
+            or not math.isfinite(grace) or not 0 <= grace <= MAX_GRACE_S):
+        raise BadRequest(f"grace_s must be a number of seconds from 0 to {MAX_GRACE_S:g}",
+                         param="grace_s")
+    return float(grace)
+
+
 async def _set_drained(request: web.Request, drained: bool) -> web.Response:
     svc = await admin_services(request, page_action=True)
     name = request.match_info["name"]
     handle = svc.pool.handles.get(name)
     if handle is None:
         raise NotFound(f"no backend named {name!r}", param="name")
-    await svc.store.set_drained(handle.config.model, name, drained)  # every replica
+    grace_s = None
+    if drained and request.body_exists:
+        grace_s = drain_grace_s(await read_json_object(request, MAX_DRAIN_BODY_BYTES))
+    migrate_at = None if grace_s is None else time.time() + grace_s
+    # every replica; an undrain (or a drain without migrate) cancels a pending migrate
+    await svc.store.set_drained(handle.config.model, name, drained, migrate_at)
     svc.pool.set_drained(handle, drained)
-    log.info("backend_drained" if drained else "backend_undrained", backend=name)
+    log.info("backend_drained" if drained else "backend_undrained", backend=name,
+             migrate_at=migrate_at)
     svc.dispatcher.wake()
-    return web.json_response(await svc.inspector.backend(name))
+    answer = await svc.inspector.backend(name)
+    # what Redis holds now: a view refresh that read the flag before the change may apply
+    # the old one to this process's pool until its next refresh
+    answer["drained"] = drained
+    return web.json_response(answer)
 
 
 async def drain(request: web.Request) -> web.Response:

@@ -157,6 +157,19 @@ function prefillCell(b) {
   ];
 }
 
+function drainCell(b) {
+  // a drain with migrate: when this backend's running streams move (every replica's), and
+  // how many of this replica's run there
+  const running = el("div", { "data-metric": "running-here" }, `${b.running ?? 0} running here`);
+  if (b.drained) {
+    const when = b.migrate_at ? new Date(b.migrate_at * 1000).toLocaleTimeString() : "";
+    return [actionButton("undrain", "undrain", { "data-backend": b.name }),
+      el("div", { "data-metric": "migrate-at" }, when ? `streams move at ${when}` : ""), running];
+  }
+  return [actionButton("drain", "drain", { "data-backend": b.name }),
+    actionButton("migrate", "drain and move streams", { "data-backend": b.name }), running];
+}
+
 function backendsPanel(backends) {
   const rows = backends.map((b) => {
     const s = b.snapshot || {};
@@ -176,9 +189,7 @@ function backendsPanel(backends) {
       el("td", {}, pacingCell(b.pacing)),
       el("td", {}, prefixCell(b)),
       el("td", {}, prefillCell(b)),
-      el("td", {}, b.drained
-        ? actionButton("undrain", "undrain", { "data-backend": b.name })
-        : actionButton("drain", "drain", { "data-backend": b.name })));
+      el("td", {}, ...drainCell(b)));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
     table(["backend", "state",
@@ -388,6 +399,12 @@ function describe(button) {
              done: "cancelled" };
   }
   const name = button.dataset.backend;
+  if (action === "migrate") {
+    return { text: `Drain ${name} and migrate its streams? No new requests go to it; after ` +
+                   "the grace time its running streams move to other backends and continue there.",
+             method: "POST", url: `/admin/backends/${encodeURIComponent(name)}/drain`,
+             grace: true, done: `drained ${name}, streams move` };
+  }
   return { text: action === "drain"
              ? `Drain ${name}? No new requests go to it; requests in flight finish.`
              : `Undrain ${name}? Requests are dispatched to it again.`,
@@ -397,8 +414,15 @@ function describe(button) {
 
 async function perform(what) {
   try {
+    const headers = { "X-CSRF-Token": csrfToken || "" };
+    let sent;
+    if (what.grace) {
+      headers["Content-Type"] = "application/json";
+      sent = JSON.stringify({ migrate: true,
+                              grace_s: Number(document.getElementById("grace-s").value) });
+    }
     const resp = await fetch(what.url, { method: what.method, credentials: "same-origin",
-                                         headers: { "X-CSRF-Token": csrfToken || "" } });
+                                         headers, body: sent });
     const body = await resp.json().catch(() => ({}));
     if (resp.ok) flash(what.done, true);
     else flash(`failed: ${(body.error && body.error.message) || `HTTP ${resp.status}`}`, false);
@@ -414,6 +438,7 @@ function confirmAction(button) {
   pending = describe(button);
   const dialog = document.getElementById("confirm");
   document.getElementById("confirm-text").textContent = pending.text;
+  document.getElementById("confirm-grace").hidden = !pending.grace;
   dialog.returnValue = "";
   dialog.showModal();
 }

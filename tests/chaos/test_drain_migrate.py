@@ -1,0 +1,177 @@
+"""A rolling restart's drain under load, with two gateway replicas (real processes): every
+stream running on backend A when the operator drains it with migrate continues on B and
+completes with exactly the text of an uninterrupted run (temperature 0), through the
+``openai`` SDK, nothing dropped; each replica moves its own streams (reason ``drain`` on
+its ``/metrics``), and A ends with none (the simulator saw each of them aborted)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.storage.embedded_redis import die_with_parent, free_port
+from tests.gateway.conftest import KEYS, MODEL
+from tests.processes import FAST, start_gateway, until_ready
+
+ADMIN = "sk-admin"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+STREAMS_PER_REPLICA = 4
+MAX_TOKENS = 600
+CUT_AFTER = 20  # content chunks every client reads before the drain
+GRACE_S = 0.3
+EVENT_TIMEOUT_S = 60.0
+
+
+async def start_sim(port: int) -> asyncio.subprocess.Process:
+    """A simulator with room for every stream at once (none waits in its queue)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "sim", "--port", str(port), "--model", MODEL,
+        "--max-num-seqs", "32", "--scheduling-policy", "priority",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=die_with_parent)
+    assert proc.stdout is not None
+    await asyncio.wait_for(proc.stdout.readline(), 30)
+    return proc
+
+
+@pytest.fixture
+async def fleet(redis_url: str, tmp_path: Path) -> AsyncIterator[tuple[list[str], list[str]]]:
+    """(simulator URLs, gateway URLs): backends a and b, two replicas."""
+    sim_ports, gw_ports = [free_port(), free_port()], [free_port(), free_port()]
+    procs = [await start_sim(p) for p in sim_ports]
+    sims = [f"http://127.0.0.1:{p}" for p in sim_ports]
+    try:
+        for i, port in enumerate(gw_ports):
+            config = tmp_path / f"replica{i}.yaml"
+            config.write_text(yaml.safe_dump({
+                "redis_url": redis_url, "data_dir": str(tmp_path / f"r{i}"),
+                "listen": {"host": "127.0.0.1", "port": port}, "api_keys": KEYS,
+                "admin_keys": [ADMIN],
+                "backends": [{"name": n, "url": u, "model": MODEL}
+                             for n, u in zip("ab", sims, strict=True)]}))
+            procs.append(await start_gateway(config, port, FAST))
+        gateways = [f"http://127.0.0.1:{p}" for p in gw_ports]
+        await asyncio.gather(*(until_ready(url) for url in gateways))
+        yield sims, gateways
+    finally:
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+                await proc.wait()
+
+
+def question(i: int) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": f"question {i}: why drain?"}]}
+
+
+async def reference(http: aiohttp.ClientSession, url: str, i: int) -> str:
+    async with http.post(url + "/v1/chat/completions",
+                         json={**question(i), "ignore_eos": True}) as resp:
+        return str((await resp.json())["choices"][0]["message"]["content"])
+
+
+async def admin(http: aiohttp.ClientSession, method: str, url: str,
+                body: Any = None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {} if body is None else {"json": body}
+    async with http.request(method, url, headers=ADMIN_HEADERS, **kwargs) as resp:
+        data: dict[str, Any] = await resp.json()
+        assert resp.status == 200, (url, resp.status, data)
+        return data
+
+
+async def backend_a(http: aiohttp.ClientSession, gateway: str) -> dict[str, Any]:
+    rows = (await admin(http, "GET", gateway + "/admin/backends"))["data"]
+    return next(b for b in rows if b["name"] == "a")
+
+
+async def drain_continuations(http: aiohttp.ClientSession, gateway: str) -> dict[str, float]:
+    async with http.get(gateway + "/metrics") as resp:
+        text = await resp.text()
+    return {s.labels["outcome"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "fairgate_continuations_total"
+            and s.labels.get("reason") == "drain"}
+
+
+class Client:
+    """One streaming chat through the SDK; ``cut`` is set once it read ``CUT_AFTER``
+    content chunks."""
+
+    def __init__(self, gateway: str, i: int) -> None:
+        self.oai = AsyncOpenAI(base_url=gateway + "/v1", api_key="sk-alice", max_retries=0,
+                               timeout=EVENT_TIMEOUT_S)
+        self.i = i
+        self.cut = asyncio.Event()
+        self.text = ""
+        self.ids: set[str] = set()
+        self.usage: Any = None
+
+    async def run(self) -> None:
+        body = question(self.i)
+        stream: Any = await self.oai.chat.completions.create(
+            **body, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        got: list[str] = []
+        async for chunk in stream:
+            self.ids.add(chunk.id)
+            self.usage = chunk.usage or self.usage
+            got += [c.delta.content or "" for c in chunk.choices]
+            if len(got) >= CUT_AFTER:
+                self.cut.set()
+        self.text = "".join(got)
+
+
+async def test_a_drain_with_migrate_drops_no_stream(
+        fleet: tuple[list[str], list[str]]) -> None:
+    sims, gateways = fleet
+    async with aiohttp.ClientSession() as http:
+        n = STREAMS_PER_REPLICA * len(gateways)
+        wants = await asyncio.gather(*(reference(http, sims[1], i) for i in range(n)))
+        # every stream starts on a: b is drained (without migrate) until they run
+        await admin(http, "POST", gateways[1] + "/admin/backends/b/drain")
+        clients = [Client(gateways[i % len(gateways)], i) for i in range(n)]
+        tasks = [asyncio.create_task(c.run()) for c in clients]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.cut.wait() for c in clients)),
+                                   EVENT_TIMEOUT_S)
+            running = [(await backend_a(http, g))["running"] for g in gateways]
+            assert running == [STREAMS_PER_REPLICA] * len(gateways), running
+            await admin(http, "POST", gateways[1] + "/admin/backends/b/undrain")
+            before = time.time()
+            answer = await admin(http, "POST", gateways[0] + "/admin/backends/a/drain",
+                                 {"migrate": True, "grace_s": GRACE_S})
+            assert answer["running"] == STREAMS_PER_REPLICA, answer
+            assert before + GRACE_S <= answer["migrate_at"] <= time.time() + GRACE_S, answer
+            shown = await backend_a(http, gateways[1])  # the other replica sees it too
+            assert shown["migrate_at"] == answer["migrate_at"], shown
+            results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
+                                             EVENT_TIMEOUT_S)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for c in clients:
+                await c.oai.close()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert errors == [], errors  # nothing dropped
+        for c, want in zip(clients, wants, strict=True):
+            assert c.text == want, (c.i, len(c.text), len(want), c.text[-60:], want[-60:])
+            assert len(c.ids) == 1, (c.i, c.ids)
+            assert c.usage is not None and c.usage.completion_tokens == MAX_TOKENS, c.usage
+        moved = [await drain_continuations(http, g) for g in gateways]
+        assert moved == [{"continued": STREAMS_PER_REPLICA}] * len(gateways), moved
+        assert [(await backend_a(http, g))["running"] for g in gateways] == [0, 0]
+        async with http.get(sims[0] + "/debug/requests") as resp:
+            on_a = await resp.json()
+        aborted = sum(1 for r in on_a if r.get("aborted"))
+        assert len(on_a) == n and aborted == n, (len(on_a), aborted)
