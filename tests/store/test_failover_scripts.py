@@ -1,7 +1,9 @@
 """What a failover leaves behind, on the scripts (real server): a request queued again
-goes in only if the store forgot it, with its first arrival time and past the cap; a
-request that ran although the store still queues it leaves the queue at its settle; a
-settle releases the backend its hash names."""
+goes in only if the store forgot it, with its first arrival time and past the cap; an
+enqueue sent twice (a call retried after its reply was lost) queues it once; a queue
+entry for a request dispatched already is never granted again; a request that ran
+although the store still queues it leaves the queue at its settle; a settle releases the
+backend its hash names."""
 
 from __future__ import annotations
 
@@ -31,6 +33,42 @@ async def test_requeue_goes_in_only_when_forgotten(redis: aioredis.Redis) -> Non
     assert await redis.lrange(K.queue("default", "u", "u"), 0, -1) == ["a", "b"]
     assert await redis.hget(K.request("b"), "enqueued_at") == "990.0"
     assert await redis.hget(K.depth, "default") == "2"
+
+
+async def test_an_enqueue_sent_twice_queues_the_request_once(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    first = await store.enqueue(M, req("a"), 10)
+    again = await store.enqueue(M, req("a"), 10)  # the same call, retried
+    assert (first, again) == (1, 0), f"positions {first}, {again}"
+    queue = await redis.lrange(K.queue("default", "u", "u"), 0, -1)
+    assert queue == ["a"], f"queue {queue}"
+    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+    assert [g.request_id for g in grants] == ["a"], grants
+    inflight = await store.user_inflight(M)
+    depths = await store.depths(M)
+    assert inflight == {"u": 1} and not any(depths.values()), (inflight, depths)
+
+
+async def test_a_stale_queue_entry_is_dropped_not_granted(redis: aioredis.Redis) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await store.enqueue(M, req("a"), 10)
+    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+    assert len(grants) == 1, grants
+    # what a failover or a retried call can leave: the dispatched request queued again
+    await store.enqueue(M, req("b"), 10)
+    await redis.lpush(K.queue("default", "u", "u"), "a")
+    await redis.hincrby(K.depth, "default", 1)
+    again, _ = await store.dispatch(M, "b1", OPEN, "r1", 1001.0, 10.0)
+    assert [g.request_id for g in again] == ["b"], f"granted {again}"
+    inflight = await store.user_inflight(M)
+    assert inflight == {"u": 2}, f"a counted once, b once: {inflight}"
+    assert await redis.hget(K.request("a"), "state") == "dispatched"
+    assert await store.settle(M, grants[0], 1.0) is True
+    assert await store.settle(M, again[0], 1.0) is True
+    inflight, depths = await store.user_inflight(M), await store.depths(M)
+    assert inflight == {} and not any(depths.values()), (inflight, depths)
 
 
 async def test_settle_of_a_request_still_queued_takes_it_out(redis: aioredis.Redis) -> None:

@@ -15,19 +15,23 @@
 -- block-hash chain, space-separated, "" when not hashed), deadline (first-token
 -- deadline, unix s, "" for none), ptok (estimated prompt tokens: where it fits, the
 -- prefill gate), whole (optional: true for a whole answer, never streamed), requeue
--- (optional: true for a request its replica queues again after a failover: skipped when
--- its hash exists, not held to the cap)}
+-- (optional: true for a request its replica queues again after a failover: not held to
+-- the cap), seen (optional: true for a trusted key's end user: its last-seen time
+-- becomes `now`, see seen_at in _lib.lua)}
 -- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
--- length, -1 when the per-user cap is reached, 0 when a requeued request was known.
+-- length, -1 when the per-user cap is reached, 0 when the request was known already (its
+-- hash exists: skipped).
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 
 local function enqueue(r)
   local queue = key_queue(prefix, r.class, r.tenant, r.user)
   local req = key_request(prefix, r.id)
-  -- a request queued again after a failover (its replica still holds the client) goes
-  -- in only if the store forgot it, and within the cap it was admitted under already
-  if r.requeue and redis.call('EXISTS', req) == 1 then return 0 end
+  -- a request goes in once: one the store knows already is a call retried after its
+  -- reply was lost, or a request queued again after a failover (its replica still holds
+  -- the client) that the store did not forget; a requeued one is within the cap it was
+  -- admitted under already
+  if redis.call('EXISTS', req) == 1 then return 0 end
   local queued = redis.call('LLEN', queue)
   if queued >= a.max_queued and not r.requeue then return -1 end
   -- the owner is alive (it is enqueueing): a Redis restarted empty learns it at once
@@ -60,6 +64,7 @@ local function enqueue(r)
   join(key_users(prefix, r.class, r.tenant), key_user_saved(prefix, r.class, r.tenant),
     r.user, key_user_floor(prefix, r.class), r.tenant)
   join(key_active(prefix, r.class), key_saved(prefix, r.class), r.tenant, nil, nil)
+  if r.seen then seen_at(prefix, r.tenant, r.user, r.now) end
   return queued + 1
 end
 

@@ -57,13 +57,16 @@ local function dispatch_for(a)
 
   -- a candidate (request nil: the head of the user's queue): its queue, id, hash, fields,
   -- whether its owner lives, and its uncached prompt tokens on this backend
-  -- (policies/prefill.py uncached_tokens; `held`: its leading blocks in the index, if known)
+  -- (policies/prefill.py uncached_tokens; `held`: its leading blocks in the index, if known).
+  -- An id whose request is no longer queued (queued twice: a call retried after its reply
+  -- was lost, or a failover) names no request: that entry only leaves the queue.
   local function inspect(class, tenant, user, chosen, held)
     local queue = key_queue(prefix, class, tenant, user)
     local id = chosen or redis.call('LINDEX', queue, 0)
     local req = id and key_request(prefix, id)
     local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
-      'tcost', 'ptok')
+      'tcost', 'ptok', 'state')
+    if fields and fields[7] and fields[7] ~= 'queued' then req, fields = nil, nil end
     local valid = fields and fields[1]
       and replica_alive(replicas, prefix, fields[1], now, a.replica_ttl, a.pickup)
     local tokens = valid and (tonumber(fields[6]) or 0) or 0
