@@ -61,6 +61,17 @@ SERVER_ARGS = ("--stream-interval", "8")
 # machines in production) would otherwise stall for seconds, which measures starvation,
 # not scheduling
 SERVER_NICE = 10
+PREEMPTION_OPT_IN = "FAIRGATE_VLLM_PREEMPTION"
+
+
+def preemption_measured() -> bool:
+    return os.environ.get(PREEMPTION_OPT_IN) == "1"
+
+
+def server_options() -> tuple[tuple[str, ...], int]:
+    """The module server's extra flags and niceness: the preemption measurement's, when it
+    runs (the failover test runs on either)."""
+    return (SERVER_ARGS, SERVER_NICE) if preemption_measured() else ((), 0)
 STREAMS = 12
 STREAM_TOKENS = 200
 CUT_AFTER = 4  # tokens a stream on the killed server has generated at the kill
@@ -83,7 +94,7 @@ class ModuleServer:
 
     def get(self) -> VllmServer:
         if self.launched.proc.poll() is not None:
-            self.launched = launch(*self.factory, SLOTS, SERVER_ARGS, SERVER_NICE)
+            self.launched = launch(*self.factory, SLOTS, *server_options())
             wait_healthy(self.launched)
         return self.launched.server
 
@@ -103,8 +114,8 @@ def eight_slots(request: pytest.FixtureRequest,
         pytest.skip("FAIRGATE_SKIP_VLLM=1")
     python = request.getfixturevalue("vllm_python")
     model_dir = request.getfixturevalue("tiny_model_dir")
-    module = ModuleServer(launch(python, model_dir, tmp_path_factory, SLOTS, SERVER_ARGS,
-                                 SERVER_NICE),
+    module = ModuleServer(launch(python, model_dir, tmp_path_factory, SLOTS,
+                                 *server_options()),
                           (python, model_dir, tmp_path_factory))
     try:
         request.getfixturevalue("vllm_server")  # the session's starts meanwhile
@@ -410,10 +421,7 @@ async def warm_up(server: VllmServer) -> None:
 # Opt in: on a shared 2-core machine the gateway orders the preemption only after a scrape
 # of the busy CPU server shows the newcomer waiting, and such a scrape can take seconds
 # (one run of two here ordered none within the batch's 8 s; loadtest/RESULTS.md)
-PREEMPTION_OPT_IN = "FAIRGATE_VLLM_PREEMPTION"
-
-
-@pytest.mark.skipif(os.environ.get(PREEMPTION_OPT_IN) != "1",
+@pytest.mark.skipif(not preemption_measured(),
                     reason=f"{PREEMPTION_OPT_IN}=1 runs it (not yet reliable on 2 shared cores)")
 async def test_preemption_gives_an_interactive_newcomer_a_batch_slot(
         eight_slots: ModuleServer, redis: aioredis.Redis, redis_url: str) -> None:
