@@ -203,9 +203,11 @@ def stream_args(model: str, i: int, max_tokens: int) -> dict[str, Any]:
 
 async def run_stream(client: openai.AsyncOpenAI, out: Stream, args: dict[str, Any],
                      progressed: asyncio.Event | None = None,
-                     on_chunk: Callable[[Stream], None] | None = None) -> Stream:
+                     on_chunk: Callable[[Stream], None] | None = None,
+                     yielding: bool = False) -> Stream:
     """Read one stream to its end (bounded), recording what came; ``progressed`` is set
-    and ``on_chunk`` called at each content chunk."""
+    and ``on_chunk`` called at each content chunk; ``yielding``: let the event loop run
+    between chunks."""
     chat = "messages" in args
     try:
         async with asyncio.timeout(RUN_TIMEOUT_S):
@@ -229,10 +231,11 @@ async def run_stream(client: openai.AsyncOpenAI, out: Stream, args: dict[str, An
                             on_chunk(out)
                     if choice.finish_reason is not None:
                         out.finish = choice.finish_reason
-                # a stream read behind its writer has a backlog that iterating would
-                # drain without yielding: the gateway and the other streams of this
-                # process take their turns between chunks
-                await asyncio.sleep(0)
+                if yielding:
+                    # a stream read behind its writer has a backlog that iterating would
+                    # drain without yielding: the gateway and the other streams of this
+                    # process take their turns between chunks
+                    await asyncio.sleep(0)
     except (openai.APIError, TimeoutError) as exc:
         out.error = repr(exc)
     out.ended_at = time.monotonic()
@@ -339,7 +342,8 @@ async def batch_then_newcomer(api: str, model: str, batch_key: str, newcomer_key
         tasks = [asyncio.create_task(run_stream(
             batch_client, s, {"model": model, "max_tokens": BATCH_TOKENS, "temperature": 0,
                               "prompt": f"batch job {s.index}: summarise the archive",
-                              "extra_body": {"ignore_eos": True}}, progressed))
+                              "extra_body": {"ignore_eos": True}}, progressed,
+            yielding=True))
             for s in batch]
         async with asyncio.timeout(RUN_TIMEOUT_S):
             while not all(s.chunks >= 1 or s.ended_at is not None for s in batch):
