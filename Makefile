@@ -28,8 +28,10 @@ try: $(STAMP)
 test-deps:
 	bash scripts/test-deps.sh
 
+# two workers; TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 test: test-deps $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway policies loadtest tests
