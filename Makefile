@@ -31,7 +31,7 @@ test-deps:
 # two workers; TEST_WORKERS=0 runs the suite in one process
 TEST_WORKERS ?= 2
 test: test-deps $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway policies loadtest tests

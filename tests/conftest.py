@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -43,6 +44,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     else:
         os.environ["TMPDIR"] = tmpdir
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With workers (``-n``): each test goes to the next free worker, except the real-vLLM
+    tier, which one worker runs whole (one install, its servers started once). xdist's
+    own ``--dist loadgroup`` would do this, but it renames node ids in a way pytest 9 no
+    longer reads."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e_vllm" if nodeid.startswith("tests/e2e_vllm/") else nodeid
+
+    return TierScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -62,15 +62,14 @@ def _in_tier(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The tier goes first, as one group: under `-n 2 --dist loadgroup` (make test) one
-    # worker installs vLLM, starts its servers and runs the tier while the other worker
-    # runs everything else, and no second server is started.
+    # The tier goes first: with workers (make test) one of them installs vLLM, starts its
+    # servers and runs the whole tier (tests/conftest.py keeps it together) while the
+    # others run everything else.
     items.sort(key=lambda item: not _in_tier(item))
     for item in items:
         if not _in_tier(item):
             continue
         item.add_marker(pytest.mark.vllm)
-        item.add_marker(pytest.mark.xdist_group("vllm"))
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S))
         if skip_requested():
