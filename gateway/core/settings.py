@@ -170,6 +170,18 @@ class Tenant(BaseModel):
 # neither may be part of a key's user or tenant: ("a", "b:c") and ("a:b", "c") would share
 # one queue, and a key of user "app/alice" would be an end user of the trusted key "app".
 NAME_SEPARATORS = (":", "/")
+END_USER_SEPARATOR = "/"
+
+
+def end_user_name(key_user: str, end_user: str) -> str:
+    """The scheduler's user for ``end_user`` of a trusted key of ``key_user``."""
+    return f"{key_user}{END_USER_SEPARATOR}{end_user}"
+
+
+def is_end_user(user: str) -> bool:
+    """Whether a scheduler's user is an end user of a trusted key (no key's own user holds
+    the separator), the users whose state is forgotten once idle (``end_user_idle_s``)."""
+    return END_USER_SEPARATOR in user
 
 
 def check_name(value: str) -> str:
@@ -283,6 +295,10 @@ class Settings(BaseSettings):
     key_rotate_grace_s: float = Field(3600.0, ge=0)  # old secret valid this long by default
     quota_lease_s: float = Field(30.0, gt=0)  # a concurrency slot expires unless renewed
     usage_retention_days: int = Field(400, ge=1)  # daily usage records kept in Redis
+    # A trusted key's end user idle this long (nothing queued or in flight) has its
+    # fairness state forgotten; it returns as a new user (docs/scheduling.md). A day:
+    # Redis holds only the end users of the last day, and no one waits a day for a reset.
+    end_user_idle_s: float = Field(86400.0, gt=0)
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
     fairness: str = "vtc"
     vtc_input_weight: float = 1.0

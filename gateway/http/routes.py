@@ -35,7 +35,7 @@ from gateway.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from gateway.core.settings import ApiKey
+from gateway.core.settings import ApiKey, end_user_name
 from gateway.http.index import index
 from gateway.http.openapi import openapi_json
 from gateway.http.queue_status import QUEUE_STATUS_HEADER, QueueStatus, wants_queue_status
@@ -83,7 +83,7 @@ def _resolve(svc: Services, request: web.Request, key: ApiKey,
                         f"(key class: {key.priority_class}; a request may only lower it)")
     user = key.user
     if key.trusted_end_users and creq.end_user:
-        user = f"{key.user}/{creq.end_user}"
+        user = end_user_name(key.user, creq.end_user)
     return user, klass
 
 
@@ -222,7 +222,8 @@ async def request_status(request: web.Request) -> web.Response:
 
 
 def _owns(key: ApiKey, user: str) -> bool:
-    return user == key.user or (key.trusted_end_users and user.startswith(key.user + "/"))
+    return user == key.user or (key.trusted_end_users
+                                and user.startswith(end_user_name(key.user, "")))
 
 
 async def own_usage(request: web.Request) -> web.Response:

@@ -71,6 +71,10 @@ LOST_CHECK_S = 5.0
 STORE_RETRY_S = 0.2  # pause of the grant listener while Redis is unreachable
 RECONCILE_EVERY = 30  # heartbeats between reconciliations (and after every outage)
 RECONCILE_GRACE_S = 5.0
+# Idle end users forgotten per model per heartbeat, at most (lua/forget.lua): a few
+# milliseconds of Redis, and 200 a second outpaces any plausible arrival of new end users
+# (17 million a day per replica).
+FORGET_PER_PASS = 200
 
 
 @dataclass(slots=True)
@@ -713,6 +717,15 @@ class Dispatcher(ReadsSettings):
             self.wake_freed()
         return released
 
+    async def forget_idle(self, model: str, now: float) -> int:
+        """One bounded pass over the model's trusted-key end users idle past
+        ``end_user_idle_s``: their fairness state is forgotten. Returns how many."""
+        forgotten, _ = await self.store.forget_idle(
+            model, now, self.settings.end_user_idle_s, FORGET_PER_PASS)
+        if forgotten:
+            log.info("forgot_idle_end_users", model=model, forgotten=forgotten)
+        return forgotten
+
     async def _heartbeat(self, models: list[str]) -> None:
         while True:
             try:
@@ -731,6 +744,7 @@ class Dispatcher(ReadsSettings):
                 for model in models:
                     if await self.store.reap(model, now, self.replica_ttl_s):
                         log.warning("reaped_dead_replica_requests", model=model)
+                    await self.forget_idle(model, now)
                     if recovered or self._beats % RECONCILE_EVERY == 0:
                         await self.reconcile(model, now)
             except StoreUnavailable as exc:

@@ -53,6 +53,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
     "service_who": "service:who",         # hash: user -> JSON [tenant, weight, tenant weight]
     "usage": "usage:{day}",               # hash: usage row -> count, one UTC day (YYYYMMDD)
+    "seen": "seen",                       # zset: end user (values.SEEN) -> last activity
 }
 
 # Batch records and their indexes: one hash tag, so a batch is created (record, its
@@ -201,6 +202,11 @@ class ModelKeys:
     @property
     def service_who(self) -> str:
         return self._key("service_who")
+
+    @property
+    def seen(self) -> str:
+        """Trusted keys' end users, each (tenant, user) by its last enqueue or settle."""
+        return self._key("seen")
 
     def usage(self, day: str) -> str:
         """The model's usage hash of one UTC day (``YYYYMMDD``)."""

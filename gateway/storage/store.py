@@ -18,6 +18,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from gateway.core.errors import StoreUnavailable
+from gateway.core.settings import is_end_user
 from gateway.storage.keys import HISTORY_INDEX, ModelKeys, history_key, lua_prelude
 from gateway.storage.values import GRANT, PREEMPT, PREFILL, UsageCounts, lua_values
 from policies.classes import CLASS_ORDER
@@ -316,7 +317,7 @@ class Store:
             name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
                          "started", "share", "scrapers", "history", "preempt_view",
-                         "preempt")
+                         "preempt", "forget")
         }
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -359,6 +360,8 @@ class Store:
             keys += [k.queue(req.klass, req.user, tenant), k.request(req.request_id),
                      k.active(req.klass), k.saved(req.klass), k.users(req.klass, tenant),
                      k.user_saved(req.klass, tenant), k.user_floor(req.klass)]
+            if is_end_user(req.user):
+                keys.append(k.seen)
             # numbers kept as text where the script stores them as given
             requests.append({
                 "id": req.request_id, "user": req.user, "class": req.klass,
@@ -367,6 +370,7 @@ class Store:
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
                 "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
+                **({"seen": True} if is_end_user(req.user) else {}),
                 **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
@@ -450,13 +454,14 @@ class Store:
     async def settle_and_dispatch(
         self, model: str, grant: Grant, charge: float, tenant_charge: float | None = None,
         usage: UsageCounts | None = None, then: Mapping[str, Any] | None = None,
-        starts: Sequence[Start] = (),
+        starts: Sequence[Start] = (), now: float | None = None,
     ) -> tuple[bool, Dispatched | None]:
         """:meth:`settle`, adding ``usage`` to its day's usage hash
         (``gateway/scheduling/usage.py``),
         and with ``then`` (:func:`dispatch_args` for its backend) the freed slot grants
         the backend's next requests in the same call: (released, what that returned).
-        ``starts`` (the request's own among them, perhaps) are marked first."""
+        ``starts`` (the request's own among them, perhaps) are marked first. A trusted
+        key's end user is seen at ``now`` (default the clock; :meth:`forget_idle`)."""
         k = ModelKeys(model)
         keys = [k.user_inflight, k.backend_inflight(grant.backend), k.active(grant.klass),
                 k.saved(grant.klass), k.request(grant.request_id), k.backend_sent(grant.backend),
@@ -469,6 +474,9 @@ class Store:
         if usage is not None:
             keys.append(usage.key)
             args["usage"] = {"key": usage.key, "ttl": usage.ttl_s, "counts": usage.counts}
+        if is_end_user(grant.user):
+            keys.append(k.seen)
+            args["seen"] = time.time() if now is None else now
         if starts:
             args["starts"] = _starts(starts)
         if then is not None:
@@ -484,6 +492,20 @@ class Store:
         k = ModelKeys(model)
         return int(await self._run("reap", [k.replicas, k.user_inflight],
                                    [now, replica_ttl_s, k.prefix, grant_pickup_s]))
+
+    async def forget_idle(self, model: str, now: float, idle_s: float, limit: int,
+                          classes: Sequence[str] = CLASS_ORDER) -> tuple[int, int]:
+        """Forget the trusted keys' end users of ``model`` last seen (enqueued or
+        settled) ``idle_s`` or longer before ``now``, at most ``limit`` of them, the
+        longest idle first (``lua/forget.lua``): (forgotten, kept because a request of
+        theirs is queued or in flight, seen again at ``now``)."""
+        k = ModelKeys(model)
+        keys = [k.seen, k.user_inflight, k.service, k.service_who,
+                *(k.saved(c) for c in classes), *(k.user_floor(c) for c in classes)]
+        forgotten, kept = await self._run("forget", keys, [json.dumps({
+            "prefix": k.prefix, "now": now, "idle": idle_s, "limit": limit,
+            "classes": list(classes)})])
+        return int(forgotten), int(kept)
 
     async def cancel(self, model: str, request_id: str, user: str, klass: str,
                      tenant: str | None = None) -> bool:

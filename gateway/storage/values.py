@@ -1,6 +1,7 @@
 """The values fairgate keeps in Redis, declared once (``gateway/storage/keys.py`` owns the key
-names): the fields of a request's hash, and the two packed entries, a grant (in a
-replica's grant list) and a pending prefill (in a backend's prefill hash).
+names): the fields of a request's hash, and the packed entries: a grant (in a replica's
+grant list), a pending prefill (in a backend's prefill hash), a preemption order and an
+end user in the last-seen zset.
 
 Python reads and writes them here; :func:`lua_values` generates the Lua each script gets
 (a builder ``<record>_entry(...)`` and one reader ``<record>_<field>(entry)`` per field),
@@ -76,7 +77,11 @@ PREFILL = Record("prefill", ("tokens", "dispatched_at"), " ")
 # A preemption order pushed to the replica that holds the stream (``preempts:{replica}``):
 # the running segment's id, the original request's id and the backend it runs on.
 PREEMPT = Record("preempt", ("request_id", "original", "backend"), "\t")
-RECORDS = (GRANT, PREFILL, PREEMPT)
+# A trusted key's end user in the model's last-seen zset (``seen``): its tenant (its own
+# name when the key names none) and its name; neither holds a TAB (an end user's name is
+# printable text, a key's tenant a configured name).
+SEEN = Record("seen", ("tenant", "user"), "\t")
+RECORDS = (GRANT, PREFILL, PREEMPT, SEEN)
 
 
 def lua_values() -> str:

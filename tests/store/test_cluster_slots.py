@@ -114,6 +114,9 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     if await store.order_preemption(model, order, now, 2, 0.1, 5.0):
         await store.preempt_refused(model, order)
     assert await store.reap(model, now + 60, 3.0) >= 0
+    await store.enqueue(model, req("e1", "app/eve", at=now), 10)  # a trusted key's end user
+    assert await store.cancel(model, "e1", "app/eve", "default"), "cancel found nothing"
+    assert await store.forget_idle(model, now + 60, 30.0, 10) == (1, 0)
     await store.add_history(int(now * 1000), {"n": 1.0, f"d:{model}": 2.0}, {"tmax": 0.5}, 60)
     assert (await store.history(int(now * 1000)))[-1][1]["n"] >= 1
 

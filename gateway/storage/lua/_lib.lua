@@ -73,3 +73,9 @@ local function leave(prefix, class, tenant, user)
     if tscore then place(active, key_saved(prefix, class), tenant, tscore, false) end
   end
 end
+
+-- A trusted key's end user was active at `at` (its enqueue or settle): its last-seen
+-- time in the model's `seen` zset, by which forget.lua forgets the idle ones.
+local function seen_at(prefix, tenant, user, at)
+  redis.call('ZADD', key_seen(prefix), 'GT', at, seen_entry(tenant, user))
+end

@@ -16,7 +16,8 @@
 -- deadline, unix s, "" for none), ptok (estimated prompt tokens: where it fits, the
 -- prefill gate), whole (optional: true for a whole answer, never streamed), requeue
 -- (optional: true for a request its replica queues again after a failover: not held to
--- the cap)}
+-- the cap), seen (optional: true for a trusted key's end user: its last-seen time
+-- becomes `now`, see seen_at in _lib.lua)}
 -- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
 -- length, -1 when the per-user cap is reached, 0 when the request was known already (its
 -- hash exists: skipped).
@@ -63,6 +64,7 @@ local function enqueue(r)
   join(key_users(prefix, r.class, r.tenant), key_user_saved(prefix, r.class, r.tenant),
     r.user, key_user_floor(prefix, r.class), r.tenant)
   join(key_active(prefix, r.class), key_saved(prefix, r.class), r.tenant, nil, nil)
+  if r.seen then seen_at(prefix, r.tenant, r.user, r.now) end
   return queued + 1
 end
 

@@ -7,9 +7,10 @@
 -- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/store.py)
 -- ARGV[1]: one JSON object {prefix, id, user, backend, charge (user level), tcharge
 -- (tenant level), usage (optional: {key, ttl, counts: {row field -> amount}}, the day's
--- usage hash, gateway/scheduling/usage.py), starts (optional: a list of {id, backend, at}),
--- dispatch (optional: the backend's dispatch arguments, see dispatch_for in
--- lib/dispatch.lua)}
+-- usage hash, gateway/scheduling/usage.py), seen (optional, a trusted key's end user:
+-- now, its last-seen time, see seen_at in _lib.lua), starts (optional: a list of {id,
+-- backend, at}), dispatch (optional: the backend's dispatch arguments, see dispatch_for
+-- in lib/dispatch.lua)}
 -- Returns {released (0 when it had been released already), dispatch_for's result when
 -- it ran}.
 local a = cjson.decode(ARGV[1])
@@ -36,6 +37,7 @@ if released then
       a.user, a.charge)
     charge(key_active(prefix, info[4]), key_saved(prefix, info[4]), tenant, a.tcharge)
   end
+  if a.seen then seen_at(prefix, tenant, a.user, a.seen) end
 end
 if a.usage then
   for field, amount in pairs(a.usage.counts) do
