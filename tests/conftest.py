@@ -46,6 +46,18 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+SLOW_TIERS = ("chaos", "bench", "fuzz", "e2e_vllm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the slow tiers ``slow`` (``make test-fast``: ``-m "not slow"``)."""
+    root = Path(__file__).resolve().parent
+    slow = {root / tier for tier in SLOW_TIERS}
+    for item in items:
+        if slow & set(Path(str(item.fspath)).resolve().parents):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """With workers (``-n``): each test goes to the next free worker, except the real-vLLM

@@ -382,7 +382,7 @@ def wait_healthy(server: Launched) -> None:
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the tier is done (it runs first)
 def vllm_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
