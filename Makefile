@@ -8,7 +8,7 @@ PORT ?= 8000
 SCENARIO ?= all
 ARGS ?=
 
-.PHONY: run try test test-deps lint bench clean
+.PHONY: run try test test-fast test-deps lint bench clean
 
 $(STAMP): pyproject.toml
 	@echo "installing fairgate[dev] into $(VENV) (once per pyproject.toml change, about a minute)"
@@ -28,8 +28,14 @@ try: $(STAMP)
 test-deps:
 	bash scripts/test-deps.sh
 
+# two workers; TEST_WORKERS=0 runs the suite in one process
+TEST_WORKERS ?= 2
 test: test-deps $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25
+
+# the fast tiers alone (no chaos, bench, fuzz or real-vLLM tier): a few minutes
+test-fast: test-deps $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check gateway policies loadtest tests

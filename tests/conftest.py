@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -43,6 +44,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     else:
         os.environ["TMPDIR"] = tmpdir
     shutil.rmtree(root, ignore_errors=True)
+
+
+SLOW_TIERS = ("chaos", "bench", "fuzz", "e2e_vllm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the slow tiers ``slow`` (``make test-fast``: ``-m "not slow"``)."""
+    root = Path(__file__).resolve().parent
+    slow = {root / tier for tier in SLOW_TIERS}
+    for item in items:
+        if slow & set(Path(str(item.fspath)).resolve().parents):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With workers (``-n``): each test goes to the next free worker, except the real-vLLM
+    tier, which one worker runs whole (one install, its servers started once). xdist's
+    own ``--dist loadgroup`` would do this, but it renames node ids in a way pytest 9 no
+    longer reads."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e_vllm" if nodeid.startswith("tests/e2e_vllm/") else nodeid
+
+    return TierScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -185,11 +185,16 @@ def is_end_user(user: str) -> bool:
 
 
 def check_name(value: str) -> str:
-    """A user or tenant name of a key, else ValueError naming the separator it holds."""
+    """A user or tenant name of a key, else ValueError naming the separator it holds (a
+    control character such as TAB separates the fields of stored entries, as in an end
+    user's name from a request body, which must be printable too)."""
     held = [c for c in NAME_SEPARATORS if c in value]
     if held:
         raise ValueError(f"must not contain {' or '.join(map(repr, held))}: it separates "
                          "the parts of Redis key names")
+    if not value.isprintable():
+        raise ValueError("must be printable text, without control characters: TAB "
+                         "separates the fields of stored entries")
     return value
 
 

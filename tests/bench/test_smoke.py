@@ -91,8 +91,9 @@ def test_utilization(tmp_path: Path, redis_url: str) -> None:
     runs = report["runs"]
     assert set(runs) == {"direct", "gateway_fast_scrape", "gateway_fixed"} | {
         f"gateway_mw{k}" for k in report["params"]["sweep_max_waiting"]}
-    for stats in runs.values():
-        assert stats["completed"] > 0 and stats["output_tok_s"] > 0
+    for name, stats in runs.items():
+        assert stats["completed"] > 0 and stats["output_tok_s"] > 0, (
+            f"{name}: {stats['completed']} completed, {stats['output_tok_s']} tok/s")
     # the default (adaptive) run sampled the allowance (what may wait at vLLM), within
     # 1..max_waiting whatever the batch's free slots (a gauge of their own, 0..max_waiting)
     timeline = runs["gateway_mw3"]["pacing_timeline"]

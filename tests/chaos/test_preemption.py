@@ -150,14 +150,16 @@ async def test_one_answer_is_preempted_at_most_max_preemptions_times(
     events = Events()
     [filler] = await fill(gw, backend, "sk-batch", events, count=1)
     await stream(gw, "sk-alice", "new1", 98, NEW_TOKENS, events)  # preempts it: the cap
-    # the preempted answer runs again (its continuation, the engine's newest request, has
-    # produced a token: not merely queued, where an interactive newcomer would overtake it
-    # in the gateway's or the engine's queue); the next newcomer may not take its slot
+    # the preempted answer runs again (its continuation has produced a token: not merely
+    # queued, where an interactive newcomer would overtake it in the gateway's or the
+    # engine's queue); the next newcomer may not take its slot. The continuation is the
+    # record with the filler's prompt + max tokens (prompt + generated ids, max_tokens less
+    # what was generated), not merely the newest: it may reach the engine before new1.
     def continuation_running() -> bool:
-        records = list(backend.engine.records.values())
-        newest = max(records, key=lambda r: r.arrival_s)
-        return (len(records) >= 3 and newest.first_token_s is not None
-                and newest.finished_s is None)
+        first, *rest = backend.engine.records.values()
+        whole = first.prompt_tokens + first.max_tokens
+        return any(r.prompt_tokens + r.max_tokens == whole and r.first_token_s is not None
+                   and r.finished_s is None for r in rest)
     await until(continuation_running, "the batch answer running again")
     await stream(gw, "sk-bob", "new2", 99, NEW_TOKENS, events)
     text, tokens = await asyncio.wait_for(filler, 90)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -56,15 +57,33 @@ def skip_requested() -> bool:
     return os.environ.get("FAIRGATE_SKIP_VLLM", "").strip().lower() in {"1", "true", "yes"}
 
 
+def _in_tier(item: pytest.Item) -> bool:
+    return HERE in Path(str(item.fspath)).resolve().parents
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The tier goes first: with workers (make test) one of them installs vLLM, starts its
+    # servers and runs the whole tier (tests/conftest.py keeps it together) while the
+    # others run everything else.
+    items.sort(key=lambda item: not _in_tier(item))
     for item in items:
-        if HERE not in Path(str(item.fspath)).resolve().parents:
+        if not _in_tier(item):
             continue
         item.add_marker(pytest.mark.vllm)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TIER_TIMEOUT_S))
         if skip_requested():
             item.add_marker(pytest.mark.skip(reason="FAIRGATE_SKIP_VLLM=1: real-vLLM tier off"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if TIMINGS and hasattr(session.config, "workeroutput"):  # an xdist worker's, sent home
+        session.config.workeroutput["vllm_timings"] = dict(TIMINGS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    TIMINGS.update(getattr(node, "workeroutput", {}).get("vllm_timings", {}))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -90,11 +109,13 @@ def announce(config: pytest.Config) -> Callable[[str], None]:
     capman = config.pluginmanager.getplugin("capturemanager")
     reporter = config.pluginmanager.getplugin("terminalreporter")
 
+    worker = hasattr(config, "workerinput")  # an xdist worker: its terminal is not shown
+
     def say(line: str) -> None:
         ctx = (capman.global_and_fixture_disabled() if capman is not None
                else contextlib.nullcontext())
         with ctx:
-            if reporter is not None:
+            if reporter is not None and not worker:
                 reporter.ensure_newline()
                 reporter.write_line(line)
             else:
@@ -364,7 +385,7 @@ def wait_healthy(server: Launched) -> None:
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the tier is done (it runs first)
 def vllm_server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmServer]:
