@@ -306,13 +306,15 @@ class Launched:
 
 
 def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-           max_num_seqs: int) -> Launched:
+           max_num_seqs: int, extra_args: tuple[str, ...] = (), nice: int = 0) -> Launched:
     """Start ``vllm.entrypoints.openai.api_server`` serving the tiny model on a free
-    loopback port (priority scheduler, chunked prefill; prefix caching on, V1's default);
-    returns at once: :func:`wait_healthy` waits for it, so several can start together."""
+    loopback port (priority scheduler, chunked prefill; prefix caching on, V1's default;
+    ``extra_args`` appended; ``nice``: its CPU niceness); returns at once:
+    :func:`wait_healthy` waits for it, so several can start together."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [
+        *(("nice", "-n", str(nice)) if nice else ()),  # nice execs it: the pid stays
         str(vllm_python),
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -335,6 +337,7 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
         "127.0.0.1",
         "--port",
         str(port),
+        *extra_args,
     ]
     env = {
         **os.environ,
