@@ -211,3 +211,35 @@ async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
     assert counter(gw)("batch") >= 1
     assert m.continuations.labels("preempt", "continued")._value.get() >= 1
     assert m.continuation_recomputed_tokens.labels("preempt")._value.get() > 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_stream_another_replica_runs_is_preempted_while_its_gates_are_closed(
+        gateway: GatewayFactory, sim: SimFactory) -> None:
+    """Replica B runs every batch stream; it held their starts back while it knew nothing
+    queued, and its gates, closed by a slow TPOT (as on vLLM's CPU build), make no call
+    that would carry them. Once the backend runs full they go to Redis on their own, so
+    replica A, where an interactive newcomer is queued, sees what runs and preempts one
+    before any of them ends; the preempted stream still completes whole."""
+    backend = await sim(max_num_seqs=SLOTS)
+    slow = {"max_tpot_ms": 0.001}  # any TPOT measured closes every class's gate
+    classes = {"interactive": {"preempt_after_ms": 300, **slow}, "default": slow,
+               "batch": slow}
+    replica_b = await gateway([backend], classes=classes)
+    replica_a = await gateway([backend], classes=classes)
+    events = Events()
+    fillers = await fill(replica_b, backend, "sk-batch", events)
+    handle = replica_a.services.pool.handles["b0"]
+    await until(lambda: handle.gates.get("interactive") is not None
+                and handle.gates["interactive"].reason == "tpot",
+                "replica A's interactive gate closed by TPOT")
+    newcomer = asyncio.create_task(stream(replica_a, "sk-alice", "new", 99, NEW_TOKENS,
+                                          events))
+    await until(lambda: counter(replica_b)("batch") >= 1,
+                "a batch stream on replica B preempted", timeout_s=60)
+    ended = [e for e in events.seen if e.startswith("done:")]
+    assert ended == [], f"preempted only after {ended}: {events.seen}"
+    answers = await asyncio.gather(*fillers)
+    assert [t for _, t in answers] == [FILL_TOKENS] * SLOTS, [t for _, t in answers]
+    _, new_tokens = await asyncio.wait_for(newcomer, 90)
+    assert new_tokens == NEW_TOKENS, new_tokens
