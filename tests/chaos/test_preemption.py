@@ -214,32 +214,29 @@ async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
 
 
 @pytest.mark.timeout(120)
-async def test_a_stream_another_replica_runs_is_preempted_while_its_gates_are_closed(
+async def test_a_stream_another_replica_runs_is_preempted_while_every_gate_is_closed(
         gateway: GatewayFactory, sim: SimFactory) -> None:
-    """Replica B runs every batch stream; it held their starts back while it knew nothing
-    queued, and its gates, closed by a slow TPOT (as on vLLM's CPU build), make no call
-    that would carry them. Once the backend runs full they go to Redis on their own, so
-    replica A, where an interactive newcomer is queued, sees what runs and preempts one
-    before any of them ends; the preempted stream still completes whole."""
+    """Replica B runs the batch streams: every slot, and three more waiting in the engine,
+    which closes every class's gate. B held the running streams' starts back while it knew
+    nothing queued, and with its gates closed it makes no call that would carry them.
+    Once the backend runs full they go to Redis on their own, so replica A, where an
+    interactive newcomer is queued, sees what runs and preempts: the newcomer's first
+    token comes before any batch stream ends, and every batch stream completes whole."""
     backend = await sim(max_num_seqs=SLOTS)
-    slow = {"max_tpot_ms": 0.001}  # any TPOT measured closes every class's gate
-    classes = {"interactive": {"preempt_after_ms": 300, **slow}, "default": slow,
-               "batch": slow}
+    classes = {"interactive": {"preempt_after_ms": 300}, "batch": {"max_waiting": 3}}
     replica_b = await gateway([backend], classes=classes)
     replica_a = await gateway([backend], classes=classes)
     events = Events()
-    fillers = await fill(replica_b, backend, "sk-batch", events)
+    batch = [asyncio.create_task(stream(replica_b, "sk-batch", f"fill{i}", i, FILL_TOKENS,
+                                        events)) for i in range(SLOTS + 3)]
     handle = replica_a.services.pool.handles["b0"]
-    await until(lambda: handle.gates.get("interactive") is not None
-                and handle.gates["interactive"].reason == "tpot",
-                "replica A's interactive gate closed by TPOT")
-    newcomer = asyncio.create_task(stream(replica_a, "sk-alice", "new", 99, NEW_TOKENS,
-                                          events))
-    await until(lambda: counter(replica_b)("batch") >= 1,
-                "a batch stream on replica B preempted", timeout_s=60)
-    ended = [e for e in events.seen if e.startswith("done:")]
-    assert ended == [], f"preempted only after {ended}: {events.seen}"
-    answers = await asyncio.gather(*fillers)
-    assert [t for _, t in answers] == [FILL_TOKENS] * SLOTS, [t for _, t in answers]
-    _, new_tokens = await asyncio.wait_for(newcomer, 90)
+    await until(lambda: handle.last is not None and handle.last.running == SLOTS
+                and handle.last.waiting == 3 and handle.peak_running == SLOTS,
+                "replica A's snapshot: every slot running, 3 waiting (every gate closed)")
+    _, new_tokens = await asyncio.wait_for(
+        stream(replica_a, "sk-alice", "new", 99, NEW_TOKENS, events), 90)
     assert new_tokens == NEW_TOKENS, new_tokens
+    answers = await asyncio.gather(*batch)
+    assert events.index("first:new") < events.first_of("done:fill"), events.seen
+    assert [t for _, t in answers] == [FILL_TOKENS] * (SLOTS + 3), [t for _, t in answers]
+    assert counter(replica_b)("batch") >= 1, counter(replica_b)("batch")
