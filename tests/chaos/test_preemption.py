@@ -217,11 +217,10 @@ async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
 async def test_a_stream_another_replica_runs_is_preempted_while_every_gate_is_closed(
         gateway: GatewayFactory, sim: SimFactory) -> None:
     """Replica B runs the batch streams: every slot, and three more waiting in the engine,
-    which closes every class's gate. B held the running streams' starts back while it knew
-    nothing queued, and with its gates closed it makes no call that would carry them.
-    Once the backend runs full they go to Redis on their own, so replica A, where an
-    interactive newcomer is queued, sees what runs and preempts: the newcomer's first
-    token comes before any batch stream ends, and every batch stream completes whole."""
+    which closes every class's gate, so the interactive newcomer that arrives at replica A
+    stays queued there. A's decision sees what B runs and orders a preemption that B
+    carries out: the newcomer's first token comes before any batch stream ends, and every
+    batch stream completes whole."""
     backend = await sim(max_num_seqs=SLOTS)
     classes = {"interactive": {"preempt_after_ms": 300}, "batch": {"max_waiting": 3}}
     replica_b = await gateway([backend], classes=classes)
