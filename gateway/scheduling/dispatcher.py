@@ -497,6 +497,8 @@ class Dispatcher(ReadsSettings):
                 try:
                     while await self.dispatch_once(model):
                         pass
+                    if self._starts.get(model) and self.preemptor.full(model, time.time()):
+                        await self._send_held_starts(model)
                     await self.preemptor.check(model, self._queued.get(model, 0))
                 except StoreUnavailable as exc:
                     log.warning("dispatch_failed", model=model, error=str(exc))
@@ -637,6 +639,18 @@ class Dispatcher(ReadsSettings):
             self.wake_freed()
         elif plan is not None and done is not None and self._granted(model, plan, done):
             self.wake()
+
+    async def _send_held_starts(self, model: str) -> None:
+        """A backend of the model runs full: the starts held back go now, so that a
+        preemption decision, this replica's or another's, sees what runs. Held while
+        nothing was queued, they would wait for this replica's next call for the model,
+        which gates closed by a slow TPOT may put off until an answer ends."""
+        starts = self._take_starts(model)
+        try:
+            await self.store.mark_starts(model, starts)
+        except StoreUnavailable:
+            self._hold(model, starts)
+            raise
 
     def _hold(self, model: str, starts: list[Start]) -> None:
         held = self._starts.setdefault(model, {})

@@ -71,18 +71,21 @@ class Preemptor(ReadsSettings):
                 for h in self.pool.for_model(model) if h.last is not None
                 and h.gates_at(now, stale)[CLASS_ORDER[0]].reason not in ("stale", "drained")]
 
+    def full(self, model: str, now: float) -> list[BackendLoad]:
+        """The model's backends that run all they can, for some class (none when
+        preemption is off)."""
+        if not self.settings.preemption:
+            return []
+        limits = {r.max_kv_usage for r in self.rules().values()}
+        return [ld for ld in self.loads(model, now) if any(is_full(ld, kv) for kv in limits)]
+
     async def check(self, model: str, queued: int) -> bool:
         """Order one preemption for ``model`` when the rule finds one; True when ordered.
         ``queued``: the requests the latest decision left queued for the model."""
         settings = self.settings
-        if not settings.preemption:
-            return False
         now = time.time()
         handles = {h.name: h for h in self.pool.for_model(model)}
-        loads = self.loads(model, now)
-        rules = self.rules()
-        limits = {r.max_kv_usage for r in rules.values()}
-        full = [ld for ld in loads if any(is_full(ld, kv) for kv in limits)]
+        full = self.full(model, now)
         if not full or not (queued > 0 or any(handles[ld.name].last.waiting > 0  # type: ignore[union-attr]
                                               for ld in full)):
             return False
@@ -93,7 +96,9 @@ class Preemptor(ReadsSettings):
         view = await self.store.preemption_view(model, CLASS_ORDER,
                                                 now - settings.replica_ttl_s)
         waiting, running = plain(view, now, handles)
-        chosen = choose(waiting, running, loads, rules, settings.preempt_fair_gap)
+        rules = self.rules()
+        chosen = choose(waiting, running, self.loads(model, now), rules,
+                        settings.preempt_fair_gap)
         if chosen is None:
             return False
         return await self._order(model, chosen, now, rules)

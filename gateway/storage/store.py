@@ -443,6 +443,12 @@ class Store:
         out = await self._run("started", list(dict.fromkeys(keys)), [json.dumps(args)])
         return _dispatched(grant.backend, out[1]) if len(out) > 1 else None
 
+    async def mark_starts(self, model: str, starts: Sequence[Start]) -> None:
+        """Marks starts a replica held back (``lua/started.lua``), on their own."""
+        args = {"prefix": ModelKeys(model).prefix, "starts": _starts(starts)}
+        await self._run("started", list(dict.fromkeys(start_keys(model, starts))),
+                        [json.dumps(args)])
+
     async def settle(self, model: str, grant: Grant, charge: float,
                      tenant_charge: float | None = None) -> bool:
         """Release a dispatched request: ``charge`` is added to its user's score in its

@@ -136,7 +136,7 @@ def test_fairness(tmp_path: Path, redis_url: str) -> None:
         stats = report["runs"][run]
         assert stats["windows"] > 0
         assert stats["jain_mean"] is None or 0.0 < stats["jain_mean"] <= 1.0
-        assert stats["summary"]["completed"] > 0
+        assert stats["summary"]["completed"] > 0, f"{run}: {stats['summary']}"
 
 
 @pytest.mark.timeout(90)
@@ -148,7 +148,7 @@ def test_tenants(tmp_path: Path, redis_url: str) -> None:
         for level in ("tenant_jain_mean", "user_jain_mean"):
             assert stats[level] is None or 0.0 < stats[level] <= 1.0
         assert set(stats["tenant_share_mean"]) == set(report["params"]["tenants"])
-        assert stats["summary"]["completed"] > 0
+        assert stats["summary"]["completed"] > 0, f"{run}: {stats['summary']}"
 
 
 @pytest.mark.timeout(60)
@@ -183,7 +183,7 @@ def test_replicas(tmp_path: Path, redis_url: str) -> None:
         assert stats["service"]["heavy"] > 0 and stats["service"]["light"] > 0, stats
         assert stats["ratio"] is not None and stats["ratio"] > 0, stats
     assert run["share_ratio_samples"], "replica 1's /metrics never scraped"
-    assert run["summary"]["completed"] > 0
+    assert run["summary"]["completed"] > 0, run["summary"]
     assert report["params"]["killed_replica"] == 3
 
 

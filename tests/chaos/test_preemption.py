@@ -211,3 +211,31 @@ async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
     assert counter(gw)("batch") >= 1
     assert m.continuations.labels("preempt", "continued")._value.get() >= 1
     assert m.continuation_recomputed_tokens.labels("preempt")._value.get() > 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_stream_another_replica_runs_is_preempted_while_every_gate_is_closed(
+        gateway: GatewayFactory, sim: SimFactory) -> None:
+    """Replica B runs the batch streams: every slot, and three more waiting in the engine,
+    which closes every class's gate, so the interactive newcomer that arrives at replica A
+    stays queued there. A's decision sees what B runs and orders a preemption that B
+    carries out: the newcomer's first token comes before any batch stream ends, and every
+    batch stream completes whole."""
+    backend = await sim(max_num_seqs=SLOTS)
+    classes = {"interactive": {"preempt_after_ms": 300}, "batch": {"max_waiting": 3}}
+    replica_b = await gateway([backend], classes=classes)
+    replica_a = await gateway([backend], classes=classes)
+    events = Events()
+    batch = [asyncio.create_task(stream(replica_b, "sk-batch", f"fill{i}", i, FILL_TOKENS,
+                                        events)) for i in range(SLOTS + 3)]
+    handle = replica_a.services.pool.handles["b0"]
+    await until(lambda: handle.last is not None and handle.last.running == SLOTS
+                and handle.last.waiting == 3 and handle.peak_running == SLOTS,
+                "replica A's snapshot: every slot running, 3 waiting (every gate closed)")
+    _, new_tokens = await asyncio.wait_for(
+        stream(replica_a, "sk-alice", "new", 99, NEW_TOKENS, events), 90)
+    assert new_tokens == NEW_TOKENS, new_tokens
+    answers = await asyncio.gather(*batch)
+    assert events.index("first:new") < events.first_of("done:fill"), events.seen
+    assert [t for _, t in answers] == [FILL_TOKENS] * (SLOTS + 3), [t for _, t in answers]
+    assert counter(replica_b)("batch") >= 1, counter(replica_b)("batch")

@@ -176,13 +176,15 @@ class QueueLength:
         after = (await histogram_totals(self.sampler.base_url, (QUEUE_TIME,)))[QUEUE_TIME]
         self.mean = (after[0] - self.queued_before[0]) / elapsed if elapsed > 0 else None
 
-    def assert_paced(self, p90_at_most: float, max_at_most: float) -> None:
-        """The pacing promise: the sampled waiting gauge's p90 and max, and the time-averaged
-        queue, within the bounds (the observed values in the message)."""
+    def assert_paced(self, mean_at_most: float, max_at_most: float) -> None:
+        """The pacing promise: the queue's time average (Little's law: misses no burst)
+        within ``mean_at_most``, and no gauge sample above ``max_at_most``; the observed
+        values in the message. The sampled p90 is reported, not judged: on a starved CPU
+        the API server answers /metrics in bursts, so its samples are not spread in time."""
         values = sorted(self.sampler.waiting)
         assert values, "no /metrics sample of vLLM during the run"
         p90 = values[min(len(values) - 1, int(0.9 * len(values)))]
-        observed = (f"waiting p90 {p90}, max {values[-1]} of {len(values)} samples "
-                    f"(largest {values[-10:]}), time-averaged {self.mean}")
-        assert p90 <= p90_at_most and values[-1] <= max_at_most, observed
-        assert self.mean is not None and self.mean <= p90_at_most, observed
+        observed = (f"time-averaged {self.mean}; waiting p90 {p90}, max {values[-1]} of "
+                    f"{len(values)} samples (largest {values[-10:]})")
+        assert self.mean is not None and self.mean <= mean_at_most, observed
+        assert values[-1] <= max_at_most, observed
