@@ -28,8 +28,9 @@ try: $(STAMP)
 test-deps:
 	bash scripts/test-deps.sh
 
-# two workers; TEST_WORKERS=0 runs the suite in one process
-TEST_WORKERS ?= 2
+# one process by default (what CI runs); TEST_WORKERS=2 runs two workers, in about half
+# the time (docs/tests.md says what that costs)
+TEST_WORKERS ?= 0
 test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25
 
