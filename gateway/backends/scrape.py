@@ -81,6 +81,9 @@ class BackendHandle:
     failures: int = 0
     accepts_priority: bool = True
     drained: bool = False
+    # bumped by each drain/undrain this process writes: a drain flag read from Redis by a
+    # call that began before it is older than it and is not taken
+    drain_epoch: int = 0
     last: BackendSnapshot | None = None
     sent_since_snapshot: int = 0  # this replica's dispatches since ``last``
     peak_running: int = 0  # the most requests seen running at once (the batch's size)
@@ -264,6 +267,7 @@ class BackendPool(ReadsSettings):
         now = time.monotonic()
         yield_s = self.settings.snapshot_stale_s + self.settings.scrape_timeout_s
         handles = dict(self.handles)  # a reload may change them while Redis answers
+        epochs = {name: h.drain_epoch for name, h in handles.items()}
         wanted: dict[str, list[LeaseWish]] = {}
         for h in handles.values():
             keeps = not h.held or now - max(h.held_since, h.published_at) < yield_s
@@ -285,7 +289,7 @@ class BackendPool(ReadsSettings):
             for name, view in views.items():
                 handle = handles[name]
                 if self.handles.get(name) is handle:
-                    self._take_view(handle, view, queued > 0, now)
+                    self._take_view(handle, view, queued > 0, now, epochs[name])
 
     @property
     def alone(self) -> bool:
@@ -303,7 +307,7 @@ class BackendPool(ReadsSettings):
             await self.store.scrape_leases(self.scraper_id, self.lease_s, wanted)
 
     def _take_view(self, handle: BackendHandle, view: ScrapeView, queued: bool,
-                   now: float) -> None:
+                   now: float, epoch: int) -> None:
         if view.held != handle.held:
             handle.held, handle.held_since = view.held, now
             log.info("scrape_lease_taken" if view.held else "scrape_lease_lost",
@@ -311,8 +315,7 @@ class BackendPool(ReadsSettings):
             self.metrics.backend_scraping.labels(handle.name).set(1 if view.held else 0)
             if view.held:
                 handle.wake.set()  # scrape now
-        if view.drained != handle.drained:
-            self.set_drained(handle, view.drained)
+        self._read_drained(handle, view.drained, epoch)
         handle.pending_prefill_tokens = view.pending_prefill_tokens
         if view.published is not None:
             self._adopt(handle, view.published)
@@ -360,6 +363,18 @@ class BackendPool(ReadsSettings):
         self._loops[handle.name] = asyncio.create_task(loop, name=f"scrape-{handle.name}")
 
     def set_drained(self, handle: BackendHandle, drained: bool) -> None:
+        """This process wrote the backend's drain flag to Redis: take it at once, and
+        ignore the flag in any Redis answer to a call that began before."""
+        handle.drain_epoch += 1
+        self._show_drained(handle, drained)
+
+    def _read_drained(self, handle: BackendHandle, drained: bool, epoch: int) -> None:
+        """The drain flag as Redis answered a call begun at ``epoch`` (another process's
+        drain, or this one's after a restart)."""
+        if epoch == handle.drain_epoch and drained != handle.drained:
+            self._show_drained(handle, drained)
+
+    def _show_drained(self, handle: BackendHandle, drained: bool) -> None:
         handle.drained = drained
         self.metrics.backend_drained.labels(handle.name).set(1 if drained else 0)
 
@@ -435,6 +450,7 @@ class BackendPool(ReadsSettings):
         gates, pacing = self._assess(pacing, snap, ttft, peak)
         shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
                            handle.max_model_len, handle.model_card_read)
+        epoch = handle.drain_epoch
         try:
             stored = await self.store.store_snapshot(handle.config.model, handle.name, snap,
                                                      shared.encode())
@@ -446,8 +462,7 @@ class BackendPool(ReadsSettings):
             stored = Stored(True, handle.drained, 0, handle.seen)
         else:
             handle.published_at = time.monotonic()
-        if stored.drained != handle.drained:
-            self.set_drained(handle, stored.drained)
+        self._read_drained(handle, stored.drained, epoch)
         if stored.stored:
             handle.pending_prefill_tokens, handle.seen = stored.pending, stored.version
         if recovering:

@@ -5,6 +5,7 @@ run to their end where they are), and an undrain cancels a pending migrate."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -142,3 +143,39 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
         assert text == want and usage.completion_tokens == MAX_TOKENS, (text, usage)
     assert m.continuations.labels("drain", "continued")._value.get() == 1
     assert m.continuations.labels("failover", "continued")._value.get() == 0
+
+
+@pytest.mark.parametrize("read", ["scrape_leases", "store_snapshot"])
+async def test_a_drain_is_not_undone_by_a_redis_answer_read_before_it(
+        sim: SimFactory, gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch,
+        read: str) -> None:
+    """The lease tick and the scrape both read the drain flag from Redis. An answer read
+    before this process's own drain (or undrain) and taken after it must not undo it:
+    that stale read left a re-drained backend undrained here, so its migrate never ran."""
+    gw = await gateway([await sim()])
+    pool, store = gw.services.pool, gw.services.store
+    handle = pool.handles["b0"]
+    answered, go_on = asyncio.Event(), asyncio.Event()
+    real = getattr(store, read)
+
+    async def read_then_wait(*args: Any, **kwargs: Any) -> Any:
+        found = await real(*args, **kwargs)
+        if not answered.is_set():  # the first answer only: others pass
+            answered.set()
+            await go_on.wait()
+        return found
+
+    monkeypatch.setattr(store, read, read_then_wait)
+    call = pool.tick() if read == "scrape_leases" else pool.scrape_once(handle)
+    task = asyncio.create_task(call)
+    await answered.wait()  # Redis answered "not drained" …
+    await store.set_drained(MODEL, "b0", True)  # … then the admin drain, as ops.py does
+    pool.set_drained(handle, True)
+    go_on.set()
+    await task
+    assert handle.drained, f"the {read} answer read before the drain undid it"
+    # a later read (another process's undrain, say) is taken as before
+    monkeypatch.setattr(store, read, real)
+    await store.set_drained(MODEL, "b0", False)
+    await (pool.tick() if read == "scrape_leases" else pool.scrape_once(handle))
+    assert not handle.drained, f"a {read} answer after an undrain elsewhere was not taken"
