@@ -23,7 +23,9 @@ import yaml
 
 from gateway.storage.embedded_redis import free_port
 
-START_TIMEOUT_S = 30.0
+# a process up and its first scrape healthy: generous, a loaded CI runner starts slowly (30 s
+# was seen to time out at load 6 on 2 cores)
+START_TIMEOUT_S = 120.0
 
 
 @dataclass

@@ -59,7 +59,9 @@ SERVER_ARGS = ("--stream-interval", "8")
 # The server's processes run at a lower CPU priority than this test's: on 2 cores its
 # engine takes what it can, and the gateway and the clients (one process here, separate
 # machines in production) would otherwise stall for seconds, which measures starvation,
-# not scheduling
+# not scheduling. The failover test needs it as much: a gateway stalled behind the engine
+# reads a tiny-model answer only once vLLM has sent all of it, and a kill then cuts
+# nothing (seen on a loaded machine: "no stream had 4 tokens", nothing continued)
 SERVER_NICE = 10
 PREEMPTION_OPT_IN = "FAIRGATE_VLLM_PREEMPTION"
 
@@ -69,9 +71,11 @@ def preemption_measured() -> bool:
 
 
 def server_options() -> tuple[tuple[str, ...], int]:
-    """The module server's extra flags and niceness: the preemption measurement's, when it
-    runs (the failover test runs on either)."""
-    return (SERVER_ARGS, SERVER_NICE) if preemption_measured() else ((), 0)
+    """The module server's extra flags (the preemption measurement's, when it runs) and
+    its niceness."""
+    return (SERVER_ARGS if preemption_measured() else ()), SERVER_NICE
+
+
 STREAMS = 12
 STREAM_TOKENS = 200
 CUT_AFTER = 4  # tokens a stream on the killed server has generated at the kill
