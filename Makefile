@@ -28,9 +28,9 @@ try: $(STAMP)
 test-deps:
 	bash scripts/test-deps.sh
 
-# one process by default (what CI runs); TEST_WORKERS=2 runs two workers, in about half
-# the time (docs/tests.md says what that costs)
-TEST_WORKERS ?= 0
+# two workers (pytest-xdist): the real-vLLM tier on one while the other runs the rest,
+# about half the time of one process (TEST_WORKERS=0); docs/tests.md
+TEST_WORKERS ?= 2
 test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25
 
