@@ -443,45 +443,54 @@ class Admission(ReadsSettings):
             await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
 
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
-                         prompt_tokens: int, refuse_unready: bool
-                         ) -> list[BackendHandle] | None:
+                         prompt_tokens: int, refuse_unready: bool) -> bool:
         """The one owner of "no healthy backend". With length-aware pools
         (``policies/prefill.py``): a prompt no backend of the model takes is refused (400);
         it never waits for, or goes to, a backend outside its range. When none of the
         backends that take it (``refuse_unready``: of the model, else only of a
-        length-aware pool) is healthy: a 503 now, or with ``cold_start_wait_s`` those
-        backends, for :meth:`_acquire` to wait for one of them."""
+        length-aware pool) is healthy: a 503 now, or with ``cold_start_wait_s`` True (it
+        is cold: :meth:`_acquire` waits for one of them)."""
         taking = self.pool.taking(model, prompt_tokens)
         if taking is not None and not taking:
             ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
             raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges),
                                       param=creq.endpoint.prompt_field)
-        ranged = taking is not None
-        if taking is None:
-            if not refuse_unready:
-                return None
-            taking = self.pool.for_model(model)
-        if any(h.healthy for h in taking):
-            return None
+        if (taking is None and not refuse_unready) or self._ready(model, prompt_tokens):
+            return False
         if self.settings.cold_start_wait_s > 0:
-            return taking
-        raise Unavailable(_unready(model, prompt_tokens, taking, ranged),
+            return True
+        raise Unavailable(self._unready(model, prompt_tokens),
                           retry_after_s=await self.waits.drain_retry_after(model, klass))
 
+    def _ready(self, model: str, prompt_tokens: int) -> bool:
+        """Whether a healthy backend of the model takes a prompt of ``prompt_tokens``."""
+        taking = self.pool.taking(model, prompt_tokens)
+        return any(h.healthy for h in (self.pool.for_model(model) if taking is None
+                                       else taking))
+
+    def _unready(self, model: str, prompt_tokens: int) -> str:
+        """The 503's text when no backend that takes a request is healthy."""
+        taking = self.pool.taking(model, prompt_tokens)
+        if taking is None:
+            return f"no healthy backend serves {model!r}"
+        names = ", ".join(sorted(h.name for h in taking))
+        return (f"no healthy backend of {model!r} takes a prompt of about {prompt_tokens} "
+                f"tokens (those that do: {names})")
+
     async def _acquire(self, model: str, queued: QueuedRequest, timeout_s: float,
-                       cold: list[BackendHandle] | None) -> Grant:
-        """Queue the request and wait for its grant. ``cold``: the backends that take it,
-        none of them healthy (a pool at zero): it waits for one to become ready at most
-        ``cold_start_wait_s``, then leaves the queue with a 503; once one is ready, the
-        class's own limits bound its wait as any request's."""
-        if cold is None:
+                       cold: bool) -> Grant:
+        """Queue the request and wait for its grant. ``cold``: no backend that takes it
+        is healthy (a pool at zero): it waits for one to become ready (started on demand,
+        or added by a reload) at most ``cold_start_wait_s``, then leaves the queue with a
+        503; once one is ready, the class's own limits bound its wait as any request's."""
+        if not cold:
             return await self.dispatcher.acquire(model, queued, timeout_s)
         wait_s = self.settings.cold_start_wait_s
         log.info("cold_start_wait", request_id=queued.request_id, wait_s=wait_s)
         task = asyncio.ensure_future(self.dispatcher.acquire(model, queued, timeout_s))
         try:
             await asyncio.wait({task}, timeout=min(wait_s, timeout_s))
-            if task.done() or any(h.healthy for h in cold):
+            if task.done() or self._ready(model, queued.prompt_tokens):
                 return await task
             task.cancel()  # leaves the queue (released, if a grant came meanwhile)
             try:
@@ -490,8 +499,8 @@ class Admission(ReadsSettings):
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     raise
-            raise Unavailable(f"{_unready(model, queued.prompt_tokens, cold, False)}: none "
-                              f"became ready within cold_start_wait_s ({wait_s:g} s)")
+            raise Unavailable(f"{self._unready(model, queued.prompt_tokens)}: none became "
+                              f"ready within cold_start_wait_s ({wait_s:g} s)")
         finally:
             if not task.done():
                 task.cancel()
@@ -516,11 +525,3 @@ class Admission(ReadsSettings):
         log.info("deadline_unmeetable", request_id=queued.request_id, deadline_ms=deadline_ms)
         raise DeadlineUnmeetable(message, retry_after_s=self.waits.retry_after(retry))
 
-
-def _unready(model: str, prompt_tokens: int, taking: list[BackendHandle], ranged: bool) -> str:
-    """The 503's text when no backend that takes a request is healthy."""
-    if not ranged:
-        return f"no healthy backend serves {model!r}"
-    names = ", ".join(sorted(h.name for h in taking))
-    return (f"no healthy backend of {model!r} takes a prompt of about {prompt_tokens} "
-            f"tokens (those that do: {names})")
