@@ -54,10 +54,25 @@ class RawMetrics:
     kv_usage: float
     sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
     prefix_cache: tuple[float, float] | None = None  # (hits, queries) tokens; None: no APC
-    # (prompt tokens computed + generation tokens, requests finished) and (generation
-    # tokens, requests finished), cumulative; None: the server does not count them
-    service: tuple[float, float] | None = None
-    output: tuple[float, float] | None = None
+    counters: dict[str, float] = field(default_factory=dict)  # SERVICE_COUNTERS found
+
+    @property
+    def service(self) -> tuple[float, float] | None:
+        """(prompt tokens computed + generation tokens, requests finished), cumulative;
+        None when the server does not count them."""
+        c = self.counters
+        if GENERATION_TOKENS not in c or REQUEST_SUCCESS not in c:
+            return None
+        computed = max(0.0, c.get(PROMPT_TOKENS, 0.0) - c.get(PROMPT_CACHED, 0.0))
+        return computed + c[GENERATION_TOKENS], c[REQUEST_SUCCESS]
+
+    @property
+    def output(self) -> tuple[float, float] | None:
+        """(generation tokens, requests finished), cumulative; None: not counted."""
+        c = self.counters
+        if GENERATION_TOKENS not in c or REQUEST_SUCCESS not in c:
+            return None
+        return c[GENERATION_TOKENS], c[REQUEST_SUCCESS]
 
 
 class MetricsFormatError(ValueError):
@@ -96,12 +111,8 @@ def parse_metrics(text: str) -> RawMetrics:
     prefix = next(((totals.get(hits, 0.0), totals[queries])
                    for queries, hits in zip(PREFIX_QUERIES, PREFIX_HITS, strict=True)
                    if queries in totals), None)
-    service = output = None
-    if GENERATION_TOKENS in totals and REQUEST_SUCCESS in totals:
-        done, generated = totals[REQUEST_SUCCESS], totals[GENERATION_TOKENS]
-        computed = totals.get(PROMPT_TOKENS, 0.0) - totals.get(PROMPT_CACHED, 0.0)
-        service, output = (max(computed, 0.0) + generated, done), (generated, done)
-    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix, service, output)
+    counters = {name: totals[name] for name in SERVICE_COUNTERS if name in totals}
+    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix, counters)
 
 
 @dataclass

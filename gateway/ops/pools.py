@@ -161,12 +161,13 @@ class PoolWatch(ReadsSettings):
 
     async def _queue(self, model: str) -> _Queue:
         depths = await self.store.depths(model)
-        sample = await self.store.queued_sample(model, self.settings.autoscale.sample_requests)
         _, recent = await self.store.class_service(model)
         by_class: dict[str, list[QueuedSample]] = {c: [] for c in CLASS_ORDER}
-        for s in sample:
+        queue = _Queue(depths, by_class, recent, dict.fromkeys(CLASS_ORDER, _no_wait))
+        if not any(depths.values()):
+            return queue  # nothing queued: nothing to sample, no wait
+        for s in await self.store.queued_sample(model, self.settings.autoscale.sample_requests):
             by_class[s.klass].append(s)
-        queue = _Queue(depths, by_class, recent)
         for klass in CLASS_ORDER:
             queue.waits[klass] = await self.waits.estimator(model, klass, depths)
         return queue
@@ -253,6 +254,10 @@ class PoolWatch(ReadsSettings):
         m.pool_at_risk.labels(pool, klass).set(shown["at_risk"])
         for q, wait in shown["wait_estimate_s"].items():
             m.pool_wait.labels(pool, klass, q).set(float("nan") if wait is None else wait)
+
+
+def _no_wait(ahead: int) -> float:
+    return 0.0
 
 
 def _share(tokens: int, pool: str, ranges: dict[str, list[Any]]) -> float:
