@@ -136,6 +136,8 @@ class PoolWatch(ReadsSettings):
             views[name] = self._pool(name, model, handles, queues[model], siblings, now, mono)
         for gone in set(self.states) - set(views):
             del self.states[gone]
+        for gone in set(self.capacity) - set(self.pool.handles):
+            del self.capacity[gone]
         self.views, self.computed_at = views, now
         return views
 

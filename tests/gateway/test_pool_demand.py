@@ -115,3 +115,52 @@ async def test_queued_demand_service_rate_and_desired_replicas(
         await held.close()
         results = await asyncio.gather(*queued)
         assert [r[0] for r in results] == [200] * 4, results
+
+
+# b0 the short-context pool (named after the model), b1 the long_context one
+SHORT_MAX = 600
+RANGES: dict[str, dict[str, Any]] = {
+    "b0": {"max_prompt_tokens": SHORT_MAX},
+    "b1": {"min_prompt_tokens": SHORT_MAX + 1, "pool": "long_context"}}
+
+
+async def test_each_pool_counts_the_requests_its_range_takes(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """One model, two length-aware pools, both drained (nothing dispatched): each pool
+    counts the queued requests whose prompt it takes and asks for a backend for them."""
+    short, long = await sim(profile="instant"), await sim(profile="instant")
+    gw = await gateway([short, long], backend_options=RANGES, admin_keys=[ADMIN],
+                       autoscale={"interval_s": 0.05})
+    async with aiohttp.ClientSession() as http:
+        for name in ("b0", "b1"):
+            status, body, _ = await call(http, "POST", gw.url + f"/admin/backends/{name}/drain",
+                                         key=ADMIN)
+            assert status == 200, body
+        sizes = [10, 20, 30, 4 * (SHORT_MAX + 200), 4 * (SHORT_MAX + 400)]  # characters
+        queued = [asyncio.create_task(call(http, "POST", gw.url + CHAT,
+                                           json=chat(f"{i} " + "w" * n, 2)))
+                  for i, n in enumerate(sizes)]
+
+        async def counted() -> bool:
+            views = await pools(http, gw.url)
+            return bool(views[MODEL]["classes"]["interactive"]["queued_requests"] == 3
+                        and views["long_context"]["classes"]["interactive"][
+                            "queued_requests"] == 2)
+
+        await until(counted, "each pool to count the requests its range takes")
+        views = await pools(http, gw.url)
+        for name in (MODEL, "long_context"):
+            view = views[name]
+            # drained: nothing takes work, yet work is queued: at least one backend
+            assert (view["ready_replicas"], view["desired_replicas"]) == (0, 1), view
+        assert [b["name"] for b in views[MODEL]["backends"]] == ["b0"]
+        assert [b["name"] for b in views["long_context"]["backends"]] == ["b1"]
+        short_tokens = views[MODEL]["classes"]["interactive"]["queued_demand_tokens"]
+        long_tokens = views["long_context"]["classes"]["interactive"]["queued_demand_tokens"]
+        assert long_tokens > short_tokens > 0, views
+
+        for name in ("b0", "b1"):
+            await call(http, "POST", gw.url + f"/admin/backends/{name}/undrain", key=ADMIN)
+        results = await asyncio.gather(*queued)
+        assert [r[0] for r in results] == [200] * 5, results
+    assert len(short.engine.records) == 3 and len(long.engine.records) == 2
