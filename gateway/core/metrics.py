@@ -294,9 +294,9 @@ class GatewayMetrics:
             registry=r, multiprocess_mode=SHARED)
         self.pool_wait = Gauge(
             "fairgate_pool_wait_estimate_seconds",
-            "Estimated queue wait of the pool's queued requests by class, at quantile "
-            "0.5 and 0.9 of the class's queue (NaN: no rate measured yet)",
-            ["pool", "priority_class", "quantile"], registry=r, multiprocess_mode=SHARED)
+            "Estimated queue wait of the pool's queued requests by class, of the request "
+            "halfway (p50) and 90 % (p90) down the class's queue (NaN: no rate measured yet)",
+            ["pool", "priority_class", "percentile"], registry=r, multiprocess_mode=SHARED)
         self.pool_at_risk = Gauge(
             "fairgate_pool_requests_at_risk",
             "Queued requests whose wait estimate passes their deadline (first-token "

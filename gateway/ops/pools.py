@@ -54,7 +54,7 @@ from policies.wait_estimate import fits_deadline
 
 log = structlog.get_logger("fairgate.pools")
 
-QUANTILES = (0.5, 0.9)
+PERCENTILES = {"p50": 0.5, "p90": 0.9}  # of a class's queue: the waits shown
 CAPACITY_ALPHA = 0.2  # EWMA weight of a new busy-rate sample in a backend's capacity
 
 
@@ -212,7 +212,8 @@ class PoolWatch(ReadsSettings):
                 if target is None:
                     left = deadline - now
                     window = left if window is None else min(window, left)
-            waits = {str(q): estimate(round(q * depth)) if depth else 0.0 for q in QUANTILES}
+            waits = {p: estimate(round(q * depth)) if depth else 0.0
+                     for p, q in PERCENTILES.items()}
             shown[klass] = {"queued_requests": requests, "queued_demand_tokens": tokens,
                             "served_tokens_per_s": served * mix[klass], "target_s": target,
                             "wait_estimate_s": waits, "at_risk": round(at_risk)}
@@ -254,8 +255,8 @@ class PoolWatch(ReadsSettings):
         m.pool_demand_tokens.labels(pool, klass).set(shown["queued_demand_tokens"])
         m.pool_queued.labels(pool, klass).set(shown["queued_requests"])
         m.pool_at_risk.labels(pool, klass).set(shown["at_risk"])
-        for q, wait in shown["wait_estimate_s"].items():
-            m.pool_wait.labels(pool, klass, q).set(float("nan") if wait is None else wait)
+        for p, wait in shown["wait_estimate_s"].items():
+            m.pool_wait.labels(pool, klass, p).set(float("nan") if wait is None else wait)
 
 
 def _no_wait(ahead: int) -> float:

@@ -87,7 +87,7 @@ async def test_queued_demand_service_rate_and_desired_replicas(
         assert interactive["queued_demand_tokens"] == pytest.approx(expected), (view, prompt)
         assert interactive["target_s"] == 2.0, interactive
         waits = interactive["wait_estimate_s"]
-        assert waits["0.5"] is not None and waits["0.9"] >= waits["0.5"] > 0, waits
+        assert waits["p50"] is not None and waits["p90"] >= waits["p50"] > 0, waits
         assert view["ready_replicas"] == 1 and view["desired_replicas"] >= 1, view
         [b0] = view["backends"]
         assert b0["name"] == "b0" and b0["service_tokens_per_s"] > 0, b0
@@ -108,7 +108,7 @@ async def test_queued_demand_service_rate_and_desired_replicas(
         assert gauge("fairgate_pool_ready_replicas", pool=MODEL) == 1
         assert gauge("fairgate_backend_service_requests_per_second", backend="b0") > 0
         assert gauge("fairgate_pool_wait_estimate_seconds", pool=MODEL,
-                     priority_class="interactive", quantile="0.5") > 0
+                     priority_class="interactive", percentile="p50") > 0
         assert ("fairgate_pool_requests_at_risk",
                 frozenset({("pool", MODEL), ("priority_class", "interactive")})) in parsed
 
