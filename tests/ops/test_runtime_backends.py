@@ -67,6 +67,9 @@ async def test_an_added_backend_serves_the_next_request_on_every_replica(
         for i, gw in enumerate((gw1, gw2)):  # the second replica learns it from Redis
             await scraped(gw, "rt0")
             assert await names(http, gw) == {"b0": "config", "rt0": "admin"}
+            status, state = await admin(http, "GET", gw.url + "/admin/state")  # the dashboard's
+            shown = {b["name"]: b["origin"] for b in state["models"][MODEL]["backends"]}
+            assert shown == {"b0": "config", "rt0": "admin"}, shown
             served = len(s1.engine.records)
             oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", max_retries=0)
             answer = await oai.chat.completions.create(
