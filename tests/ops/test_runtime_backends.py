@@ -234,3 +234,43 @@ async def test_backends_found_by_a_dns_name_come_and_go_with_its_answer(
         assert first not in shown and shown[second] == "dns", shown
         await admin(http, "POST", gw.url + "/admin/backends/b0/undrain")
     assert isinstance(svc.backends, BackendList)
+
+
+async def test_a_reload_keeps_the_runtime_backends_and_the_file_wins_a_name(
+        sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path) -> None:
+    s0, s1, s2 = await sim(), await sim(), await sim()
+    path = tmp_path / "fairgate.yaml"
+
+    def write(backends: list[dict[str, str]]) -> None:
+        path.write_text(yaml.safe_dump({**config(redis_url, [s0], backends_refresh_s=0.1),
+                                        "backends": backends}))
+
+    b0 = {"name": "b0", "url": s0.url, "model": MODEL}
+    gw = await gateway([s0], **FAST, config_file=path)
+    pool = gw.services.pool
+    async with aiohttp.ClientSession() as http:
+        status, row = await admin(http, "POST", gw.url + "/admin/backends",
+                                  {"name": "rt0", "url": s1.url, "model": MODEL})
+        assert status == 201, row
+        write([b0, {"name": "b1", "url": s2.url, "model": MODEL}])
+        status, report = await admin(http, "POST", gw.url + "/admin/reload")
+        assert status == 200 and report["backends"]["added"] == ["b1"], report
+        assert await names(http, gw) == {"b0": "config", "b1": "config", "rt0": "admin"}
+
+        # the file names rt0 (elsewhere): its backend is in force, the entry waits
+        write([b0, {"name": "rt0", "url": s2.url, "model": MODEL}])
+        status, report = await admin(http, "POST", gw.url + "/admin/reload")
+        assert status == 200, report
+        assert report["backends"] == {"added": [], "removed": ["b1"], "changed": ["rt0"]}, report
+        assert await names(http, gw) == {"b0": "config", "rt0": "config"}
+        assert pool.handles["rt0"].config.url == s2.url
+        status, body = await admin(http, "DELETE", gw.url + "/admin/backends/rt0")
+        assert status == 409 and body["error"]["code"] == "backend_not_removable", body
+
+        write([b0])  # dropped from the file: the runtime entry is in force again
+        status, report = await admin(http, "POST", gw.url + "/admin/reload")
+        assert status == 200 and report["backends"]["changed"] == ["rt0"], report
+        assert await names(http, gw) == {"b0": "config", "rt0": "admin"}
+        assert pool.handles["rt0"].config.url == s1.url
+        status, gone = await admin(http, "DELETE", gw.url + "/admin/backends/rt0")
+        assert status == 200 and gone["removed"], gone
