@@ -2,7 +2,7 @@
 
 :func:`running_services` builds the services into one typed :class:`Services` object,
 starts the long-lived loops (each supervised: scrape, dispatch, heartbeat, listen, batch,
-history, migrate, backends, discovery)
+history, migrate, pools, backends, discovery)
 and stops them on exit. Handlers read what they need from it; nothing else constructs a
 service.
 """
@@ -34,6 +34,7 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.ops.pools import PoolWatch
 from gateway.ops.read_model import Inspector
 from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
@@ -80,6 +81,7 @@ class Services:
     sessions: SessionStore
     replica_id: str
     redis_url: str  # where the store is (a URL, or the Sentinel master's name and nodes)
+    pools: PoolWatch  # each pool's demand, capacity and desired replicas
 
     @property
     def settings(self) -> Settings:
@@ -161,7 +163,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
-            SessionStore(client, settings.session_ttl_s), replica_id, redis_url)
+            SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
+            pools=PoolWatch(config, store, pool, admission.waits, metrics))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
         restarts = metrics.loop_restarts
@@ -173,6 +176,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                      store, pool, running).run, restarts), name="migrate"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,
                                                restarts), name="history"),
+                 asyncio.create_task(supervise("pools", services.pools.run, restarts),
+                                     name="pools"),
                  asyncio.create_task(supervise("backends", backends.run, restarts),
                                      name="backends"),
                  asyncio.create_task(supervise("discovery", DnsDiscovery(

@@ -6,7 +6,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.vllm_metrics import (
+    OUTPUT,
     PREFIX_CACHE,
+    SERVICE,
     WANTED,
     HistogramWindow,
     MetricsFormatError,
@@ -46,8 +48,10 @@ def test_line_filter_reads_what_the_full_parse_reads() -> None:
     assert raw.prefix_cache is not None
     seen["vllm:prefix_cache_hits_total"], seen["vllm:prefix_cache_queries_total"] = \
         raw.prefix_cache
+    seen.update(raw.counters)
     assert seen == pytest.approx(full), f"line filter {seen} != full parse {full}"
-    assert len(seen) == 11, sorted(seen)  # running, waiting, kv, TPOT, ITL, TTFT, prefix
+    # running, waiting, kv, TPOT, ITL, TTFT, prefix, and the 4 service counters
+    assert len(seen) == 15, sorted(seen)
 
 
 def test_line_filter_skips_lookalike_families_and_reads_bare_samples() -> None:
@@ -128,3 +132,27 @@ def test_prefix_hit_rate_is_recent_not_lifetime() -> None:
     assert w.add(10.0, {PREFIX_CACHE: (90.0, 1200.0)}) == pytest.approx(0.0)  # 1.0 expired
     assert w.add(20.0, {PREFIX_CACHE: (90.0, 1200.0)}) is None  # no queries recently
     assert w.add(21.0, {PREFIX_CACHE: (0.0, 0.0)}) is None  # a restarted server
+
+
+def test_the_service_counters_give_tokens_computed_and_requests_finished() -> None:
+    raw = parse_metrics(REFERENCE.read_text())
+    # prompt 13,017 of which 3,968 cached, 18,023 generated; 83 finished (by length)
+    assert raw.service == (13017.0 - 3968.0 + 18023.0, 83.0)
+    assert raw.output == (18023.0, 83.0)
+    bare = parse_metrics("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+    assert bare.service is None and bare.output is None
+
+
+def test_service_rates_are_per_second_over_the_window() -> None:
+    window = HistogramWindow(30.0, (OUTPUT,))
+    assert window.rates(SERVICE) is None
+    window.add(100.0, {SERVICE: (1000.0, 10.0), OUTPUT: (600.0, 10.0)})
+    assert window.rates(SERVICE) is None  # one sample: no rate yet
+    window.add(110.0, {SERVICE: (3000.0, 30.0), OUTPUT: (1800.0, 30.0)})
+    assert window.rates(SERVICE) == pytest.approx((200.0, 2.0))
+    # the mean output per finished request over the window
+    assert window.add(120.0, {SERVICE: (5000.0, 50.0), OUTPUT: (3000.0, 50.0)}) == \
+        pytest.approx(60.0)
+    # a sample older than the window leaves it: the rate is the recent one
+    window.add(150.0, {SERVICE: (5000.0, 50.0), OUTPUT: (3000.0, 50.0)})
+    assert window.rates(SERVICE) == pytest.approx((0.0, 0.0))

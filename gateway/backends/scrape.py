@@ -38,7 +38,9 @@ import structlog
 
 from gateway.backends.published import Published
 from gateway.backends.vllm_metrics import (
+    OUTPUT,
     PREFIX_CACHE,
+    SERVICE,
     TTFT_HISTOGRAMS,
     HistogramWindow,
     MetricsFormatError,
@@ -67,6 +69,8 @@ log = structlog.get_logger("fairgate.backends")
 LEASE_FLOOR_S = 0.5
 """A scrape lease lasts three scrape intervals, never less than this: a holder's tick
 that runs late on a loaded machine must not hand its backends to another process."""
+SERVICE_WINDOW_S = 30.0
+"""A backend's service rate (``BackendHandle.service``) is measured over this window."""
 
 
 @dataclass
@@ -77,6 +81,10 @@ class BackendHandle:
     pacing: dict[str, Pacing]  # each class's allowance (adaptive pacing)
     prefix_hits: HistogramWindow  # vLLM's prefix cache: recent hits / queries (tokens)
     prefix_hit_ratio: float | None = None  # by the latest scrape (None: no recent queries)
+    # vLLM's token and request counters (SERVICE, OUTPUT pairs): the service rate and the
+    # output tokens per request, every process's view of what the scraper published
+    service: HistogramWindow = field(
+        default_factory=lambda: HistogramWindow(SERVICE_WINDOW_S, (OUTPUT,)))
     healthy: bool = False
     failures: int = 0
     accepts_priority: bool = True
@@ -355,7 +363,7 @@ class BackendPool(ReadsSettings):
         last = handle.last
         if (snap is not None and shared is not None
                 and (last is None or snap.taken_at_s > last.taken_at_s)):
-            for window in (handle.tpot, handle.ttft, handle.prefix_hits):
+            for window in (handle.tpot, handle.ttft, handle.prefix_hits, handle.service):
                 window.add(snap.taken_at_s, shared.sums)
             if failures == 0:
                 self._apply(handle, snap, shared)
@@ -448,6 +456,9 @@ class BackendPool(ReadsSettings):
         sums = dict(raw.sums)
         if raw.prefix_cache is not None:
             sums[PREFIX_CACHE] = raw.prefix_cache
+        if raw.service is not None and raw.output is not None:
+            sums[SERVICE], sums[OUTPUT] = raw.service, raw.output
+        handle.service.add(started, sums)
         tpot = handle.tpot.add(started, sums)
         ttft = handle.ttft.add(started, sums)
         prefix_hit_ratio = handle.prefix_hits.add(started, sums)

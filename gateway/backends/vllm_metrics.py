@@ -35,6 +35,16 @@ PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total
 PREFIX_CACHE = "vllm:prefix_cache"
 """The key of the (hits, queries) pair in a :class:`HistogramWindow`: its recent mean is
 the recent hit rate."""
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+PROMPT_CACHED = "vllm:prompt_tokens_cached_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+REQUEST_SUCCESS = "vllm:request_success_total"
+SERVICE = "vllm:service"
+"""The key of the (tokens computed, requests finished) pair in a :class:`HistogramWindow`:
+its :meth:`~HistogramWindow.rates` are the backend's service rate (the autoscaling signal,
+``policies/autoscale.py``) and its recent mean the output tokens per request (with
+:data:`OUTPUT` the generation tokens alone)."""
+OUTPUT = "vllm:output"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +54,34 @@ class RawMetrics:
     kv_usage: float
     sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
     prefix_cache: tuple[float, float] | None = None  # (hits, queries) tokens; None: no APC
+    counters: dict[str, float] = field(default_factory=dict)  # SERVICE_COUNTERS found
+
+    @property
+    def service(self) -> tuple[float, float] | None:
+        """(prompt tokens computed + generation tokens, requests finished), cumulative;
+        None when the server does not count them."""
+        c = self.counters
+        if GENERATION_TOKENS not in c or REQUEST_SUCCESS not in c:
+            return None
+        computed = max(0.0, c.get(PROMPT_TOKENS, 0.0) - c.get(PROMPT_CACHED, 0.0))
+        return computed + c[GENERATION_TOKENS], c[REQUEST_SUCCESS]
+
+    @property
+    def output(self) -> tuple[float, float] | None:
+        """(generation tokens, requests finished), cumulative; None: not counted."""
+        c = self.counters
+        if GENERATION_TOKENS not in c or REQUEST_SUCCESS not in c:
+            return None
+        return c[GENERATION_TOKENS], c[REQUEST_SUCCESS]
 
 
 class MetricsFormatError(ValueError):
     """The text is not Prometheus exposition or lacks vLLM's queue gauges."""
 
 
-WANTED = frozenset({RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS}
+SERVICE_COUNTERS = (PROMPT_TOKENS, PROMPT_CACHED, GENERATION_TOKENS, REQUEST_SUCCESS)
+WANTED = frozenset({RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS,
+                    *SERVICE_COUNTERS}
                    | {h + "_sum" for h in HISTOGRAMS} | {h + "_count" for h in HISTOGRAMS})
 # a sample line starts with its name, then labels or a space: one C-level test per line
 _LINE_STARTS = tuple(name + end for name in WANTED for end in ("{", " "))
@@ -80,7 +111,8 @@ def parse_metrics(text: str) -> RawMetrics:
     prefix = next(((totals.get(hits, 0.0), totals[queries])
                    for queries, hits in zip(PREFIX_QUERIES, PREFIX_HITS, strict=True)
                    if queries in totals), None)
-    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix)
+    counters = {name: totals[name] for name in SERVICE_COUNTERS if name in totals}
+    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix, counters)
 
 
 @dataclass
@@ -104,3 +136,14 @@ class HistogramWindow:
                 if d_count > 0 and d_sum >= 0:
                     return d_sum / d_count
         return None
+
+    def rates(self, name: str) -> tuple[float, float] | None:
+        """The per-second change of pair ``name`` (both of its numbers) between the
+        window's oldest and newest samples; None with fewer than two, or no time between."""
+        if len(self._points) < 2:
+            return None
+        (t0, first), (t1, last) = self._points[0], self._points[-1]
+        if t1 <= t0 or name not in first or name not in last:
+            return None
+        return (max(0.0, last[name][0] - first[name][0]) / (t1 - t0),
+                max(0.0, last[name][1] - first[name][1]) / (t1 - t0))

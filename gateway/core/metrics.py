@@ -282,6 +282,42 @@ class GatewayMetrics:
             "fairgate_continuation_pause_seconds",
             "From a stream's failure to its continuation's first frame", ["reason"],
             buckets=TTFT_BUCKETS, registry=r)
+        # The pools' demand and capacity (gateway/ops/pools.py, policies/autoscale.py)
+        self.pool_demand_tokens = Gauge(
+            "fairgate_pool_queued_demand_tokens",
+            "Queued demand on a pool (a model and prompt range) by class: estimated "
+            "uncached prompt tokens plus expected output tokens", ["pool", "priority_class"],
+            registry=r, multiprocess_mode=SHARED)
+        self.pool_queued = Gauge(
+            "fairgate_pool_queued_requests", "Queued requests a pool's backends take, by "
+            "class (estimated from a sample of the queue)", ["pool", "priority_class"],
+            registry=r, multiprocess_mode=SHARED)
+        self.pool_wait = Gauge(
+            "fairgate_pool_wait_estimate_seconds",
+            "Estimated queue wait of the pool's queued requests by class, of the request "
+            "halfway (p50) and 90 % (p90) down the class's queue (NaN: no rate measured yet)",
+            ["pool", "priority_class", "percentile"], registry=r, multiprocess_mode=SHARED)
+        self.pool_at_risk = Gauge(
+            "fairgate_pool_requests_at_risk",
+            "Queued requests whose wait estimate passes their deadline (first-token "
+            "deadline, else the class's max_queue_wait_s), by class",
+            ["pool", "priority_class"], registry=r, multiprocess_mode=SHARED)
+        self.pool_ready = Gauge(
+            "fairgate_pool_ready_replicas", "Backends of the pool that take work now",
+            ["pool"], registry=r, multiprocess_mode=SHARED)
+        self.pool_desired = Gauge(
+            "fairgate_pool_desired_replicas",
+            "Backends the pool needs for each class's queue-wait target (Little's law on "
+            "the measured per-backend rate, with hysteresis and a scale-down delay; "
+            "docs/autoscaling.md)", ["pool"], registry=r, multiprocess_mode="livemax")
+        self.backend_service_tokens = Gauge(
+            "fairgate_backend_service_tokens_per_second",
+            "Tokens a backend computed per second (uncached prompt + output), from vLLM's "
+            "counters over the last 30 s", ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.backend_service_requests = Gauge(
+            "fairgate_backend_service_requests_per_second",
+            "Requests a backend finished per second, from vLLM's counters over the last "
+            "30 s", ["backend"], registry=r, multiprocess_mode=SHARED)
         self.first_scrape_waits = Counter(
             "fairgate_first_scrape_waits_total",
             "Requests that found no healthy backend of their model before its backends' "
@@ -289,7 +325,7 @@ class GatewayMetrics:
         self.loop_restarts = Counter(
             "fairgate_loop_restarts_total",
             "Background loops restarted after a crash (dispatch, listen, heartbeat, scrape, "
-            "batch, history, quotas, migrate)", ["loop"], registry=r)
+            "batch, history, quotas, migrate, pools)", ["loop"], registry=r)
         # Fed by the Batch API (/v1/batches): job counts by status and per-line outcomes.
         self.batch_jobs = Gauge(
             "fairgate_batch_jobs", "Batch jobs by status", ["status"], registry=r,

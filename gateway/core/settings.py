@@ -151,6 +151,42 @@ class Backend(PoolFields):
     def prompt_range(self) -> PromptRange:
         return PromptRange(self.min_prompt_tokens, self.max_prompt_tokens)
 
+    @property
+    def pool_name(self) -> str:
+        """Its pool as autoscaling counts it (``gateway/ops/pools.py``): ``pool``, or the
+        model's name when it names none."""
+        return self.pool or self.model
+
+
+class Autoscale(BaseModel):
+    """The pools' desired replicas (``policies/autoscale.py``, ``docs/autoscaling.md``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    interval_s: float = Field(default=2.0, gt=0)  # how often the pools' demand is read
+    headroom: float = Field(default=0.2, ge=0)  # hysteresis: down only when need × (1 + this) fits
+    scale_down_delay_s: float = Field(default=300.0, ge=0)
+    min_replicas: int = Field(default=0, ge=0)  # per pool
+    max_replicas: int | None = Field(default=None, ge=0)  # per pool; None: no bound
+    # the queue-wait target of a class without ttft_slo_ms; a class in neither (batch)
+    # only fills idle backends, unless its completion window is at risk
+    queue_target_s: dict[str, float] = Field(
+        default_factory=lambda: {"interactive": 2.0, "default": 10.0})
+    # one backend's service rate (tokens/s) until one was measured; None: unknown
+    backend_tokens_per_s: float | None = Field(default=None, gt=0)
+    output_tokens: int = Field(default=256, ge=1)  # a request's expected output until measured
+    sample_requests: int = Field(default=256, ge=1)  # queued requests read per class and tick
+
+    @field_validator("queue_target_s")
+    @classmethod
+    def _known_classes(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = set(value) - set(CLASS_ORDER)
+        if unknown:
+            raise ValueError(f"unknown priority classes: {sorted(unknown)}")
+        if any(v <= 0 for v in value.values()):
+            raise ValueError("a queue-wait target must be above 0")
+        return value
+
 
 class Discovery(PoolFields):
     """Backends found by a DNS name (``discovery``; gateway/backends/discovery.py): each
@@ -369,6 +405,11 @@ class Settings(BaseSettings):
     # failed) once, right after the start, waits for that at most this long (then 503)
     first_scrape_wait_s: float = Field(5.0, ge=0)
     snapshot_stale_s: float = 1.0
+    # Scale from zero: a request whose pool has no healthy backend stays queued this long
+    # for one to become ready (a backend started on demand, docs/autoscaling.md) before its
+    # 503; 0: the 503 at once
+    cold_start_wait_s: float = Field(0.0, ge=0)
+    autoscale: Autoscale = Autoscale()
     unhealthy_after_failures: int = 3
     tpot_window_s: float = 5.0
     # "adaptive": each class's max_waiting is the ceiling of an allowance tuned per backend

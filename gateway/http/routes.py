@@ -96,13 +96,9 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     model = creq.model
-    healthy = svc.pool.any_healthy(model) or await svc.pool.first_scrapes(
-        model, svc.settings.first_scrape_wait_s)
+    if not svc.pool.any_healthy(model):  # none healthy: admission refuses or holds it
+        await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     check_context(creq.body, endpoint, svc.pool.max_model_len(model))
-    if not healthy:
-        raise Unavailable(f"no healthy backend serves {model!r}",
-                          retry_after_s=await svc.admission.waits.drain_retry_after(
-                              model, klass))
     request_id = uuid.uuid4().hex
     headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
     queued_at = time.monotonic()
@@ -127,7 +123,8 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     try:
         response = await svc.admission.call(model, user, klass, key.weight, creq,
                                             forward, request_id=request_id, arrived_s=arrived,
-                                            deadline_ms=deadline_ms, account=key)
+                                            deadline_ms=deadline_ms, account=key,
+                                            refuse_unready=True)
         status = str(response.status)
         return response
     except FairgateError as exc:

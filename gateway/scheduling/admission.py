@@ -180,14 +180,16 @@ class Admission(ReadsSettings):
     async def call(self, model: str, user: str, klass: str, weight: float,
                    creq: CompletionRequest, send: Callable[[Ticket], Awaitable[T]],
                    request_id: str | None = None, arrived_s: float | None = None,
-                   deadline_ms: int | None = None, account: ApiKey | None = None) -> T:
+                   deadline_ms: int | None = None, account: ApiKey | None = None,
+                   refuse_unready: bool = False) -> T:
         """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
         fails before anything was sent (nothing reached its engine), the backend's gates
         close and the request is queued once more, for another backend."""
         for attempt in (1, 2):
             async with self.admitted(model, user, klass, weight, creq, request_id,
                                      arrived_s, deadline_ms=deadline_ms,
-                                     account=account) as ticket:
+                                     account=account,
+                                     refuse_unready=refuse_unready) as ticket:
                 try:
                     return await send(ticket)
                 except BackendUnreachable as exc:
@@ -202,7 +204,8 @@ class Admission(ReadsSettings):
     async def admitted(self, model: str, user: str, klass: str, weight: float,
                        creq: CompletionRequest, request_id: str | None = None,
                        arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                       account: ApiKey | None = None) -> AsyncIterator[Ticket]:
+                       account: ApiKey | None = None,
+                       refuse_unready: bool = False) -> AsyncIterator[Ticket]:
         """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
         tenant, ``gateway/scheduling/quotas.py``): charged before queueing (the prompt's
         estimate and the endpoint's output-token bound), corrected at the end, and its usage
@@ -223,7 +226,8 @@ class Admission(ReadsSettings):
         try:
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
-                                      account=account) as ticket:
+                                      account=account,
+                                      refuse_unready=refuse_unready) as ticket:
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
@@ -264,7 +268,8 @@ class Admission(ReadsSettings):
     async def _admitted(self, model: str, user: str, klass: str, weight: float,
                         creq: CompletionRequest, request_id: str,
                         arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                        account: ApiKey | None = None) -> AsyncIterator[Ticket]:
+                        account: ApiKey | None = None,
+                        refuse_unready: bool = False) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
         ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
         the key's usage recorded with the release (one Redis call).
@@ -272,9 +277,14 @@ class Admission(ReadsSettings):
         ``arrived_s`` (monotonic) turns on the client-side TTFT/TPOT metrics of a stream.
         ``deadline_ms``: the first-token deadline from arrival (default: the class's
         ``ttft_slo_ms``). Metrics and the ``finished`` log are recorded before the release
-        is awaited, so they do not depend on the client staying connected."""
+        is awaited, so they do not depend on the client staying connected.
+
+        ``refuse_unready``: a client waits on its connection, so when no healthy backend of
+        the model takes the request it is refused (503) at once, or held for one up to
+        ``cold_start_wait_s`` (scale from zero); otherwise (a batch line) it waits in the
+        queue like any other (a length-aware pool's is always checked)."""
         prompt_est = estimate(creq)
-        await self._check_fit(model, klass, creq, prompt_est)
+        cold = await self._check_fit(model, klass, creq, prompt_est, refuse_unready)
         tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
         self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
@@ -299,7 +309,7 @@ class Admission(ReadsSettings):
             # its user's queue serves earliest deadline first (enqueue.lua)
             queued = replace(queued, deadline_at=time.time() + left_s)
         try:
-            grant = await self.dispatcher.acquire(model, queued, timeout_s)
+            grant = await self._acquire(model, queued, timeout_s, cold)
         except QueueTimeout as exc:
             if timeout_s < cls_cfg.max_queue_wait_s:  # the deadline, not the class's limit
                 raise DeadlineUnmeetable(
@@ -433,22 +443,67 @@ class Admission(ReadsSettings):
             await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
 
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
-                         prompt_tokens: int) -> None:
-        """With length-aware pools (``policies/prefill.py``): a prompt no backend of the
-        model takes is refused (400), one whose backends are all down gets a 503 now; it
-        never waits for, or goes to, a backend outside its range."""
+                         prompt_tokens: int, refuse_unready: bool) -> bool:
+        """The one owner of "no healthy backend". With length-aware pools
+        (``policies/prefill.py``): a prompt no backend of the model takes is refused (400);
+        it never waits for, or goes to, a backend outside its range. When none of the
+        backends that take it (``refuse_unready``: of the model, else only of a
+        length-aware pool) is healthy: a 503 now, or with ``cold_start_wait_s`` True (it
+        is cold: :meth:`_acquire` waits for one of them)."""
         taking = self.pool.taking(model, prompt_tokens)
-        if taking is None:
-            return
-        if not taking:
+        if taking is not None and not taking:
             ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
             raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges),
                                       param=creq.endpoint.prompt_field)
-        if not any(h.healthy for h in taking):
-            names = ", ".join(sorted(h.name for h in taking))
-            raise Unavailable(f"no healthy backend of {model!r} takes a prompt of about "
-                              f"{prompt_tokens} tokens (those that do: {names})",
-                              retry_after_s=await self.waits.drain_retry_after(model, klass))
+        if (taking is None and not refuse_unready) or self._ready(model, prompt_tokens):
+            return False
+        if self.settings.cold_start_wait_s > 0:
+            return True
+        raise Unavailable(self._unready(model, prompt_tokens),
+                          retry_after_s=await self.waits.drain_retry_after(model, klass))
+
+    def _ready(self, model: str, prompt_tokens: int) -> bool:
+        """Whether a healthy backend of the model takes a prompt of ``prompt_tokens``."""
+        taking = self.pool.taking(model, prompt_tokens)
+        return any(h.healthy for h in (self.pool.for_model(model) if taking is None
+                                       else taking))
+
+    def _unready(self, model: str, prompt_tokens: int) -> str:
+        """The 503's text when no backend that takes a request is healthy."""
+        taking = self.pool.taking(model, prompt_tokens)
+        if taking is None:
+            return f"no healthy backend serves {model!r}"
+        names = ", ".join(sorted(h.name for h in taking))
+        return (f"no healthy backend of {model!r} takes a prompt of about {prompt_tokens} "
+                f"tokens (those that do: {names})")
+
+    async def _acquire(self, model: str, queued: QueuedRequest, timeout_s: float,
+                       cold: bool) -> Grant:
+        """Queue the request and wait for its grant. ``cold``: no backend that takes it
+        is healthy (a pool at zero): it waits for one to become ready (started on demand,
+        or added by a reload) at most ``cold_start_wait_s``, then leaves the queue with a
+        503; once one is ready, the class's own limits bound its wait as any request's."""
+        if not cold:
+            return await self.dispatcher.acquire(model, queued, timeout_s)
+        wait_s = self.settings.cold_start_wait_s
+        log.info("cold_start_wait", request_id=queued.request_id, wait_s=wait_s)
+        task = asyncio.ensure_future(self.dispatcher.acquire(model, queued, timeout_s))
+        try:
+            await asyncio.wait({task}, timeout=min(wait_s, timeout_s))
+            if task.done() or self._ready(model, queued.prompt_tokens):
+                return await task
+            task.cancel()  # leaves the queue (released, if a grant came meanwhile)
+            try:
+                return await task  # a grant that came as it was cancelled
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+            raise Unavailable(f"{self._unready(model, queued.prompt_tokens)}: none became "
+                              f"ready within cold_start_wait_s ({wait_s:g} s)")
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def _refuse_unmeetable(self, model: str, queued: QueuedRequest, left_s: float,
                                  deadline_ms: int) -> None:
@@ -469,3 +524,4 @@ class Admission(ReadsSettings):
             retry = None
         log.info("deadline_unmeetable", request_id=queued.request_id, deadline_ms=deadline_ms)
         raise DeadlineUnmeetable(message, retry_after_s=self.waits.retry_after(retry))
+

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.core.errors import StoreUnavailable
@@ -148,6 +149,21 @@ class Waits(ReadsSettings):
         """``Retry-After`` for a wait estimate (the settings' ``retry_after_s`` as floor)."""
         return retry_after_s(wait_s, self.settings.retry_after_s)
 
+    async def estimator(self, model: str, klass: str, depths: dict[str, int] | None = None
+                        ) -> Callable[[int], float | None]:
+        """The wait of a request of ``klass`` with a given number of its class before it
+        (behind every higher class's backlog, ``depths``: the model's, read when None), at
+        the measured rate: one read of Redis for many estimates (the pools' wait
+        quantiles, ``gateway/ops/pools.py``)."""
+        if depths is None:
+            depths = await self.store.depths(model)
+        higher = sum(depths[c] for c in CLASS_ORDER[:class_rank(klass)])
+        _, since = await self._picture(model)
+        floor_in_s, lower_share = self._floors(klass, depths, since)
+        rate, floor = self.rate(model), self.settings.class_floors.get(klass, 0.0)
+        return lambda ahead: estimate_wait_s(ahead, higher, rate, floor, floor_in_s,
+                                             lower_share)
+
     async def drain_retry_after(self, model: str, klass: str) -> int:
         """``Retry-After`` when a request of ``klass`` is turned away: the time the
         measured rate takes to drain what is queued in its class and above (the floor
@@ -155,12 +171,7 @@ class Waits(ReadsSettings):
         wait: float | None = None
         with contextlib.suppress(StoreUnavailable):
             depths = await self.store.depths(model)
-            higher = sum(depths[c] for c in CLASS_ORDER[:class_rank(klass)])
-            _, since = await self._picture(model)
-            floor_in_s, lower_share = self._floors(klass, depths, since)
-            wait = estimate_wait_s(depths[klass], higher, self.rate(model),
-                                   self.settings.class_floors.get(klass, 0.0), floor_in_s,
-                                   lower_share)
+            wait = (await self.estimator(model, klass, depths))(depths[klass])
         return self.retry_after(wait)
 
     async def next_turn_retry_after(self, model: str, klass: str, user: str,

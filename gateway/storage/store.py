@@ -307,6 +307,16 @@ class QueuedUser:
     tenant: str = ""  # "": the tenant named after the user (score: the tenant's)
 
 
+@dataclass(frozen=True, slots=True)
+class QueuedSample:
+    """One queued request as the pools' demand reads it (``gateway/ops/pools.py``)."""
+
+    klass: str
+    prompt_tokens: int  # estimated
+    enqueued_at: float
+    deadline_at: float | None  # its first-token deadline (unix s), if it has one
+
+
 class Store:
     """Domain verbs over one Redis client (``decode_responses=True``)."""
 
@@ -782,6 +792,33 @@ class Store:
                            float(enqueued[i]) if enqueued[i] else None,
                            "" if tenant == user else tenant)
                 for i, (klass, user, score, tenant) in enumerate(pairs)]
+
+    async def queued_sample(self, model: str, per_class: int) -> list[QueuedSample]:
+        """Up to ``per_class`` queued requests of each class, spread over the queues of
+        its first active tenants and users (a sample: the caller scales it to the
+        class's depth)."""
+        users = await self.queued_users(model, per_class)
+        k = ModelKeys(model)
+        per_user = {c: max(1, per_class // max(1, sum(u.klass == c for u in users)))
+                    for c in CLASS_ORDER}
+        pipe = self.client.pipeline(transaction=False)
+        for u in users:
+            pipe.lrange(k.queue(u.klass, u.user, u.tenant or u.user), 0, per_user[u.klass] - 1)
+        queues = await pipe.execute()
+        picked: list[tuple[str, str]] = []
+        taken = dict.fromkeys(CLASS_ORDER, 0)
+        for u, ids in zip(users, queues, strict=True):
+            for request_id in ids[:per_class - taken[u.klass]]:
+                picked.append((u.klass, str(request_id)))
+            taken[u.klass] = min(per_class, taken[u.klass] + len(ids))
+        pipe = self.client.pipeline(transaction=False)
+        for _, request_id in picked:
+            pipe.hmget(k.request(request_id), ["ptok", "enqueued_at", "deadline"])
+        rows = await pipe.execute()
+        return [QueuedSample(klass, int(float(ptok or 0)), float(at),
+                             float(deadline) if deadline else None)
+                for (klass, _), (ptok, at, deadline) in zip(picked, rows, strict=True)
+                if at is not None]
 
     async def queue_place(self, model: str, klass: str, user: str,
                           request_id: str | None, tenant: str | None = None

@@ -2,8 +2,8 @@
 
 The renderer is helm-python-sdk (Helm v4's Go SDK behind a C ABI, no helm binary), run in a
 subprocess (tests/deploy/helm_render.py). Each rendered object is validated with
-kubernetes-validate's strict schemas (unknown fields are errors); ServiceMonitor is a CRD
-with no bundled schema and is checked structurally instead.
+kubernetes-validate's strict schemas (unknown fields are errors); ServiceMonitor and KEDA's
+ScaledObject are CRDs with no bundled schema and are checked structurally instead.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ RENDERER = Path(__file__).with_name("helm_render.py")
 
 # The chart's kubeVersion floor, a mid version, and the newest schemas bundled.
 KUBE_VERSIONS = ["1.25.0", "1.31.0", kubernetes_validate.latest_version()]
-CRD_GROUPS = {"monitoring.coreos.com"}
+CRD_GROUPS = {"monitoring.coreos.com", "keda.sh"}
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
 
@@ -143,7 +143,22 @@ RENDERS: dict[str, dict[str, Any]] = {
     # Redis behind Sentinel (a master, a replica, three sentinels) behind NetworkPolicies.
     "sentinel": {"values": {"redis": {"topology": "sentinel"},
                             "networkPolicy": {"enabled": True}}},
+    # KEDA scales two pools on fairgate_pool_desired_replicas (one with its own bounds),
+    # the third keeps its fixed replicas.
+    "keda": {
+        "values": {
+            "vllm": {
+                "autoscaling": {"enabled": True, "maxReplicas": 3,
+                                "prometheus": {"serverAddress": "http://prom.monitoring:9090"}},
+                "pools": [{**FULL_POOLS[0], "autoscaling": {"minReplicas": 1, "maxReplicas": 6}},
+                          FULL_POOLS[1],
+                          {**FULL_POOLS[2], "autoscaling": {"enabled": False}}],
+            },
+            "serviceMonitor": {"enabled": True},
+        },
+    },
 }
+KEDA_BOUNDS = {"llama-8b": (1, 6), "llama-70b-long": (0, 3)}  # the "keda" render's
 FAILURES: dict[str, tuple[dict[str, Any], str]] = {
     "unknown-redis-topology": ({"redis": {"topology": "ring"}},
                                "redis.topology must be standalone or sentinel"),
@@ -170,6 +185,10 @@ FAILURES: dict[str, tuple[dict[str, Any], str]] = {
         {"vllm": {"pools": [FULL_POOLS[0], FULL_POOLS[0]]}},
         'name "llama-8b" is used twice',
     ),
+    "keda-min-over-max": (
+        {"vllm": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+        "autoscaling minReplicas must not exceed maxReplicas",
+    ),
     "pool-name-not-dns": (
         {"vllm": {"pools": [{**FULL_POOLS[0], "name": "Llama_8B"}]}},
         "is not a DNS label",
@@ -181,6 +200,7 @@ LINTS = {
     "pods-hpa": RENDERS["pods-hpa"]["values"],
     "cluster": RENDERS["cluster"]["values"],
     "sentinel": RENDERS["sentinel"]["values"],
+    "keda": RENDERS["keda"]["values"],
 }
 
 
@@ -332,7 +352,7 @@ def test_every_object_validates_against_kubernetes_schemas(
         except kubernetes_validate.ValidationError as exc:
             where = ".".join(str(p) for p in exc.path)
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
-    assert set(skipped) <= {"ServiceMonitor"}
+    assert set(skipped) <= {"ServiceMonitor", "ScaledObject"}
 
 
 @pytest.mark.parametrize("case_id", list(RENDERS))
@@ -400,7 +420,9 @@ def test_vllm_pools_carry_the_fairgate_contract(releases: dict[str, Release], ca
     assert set(by_pool) == {p["name"] for p in pools}
     for pool in pools:
         sts = by_pool[pool["name"]]
-        assert sts["spec"]["replicas"] == pool["replicas"]
+        # a pool KEDA scales leaves its replicas to KEDA (not reset by an upgrade)
+        scaled = case_id == "keda" and pool["name"] in KEDA_BOUNDS
+        assert sts["spec"].get("replicas") == (None if scaled else pool["replicas"])
         spec = sts["spec"]["template"]["spec"]
         vllm = container(sts, "vllm")
         args = [str(a) for a in vllm["args"]]
@@ -523,9 +545,13 @@ def test_headless_services_give_each_pool_pod_the_dns_name_the_gateway_uses(
             sts["metadata"]["name"],
             flag_value(container(sts, "vllm")["args"], "--served-model-name"),
         )
+        # a pool KEDA scales: every pod it may start
+        pool = sts["metadata"]["labels"]["fairgate.io/pool"]
+        count = (KEDA_BOUNDS[pool][1] if case_id == "keda" and pool in KEDA_BOUNDS
+                 else sts["spec"]["replicas"])
         expected += [
             (f"http://{name}-{i}.{svc['metadata']['name']}:{port}", served)
-            for i in range(sts["spec"]["replicas"])
+            for i in range(count)
         ]
     extra = RENDERS[case_id].get("values", {}).get("gateway", {}).get("config", {})
     expected += [(b["url"], b["model"]) for b in extra.get("extraBackends", [])]
@@ -687,6 +713,47 @@ def test_hpa_scales_the_gateway_deployment_on_queue_depth(
         assert body["metric"]["selector"] == {"matchLabels": {"priority_class": "interactive"}}
         assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
         assert len(hpa["spec"]["metrics"]) == 1
+
+
+def test_keda_scales_each_pool_on_its_desired_replicas_when_enabled(
+    releases: dict[str, Release],
+) -> None:
+    release = releases["keda"]
+    scaled = {o["metadata"]["labels"]["fairgate.io/pool"]: o for o in release.of("ScaledObject")}
+    assert set(scaled) == set(KEDA_BOUNDS), scaled
+    by_pool = {s["metadata"]["labels"]["fairgate.io/pool"]: s for s in release.pools()}
+    for pool, (low, high) in KEDA_BOUNDS.items():
+        obj, sts = scaled[pool], by_pool[pool]
+        assert obj["apiVersion"] == "keda.sh/v1alpha1"
+        assert obj["spec"]["scaleTargetRef"] == {
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"]}
+        assert (obj["spec"]["minReplicaCount"], obj["spec"]["maxReplicaCount"]) == (low, high)
+        (trigger,) = obj["spec"]["triggers"]
+        assert trigger["type"] == "prometheus"
+        meta = trigger["metadata"]
+        assert meta["serverAddress"] == "http://prom.monitoring:9090"
+        assert meta["query"] == (
+            f'max(fairgate_pool_desired_replicas{{pool="{pool}", namespace="ai"}})')
+        # the signal is a replica count: one replica per unit, started from zero at once
+        assert (meta["threshold"], meta["activationThreshold"]) == ("1", "0")
+        assert "replicas" not in sts["spec"]
+    # the pool KEDA leaves alone keeps its fixed replicas
+    assert by_pool["llama-70b-short"]["spec"]["replicas"] == FULL_POOLS[2]["replicas"]
+    config = release.config()
+    counts: dict[str, int] = {}
+    for backend in config["backends"]:
+        counts[backend["pool"]] = counts.get(backend["pool"], 0) + 1
+    assert counts == {"llama-8b": 6, "llama-70b-long": 3,
+                      "llama-70b-short": FULL_POOLS[2]["replicas"]}, counts
+    assert config["cold_start_wait_s"] == 900
+    assert "KEDA on fairgate_pool_desired_replicas" in release.notes
+
+
+def test_no_scaled_object_unless_enabled(releases: dict[str, Release]) -> None:
+    for case_id, release in releases.items():
+        if case_id != "keda":
+            assert not release.of("ScaledObject"), case_id
+            assert "cold_start_wait_s" not in release.config(), case_id
 
 
 def test_without_hpa_the_deployment_sets_replicas(releases: dict[str, Release]) -> None:

@@ -30,8 +30,10 @@ NOISE = 0.15
 # The same background traffic in the run and in the idle window: scrapes at one interval
 # whether the backend is busy or not (by default an idle backend is scraped every 0.5 s,
 # so the idle window would take off less than the run carried: +0.15 per request seen).
+# The pools loop (autoscaling) reads more while requests are queued than while idle: it
+# runs once at the start, not during the counts.
 STEADY_BACKGROUND = {"scrape_interval_s": 0.1, "idle_scrape_interval_s": 0.1,
-                     "replica_heartbeat_s": 1.0}
+                     "replica_heartbeat_s": 1.0, "autoscale": {"interval_s": 3600.0}}
 LIMITED = {"key": "sk-limited", "user": "lima", "limits": {"rpm": 100000, "tpm": 10000000}}
 
 

@@ -16,6 +16,7 @@ from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, comp
 from tests.ops.conftest import ADMIN, admin_call, until
 
 ROUTES = [("GET", "/admin/state"), ("GET", "/admin/queues"), ("GET", "/admin/backends"),
+          ("GET", "/admin/pools"),
           ("POST", "/admin/backends/b0/drain"), ("POST", "/admin/backends/b0/undrain"),
           ("DELETE", "/admin/requests/0123"), ("POST", "/admin/reload")]
 

@@ -24,7 +24,7 @@ from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
 CONSUMERS = {"Admission", "BackendList", "BackendPool", "BatchRunner", "Dispatcher",
-             "History", "Inspector", "Preemptor",
+             "History", "Inspector", "PoolWatch", "Preemptor",
              "Quotas", "RuntimeKeys", "Waits"}
 SETTINGS_COPIES = (Settings, ClassConfig, Tenant)
 

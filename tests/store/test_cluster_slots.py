@@ -108,6 +108,7 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     assert states["b1"].inflight == 2, states
     assert {g.request_id for g, _ in await store.held_by(model, "r1")} <= {"a1", "b1", "c1"}
     await store.queued_users(model, 5)
+    await store.queued_sample(model, 5)
     await store.queue_place(model, "default", "alice", None)
     await store.set_drained(model, "b2", True)
     assert await store.next_order(model, "r2", 0.01) is not None or True

@@ -3,7 +3,8 @@
 Access: ``gateway/http/admin/access.py``; state, drain and cancel: ``gateway/http/admin/ops.py``;
 backends added and removed at runtime: ``gateway/http/admin/backends.py``;
 runtime keys: ``gateway/http/admin/keys.py``; usage: ``gateway/http/admin/usage.py``; reload:
-``gateway/http/admin/reload.py``.
+``gateway/http/admin/reload.py``; the pools' demand and desired replicas:
+``gateway/http/admin/pools.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gateway.http.admin.ops import (
     get_state,
     undrain,
 )
+from gateway.http.admin.pools import get_pools
 from gateway.http.admin.reload import reload_config
 from gateway.http.admin.usage import get_usage
 
@@ -40,3 +42,4 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/backends/{name}/undrain", undrain)
     app.router.add_delete("/admin/requests/{id}", cancel_request)
     app.router.add_post("/admin/reload", reload_config)
+    app.router.add_get("/admin/pools", get_pools)

@@ -68,6 +68,34 @@ whole, so two pools never collide after truncation.
 {{- end -}}
 {{- end -}}
 
+{{/*
+A pool's KEDA scaling (vllm.autoscaling, overridden by the pool's own `autoscaling`): JSON
+{"min": N, "max": M}, or "" when KEDA does not scale it. Call with (dict "root" $ "pool" $pool).
+*/}}
+{{- define "fairgate.poolKeda" -}}
+{{- $a := .root.Values.vllm.autoscaling -}}
+{{- $p := .pool.autoscaling | default dict -}}
+{{- $on := (hasKey $p "enabled") | ternary $p.enabled $a.enabled -}}
+{{- if $on -}}
+{{- $min := (hasKey $p "minReplicas") | ternary $p.minReplicas $a.minReplicas | int -}}
+{{- $max := (hasKey $p "maxReplicas") | ternary $p.maxReplicas $a.maxReplicas | int -}}
+{{- if gt $min $max -}}
+{{- fail (printf "vllm.pools[%s]: autoscaling minReplicas must not exceed maxReplicas" .pool.name) -}}
+{{- end -}}
+{{- if lt $max 1 -}}
+{{- fail (printf "vllm.pools[%s]: autoscaling maxReplicas must be at least 1" .pool.name) -}}
+{{- end -}}
+{{- dict "min" $min "max" $max | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Whether KEDA scales any pool: "true" or "". */}}
+{{- define "fairgate.anyPoolKeda" -}}
+{{- range $pool := .Values.vllm.pools -}}
+{{- if include "fairgate.poolKeda" (dict "root" $ "pool" $pool) -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Redis URL the gateway uses: the in-chart StatefulSet, or redis.externalUrl. */}}
 {{- define "fairgate.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
@@ -148,7 +176,10 @@ listen:
 backends:
 {{- range $pool := .Values.vllm.pools }}
 {{- $poolName := include "fairgate.poolName" (dict "root" $ "pool" $pool) }}
-{{- range $i, $_ := until (int $pool.replicas) }}
+{{- $keda := include "fairgate.poolKeda" (dict "root" $ "pool" $pool) }}
+{{- /* a pool KEDA scales: every pod it may start (those not running fail their scrape) */}}
+{{- $count := ternary (int (fromJson $keda).max) (int $pool.replicas) (ne $keda "") }}
+{{- range $i, $_ := until $count }}
   - name: {{ printf "%s-%d" $pool.name $i | quote }}
     url: {{ printf "http://%s-%d.%s:%d" $poolName $i $poolName (int $.Values.vllm.port) | quote }}
     model: {{ $pool.servedModelName | quote }}
@@ -168,6 +199,10 @@ backends:
 classes:
 {{ toYaml .Values.gateway.config.classes | indent 2 }}
 fairness: {{ .Values.gateway.config.fairness | quote }}
+{{- if include "fairgate.anyPoolKeda" . }}
+# scale from zero: a request waits this long for a pool at zero to start a backend
+cold_start_wait_s: {{ .Values.vllm.autoscaling.coldStartWaitSeconds }}
+{{- end }}
 {{- end -}}
 
 {{/* TCP port of a URL: its explicit port, else the scheme's default (redis 6379, http 80, https 443). */}}
