@@ -29,7 +29,7 @@ One decision preempts at most one request: one freed slot for one waiting reques
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from policies.classes import class_rank
@@ -109,6 +109,18 @@ def overdue(waiter: Waiting, rules: Mapping[str, PreemptRule]) -> bool:
     rule = rules.get(waiter.klass)
     return (rule is not None and rule.preempt_after_s is not None
             and waiter.waited_s >= rule.preempt_after_s)
+
+
+def next_decision_in(waiting: Sequence[Waiting], rules: Mapping[str, PreemptRule],
+                     full: Set[str]) -> float | None:
+    """Seconds until the rule may decide otherwise for these waiting requests: when the
+    first of them that may preempt (queued, or waiting on one of the ``full`` backends)
+    has waited long enough (0 when one has already: what it could take may change with
+    the next snapshot); None when none may."""
+    left = [rule.preempt_after_s - w.waited_s for w in waiting
+            if (w.backend is None or w.backend in full)
+            and (rule := rules.get(w.klass)) is not None and rule.preempt_after_s is not None]
+    return max(0.0, min(left)) if left else None
 
 
 def _victim_order(r: Running) -> tuple[int, float, int, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +16,7 @@ from policies.preemption import (
     choose,
     is_full,
     may_preempt,
+    next_decision_in,
 )
 
 RULES = {
@@ -128,3 +131,33 @@ def test_property_a_victim_is_allowed_and_the_best_of_its_waiter(
             assert (-class_rank(other.klass), -other.score, other.generated,
                     other.request_id) >= (-class_rank(v.klass), -v.score, v.generated,
                                           v.request_id), (other, v)
+
+
+def test_the_next_decision_comes_when_the_first_waiter_may_preempt() -> None:
+    fresh = Waiting("interactive", "alice", 0.2, "b0")  # 0.3 s before its 0.5 s
+    older = Waiting("default", "carol", 1.5, None)  # 0.5 s before its 2 s
+    assert next_decision_in([fresh, older], RULES, {"b0"}) == 0.3
+    # on a backend with room it takes no slot: only the queued one counts
+    assert next_decision_in([fresh, older], RULES, {"b1"}) == 0.5
+    assert next_decision_in([Waiting("interactive", "a", 0.9, "b0")], RULES, {"b0"}) == 0.0
+    # batch never preempts: nothing to come back for
+    assert next_decision_in([Waiting("batch", "b", 0.0, None)], RULES, {"b0"}) is None
+    assert next_decision_in([], RULES, {"b0"}) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(waitings, max_size=5), st.lists(runnings, max_size=10), loads[0], loads[1],
+       rule_sets, st.one_of(st.none(), st.floats(0, 1e4)), st.floats(0, 0.999))
+def test_property_nothing_is_decided_before_the_next_decision(
+        waiting: list[Waiting], running: list[Running], b0: BackendLoad, b1: BackendLoad,
+        rules: dict[str, PreemptRule], gap: float | None, part: float) -> None:
+    """The dispatch loop sleeps until ``next_decision_in``: had it checked at any moment
+    before, with the same running requests and loads, nothing would have been chosen."""
+    if choose(waiting, running, [b0, b1], rules, gap) is not None:
+        return
+    limits = {r.max_kv_usage for r in rules.values()}
+    full = {ld.name for ld in (b0, b1) if any(is_full(ld, kv) for kv in limits)}
+    left = next_decision_in(waiting, rules, full)
+    later = 10.0 if left is None else left * part
+    aged = [dataclasses.replace(w, waited_s=w.waited_s + later) for w in waiting]
+    assert choose(aged, running, [b0, b1], rules, gap) is None, (left, later)

@@ -485,24 +485,38 @@ class Dispatcher(ReadsSettings):
         # the script drops requests of replicas without a heartbeat: ours must be there
         await self._beating.wait()
         while True:
-            await self._wake.wait()
+            # woken by work, or when a preemption check comes due (a request waits on a
+            # full backend: nothing else need happen for it to preempt)
+            due_in = self.preemptor.recheck_in(time.monotonic())
+            if due_in is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), due_in)
             self._wake.clear()
             forced, self._maybe_work = self._maybe_work, False
             if self._store_down and self._serves_locally:
                 self._dispatch_locally()
                 continue
             for model in models:
-                if not forced and self._queued.get(model, 1) == 0:
-                    continue  # a slot freed but nothing is queued: no Redis round trip
+                # a slot freed but nothing is queued: no Redis round trip
+                idle = not forced and self._queued.get(model, 1) == 0
+                if idle and not self.preemptor.due(model, time.monotonic()):
+                    continue
                 try:
-                    while await self.dispatch_once(model):
+                    while not idle and await self.dispatch_once(model):
                         pass
-                    if self._starts.get(model) and self.preemptor.full(model, time.time()):
-                        await self._send_held_starts(model)
-                    await self.preemptor.check(model, self._queued.get(model, 0))
+                    await self._preempt(model)
                 except StoreUnavailable as exc:
                     log.warning("dispatch_failed", model=model, error=str(exc))
                     self._maybe_work = True  # try again on the next wake-up
+
+    async def _preempt(self, model: str) -> None:
+        """After a pass over ``model``: preemption, when one of its backends is full."""
+        full = self.preemptor.full(model, time.time())
+        if full and self._starts.get(model):
+            await self._send_held_starts(model)
+        await self.preemptor.check(model, full, self._queued.get(model, 0))
 
     async def dispatch_once(self, model: str) -> bool:
         """Fill every open backend's gate from the queues. True when another pass is
@@ -590,6 +604,8 @@ class Dispatcher(ReadsSettings):
         again at once (a starved class is served one request at a time)."""
         self._queued[model] = done.depth
         self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
+        if done.grants and self.preemptor.soon(model, time.monotonic()):
+            self._wake.set()  # a grant may wait on a full backend: check it (no forced pass)
         for grant in done.grants:
             handle = plan.handles.get(grant.backend)
             if handle is not None:

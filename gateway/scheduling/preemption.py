@@ -2,14 +2,20 @@
 the stream (the rule: ``policies/preemption.py``; docs/scheduling.md).
 
 The dispatch loop asks :meth:`Preemptor.check` after each pass over a model. While no
-backend of the model is full by this replica's view of the snapshots (or nothing waits),
-that costs no Redis call. Otherwise one script reads what the rule needs
+backend of the model is full by this replica's view of the snapshots (or nothing waits:
+nothing queued, no request waiting in a full backend's snapshot, nothing this replica sent
+to one since), that costs no Redis call. Otherwise one script reads what the rule needs
 (``lua/preempt_view.lua``: each backlogged class's next request, and every dispatched
 request the live replicas hold, with their users' fairness scores), the rule picks at
 most one victim, and a second script orders it (``lua/preempt.lua``): at most
 ``max_preemptions`` times per answer, and on one backend not again before a snapshot
 taken a scrape interval after the last order (the freed slot is then free or taken in
 what every replica sees), so one preemption frees one slot for one waiting request.
+While something waits on a full backend without a decision yet (not waited long enough, or
+read less than a scrape interval ago), the check is due again at the earliest moment the
+rule could decide otherwise (:meth:`Preemptor.recheck_in`): the dispatch loop comes back
+then, with no other event, so a newcomer sent to a full backend preempts after its
+class's ``preempt_after_ms`` and not when something else happens to wake the loop.
 
 The order travels to the replica that holds the stream through its preemption list,
 which its grant listener reads with its grants; that replica moves the stream
@@ -44,6 +50,7 @@ from policies.preemption import (
     Waiting,
     choose,
     is_full,
+    next_decision_in,
 )
 
 log = structlog.get_logger("fairgate.preemption")
@@ -59,6 +66,7 @@ class Preemptor(ReadsSettings):
         self.metrics = metrics
         self.streams: RunningStreams | None = None  # this process's (set by the composition root)
         self._checked: dict[str, float] = {}  # model → monotonic time of its last read
+        self._due: dict[str, float] = {}  # model → monotonic time its check is due again
         self._background: set[asyncio.Task[None]] = set()
 
     def rules(self) -> dict[str, PreemptRule]:
@@ -79,26 +87,57 @@ class Preemptor(ReadsSettings):
         limits = {r.max_kv_usage for r in self.rules().values()}
         return [ld for ld in self.loads(model, now) if any(is_full(ld, kv) for kv in limits)]
 
-    async def check(self, model: str, queued: int) -> bool:
-        """Order one preemption for ``model`` when the rule finds one; True when ordered.
-        ``queued``: the requests the latest decision left queued for the model."""
-        settings = self.settings
-        now = time.time()
+    def recheck_in(self, moment: float) -> float | None:
+        """Seconds until some model's check is due again (0: now), None when none is."""
+        return max(0.0, min(self._due.values()) - moment) if self._due else None
+
+    def soon(self, model: str, moment: float) -> bool:
+        """Requests of ``model`` were just granted, by whichever call (an enqueue, a
+        start or a settle grants too, not only the dispatch loop): one may wait on a full
+        backend, so its check is due now. False when preemption is off."""
+        if not self.settings.preemption:
+            return False
+        self._due[model] = min(moment, self._due.get(model, moment))
+        return True
+
+    def due(self, model: str, moment: float) -> bool:
+        return self._due.get(model, float("inf")) <= moment
+
+    def _waits(self, model: str, full: list[BackendLoad], queued: int) -> bool:
+        """Might a request wait for one of the ``full`` backends' slots? ``queued``: the
+        model's requests the latest decision left queued."""
         handles = {h.name: h for h in self.pool.for_model(model)}
-        full = self.full(model, now)
-        if not full or not (queued > 0 or any(handles[ld.name].last.waiting > 0  # type: ignore[union-attr]
-                                              for ld in full)):
+        return queued > 0 or any(
+            (h := handles.get(ld.name)) is not None and h.last is not None
+            and (h.last.waiting > 0 or h.sent_since_snapshot > 0) for ld in full)
+
+    async def check(self, model: str, full: list[BackendLoad], queued: int) -> bool:
+        """Order one preemption for ``model`` when the rule finds one; True when ordered.
+        ``full``: its full backends (:meth:`full`, now); ``queued``: the requests the
+        latest decision left queued for the model."""
+        settings = self.settings
+        if not full or not self._waits(model, full, queued):
+            self._due.pop(model, None)
             return False
         moment = time.monotonic()
         if moment - self._checked.get(model, 0.0) < settings.scrape_interval_s:
+            self._due[model] = self._checked[model] + settings.scrape_interval_s
             return False
         self._checked[model] = moment
+        self._due[model] = moment + settings.scrape_interval_s  # if this read fails
+        now = time.time()
+        handles = {h.name: h for h in self.pool.for_model(model)}
         view = await self.store.preemption_view(model, CLASS_ORDER,
                                                 now - settings.replica_ttl_s)
         waiting, running = plain(view, now, handles)
         rules = self.rules()
         chosen = choose(waiting, running, self.loads(model, now), rules,
                         settings.preempt_fair_gap)
+        again = next_decision_in(waiting, rules, {ld.name for ld in full})
+        if again is None:
+            self._due.pop(model, None)
+        else:  # not before the next read is allowed
+            self._due[model] = moment + max(again, settings.scrape_interval_s)
         if chosen is None:
             return False
         return await self._order(model, chosen, now, rules)

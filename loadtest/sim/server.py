@@ -19,6 +19,7 @@ with ``application/json``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -87,6 +88,9 @@ class SimServer:
         self._engine = SimEngine(config, observer=self.metrics)
         self._runner: web.AppRunner | None = None
         self.scrapes = 0  # GET /metrics answered (how often the gateways scrape it)
+        # while set and not yet fired, GET /metrics waits for it: a real vLLM's API server
+        # answers /metrics late while its engine is busy (seconds on 2 CPU cores)
+        self.metrics_hold: asyncio.Event | None = None
 
     @property
     def engine(self) -> SimEngine:
@@ -171,6 +175,8 @@ class SimServer:
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_hold is not None:
+            await self.metrics_hold.wait()
         self.scrapes += 1
         body = self.metrics.render(self._engine)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -5,14 +5,16 @@ first token comes before any batch stream ends, and every batch stream still com
 with exactly its ``max_tokens`` tokens and the text of an unpreempted run (temperature
 0). With preemption off, or when the slots are held by interactive streams (never
 preempted by default), the newcomer waits until one of them ends. The per-answer cap
-holds. A Batch API line is preempted the same way: sent again later, recorded once."""
+holds. A Batch API line is preempted the same way: sent again later, recorded once.
+What came first is judged by the simulator's clock (``EngineTimes``), not by when a
+client read it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +31,12 @@ FILL_TOKENS = 900  # each filler's answer: a few seconds on the simulated H100
 NEW_TOKENS = 16
 
 
-@dataclass
-class Events:
-    """What happened, in the order it happened (no clock involved)."""
-
-    seen: list[str] = field(default_factory=list)
-
-    def index(self, event: str) -> int:
-        assert event in self.seen, (event, self.seen)
-        return self.seen.index(event)
-
-    def first_of(self, prefix: str) -> int:
-        found = [i for i, e in enumerate(self.seen) if e.startswith(prefix)]
-        assert found, (prefix, self.seen)
-        return found[0]
-
-
 def body(i: int, max_tokens: int) -> dict[str, Any]:
     return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": f"job {i}: write on and on"}]}
 
 
-async def stream(gw: GatewayServer, key: str, name: str, i: int, max_tokens: int,
-                 events: Events) -> tuple[str, int]:
+async def stream(gw: GatewayServer, key: str, i: int, max_tokens: int) -> tuple[str, int]:
     """One chat stream through the SDK: (its text, its completion tokens)."""
     oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
     out = await oai.chat.completions.create(
@@ -63,10 +48,7 @@ async def stream(gw: GatewayServer, key: str, name: str, i: int, max_tokens: int
             tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
             if choice.delta.content:
-                if not text:
-                    events.seen.append(f"first:{name}")
                 text.append(choice.delta.content)
-    events.seen.append(f"done:{name}")
     return "".join(text), tokens
 
 
@@ -78,16 +60,38 @@ async def reference(sim: SimServer, i: int, max_tokens: int) -> str:
         return str((await resp.json())["choices"][0]["message"]["content"])
 
 
-async def fill(gw: GatewayServer, backend: SimServer, key: str, events: Events,
-               count: int = SLOTS) -> list[asyncio.Task[tuple[str, int]]]:
+async def fill(gw: GatewayServer, backend: SimServer, key: str, count: int = SLOTS
+               ) -> list[asyncio.Task[tuple[str, int]]]:
     """``count`` long streams of ``key``, running (the gateway's snapshot shows them)."""
-    tasks = [asyncio.create_task(stream(gw, key, f"fill{i}", i, FILL_TOKENS, events))
+    tasks = [asyncio.create_task(stream(gw, key, i, FILL_TOKENS))
              for i in range(count)]
     handle = gw.services.pool.handles["b0"]
     await until(lambda: backend.engine.num_running == count, f"{count} fillers running")
     await until(lambda: handle.last is not None and handle.last.running == count
                 and handle.peak_running == count, "a snapshot with every slot running")
     return tasks
+
+
+@dataclass(frozen=True)
+class EngineTimes:
+    """When things happened at the engine, by its clock: a client reading a long stream
+    on a loaded machine sees its end seconds late, so the order is judged here."""
+
+    newcomers: list[float]  # each newcomer's first token, in the order they arrived
+    ends: list[float]  # each filler's answer ending whole (a continuation's end, if moved)
+
+    def message(self) -> str:
+        return f"newcomers' first tokens at {self.newcomers}, fillers ended at {self.ends}"
+
+
+def engine_times(*backends: SimServer) -> EngineTimes:
+    records = sorted((r for b in backends for r in b.engine.records.values()),
+                     key=lambda r: r.arrival_s)
+    newcomers = [r.first_token_s for r in records
+                 if r.max_tokens == NEW_TOKENS and r.first_token_s is not None]
+    ends = sorted(r.finished_s for r in records if r.max_tokens != NEW_TOKENS
+                  and not r.aborted and r.finished_s is not None)
+    return EngineTimes(newcomers, ends)
 
 
 def counter(gw: GatewayServer) -> Callable[[str], float]:
@@ -101,11 +105,11 @@ async def test_a_newcomer_preempts_a_batch_stream_that_then_completes_exactly(
     backend, spare = await sim(max_num_seqs=SLOTS), await sim(max_num_seqs=SLOTS)
     gw = await gateway([backend], classes={"interactive": {"preempt_after_ms": 300}})
     want = asyncio.gather(*(reference(spare, i, FILL_TOKENS) for i in range(SLOTS)))
-    events = Events()
-    fillers = await fill(gw, backend, "sk-batch", events)
-    new_text, new_tokens = await stream(gw, "sk-alice", "new", 99, NEW_TOKENS, events)
+    fillers = await fill(gw, backend, "sk-batch")
+    new_text, new_tokens = await stream(gw, "sk-alice", 99, NEW_TOKENS)
     answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)
-    assert events.index("first:new") < events.first_of("done:fill"), events.seen
+    at = engine_times(backend)
+    assert at.newcomers[0] < at.ends[0], at.message()
     assert new_tokens == NEW_TOKENS, new_text
     for i, ((text, tokens), expected) in enumerate(zip(answers, await want, strict=True)):
         assert tokens == FILL_TOKENS, (i, tokens)
@@ -132,11 +136,11 @@ async def test_without_a_preemptible_victim_the_newcomer_waits_for_a_slot(
     backend = await sim(max_num_seqs=SLOTS)
     gw = await gateway([backend], preemption=preemption,
                        classes={"interactive": {"preempt_after_ms": 300}})
-    events = Events()
-    fillers = await fill(gw, backend, key, events)
-    _, new_tokens = await stream(gw, "sk-alice", "new", 99, NEW_TOKENS, events)
+    fillers = await fill(gw, backend, key)
+    _, new_tokens = await stream(gw, "sk-alice", 99, NEW_TOKENS)
     answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)
-    assert events.first_of("done:fill") < events.index("first:new"), events.seen
+    at = engine_times(backend)
+    assert at.ends[0] < at.newcomers[0], at.message()
     assert new_tokens == NEW_TOKENS and [t for _, t in answers] == [FILL_TOKENS] * SLOTS
     assert counter(gw)("batch") == counter(gw)("interactive") == 0
 
@@ -147,9 +151,8 @@ async def test_one_answer_is_preempted_at_most_max_preemptions_times(
     backend = await sim(max_num_seqs=1)
     gw = await gateway([backend], classes={"interactive": {"preempt_after_ms": 200},
                                            "batch": {"max_preemptions": 1}})
-    events = Events()
-    [filler] = await fill(gw, backend, "sk-batch", events, count=1)
-    await stream(gw, "sk-alice", "new1", 98, NEW_TOKENS, events)  # preempts it: the cap
+    [filler] = await fill(gw, backend, "sk-batch", count=1)
+    await stream(gw, "sk-alice", 98, NEW_TOKENS)  # preempts it: the cap
     # the preempted answer runs again (its continuation has produced a token: not merely
     # queued, where an interactive newcomer would overtake it in the gateway's or the
     # engine's queue); the next newcomer may not take its slot. The continuation is the
@@ -161,10 +164,10 @@ async def test_one_answer_is_preempted_at_most_max_preemptions_times(
         return any(r.prompt_tokens + r.max_tokens == whole and r.first_token_s is not None
                    and r.finished_s is None for r in rest)
     await until(continuation_running, "the batch answer running again")
-    await stream(gw, "sk-bob", "new2", 99, NEW_TOKENS, events)
+    await stream(gw, "sk-bob", 99, NEW_TOKENS)
     text, tokens = await asyncio.wait_for(filler, 90)
-    assert events.index("first:new1") < events.index("done:fill0") < events.index(
-        "first:new2"), events.seen
+    at = engine_times(backend)
+    assert at.newcomers[0] < at.ends[0] < at.newcomers[1], at.message()
     assert tokens == FILL_TOKENS, (tokens, text[-40:])
     assert counter(gw)("batch") == 1
 
@@ -188,8 +191,7 @@ async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
     await until(lambda: backend.engine.num_running == SLOTS, "every line running")
     await until(lambda: handle.last is not None and handle.last.running == SLOTS
                 and handle.peak_running == SLOTS, "a snapshot with every slot running")
-    events = Events()
-    _, new_tokens = await stream(gw, "sk-alice", "new", 99, NEW_TOKENS, events)
+    _, new_tokens = await stream(gw, "sk-alice", 99, NEW_TOKENS)
     counts = (await oai.batches.retrieve(batch.id)).request_counts
     assert new_tokens == NEW_TOKENS and counts is not None and counts.completed == 0, counts
     for _ in range(2400):  # bounded: the lines take a few seconds each
@@ -225,17 +227,46 @@ async def test_a_stream_another_replica_runs_is_preempted_while_every_gate_is_cl
     classes = {"interactive": {"preempt_after_ms": 300}, "batch": {"max_waiting": 3}}
     replica_b = await gateway([backend], classes=classes)
     replica_a = await gateway([backend], classes=classes)
-    events = Events()
-    batch = [asyncio.create_task(stream(replica_b, "sk-batch", f"fill{i}", i, FILL_TOKENS,
-                                        events)) for i in range(SLOTS + 3)]
+    batch = [asyncio.create_task(stream(replica_b, "sk-batch", i, FILL_TOKENS))
+             for i in range(SLOTS + 3)]
     handle = replica_a.services.pool.handles["b0"]
     await until(lambda: handle.last is not None and handle.last.running == SLOTS
                 and handle.last.waiting == 3 and handle.peak_running == SLOTS,
                 "replica A's snapshot: every slot running, 3 waiting (every gate closed)")
     _, new_tokens = await asyncio.wait_for(
-        stream(replica_a, "sk-alice", "new", 99, NEW_TOKENS, events), 90)
+        stream(replica_a, "sk-alice", 99, NEW_TOKENS), 90)
     assert new_tokens == NEW_TOKENS, new_tokens
     answers = await asyncio.gather(*batch)
-    assert events.index("first:new") < events.first_of("done:fill"), events.seen
+    at = engine_times(backend)
+    assert at.newcomers[0] < at.ends[0], at.message()
     assert [t for _, t in answers] == [FILL_TOKENS] * (SLOTS + 3), [t for _, t in answers]
     assert counter(replica_b)("batch") >= 1, counter(replica_b)("batch")
+
+
+@pytest.mark.timeout(120)
+async def test_a_newcomer_sent_to_a_full_backend_preempts_with_no_snapshot_or_heartbeat(
+        gateway: GatewayFactory, sim: SimFactory) -> None:
+    """On real vLLM the newcomer is sent to the full server (its waiting gate is open)
+    and waits there, and the busy server answers /metrics late: the decision must not
+    wait for the next snapshot, nor for the heartbeat's pass. Here no snapshot arrives
+    (the simulator holds /metrics) and the heartbeat is a minute away: the newcomer's
+    class wait (100 ms) alone must bring the preemption."""
+    backend = await sim(max_num_seqs=SLOTS)
+    gw = await gateway([backend], classes={"interactive": {"preempt_after_ms": 100}},
+                       replica_heartbeat_s=60.0, replica_ttl_s=180.0,
+                       scrape_timeout_s=90.0, snapshot_stale_s=120.0)
+    fillers = await fill(gw, backend, "sk-batch")
+    backend.metrics_hold = asyncio.Event()
+    handle, dispatcher = gw.services.pool.handles["b0"], gw.services.dispatcher
+    snapshot, beats = handle.last, dispatcher._beats
+    try:
+        await stream(gw, "sk-alice", 99, NEW_TOKENS)
+        seen = (handle.last is snapshot, dispatcher._beats - beats)
+    finally:
+        backend.metrics_hold.set()
+    answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)
+    assert seen == (True, 0), f"(no new snapshot, heartbeats) while it waited: {seen}"
+    at = engine_times(backend)
+    assert at.newcomers[0] < at.ends[0], at.message()
+    assert counter(gw)("batch") >= 1, at.message()
+    assert [t for _, t in answers] == [FILL_TOKENS] * SLOTS, [t for _, t in answers]
