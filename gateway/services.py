@@ -164,7 +164,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store, pool, admission.waits, metrics))
+            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
         restarts = metrics.loop_restarts
