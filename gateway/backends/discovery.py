@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import structlog
 
 from gateway.backends.registry import DNS, BackendList, changes
-from gateway.core.errors import BackendExists
+from gateway.core.errors import BackendExists, Conflict, NotFound
 from gateway.core.settings import Backend, Discovery, ReadsSettings, SettingsHolder
 
 log = structlog.get_logger("fairgate.discovery")
@@ -111,7 +111,10 @@ class DnsDiscovery(ReadsSettings):
         for backend in todo.update:
             await self.backends.update(backend)
         for name in todo.retire:
-            await self.backends.remove(name, 0.0, DNS)
+            try:
+                await self.backends.remove(name, 0.0, DNS)
+            except (NotFound, Conflict) as exc:  # another process removed or changed it
+                log.debug("discovered_backend_changed", backend=name, error=exc.message)
         if todo.retire or todo.update:
             log.info("discovery_changed", source=source, retired=todo.retire,
                      updated=[b.name for b in todo.update])
