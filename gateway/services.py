@@ -2,7 +2,7 @@
 
 :func:`running_services` builds the services into one typed :class:`Services` object,
 starts the long-lived loops (each supervised: scrape, dispatch, heartbeat, listen, batch,
-history, migrate, pools)
+history, migrate, pools, backends, discovery)
 and stops them on exit. Handlers read what they need from it; nothing else constructs a
 service.
 """
@@ -23,11 +23,14 @@ from aiohttp import web
 from gateway.access.auth import KeyRing
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
+from gateway.backends.discovery import DnsDiscovery
 from gateway.backends.migrate import Migrations
+from gateway.backends.registry import BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
 from gateway.batch.runner import BatchRunner
+from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings, SettingsHolder
 from gateway.core.supervise import supervise
@@ -64,6 +67,7 @@ class Services:
     metrics: GatewayMetrics
     store: Store
     pool: BackendPool
+    backends: BackendList  # the backend list in force: configured, admin, dns
     dispatcher: Dispatcher
     admission: Admission
     running: RunningStreams  # this process's dispatched, unsettled requests
@@ -151,12 +155,16 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         runner = BatchRunner(config, admission, upstream, files, batches, metrics,
                              replica_id)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, RuntimeKeys(client, config))
+        backends = BackendList(client, config, pool, store)
+        with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
+            await backends.refresh()  # the runtime backends, before the first request
         services = Services(
             config, keyring, policy, metrics, store,
-            pool, dispatcher, admission, running, quotas, usage, upstream, files, batches, runner,
+            pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,
+            batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store, pool, admission.waits, metrics))
+            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
         restarts = metrics.loop_restarts
@@ -169,7 +177,11 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("history", services.inspector.history.run,
                                                restarts), name="history"),
                  asyncio.create_task(supervise("pools", services.pools.run, restarts),
-                                     name="pools")]
+                                     name="pools"),
+                 asyncio.create_task(supervise("backends", backends.run, restarts),
+                                     name="backends"),
+                 asyncio.create_task(supervise("discovery", DnsDiscovery(
+                     config, backends).run, restarts), name="discovery")]
         try:
             yield services
         finally:

@@ -22,7 +22,8 @@ time::
 
     need_batch = (Σ_targeted λ_k + Σ_all B_k / (L · margin)) / μ
 
-which exceeds the replicas there are only when the window is at risk (:func:`window_at_risk`).
+which exceeds the replicas there are (at least one) only when the window is at risk
+(:func:`window_at_risk`).
 The pool needs the largest of these, and never less than one backend while anything is
 queued or running there (a pool at zero reports 1: scale from zero).
 
@@ -122,9 +123,9 @@ def replicas_needed(pool: PoolDemand) -> float:
 
 def window_at_risk(pool: PoolDemand, klass: str) -> bool:
     """Whether an untargeted class's backlog misses its completion window at the
-    replicas there are."""
+    replicas there are (at least the one its queued requests get anyway)."""
     need = class_needs(pool).get(klass)
-    return need is not None and need > pool.ready + EPSILON
+    return need is not None and need > max(pool.ready, 1) + EPSILON
 
 
 def _bounded(n: int, rules: ScaleRules, floor: int) -> int:

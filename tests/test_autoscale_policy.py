@@ -65,6 +65,9 @@ def test_batch_backlog_buys_backends_when_its_window_is_at_risk() -> None:
     p = pool(batch=8_000_000, window_left_s=1000, ready=2)
     assert window_at_risk(p, "batch")
     assert replicas_needed(p) == pytest.approx(10.0)
+    # a pool at zero: its queued batch gets one backend anyway; at risk only beyond it
+    assert not window_at_risk(pool(batch=1000, window_left_s=1000, ready=0), "batch")
+    assert window_at_risk(pool(batch=1_000_000, window_left_s=1000, ready=0), "batch")
 
 
 def test_never_below_one_while_anything_is_queued_or_running() -> None:

@@ -30,7 +30,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -110,6 +110,11 @@ class BackendHandle:
     seen: str = ""  # the version of its published snapshot this process read last
     busy: bool = True  # scraped at the configured interval (False: the idle one)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # lease taken, or work came
+    # where it comes from: "config" (the file), "admin" (POST /admin/backends) or "dns"
+    # (discovery); and since when (unix s) it is leaving, drained until nothing runs there
+    # (gateway/backends/registry.py)
+    origin: str = "config"
+    leaving_since: float | None = None
 
     @property
     def name(self) -> str:
@@ -251,7 +256,8 @@ class BackendPool(ReadsSettings):
 
     async def run(self) -> None:
         for handle in self.handles.values():
-            self._start(handle)
+            if handle.name not in self._loops:  # a runtime backend read before may run
+                self._start(handle)
         leases = asyncio.create_task(
             supervise("scrape", self._lease_loop, self.metrics.loop_restarts),
             name="scrape-leases")
@@ -386,10 +392,16 @@ class BackendPool(ReadsSettings):
         handle.drained = drained
         self.metrics.backend_drained.labels(handle.name).set(1 if drained else 0)
 
-    def reconcile(self, backends: list[Backend]) -> dict[str, list[str]]:
-        """Apply a reloaded backend list: start, stop and re-point scrape loops. Requests
-        already at a removed backend finish there; queues are untouched."""
+    def reconcile(self, backends: Sequence[Backend], origins: Mapping[str, str] | None = None
+                  ) -> dict[str, list[str]]:
+        """Apply the backend list in force (``gateway/backends/registry.py`` owns it):
+        start, stop and re-point scrape loops; ``origins``: where each comes from (default
+        "config"). Requests already at a removed backend finish there; queues are
+        untouched."""
         wanted = {b.name: b for b in backends}
+        origins = origins or {}
+        for name, current in self.handles.items():
+            current.origin = origins.get(name, "config")
         report: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
         for name in [n for n in self.handles if n not in wanted]:
             self.handles.pop(name)
@@ -406,6 +418,7 @@ class BackendPool(ReadsSettings):
                 if loop is not None:
                     loop.cancel()
             self.handles[name] = self._handle(config)
+            self.handles[name].origin = origins.get(name, "config")
             report["changed" if handle is not None else "added"].append(name)
             self._start(self.handles[name])
         return report

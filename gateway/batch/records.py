@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 
@@ -25,6 +25,11 @@ WINDOW_S = {"24h": 24 * 3600}
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
               "cancelling_at", "cancelled_at")
 FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class Backlog(NamedTuple):
+    lines: int  # of unfinished batches, without a result yet
+    expires_at: float | None  # the earliest such batch's (unix s); None: none
 
 
 class BatchStore:
@@ -124,6 +129,22 @@ class BatchStore:
                               "completed": int(raw["completed"]),
                               "failed": int(raw["failed"])})
         return found
+
+    async def backlog(self) -> Backlog:
+        """The lines of unfinished batches without a result yet, and the earliest time
+        one of those batches expires (its completion window): the batch backlog the
+        pools' autoscaling weighs (``gateway/ops/pools.py``)."""
+        lines, expires = 0, None
+        for batch_id in await self.active():
+            raw = await self.raw(batch_id)
+            if raw is None or raw["status"] not in ("validating", "in_progress"):
+                continue
+            left = int(raw["total"]) - int(raw["completed"]) - int(raw["failed"])
+            if left > 0:
+                lines += left
+                at = float(json.loads(raw["doc"])["expires_at"])
+                expires = at if expires is None else min(expires, at)
+        return Backlog(lines, expires)
 
     async def retire(self, batch_id: str) -> None:
         await self.client.srem(ACTIVE_BATCHES, batch_id)

@@ -12,7 +12,11 @@
     │   ├── RequestCancelled           an operator cancelled the queued request
     │   ├── NotQueued                  cancel of a request no longer queued
     │   ├── NoConfigFile               reload without a config file
-    │   └── KeyInConfig                revoke/rotate of a key the config file defines
+    │   ├── KeyInConfig                revoke/rotate of a key the config file defines
+    │   ├── BackendExists              a runtime backend's name or URL is taken
+    │   ├── BackendNotRemovable        removing a backend the config file or a DNS
+    │   │                              discovery defines through the admin API
+    │   └── BackendLeaving             undrain of a backend being removed
     ├── RequestTimeout (408)           the body stopped arriving (client_idle_timeout_s)
     ├── PayloadTooLarge (413)
     ├── RateLimited (429)              per-user queue cap; carries Retry-After
@@ -109,6 +113,18 @@ class NoConfigFile(Conflict):
 
 class KeyInConfig(Conflict):
     code = "key_in_config"
+
+
+class BackendExists(Conflict):
+    code = "backend_exists"
+
+
+class BackendNotRemovable(Conflict):
+    code = "backend_not_removable"
+
+
+class BackendLeaving(Conflict):
+    code = "backend_leaving"
 
 
 class RequestTimeout(FairgateError):

@@ -114,10 +114,9 @@ class RedisSentinel(BaseModel):
         return addresses(self.nodes)
 
 
-class Backend(BaseModel):
-    name: str
-    url: str
-    model: str
+class PoolFields(BaseModel):
+    """What a backend's pool takes, for a configured backend and a discovered one alike."""
+
     # the estimated prompt lengths it takes (policies/prefill.py): a short-context pool
     # and a long_context pool of one model, say; a request goes only where it fits, and
     # one that fits no backend of its model is refused with a 400
@@ -129,11 +128,25 @@ class Backend(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
 
     @model_validator(mode="after")
-    def _range(self) -> Backend:
+    def _range(self) -> PoolFields:
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < self.min_prompt_tokens:
-            raise ValueError(f"backend {self.name}: max_prompt_tokens is below "
-                             "min_prompt_tokens")
+            raise ValueError(f"{self.label()}: max_prompt_tokens is below min_prompt_tokens")
         return self
+
+    def label(self) -> str:
+        return "backend"
+
+    def pool_fields(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in PoolFields.model_fields}
+
+
+class Backend(PoolFields):
+    name: str
+    url: str
+    model: str
+
+    def label(self) -> str:
+        return f"backend {self.name}"
 
     def prompt_range(self) -> PromptRange:
         return PromptRange(self.min_prompt_tokens, self.max_prompt_tokens)
@@ -173,6 +186,30 @@ class Autoscale(BaseModel):
         if any(v <= 0 for v in value.values()):
             raise ValueError("a queue-wait target must be above 0")
         return value
+
+
+class Discovery(PoolFields):
+    """Backends found by a DNS name (``discovery``; gateway/backends/discovery.py): each
+    address its A/AAAA records hold is a backend at ``scheme://address:port`` — a
+    Kubernetes headless Service's ready pods. Resolved every ``refresh_s`` by the event
+    loop's resolver; an address that leaves the answer is drained (its running answers
+    move) and then removed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dns_name: str = Field(min_length=1, max_length=253)
+    port: int = Field(ge=1, le=65535)
+    model: str = Field(min_length=1)
+    scheme: Literal["http", "https"] = "http"
+    refresh_s: float = Field(10.0, gt=0)
+
+    def label(self) -> str:
+        return f"discovery {self.dns_name}"
+
+    @property
+    def source(self) -> str:
+        """What the backends it found name as their source: ``dns_name:port``."""
+        return f"{self.dns_name}:{self.port}"
 
 
 MAX_LIMIT = 10**15  # exact in Lua's numbers (doubles)
@@ -322,6 +359,12 @@ class Settings(BaseSettings):
     # core; 1: the gateway in the serving process itself
     workers: int | None = Field(None, ge=1)
     backends: list[Backend] = []
+    # backends found by DNS names (a Kubernetes headless Service per pool), beside the
+    # configured ones and those added with POST /admin/backends (docs/operations.md)
+    discovery: list[Discovery] = []
+    # how often each process reads the backends added at runtime (admin API, DNS) from
+    # Redis: a new or removed one is in force everywhere within this time
+    backends_refresh_s: float = Field(1.0, gt=0)
     api_keys: list[ApiKey] = []
     admin_keys: list[str] = []
     # a key's tenant not listed here: weight 1, no limits; a key naming no tenant belongs
@@ -538,7 +581,9 @@ class Settings(BaseSettings):
         return merged
 
     def models(self) -> list[str]:
-        return sorted({b.model for b in self.backends})
+        """The models served: those of the configured backends and of the discovery
+        names (a backend added at runtime serves one of these)."""
+        return sorted({b.model for b in self.backends} | {d.model for d in self.discovery})
 
     @classmethod
     def settings_customise_sources(

@@ -13,7 +13,10 @@ none, a model). Every ``autoscale.interval_s`` the ``pools`` loop (supervised, s
 - the prefix-cache hit ratio (a prompt's uncached share) and the output tokens per
   finished request (a queued request's expected output);
 - the classes of the model's latest dispatches (their share of what is served now);
-- the wait estimator (``gateway/scheduling/waits.py``, this replica's measured rate).
+- the wait estimator (``gateway/scheduling/waits.py``, this replica's measured rate);
+- the Batch API's backlog: the lines of unfinished batches not queued yet (the runner
+  feeds a few at a time), shared among the pools in proportion to the batch requests each
+  has queued, at their size, and the earliest batch's expiry (its completion window).
 
 ``policies/autoscale.py`` turns them into the desired replicas; the view is kept for
 ``GET /admin/pools`` and set on the ``fairgate_pool_*`` gauges, one snapshot for both.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +59,10 @@ log = structlog.get_logger("fairgate.pools")
 
 PERCENTILES = {"p50": 0.5, "p90": 0.9}  # of a class's queue: the waits shown
 CAPACITY_ALPHA = 0.2  # EWMA weight of a new busy-rate sample in a backend's capacity
+BATCH_CLASS = "batch"  # the class the Batch API's lines run in (gateway/batch/runner.py)
+
+BatchBacklog = Callable[[], Awaitable[tuple[int, float | None]]]
+"""The unfinished batches' lines without a result, and the earliest expiry (unix s)."""
 
 
 @dataclass(slots=True)
@@ -65,6 +72,15 @@ class _Capacity:
     tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
     busy: bool = False  # measured while work waited there (else: the most it served)
+
+
+@dataclass(frozen=True, slots=True)
+class _Batches:
+    """The Batch API's lines not queued yet, all models, and the earliest expiry."""
+
+    unqueued: int
+    queued: int  # batch-class requests queued, all models
+    expires_at: float | None
 
 
 @dataclass(slots=True)
@@ -95,8 +111,10 @@ def _mean(values: list[float]) -> float | None:
 
 class PoolWatch(ReadsSettings):
     def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
-                 waits: Waits, metrics: GatewayMetrics) -> None:
+                 waits: Waits, metrics: GatewayMetrics,
+                 batch_backlog: BatchBacklog | None = None) -> None:
         self.holder = settings
+        self.batch_backlog = batch_backlog
         self.store = store
         self.pool = pool
         self.waits = waits
@@ -129,11 +147,15 @@ class PoolWatch(ReadsSettings):
         queues = {m: await self._queue(m) for m in {h.config.model for hs in pools.values()
                                                    for h in hs}}
         fits = {name: [h.fit.prompt_range for h in hs] for name, hs in pools.items()}
+        lines, expires_at = (0, None) if self.batch_backlog is None else await self.batch_backlog()
+        queued = sum(q.depths.get(BATCH_CLASS, 0) for q in queues.values())
+        batches = _Batches(max(0, lines - queued), queued, expires_at)
         views = {}
         for name, handles in sorted(pools.items()):
             model = handles[0].config.model
             siblings = {p: r for p, r in fits.items() if pools[p][0].config.model == model}
-            views[name] = self._pool(name, model, handles, queues[model], siblings, now, mono)
+            views[name] = self._pool(name, model, handles, queues[model], siblings, batches,
+                                     now, mono)
         for gone in set(self.states) - set(views):
             del self.states[gone]
         for gone in set(self.capacity) - set(self.pool.handles):
@@ -175,7 +197,8 @@ class PoolWatch(ReadsSettings):
         return queue
 
     def _pool(self, name: str, model: str, handles: list[BackendHandle], queue: _Queue,
-              siblings: dict[str, list[Any]], now: float, mono: float) -> dict[str, Any]:
+              siblings: dict[str, list[Any]], batches: _Batches, now: float, mono: float
+              ) -> dict[str, Any]:
         s = self.settings
         ready = [h for h in handles if h.healthy and not h.drained]
         served = sum((h.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
@@ -198,6 +221,13 @@ class PoolWatch(ReadsSettings):
             requests = sum(share for _, share in mine) * scale
             tokens = (sum(r.prompt_tokens * share for r, share in mine) * scale * uncached
                       + requests * output)
+            if klass == BATCH_CLASS and requests > 0 and batches.queued > 0:
+                # this pool's share of the batch lines not queued yet, at the same size
+                extra = batches.unqueued * requests / batches.queued
+                tokens, requests = tokens * (1 + extra / requests), requests + extra
+                if batches.expires_at is not None:
+                    left = batches.expires_at - now
+                    window = left if window is None else min(window, left)
             target = class_target_s(s, klass)
             demands.append(ClassDemand(klass, tokens, requests, served * mix[klass], target))
             limit_s = s.classes[klass].max_queue_wait_s

@@ -93,6 +93,8 @@ class Inspector(ReadsSettings):
             span = h.fit.prompt_range
             out.append({
                 "name": h.name, "url": h.config.url, "model": model, "healthy": h.healthy,
+                # config, admin or dns; leaving: removed, drained until nothing runs there
+                "origin": h.origin, "leaving_since": h.leaving_since,
                 "pool": h.config.pool,
                 "prompt_tokens": {"min": span.min_tokens, "max": span.max_tokens},
                 "prefill": {"pending_tokens": st.pending_prefill_tokens,

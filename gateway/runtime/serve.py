@@ -68,7 +68,7 @@ def port_taken_message(host: str, port: int, change: str) -> str:
 
 def missing_setup(settings: Settings) -> str | None:
     """Why a gateway with these settings would refuse every request, or None."""
-    missing = [name for name, value in (("backends", settings.backends),
+    missing = [name for name, value in (("backends", settings.backends or settings.discovery),
                                         ("api_keys", settings.api_keys)) if not value]
     if not missing:
         return None

@@ -81,6 +81,9 @@ def history_key(start_ms: int) -> str:
 KEYRING_PREFIX = f"{ROOT}:{{keys}}:"
 KEY_IDS = KEYRING_PREFIX + "ids"          # zset: key id -> created (unix s)
 KEY_PEPPER = KEYRING_PREFIX + "pepper"    # string: the HMAC pepper when none is configured
+# Backends added at runtime (POST /admin/backends, DNS discovery; gateway/backends/registry.py):
+# one hash for every model, each change one compare-and-swap of a field.
+RUNTIME_BACKENDS = f"{ROOT}:{{backends}}:runtime"  # hash: backend name -> JSON entry
 # Usage is kept per model (``fg:{model}:usage:<day>``, written by settle.lua with the
 # model's other keys); this set names the models the export reads.
 USAGE_MODELS = f"{ROOT}:usage:models"     # set: models whose usage may be kept

@@ -97,7 +97,7 @@ async def gateway(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Gatewa
         server = GatewayServer(gateway_settings(redis_url, backends, **overrides))
         await server.start()
         started.append(server)
-        for handle in server.services.pool.handles.values():
+        for handle in list(server.services.pool.handles.values()):  # discovery adds more
             await handle.scraped.wait()
         return server
 

@@ -6,6 +6,8 @@ requests keeps further requests queued in Redis."""
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import Any
 
 import aiohttp
@@ -164,3 +166,53 @@ async def test_each_pool_counts_the_requests_its_range_takes(
         results = await asyncio.gather(*queued)
         assert [r[0] for r in results] == [200] * 5, results
     assert len(short.engine.records) == 3 and len(long.engine.records) == 2
+
+
+async def test_batch_backlog_buys_backends_only_when_its_window_is_at_risk(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """One batch request queued (its backend drained) stands for a batch of 100 lines
+    (the Batch API feeds a few at a time): 99 more at its size. A day left: no backend for
+    it beyond the one its queued request needs; a minute left: enough to finish in time."""
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], admin_keys=[ADMIN],
+                       autoscale={"interval_s": 0.05, "backend_tokens_per_s": 100.0})
+    watch = gw.services.pools
+    expires = {"at": time.time() + 86400}
+
+    async def backlog() -> tuple[int, float | None]:
+        return 100, expires["at"]
+
+    watch.batch_backlog = backlog
+    async with aiohttp.ClientSession() as http:
+        status, body, _ = await call(http, "POST", gw.url + "/admin/backends/b0/drain",
+                                     key=ADMIN)
+        assert status == 200, body
+        queued = asyncio.create_task(call(http, "POST", gw.url + CHAT, key="sk-batch",
+                                          json=chat("summarise this", 2)))
+
+        async def counted() -> bool:
+            view = (await pools(http, gw.url))[MODEL]
+            return bool(view["classes"]["batch"]["queued_requests"] == 100)
+
+        await until(counted, "the queued batch request and the 99 lines behind it")
+        view = (await pools(http, gw.url))[MODEL]
+        assert not view["batch_window_at_risk"], view
+        assert view["desired_replicas"] == 1, view
+        assert view["batch_window_left_s"] > 86000, view
+
+        expires["at"] = time.time() + 60
+
+        async def at_risk() -> bool:
+            return bool((await pools(http, gw.url))[MODEL]["batch_window_at_risk"])
+
+        await until(at_risk, "the window of a minute to be at risk")
+        view = (await pools(http, gw.url))[MODEL]
+        batch = view["classes"]["batch"]
+        # 100 requests of (prompt + 256 expected output) tokens in 80 % of the minute left
+        # at 100 tokens/s per backend
+        need = batch["queued_demand_tokens"] / (0.8 * view["batch_window_left_s"]) / 100.0
+        assert view["desired_replicas"] == math.ceil(need) >= 4, (need, view)
+
+        await call(http, "POST", gw.url + "/admin/backends/b0/undrain", key=ADMIN)
+        status, body, _ = await queued
+        assert status == 200, body

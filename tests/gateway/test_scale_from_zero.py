@@ -16,7 +16,7 @@ import yaml
 
 from gateway.core.settings import load_settings
 from gateway.http.server import GatewayServer
-from tests.gateway.conftest import HI, KEYS, MODEL, SimFactory, auth, closed_port, until
+from tests.gateway.conftest import CHAT, HI, KEYS, MODEL, SimFactory, auth, closed_port, until
 
 ADMIN = "sk-admin"
 
@@ -31,13 +31,30 @@ def write_config(path: Path, redis_url: str, backend_urls: dict[str, str],
         "scrape_interval_s": 0.02, "replica_heartbeat_s": 0.2,
         "unhealthy_after_failures": 1, "retry_after_s": 3,
         "cold_start_wait_s": cold_start_wait_s,
-        "autoscale": {"interval_s": 0.05},
+        "autoscale": {"interval_s": 0.05}, "queue_status_interval_s": 0.05,
     }))
 
 
 async def admin(http: aiohttp.ClientSession, method: str, url: str) -> tuple[int, Any]:
     async with http.request(method, url, headers=auth(ADMIN)) as resp:
         return resp.status, await resp.json()
+
+
+async def streamed_with_status(http: aiohttp.ClientSession, url: str,
+                               placed: asyncio.Event) -> list[bytes]:
+    """A stream asking for its queue status: its lines, ``placed`` set at the first that
+    gives its position in the queue."""
+    body = {"model": MODEL, "messages": HI, "max_tokens": 2, "stream": True,
+            "ignore_eos": True}
+    headers = {**auth("sk-bob"), "X-Fairgate-Queue-Status": "1"}
+    async with http.post(url + CHAT, json=body, headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        lines = []
+        async for line in resp.content:
+            lines.append(line)
+            if line.startswith(b": queue position="):
+                placed.set()
+        return lines
 
 
 async def pool_view(http: aiohttp.ClientSession, gw: GatewayServer) -> dict[str, Any]:
@@ -66,15 +83,19 @@ async def test_a_pool_at_zero_holds_a_request_until_a_backend_appears(
                 return (await gw.services.store.depths(MODEL))["interactive"] == 1
 
             await until(queued, "the request held in the queue")
+            placed = asyncio.Event()
+            streamed = asyncio.create_task(streamed_with_status(http, gw.url, placed))
+            await asyncio.wait_for(placed.wait(), 30)  # its place while the pool is at zero
 
             async def asks_for_one() -> bool:
                 view = await pool_view(http, gw)
                 return bool(view["desired_replicas"] >= 1
-                            and view["classes"]["interactive"]["queued_requests"] >= 1)
+                            and view["classes"]["interactive"]["queued_requests"] == 2)
 
             await until(asks_for_one, "the pool at zero to ask for a backend")
             view = await pool_view(http, gw)
             assert (view["ready_replicas"], view["desired_replicas"]) == (0, 1), view
+            assert view["classes"]["interactive"]["queued_requests"] == 2, view
             async with http.get(gw.url + "/metrics") as resp:
                 text = await resp.text()
             assert f'fairgate_pool_desired_replicas{{pool="{MODEL}"}} 1.0' in text, [
@@ -87,7 +108,9 @@ async def test_a_pool_at_zero_holds_a_request_until_a_backend_appears(
             assert status == 200 and got["backends"]["added"] == ["b1"], got
             answer = await asyncio.wait_for(held, 30)
             assert answer.usage is not None and answer.usage.completion_tokens == 3, answer
-            assert len(backend.engine.records) == 1, backend.engine.records
+            lines = await asyncio.wait_for(streamed, 30)
+            assert lines[-2:] == [b"data: [DONE]\n", b"\n"], lines[-4:]
+            assert len(backend.engine.records) == 2, backend.engine.records
     finally:
         await client.close()
         await gw.stop()

@@ -13,15 +13,18 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from redis.crc import key_slot
 
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
+from gateway.backends.registry import ADMIN, BackendList
+from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
-from gateway.core.metrics import SCRIPT_COMMANDS, RedisMetrics
-from gateway.core.settings import ApiKey, RedisCluster, SettingsHolder, load_settings
+from gateway.core.metrics import SCRIPT_COMMANDS, GatewayMetrics, RedisMetrics
+from gateway.core.settings import ApiKey, Backend, RedisCluster, SettingsHolder, load_settings
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.redis_client import BoundaryRedis, connect_cluster
@@ -143,6 +146,15 @@ async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:
     sessions = SessionStore(client, 60)
     token = await sessions.open("admin")
     await sessions.close(token)
+
+    store = Store(client, 600)
+    listed = SettingsHolder(load_settings(None, backends=[
+        {"name": "c0", "url": "http://127.0.0.1:9", "model": "m"}]))
+    async with aiohttp.ClientSession() as session:
+        backends = BackendList(client, listed, BackendPool(listed, session, store,
+                                                           GatewayMetrics()), store)
+        await backends.add(Backend(name="rt0", url="http://127.0.0.1:10", model="m"), ADMIN)
+        assert await backends.remove("rt0", 0.0, ADMIN) is None, "the idle backend stayed"
 
     files = FileStore(client, tmp, 10**6)
     meta = await files.create("alice", "in.jsonl", "batch", b"{}\n")

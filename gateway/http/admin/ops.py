@@ -20,7 +20,13 @@ from aiohttp import web
 
 from gateway.access.auth import SESSION_COOKIE
 from gateway.access.sessions import csrf_token
-from gateway.core.errors import BadRequest, NotFound, NotQueued, RequestCancelled
+from gateway.core.errors import (
+    BackendLeaving,
+    BadRequest,
+    NotFound,
+    NotQueued,
+    RequestCancelled,
+)
 from gateway.http.admin.access import admin_services
 from gateway.ops.read_model import usage_today
 from gateway.proxy.completion_request import read_json_object
@@ -87,6 +93,9 @@ async def _set_drained(request: web.Request, drained: bool) -> web.Response:
     handle = svc.pool.handles.get(name)
     if handle is None:
         raise NotFound(f"no backend named {name!r}", param="name")
+    if not drained and handle.leaving_since is not None:
+        raise BackendLeaving(f"backend {name!r} is being removed: it stays drained until "
+                             "nothing runs there", param="name")
     grace_s = None
     if drained and request.body_exists:
         grace_s = drain_grace_s(await read_json_object(request, MAX_DRAIN_BODY_BYTES))

@@ -6,9 +6,11 @@ queue limits, prefill limits), starvation floors, locality, scrape and batch tim
 ``retry_after_s``, … — the holder (``gateway/settings.SettingsHolder``) is swapped and the
 collaborators that derive state from it re-derive it. Keys and admin keys are re-read,
 and the backends of the models already served are added, removed or re-pointed (queues
-and connections stay). What is wired at start (Redis, the listen socket, the fairness
-policy, tenants, a new model, timeouts of open connections, …) keeps its old value and is
-reported under ``restart_required``.
+and connections stay; the backends added at runtime stay too, merged with the file's by
+``gateway/backends/registry.py``), and DNS discovery names take effect at its next turn.
+What is wired at start (Redis, the listen socket, the fairness policy, tenants, a new
+model, timeouts of open connections, …) keeps its old value and is reported under
+``restart_required``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from gateway.services import Services
 log = structlog.get_logger("fairgate.admin")
 
 # settings wired into something built once at start: a change needs a restart
-RESTART_FIELDS = ("backends", "fairness", "redis_url", "redis_sentinel", "redis_cluster",
+RESTART_FIELDS = ("fairness", "redis_url", "redis_sentinel", "redis_cluster",
                   "listen", "replica_id",
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap", "tenants",
                   "key_pepper", "workers", "data_dir", "max_file_bytes",
@@ -42,6 +44,9 @@ RESTART_FIELDS = ("backends", "fairness", "redis_url", "redis_sentinel", "redis_
                   "max_unauthenticated_connections", "log_level", "event_loop",
                   "log_sample_above_per_s")
 ALWAYS_RELOADED = ("api_keys", "admin_keys")
+# the configured backends and discovery names: re-applied by a reload that keeps the
+# models served (gateway/backends/registry.py merges them with the runtime backends)
+BACKEND_FIELDS = ("backends", "discovery")
 
 
 def _changed(old: Settings, new: Settings, fields: tuple[str, ...] | list[str]
@@ -76,8 +81,8 @@ def _read_config(path: Path) -> Settings:
         raise refuse(f"cannot be read: {exc.strerror or exc}") from None
     except (ValidationError, yaml.YAMLError, ValueError) as exc:
         raise refuse(f"is invalid: {exc}") from None
-    if not new.backends:
-        raise refuse("names no backends")
+    if not new.backends and not new.discovery:
+        raise refuse("names no backends and no discovery")
     if not new.api_keys and not new.admin_keys:
         raise refuse("names no API keys and no admin keys")
     return new
@@ -92,15 +97,17 @@ def reload_settings(svc: Services) -> dict[str, Any]:
         raise NoConfigFile("the gateway was started without a config file: nothing to reload")
     new = _read_config(current.config_file)
     restart = _changed(current, new, RESTART_FIELDS)
-    repoint = "backends" in restart and new.models() == current.models()
-    if repoint:  # same models: re-point the pool in place; queues and connections stay
-        restart.remove("backends")
+    listed = _changed(current, new, BACKEND_FIELDS)
+    if new.models() == current.models():  # same models: the pool re-pointed in place
+        reloaded_backends = listed
+    else:  # a model added or gone: the backend list as it was until a restart
+        reloaded_backends, restart = [], [*restart, *listed]
     live = [f for f in Settings.model_fields
-            if f not in RESTART_FIELDS and f not in ALWAYS_RELOADED]
-    reloaded = [*ALWAYS_RELOADED, *(["backends"] if repoint else []),
-                *_changed(current, new, live)]
+            if f not in RESTART_FIELDS and f not in ALWAYS_RELOADED and f not in BACKEND_FIELDS]
+    reloaded = [*ALWAYS_RELOADED, *reloaded_backends, *_changed(current, new, live)]
     svc.config.swap(new.model_copy(update={f: getattr(current, f) for f in restart}))
-    backends = svc.pool.reconcile(new.backends) if repoint else {}
+    # configured and runtime backends merged again (queues and connections stay)
+    backends = svc.backends.apply() if "backends" in reloaded_backends else {}
     svc.keys = KeyRing(new.api_keys, new.admin_keys, svc.keys.runtime)
     log.info("config_reloaded", api_keys=len(new.api_keys), admin_keys=len(new.admin_keys),
              backends=backends, reloaded=reloaded, restart_required=restart)

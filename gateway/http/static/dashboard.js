@@ -157,10 +157,26 @@ function prefillCell(b) {
   ];
 }
 
+const ORIGINS = {
+  config: "in the config file",
+  admin: "added with POST /admin/backends",
+  dns: "found by a DNS name (discovery)",
+};
+
+function nameCell(b) {
+  // where the backend comes from: backends added at runtime appear and leave here
+  return [el("div", {}, b.name),
+    el("div", { class: "origin", "data-metric": "backend-origin", title: ORIGINS[b.origin] || "" },
+      b.origin || "config")];
+}
+
 function drainCell(b) {
   // a drain with migrate: when this backend's running streams move (every replica's), and
   // how many of this replica's run there
   const running = el("div", { "data-metric": "running-here" }, `${b.running ?? 0} running here`);
+  if (b.leaving_since) {  // removed: drained until nothing runs there, then gone
+    return [el("div", { "data-metric": "leaving" }, "leaving: removed once idle"), running];
+  }
   if (b.drained) {
     const when = b.migrate_at ? new Date(b.migrate_at * 1000).toLocaleTimeString() : "";
     return [actionButton("undrain", "undrain", { "data-backend": b.name }),
@@ -173,9 +189,10 @@ function drainCell(b) {
 function backendsPanel(backends) {
   const rows = backends.map((b) => {
     const s = b.snapshot || {};
-    const state = !b.healthy ? "unhealthy" : b.drained ? "drained" : "healthy";
+    const state = b.leaving_since ? "leaving" : !b.healthy ? "unhealthy"
+      : b.drained ? "drained" : "healthy";
     return el("tr", { "data-backend": b.name },
-      el("td", {}, b.name),
+      el("td", {}, ...nameCell(b)),
       el("td", { class: state, "data-metric": "backend-state" }, state),
       el("td", { "data-metric": "backend-waiting" }, s.waiting ?? "–"),
       el("td", {}, waitingCell(s)),
@@ -192,7 +209,8 @@ function backendsPanel(backends) {
       el("td", {}, ...drainCell(b)));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
-    table(["backend", "state",
+    table([["backend", "its name and origin: config (the file), admin (POST /admin/backends) or dns (discovery)"],
+           "state",
            ["waiting", "vLLM's num_requests_waiting (latest snapshot)"],
            ["of which", "queued: waiting for a running request to end; entering: start at the next engine step"],
            ["running", "vLLM's num_requests_running"],
