@@ -426,11 +426,16 @@ class BackendPool(ReadsSettings):
     async def _loop(self, handle: BackendHandle) -> None:
         """Scrape the backend while this process holds its lease (or Redis is down and
         each process serves alone), at the fast interval while it is busy, at the idle
-        one otherwise; wait for the lease while another process holds it."""
+        one otherwise; wait for the lease while another process holds it.
+
+        Each wake-up is taken once, whether it scrapes or not: one that came while this
+        process held the lease, and stays set after it lost it (given up under load, or a
+        Redis outage ended), would otherwise return at once from every wait without ever
+        suspending, and the whole event loop would spin here. One that comes during a
+        scrape stays set for the next turn: scraped again at once."""
         while True:
             delay = None
             if handle.held or self.alone:
-                handle.wake.clear()
                 started = time.monotonic()
                 await self.scrape_once(handle)
                 interval = (self.settings.scrape_interval_s if handle.busy
@@ -438,6 +443,7 @@ class BackendPool(ReadsSettings):
                 delay = max(0.0, started + interval - time.monotonic())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(handle.wake.wait(), delay)
+            handle.wake.clear()
 
     async def scrape_once(self, handle: BackendHandle) -> None:
         started = time.time()

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.storage.keys import ModelKeys
 from loadtest.sim.server import SimServer
-from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete
+from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, complete, until
 
 FLOOD = 100
 # B and C may start after A's requests already running when they joined the queue (4 on
@@ -188,6 +188,11 @@ async def test_disconnect_while_queued_leaves_the_queue(sim: SimFactory,
         busy = asyncio.gather(complete(session, gw.url, "sk-alice", 2000),
                               complete(session, gw.url, "sk-carol", 2000))
         await engine.wait_until(lambda: engine.num_running == 1 and engine.num_waiting == 1)
+        # the gateway's view too: an older snapshot (0 waiting) would leave the gate open
+        # and send bob to the engine (seen at load 6)
+        handle = gw.services.pool.handles["b0"]
+        await until(lambda: handle.last is not None and handle.last.running == 1
+                    and handle.last.waiting == 1, "a snapshot with 1 running and 1 waiting")
         queued = asyncio.create_task(complete(session, gw.url, "sk-bob", 5))
         for _ in range(500):
             if (await store.depths("llama-3.1-8b"))["interactive"] == 1:

@@ -7,6 +7,7 @@ Scrapes are counted where they land, at the simulated backend (``SimServer.scrap
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import aiohttp
@@ -172,3 +173,36 @@ async def test_an_idle_backend_is_scraped_slowly_and_fast_again_once_work_comes(
     assert busy_count > 1.2 * busy_s / idle + 2, (
         f"a busy backend was scraped {busy_count} times in {busy_s:.2f}s: no faster "
         f"than the idle interval {idle}s")
+
+
+async def test_a_wake_up_left_set_after_the_lease_is_gone_does_not_spin_the_event_loop(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Under load a process gives its lease up (or a Redis outage ends) while a wake-up
+    of that backend's scrape loop is set; the loop, no longer scraping, must take the
+    wake-up and wait. It used to return from every wait at once without suspending: the
+    event loop spun there for good (a whole test run hung on it). A thread clears the
+    wake-up after a while so that this test fails instead of hanging."""
+    backends = [await sim(profile="instant")]
+    replicas = [await gateway(backends) for _ in range(2)]
+    await until(lambda: len(holders(replicas, "b0")) == 1, "one scraper of b0")
+    other = next(gw for gw in replicas if not gw.services.pool.handles["b0"].held)
+    handle = other.services.pool.handles["b0"]
+    rescued: list[float] = []
+
+    def rescue() -> None:  # from another thread: what the event loop cannot do itself
+        if handle.wake.is_set():
+            rescued.append(time.monotonic())
+            handle.wake._value = False  # type: ignore[attr-defined]
+
+    watchdog = threading.Timer(5.0, rescue)
+    watchdog.start()
+    try:
+        handle.wake.set()  # as the lease tick leaves it when the lease was just taken
+        for _ in range(5):
+            await asyncio.sleep(0)
+        taken = not handle.wake.is_set()
+    finally:
+        watchdog.cancel()
+    assert not rescued and taken, (
+        f"the non-holder's scrape loop did not take its wake-up (spun until a thread "
+        f"cleared it: {bool(rescued)})")
