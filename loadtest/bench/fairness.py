@@ -29,6 +29,9 @@ from loadtest.bench.stats import (
 )
 
 SIM = SimSpec(max_num_seqs=64, max_num_batched_tokens=2048)
+# A quick run's length: at load 10 on 2 cores a 4 s run of the tenants phase completed
+# nothing (24 requests, all still running at its end)
+QUICK_DURATION_S = 8.0
 W_IN, W_OUT = 1.0, 2.0
 POLICIES = ("round_robin", "vtc")
 
@@ -38,8 +41,8 @@ def params(opts: Options) -> dict[str, Any]:
         "users": 20, "heavy_concurrency": opts.size or opts.pick(24, 6),
         "light_concurrency": opts.pick(4, 1), "long_prompt_users": 5,
         "long_prompt_tokens": 2000, "short_prompt_tokens": 200,
-        "max_tokens": opts.pick(128, 32),  # quick: answers that end inside its 3 s window
-        "duration_s": opts.duration_s or opts.pick(30.0, 4.0),
+        "max_tokens": opts.pick(128, 32),  # quick: answers that end inside its window
+        "duration_s": opts.duration_s or opts.pick(30.0, QUICK_DURATION_S),
         "warmup_s": opts.pick(5.0, 1.0), "window_s": opts.pick(10.0, 2.0),
         "step_s": opts.pick(1.0, 0.5), "weights": {"input": W_IN, "output": W_OUT},
         "sim": SIM.__dict__, "gateway": "defaults; fairness = round_robin | vtc",
@@ -168,10 +171,9 @@ def tenant_params(opts: Options) -> dict[str, Any]:
     return {
         "tenants": TENANTS, "users": {u: t for u, (t, _) in TENANT_USERS.items()},
         "prompts": {u: p for u, (_, p) in TENANT_USERS.items()},
-        # a quick run measures 3 s: answers short enough to end inside it on a loaded
-        # machine too
+        # a quick run: answers short enough to end inside its window on a loaded machine
         "concurrency": opts.size or opts.pick(12, 3), "max_tokens": opts.pick(128, 32),
-        "duration_s": opts.duration_s or opts.pick(30.0, 4.0),
+        "duration_s": opts.duration_s or opts.pick(30.0, QUICK_DURATION_S),
         "warmup_s": opts.pick(5.0, 1.0), "window_s": opts.pick(10.0, 2.0),
         "step_s": opts.pick(1.0, 0.5), "weights": {"input": W_IN, "output": W_OUT},
         "sim": TENANT_SIM.__dict__,
