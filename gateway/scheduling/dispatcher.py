@@ -124,6 +124,7 @@ class Dispatcher(ReadsSettings):
         # out when this replica's listener reads them
         self.preemptor = Preemptor(settings, store, pool, metrics)
         self.waiters: dict[str, Waiter] = {}
+        self._cancelling: set[str] = set()  # ids an operator's cancel is removing
         self._wake = asyncio.Event()
         self._maybe_work = False
         self._queued: dict[str, int] = {}  # model → depth seen by the latest dispatch
@@ -241,8 +242,9 @@ class Dispatcher(ReadsSettings):
                 if self.local.holds(req.request_id):
                     continue  # queued here while the store is unreachable
                 try:
-                    if await self.store.request_exists(model, req.request_id):
-                        continue
+                    if (await self.store.request_exists(model, req.request_id)
+                            or req.request_id in self._cancelling):
+                        continue  # still queued, or an operator's cancel tells it now
                     if self.settings.failover_wait_s() > 0:  # the store forgot it
                         await self._requeue(model, [req])
                         continue
@@ -454,6 +456,17 @@ class Dispatcher(ReadsSettings):
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    @contextlib.contextmanager
+    def cancelling(self, request_id: str) -> Iterator[None]:
+        """An operator cancels ``request_id`` (removes it from Redis, then tells its
+        client with :meth:`cancel`): meanwhile its waiter does not take its absence from
+        Redis for a lost request (503) instead of the cancel (409)."""
+        self._cancelling.add(request_id)
+        try:
+            yield
+        finally:
+            self._cancelling.discard(request_id)
 
     def cancel(self, request_id: str, error: FairgateError) -> bool:
         """Fail a request this replica holds while it waits for its grant (an operator

@@ -91,6 +91,7 @@ class SimServer:
         # while set and not yet fired, GET /metrics waits for it: a real vLLM's API server
         # answers /metrics late while its engine is busy (seconds on 2 CPU cores)
         self.metrics_hold: asyncio.Event | None = None
+        self.scrapes_held = 0  # GET /metrics that waited on ``metrics_hold``
 
     @property
     def engine(self) -> SimEngine:
@@ -176,6 +177,7 @@ class SimServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if self.metrics_hold is not None:
+            self.scrapes_held += 1
             await self.metrics_hold.wait()
         self.scrapes += 1
         body = self.metrics.render(self._engine)

@@ -257,6 +257,9 @@ async def test_a_newcomer_sent_to_a_full_backend_preempts_with_no_snapshot_or_he
                        scrape_timeout_s=90.0, snapshot_stale_s=120.0)
     fillers = await fill(gw, backend, "sk-batch")
     backend.metrics_hold = asyncio.Event()
+    # a scrape answered before the hold may still land: the next one waiting on the hold
+    # means it has (the scrape loop scrapes one at a time)
+    await until(lambda: backend.scrapes_held > 0, "a scrape waiting on the held /metrics")
     handle, dispatcher = gw.services.pool.handles["b0"], gw.services.dispatcher
     snapshot, beats = handle.last, dispatcher._beats
     try:

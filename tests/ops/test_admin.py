@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 import yaml
 
+from gateway.scheduling import dispatcher as dispatcher_module
 from gateway.storage.keys import ModelKeys
 from loadtest.sim.server import SimServer
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, complete
@@ -129,6 +130,53 @@ async def test_cancel_a_queued_request(sim: SimFactory, gateway: GatewayFactory)
         assert status == 409
         assert_openai_error(got, "invalid_request_error", "request_not_queued")
         assert (await long)["usage"]["completion_tokens"] == 200
+
+
+async def test_a_lost_check_during_an_operator_cancel_still_answers_409(
+        sim: SimFactory, gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waiter checks now and then that its request is still queued; an operator's
+    cancel removes it from Redis before telling the waiter. A check in between took the
+    absence for a lost request: the client got 503 ``queued_request_lost`` instead of
+    the cancel's 409 (seen from the dashboard's cancel on a loaded machine)."""
+    monkeypatch.setattr(dispatcher_module, "LOST_CHECK_S", 0.05)
+    backend = await sim()
+    gw = await gateway([backend], admin_keys=[ADMIN])
+    store = gw.services.store
+    looked = asyncio.Event()
+    real_exists, real_cancel = store.request_exists, store.cancel
+
+    async def exists(model: str, request_id: str) -> bool:
+        found = await real_exists(model, request_id)
+        if not found:
+            looked.set()
+        return found
+
+    async def cancel(*args: Any) -> bool:
+        done = await real_cancel(*args)
+        await asyncio.wait_for(looked.wait(), 30)  # the waiter looked for it meanwhile
+        return done
+
+    monkeypatch.setattr(store, "request_exists", exists)
+    monkeypatch.setattr(store, "cancel", cancel)
+    async with aiohttp.ClientSession() as http:
+        assert (await admin_call(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+
+        async def client() -> tuple[int, Any]:
+            async with http.post(gw.url + "/v1/completions", json=body,
+                                 headers={"Authorization": "Bearer sk-alice"}) as resp:
+                return resp.status, await resp.json()
+        waiting = asyncio.create_task(client())
+
+        async def queued() -> bool:
+            return set(await queued_users(http, gw.url)) == {"alice"}
+        await until(queued, what="alice queued")
+        request_id = (await queued_users(http, gw.url))["alice"]["oldest_request_id"]
+        status, got = await admin_call(http, "DELETE", gw.url + f"/admin/requests/{request_id}")
+        assert status == 200 and got["client_notified"], (status, got)
+        status, answer = await asyncio.wait_for(waiting, 30)
+        assert status == 409, (status, answer)
+        assert_openai_error(answer, "invalid_request_error", "request_cancelled")
 
 
 def write_config(path: Path, redis_url: str, backends: list[SimServer],

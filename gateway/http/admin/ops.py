@@ -131,11 +131,12 @@ async def cancel_request(request: web.Request) -> web.Response:
     else:
         raise NotFound(f"no queued or running request {request_id!r}", param="id")
     user, klass, owner = fields.get("user", ""), fields.get("class", ""), fields.get("owner")
-    if fields.get("state") != "queued" or not await svc.store.cancel(
-            model, request_id, user, klass):
-        raise NotQueued(f"request {request_id!r} is no longer queued (already dispatched)")
-    notified = owner == svc.replica_id and svc.dispatcher.cancel(
-        request_id, RequestCancelled("request cancelled by an operator"))
+    with svc.dispatcher.cancelling(request_id):
+        if fields.get("state") != "queued" or not await svc.store.cancel(
+                model, request_id, user, klass):
+            raise NotQueued(f"request {request_id!r} is no longer queued (already dispatched)")
+        notified = owner == svc.replica_id and svc.dispatcher.cancel(
+            request_id, RequestCancelled("request cancelled by an operator"))
     log.info("cancelled_by_operator", request_id=request_id, model=model, user=user,
              priority_class=klass, owner=owner, client_notified=notified)
     return web.json_response({"id": request_id, "object": "request.cancelled", "model": model,
