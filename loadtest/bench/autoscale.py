@@ -67,7 +67,9 @@ def params(opts: Options) -> dict[str, Any]:
         # 1× (warm), 4× (the step), 1× (long enough for a scale-down after the cool-down)
         "phases_s": [round(step_s * 2 / 3, 1), step_s, step_s],
         "interactive": {"users": INTERACTIVE_USERS, "prompt_tokens": 256, "max_tokens": 64},
-        "batch": {"concurrency": opts.pick(6, 3), "prompt_tokens": 512, "max_tokens": 64},
+        # the same shape as the interactive requests: one backend's measured tokens/s is what
+        # the interactive class gets from it
+        "batch": {"concurrency": opts.pick(6, 3), "prompt_tokens": 256, "max_tokens": 64},
         "poll_s": opts.pick(2.0, 0.5), "cold_start_s": opts.pick(8.0, 1.0),
         "cooldown_s": opts.pick(20.0, 3.0), "threshold": 3,
         "min_replicas": 1, "max_replicas": opts.size or opts.pick(5, 3),
