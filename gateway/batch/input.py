@@ -15,14 +15,13 @@ Parsing a large file takes seconds of CPU: callers on the event loop run
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gateway.core.errors import BadRequest
-from gateway.proxy.completion_request import NO_LIMITS, Limits, validate_body
+from gateway.proxy.completion_request import NO_LIMITS, Limits, parse_json, validate_body
 from gateway.proxy.endpoints import BATCHABLE, BY_PATH
 
 MAX_REPORTED = 10
@@ -74,15 +73,12 @@ def _check(obj: Any, models: Collection[str], limits: Limits) -> str | None:
 
 
 def _parse(raw: bytes) -> tuple[Any, str | None]:
-    """(the line's JSON, None) or (None, what is wrong with it)."""
+    """(the line's JSON, None) or (None, what is wrong with it): decoded as a request's
+    body is (``completion_request.parse_json``)."""
     try:
-        return json.loads(raw), None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None, "not valid JSON"
-    except RecursionError:
-        return None, "not valid JSON: nested too deeply"
-    except ValueError:  # Python converts integers of at most 4,300 digits
-        return None, "not valid JSON: a number too large"
+        return parse_json(raw, "the line"), None
+    except BadRequest as exc:
+        return None, exc.message
 
 
 def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
