@@ -295,20 +295,23 @@ ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"
         b'"finish_reason":null}]}\n\n')
 
 
+@pytest.mark.parametrize("opening", [CHUNK_A, b""], ids=["after-a-frame", "from-the-start"])
 async def test_a_trickling_stream_is_cut_by_the_idle_deadline(
-        sim: SimFactory, gateway: GatewayFactory) -> None:
-    """A frame, then a byte every 20 ms that never completes the next: aiohttp's
+        opening: bytes, sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A frame (or none), then a byte every 20 ms that never completes the next: aiohttp's
     sock_read never fires (each byte resets it); stream_idle_timeout_s cuts it with an
-    error event and the backend's connection is closed."""
+    error event and the backend's connection is closed. From the start: the deadline
+    runs from the first byte (before, only a whole frame started it, and the trickle ran
+    until the backend ended it)."""
     backend = OddStreams(await sim(profile="instant"))
     await backend.start()
     try:
-        trickle = Trickle(CHUNK_A)
+        trickle = Trickle(opening)
         backend.first = [trickle]
         gw = await gateway([backend], stream_idle_timeout_s=0.3)
         status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
                                              "stream": True, "stop": ["zzz"]})
-        assert status == 200 and frames[0] == CHUNK_A.strip(), frames
+        assert status == 200 and frames[:-1] == [opening.strip()][:len(opening)], frames
         message = assert_error(json.loads(frames[-1][len(b"data: "):]),
                                type_="server_error", code="upstream_error")
         assert "stream_idle_timeout_s" in message, message
