@@ -59,6 +59,14 @@ class Mover:
         return 0 if self.progress is None else len(self.progress.generated)
 
     @property
+    def streaming(self) -> bool:
+        """The backend it reads now has generated tokens of it (a continuable stream with
+        no move pending): vLLM runs it there, or has just finished it."""
+        progress = self.progress
+        return (self._close is not None and self.reason is None and progress is not None
+                and len(progress.generated) > progress.base_generated)
+
+    @property
     def movable(self) -> bool:
         """A continuation would reproduce the rest exactly, and the relay reads something
         a move can close."""

@@ -73,11 +73,18 @@ class Preemptor(ReadsSettings):
         return {c: cfg.preempt_rule() for c, cfg in self.settings.classes.items()}
 
     def loads(self, model: str, now: float) -> list[BackendLoad]:
-        """The model's backends that take work now, as their snapshots show them."""
+        """The model's backends that take work now, as their snapshots show them, each
+        running at least the answers this process streams from it: a snapshot of a busy
+        backend may be seconds old (its ``/metrics`` answers late), while the streams'
+        first tokens say at once that every slot is taken."""
         stale = self.settings.snapshot_stale_s
-        return [BackendLoad(h.name, h.last.running, h.peak_running, h.last.kv_usage)
+        return [BackendLoad(h.name, max(h.last.running, self._streaming(h.name)),
+                            h.peak_running, h.last.kv_usage)
                 for h in self.pool.for_model(model) if h.last is not None
                 and h.gates_at(now, stale)[CLASS_ORDER[0]].reason not in ("stale", "drained")]
+
+    def _streaming(self, backend: str) -> int:
+        return 0 if self.streams is None else self.streams.streaming(backend)
 
     def full(self, model: str, now: float) -> list[BackendLoad]:
         """The model's backends that run all they can, for some class (none when

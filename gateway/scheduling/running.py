@@ -81,6 +81,11 @@ class RunningStreams:
     def count(self, backend: str) -> int:
         return sum(1 for r in self._running.values() if r.backend == backend)
 
+    def streaming(self, backend: str) -> int:
+        """The requests ``backend`` streams tokens of now (:attr:`Mover.streaming`)."""
+        return sum(1 for r in self._running.values()
+                   if r.backend == backend and r.mover.streaming)
+
     def entries(self, backend: str | None = None) -> list[RunningEntry]:
         """The running requests (on ``backend`` only, when given), oldest first."""
         cap = self.max_moves()

@@ -273,3 +273,43 @@ async def test_a_newcomer_sent_to_a_full_backend_preempts_with_no_snapshot_or_he
     assert at.newcomers[0] < at.ends[0], at.message()
     assert counter(gw)("batch") >= 1, at.message()
     assert [t for _, t in answers] == [FILL_TOKENS] * SLOTS, [t for _, t in answers]
+
+
+@pytest.mark.timeout(120)
+async def test_a_backend_full_by_its_streams_preempts_before_a_snapshot_shows_it(
+        gateway: GatewayFactory, sim: SimFactory) -> None:
+    """The busy real server answers /metrics seconds late (seen on vLLM's CPU build: the
+    newcomer waited 4.7 s there): the latest snapshot may show the backend idle while its
+    slots are all taken. The gateway streams every one of them, so it knows: the
+    newcomer's class wait (100 ms) alone must bring the preemption. Here the snapshot
+    taken before the fillers came stays the latest (the simulator holds /metrics)."""
+    backend = await sim(max_num_seqs=SLOTS)
+    gw = await gateway([backend], classes={"interactive": {"preempt_after_ms": 100},
+                                           "batch": {"max_waiting": SLOTS}},
+                       replica_heartbeat_s=60.0, replica_ttl_s=180.0,
+                       scrape_timeout_s=90.0, snapshot_stale_s=120.0)
+    handle, running = gw.services.pool.handles["b0"], gw.services.running
+    # the batch's size (every slot seen running once), then an idle snapshot, held
+    warm = await fill(gw, backend, "sk-bob")
+    await asyncio.wait_for(asyncio.gather(*warm), 90)
+    await until(lambda: handle.last is not None and handle.last.running == 0,
+                "a snapshot of the idle backend")
+    backend.metrics_hold = asyncio.Event()
+    await until(lambda: backend.scrapes_held > 0, "a scrape waiting on the held /metrics")
+    snapshot = handle.last
+    try:
+        fillers = [asyncio.create_task(stream(gw, "sk-batch", i, FILL_TOKENS))
+                   for i in range(SLOTS)]
+        await until(lambda: running.streaming("b0") == SLOTS,
+                    "every slot streaming through the gateway")
+        await stream(gw, "sk-alice", 99, NEW_TOKENS)
+        seen = (handle.last is snapshot, snapshot.running if snapshot else None,
+                handle.peak_running)
+    finally:
+        backend.metrics_hold.set()
+    answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)
+    assert seen == (True, 0, SLOTS), f"(no new snapshot, its running, the batch): {seen}"
+    at = engine_times(backend)
+    assert at.newcomers[0] < at.ends[SLOTS], at.message()
+    assert counter(gw)("batch") >= 1, at.message()
+    assert [t for _, t in answers] == [FILL_TOKENS] * SLOTS, [t for _, t in answers]
