@@ -28,9 +28,9 @@ try: $(STAMP)
 test-deps:
 	bash scripts/test-deps.sh
 
-# one process by default: with two workers (TEST_WORKERS=2, half the time) the bench smoke
-# tests ran beside the real-vLLM tier and one completed nothing in its window (CI, 2026-12-02)
-TEST_WORKERS ?= 0
+# two workers (TEST_WORKERS=0: one process); one of them runs the real-vLLM tier and then
+# the benchmark smoke tests, so no benchmark runs beside a vLLM engine (tests/conftest.py)
+TEST_WORKERS ?= 2
 test: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25
 

@@ -47,6 +47,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 SLOW_TIERS = ("chaos", "bench", "fuzz", "e2e_vllm")
+# run by one worker, one after the other (``pytest_xdist_make_scheduler``)
+ENGINE_BOUND = ("tests/e2e_vllm/", "tests/bench/")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -61,14 +63,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """With workers (``-n``): each test goes to the next free worker, except the real-vLLM
-    tier, which one worker runs whole (one install, its servers started once). xdist's
-    own ``--dist loadgroup`` would do this, but it renames node ids in a way pytest 9 no
-    longer reads."""
+    tier and the benchmark smoke tests, which one worker runs one after the other: the
+    tier runs whole there (one install, its servers started once), and no benchmark runs
+    beside a vLLM engine taking both cores (a quick fairness run beside it completed
+    nothing in its window, CI 2026-12-02). xdist's own ``--dist loadgroup`` would do
+    this, but it renames node ids in a way pytest 9 no longer reads."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "e2e_vllm" if nodeid.startswith("tests/e2e_vllm/") else nodeid
+            return "engines" if nodeid.startswith(ENGINE_BOUND) else nodeid
 
     return TierScheduling(config, log)
 

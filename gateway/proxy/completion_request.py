@@ -2,8 +2,8 @@
 forwards unqueued, each as its entry in ``gateway/proxy/endpoints.py`` declares it.
 
 Only what fairgate needs is checked (the model it routes by, the endpoint's prompt field,
-``stream``, its output-token fields, the end user); every other field passes through to
-vLLM untouched.
+``stream``, its output-token fields and the sequences it asks for (``n``, ``best_of``),
+the end user); every other field passes through to vLLM untouched.
 :class:`Limits` bounds what a client may send beyond the body's size (settings
 ``max_json_depth``, ``max_output_tokens``, ``max_end_user_chars``): nesting depth (deeper
 JSON would make encoding it for the backend recurse past Python's limit), requested
@@ -15,6 +15,7 @@ first-token deadline, milliseconds from arrival) is read here too.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,12 +24,15 @@ from aiohttp import web
 
 from gateway.core.errors import BadRequest, PayloadTooLarge
 from gateway.proxy.endpoints import Endpoint, Frames
+from policies.cost import with_output_bound
 
 if TYPE_CHECKING:
     from gateway.core.settings import Settings
 
 DEADLINE_HEADER = "X-Fairgate-Deadline-Ms"
 MAX_DEADLINE_MS = 86_400_000  # one day, batch's longest queue wait
+# n, best_of: OpenAI's bound on n; what a request reserves is multiplied by them
+MAX_SEQUENCES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +54,16 @@ NO_LIMITS = Limits()
 
 @dataclass(slots=True)
 class CompletionRequest:
-    """A validated body of one of the queued endpoints."""
+    """A validated body of one of the queued endpoints, as the backend gets it: when it
+    sets several output-token fields (chat: ``max_tokens`` and ``max_completion_tokens``)
+    that disagree, each says the smallest (``policies/cost.with_output_bound``), so what
+    the backend may generate is what admission reserved."""
 
     endpoint: Endpoint
     body: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.body = with_output_bound(self.body, self.endpoint.output_token_fields)
 
     @property
     def path(self) -> str:
@@ -100,17 +110,38 @@ async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, An
     return body
 
 
+class _NotANumber(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity``: Python's json reads them, JSON has none."""
+
+
+def _constant(name: str) -> float:
+    raise _NotANumber(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]}{'…' if len(text) > 20 else ''} does not fit a "
+                         "64-bit float")
+    return value
+
+
 def parse_json(raw: bytes | str, what: str = "request body") -> Any:
     """``raw`` decoded, or :class:`BadRequest` saying why not: not JSON, not UTF-8, nested
-    deeper than the decoder goes, or an integer longer than Python converts
-    (``sys.get_int_max_str_digits()``, 4,300 digits)."""
+    deeper than the decoder goes, a number that is not one (``NaN``, ``Infinity``: Python
+    reads them, JSON has none) or does not fit (a float beyond ±1.8e308, an integer longer
+    than Python converts: ``sys.get_int_max_str_digits()``, 4,300 digits). Every JSON a
+    client sends (bodies, batch input lines) is read here: what the gateway computes with
+    is a number, and what it forwards to vLLM standard JSON."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_constant, parse_float=_finite)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:  # e.g. "[[[[…": nested deeper than the decoder can go
         raise BadRequest(f"{what} is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string …"
+    except _NotANumber as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string …", 1e400
         raise BadRequest(f"{what} holds a number too large: {exc}") from None
 
 
@@ -129,6 +160,7 @@ def validate_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_
         raise BadRequest(f"{endpoint.path} is not streamed: 'stream' must be false or "
                          "absent", param="stream")
     _check_output_tokens(body, endpoint.output_token_fields, limits.max_output_tokens)
+    _check_sequences(body)
     if endpoint.frames is Frames.CHOICES:
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -196,6 +228,19 @@ def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int 
             raise BadRequest(f"'{name}' must be a positive integer", param=name)
         if cap is not None and value > cap:
             raise BadRequest(f"'{name}' must be at most {cap} (got {value})", param=name)
+
+
+def _check_sequences(body: dict[str, Any]) -> None:
+    """``n`` and ``best_of`` (sequences generated, each up to the output bound): whole
+    numbers, or vLLM reads ``"8"`` and ``8.0`` as 8 while the reservation counted 1."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if (not isinstance(value, int) or isinstance(value, bool)
+                or not 1 <= value <= MAX_SEQUENCES):
+            raise BadRequest(f"'{name}' must be an integer from 1 to {MAX_SEQUENCES}",
+                             param=name)
 
 
 def check_context(body: dict[str, Any], endpoint: Endpoint, max_model_len: int | None

@@ -139,7 +139,7 @@ async def test_cancel_stops_promptly_with_partial_results(sim: SimFactory,
 
 
 @pytest.mark.parametrize(("content", "needle"), [
-    (b'{"custom_id": "a", "method": "POST"\n', "line 1: not valid JSON"),
+    (b'{"custom_id": "a", "method": "POST"\n', "line 1: the line is not valid JSON"),
     (jsonl(2).replace(b"req-1", b"req-0"), "duplicate custom_id 'req-0'"),
     (jsonl(1).replace(MODEL.encode(), b"gpt-9"), "model 'gpt-9' is not served here"),
     (jsonl(1).replace(b"/v1/chat/completions", b"/v1/moderations"), "'url' must be one of"),

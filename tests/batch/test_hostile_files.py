@@ -16,6 +16,7 @@ import pytest
 
 import gateway.batch.input
 from gateway.http.server import GatewayServer
+from gateway.proxy.completion_request import parse_json
 from tests.batch.test_batch_api import CHAT, client, jsonl, wait_status
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_error, auth
 
@@ -133,27 +134,25 @@ async def test_per_user_file_quota(sim: SimFactory, gateway: GatewayFactory,
 
 
 class WhereJsonRuns:
-    """Stands in for ``json`` in ``gateway.batch.input``: counts decodes on and off the
-    event loop's thread."""
-
-    JSONDecodeError = json.JSONDecodeError
+    """Stands in for ``parse_json`` in ``gateway.batch.input``: counts decodes on and off
+    the event loop's thread."""
 
     def __init__(self) -> None:
         self.on_loop = self.off_loop = 0
 
-    def loads(self, raw: bytes) -> Any:
+    def __call__(self, raw: bytes, what: str = "request body") -> Any:
         try:
             asyncio.get_running_loop()
             self.on_loop += 1
         except RuntimeError:
             self.off_loop += 1
-        return json.loads(raw)
+        return parse_json(raw, what)
 
 
 async def test_input_files_are_parsed_off_the_event_loop(gw: GatewayServer,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     where = WhereJsonRuns()
-    monkeypatch.setattr(gateway.batch.input, "json", where)
+    monkeypatch.setattr(gateway.batch.input, "parse_json", where)
     c = client(gw)
     try:
         meta = await c.files.create(file=("in.jsonl", jsonl(50)), purpose="batch")

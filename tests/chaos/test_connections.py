@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -202,3 +203,64 @@ async def _closed_soon(reader: asyncio.StreamReader) -> bool:
         return await asyncio.wait_for(reader.read(), 0.2) == b""
     except TimeoutError:
         return False
+
+
+async def _trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                   every_s: float = 0.05, at_most: int = 400) -> bytes:
+    """Send a byte every ``every_s`` (never idle) until the server answers and closes;
+    returns what it sent back (b"" for a close without an answer). Bounded: ``at_most``
+    bytes, then AssertionError."""
+    answer = asyncio.ensure_future(reader.read())
+    try:
+        for _ in range(at_most):
+            done, _ = await asyncio.wait([answer], timeout=every_s)
+            if done:
+                return answer.result()
+            writer.write(b"x")
+        raise AssertionError(f"a body trickled for {at_most} bytes was never cut")
+    except ConnectionError:  # closed while writing: cut
+        return await answer
+    finally:
+        answer.cancel()
+        writer.close()
+
+
+async def test_a_trickled_upload_is_cut_by_the_minimum_rate_and_not_kept(
+        sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], client_idle_timeout_s=0.5, min_body_bytes_per_s=200,
+                       data_dir=tmp_path)
+    answer = await _trickle(*await open_idle(gw.port, _multipart_head("sk-alice")))
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b"slower than 200 bytes/s" in answer, answer
+    async with aiohttp.ClientSession() as session, session.get(
+            gw.url + "/v1/files", headers={"Authorization": "Bearer sk-alice"}) as resp:
+        listing = await resp.json()
+    assert listing["data"] == [], f"the cut upload was kept: {listing}"
+    left = list((tmp_path / "files").glob("*")) + list((tmp_path / "files").glob(".*"))
+    assert left == [], f"the cut upload left files behind: {left}"
+
+
+async def test_trickled_unauthenticated_logins_are_cut_while_users_are_served(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """The probe's attack at a small size: the connection cap (10) filled with logins
+    that trickle their body, never idle. Each is cut (408 by the minimum rate, or closed
+    to make room: the allowance for connections that never authenticated is 5), and the
+    users' requests, each on a new connection, are served meanwhile."""
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], max_client_connections=10, client_idle_timeout_s=0.5,
+                       min_body_bytes_per_s=200)
+    logins = [asyncio.create_task(_trickle(*await open_idle(gw.port, STALLED_LOGIN)))
+              for _ in range(10)]
+    statuses = []
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(15):
+            async with session.post(gw.url + "/v1/completions", json={
+                    "model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": "Bearer sk-alice"}) as resp:
+                statuses.append(resp.status)
+    answers = await asyncio.gather(*logins)  # each bounded by _trickle
+    assert statuses == [200] * 15, statuses
+    cut = [a[:12] for a in answers]
+    assert all(a == b"" or a.startswith(b"HTTP/1.1 408") for a in answers), cut

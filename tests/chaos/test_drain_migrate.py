@@ -170,8 +170,12 @@ async def test_a_drain_with_migrate_drops_no_stream(
             before = time.time()
             answer = await admin(http, "POST", gateways[0] + "/admin/backends/a/drain",
                                  {"migrate": True, "grace_s": GRACE_S})
-            assert answer["running"] == STREAMS_PER_REPLICA, answer
-            assert before + GRACE_S <= answer["migrate_at"] <= time.time() + GRACE_S, answer
+            after = time.time()
+            # the answer shows what ran on a, unless its grace was over before it was
+            # written (a loaded machine): the streams may have moved already
+            assert answer["running"] == STREAMS_PER_REPLICA or after >= answer["migrate_at"], (
+                answer, after)
+            assert before + GRACE_S <= answer["migrate_at"] <= after + GRACE_S, answer
             shown = await backend_a(http, gateways[1])  # the other replica sees it too
             assert shown["migrate_at"] == answer["migrate_at"], shown
             results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),

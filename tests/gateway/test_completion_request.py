@@ -123,7 +123,8 @@ async def test_valid_body_in_pieces_without_content_length(client: Client) -> No
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe\x00garbage", b"", b'{"model": "m"',
-                                 b"NaN]"])
+                                 b"NaN]", b'{"model": "m", "temperature": NaN}',
+                                 b'{"model": "m", "top_p": -Infinity}'])
 async def test_invalid_json(client: Client, raw: bytes) -> None:
     status, got = await post(client, CHAT, raw)
     assert status == 400, got
@@ -181,11 +182,27 @@ async def test_body_not_an_object(client: Client, raw: bytes) -> None:
      "stream_options"),
     (COMPLETIONS, {"model": MODEL, "prompt": "p", "stream_options": True},
      "stream_options"),
+    # vLLM reads "8" and 8.0 as 8 sequences: counted as one, they would evade the reservation
+    (CHAT, {"model": MODEL, "messages": HI, "n": "8"}, "n"),
+    (CHAT, {"model": MODEL, "messages": HI, "n": 8.0}, "n"),
+    (CHAT, {"model": MODEL, "messages": HI, "n": 0}, "n"),
+    (CHAT, {"model": MODEL, "messages": HI, "n": 129}, "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "p", "best_of": "4"}, "best_of"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "p", "best_of": 10**40}, "best_of"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "p", "n": 2, "best_of": False}, "best_of"),
 ])
 async def test_bad_field(client: Client, path: str, body: dict[str, Any], param: str) -> None:
     status, got = await post(client, path, body)
     assert status == 400, got
     assert_error(got, type_="invalid_request_error", param=param)
+
+
+async def test_n_and_best_of_within_bounds_are_allowed(client: Client) -> None:
+    body = {"model": MODEL, "prompt": "p", "n": 128, "best_of": 128}
+    status, got = await post(client, COMPLETIONS, body)
+    assert status == 200, got
+    status, got = await post(client, CHAT, {"model": MODEL, "messages": HI, "n": None})
+    assert status == 200, got
 
 
 async def test_null_max_tokens_and_stream_options_are_allowed(client: Client) -> None:

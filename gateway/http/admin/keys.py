@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -13,6 +12,7 @@ from gateway.core.errors import BadRequest, KeyInConfig, NotFound
 from gateway.core.settings import ApiKey, UsageLimits, check_name
 from gateway.http.admin.access import admin_services
 from gateway.http.routes import key_usage
+from gateway.proxy.completion_request import parse_json
 from gateway.services import Services
 from policies.classes import CLASS_ORDER, DEFAULT_CLASS
 
@@ -56,12 +56,14 @@ async def read_body(request: web.Request, model: type[BaseModel], empty_ok: bool
     raw = await request.read()
     if not raw.strip() and empty_ok:
         raw = b"{}"
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
     try:
-        return model.model_validate(json.loads(raw))
-    except (ValueError, RecursionError, ValidationError) as exc:
-        errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else None
-        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors) \
-            if errors else "the body must be a JSON object"
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
         param = ".".join(map(str, errors[0]["loc"])) if errors else None
         raise BadRequest(f"invalid request body: {detail}", param=param) from None
 
