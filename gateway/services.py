@@ -154,10 +154,13 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         batches = BatchStore(client)
         runner = BatchRunner(config, admission, upstream, files, batches, metrics,
                              replica_id)
-        keyring = KeyRing(settings.api_keys, settings.admin_keys, RuntimeKeys(client, config))
+        runtime_keys = RuntimeKeys(client, config)
+        keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
         backends = BackendList(client, config, pool, store)
         with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
             await backends.refresh()  # the runtime backends, before the first request
+        with contextlib.suppress(StoreUnavailable):  # else at the first key lookup
+            await runtime_keys.settle_pepper()  # said in the log at start
         services = Services(
             config, keyring, policy, metrics, store,
             pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,

@@ -1,6 +1,18 @@
-"""What a request costs: token estimates before a backend has tokenized anything, the
-most a request can cost (what limits reserve), and the weighted token cost that VTC
-fairness and the service metrics both count."""
+"""What a request costs before a backend has tokenized anything, in two measures, and the
+weighted token cost that VTC fairness and the service metrics both count.
+
+- :func:`estimate_prompt_tokens` — the prompt's *estimate*: what fairness charges at
+  dispatch (corrected by the real count at the settle), the length-aware pools route by
+  and the prefill gate counts. Exact for token ids and an upper bound for every non-ASCII
+  script (a token per UTF-8 byte), about right for ordinary ASCII text (4 characters a
+  token): routing English by its bytes would send prompts of a quarter of a short pool's
+  limit to the long pool.
+- :func:`max_cost_tokens` — the *most* a request can cost: what limits and budgets reserve
+  (refunded to the real cost at the end). Its prompt part, :func:`prompt_token_bound`, is a
+  token per UTF-8 byte for every script, ASCII too (a byte-level BPE tokenizer never emits
+  more), and its output part the effective output bound (:func:`output_bound`, enforced
+  on the backend by :func:`with_output_bound`) times the sequences generated.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +21,15 @@ from typing import Any
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4
+# the bound's allowance for a chat template's own text: per message or Responses input
+# item (role header, end of turn) and per request (begin of text, the generation prompt,
+# a template's default system text)
+TEMPLATE_TOKENS_PER_MESSAGE = 8
+TEMPLATE_TOKENS_PER_REQUEST = 32
+SPECIAL_TOKENS_PER_PROMPT = 2
+# what a chat template renders besides the prompt field itself
+_RENDERED = {"messages": ("messages", "tools", "documents"),
+             "input": ("input", "instructions", "tools")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +78,10 @@ def _tokens(value: Any, floor: int = 1) -> int:
     return max(floor, _prompt_units(value) // CHARS_PER_TOKEN)
 
 
+def _prompt_field(body: dict[str, Any]) -> str:
+    return next((f for f in ("messages", "input") if f in body), "prompt")
+
+
 def estimate_prompt_tokens(body: dict[str, Any], field: str | None = None) -> int:
     """The prompt tokens of the prompt in ``field`` (``messages``, ``input`` or ``prompt``;
     when not given, the first of them the body has), before a backend tokenized it;
@@ -64,14 +89,15 @@ def estimate_prompt_tokens(body: dict[str, Any], field: str | None = None) -> in
 
     Counted as: a token per token id (at any nesting: ``[[ids], …]`` too), a token per
     UTF-8 byte of every non-ASCII character, a quarter token per ASCII character, and 4
-    per chat message or Responses input item. The bound: the estimate is never below the
-    real count for token ids and for any non-ASCII script (a byte-level BPE tokenizer
-    emits at most one token per byte: emoji, CJK and the like cannot be made to look
-    short), nor for ASCII text of about 4 or more characters a token (natural language,
-    code); only ASCII crafted to tokenize denser than that can be up to 4× over it.
+    per chat message or Responses input item. Never below the real count for token ids
+    and for any non-ASCII script (a byte-level BPE tokenizer emits at most one token per
+    byte: emoji, CJK and the like cannot be made to look short), nor for ASCII text of
+    about 4 or more characters a token (natural language, code); ASCII crafted to
+    tokenize denser can be up to 4x over it. Not what limits reserve:
+    :func:`prompt_token_bound` is.
     """
     if field is None:
-        field = next((f for f in ("messages", "input") if f in body), "prompt")
+        field = _prompt_field(body)
     if field == "messages":
         messages = body.get("messages") or []
         content = [m.get("content", "") for m in messages if isinstance(m, dict)]
@@ -85,26 +111,106 @@ def estimate_prompt_tokens(body: dict[str, Any], field: str | None = None) -> in
     return _tokens(body.get("prompt", ""))
 
 
-def max_cost_tokens(prompt_estimate: int, body: dict[str, Any], output_fields: tuple[str, ...],
-                    context_tokens: int) -> int:
+def prompt_token_bound(body: dict[str, Any], field: str | None = None) -> int:
+    """The most tokens the prompt in ``field`` can be (``messages``, ``input`` or
+    ``prompt``; when not given, the first of them the body has).
+
+    A byte-level BPE tokenizer (Llama 3, Qwen, GPT-2/4-style, Mistral's tekken) emits at
+    most one token per UTF-8 byte, whatever the script: so every byte of every string the
+    prompt renders from counts a token (and those of its keys and its numbers), every
+    token id a token; a chat (``messages``) or Responses ``input`` adds its template's own
+    text, ``TEMPLATE_TOKENS_PER_MESSAGE`` per message or item and
+    ``TEMPLATE_TOKENS_PER_REQUEST``, a completion's prompt ``SPECIAL_TOKENS_PER_PROMPT``
+    each (begin and end of text), and what the template renders besides the prompt field
+    (``tools`` and ``documents``; a Responses call's ``instructions`` and ``tools``).
+    """
+    if field is None:
+        field = _prompt_field(body)
+    if field == "prompt":  # each prompt may get a begin (and end) of text token
+        return _bytes(body.get("prompt", "")) + SPECIAL_TOKENS_PER_PROMPT * _prompts(body)
+    total = sum(_bytes(body[name]) for name in _RENDERED.get(field, (field,)) if name in body)
+    value = body.get(field)
+    items = len(value) if isinstance(value, list) else 1
+    return total + TEMPLATE_TOKENS_PER_MESSAGE * items + TEMPLATE_TOKENS_PER_REQUEST
+
+
+def _bytes(value: Any) -> int:
+    """A token per UTF-8 byte of the strings (and dict keys) in ``value`` and of its
+    numbers as JSON writes them, a token per token id (a list of integers), at any
+    nesting (iterative)."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, list):
+            if item and all(type(t) is int for t in item):  # token ids, at C speed
+                total += len(item)
+            else:
+                stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif item is not None:  # numbers and booleans as JSON writes them
+            total += len(str(item))
+        else:
+            total += 4  # null
+    return total
+
+
+def output_bound(body: dict[str, Any], output_fields: tuple[str, ...]) -> int | None:
+    """The effective output bound: the smallest of the endpoint's output-token fields
+    (``output_fields``) the body sets, None when it sets none (the model's context bounds
+    it). The backend may honour another one (vLLM takes ``max_completion_tokens`` over
+    ``max_tokens``): :func:`with_output_bound` makes every field say this one."""
+    bounds = [v for name in output_fields if (v := _count(body.get(name), 0)) > 0]
+    return min(bounds) if bounds else None
+
+
+def with_output_bound(body: dict[str, Any], output_fields: tuple[str, ...]
+                      ) -> dict[str, Any]:
+    """``body`` with every output-token field it sets at the effective bound (a copy when
+    they disagreed, else ``body`` itself): whichever field the backend reads, it cannot
+    generate more than the reservation counted."""
+    bound = output_bound(body, output_fields)
+    if bound is None or all(body.get(f, bound) == bound for f in output_fields):
+        return body
+    return {**body, **{f: bound for f in output_fields if f in body}}
+
+
+def sequences(body: dict[str, Any], field: str | None = None) -> int:
+    """The sequences a request generates: the larger of ``n`` and ``best_of`` for each of
+    its prompts (a completion's ``prompt`` may list several: strings or lists of ids)."""
+    per_prompt = max(1, *(_count(body.get(f), 1) for f in ("n", "best_of")))
+    return per_prompt * (_prompts(body) if (field or _prompt_field(body)) == "prompt" else 1)
+
+
+def _prompts(body: dict[str, Any]) -> int:
+    """The prompts of a completion: a list of strings or of token-id lists is several."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
+        return len(prompt)
+    return 1
+
+
+def max_cost_tokens(body: dict[str, Any], prompt_field: str | None,
+                    output_fields: tuple[str, ...], context_tokens: int) -> int:
     """What a request can cost at most, in tokens: what limits and budgets reserve before
     the backend reports the real count.
 
-    Its prompt estimate, plus its output bound — the largest of the output-token fields
-    of ``output_fields`` (those the endpoint honours) the body sets, else
-    ``context_tokens`` (the model's context length), never more than that — times the
-    sequences it generates (the larger of ``n`` and ``best_of``). The largest, not the
-    smallest: the backend picks one of them (vLLM takes ``max_completion_tokens`` over
-    ``max_tokens``), and only the largest bounds whichever it picks. An endpoint without
-    output (``output_fields`` empty: embeddings) costs its prompt.
+    Its :func:`prompt_token_bound`, plus its output bound — :func:`output_bound` (the
+    smallest output-token field of ``output_fields``, those the endpoint honours), else
+    ``context_tokens`` (the model's context length), never more than that — times its
+    :func:`sequences` (``n``/``best_of``, for each prompt). An endpoint without output
+    (``output_fields`` empty: embeddings) costs its prompt.
     """
-    prompt = max(0, prompt_estimate)
+    prompt = prompt_token_bound(body, prompt_field)
     if not output_fields:
         return prompt
-    bounds = [_count(body.get(f), 0) for f in output_fields if f in body]
-    output = min(context_tokens, max(bounds)) if any(bounds) else context_tokens
-    sequences = max(1, *(_count(body.get(f), 1) for f in ("n", "best_of")))
-    return prompt + max(0, output) * sequences
+    bound = output_bound(body, output_fields)
+    output = context_tokens if bound is None else min(bound, context_tokens)
+    return prompt + max(0, output) * sequences(body, prompt_field)
 
 
 def _count(value: Any, absent: int) -> int:

@@ -6,8 +6,8 @@ one Lua script, ``gateway/storage/lua/quota_admit.lua``, which mirrors :func:`bu
 
 - ``rpm`` and ``tpm`` are token buckets of that capacity, refilled evenly over a minute:
   a request needs one request unit and, for ``tpm``, its reservation (capped at the
-  capacity) — the most it can cost, ``policies/cost.max_cost_tokens``: the prompt
-  estimate plus its output bound (the model's context when it sets none) times ``n``. The end
+  capacity) — the most it can cost, ``policies/cost.max_cost_tokens``: the prompt's
+  bound plus its output bound (the model's context when it sets none) times ``n``. The end
   of the request corrects the reservation to the tokens vLLM reported (the bucket may go
   below zero: the next request waits until it refilled).
 - ``max_concurrent``: requests admitted and not yet finished (slots with a lease).

@@ -2,8 +2,9 @@
 
 A secret is shown once, when it is created or rotated; Redis holds only its HMAC-SHA256
 digest under the server's pepper (``key_pepper``, or else one drawn once per store and
-kept in Redis: every lookup puts this replica's back when a Redis restarted empty, and
-adopts the store's when another replica's got there first), and a lookup is one
+kept in Redis, the log saying at start whether this process drew it: every lookup puts
+this replica's back when a Redis restarted empty, and adopts the store's when another
+replica's got there first), and a lookup is one
 hash-table read by digest, so no secret is compared in clear. Each replica caches what
 it looked up (found or not) for ``key_cache_s`` (≤ 1 s):
 a new key, a revocation or the end of a rotation's grace period takes effect on every
@@ -35,6 +36,9 @@ log = structlog.get_logger("fairgate.keys")
 SECRET_PREFIX = "sk-fg-"
 SHOWN_PREFIX_CHARS = len(SECRET_PREFIX) + 4  # what listings show of a secret
 MAX_CACHED = 100_000
+PEPPER_HINT = ("no key_pepper configured: runtime keys are hashed with a pepper kept in "
+               "Redis; set key_pepper (FAIRGATE_KEY_PEPPER) in production")
+CHANGED = "another replica's pepper is the store's (Redis restarted empty): adopted"
 
 
 def digest(pepper: bytes, secret: str) -> str:
@@ -55,21 +59,32 @@ class RuntimeKeys(ReadsSettings):
 
     async def pepper(self) -> bytes:
         """The HMAC pepper: from the settings, or else the store's, generated once per
-        store (``SET NX``) and kept in Redis (read when first needed: a gateway starts
-        while Redis is down)."""
+        store (``SET NX``) and kept in Redis (settled at start, see :meth:`settle_pepper`,
+        or when first needed if Redis was down then)."""
         if self._pepper is not None:
             return self._pepper
-        log.warning("key_pepper_from_redis",
-                    hint="set key_pepper (FAIRGATE_KEY_PEPPER) to keep it out of Redis")
         return await self._store_pepper()
 
+    async def settle_pepper(self) -> None:
+        """At start, without ``key_pepper``: the store's pepper, the log saying whether
+        this process generated it (StoreUnavailable while Redis is down)."""
+        if not self._configured:
+            await self._store_pepper()
+
     async def _store_pepper(self) -> bytes:
-        """The store's pepper, this replica's kept there when it has none (a Redis that
-        restarted empty), adopted when another replica's got there first."""
+        """The store's pepper: this replica's kept there when it has none (a new store, or
+        a Redis that restarted empty), adopted when another replica's got there first."""
         mine = self._pepper or secrets.token_hex(32).encode()
-        await self.client.set(KEY_PEPPER, mine, nx=True)
-        stored = str(await self.client.get(KEY_PEPPER)).encode()
+        held = await self.client.set(KEY_PEPPER, mine, nx=True, get=True)
+        if held is None:
+            log.warning("key_pepper_generated" if self._pepper is None else
+                        "key_pepper_restored", where=KEY_PEPPER, hint=PEPPER_HINT)
+        elif self._pepper is None:
+            log.info("key_pepper_from_store", where=KEY_PEPPER, hint=PEPPER_HINT)
+        stored = mine if held is None else str(held).encode()
         if stored != self._pepper:
+            if self._pepper is not None:
+                log.warning("key_pepper_changed", where=KEY_PEPPER, reason=CHANGED)
             self._pepper = stored
             self._cache.clear()
         return stored
@@ -89,6 +104,7 @@ class RuntimeKeys(ReadsSettings):
         fields = await self._lookup(keys=[key_digest(digest_hex), KEY_PEPPER], args=[
             KEYRING_PREFIX, round(time.time(), 3), b"" if self._configured else pepper])
         if fields and str(fields[0]) == "pepper":  # the store's pepper changed: adopt it
+            log.warning("key_pepper_changed", where=KEY_PEPPER, reason=CHANGED)
             self._pepper = str(fields[1]).encode()
             self._cache.clear()
             return await self.lookup(secret)

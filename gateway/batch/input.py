@@ -5,8 +5,9 @@ a unique ``custom_id``, a ``url`` the Batch API takes (chat, completions, embedd
 responses: ``BATCHABLE`` in ``gateway/proxy/endpoints.py``), a ``body.model`` fairgate
 serves and a body its endpoint accepts, within the request limits (``Limits``: depth,
 output tokens, end user), checked as an interactive call's body is, so no accepted line
-can fail later on its shape. Errors name the first bad lines so a user can fix the file in
-one go.
+can fail later on its shape; and, where a model's context length is known (``contexts``),
+no output-token field beyond it (a bound that can never be met). Errors name the first bad
+lines so a user can fix the file in one go.
 
 Parsing a large file takes seconds of CPU: callers on the event loop run
 :func:`summarize_file` and :func:`load_file` in a worker thread (``asyncio.to_thread``).
@@ -15,13 +16,19 @@ Parsing a large file takes seconds of CPU: callers on the event loop run
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gateway.core.errors import BadRequest
-from gateway.proxy.completion_request import NO_LIMITS, Limits, parse_json, validate_body
+from gateway.proxy.completion_request import (
+    NO_LIMITS,
+    Limits,
+    check_context,
+    parse_json,
+    validate_body,
+)
 from gateway.proxy.endpoints import BATCHABLE, BY_PATH
 
 MAX_REPORTED = 10
@@ -47,7 +54,8 @@ class FileSummary:
     lines_by_url: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _check(obj: Any, models: Collection[str], limits: Limits) -> str | None:
+def _check(obj: Any, models: Collection[str], limits: Limits,
+           contexts: Mapping[str, int]) -> str | None:
     """The problem with one parsed line, or None."""
     if not isinstance(obj, dict):
         return "not a JSON object"
@@ -69,6 +77,10 @@ def _check(obj: Any, models: Collection[str], limits: Limits) -> str | None:
         return "'body': " + exc.message
     if body["model"] not in models:
         return f"model {body['model']!r} is not served here"
+    try:
+        check_context(body, BY_PATH[obj["url"]], contexts.get(body["model"]))
+    except BadRequest as exc:
+        return "'body': " + exc.message
     return None
 
 
@@ -82,9 +94,11 @@ def _parse(raw: bytes) -> tuple[Any, str | None]:
 
 
 def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
-               limits: Limits = NO_LIMITS) -> Iterator[BatchLine]:
+               limits: Limits = NO_LIMITS, contexts: Mapping[str, int] | None = None
+               ) -> Iterator[BatchLine]:
     """Valid lines in order (blank lines skipped), as they are read; once the input is
-    exhausted, raises BadRequest listing the bad lines (or if there were none at all)."""
+    exhausted, raises BadRequest listing the bad lines (or if there were none at all).
+    ``contexts``: the context length of each model that has a known one."""
     problems: list[str] = []
     seen: set[str] = set()
     count = 0
@@ -93,7 +107,7 @@ def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
             continue
         obj, problem = _parse(raw)
         if problem is None:
-            problem = _check(obj, models, limits)
+            problem = _check(obj, models, limits, contexts or {})
             if problem is None and obj["custom_id"] in seen:
                 problem = f"duplicate custom_id {obj['custom_id']!r}"
         if problem is not None:
@@ -126,12 +140,12 @@ def load_file(path: Path, models: Collection[str], limits: Limits = NO_LIMITS
         return list(scan_lines(fh, models, limits))
 
 
-def summarize_file(path: Path, models: Collection[str], limits: Limits = NO_LIMITS
-                   ) -> FileSummary:
+def summarize_file(path: Path, models: Collection[str], limits: Limits = NO_LIMITS,
+                   contexts: Mapping[str, int] | None = None) -> FileSummary:
     """Validate a file without keeping its lines (blocking: run it in a worker thread)."""
     summary = FileSummary()
     with path.open("rb") as fh:
-        for line in scan_lines(fh, models, limits):
+        for line in scan_lines(fh, models, limits, contexts):
             summary.requests += 1
             first = summary.lines_by_url.setdefault(line.url, [])
             if len(first) < MAX_REPORTED:

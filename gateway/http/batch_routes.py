@@ -45,11 +45,18 @@ async def upload_file(request: web.Request) -> web.Response:
     meta = await _receive(request, svc, user)
     try:  # parsing takes seconds for a large file: off the event loop
         await asyncio.to_thread(summarize_file, svc.files.path(meta.id), svc.settings.models(),
-                                Limits.of(svc.settings))
+                                Limits.of(svc.settings), _contexts(svc))
     except BaseException:  # a file that failed validation is not kept, whatever failed
         await asyncio.shield(svc.files.delete(user, meta.id))
         raise
     return web.json_response(meta.to_openai())
+
+
+def _contexts(svc: Services) -> dict[str, int]:
+    """Each model's context length, where a backend reported it: a line asking for more
+    output than that could never be served."""
+    known = {model: svc.pool.max_model_len(model) for model in svc.settings.models()}
+    return {model: length for model, length in known.items() if length}
 
 
 async def _receive(request: web.Request, svc: Services, user: str) -> FileMeta:
@@ -148,7 +155,8 @@ async def create_batch(request: web.Request) -> web.Response:
         raise BadRequest(f"file {file_id} was not uploaded with purpose \"batch\"",
                          param="input_file_id")
     summary = await asyncio.to_thread(summarize_file, svc.files.path(file_id),
-                                      svc.settings.models(), Limits.of(svc.settings))
+                                      svc.settings.models(), Limits.of(svc.settings),
+                                      _contexts(svc))
     wrong = sorted((index, url) for url, first in summary.lines_by_url.items()
                    if url != endpoint for index in first)[:10]
     if wrong:

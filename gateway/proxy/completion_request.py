@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gateway.core.errors import BadRequest, PayloadTooLarge
 from gateway.proxy.endpoints import Endpoint, Frames
+from policies.cost import with_output_bound
 
 if TYPE_CHECKING:
     from gateway.core.settings import Settings
@@ -53,10 +54,16 @@ NO_LIMITS = Limits()
 
 @dataclass(slots=True)
 class CompletionRequest:
-    """A validated body of one of the queued endpoints."""
+    """A validated body of one of the queued endpoints, as the backend gets it: when it
+    sets several output-token fields (chat: ``max_tokens`` and ``max_completion_tokens``)
+    that disagree, each says the smallest (``policies/cost.with_output_bound``), so what
+    the backend may generate is what admission reserved."""
 
     endpoint: Endpoint
     body: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.body = with_output_bound(self.body, self.endpoint.output_token_fields)
 
     @property
     def path(self) -> str:

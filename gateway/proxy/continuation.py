@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.proxy.endpoints import CHAT, COMPLETIONS, Endpoint
+from policies.cost import output_bound
 
 # copied to the continuation as they are: they shape each next token the same way
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
@@ -151,7 +152,7 @@ class Progress:
                    return_token_ids=True, stream=stream)
         if stream:
             out["stream_options"] = {"include_usage": True}
-        bound = _output_bound(endpoint, body)
+        bound = output_bound(body, endpoint.output_token_fields)
         if bound is not None:
             out["max_tokens"] = max(1, bound - len(self.generated))
         min_tokens = body.get("min_tokens")
@@ -208,13 +209,6 @@ class Progress:
         return [{"id": self.id, "object": "chat.completion.chunk" if self.chat
                  else "text_completion", "created": self.created, "model": self.model,
                  "choices": [], "usage": self.usage()}]
-
-
-def _output_bound(endpoint: Endpoint, body: dict[str, Any]) -> int | None:
-    """The answer's output-token bound: the smallest of its output-token fields set."""
-    bounds = [v for name in endpoint.output_token_fields
-              if isinstance(v := body.get(name), int) and not isinstance(v, bool)]
-    return min(bounds) if bounds else None
 
 
 def _choices(event: dict[str, Any]) -> list[dict[str, Any]]:

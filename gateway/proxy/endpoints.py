@@ -62,7 +62,9 @@ class Endpoint:
     request_schema: str | None = None  # components/schemas in the OpenAPI document
     response_schema: str | None = None
     prompt_field: str | None = None  # messages | prompt | input
-    output_token_fields: tuple[str, ...] = ()  # the smallest set bounds the output
+    # the fields the backend honours as output-token bounds: the smallest set is the
+    # request's (``policies/cost.output_bound``; every one of them says it when forwarded)
+    output_token_fields: tuple[str, ...] = ()
     frames: Frames = Frames.NONE
     usage: Usage = CHOICES_USAGE
     batchable: bool = False  # a Batch API line may target it
@@ -82,17 +84,17 @@ class Endpoint:
         return self.frames is Frames.CHOICES
 
 
-_OUTPUT = ("max_tokens", "max_completion_tokens")
 
 CHAT = Endpoint(
     "/v1/chat/completions", "POST", "createChatCompletion", Kind.QUEUED,
     "A chat completion, queued fairly and forwarded to a vLLM backend",
-    "CreateChatCompletionRequest", "ChatCompletion", "messages", _OUTPUT, Frames.CHOICES,
+    "CreateChatCompletionRequest", "ChatCompletion", "messages",
+    ("max_tokens", "max_completion_tokens"), Frames.CHOICES,
     batchable=True, sim="chat")
 COMPLETIONS = Endpoint(
     "/v1/completions", "POST", "createCompletion", Kind.QUEUED,
     "A text completion, queued fairly and forwarded to a vLLM backend",
-    "CreateCompletionRequest", "Completion", "prompt", _OUTPUT, Frames.CHOICES,
+    "CreateCompletionRequest", "Completion", "prompt", ("max_tokens",), Frames.CHOICES,
     batchable=True, sim="completion")
 EMBEDDINGS = Endpoint(
     "/v1/embeddings", "POST", "createEmbedding", Kind.QUEUED,

@@ -269,7 +269,8 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
     a failed backend's answer continues elsewhere; ``mover`` hears each response read so
     the answer can be moved on purpose. ``out``: the client's stream when it was answered
     already (``gateway/http/queue_status.py``). ``idle_s``: a backend that sends no whole
-    frame for this long after its first has failed (``stream_idle_timeout_s``)."""
+    frame for this long once it sent its first bytes has failed
+    (``stream_idle_timeout_s``)."""
     try:
         return await _relay(request, resp, listener, wants_usage, endpoint, progress, resume,
                             started or listener.first_token, mover or Mover(), out, idle_s)
@@ -343,17 +344,18 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
         return (f"the backend answered the stream with {resp.content_type or 'no content type'},"
                 " not an event stream")
     loop = asyncio.get_running_loop()
-    last_frame: float | None = None  # when the latest whole frame passed
+    due_from: float | None = None  # the latest whole frame, else the first bytes
     try:
         # the idle deadline counts whole frames from the backend (a byte trickle resets
-        # aiohttp's sock_read, not this), never the time spent writing to the client
+        # aiohttp's sock_read, not this), from its first bytes on, never the time spent
+        # writing to the client; silence before any byte is sock_read's
         async with asyncio.timeout(None) as idle:
             async for chunk in resp.content.iter_any():
                 idle.reschedule(None)
-                if await _pass(out, chunk, frames, listener, started):
-                    last_frame = loop.time()
-                if last_frame is not None and idle_s is not None:
-                    idle.reschedule(last_frame + idle_s)
+                if await _pass(out, chunk, frames, listener, started) or due_from is None:
+                    due_from = loop.time()
+                if idle_s is not None:
+                    idle.reschedule(due_from + idle_s)
     except (aiohttp.ClientError, TimeoutError) as exc:
         if idle.expired():
             return f"no whole frame for {idle_s:g} s (stream_idle_timeout_s)"

@@ -76,7 +76,9 @@ class Upstream:
                  max_request_s: float | None = None,
                  stream_idle_s: float | None = None) -> None:
         self.session = session
-        self.stream_idle_s = stream_idle_s  # no whole frame this long mid-stream: failed
+        # no whole frame this long mid-stream, or a whole answer's body not whole this long
+        # after its status line: failed (a byte trickle resets sock_read, not this)
+        self.stream_idle_s = stream_idle_s
         # sock_read: the backend went quiet; total: no answer, streamed or not, runs longer
         # than max_request_s (a stream then ends with an error event)
         self.timeout = aiohttp.ClientTimeout(total=max_request_s, sock_connect=10,
@@ -110,7 +112,8 @@ class Upstream:
                                          mover)
             if resp.status != 200:
                 status, data, content_type = await _read(handle, resp, listener,
-                                                         creq.endpoint.usage)
+                                                         creq.endpoint.usage,
+                                                         self.stream_idle_s)
                 if early is not None:  # one line: the error object as the last event
                     event = json.dumps(json.loads(data), separators=(",", ":")).encode()
                     await early.write(b"data: " + event + b"\n\n")
@@ -224,8 +227,8 @@ class Upstream:
                 else:
                     mover.attach(resp)
                     try:
-                        status, data, content_type = await _read(handle, resp, listener,
-                                                                 usage)
+                        status, data, content_type = await _read(
+                            handle, resp, listener, usage, self.stream_idle_s)
                         return web.Response(body=data, status=status,
                                             content_type=content_type)
                     except UpstreamError as exc:
@@ -267,7 +270,8 @@ class Upstream:
         came, the answer as vLLM gave it (a foreign error wrapped in OpenAI's format)."""
         resp = await self._send(handle, path, body)
         try:
-            status, data, content_type = await _read(handle, resp, NO_LISTENER)
+            status, data, content_type = await _read(handle, resp, NO_LISTENER,
+                                                     idle_s=self.stream_idle_s)
             return web.Response(body=data, status=status, content_type=content_type)
         finally:
             resp.release()
@@ -326,15 +330,19 @@ NO_LISTENER = _NoListener()
 
 
 async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,
-                listener: RelayListener, usage: Usage = CHOICES_USAGE
-                ) -> tuple[int, bytes, str]:
+                listener: RelayListener, usage: Usage = CHOICES_USAGE,
+                idle_s: float | None = None) -> tuple[int, bytes, str]:
     """(status, body, content type) of a whole (non-streamed or error) answer for the
-    client, in OpenAI's format; its usage reported when it succeeded."""
+    client, in OpenAI's format; its usage reported when it succeeded. ``idle_s``: the
+    body is whole within this long after the status line (vLLM sends it at once)."""
     try:
-        data = await resp.read()
+        async with asyncio.timeout(idle_s) as deadline:
+            data = await resp.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
         listener.end(False)
-        raise UpstreamError(f"backend {handle.name} failed mid-response: {exc}") from exc
+        problem = (f"its body took longer than {idle_s:g} s (stream_idle_timeout_s)"
+                   if deadline.expired() else f"failed mid-response: {exc}")
+        raise UpstreamError(f"backend {handle.name} {problem}") from exc
     content_type = resp.content_type or "application/json"
     parsed = _json(data)
     if resp.status == 200 and isinstance(parsed, dict):

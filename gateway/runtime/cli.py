@@ -8,10 +8,13 @@ the gateway, so ``python -m gateway.runtime.cli serve`` runs without the rig ins
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from gateway.core import event_loop
+from gateway.core.config_file import ConfigFileInvalid, read_config_file
 from gateway.core.logs import configure_logging
 from gateway.core.settings import load_settings
 from gateway.runtime.serve import (
@@ -30,10 +33,13 @@ AddCommand = Callable[[Any], object]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    path = args.config or os.environ.get("FAIRGATE_CONFIG")
+    if path and not Path(path).is_file():
+        return fail(f"config file not found: {path}")
     try:
-        settings = load_settings(args.config)
-    except FileNotFoundError as exc:
-        return fail(str(exc))
+        settings = read_config_file(Path(path)) if path else load_settings()
+    except ConfigFileInvalid as exc:
+        return fail(f"config file {path!r} {exc}")
     problem = missing_setup(settings)
     if problem is not None:
         return fail(problem)

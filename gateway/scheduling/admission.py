@@ -207,16 +207,15 @@ class Admission(ReadsSettings):
                        account: ApiKey | None = None,
                        refuse_unready: bool = False) -> AsyncIterator[Ticket]:
         """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
-        tenant, ``gateway/scheduling/quotas.py``): charged before queueing (the prompt's
-        estimate and the endpoint's output-token bound), corrected at the end, and its usage
-        recorded (``gateway/scheduling/usage.py``)."""
+        tenant, ``gateway/scheduling/quotas.py``): charged before queueing the most it can
+        cost (:meth:`max_cost`), corrected at the end to what the backend reported, and its
+        usage recorded (``gateway/scheduling/usage.py``)."""
         request_id = request_id or uuid.uuid4().hex
         held: Held | None = None
         prompt_est = estimate(creq)
         if account is not None and self.quotas is not None:
             try:
-                held = await self.quotas.admit(account, request_id, self.max_cost(
-                    model, creq, prompt_est))
+                held = await self.quotas.admit(account, request_id, self.max_cost(model, creq))
             except RateLimitExceeded as exc:
                 self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
                 await self._record_usage(account, model, klass, 0, 0, error=True)
@@ -247,13 +246,13 @@ class Admission(ReadsSettings):
                     error=not (cancelled or (ticket is not None and ticket.completed)),
                     stored=ticket is not None and ticket.usage_recorded, cancelled=cancelled)
 
-    def max_cost(self, model: str, creq: CompletionRequest, prompt_est: int) -> int:
+    def max_cost(self, model: str, creq: CompletionRequest) -> int:
         """What the request can cost at most (``policies/cost.max_cost_tokens``): the
         model's context length bounds a request that sets no output limit (the
         ``max_output_tokens`` setting until a backend reported it)."""
         context = self.pool.max_model_len(model) or self.settings.max_output_tokens
-        return max_cost_tokens(prompt_est, creq.body, creq.endpoint.output_token_fields,
-                               context)
+        return max_cost_tokens(creq.body, creq.endpoint.prompt_field,
+                               creq.endpoint.output_token_fields, context)
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False,

@@ -19,7 +19,8 @@ from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
 
 SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
-             "locality", "tenants", "pacing", "replicas", "shards", "fleet", "preemption")
+             "locality", "tenants", "pacing", "replicas", "shards", "fleet", "preemption",
+             "autoscale")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

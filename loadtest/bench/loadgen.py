@@ -62,20 +62,32 @@ async def open_loop(session: aiohttp.ClientSession, target: Target,
                     sink: list[Result] | None = None) -> list[Result]:
     """Send at ``rate`` req/s (Poisson or evenly spaced) for ``duration_s``; wait up to
     ``drain_s`` for the last answers, then cancel."""
+    return await stepped_loop(session, target, make, [(rate, duration_s)], bar, poisson, seed,
+                              drain_s, sink)
+
+
+async def stepped_loop(session: aiohttp.ClientSession, target: Target,
+                       make: Callable[[int], Spec], steps: Sequence[tuple[float, float]],
+                       bar: Any, poisson: bool = True, seed: int = 0, drain_s: float = 30.0,
+                       sink: list[Result] | None = None) -> list[Result]:
+    """An open loop whose rate steps: each ``(rate, duration_s)`` in turn, ``rate ×
+    duration_s`` requests each; then up to ``drain_s`` for the last answers, then cancel."""
     rng = random.Random(seed)
     results: list[Result] = [] if sink is None else sink
     tasks: list[asyncio.Task[Any]] = []
     start = time.perf_counter()
-    count = int(rate * duration_s)
-    at = 0.0
-    for i in range(count):
-        delay = start + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        task = asyncio.create_task(send(session, target, make(i), results))
-        task.add_done_callback(lambda _t: bar.update(1))
-        tasks.append(task)
-        at += rng.expovariate(rate) if poisson else 1.0 / rate
+    step_at = 0.0
+    for rate, duration_s in steps:
+        at = step_at
+        for _ in range(int(rate * duration_s)):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(send(session, target, make(len(tasks)), results))
+            task.add_done_callback(lambda _t: bar.update(1))
+            tasks.append(task)
+            at += rng.expovariate(rate) if poisson else 1.0 / rate
+        step_at += duration_s
     if tasks:
         await asyncio.wait(tasks, timeout=drain_s)
     await cancel_all(tasks)

@@ -28,7 +28,7 @@ from gateway.proxy.endpoints import (
 from gateway.scheduling.admission import estimate
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
-from policies.cost import estimate_prompt_tokens, max_cost_tokens
+from policies.cost import estimate_prompt_tokens, max_cost_tokens, prompt_token_bound
 from tests.gateway.conftest import MODEL
 
 # a hypothetical new endpoint: queued, streamed as typed events, its own prompt and
@@ -55,18 +55,31 @@ def test_every_entry_is_declared_once() -> None:
 
 
 @pytest.mark.parametrize(("endpoint", "body", "cost"), [
-    (CHAT, {"max_tokens": 7, "max_completion_tokens": 9}, 9),
-    (CHAT, {"max_tokens": 900, "max_completion_tokens": 1}, 900),
+    (CHAT, {"max_tokens": 7, "max_completion_tokens": 9}, 7),  # the smallest
+    (CHAT, {"max_tokens": 900, "max_completion_tokens": 1}, 1),
     (CHAT, {"max_completion_tokens": 9, "n": 3}, 27),
     (COMPLETIONS, {}, 1000),  # none set: the context
     (COMPLETIONS, {"max_tokens": 5, "n": 2, "best_of": 4}, 20),
+    (COMPLETIONS, {"max_completion_tokens": 5}, 1000),  # vLLM reads only max_tokens here
     (RESPONSES, {"max_output_tokens": 11, "max_tokens": 3}, 11),  # max_tokens is not its
     (BY_PATH["/v1/embeddings"], {"max_tokens": 5}, 0),
 ])
 def test_the_output_cost_reads_the_endpoints_fields(endpoint: Endpoint, body: dict[str, Any],
                                                     cost: int) -> None:
-    got = max_cost_tokens(0, body, endpoint.output_token_fields, 1000)
-    assert got == cost, (endpoint.path, body, got)
+    body = {endpoint.prompt_field or "prompt": "", **body}
+    prompt = prompt_token_bound(body, endpoint.prompt_field)
+    got = max_cost_tokens(body, endpoint.prompt_field, endpoint.output_token_fields, 1000)
+    assert got - prompt == cost, (endpoint.path, body, got, prompt)
+
+
+def test_the_backend_gets_the_output_bound_that_was_reserved() -> None:
+    body = {"model": MODEL, "messages": [], "max_tokens": 1, "max_completion_tokens": 2000}
+    assert CompletionRequest(CHAT, body).body == {**body, "max_completion_tokens": 1}
+    assert body["max_completion_tokens"] == 2000  # the client's body is not changed
+    same = {"model": MODEL, "prompt": "x", "max_tokens": 5}
+    assert CompletionRequest(COMPLETIONS, same).body is same
+    other = {"model": MODEL, "input": "x", "max_output_tokens": 9, "max_tokens": 3}
+    assert CompletionRequest(RESPONSES, other).body is other  # not a Responses field
 
 
 def test_the_estimate_reads_the_endpoints_prompt_field() -> None:
@@ -121,7 +134,8 @@ def test_a_new_entry_needs_nothing_else() -> None:
     assert bad.value.param == "input", bad.value
     body = {"model": "m", "input": "x" * 40, "max_output_tokens": 5, "stream": True}
     validate_body(body, NEW)
-    assert max_cost_tokens(0, body, NEW.output_token_fields, 100) == 5
+    assert max_cost_tokens(body, "input", NEW.output_token_fields, 100) == 5 + (
+        prompt_token_bound(body, "input"))
     assert estimate(CompletionRequest(NEW, body)) == estimate_prompt_tokens(body, "input")
     spec = build(document(), (NEW,))
     op = spec["paths"][NEW.path]["post"]

@@ -231,7 +231,7 @@ async def test_output_token_cap_is_a_setting(sim: SimFactory, gateway: GatewayFa
 
 
 @pytest.mark.parametrize(("path", "field"), [
-    ("/v1/chat/completions", "max_tokens"), ("/v1/completions", "max_completion_tokens"),
+    ("/v1/chat/completions", "max_tokens"), ("/v1/completions", "max_tokens"),
     ("/v1/responses", "max_output_tokens")])
 async def test_output_beyond_the_models_context_is_refused_before_the_queue(
         sim: SimFactory, gateway: GatewayFactory, path: str, field: str) -> None:

@@ -172,12 +172,13 @@ class Trickle:
     """A stream that sends ``opening`` and then one byte of a frame every 20 ms, never
     completing it (at most 500 bytes: 10 s); ``cut`` is set when fairgate hangs up."""
 
-    def __init__(self, opening: bytes) -> None:
+    def __init__(self, opening: bytes, content_type: str = "text/event-stream") -> None:
         self.opening = opening
+        self.content_type = content_type
         self.cut = asyncio.Event()
 
     async def answer(self, request: web.Request) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        out = web.StreamResponse(headers={"Content-Type": self.content_type})
         await out.prepare(request)
         try:
             await out.write(self.opening)
@@ -207,10 +208,10 @@ class OddStreams(OddBackend):
                 return await first.answer(request)
             status, content_type, data = first
             return web.Response(status=status, body=data, content_type=content_type)
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
         async with aiohttp.ClientSession() as http, http.post(
                 self.source.url + request.path, json=body) as resp:
+            out = web.StreamResponse(headers={"Content-Type": resp.headers["Content-Type"]})
+            await out.prepare(request)
             async for chunk in resp.content.iter_any():
                 await out.write(chunk)
         await out.write_eof()
@@ -295,20 +296,23 @@ ROLE = (b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"
         b'"finish_reason":null}]}\n\n')
 
 
+@pytest.mark.parametrize("opening", [CHUNK_A, b""], ids=["after-a-frame", "from-the-start"])
 async def test_a_trickling_stream_is_cut_by_the_idle_deadline(
-        sim: SimFactory, gateway: GatewayFactory) -> None:
-    """A frame, then a byte every 20 ms that never completes the next: aiohttp's
+        opening: bytes, sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A frame (or none), then a byte every 20 ms that never completes the next: aiohttp's
     sock_read never fires (each byte resets it); stream_idle_timeout_s cuts it with an
-    error event and the backend's connection is closed."""
+    error event and the backend's connection is closed. From the start: the deadline
+    runs from the first byte (before, only a whole frame started it, and the trickle ran
+    until the backend ended it)."""
     backend = OddStreams(await sim(profile="instant"))
     await backend.start()
     try:
-        trickle = Trickle(CHUNK_A)
+        trickle = Trickle(opening)
         backend.first = [trickle]
         gw = await gateway([backend], stream_idle_timeout_s=0.3)
         status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
                                              "stream": True, "stop": ["zzz"]})
-        assert status == 200 and frames[0] == CHUNK_A.strip(), frames
+        assert status == 200 and frames[:-1] == [opening.strip()][:len(opening)], frames
         message = assert_error(json.loads(frames[-1][len(b"data: "):]),
                                type_="server_error", code="upstream_error")
         assert "stream_idle_timeout_s" in message, message
@@ -333,6 +337,29 @@ async def test_a_continuable_trickling_stream_is_sent_elsewhere(
         assert status == 200 and frames[-1] == b"data: [DONE]", frames
         assert not any(b'"error"' in f for f in frames), frames
         await trickle.cut.wait()
+        await store_is_idle(gw)
+    finally:
+        await backend.stop()
+
+
+async def test_a_trickling_whole_answer_is_cut_by_the_idle_deadline(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A non-streamed answer whose body trickles a byte every 20 ms after its status line
+    (vLLM sends it at once): failed after stream_idle_timeout_s, the backend's connection
+    closed, the request sent again and answered whole (before: the trickle ran until the
+    backend ended it, and its broken body was a 502)."""
+    backend = OddStreams(await sim(profile="instant"))
+    await backend.start()
+    try:
+        trickle = Trickle(b'{"id": "x", "choices": [', "application/json")
+        backend.first = [trickle]
+        gw = await gateway([backend], stream_idle_timeout_s=0.3)
+        async with aiohttp.ClientSession() as http, http.post(
+                gw.url + CHAT, json={"model": MODEL, "messages": HI, "max_tokens": 2,
+                                     "ignore_eos": True}, headers=auth("sk-alice")) as resp:
+            status, answer = resp.status, await resp.json()
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2, (status, answer)
+        await asyncio.wait_for(trickle.cut.wait(), 30)  # fairgate hung up on the trickle
         await store_is_idle(gw)
     finally:
         await backend.stop()

@@ -19,13 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import yaml
 from aiohttp import web
-from pydantic import ValidationError
 
 from gateway.access.auth import KeyRing
+from gateway.core.config_file import ConfigFileInvalid, read_config_file
 from gateway.core.errors import BadRequest, NoConfigFile
-from gateway.core.settings import Settings, load_settings
+from gateway.core.settings import Settings
 from gateway.core.worker_signals import reload_siblings
 from gateway.http.admin.access import admin_services
 from gateway.services import Services
@@ -61,26 +60,17 @@ async def reload_config(request: web.Request) -> web.Response:
 
 
 def _read_config(path: Path) -> Settings:
-    """The whole new config, validated; ``BadRequest`` naming the problem otherwise: not
-    UTF-8, not YAML, empty or comments only, not a mapping, invalid settings, no backends,
-    or no keys at all (a reload must never lock the operators out)."""
+    """The whole new config, validated (``gateway/core/config_file.py``); ``BadRequest``
+    naming the problem otherwise, also when it names no backends or no keys at all (a
+    reload must never lock the operators out)."""
     def refuse(problem: str) -> BadRequest:
         return BadRequest(f"config file {str(path)!r} {problem}; nothing reloaded, the "
                           "current config stays")
 
     try:
-        parsed = yaml.safe_load(path.read_bytes().decode("utf-8"))
-        if parsed is None:
-            raise refuse("is empty (or holds only comments)")
-        if not isinstance(parsed, dict):
-            raise refuse(f"must hold a mapping of settings, not a {type(parsed).__name__}")
-        new = load_settings(path)
-    except UnicodeDecodeError as exc:
-        raise refuse(f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise refuse(f"cannot be read: {exc.strerror or exc}") from None
-    except (ValidationError, yaml.YAMLError, ValueError) as exc:
-        raise refuse(f"is invalid: {exc}") from None
+        new = read_config_file(path)
+    except ConfigFileInvalid as exc:
+        raise refuse(str(exc)) from None
     if not new.backends and not new.discovery:
         raise refuse("names no backends and no discovery")
     if not new.api_keys and not new.admin_keys:
@@ -105,10 +95,11 @@ def reload_settings(svc: Services) -> dict[str, Any]:
     live = [f for f in Settings.model_fields
             if f not in RESTART_FIELDS and f not in ALWAYS_RELOADED and f not in BACKEND_FIELDS]
     reloaded = [*ALWAYS_RELOADED, *reloaded_backends, *_changed(current, new, live)]
+    keys = KeyRing(new.api_keys, new.admin_keys, svc.keys.runtime)  # before any change
     svc.config.swap(new.model_copy(update={f: getattr(current, f) for f in restart}))
     # configured and runtime backends merged again (queues and connections stay)
     backends = svc.backends.apply() if "backends" in reloaded_backends else {}
-    svc.keys = KeyRing(new.api_keys, new.admin_keys, svc.keys.runtime)
+    svc.keys = keys
     log.info("config_reloaded", api_keys=len(new.api_keys), admin_keys=len(new.admin_keys),
              backends=backends, reloaded=reloaded, restart_required=restart)
     return {"reloaded": reloaded, "api_keys": len(new.api_keys), "backends": backends,
