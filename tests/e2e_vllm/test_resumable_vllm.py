@@ -84,6 +84,9 @@ STREAM_TOKENS = 200
 # kill waiting for more may never come
 CUT_AFTER = 1
 RUN_TIMEOUT_S = 180.0
+# runs of the 12 streams until one is killed mid-stream (a loaded machine starves the
+# niced server: one run saw it send every answer whole)
+KILL_ATTEMPTS = 3
 KEYS = ("sk-alice", "sk-bob", "sk-carol")
 CPU_SCRAPES: dict[str, Any] = {
     # vLLM's CPU API server answers /metrics slowly while 2 cores are busy: do not call
@@ -524,12 +527,21 @@ async def test_a_killed_vllm_server_streams_continue_on_the_other(
     async with gateway(redis_url, servers) as gw:
         reference = await twelve_streams(gw, model)
         await settled(gw, model)
-        killer = KillMidStream(gw, "cpu1", eight_slots.kill,
-                               [Stream(i) for i in range(STREAMS)])
-        streams = await twelve_streams(gw, model, killer)
+        missed = []
+        for _ in range(KILL_ATTEMPTS):
+            killer = KillMidStream(gw, "cpu1", eight_slots.kill,
+                                   [Stream(i) for i in range(STREAMS)])
+            streams = await twelve_streams(gw, model, killer)
+            await settled(gw, model)
+            if killer.at_kill is not None:
+                break
+            # the niced server, starved by other work, sent whole answers at once: the
+            # kill had nothing to cut; these ran unkilled, and must match the reference
+            assert [s.text for s in streams] == [s.text for s in reference], missed
+            missed.append(killer.most)
         assert killer.at_kill is not None, (
-            f"no stream had {CUT_AFTER} tokens from cpu1 while running there (the most "
-            f"seen: {killer.most})")
+            f"in {KILL_ATTEMPTS} runs no stream had {CUT_AFTER} tokens from cpu1 while "
+            f"running there (the most seen in each: {missed})")
         await eight_slots.reap()
         await settled(gw, model)
         continued = await gateway_counter(gw, "fairgate_continuations_total",

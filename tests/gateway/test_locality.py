@@ -81,8 +81,10 @@ async def test_locality_keeps_sessions_on_their_cached_prefix(
     print(f"prefix hit rate: least_loaded {blind_rate:.2f}, locality {local_rate:.2f}")
     assert local_queries > 0 and blind_queries > 0
     # computed prompt tokens (queries − hits) clearly lower with locality
-    assert local_hits > 1.2 * blind_hits
-    assert local_queries - local_hits < 0.75 * (blind_queries - blind_hits)
+    seen = (f"hits/queries: least_loaded {blind_hits:.0f}/{blind_queries:.0f}, "
+            f"locality {local_hits:.0f}/{local_queries:.0f}")
+    assert local_hits > 1.2 * blind_hits, seen
+    assert local_queries - local_hits < 0.75 * (blind_queries - blind_hits), seen
 
 
 async def test_a_backend_back_from_failed_scrapes_loses_its_prefix_index(

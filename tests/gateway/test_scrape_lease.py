@@ -65,8 +65,13 @@ async def test_three_replicas_scrape_each_backend_once_per_interval_between_them
         assert 0 < count <= most, (
             f"{name} was scraped {count} times in {elapsed:.2f}s by 3 replicas: one "
             f"scraper every {interval}s makes at most {most:.0f}")
-        lease = await redis.get(K.backend_scraper(name))
-        assert lease == holders(replicas, name)[0], (lease, holders(replicas, name))
+
+        async def one_holder_owns_the_lease(n: str = name) -> bool:
+            # (on a loaded machine a renewal can come late and the lease move between
+            # replicas: then one holds it again, and Redis names that one)
+            held = holders(replicas, n)
+            return len(held) == 1 and await redis.get(K.backend_scraper(n)) == held[0]
+        await until(one_holder_owns_the_lease, f"the lease of {name} named its one holder")
     # every replica dispatches by the same published gates, and reads fresh snapshots
     for name in ("b0", "b1"):
         views = [gw.services.pool.handles[name] for gw in replicas]
