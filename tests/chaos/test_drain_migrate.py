@@ -176,6 +176,10 @@ async def test_a_drain_with_migrate_drops_no_stream(
             assert answer["running"] == STREAMS_PER_REPLICA or after >= answer["migrate_at"], (
                 answer, after)
             assert before + GRACE_S <= answer["migrate_at"] <= after + GRACE_S, answer
+            # how far the streams were when the drain was answered (for the message)
+            async with http.get(sims[0] + "/debug/requests") as resp:
+                at_drain = [(r["output_tokens"], r["finished_s"] is not None)
+                            for r in await resp.json()]
             shown = await backend_a(http, gateways[1])  # the other replica sees it too
             assert shown["migrate_at"] == answer["migrate_at"], shown
             results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True),
@@ -193,7 +197,9 @@ async def test_a_drain_with_migrate_drops_no_stream(
             assert len(c.ids) == 1, (c.i, c.ids)
             assert c.usage is not None and c.usage.completion_tokens == MAX_TOKENS, c.usage
         moved = [await drain_continuations(http, g) for g in gateways]
-        assert moved == [{"continued": STREAMS_PER_REPLICA}] * len(gateways), moved
+        assert moved == [{"continued": STREAMS_PER_REPLICA}] * len(gateways), (
+            moved, f"on a when the drain was answered (tokens, ended): {at_drain}; "
+            f"answered {after - before:.2f} s after it was sent")
         assert [(await backend_a(http, g))["running"] for g in gateways] == [0, 0]
         async with http.get(sims[0] + "/debug/requests") as resp:
             on_a = await resp.json()
