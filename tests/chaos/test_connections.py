@@ -24,6 +24,20 @@ async def open_idle(port: int, partial: bytes) -> tuple[asyncio.StreamReader,
     return reader, writer
 
 
+async def user_statuses(url: str, count: int) -> list[int]:
+    """``count`` small completions of a served user, one after the other, each on a new
+    connection: their statuses."""
+    statuses = []
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection each request
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(count):
+            async with session.post(url + "/v1/completions", json={
+                    "model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2},
+                    headers={"Authorization": "Bearer sk-alice"}) as resp:
+                statuses.append(resp.status)
+    return statuses
+
+
 async def test_idle_and_half_sent_connections_are_closed(sim: SimFactory,
                                                          gateway: GatewayFactory) -> None:
     backend = await sim(profile="instant")
@@ -181,14 +195,7 @@ async def test_stalled_unauthenticated_connections_leave_room_for_users(
     backend = await sim(profile="instant")
     gw = await gateway([backend], max_client_connections=10)  # 5 unauthenticated at most
     stalled = [await open_idle(gw.port, STALLED_LOGIN) for _ in range(10)]
-    statuses = []
-    connector = aiohttp.TCPConnector(force_close=True)  # a new connection each request
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(15):
-            async with session.post(gw.url + "/v1/completions", json={
-                    "model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2},
-                    headers={"Authorization": "Bearer sk-alice"}) as resp:
-                statuses.append(resp.status)
+    statuses = await user_statuses(gw.url, 15)
     assert statuses == [200] * 15, statuses
     closed = 0
     for reader, writer in stalled:  # the oldest stalled logins were closed for them
@@ -252,14 +259,7 @@ async def test_trickled_unauthenticated_logins_are_cut_while_users_are_served(
                        min_body_bytes_per_s=200)
     logins = [asyncio.create_task(_trickle(*await open_idle(gw.port, STALLED_LOGIN)))
               for _ in range(10)]
-    statuses = []
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(15):
-            async with session.post(gw.url + "/v1/completions", json={
-                    "model": "llama-3.1-8b", "prompt": "hi", "max_tokens": 2},
-                    headers={"Authorization": "Bearer sk-alice"}) as resp:
-                statuses.append(resp.status)
+    statuses = await user_statuses(gw.url, 15)
     answers = await asyncio.gather(*logins)  # each bounded by _trickle
     assert statuses == [200] * 15, statuses
     cut = [a[:12] for a in answers]
