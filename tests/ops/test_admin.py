@@ -88,18 +88,20 @@ async def test_drain_sends_new_work_elsewhere_and_in_flight_finishes(
         assert status == 404, body
 
 
+async def alice_completion(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    """A small completion of sk-alice: its status and JSON body."""
+    async with http.post(url + "/v1/completions",
+                         json={"model": MODEL, "prompt": "hello", "max_tokens": 3},
+                         headers={"Authorization": "Bearer sk-alice"}) as resp:
+        return resp.status, await resp.json()
+
+
 async def test_cancel_a_queued_request(sim: SimFactory, gateway: GatewayFactory) -> None:
     backend = await sim()
     gw = await gateway([backend], admin_keys=[ADMIN])
     async with aiohttp.ClientSession() as http:
         assert (await admin_call(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
-        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
-
-        async def client() -> tuple[int, Any]:
-            async with http.post(gw.url + "/v1/completions", json=body,
-                                 headers={"Authorization": "Bearer sk-alice"}) as resp:
-                return resp.status, await resp.json()
-        waiting = asyncio.create_task(client())
+        waiting = asyncio.create_task(alice_completion(http, gw.url))
         other = asyncio.create_task(complete(http, gw.url, "sk-bob", 3))
 
         async def both_queued() -> bool:
@@ -160,13 +162,7 @@ async def test_a_lost_check_during_an_operator_cancel_still_answers_409(
     monkeypatch.setattr(store, "cancel", cancel)
     async with aiohttp.ClientSession() as http:
         assert (await admin_call(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
-        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
-
-        async def client() -> tuple[int, Any]:
-            async with http.post(gw.url + "/v1/completions", json=body,
-                                 headers={"Authorization": "Bearer sk-alice"}) as resp:
-                return resp.status, await resp.json()
-        waiting = asyncio.create_task(client())
+        waiting = asyncio.create_task(alice_completion(http, gw.url))
 
         async def queued() -> bool:
             return set(await queued_users(http, gw.url)) == {"alice"}
