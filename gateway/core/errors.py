@@ -27,7 +27,6 @@
     ├── Unavailable (503)              no healthy backend (of the prompt's length range);
     │                                  carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/storage/redis_client.py)
-    │   ├── RequestLost (503)          the queued request vanished from Redis
     │   ├── BackendRemoved (503)       its backend left the config after the dispatch
     │   └── TooManyConnections (503)   the gateway's client connection cap is reached
     ├── UpstreamError (502)            backend broken or failed mid-answer
@@ -169,10 +168,6 @@ class StoreUnavailable(Unavailable):
 
     def __init__(self, message: str) -> None:
         super().__init__(f"queue store unavailable: {message}")
-
-
-class RequestLost(Unavailable):
-    code = "queued_request_lost"
 
 
 class BackendRemoved(Unavailable):

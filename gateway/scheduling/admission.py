@@ -322,7 +322,7 @@ class Admission(ReadsSettings):
                 exc.retry_after_s = await self.waits.next_turn_retry_after(
                     model, klass, user, queued.cost)
             raise
-        except Unavailable as exc:  # the queued request was lost (Redis is reachable)
+        except Unavailable as exc:  # no backend became ready for a cold start
             if not isinstance(exc, StoreUnavailable):  # that one: the edge's floor
                 exc.retry_after_s = await self.waits.drain_retry_after(model, klass)
             raise

@@ -40,7 +40,6 @@ from gateway.core.errors import (
     FairgateError,
     QueueTimeout,
     RateLimited,
-    RequestLost,
     StoreUnavailable,
 )
 from gateway.core.metrics import GatewayMetrics
@@ -245,17 +244,16 @@ class Dispatcher(ReadsSettings):
                     if (await self.store.request_exists(model, req.request_id)
                             or req.request_id in self._cancelling):
                         continue  # still queued, or an operator's cancel tells it now
-                    if self.settings.failover_wait_s() > 0:  # the store forgot it
-                        await self._requeue(model, [req])
-                        continue
+                    # The store forgot it while its client waits here: dropped at dispatch
+                    # or reaped while this replica looked dead (a stall past
+                    # replica_ttl_s), or a promoted replica missed the last writes. It goes
+                    # in again with its first arrival time; a grant of the first dispatch
+                    # still on its way is released by _deliver, never run twice.
+                    await self._requeue(model, [req])
                 except StoreUnavailable:
                     if self.settings.failover_wait_s() > 0:
                         continue  # store_lost bounds the wait
                     raise
-                # dropped at dispatch (this replica looked dead) or expired: say so now
-                # instead of waiting out the whole queue timeout
-                self.waiters.pop(req.request_id, None)
-                raise RequestLost("the queued request was lost; retry it") from None
         raise QueueTimeout(f"request waited more than {timeout_s:g}s in the {req.klass} queue")
 
     async def _withdraw(self, model: str, req: QueuedRequest,
