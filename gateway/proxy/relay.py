@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.core import jsonio
 from gateway.core.edge import sse_frame
 from gateway.core.errors import UpstreamError
 from gateway.proxy.continuation import Progress
@@ -172,7 +173,7 @@ class FrameFilter:
             return self._tracked(frame, payload, self.progress)
         if not self.started or b'"usage"' in payload:
             try:
-                event = json.loads(payload)
+                event = jsonio.loads(payload)
             except (ValueError, RecursionError):  # not ours to judge: relay it as it came
                 return frame
             if not isinstance(event, dict):
@@ -184,7 +185,7 @@ class FrameFilter:
         """A frame of a continuable answer: recorded, its ids stripped unless asked for,
         re-framed when it comes from a continuation."""
         try:
-            event = json.loads(payload)
+            event = jsonio.loads(payload)
         except (ValueError, RecursionError):
             raise StreamBroke("the backend sent a broken frame") from None
         if not isinstance(event, dict):
