@@ -3,12 +3,12 @@ would, the standard library for the rest.
 
 orjson is several times faster than ``json`` but not the same on every input: it reads an
 integer beyond 64 bits as a float, and refuses what ``json`` takes (a lone surrogate
-escape, a UTF-8 byte-order mark, nesting deeper than 1,024). So :func:`loads` sends a text
+escape, a UTF-8 byte-order mark, ``NaN``). So :func:`loads` sends a text
 with a run of 19 or more digits (an integer that may not fit) to ``json`` at once, and
 reads whatever orjson refuses again with ``json``, whose answer or error stands: a
 ``json`` error is what the caller sees either way. :func:`dumps` writes compact UTF-8 (the
 same JSON value as ``json.dumps``); what orjson cannot write (an integer beyond 64 bits, a
-lone surrogate, deep nesting) ``json.dumps`` writes as before, or raises its error.
+lone surrogate, nesting deeper than 255) ``json.dumps`` writes as before, or raises its error.
 Neither is for non-finite floats: orjson writes them as ``null``, and what these carry
 never holds one (a body's ``NaN`` is refused when it is read,
 ``gateway/proxy/completion_request.py``).

@@ -29,15 +29,14 @@ def test_loads_reads_what_json_reads(raw: bytes) -> None:
     b'{"seed": 18446744073709551616}',
     b'"\\ud800"',  # a lone surrogate: orjson refuses it
     b"\xef\xbb\xbf{}",  # a byte-order mark: json takes it
-    b"[" * 2000 + b"]" * 2000,  # deeper than orjson goes
+    b"NaN",  # json reads it (parse_json refuses it after)
 ])
 def test_loads_gives_json_s_answer_where_orjson_differs(raw: bytes) -> None:
     got = jsonio.loads(raw)
-    assert got == json.loads(raw), f"{raw[:40]!r}: {got!r}"
     assert repr(got) == repr(json.loads(raw)), f"{raw[:40]!r}: {got!r}"
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"NaN", b"[1,]", b"", b'"\xff"'])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1,]", b"", b'"\xff"'])
 def test_loads_raises_json_s_error(raw: bytes) -> None:
     with pytest.raises(ValueError) as got:
         jsonio.loads(raw)
@@ -47,11 +46,17 @@ def test_loads_raises_json_s_error(raw: bytes) -> None:
         f"{raw!r}: {got.value!r} vs json's {want.value!r}")
 
 
+def test_loads_raises_json_s_error_for_deep_nesting() -> None:
+    with pytest.raises(RecursionError):
+        jsonio.loads(b"[" * 2000 + b"]" * 2000)
+
+
 @pytest.mark.parametrize("value", [
     {"model": "m", "messages": [{"role": "user", "content": "é \n \u2028"}], "n": 1.5},
     {"seed": 2**70, "x": -(2**80)},  # beyond 64 bits: json writes it
     {"text": "\ud800"},  # a lone surrogate: json escapes it
     [None, True, False, 0, -1, 1e-7],
+    json.loads("[" * 300 + "]" * 300),  # deeper than orjson writes
 ])
 def test_dumps_writes_the_same_value(value: Any) -> None:
     data = jsonio.dumps(value)
