@@ -17,19 +17,21 @@ never holds one (a body's ``NaN`` is refused when it is read,
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# every digit read as "0", every other byte as " ": a run of 19 digits is then a substring
+# (several times faster than a regular expression's scan)
+_DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
+_LONG_RUN = b"0" * 19
 
 
 def loads(raw: bytes, fallback: Callable[[bytes], Any] = json.loads) -> Any:
     """``raw`` decoded; ``fallback`` (``json.loads`` or a caller's variant of it) reads
     what orjson would read differently or refuses, and raises its own errors."""
-    if not _LONG_DIGITS.search(raw):
+    if _LONG_RUN not in raw.translate(_DIGITS):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
