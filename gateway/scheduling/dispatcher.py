@@ -577,7 +577,7 @@ class Dispatcher(ReadsSettings):
     def _dispatch_args(self, model: str, plan: Plan, backend: str) -> dict[str, Any]:
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
-                             locality=plan.locality, fit=plan.handles[backend].fit)
+                             locality=plan.locality, fit=self.pool.fit(plan.handles[backend]))
 
     async def _fold(self, model: str, backend: str
                     ) -> tuple[Plan | None, dict[str, Any] | None]:
