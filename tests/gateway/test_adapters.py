@@ -131,3 +131,32 @@ async def test_one_share_per_user_across_the_base_model_and_its_adapters(
     assert 0.4 <= window.count("bob") / len(window) <= 0.6, window
     assert set(ran(b0)) <= {None, "sql"} and set(ran(b1)) <= {None, "chat"}, (ran(b0), ran(b1))
     await store_is_idle(gw)
+
+
+async def test_requests_prefer_the_backend_where_their_adapter_is_resident(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Both backends have both adapters, one slot each. Once a long ``sql`` request runs
+    on one of them, ``sql`` requests go there (resident: no slot to wait for) and a
+    ``chat`` one to the other (a free slot), not to the backend whose slot sql holds."""
+    both = (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
+    options: dict[str, Any] = {"enable_lora": True, "max_loras": 1, "lora_modules": both,
+                               "profile": "h100-llama3.1-8b"}
+    b0, b1 = await sim(**options), await sim(**options)
+    gw = await gateway([b0, b1])
+    endless = {"model": "sql", "prompt": "long", "max_tokens": 100_000, "ignore_eos": True,
+               "stream": True}
+    async with aiohttp.ClientSession() as http, client(gw, "sk-alice") as alice:
+        long = await http.post(gw.url + "/v1/completions", json=endless,
+                               headers={"Authorization": "Bearer sk-bob"})
+        await long.content.readuntil(b"\n\n")
+        home, other = (b0, b1) if ran(b0) else (b1, b0)
+        handles = gw.services.pool.handles
+        name = "b0" if home is b0 else "b1"
+        await until(lambda: handles[name].lora is not None
+                    and handles[name].lora.active == ("sql",), "sql resident in a snapshot")
+        for i in range(4):
+            await alice.completions.create(model="sql", prompt=f"s{i}", max_tokens=2)
+        await alice.completions.create(model="chat", prompt="c", max_tokens=2)
+        long.close()
+    assert (ran(home), ran(other)) == ({"sql": 5}, {"chat": 1}), (ran(home), ran(other))
+    await store_is_idle(gw)
