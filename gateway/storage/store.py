@@ -41,6 +41,7 @@ class QueuedRequest:
     deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
     prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
     whole: bool = False  # a whole answer (not streamed): it never reports a first token
+    adapter: str | None = None  # the LoRA adapter it names: only backends having it take it
 
     @property
     def tenant_name(self) -> str:
@@ -136,6 +137,9 @@ class BackendFit:
     prompt_range: PromptRange = field(default_factory=PromptRange)
     prefill_limits: Mapping[str, int] = field(default_factory=dict)
     backfill_s: float = 0.0  # smaller requests may pass one the gate holds this long
+    # the LoRA adapters it has (docs/adapters.md); None: its model has none anywhere, so
+    # no request names one
+    adapters: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +273,7 @@ def dispatch_args(
                      "others": [b for b in loc.others if b != backend]},
         "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
         "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
+        **({} if fit.adapters is None else {"adapters": sorted(fit.adapters)}),
     }
 
 
@@ -380,6 +385,7 @@ class Store:
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
                 "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
+                **({"adapter": req.adapter} if req.adapter else {}),
                 **({"seen": True} if is_end_user(req.user) else {}),
                 **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
