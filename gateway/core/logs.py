@@ -14,6 +14,7 @@ local variables: those may hold prompts or keys).
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
+import orjson
 import structlog
 from aiohttp.http_exceptions import BadHttpMessage
 from structlog.typing import EventDict, WrappedLogger
@@ -130,6 +132,15 @@ class RequestLogSampler:
         return event
 
 
+def json_line(event: EventDict, **kw: Any) -> str:
+    """A log line's JSON: orjson (three lines a request: it pays), ``json`` for what orjson
+    cannot write (a key that is not a string, an integer beyond 64 bits)."""
+    try:
+        return orjson.dumps(event, default=kw.get("default")).decode()
+    except TypeError:
+        return json.dumps(event, **kw)
+
+
 class _CurrentStderr:
     """``sys.stderr`` as it is at each write, not when logging was configured: a caller
     that swaps it (pytest's capture) must not leave the loggers writing to a closed file."""
@@ -158,7 +169,7 @@ def configure_logging(level: int | str = logging.INFO,
         tail = [structlog.dev.ConsoleRenderer()]
     else:
         tail = [exception_fields, structlog.processors.format_exc_info,
-                structlog.processors.JSONRenderer()]
+                structlog.processors.JSONRenderer(serializer=json_line)]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -101,6 +101,9 @@ class GatewayMetrics:
         self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
         self._adapters: dict[str, set[str]] = {}  # adapter series shown per backend
         self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
+        # the request path's children by (metric, label values): labels() costs more than
+        # inc() or observe(); a removed label set leaves here too (_remove)
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._redis: RedisMetrics | None = None
         self.queue_depth = Gauge(
             "fairgate_queue_depth", "Requests queued in Redis", ["model", "priority_class"],
@@ -360,7 +363,7 @@ class GatewayMetrics:
     # -- hooks called on the request path ---------------------------------------------
 
     def on_dispatch(self, model: str, backend: str, klass: str, user: str, rank: int) -> None:
-        self.dispatch_rank.labels(klass).observe(rank)
+        self.child(self.dispatch_rank, klass).observe(rank)
         recent = self.recent_dispatches.setdefault(backend, deque(maxlen=100_000))
         recent.append(time.monotonic())
         self._user_inc(self.user_requests, (model,), user, 1.0)
@@ -369,20 +372,21 @@ class GatewayMetrics:
                   output_tokens: int, service: float, timing: StreamTiming | None,
                   cached_tokens: int = 0) -> None:
         """After the answer went out (or failed): latency histograms, per-user counters."""
-        self.tokens.labels(model, "prompt").inc(prompt_tokens)
+        child = self.child
+        child(self.tokens, model, "prompt").inc(prompt_tokens)
         if cached_tokens:
-            self.tokens.labels(model, "prompt_cached").inc(cached_tokens)
-        self.tokens.labels(model, "completion").inc(output_tokens)
+            child(self.tokens, model, "prompt_cached").inc(cached_tokens)
+        child(self.tokens, model, "completion").inc(output_tokens)
         if timing is not None:
             timing.end_s = time.monotonic()
-            self.request_duration.labels(klass).observe(timing.end_s - timing.arrived_s)
+            child(self.request_duration, klass).observe(timing.end_s - timing.arrived_s)
             if timing.first_token_s is not None:
                 ttft = timing.first_token_s - timing.arrived_s
-                self.ttft.labels(klass).observe(ttft)
+                child(self.ttft, klass).observe(ttft)
                 if len(self.recent_ttft) < MAX_RECENT_TTFT:
                     self.recent_ttft.append(ttft)
                 if output_tokens > 1 and timing.last_token_s is not None:
-                    self.tpot.labels(klass).observe(
+                    child(self.tpot, klass).observe(
                         (timing.last_token_s - timing.first_token_s) / (output_tokens - 1))
         self._user_inc(self.user_tokens, (model,), user, prompt_tokens, ("prompt",))
         self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
@@ -422,11 +426,11 @@ class GatewayMetrics:
     def on_tenant_usage(self, tenant: str, klass: str, prompt_tokens: int,
                         output_tokens: int, error: bool) -> None:
         label = self._tenant_label(tenant)
-        self.tenant_requests.labels(label, klass, "error" if error else "ok").inc()
+        self.child(self.tenant_requests, label, klass, "error" if error else "ok").inc()
         if prompt_tokens:
-            self.tenant_tokens.labels(label, "prompt").inc(prompt_tokens)
+            self.child(self.tenant_tokens, label, "prompt").inc(prompt_tokens)
         if output_tokens:
-            self.tenant_tokens.labels(label, "completion").inc(output_tokens)
+            self.child(self.tenant_tokens, label, "completion").inc(output_tokens)
 
     def on_limit_refused(self, tenant: str, code: str) -> None:
         self.tenant_limit_refusals.labels(self._tenant_label(tenant), code).inc()
@@ -439,7 +443,7 @@ class GatewayMetrics:
             for metric in (self.tenant_requests, self.tenant_tokens,
                            self.tenant_limit_refusals):
                 for labels in [k for k in metric._metrics if k[0] == gone]:
-                    metric.remove(*labels)
+                    self._remove(metric, tuple(labels))
         return label
 
     def _user_label(self, user: str) -> str:
@@ -448,7 +452,7 @@ class GatewayMetrics:
         label, expired = self.users.label(user, time.monotonic())
         for gone in expired:
             for metric, labels in self._user_series.pop(gone, set()):
-                metric.remove(*labels)
+                self._remove(metric, tuple(labels))
         return label
 
     def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
@@ -457,13 +461,25 @@ class GatewayMetrics:
         labels = (*head, label, *tail)
         if label != OTHER_USERS:
             self._user_series.setdefault(label, set()).add((counter, labels))
-        counter.labels(*labels).inc(amount)
+        self.child(counter, *labels).inc(amount)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, resolved once per label set."""
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def _remove(self, metric: Any, labels: tuple[str, ...]) -> None:
+        self._children.pop((metric, labels), None)
+        metric.remove(*labels)
 
     def on_dispatch_decision(self, model: str, backend: str, reason: str,
                              matched_blocks: int, prompt_blocks: int) -> None:
         """Why a request went to ``backend`` and how much of its prompt the backend's
         prefix index held (``routing: locality``; blocks of ``policies/locality.py``)."""
-        self.dispatch_decisions.labels(model, backend, reason).inc()
+        self.child(self.dispatch_decisions, model, backend, reason).inc()
         counts = self.decision_counts.setdefault(backend, {})
         counts[reason] = counts.get(reason, 0) + 1
         if prompt_blocks > 0:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from gateway.core import jsonio
 from gateway.core.errors import BadRequest, PayloadTooLarge
 from gateway.proxy.endpoints import Endpoint, Frames
 from policies.cost import with_output_bound
@@ -126,6 +127,10 @@ def _finite(text: str) -> float:
     return value
 
 
+def _strict_loads(raw: bytes | str) -> Any:
+    return json.loads(raw, parse_constant=_constant, parse_float=_finite)
+
+
 def parse_json(raw: bytes | str, what: str = "request body") -> Any:
     """``raw`` decoded, or :class:`BadRequest` saying why not: not JSON, not UTF-8, nested
     deeper than the decoder goes, a number that is not one (``NaN``, ``Infinity``: Python
@@ -134,7 +139,9 @@ def parse_json(raw: bytes | str, what: str = "request body") -> Any:
     client sends (bodies, batch input lines) is read here: what the gateway computes with
     is a number, and what it forwards to vLLM standard JSON."""
     try:
-        return json.loads(raw, parse_constant=_constant, parse_float=_finite)
+        if isinstance(raw, bytes):  # orjson reads none of those (``gateway/core/jsonio.py``)
+            return jsonio.loads(raw, _strict_loads)
+        return _strict_loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadRequest(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:  # e.g. "[[[[…": nested deeper than the decoder can go

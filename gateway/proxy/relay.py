@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.core import jsonio
 from gateway.core.edge import sse_frame
 from gateway.core.errors import UpstreamError
 from gateway.proxy.continuation import Progress
@@ -172,7 +173,7 @@ class FrameFilter:
             return self._tracked(frame, payload, self.progress)
         if not self.started or b'"usage"' in payload:
             try:
-                event = json.loads(payload)
+                event = jsonio.loads(payload)
             except (ValueError, RecursionError):  # not ours to judge: relay it as it came
                 return frame
             if not isinstance(event, dict):
@@ -184,7 +185,7 @@ class FrameFilter:
         """A frame of a continuable answer: recorded, its ids stripped unless asked for,
         re-framed when it comes from a continuation."""
         try:
-            event = json.loads(payload)
+            event = jsonio.loads(payload)
         except (ValueError, RecursionError):
             raise StreamBroke("the backend sent a broken frame") from None
         if not isinstance(event, dict):
@@ -343,19 +344,22 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
     if resp.content_type != "text/event-stream":
         return (f"the backend answered the stream with {resp.content_type or 'no content type'},"
                 " not an event stream")
-    loop = asyncio.get_running_loop()
-    due_from: float | None = None  # the latest whole frame, else the first bytes
     try:
         # the idle deadline counts whole frames from the backend (a byte trickle resets
         # aiohttp's sock_read, not this), from its first bytes on, never the time spent
         # writing to the client; silence before any byte is sock_read's
         async with asyncio.timeout(None) as idle:
-            async for chunk in resp.content.iter_any():
-                idle.reschedule(None)
-                if await _pass(out, chunk, frames, listener, started) or due_from is None:
-                    due_from = loop.time()
-                if idle_s is not None:
-                    idle.reschedule(due_from + idle_s)
+            deadline = None if idle_s is None else IdleDeadline(idle, idle_s)
+            try:
+                async for chunk in resp.content.iter_any():
+                    if deadline is None:
+                        await _pass(out, chunk, frames, listener, started)
+                        continue
+                    deadline.busy = True
+                    deadline.chunk_done(await _pass(out, chunk, frames, listener, started))
+            finally:
+                if deadline is not None:
+                    deadline.close()
     except (aiohttp.ClientError, TimeoutError) as exc:
         if idle.expired():
             return f"no whole frame for {idle_s:g} s (stream_idle_timeout_s)"
@@ -367,6 +371,45 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
     if rest := frames.rest():
         await _write(out, rest)
     return None
+
+
+class IdleDeadline:
+    """A stream's idle deadline: ``idle_s`` after its latest whole frame (before any, its
+    first bytes), never while the relay works on a chunk (writing it to the client,
+    telling the listener). ``timeout`` fires only once the deadline passed. Its timer is
+    set once and moved when it goes off early, instead of twice per chunk: per chunk the
+    relay only notes the time."""
+
+    def __init__(self, timeout: asyncio.Timeout, idle_s: float) -> None:
+        self.timeout = timeout
+        self.idle_s = idle_s
+        self.loop = asyncio.get_running_loop()
+        self.due: float | None = None  # None: no byte yet
+        self.busy = False  # on a chunk
+        self._timer: asyncio.TimerHandle | None = None
+
+    def chunk_done(self, whole_frame: bool) -> None:
+        """The relay is done with a chunk; ``whole_frame``: one passed to the client."""
+        self.busy = False
+        if whole_frame or self.due is None:
+            self.due = self.loop.time() + self.idle_s
+        if self._timer is None:
+            self._timer = self.loop.call_at(self.due, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        if self.busy or self.due is None:
+            return  # set again when the chunk is done
+        now = self.loop.time()
+        if now < self.due:
+            self._timer = self.loop.call_at(self.due, self._check)
+        else:
+            self.timeout.reschedule(now)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,

@@ -35,6 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.backends.scrape import BackendHandle
+from gateway.core import jsonio
 from gateway.core.edge import error_json
 from gateway.core.errors import BackendUnreachable, BadRequest, FairgateError, UpstreamError
 from gateway.proxy.completion_request import CompletionRequest
@@ -297,7 +298,7 @@ class Upstream:
     async def _send(self, handle: BackendHandle, path: str,
                     body: dict[str, Any]) -> aiohttp.ClientResponse:
         try:
-            data = json.dumps(body).encode()
+            data = jsonio.dumps(body)
         except RecursionError:  # only if max_json_depth was raised past what Python encodes
             raise BadRequest("request body is nested too deeply to be sent to the backend"
                              ) from None
@@ -355,7 +356,7 @@ async def _read(handle: BackendHandle, resp: aiohttp.ClientResponse,
 
 def _json(data: bytes) -> Any:
     try:
-        return json.loads(data)
+        return jsonio.loads(data)
     except (ValueError, RecursionError):
         return None
 

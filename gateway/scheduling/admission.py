@@ -331,7 +331,7 @@ class Admission(ReadsSettings):
             raise
         self.waits.dispatched(model, klass)
         waited = time.time() - queued.enqueued_at
-        self.metrics.queue_wait.labels(klass).observe(waited)
+        self.metrics.child(self.metrics.queue_wait, klass).observe(waited)
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
                                  self.settings.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,

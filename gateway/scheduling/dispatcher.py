@@ -641,7 +641,7 @@ class Dispatcher(ReadsSettings):
             handle = plan.handles.get(grant.backend)
             if handle is not None:
                 handle.sent_since_snapshot += 1
-            self.metrics.dispatches.labels(model, grant.backend, grant.klass).inc()
+            self.metrics.child(self.metrics.dispatches, model, grant.backend, grant.klass).inc()
             self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
                                               grant.matched_blocks, grant.prompt_blocks)
             if grant.owner == self.replica_id:

@@ -88,6 +88,14 @@ async def test_valid_chat(client: Client) -> None:
                    "end_user": "erin"}
 
 
+async def test_integers_beyond_64_bits_stay_integers(client: Client) -> None:
+    seed = 123456789012345678901234567890
+    raw = json.dumps({"model": MODEL, "messages": HI, "seed": seed}).encode()
+    status, got = await post(client, CHAT, raw)
+    assert status == 200, got
+    assert got["body"]["seed"] == seed, f"seed read as {got['body']['seed']!r}"
+
+
 async def test_valid_completion(client: Client) -> None:
     for prompt in ("once upon", ["a", "b"], [791, 6762, 7325]):
         body = {"model": MODEL, "prompt": prompt, "max_completion_tokens": 1}

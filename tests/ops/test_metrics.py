@@ -167,3 +167,7 @@ def test_idle_users_give_their_series_to_active_ones() -> None:
     assert r.get_sample_value("fairgate_user_requests_total", {"model": MODEL, "user": "a"}) \
         is None
     assert r.get_sample_value("fairgate_user_requests_total", {"model": MODEL, "user": "b"}) == 1
+    metrics.users._next_sweep = 0.0  # the next newcomer may sweep at once
+    metrics.on_dispatch(MODEL, "b0", "interactive", "a", 0)  # a takes the slot back
+    back = r.get_sample_value("fairgate_user_requests_total", {"model": MODEL, "user": "a"})
+    assert back == 1, f"a's series, removed and begun again, reads {back}"
