@@ -81,5 +81,5 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
     # in that window depends on the machine's load (4 on a loaded run), not on a bound.
     lost_with_the_kill = {i for i in twice
                           if i not in recorded_before and min(runs[i]) <= restarted_at}
-    assert set(twice) == lost_with_the_kill and max(twice.values(), default=1) == 2, (
+    assert set(twice) == lost_with_the_kill and set(twice.values()) <= {2}, (
         f"ran more than once: {twice}; recorded before the kill: {sorted(recorded_before)}")
