@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
     recorded_before = {int(cid.split("-")[1]) for cid in await redis.hkeys(out_key)}
     assert LINES // 4 <= len(recorded_before) < LINES, recorded_before
 
+    restarted_at = asyncio.get_running_loop().time()  # the simulator's clock
     second = await start_gateway(config, port, FAST)
     try:
         await wait_ready(c)
@@ -69,10 +70,16 @@ async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.
 
     custom_ids = [json.loads(x)["custom_id"] for x in text.splitlines()]
     assert custom_ids == [f"line-{i}" for i in range(LINES)]  # all there, once, in order
-    finished = Counter(r.max_tokens - 40 for r in backend.engine.records.values()
-                       if r.finished_s is not None and not r.aborted)
-    assert set(finished) == set(range(LINES))  # every line ran to completion
-    # a line recorded before the crash never runs again; only a line whose answer was in
-    # the one-round-trip window between backend and Redis at the kill may have run twice
-    assert all(finished[i] == 1 for i in recorded_before)
-    assert sum(n - 1 for n in finished.values()) <= 2, finished
+    runs: dict[int, list[float]] = defaultdict(list)
+    for r in backend.engine.records.values():
+        if r.finished_s is not None and not r.aborted:
+            runs[r.max_tokens - 40].append(r.finished_s)
+    assert set(runs) == set(range(LINES))  # every line ran to completion
+    twice = {i: len(t) for i, t in runs.items() if len(t) > 1}
+    # A line runs again only when its first answer died with the killed gateway: it
+    # finished at the backend before the restart but was not in Redis yet. How many were
+    # in that window depends on the machine's load (4 on a loaded run), not on a bound.
+    lost_with_the_kill = {i for i in twice
+                          if i not in recorded_before and min(runs[i]) <= restarted_at}
+    assert set(twice) == lost_with_the_kill and set(twice.values()) <= {2}, (
+        f"ran more than once: {twice}; recorded before the kill: {sorted(recorded_before)}")
