@@ -25,8 +25,8 @@ from tests.gateway.conftest import (
 )
 from tests.gateway.test_scheduling import started_order
 
-AGENT_CALLS = 60  # the agent's parallel calls (max_tokens 20), one session
-CHAT_TURNS = (21, 22)  # the other session's calls, one at a time (their max_tokens)
+AGENT_CALLS = 100  # the agent's parallel calls (max_tokens 20), one session
+CHAT_TURNS = (2, 3)  # the other session's calls, one at a time (their max_tokens)
 
 
 async def ask(client: openai.AsyncOpenAI, max_tokens: int, session: str | None) -> None:
@@ -66,7 +66,7 @@ async def test_a_second_session_starts_before_the_agents_backlog_drains(
     order = await agent_then_chat(sim, gateway, sessions=True)
     last_turn = max(order.index(turn) for turn in CHAT_TURNS)
     # each turn waits about one agent call of alice's own turns plus the backend's
-    # queue and batch; far ahead of the agent's backlog (60 calls)
+    # queue and batch; far ahead of the agent's backlog (100 calls)
     assert last_turn < AGENT_CALLS // 2, (
         f"the chat session's last turn started {last_turn}th; order {order}")
 
