@@ -1,8 +1,8 @@
 -- Queue one tick's requests, each under (model, class, tenant, user), making the user and
 -- its tenant active (see join in _lib.lua), and with sessions on in its session's queue,
--- making the session active among the user's (queue_of in _lib.lua); then, when asked, dispatch to the backend
--- most likely to take them (dispatch_for in lib/dispatch.lua): the tick's requests and
--- their dispatch are one call. Starts its replica held back go first (start_each in
+-- making the session active among the user's (queue_of in _lib.lua); then, when asked,
+-- dispatch to the backend most likely to take them (dispatch_for in lib/dispatch.lua):
+-- the tick's requests and their dispatch are one call. Starts its replica held back go first (start_each in
 -- lib/inflight.lua), so the decision sees the slots they freed.
 -- Within a user's queue, earliest deadline first: a request with a deadline goes ahead
 -- of the user's own requests with a later deadline or none (those keep their order), so
@@ -22,8 +22,7 @@
 -- key, "" for the user's default session)}
 -- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
 -- length (with sessions: its requests queued in all its sessions), -1 when the per-user
--- cap is reached, 0 when the request was known already (its
--- hash exists: skipped).
+-- cap is reached, 0 when the request was known already (its hash exists: skipped).
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 

@@ -96,9 +96,10 @@ end
 -- The one release: request `id` leaves wherever it is. `f`: its {state, user, class,
 -- tenant, session, owner, backend, started}. Queued (cancel.lua): out of its user's
 -- queue (its session's: session_left in _lib.lua), and a user (tenant) left with
--- nothing queued leaves its tenant's users (the class's tenants), keeping its score. Dispatched (settle.lua, reap.lua): out of its backend's
--- in-flight state; one it was dispatched before the snapshot and never seen starting may
--- be among the snapshot's "unseen", and is gone now. Its hash goes. False when there was
+-- nothing queued leaves its tenant's users (the class's tenants), keeping its score.
+-- Dispatched (settle.lua, reap.lua): out of its backend's in-flight state; one it was
+-- dispatched before the snapshot and never seen starting may be among the snapshot's
+-- "unseen", and is gone now. Its hash goes. False when there was
 -- nothing to release (no longer queued; released already).
 local function release_request(prefix, id, f)
   local req = key_request(prefix, id)
