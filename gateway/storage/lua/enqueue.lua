@@ -2,8 +2,8 @@
 -- its tenant active (see join in _lib.lua), and with sessions on in its session's queue,
 -- making the session active among the user's (queue_of in _lib.lua); then, when asked,
 -- dispatch to the backend most likely to take them (dispatch_for in lib/dispatch.lua):
--- the tick's requests and their dispatch are one call. Starts its replica held back go first (start_each in
--- lib/inflight.lua), so the decision sees the slots they freed.
+-- the tick's requests and their dispatch are one call. Starts its replica held back go
+-- first (start_each in lib/inflight.lua), so the decision sees the slots they freed.
 -- Within a user's queue, earliest deadline first: a request with a deadline goes ahead
 -- of the user's own requests with a later deadline or none (those keep their order), so
 -- the queue is its deadline requests by deadline, then the rest in arrival order.
