@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from typing import Any
 
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS
 from loadtest.sim.engine import EngineConfig
+from loadtest.sim.lora import parse_lora_module
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES
 from loadtest.sim.scheduler import POLICIES
 from loadtest.sim.server import SimServer
+
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -49,6 +53,25 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--embedding-dimensions", type=int, default=DEFAULT_DIMENSIONS,
         help="length of /v1/embeddings vectors",
     )  # fmt: skip
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    parser.add_argument(
+        "--max-loras", type=int, default=1, help="distinct adapters in one batch (vLLM's)"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help="adapters loaded at start: name=path or JSON {\"name\", \"path\"}",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-load-s", type=float, default=0.0,
+        help="how long a runtime POST /v1/load_lora_adapter takes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        default=os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+        help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        f"(default: vLLM's {RUNTIME_LORA_ENV} environment variable)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -66,6 +89,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        lora_modules=tuple(parse_lora_module(item) for item in args.lora_modules),
+        lora_load_s=args.lora_load_s,
     )
 
 
@@ -105,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port + i if args.port else 0,
             reject_priority=args.reject_priority,
             embedding_dimensions=args.embedding_dimensions,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         )
         for i in range(args.count)
     ]

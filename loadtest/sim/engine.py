@@ -46,6 +46,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens
     enable_prompt_tokens_details: bool = False
+    # LoRA, as vLLM's --enable-lora, --max-loras (adapters per step), --max-lora-rank and
+    # --lora-modules (name, path: loaded at start); lora_load_s: how long a runtime
+    # POST /v1/load_lora_adapter takes (the simulator's own knob)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_load_s: float = 0.0
     cost: Profile = field(init=False)
     num_kv_blocks: int = field(init=False)
     model_len: int = field(init=False)
@@ -64,6 +72,12 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len {self.model_len} exceeds the KV cache ({cache_tokens} tokens)"
             )
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora")
+        if self.lora_load_s < 0:
+            raise ValueError(f"lora_load_s must not be negative, got {self.lora_load_s}")
 
     def limits(self) -> SchedulerLimits:
         """The scheduler's view of these flags."""
@@ -74,6 +88,7 @@ class EngineConfig:
             kv_blocks=self.num_kv_blocks,
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
 
@@ -119,6 +134,10 @@ class SimEngine:
         """KV-cache usage, 0..1."""
         return self.scheduler.kv_usage
 
+    def lora_activity(self) -> dict[str, tuple[int, int]]:
+        """Adapters with live requests: name -> (waiting, running)."""
+        return self.scheduler.lora_activity()
+
     @property
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache so far."""
@@ -154,6 +173,7 @@ class SimEngine:
         priority: int = 0,
         pooling: bool = False,
         prompt_ids: Seq[int] | None = None,
+        lora: str | None = None,
     ) -> RequestStream:
         """Queue a request that will generate ``output_tokens`` (default ``max_tokens``).
 
@@ -166,7 +186,11 @@ class SimEngine:
 
         ``prompt_ids`` (the prompt's token ids, one per prompt token) make the request's
         full blocks findable in the prefix cache; without them it is computed in full.
+
+        ``lora`` names the LoRA adapter the request runs with (the engine needs LoRA on).
         """
+        if lora is not None and not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled on this engine")
         if pooling:
             max_tokens = output_tokens = 1
             if prompt_tokens > self.config.model_len:
@@ -200,7 +224,9 @@ class SimEngine:
             hashes = hash_blocks(prompt_ids, cache.block_size)
         for rid, record, target in zip(ids, records, targets, strict=True):
             table = BlockTable(hashes)
-            self.scheduler.add(Sequence(rid, priority, now, prompt_tokens, target, table=table))
+            self.scheduler.add(
+                Sequence(rid, priority, now, prompt_tokens, target, table=table, lora=lora)
+            )
             self.records[rid] = record
             self._streams[rid] = stream
         self._wake.set()
@@ -256,7 +282,9 @@ class SimEngine:
                 continue
             now = loop.time()
             self._note_schedule(plan, now)
-            modelled = self.config.cost.step_time_s(plan.batch_tokens, plan.context_tokens)
+            modelled = self.config.cost.step_time_s(
+                plan.batch_tokens, plan.context_tokens
+            ) + self.config.cost.lora_time_s(len(plan.loras), self.config.max_lora_rank)
             if now - deadline > MAX_LAG_S:
                 deadline = step_start = now
             deadline += modelled

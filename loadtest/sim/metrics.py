@@ -62,8 +62,19 @@ def token_count_buckets(max_model_len: int) -> list[float]:
 class SimMetrics:
     """The metric families, bound to one model name and ``engine="0"``."""
 
-    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int, registry: CollectorRegistry,
+        max_lora: int | None = None,
+    ) -> None:
         self.registry = registry
+        # vLLM's LoRA info gauge (only with --enable-lora): no model_name or engine label;
+        # each (max_lora, waiting, running) combination is its own series, set to the time
+        # it was last seen, and old combinations stay: the newest value is the current one
+        self.max_lora = max_lora
+        self.lora_info = None if max_lora is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=registry,
+        )  # fmt: skip
         labels = {"model_name": model_name, "engine": "0"}
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -255,4 +266,12 @@ class SimMetrics:
         self.waiting.set(engine.num_waiting)
         self.waiting_capacity.set(engine.num_waiting)
         self.kv_usage.set(engine.kv_usage)
+        if self.lora_info is not None:
+            # vLLM lists every adapter with a live request in both labels (its per-adapter
+            # counts are not shown): LoRARequestStates.update_scheduler_stats
+            adapters = ",".join(engine.lora_activity())
+            self.lora_info.labels(
+                max_lora=str(self.max_lora), waiting_lora_adapters=adapters,
+                running_lora_adapters=adapters,
+            ).set_to_current_time()  # fmt: skip
         return generate_latest(self.registry)

@@ -14,6 +14,19 @@ request's context up to and including its new tokens).
 H100 SXM + Llama-3.1-8B (bf16): 16.06 GB of weights over 3.35 TB/s gives a 4.8 ms decode
 step; a 2,000-token prefill costs 2·8.03e9·2000 FLOP at 989 TFLOP/s ≈ 32.5 ms; the ridge
 point (memory time == compute time) sits at ≈ 295 tokens per step.
+
+LoRA (an assumption, documented in ``docs/adapters.md``): vLLM's punica kernels run every
+adapter of a batch in one launch per layer and module, so a step with adapters pays a
+fixed ``lora_step_overhead_s`` (the shrink and expand kernels) plus, for each distinct
+adapter in it, reading that adapter's weights once::
+
+    t += lora_step_overhead_s + adapters * lora_bytes_per_rank * max_lora_rank / mem_bw_bytes_s
+
+For Llama-3.1-8B an adapter on all seven linear modules of 32 layers holds
+``rank * 81,920 * 32`` parameters (q, o: 4096+4096; k, v: 4096+1024; gate, up, down:
+4096+14336 per rank), 5.2 MB per rank in bf16: a rank-16 adapter is 84 MB, 25 µs at
+3.35 TB/s. The fixed part (0.5 ms, about a tenth of a decode step) is in line with the
+10-20 % slowdown reported for multi-LoRA decode.
 """
 
 from __future__ import annotations
@@ -36,6 +49,15 @@ class Profile:
     step_overhead_s: float
     default_kv_blocks: int
     max_model_len: int
+    lora_bytes_per_rank: float = 0.0
+    lora_step_overhead_s: float = 0.0
+
+    def lora_time_s(self, adapters: int, rank: int) -> float:
+        """What ``adapters`` distinct LoRA adapters of ``rank`` add to a step."""
+        if adapters <= 0:
+            return 0.0
+        weights_s = adapters * self.lora_bytes_per_rank * rank / self.mem_bw_bytes_s
+        return self.lora_step_overhead_s + weights_s
 
     def step_time_s(self, batch_tokens: int, context_tokens: int) -> float:
         """Modelled duration of one step computing ``batch_tokens`` new tokens.
@@ -73,6 +95,8 @@ PROFILES: dict[str, Profile] = {
         # (80 GB x 0.92 - 16 GB weights - ~4 GB activations) / (16 tokens x 128 KiB).
         default_kv_blocks=25_000,
         max_model_len=131_072,
+        lora_bytes_per_rank=2 * 81_920 * 32,
+        lora_step_overhead_s=0.0005,
     ),
     # A tiny float32 Llama on two CPU cores, like the reference vLLM CPU run.
     "cpu-tiny": Profile(
@@ -85,6 +109,9 @@ PROFILES: dict[str, Profile] = {
         step_overhead_s=0.002,
         default_kv_blocks=4_096,
         max_model_len=2_048,
+        # hidden 128, 2 layers: q, k, v, o (128+128) and an MLP of 512 (128+512, x3), fp32
+        lora_bytes_per_rank=4 * (4 * 256 + 3 * 640) * 2,
+        lora_step_overhead_s=0.0005,
     ),
     # Zero step cost: measures the simulator's and the gateway's own overhead.
     "instant": Profile(

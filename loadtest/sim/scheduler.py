@@ -18,6 +18,11 @@ Per step (as in ``vllm/v1/core/sched/scheduler.py``):
    (``loadtest/sim/prefix_cache.py``) a request admitted with nothing computed first
    reuses the longest cached prefix of its prompt: those tokens count as computed and
    only the tail is scheduled.
+3. With LoRA (``max_loras`` > 0, vLLM's ``--max-loras``): a step runs requests of at
+   most ``max_loras`` distinct adapters. The adapters of the running requests scheduled
+   in the step take slots first; a waiting request whose adapter would need one more slot
+   than there are is skipped (the requests behind it may still be admitted) and goes
+   back to the queue at its place after the step, as vLLM's ``skip_request`` does.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def loras(self) -> frozenset[str]:
+        """The distinct LoRA adapters the step runs."""
+        return frozenset(c.seq.lora for c in self.chunks if c.seq.lora is not None)
+
+    @property
     def context_tokens(self) -> int:
         """KV entries read by attention in the step."""
         return sum(c.context_tokens for c in self.chunks)
@@ -73,6 +83,7 @@ class SchedulerLimits:
     kv_blocks: int = 25_000
     block_size: int = 16
     enable_prefix_caching: bool = True
+    max_loras: int = 0  # distinct LoRA adapters per step (0: LoRA off)
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks needed to hold ``num_tokens`` tokens."""
@@ -185,10 +196,16 @@ class Scheduler:
     def _admit_waiting(
         self, budget: int, scheduled: dict[Sequence, int], first: set[Sequence]
     ) -> int:
+        loras = {seq.lora for seq in scheduled if seq.lora is not None}
+        skipped: list[Sequence] = []
         while budget > 0 and len(self.waiting) > 0:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
             seq = self.waiting.peek()
+            if seq.lora is not None and seq.lora not in loras:
+                if len(loras) >= self.limits.max_loras:
+                    skipped.append(self.waiting.pop())
+                    continue
             hit = self.pool.find_hit(seq.table.hashes, seq.num_tokens)
             num_cached = len(hit) * self.limits.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
@@ -205,7 +222,26 @@ class Scheduler:
                 self.pool.record(seq.num_tokens, num_cached)
             scheduled[seq] = num_new
             budget -= num_new
+            if seq.lora is not None:
+                loras.add(seq.lora)
+        for seq in reversed(skipped):
+            self.waiting.prepend(seq)
         return budget
+
+    def lora_activity(self) -> dict[str, tuple[int, int]]:
+        """Adapters with live requests: name -> (waiting, running), in first-arrival order
+        of the live requests (what vLLM's ``LoRARequestStates`` holds)."""
+        activity: dict[str, tuple[int, int]] = {}
+        running = set(self.running)
+        for seq in sorted(self._live.values(), key=lambda s: s.arrival_s):
+            if seq.lora is None:
+                continue
+            waiting_n, running_n = activity.get(seq.lora, (0, 0))
+            if seq in running:
+                activity[seq.lora] = (waiting_n, running_n + 1)
+            else:
+                activity[seq.lora] = (waiting_n + 1, running_n)
+        return activity
 
     def _pick_victim(self) -> Sequence:
         if self.limits.policy == "priority":

@@ -23,6 +23,7 @@ class Sequence:
     ever_scheduled: bool = False
     table: BlockTable = field(default_factory=BlockTable)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def num_blocks(self) -> int:

@@ -5,7 +5,9 @@ simulator behaviour, served by that behaviour — ``GET /v1/models``, ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (JSON or SSE),
 ``POST /v1/embeddings`` (prefill-only engine requests, ``loadtest/sim/embeddings.py``),
 ``POST /tokenize``, ``POST /detokenize`` (``loadtest/sim/tokenizer.py``, no engine) —
-and vLLM's own ``GET /health``, ``GET /metrics``,
+and vLLM's own ``GET /health``, ``GET /metrics``, with LoRA and
+``allow_runtime_lora_updating`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) ``POST
+/v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (``loadtest/sim/lora.py``),
 ``GET /debug/requests``, ``GET /debug/state``, ``GET /debug/steps``. Handlers are
 cancelled when the client disconnects, and the request is then aborted in the engine
 (its KV blocks freed).
@@ -34,6 +36,7 @@ from gateway.proxy.endpoints import ENDPOINTS
 from loadtest.sim import tokenizer
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS, embedding_body, parse_embedding
 from loadtest.sim.engine import EngineConfig, SimEngine
+from loadtest.sim.lora import LoraRegistry
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.protocol import (
     PRIORITY_HEADER,
@@ -78,13 +81,19 @@ class SimServer:
         port: int = 0,
         reject_priority: bool = False,
         embedding_dimensions: int = DEFAULT_DIMENSIONS,
+        allow_runtime_lora_updating: bool = False,
     ) -> None:
         self.config = config
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        self.loras = LoraRegistry(config.model, config.lora_modules, config.lora_load_s)
         self.host = host
         self.port = port
         self.reject_priority = reject_priority
         self.embedding_dimensions = embedding_dimensions
-        self.metrics = SimMetrics(config.model, config.model_len, CollectorRegistry())
+        self.metrics = SimMetrics(
+            config.model, config.model_len, CollectorRegistry(),
+            max_lora=config.max_loras if config.enable_lora else None,
+        )  # fmt: skip
         self._engine = SimEngine(config, observer=self.metrics)
         self._runner: web.AppRunner | None = None
         self.scrapes = 0  # GET /metrics answered (how often the gateways scrape it)
@@ -110,6 +119,9 @@ class SimServer:
             if endpoint.sim is not None:
                 app.router.add_route(endpoint.method, endpoint.path,
                                      self.behaviours()[endpoint.sim])
+        if self.config.enable_lora and self.allow_runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+            app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/debug/requests", self._debug_requests)
@@ -170,7 +182,14 @@ class SimServer:
             "max_model_len": self.config.model_len,
             "permission": [permission],
         }
-        return json_response({"object": "list", "data": [card]})
+        cards = [card, *self.loras.cards(now, permission)]
+        return json_response({"object": "list", "data": cards})
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        return web.Response(text=await self.loras.load(parse_json(await request.read())))
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        return web.Response(text=await self.loras.unload(parse_json(await request.read())))
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -210,10 +229,10 @@ class SimServer:
         return await self._generate(request, chat=True)
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        """The JSON body, its ``model`` (if given) the one served here."""
+        """The JSON body, its ``model`` (if given) the one served here or a loaded adapter."""
         body = parse_json(await request.read())
         model = body.get("model")
-        if model and model != self.config.model:
+        if model and model != self.config.model and model not in self.loras:
             raise SimError(
                 404,
                 f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
@@ -227,7 +246,12 @@ class SimServer:
                 400, "Priority scheduling is not enabled on this server.", param="priority"
             )
 
-    def _add(self, request_id: str, req: SimRequest) -> RequestStream:
+    def _lora(self, body: dict[str, Any]) -> str | None:
+        """The adapter a checked body names (None: the base model)."""
+        model = body.get("model")
+        return model if isinstance(model, str) and model in self.loras else None
+
+    def _add(self, request_id: str, req: SimRequest, lora: str | None) -> RequestStream:
         try:
             return self._engine.add_request(
                 request_id,
@@ -236,6 +260,7 @@ class SimServer:
                 output_tokens=req.output_tokens,
                 priority=req.priority,
                 prompt_ids=req.prompt_ids() if self.config.enable_prefix_caching else None,
+                lora=lora,
             )
         except ValueError as exc:
             raise SimError(400, str(exc)) from exc
@@ -258,8 +283,11 @@ class SimServer:
         return counts, reasons
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        lora = self._lora(body)
+        model = lora or self.config.model  # vLLM answers with the adapter's name
         req = parse_request(
-            await self._body(request),
+            body,
             chat=chat,
             headers_priority=request.headers.get(PRIORITY_HEADER),
             model_len=self.config.model_len,
@@ -267,14 +295,13 @@ class SimServer:
         )
         self._check_priority(req.priority)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-        stream = self._add(request_id, req)
+        stream = self._add(request_id, req, lora)
         try:
             if req.stream:
-                return await self._stream(request, req, request_id, stream)
+                return await self._stream(request, req, request_id, stream, model)
             counts, reasons = await self._collect(req, stream)
-            body = full_body(req, request_id, self.config.model, counts, reasons,
-                             self._cached(stream))
-            return json_response(body)
+            answer = full_body(req, request_id, model, counts, reasons, self._cached(stream))
+            return json_response(answer)
         finally:
             if not stream.finished:
                 self._engine.abort_stream(stream)
@@ -290,8 +317,9 @@ class SimServer:
         self._check_priority(req.priority)
         given = body.get("request_id")
         response_id = given if isinstance(given, str) and given else "resp_" + uuid.uuid4().hex
-        builder = ResponseBuilder(req, body, response_id, self.config.model)
-        stream = self._add(response_id, req)
+        lora = self._lora(body)
+        builder = ResponseBuilder(req, body, response_id, lora or self.config.model)
+        stream = self._add(response_id, req, lora)
         try:
             if req.stream:
                 return await self._responses_stream(request, builder, stream)
@@ -391,13 +419,14 @@ class SimServer:
         return json_response({"prompt": text})
 
     async def _stream(
-        self, request: web.Request, req: SimRequest, request_id: str, stream: RequestStream
+        self, request: web.Request, req: SimRequest, request_id: str, stream: RequestStream,
+        model: str,
     ) -> web.StreamResponse:
         # Like vLLM (a Starlette StreamingResponse): status and headers go out at once,
         # the first frame only when the engine returns the request's first output.
         response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
         await response.prepare(request)
-        framer = StreamFramer(req, request_id, self.config.model)
+        framer = StreamFramer(req, request_id, model)
         first = True
         try:
             while batch := await stream.next_batch():

@@ -1,5 +1,5 @@
 """routing: locality end to end: chat sessions with distinct long system prompts, through
-one gateway to two simulated vLLM backends, hit each backend's prefix cache far more than
+one gateway to three simulated vLLM backends, hit each backend's prefix cache far more than
 with least_loaded in the same test (vLLM's own counters, read from the sims' /metrics)."""
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_set
 
 SESSIONS = 12
 TURNS = 4
+# Blind routing finds a session's prefix where an earlier turn left it by chance: with
+# two backends its turns hit 0, 1/2, 3/4, 7/8 of the time, so its hits came within 1.2×
+# of locality's on a loaded run (67,616 against 78,768). With three: 0, 1/3, 5/9, 19/27
+# (locality: 0, 1, 1, 1): hit rates 0.37–0.39 against 0.74 on three loaded runs.
+BACKENDS = 3
 
 
 def system_prompt(session: int) -> str:
@@ -60,9 +65,9 @@ async def hits_and_queries(sims: list[Any]) -> tuple[float, float]:
 
 
 async def measure(sim: SimFactory, gateway: GatewayFactory, routing: str) -> tuple[float, float]:
-    # two small backends, saturated by the sessions: requests queue in the gateway, and a
+    # small backends, saturated by the sessions: requests queue in the gateway, and a
     # backend that frees a slot chooses among them
-    sims = [await sim(max_num_seqs=2) for _ in range(2)]
+    sims = [await sim(max_num_seqs=2) for _ in range(BACKENDS)]
     gw = await gateway(sims, routing=routing, pacing="fixed",
                        classes={"interactive": {"max_waiting": 1}})
     try:
@@ -83,7 +88,7 @@ async def test_locality_keeps_sessions_on_their_cached_prefix(
     # computed prompt tokens (queries − hits) clearly lower with locality
     seen = (f"hits/queries: least_loaded {blind_hits:.0f}/{blind_queries:.0f}, "
             f"locality {local_hits:.0f}/{local_queries:.0f}")
-    assert local_hits > 1.2 * blind_hits, seen
+    assert local_hits > 1.5 * blind_hits, seen
     assert local_queries - local_hits < 0.75 * (blind_queries - blind_hits), seen
 
 

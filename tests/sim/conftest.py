@@ -19,9 +19,15 @@ async def make_server() -> AsyncIterator[ServerFactory]:
     """Start ``SimServer``s with config overrides; all are stopped after the test."""
     servers: list[SimServer] = []
 
-    async def factory(reject_priority: bool = False, **overrides: Any) -> SimServer:
+    async def factory(
+        reject_priority: bool = False, allow_runtime_lora_updating: bool = False,
+        **overrides: Any,
+    ) -> SimServer:
         options: dict[str, Any] = {"model": MODEL, "profile": "instant", **overrides}
-        server = SimServer(EngineConfig(**options), reject_priority=reject_priority)
+        server = SimServer(
+            EngineConfig(**options), reject_priority=reject_priority,
+            allow_runtime_lora_updating=allow_runtime_lora_updating,
+        )  # fmt: skip
         await server.start()
         servers.append(server)
         return server
