@@ -5,12 +5,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.backends.published import Published
 from gateway.backends.vllm_metrics import (
     OUTPUT,
     PREFIX_CACHE,
     SERVICE,
     WANTED,
     HistogramWindow,
+    LoraState,
     MetricsFormatError,
     parse_metrics,
 )
@@ -156,3 +158,29 @@ def test_service_rates_are_per_second_over_the_window() -> None:
     # a sample older than the window leaves it: the rate is the recent one
     window.add(150.0, {SERVICE: (5000.0, 50.0), OUTPUT: (3000.0, 50.0)})
     assert window.rates(SERVICE) == pytest.approx((0.0, 0.0))
+
+
+LORA_INFO_LINE = ('vllm:lora_requests_info{{max_lora="2",running_lora_adapters="{0}",'
+                  'waiting_lora_adapters="{0}"}} {1}')
+LORA_TEXT = "\n".join([
+    "# TYPE vllm:lora_requests_info gauge",
+    LORA_INFO_LINE.format("", "1.7e9"),
+    LORA_INFO_LINE.format("sql,chat", "1.7000000052e9"),
+    LORA_INFO_LINE.format("sql", "1.7000000031e9"),
+    'vllm:num_requests_running{engine="0",model_name="m"} 1.0',
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+]) + "\n"
+
+
+def test_the_newest_lora_series_is_the_current_state() -> None:
+    """vLLM keeps every label combination of its LoRA gauge, each set to the time it
+    was last seen: the newest one, not the last line, is what runs now."""
+    lora = parse_metrics(LORA_TEXT).lora
+    assert lora is not None and (lora.max_lora, lora.active) == (2, ("chat", "sql")), lora
+    assert parse_metrics(REFERENCE.read_text()).lora is None  # no --enable-lora there
+
+
+def test_published_snapshot_carries_adapters_and_lora() -> None:
+    shared = Published({}, {}, 0, None, None, {}, None, True, ("sql",), LoraState(2, ("sql",)))
+    back = Published.decode(shared.encode())
+    assert (back.adapters, back.lora) == (("sql",), LoraState(2, ("sql",))), back

@@ -5,7 +5,8 @@ One process holds a backend's scrape lease (``gateway/backends/scrape.py``); wit
 snapshot it stores these plain numbers in the snapshot hash (field ``shared``, JSON):
 each class's gate and pacing state as that scrape left them, the batch's size, the recent
 prefix-cache hit ratio and TTFT, the scrape's cumulative histogram sums (a process that
-takes the lease over continues the recent-mean windows from them) and the model card.
+takes the lease over continues the recent-mean windows from them), the model card, and
+the LoRA adapters the backend lists and its LoRA gauge (``docs/adapters.md``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.backends.vllm_metrics import LoraState
 from policies.gates import Gate
 from policies.pacing import Pacing
 
@@ -28,6 +30,8 @@ class Published:
     sums: dict[str, tuple[float, float]]  # the scrape's histogram (sum, count) pairs
     max_model_len: int | None  # from the backend's /v1/models (None: unknown)
     model_card_read: bool  # /v1/models was read (or the backend has none)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters its /v1/models lists
+    lora: LoraState | None = None  # its vllm:lora_requests_info (None: LoRA off)
 
     def encode(self) -> str:
         return json.dumps({
@@ -38,6 +42,8 @@ class Published:
             "peak": self.peak_running, "hit": self.prefix_hit_ratio, "ttft": self.ttft_s,
             "sums": {name: list(pair) for name, pair in self.sums.items()},
             "card": self.max_model_len, "card_read": self.model_card_read,
+            "adapters": list(self.adapters),
+            "lora": None if self.lora is None else [self.lora.max_lora, list(self.lora.active)],
         }, separators=(",", ":"))
 
     @classmethod
@@ -53,9 +59,17 @@ class Published:
                  for c, (allowance, reason, peak, bonus) in d["pacing"].items()},
                 int(d["peak"]), _number(d["hit"]), _number(d["ttft"]),
                 {name: (float(s), float(n)) for name, (s, n) in d["sums"].items()},
-                None if d["card"] is None else int(d["card"]), bool(d["card_read"]))
+                None if d["card"] is None else int(d["card"]), bool(d["card_read"]),
+                tuple(str(a) for a in d.get("adapters", ())), _lora(d.get("lora")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a published snapshot: {text[:200]!r}") from exc
+
+
+def _lora(value: Any) -> LoraState | None:
+    if value is None:
+        return None
+    max_lora, active = value
+    return LoraState(int(max_lora), tuple(str(a) for a in active))
 
 
 def _number(value: Any) -> float | None:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import structlog
 
+from gateway.backends import adapters
+from gateway.backends.adapters import Resolved
 from gateway.backends.published import Published
 from gateway.backends.vllm_metrics import (
     OUTPUT,
@@ -43,6 +45,7 @@ from gateway.backends.vllm_metrics import (
     SERVICE,
     TTFT_HISTOGRAMS,
     HistogramWindow,
+    LoraState,
     MetricsFormatError,
     parse_metrics,
 )
@@ -98,6 +101,9 @@ class BackendHandle:
     pending_prefill_tokens: int = 0  # by the latest snapshot (policies/prefill.py)
     max_model_len: int | None = None  # from its /v1/models, once it is healthy
     model_card_read: bool = False
+    adapters: tuple[str, ...] = ()  # the LoRA adapters its /v1/models lists
+    lora: LoraState | None = None  # its vllm:lora_requests_info (None: LoRA off)
+    cards_read_at: float = 0.0  # monotonic s of the scraper's last /v1/models read
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
     judged: asyncio.Event = field(default_factory=asyncio.Event)  # scraped, or failed, once
     # each class's gate by the latest snapshot, computed once when it arrives
@@ -205,15 +211,44 @@ class BackendPool(ReadsSettings):
     def for_model(self, model: str) -> list[BackendHandle]:
         return [h for h in self.handles.values() if h.config.model == model]
 
-    def taking(self, model: str, prompt_tokens: int) -> list[BackendHandle] | None:
-        """The model's backends whose prompt range takes ``prompt_tokens``; None when
-        none of them declares a range (all take it)."""
+    def taking(self, model: str, prompt_tokens: int,
+               adapter: str | None = None) -> list[BackendHandle] | None:
+        """The model's backends whose prompt range takes ``prompt_tokens`` and where
+        ``adapter`` (if any) is available; None when none of them declares a range and no
+        adapter is asked for (all take it)."""
         handles = self.for_model(model)
-        if not any(h.fit.prompt_range.bounded for h in handles):
+        if adapter is not None:
+            handles = [h for h in handles if adapter in self.adapters_on(h)]
+        elif not any(h.fit.prompt_range.bounded for h in handles):
             return None
         ranges = {h.name: h.fit.prompt_range for h in handles}
         names = set(fitting(ranges, prompt_tokens))
         return [h for h in handles if h.name in names]
+
+    def adapters_on(self, handle: BackendHandle) -> frozenset[str]:
+        """The LoRA adapters available on ``handle``: those its /v1/models lists and
+        those the config puts there."""
+        return adapters.configured_on(self.settings, handle.config) | set(handle.adapters)
+
+    def discovered(self) -> dict[str, set[str]]:
+        """The adapters the backends list, by base model."""
+        found: dict[str, set[str]] = {}
+        for h in list(self.handles.values()):
+            found.setdefault(h.config.model, set()).update(h.adapters)
+        return found
+
+    def resolve(self, name: str) -> Resolved | None:
+        """The base model and adapter a request's ``model`` names (None: unknown)."""
+        return adapters.resolve(name, self.settings, self.discovered())
+
+    def fit(self, handle: BackendHandle) -> BackendFit:
+        """What ``handle`` takes, for a dispatch decision: its prompt range and prefill
+        limits, and, when its model has adapters anywhere, the adapters it has."""
+        model = handle.config.model
+        if not any(a.base_model == model for a in self.settings.adapters) and not any(
+                h.adapters for h in self.for_model(model)):
+            return handle.fit
+        return dataclasses.replace(handle.fit, adapters=self.adapters_on(handle))
 
     def any_healthy(self, model: str | None = None) -> bool:
         handles = self.for_model(model) if model else list(self.handles.values())
@@ -475,11 +510,14 @@ class BackendPool(ReadsSettings):
         pacing = ({c: dataclasses.replace(p, peak_running=0) for c, p in handle.pacing.items()}
                   if recovering else handle.pacing)
         peak = max(0 if recovering else handle.peak_running, snap.running)
-        if not handle.model_card_read:
+        if not handle.model_card_read or (
+                raw.lora is not None
+                and time.monotonic() - handle.cards_read_at >= self.settings.adapter_refresh_s):
             await self._read_model_card(handle)
         gates, pacing = self._assess(pacing, snap, ttft, peak)
         shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
-                           handle.max_model_len, handle.model_card_read)
+                           handle.max_model_len, handle.model_card_read, handle.adapters,
+                           raw.lora)
         epoch = handle.drain_epoch
         try:
             stored = await self.store.store_snapshot(handle.config.model, handle.name, snap,
@@ -525,6 +563,7 @@ class BackendPool(ReadsSettings):
         handle.sent_since_snapshot = 0
         handle.peak_running, handle.prefix_hit_ratio = shared.peak_running, shared.prefix_hit_ratio
         handle.max_model_len, handle.model_card_read = shared.max_model_len, shared.model_card_read
+        handle.adapters, handle.lora = shared.adapters, shared.lora
         handle.gates = dict(shared.gates)
         if self.pacing_targets is not None:
             handle.pacing = {c: shared.pacing.get(c, p) for c, p in before.items()}
@@ -543,7 +582,10 @@ class BackendPool(ReadsSettings):
         return min(known) if known else None
 
     async def _read_model_card(self, handle: BackendHandle) -> None:
-        """vLLM's /v1/models names each model's ``max_model_len``: read it once."""
+        """vLLM's /v1/models names each model's ``max_model_len`` (read once) and the
+        LoRA adapters loaded on it (read again every ``adapter_refresh_s`` while the
+        backend shows vLLM's LoRA gauge)."""
+        handle.cards_read_at = time.monotonic()
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
             async with self.session.get(handle.config.url + "/v1/models",
@@ -557,6 +599,7 @@ class BackendPool(ReadsSettings):
         except (ValueError, AttributeError):
             cards = []  # not vLLM's format: the context stays unknown
         handle.model_card_read = True
+        handle.adapters = adapters.adapters_in_cards(cards, handle.config.model)
         for card in cards:
             if isinstance(card, dict) and card.get("id") == handle.config.model:
                 value = card.get("max_model_len")
@@ -596,6 +639,9 @@ class BackendPool(ReadsSettings):
         m.backend_healthy.labels(name).set(1)
         m.backend_drained.labels(name).set(1 if handle.drained else 0)
         m.backend_pending_prefill.labels(name).set(handle.pending_prefill_tokens)
+        lora = handle.lora
+        m.record_adapters(name, self.adapters_on(handle), lora.active if lora else (),
+                          lora.max_lora if lora else None)
         gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)
         shown = handle.shown_gates(gates, handle.pending_prefill_tokens)
         m.record_gates(name, {c: g.reason for c, g in shown.items()}, snap.taken_at_s)

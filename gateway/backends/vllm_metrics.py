@@ -16,6 +16,7 @@ prometheus_client's parser on a real server's text.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,6 +46,37 @@ its :meth:`~HistogramWindow.rates` are the backend's service rate (the autoscali
 ``policies/autoscale.py``) and its recent mean the output tokens per request (with
 :data:`OUTPUT` the generation tokens alone)."""
 OUTPUT = "vllm:output"
+LORA_INFO = "vllm:lora_requests_info"
+"""vLLM's LoRA gauge (only with ``--enable-lora``): its newest series is the current
+state (:func:`lora_state`)."""
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class LoraState:
+    """vLLM's ``vllm:lora_requests_info`` as of its newest series: the adapter slots of a
+    batch (``--max-loras``) and the adapters with live requests (waiting or running)."""
+
+    max_lora: int
+    active: tuple[str, ...]
+
+
+def lora_state(line: str) -> tuple[float, LoraState] | None:
+    """One sample line of the gauge: (its value, the state it names); None when it is not
+    vLLM's shape. The value is the time the series was set: the newest line is current."""
+    labels_end = line.rfind("}")
+    if labels_end < 0:
+        return None
+    labels = dict(_LABEL.findall(line[line.find("{") + 1:labels_end]))
+    try:
+        value = float(line[labels_end + 1:].split()[0])
+        max_lora = int(labels["max_lora"])
+    except (KeyError, ValueError, IndexError):
+        return None
+    names = {*labels.get("running_lora_adapters", "").split(","),
+             *labels.get("waiting_lora_adapters", "").split(",")} - {""}
+    return value, LoraState(max_lora, tuple(sorted(names)))
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +87,7 @@ class RawMetrics:
     sums: dict[str, tuple[float, float]]  # histogram → (sum, count)
     prefix_cache: tuple[float, float] | None = None  # (hits, queries) tokens; None: no APC
     counters: dict[str, float] = field(default_factory=dict)  # SERVICE_COUNTERS found
+    lora: LoraState | None = None  # vLLM's LoRA gauge (None: LoRA off, or an old server)
 
     @property
     def service(self) -> tuple[float, float] | None:
@@ -81,7 +114,7 @@ class MetricsFormatError(ValueError):
 
 SERVICE_COUNTERS = (PROMPT_TOKENS, PROMPT_CACHED, GENERATION_TOKENS, REQUEST_SUCCESS)
 WANTED = frozenset({RUNNING, WAITING, *KV_USAGE, *PREFIX_QUERIES, *PREFIX_HITS,
-                    *SERVICE_COUNTERS}
+                    *SERVICE_COUNTERS, LORA_INFO}
                    | {h + "_sum" for h in HISTOGRAMS} | {h + "_count" for h in HISTOGRAMS})
 # a sample line starts with its name, then labels or a space: one C-level test per line
 _LINE_STARTS = tuple(name + end for name in WANTED for end in ("{", " "))
@@ -89,8 +122,14 @@ _LINE_STARTS = tuple(name + end for name in WANTED for end in ("{", " "))
 
 def parse_metrics(text: str) -> RawMetrics:
     totals: dict[str, float] = {}
+    lora: tuple[float, LoraState] | None = None
     for line in text.splitlines():
         if not line.startswith(_LINE_STARTS):
+            continue
+        if line.startswith(LORA_INFO):
+            found = lora_state(line)
+            if found is not None and (lora is None or found[0] >= lora[0]):
+                lora = found
             continue
         labels_end = line.rfind("}")
         name_end = line.find("{") if labels_end > 0 else line.find(" ")
@@ -112,7 +151,8 @@ def parse_metrics(text: str) -> RawMetrics:
                    for queries, hits in zip(PREFIX_QUERIES, PREFIX_HITS, strict=True)
                    if queries in totals), None)
     counters = {name: totals[name] for name in SERVICE_COUNTERS if name in totals}
-    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix, counters)
+    return RawMetrics(totals[WAITING], totals[RUNNING], kv, sums, prefix, counters,
+                      None if lora is None else lora[1])
 
 
 @dataclass

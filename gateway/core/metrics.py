@@ -99,6 +99,7 @@ class GatewayMetrics:
         self.recent_predictions: dict[str, deque[tuple[float, int, int]]] = {}
         self.decision_counts: dict[str, dict[str, int]] = {}  # backend → reason → count
         self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
+        self._adapters: dict[str, set[str]] = {}  # adapter series shown per backend
         self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
         self._redis: RedisMetrics | None = None
         self.queue_depth = Gauge(
@@ -161,6 +162,21 @@ class GatewayMetrics:
         self.backend_tpot = Gauge(
             "fairgate_backend_tpot_seconds", "Recent mean time per output token", ["backend"],
             registry=r, multiprocess_mode=SHARED)
+        self.backend_adapter_loaded = Gauge(
+            "fairgate_backend_adapter_loaded",
+            "1: the LoRA adapter is available on the backend (its /v1/models lists it, or "
+            "the config puts it there); 0: it was, and is no longer",
+            ["backend", "adapter"], registry=r, multiprocess_mode=SHARED)
+        self.backend_adapter_active = Gauge(
+            "fairgate_backend_adapter_active",
+            "1: vllm:lora_requests_info lists the adapter with requests waiting or running "
+            "on the backend",
+            ["backend", "adapter"], registry=r, multiprocess_mode=SHARED)
+        self.backend_lora_slots = Gauge(
+            "fairgate_backend_lora_slots",
+            "Distinct LoRA adapters one batch of the backend runs (vLLM's --max-loras, the "
+            "max_lora label of vllm:lora_requests_info)",
+            ["backend"], registry=r, multiprocess_mode=SHARED)
         self.backend_prefix_hit_ratio = Gauge(
             "fairgate_backend_prefix_cache_hit_ratio",
             "vLLM's recent prefix cache hit rate: Δvllm:prefix_cache_hits_total / "
@@ -499,6 +515,20 @@ class GatewayMetrics:
         self.pacing_free_slots.labels(backend, cls).set(free_slots)
         if changed_for is not None:
             self.pacing_changes.labels(backend, cls, changed_for).inc()
+
+    def record_adapters(self, backend: str, loaded: frozenset[str],
+                        active: tuple[str, ...], slots: int | None) -> None:
+        """A backend's adapters by its latest snapshot: available, active, and its slots
+        (None: no LoRA gauge). An adapter shown before and gone now drops to 0."""
+        shown = self._adapters.setdefault(backend, set())
+        for adapter in shown | loaded | set(active):
+            self.backend_adapter_loaded.labels(backend, adapter).set(
+                1 if adapter in loaded else 0)
+            self.backend_adapter_active.labels(backend, adapter).set(
+                1 if adapter in active else 0)
+        shown |= loaded | set(active)
+        if slots is not None:
+            self.backend_lora_slots.labels(backend).set(slots)
 
     def record_gates(self, backend: str, reasons: Mapping[str, str | None], now: float) -> None:
         """Record each class's gate state; the time since the last call is charged to the

@@ -158,6 +158,20 @@ class Backend(PoolFields):
         return self.pool or self.model
 
 
+class Adapter(BaseModel):
+    """A LoRA adapter served on a base model (``adapters``; ``docs/adapters.md``):
+    requests naming it are scheduled on ``base_model``'s queues and go to the backends of
+    that model where it is available: ``backends`` (their names), or all of them when
+    None. Backends' own ``/v1/models`` add the adapters they have loaded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    base_model: str = Field(min_length=1)
+    path: str | None = None  # where the adapter's weights are (shown in /v1/models)
+    backends: list[str] | None = None
+
+
 class Autoscale(BaseModel):
     """The pools' desired replicas (``policies/autoscale.py``, ``docs/autoscaling.md``)."""
 
@@ -359,6 +373,10 @@ class Settings(BaseSettings):
     # core; 1: the gateway in the serving process itself
     workers: int | None = Field(None, ge=1)
     backends: list[Backend] = []
+    adapters: list[Adapter] = []  # LoRA adapters on the backends' models (docs/adapters.md)
+    # how often a backend with LoRA (vLLM's vllm:lora_requests_info gauge) has its
+    # /v1/models read again by its scraper, for the adapters loaded or unloaded since
+    adapter_refresh_s: float = Field(5.0, gt=0)
     # backends found by DNS names (a Kubernetes headless Service per pool), beside the
     # configured ones and those added with POST /admin/backends (docs/operations.md)
     discovery: list[Discovery] = []
@@ -539,6 +557,19 @@ class Settings(BaseSettings):
                     check_name(name)
                 except ValueError as exc:
                     raise ValueError(f"{where}: {name!r} {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_on_models(self) -> Settings:
+        models, seen = set(self.models()), set()
+        for i, adapter in enumerate(self.adapters):
+            where = f"adapters.{i}"
+            if adapter.base_model not in models:
+                raise ValueError(f"{where}: base_model {adapter.base_model!r} is not a "
+                                 f"served model ({', '.join(sorted(models)) or 'none'})")
+            if adapter.name in models or adapter.name in seen:
+                raise ValueError(f"{where}: the name {adapter.name!r} is taken")
+            seen.add(adapter.name)
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.backends import adapters
+from gateway.backends.adapters import Resolved
 from gateway.backends.scrape import BackendHandle
 from gateway.core.errors import (
     BackendUnreachable,
@@ -69,15 +71,20 @@ REQUEST_ID = re.compile(r"[0-9A-Za-z_-]{1,128}")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _known_model(svc: Services, model: str) -> None:
-    if model not in svc.settings.models():
+def _known_model(svc: Services, model: str) -> Resolved:
+    """The base model a request's ``model`` is scheduled on, and the LoRA adapter it
+    names (``docs/adapters.md``); an unknown name is a 404."""
+    resolved = svc.pool.resolve(model)
+    if resolved is None:
         raise NotFound(f"The model '{model}' does not exist", param="model")
+    return resolved
 
 
 def _resolve(svc: Services, request: web.Request, key: ApiKey,
-             creq: CompletionRequest) -> tuple[str, str]:
-    """(user, class) the request is queued under."""
-    _known_model(svc, creq.model)
+             creq: CompletionRequest) -> tuple[str, str, str]:
+    """(model, user, class) the request is queued under: an adapter's request is
+    queued on its base model."""
+    model = _known_model(svc, creq.model).model
     requested = request.headers.get("X-Priority-Class")
     klass = effective_class(key.priority_class, requested)
     if klass is None:
@@ -86,7 +93,7 @@ def _resolve(svc: Services, request: web.Request, key: ApiKey,
     user = key.user
     if key.trusted_end_users and creq.end_user:
         user = end_user_name(key.user, creq.end_user)
-    return user, klass
+    return model, user, klass
 
 
 async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -95,11 +102,10 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     key = await svc.keys.identify(request.headers.get("Authorization"))
     creq = await read_completion(request, endpoint, svc.settings.max_body_bytes,
                                  Limits.of(svc.settings))
-    user, klass = _resolve(svc, request, key, creq)
+    model, user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     session = (read_session(request.headers.get(SESSION_HEADER), creq.body, endpoint)
                if svc.settings.sessions else "")
-    model = creq.model
     if not svc.pool.any_healthy(model):  # none healthy: admission refuses or holds it
         await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     check_context(creq.body, endpoint, svc.pool.max_model_len(model))
@@ -167,13 +173,15 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     body = await read_json_object(request, min(svc.settings.max_body_bytes,
                                                svc.settings.max_unqueued_body_bytes))
     validate_unscheduled(body, Limits.of(svc.settings))
-    model = str(body["model"])
-    _known_model(svc, model)
+    model, adapter = _known_model(svc, str(body["model"]))
     if not svc.pool.any_healthy(model):
         await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
-    candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy), key=_load)
+    candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy
+                         and (adapter is None or adapter in svc.pool.adapters_on(h))),
+                        key=_load)
     if not candidates:
-        raise Unavailable(f"no healthy backend serves {model!r}")
+        having = "" if adapter is None else f" with the adapter {adapter!r}"
+        raise Unavailable(f"no healthy backend{having} serves {model!r}")
     async with svc.admission.forwarded(key) as limit_headers:
         request[ANSWER_HEADERS] = limit_headers
         for handle in candidates:
@@ -240,15 +248,26 @@ async def key_usage(svc: Services, key: ApiKey) -> dict[str, object]:
             "tenant": key.tenant_name, "limits": await svc.quotas.view(key)}
 
 
-def _model(model: str) -> dict[str, object]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
+def _model(model: str, parent: str | None = None, root: str | None = None
+           ) -> dict[str, object]:
+    card: dict[str, object] = {"id": model, "object": "model", "created": 0,
+                               "owned_by": "fairgate"}
+    if parent is not None:  # a LoRA adapter, shown as vLLM shows it
+        card.update(root=root, parent=parent)
+    return card
+
+
+def _cards(svc: Services) -> list[dict[str, object]]:
+    """The models served, then the LoRA adapters on them."""
+    return ([_model(m) for m in svc.settings.models()]
+            + [_model(a.name, a.base_model, a.path)
+               for a in adapters.listing(svc.settings, svc.pool.discovered())])
 
 
 async def list_models(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     await svc.keys.identify(request.headers.get("Authorization"))
-    return web.json_response({"object": "list",
-                              "data": [_model(m) for m in svc.settings.models()]})
+    return web.json_response({"object": "list", "data": _cards(svc)})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -256,7 +275,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     await svc.keys.identify(request.headers.get("Authorization"))
     model = request.match_info["model"]
     _known_model(svc, model)
-    return web.json_response(_model(model))
+    return web.json_response(next((c for c in _cards(svc) if c["id"] == model), _model(model)))
 
 
 async def openapi(request: web.Request) -> web.Response:

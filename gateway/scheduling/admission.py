@@ -286,7 +286,9 @@ class Admission(ReadsSettings):
         ``session``: with sessions on, the session it is queued in within its user's
         share ("": the user's default session); ignored with sessions off."""
         prompt_est = estimate(creq)
-        cold = await self._check_fit(model, klass, creq, prompt_est, refuse_unready)
+        # a request naming a LoRA adapter is queued on its base model (docs/adapters.md)
+        adapter = creq.model if creq.model != model else None
+        cold = await self._check_fit(model, klass, creq, prompt_est, refuse_unready, adapter)
         tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
         self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
@@ -297,6 +299,7 @@ class Admission(ReadsSettings):
                                 else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
                                prompt_tokens=prompt_est, whole=not creq.stream,
+                               adapter=adapter,
                                session=session if self.settings.sessions else None)
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
@@ -446,37 +449,47 @@ class Admission(ReadsSettings):
             await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
 
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
-                         prompt_tokens: int, refuse_unready: bool) -> bool:
+                         prompt_tokens: int, refuse_unready: bool,
+                         adapter: str | None = None) -> bool:
         """The one owner of "no healthy backend". With length-aware pools
         (``policies/prefill.py``): a prompt no backend of the model takes is refused (400);
         it never waits for, or goes to, a backend outside its range. When none of the
         backends that take it (``refuse_unready``: of the model, else only of a
         length-aware pool) is healthy: a 503 now, or with ``cold_start_wait_s`` True (it
-        is cold: :meth:`_acquire` waits for one of them)."""
-        taking = self.pool.taking(model, prompt_tokens)
+        is cold: :meth:`_acquire` waits for one of them). A request naming a LoRA
+        ``adapter`` only counts the backends having it: none at all is a 503 at once."""
+        if adapter is not None and not any(adapter in self.pool.adapters_on(h)
+                                           for h in self.pool.for_model(model)):
+            raise Unavailable(f"no backend of {model!r} has the adapter {adapter!r} loaded",
+                              retry_after_s=await self.waits.drain_retry_after(model, klass))
+        taking = self.pool.taking(model, prompt_tokens, adapter)
         if taking is not None and not taking:
             ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
             raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges),
                                       param=creq.endpoint.prompt_field)
-        if (taking is None and not refuse_unready) or self._ready(model, prompt_tokens):
+        if (taking is None and not refuse_unready) or self._ready(model, prompt_tokens, adapter):
             return False
         if self.settings.cold_start_wait_s > 0:
             return True
-        raise Unavailable(self._unready(model, prompt_tokens),
+        raise Unavailable(self._unready(model, prompt_tokens, adapter),
                           retry_after_s=await self.waits.drain_retry_after(model, klass))
 
-    def _ready(self, model: str, prompt_tokens: int) -> bool:
-        """Whether a healthy backend of the model takes a prompt of ``prompt_tokens``."""
-        taking = self.pool.taking(model, prompt_tokens)
+    def _ready(self, model: str, prompt_tokens: int, adapter: str | None = None) -> bool:
+        """Whether a healthy backend of the model (with ``adapter``) takes a prompt of
+        ``prompt_tokens``."""
+        taking = self.pool.taking(model, prompt_tokens, adapter)
         return any(h.healthy for h in (self.pool.for_model(model) if taking is None
                                        else taking))
 
-    def _unready(self, model: str, prompt_tokens: int) -> str:
+    def _unready(self, model: str, prompt_tokens: int, adapter: str | None = None) -> str:
         """The 503's text when no backend that takes a request is healthy."""
-        taking = self.pool.taking(model, prompt_tokens)
+        taking = self.pool.taking(model, prompt_tokens, adapter)
         if taking is None:
             return f"no healthy backend serves {model!r}"
         names = ", ".join(sorted(h.name for h in taking))
+        if adapter is not None:
+            return (f"no healthy backend of {model!r} has the adapter {adapter!r} and takes "
+                    f"a prompt of about {prompt_tokens} tokens (those that do: {names})")
         return (f"no healthy backend of {model!r} takes a prompt of about {prompt_tokens} "
                 f"tokens (those that do: {names})")
 
@@ -493,7 +506,7 @@ class Admission(ReadsSettings):
         task = asyncio.ensure_future(self.dispatcher.acquire(model, queued, timeout_s))
         try:
             await asyncio.wait({task}, timeout=min(wait_s, timeout_s))
-            if task.done() or self._ready(model, queued.prompt_tokens):
+            if task.done() or self._ready(model, queued.prompt_tokens, queued.adapter):
                 return await task
             task.cancel()  # leaves the queue (released, if a grant came meanwhile)
             try:
@@ -502,8 +515,8 @@ class Admission(ReadsSettings):
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
                     raise
-            raise Unavailable(f"{self._unready(model, queued.prompt_tokens)}: none became "
-                              f"ready within cold_start_wait_s ({wait_s:g} s)")
+            raise Unavailable(f"{self._unready(model, queued.prompt_tokens, queued.adapter)}: "
+                              f"none became ready within cold_start_wait_s ({wait_s:g} s)")
         finally:
             if not task.done():
                 task.cancel()

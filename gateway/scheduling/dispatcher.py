@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,8 @@ from gateway.storage.store import (
     dispatch_args,
 )
 from gateway.storage.values import UsageCounts
+from policies.adapters import AdapterHost
+from policies.adapters import takes as adapter_takes
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
 from policies.gates import Gate, wider
@@ -97,6 +99,9 @@ class Plan:
     open: list[str]
     handles: dict[str, BackendHandle]
     locality: Locality | None
+    # the LoRA adapters each open backend takes in this pass (policies/adapters.py);
+    # None: the model has no adapters
+    adapters: Mapping[str, frozenset[str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,13 +577,28 @@ class Dispatcher(ReadsSettings):
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
         locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
-        return Plan(now, owed, service_order(owed), burst, gated,
-                    [c.name for c in by_load(candidates)], handles, locality)
+        open_ = [c.name for c in by_load(candidates)]
+        return Plan(now, owed, service_order(owed), burst, gated, open_, handles, locality,
+                    self._adapter_placement([handles[name] for name in open_]))
+
+    def _adapter_placement(self, open_: list[BackendHandle]
+                           ) -> Mapping[str, frozenset[str]] | None:
+        """Which adapters each open backend takes: where each is resident first
+        (``policies/adapters.py``); None when the model has no adapters."""
+        if not open_ or self.pool.fit(open_[0]).adapters is None:
+            return None
+        return adapter_takes([AdapterHost(
+            h.name, self.pool.adapters_on(h),
+            frozenset(h.lora.active) if h.lora else frozenset(),
+            h.lora.max_lora if h.lora else None) for h in open_])
 
     def _dispatch_args(self, model: str, plan: Plan, backend: str) -> dict[str, Any]:
+        fit = self.pool.fit(plan.handles[backend])
+        if fit.adapters is not None and plan.adapters is not None and backend in plan.adapters:
+            fit = dataclasses.replace(fit, adapters=plan.adapters[backend])
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
-                             locality=plan.locality, fit=plan.handles[backend].fit,
+                             locality=plan.locality, fit=fit,
                              sessions=self.settings.sessions)
 
     async def _fold(self, model: str, backend: str

@@ -42,6 +42,7 @@ class QueuedRequest:
     prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
     whole: bool = False  # a whole answer (not streamed): it never reports a first token
     session: str | None = None  # sessions on: its session ("" the user's default); None: off
+    adapter: str | None = None  # the LoRA adapter it names: only backends having it take it
 
     @property
     def tenant_name(self) -> str:
@@ -137,6 +138,9 @@ class BackendFit:
     prompt_range: PromptRange = field(default_factory=PromptRange)
     prefill_limits: Mapping[str, int] = field(default_factory=dict)
     backfill_s: float = 0.0  # smaller requests may pass one the gate holds this long
+    # the LoRA adapters it has (docs/adapters.md); None: its model has none anywhere, so
+    # no request names one
+    adapters: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +278,7 @@ def dispatch_args(
         "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
         "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
         **({"sessions": True} if sessions else {}),
+        **({} if fit.adapters is None else {"adapters": sorted(fit.adapters)}),
     }
 
 
@@ -394,6 +399,7 @@ class Store:
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
                 "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
+                **({"adapter": req.adapter} if req.adapter else {}),
                 **({"seen": True} if is_end_user(req.user) else {}),
                 **({"session": req.session} if req.session is not None else {}),
                 **({"requeue": True} if requeue else {})})

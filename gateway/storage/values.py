@@ -29,6 +29,7 @@ REQUEST_FIELDS: dict[str, str] = {
     "deadline": "first-token deadline, unix s (enqueue, when given)",
     "whole": "1 for a whole answer, never streamed: it runs once dispatched (enqueue)",
     "session": "its session key, \"\" the user's default session (enqueue, sessions on)",
+    "adapter": "the LoRA adapter it names: only a backend having it takes it (enqueue)",
     "held_at": "when the prefill-token gate first held it, unix s (dispatch)",
     "backend": "where it was dispatched (dispatch)",
     "rank": "its user's requests already in flight: the vLLM priority rank (dispatch)",

@@ -213,7 +213,8 @@ class SimEngine:
         ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         records = [
             RequestRecord(
-                rid, priority, prompt_tokens, max_tokens, now, choice=i, n=n, pooling=pooling
+                rid, priority, prompt_tokens, max_tokens, now, choice=i, n=n, pooling=pooling,
+                lora=lora,
             )
             for i, rid in enumerate(ids)
         ]

@@ -32,6 +32,7 @@ class RequestRecord:
     n: int = 1
     pooling: bool = False  # an embedding: prefill only, nothing generated
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at first schedule
+    lora: str | None = None  # the LoRA adapter it ran with (None: the base model)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""

@@ -15,7 +15,8 @@
 -- dispatch costs, added to the scores at dispatch), now (s), chain (the prompt's
 -- block-hash chain, space-separated, "" when not hashed), deadline (first-token
 -- deadline, unix s, "" for none), ptok (estimated prompt tokens: where it fits, the
--- prefill gate), whole (optional: true for a whole answer, never streamed), requeue
+-- prefill gate), whole (optional: true for a whole answer, never streamed), adapter
+-- (optional: the LoRA adapter it names; only a backend having it takes it), requeue
 -- (optional: true for a request its replica queues again after a failover: not held to
 -- the cap), seen (optional: true for a trusted key's end user: its last-seen time
 -- becomes `now`, see seen_at in _lib.lua), session (optional, sessions on: its session
@@ -46,6 +47,7 @@ local function enqueue(r)
     'tcost', r.tcost, 'ptok', r.ptok)
   if r.chain ~= '' then redis.call('HSET', req, 'prefix', r.chain) end
   if r.whole then redis.call('HSET', req, 'whole', 1) end
+  if r.adapter then redis.call('HSET', req, 'adapter', r.adapter) end
   redis.call('EXPIRE', req, a.ttl)
   local deadline = tonumber(r.deadline)
   local pivot = nil

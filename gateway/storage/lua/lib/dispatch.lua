@@ -25,7 +25,9 @@
 --     backends)},
 --   range: {min, max}: the estimated prompt tokens this backend takes (0: no bound),
 --   block_tokens (estimated tokens of one prefix block), backfill_s (how long smaller
---   requests may pass one the prefill gate holds; policies/prefill.py may_backfill).
+--   requests may pass one the prefill gate holds; policies/prefill.py may_backfill),
+--   adapters (optional: the LoRA adapters the backend has; a request naming another
+--   waits for a backend that has it).
 -- Returns {grants, depth, decisions, backlogged, recent}: grants a list of {id, class,
 -- user, rank, owner, enqueued_at} (a grant for a request another replica holds is also
 -- pushed to its grant list), depth the requests still queued for the model (all
@@ -50,7 +52,7 @@ local function dispatch_for(a)
   -- uncached prompt tokens dispatched and maybe not yet scheduled (policies/prefill.py)
   local pending = pending_prefill(key_backend_prefill(prefix, backend))
 
-  local pools = pools_for(prefix, a.range, a.block_tokens)
+  local pools = pools_for(prefix, a.range, a.block_tokens, a.adapters)
   local locality = locality_for(prefix, backend, a.locality, inflight, now)
   local fairness = fairness_for(prefix, pools, locality, a.sessions)
   local granted = inflight_for(prefix, backend, a.replica,

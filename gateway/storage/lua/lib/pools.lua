@@ -1,16 +1,26 @@
--- Length-aware pools and the prefill-token gate on one backend (policies/prefill.py).
--- pools_for(prefix, range, block_tokens): range = {min, max} estimated prompt tokens the
--- backend takes (0: no bound).
-local function pools_for(prefix, range, block_tokens)
-  local P = {ranged = range.min > 0 or range.max > 0, block_tokens = block_tokens}
+-- Length-aware pools, LoRA adapters and the prefill-token gate on one backend
+-- (policies/prefill.py, docs/adapters.md).
+-- pools_for(prefix, range, block_tokens, adapters): range = {min, max} estimated prompt
+-- tokens the backend takes (0: no bound); adapters = the LoRA adapters it has (nil: its
+-- model has none, no request names one).
+local function pools_for(prefix, range, block_tokens, adapters)
+  local has = nil
+  if adapters then
+    has = {}
+    for _, name in ipairs(adapters) do has[name] = true end
+  end
+  local P = {ranged = range.min > 0 or range.max > 0 or has ~= nil, block_tokens = block_tokens}
 
-  -- whether the backend's prompt range takes a queued request (PromptRange.admits) and,
-  -- with `room` (nil: any), whether its estimated prompt tokens less `cached` tokens
-  -- (default none) fit in it; a request whose hash is gone fits anywhere, to be dropped
+  -- whether the backend's prompt range takes a queued request (PromptRange.admits) and
+  -- has the adapter it names (if any) and, with `room` (nil: any), whether its estimated
+  -- prompt tokens less `cached` tokens (default none) fit in it; a request whose hash is
+  -- gone fits anywhere, to be dropped
   function P.fits(id, room, cached)
     if not P.ranged and not room then return true end
-    local tokens = tonumber(redis.call('HGET', key_request(prefix, id), 'ptok'))
+    local fields = redis.call('HMGET', key_request(prefix, id), 'ptok', 'adapter')
+    local tokens = tonumber(fields[1])
     if not tokens then return true end
+    if fields[2] and has and not has[fields[2]] then return false end
     if room and math.max(0, tokens - (cached or 0)) > room then return false end
     return tokens >= range.min and (range.max <= 0 or tokens <= range.max)
   end
