@@ -46,6 +46,18 @@ backlogged tenants, in tenant-weighted service; two backlogged users of one tena
 user-weighted service. With no tenants configured every user is its own tenant of the
 key's weight: the tenant level is the one-level engine, unchanged. :class:`TwoLevel` is
 the plain-data model of the scripts.
+
+Sessions, an optional third level (setting ``sessions``). Each request of a user belongs
+to one of its sessions (a session key; none: the user's default session), and the users'
+sessions with a queued request are ordered by session score as users are within a
+tenant: a dispatch serves the least-served session of the chosen user, and charges the
+session too, the user-level cost (VTC on the same cost as users, at equal weight within
+the user). The tenant and user levels are untouched, so a user's share against other
+users is the same whatever the number of its sessions; within a backlogged user, its
+backlogged sessions share its service within the policy's bound, in user-weighted
+service. A session that becomes active is lifted to the smallest active session score of
+its user; a user left with nothing queued forgets its session scores (they only order its
+own sessions).
 """
 
 from __future__ import annotations
@@ -179,6 +191,7 @@ class Pick:
     user: str
     request_id: str
     held_blocks: int | None = None
+    session: str | None = None  # the user's session it came from (None: sessions off)
 
 
 def edf_position(deadlines: Sequence[float | None], deadline: float | None) -> int:
@@ -204,7 +217,9 @@ class TwoLevel:
     (EDF within the user's queue, the per-user cap, each level joined at its minimum),
     the pick (``lua/lib/fairness.lua``: strict order, or the locality slack at both
     levels; only what the backend's prompt range and a backfill's room take), the charge
-    at dispatch, settle and cancel. Ties go to the smaller name, as in a Redis zset."""
+    at dispatch, settle and cancel. Ties go to the smaller name, as in a Redis zset.
+    ``by_session``: sessions on, the third level (a user's request comes from its
+    least-served session; requests enqueued with a session charge it)."""
 
     tenants: dict[str, float] = field(default_factory=dict)  # active tenant -> score
     saved_tenants: dict[str, float] = field(default_factory=dict)
@@ -213,23 +228,55 @@ class TwoLevel:
     floors: dict[str, float] = field(default_factory=dict)  # tenant -> last user's score
     queues: dict[tuple[str, str], list[Queued]] = field(default_factory=dict)
     issued: int = 0  # request ids made up for enqueues that name none
+    by_session: bool = False
+    # (tenant, user) -> its active sessions' scores, saved ones, requests queued in all
+    sessions: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    saved_sessions: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    queued: dict[tuple[str, str], int] = field(default_factory=dict)
+    # (tenant, user, session) -> a session's queue; the default session's is the user's
+    session_queues: dict[tuple[str, str, str], list[Queued]] = field(default_factory=dict)
+
+    def _queue(self, tenant: str, user: str, session: str | None) -> list[Queued]:
+        if session:
+            return self.session_queues.setdefault((tenant, user, session), [])
+        return self.queues.setdefault((tenant, user), [])
+
+    def session_of(self, tenant: str, user: str) -> str | None:
+        """The session a user's next request comes from: its least-served active one,
+        else its default session ""; None with sessions off."""
+        if not self.by_session:
+            return None
+        active = self.sessions.get((tenant, user), {})
+        return min(active, key=lambda s: (active[s], s)) if active else ""
+
+    def _user_queue(self, tenant: str, user: str) -> list[Queued]:
+        return self._queue(tenant, user, self.session_of(tenant, user))
 
     def enqueue(self, tenant: str, user: str, cost: float, tenant_cost: float,
                 request_id: str | None = None, deadline: float | None = None,
-                max_queued: int | None = None) -> int:
+                max_queued: int | None = None, session: str | None = None) -> int:
         """Queue a request (at its EDF place) and make its user and tenant active, each
         at its saved score lifted to the smallest active score of its level (a user of a
-        tenant with no active user: to the tenant's floor, where its last user left).
-        Returns the user's queue length, or -1 when ``max_queued`` are already queued."""
-        queue = self.queues.get((tenant, user), [])
-        if max_queued is not None and len(queue) >= max_queued:
+        tenant with no active user: to the tenant's floor, where its last user left);
+        with a ``session`` ("" the default one), in that session's queue, the session
+        active among its user's likewise. Returns the user's queue length (with a
+        session: its requests queued in all its sessions), or -1 when ``max_queued`` are
+        already queued."""
+        queue = self._queue(tenant, user, session)
+        count = len(queue) if session is None else self.queued.get((tenant, user), 0)
+        if max_queued is not None and count >= max_queued:
             return -1
         if request_id is None:
             self.issued += 1
             request_id = f"{tenant}/{user}/{self.issued}"
         queue.insert(edf_position([q.deadline for q in queue], deadline),
                      Queued(request_id, cost, tenant_cost, deadline))
-        self.queues[(tenant, user)] = queue
+        if session is not None:
+            count = self.queued[(tenant, user)] = count + 1
+            active = self.sessions.setdefault((tenant, user), {})
+            if session not in active:
+                saved = self.saved_sessions.get((tenant, user), {}).get(session, 0.0)
+                active[session] = max(saved, min(active.values())) if active else saved
         users = self.users.setdefault(tenant, {})
         if user not in users:
             saved = self.saved_users.get(tenant, {}).get(user, 0.0)
@@ -239,7 +286,7 @@ class TwoLevel:
             saved = self.saved_tenants.get(tenant, 0.0)
             lift = min(self.tenants.values()) if self.tenants else None
             self.tenants[tenant] = saved if lift is None else max(saved, lift)
-        return len(queue)
+        return len(queue) if session is None else count
 
     def _tenant_order(self) -> list[str]:
         return sorted(self.tenants, key=lambda t: (self.tenants[t], t))
@@ -269,7 +316,9 @@ class TwoLevel:
             for tenant in self._tenant_order():
                 users = self._user_order(tenant)
                 if users:
-                    return Pick(tenant, users[0], self.queues[(tenant, users[0])][0].request_id)
+                    return Pick(tenant, users[0],
+                                self._user_queue(tenant, users[0])[0].request_id,
+                                session=self.session_of(tenant, users[0]))
                 del self.tenants[tenant]  # never left so by the engine
             return None
         levels = [(self.tenants[t], [(self.users[t][u], (t, u)) for u in self._user_order(t)])
@@ -279,22 +328,23 @@ class TwoLevel:
             return pool.fits(request.request_id) and (
                 room is None or pool.fits(request.request_id, room, held))
 
-        found = best_cached(((who, self.queues[who][:view.lookahead])
+        found = best_cached(((who, self._user_queue(*who)[:view.lookahead])
                              for who in within_slack(levels, view.slack, view.compared)),
                             lambda request: view.matched(request.request_id), takes)
         if found is None:
             return None
         (tenant, user), request, held = found
-        return Pick(tenant, user, request.request_id, held)
+        return Pick(tenant, user, request.request_id, held, self.session_of(tenant, user))
 
     def _first_fitting(self, pool: Pool, lookahead: int, room: int | None) -> Pick | None:
         left = RANGE_SCAN
         for tenant in self._tenant_order()[:RANGE_SCAN]:
             users = self._user_order(tenant)[:left]
             for user in users:
-                for request in self.queues[(tenant, user)][:lookahead]:
+                for request in self._user_queue(tenant, user)[:lookahead]:
                     if pool.fits(request.request_id, room):
-                        return Pick(tenant, user, request.request_id)
+                        return Pick(tenant, user, request.request_id,
+                                    session=self.session_of(tenant, user))
             left -= len(users)
             if left <= 0:
                 break
@@ -304,17 +354,47 @@ class TwoLevel:
         """Take the picked request out of its queue and charge it: its user's score grows
         by its cost, its tenant's by its tenant cost; a user left with nothing queued
         leaves (its score saved), and a tenant left without users leaves too, its last
-        user's score kept as the tenant's floor."""
+        user's score kept as the tenant's floor; with sessions, its session's score grows
+        by its cost too, and a session left with nothing queued leaves its user's."""
         tenant, user = pick.tenant, pick.user
-        queue = self.queues[(tenant, user)]
+        queue = self._queue(tenant, user, pick.session)
         request = next(q for q in queue if q.request_id == pick.request_id)
         queue.remove(request)
         users = self.users[tenant]
         users[user] += request.cost
         self.tenants[tenant] += request.tenant_cost
-        if not queue:
+        queued = (bool(queue) if pick.session is None
+                  else self._session_left(tenant, user, pick.session, queue, request.cost))
+        if not queued:
             self._leave(tenant, user)
         return request
+
+    def _session_left(self, tenant: str, user: str, session: str, queue: list[Queued],
+                      cost: float = 0.0) -> bool:
+        """A request of ``session`` left ``queue`` (charged ``cost``): the session leaves
+        its user's active sessions when nothing more is queued there, its score saved.
+        Whether the user has a request queued still; one without forgets its session
+        scores."""
+        who = (tenant, user)
+        left = self.queued.get(who, 0) - 1
+        if left > 0:
+            self.queued[who] = left
+        else:
+            self.queued.pop(who, None)
+        active = self.sessions.get(who, {})
+        if session in active:
+            score = active[session] + cost
+            if queue:
+                active[session] = score
+            else:
+                del active[session]
+                self.saved_sessions.setdefault(who, {})[session] = score
+        if active or self.queues.get(who):
+            return True
+        self.sessions.pop(who, None)
+        self.saved_sessions.pop(who, None)
+        self.queued.pop(who, None)
+        return False
 
     def _leave(self, tenant: str, user: str) -> None:
         """An active user with nothing queued leaves, its tenant too when it was the last."""
@@ -333,9 +413,18 @@ class TwoLevel:
         self.serve(pick)
         return pick.tenant, pick.user
 
-    def settle(self, tenant: str, user: str, charge: float, tenant_charge: float) -> None:
+    def settle(self, tenant: str, user: str, charge: float, tenant_charge: float,
+               session: str | None = None) -> None:
         """Add a settle's charges to the user's and the tenant's scores, active or
-        saved (a zero charge changes nothing)."""
+        saved (a zero charge changes nothing), and with a ``session`` the user-level
+        charge to the session's while its user has a request queued."""
+        if charge and session is not None and user in self.users.get(tenant, {}):
+            active = self.sessions.get((tenant, user), {})
+            if session in active:
+                active[session] += charge
+            else:
+                saved_sessions = self.saved_sessions.setdefault((tenant, user), {})
+                saved_sessions[session] = saved_sessions.get(session, 0.0) + charge
         if charge:
             users = self.users.get(tenant, {})
             if user in users:
@@ -350,15 +439,19 @@ class TwoLevel:
                 self.saved_tenants[tenant] = (self.saved_tenants.get(tenant, 0.0)
                                               + tenant_charge)
 
-    def cancel(self, tenant: str, user: str, request_id: str) -> bool:
-        """Take a still-queued request out; its user leaves when that was its last (and
-        its tenant when that was its last user). False when it is not queued."""
-        queue = self.queues.get((tenant, user), [])
+    def cancel(self, tenant: str, user: str, request_id: str,
+               session: str | None = None) -> bool:
+        """Take a still-queued request out (of its ``session``'s queue, with sessions);
+        its user leaves when that was its last (and its tenant when that was its last
+        user). False when it is not queued."""
+        queue = self._queue(tenant, user, session)
         request = next((q for q in queue if q.request_id == request_id), None)
         if request is None:
             return False
         queue.remove(request)
-        if not queue and user in self.users.get(tenant, {}):
+        queued = (bool(queue) if session is None
+                  else self._session_left(tenant, user, session, queue))
+        if not queued and user in self.users.get(tenant, {}):
             self._leave(tenant, user)
         return True
 

@@ -403,6 +403,11 @@ class Settings(BaseSettings):
     end_user_idle_s: float = Field(86400.0, gt=0)
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
     fairness: str = "vtc"
+    # Sessions, a third fairness level (tenant -> user -> session, docs/scheduling.md):
+    # within a user, its sessions (X-Fairgate-Session, or a Responses API conversation;
+    # requests without one form its default session) share its service fairly; its share
+    # against other users is unchanged. Off: one queue per user, as before.
+    sessions: bool = False
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
     priority_class_gap: int = 1000

@@ -43,12 +43,14 @@ from gateway.http.openapi import openapi_json
 from gateway.http.queue_status import QUEUE_STATUS_HEADER, QueueStatus, wants_queue_status
 from gateway.proxy.completion_request import (
     DEADLINE_HEADER,
+    SESSION_HEADER,
     CompletionRequest,
     Limits,
     check_context,
     read_completion,
     read_deadline_ms,
     read_json_object,
+    read_session,
     validate_unscheduled,
 )
 from gateway.proxy.endpoints import ENDPOINTS, Endpoint, Kind
@@ -102,6 +104,8 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
                                  Limits.of(svc.settings))
     model, user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
+    session = (read_session(request.headers.get(SESSION_HEADER), creq.body, endpoint)
+               if svc.settings.sessions else "")
     if not svc.pool.any_healthy(model):  # none healthy: admission refuses or holds it
         await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     check_context(creq.body, endpoint, svc.pool.max_model_len(model))
@@ -130,7 +134,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
         response = await svc.admission.call(model, user, klass, key.weight, creq,
                                             forward, request_id=request_id, arrived_s=arrived,
                                             deadline_ms=deadline_ms, account=key,
-                                            refuse_unready=True)
+                                            refuse_unready=True, session=session)
         status = str(response.status)
         return response
     except FairgateError as exc:

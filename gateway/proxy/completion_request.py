@@ -9,13 +9,15 @@ the end user); every other field passes through to vLLM untouched.
 JSON would make encoding it for the backend recurse past Python's limit), requested
 output tokens, and the end-user id (``user``: a Redis key and a metrics label for trusted
 keys), which must also be printable text. The header ``X-Fairgate-Deadline-Ms`` (a
-first-token deadline, milliseconds from arrival) is read here too.
+first-token deadline, milliseconds from arrival) is read here too, and with sessions on a
+request's session key (``X-Fairgate-Session``, or the Responses API's ``conversation``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
     from gateway.core.settings import Settings
 
 DEADLINE_HEADER = "X-Fairgate-Deadline-Ms"
+SESSION_HEADER = "X-Fairgate-Session"
+SESSION_KEY = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 MAX_DEADLINE_MS = 86_400_000  # one day, batch's longest queue wait
 # n, best_of: OpenAI's bound on n; what a request reserves is multiplied by them
 MAX_SEQUENCES = 128
@@ -211,6 +215,29 @@ def read_deadline_ms(value: str | None) -> int | None:
         raise BadRequest(f"header {DEADLINE_HEADER} must be between 1 and "
                          f"{MAX_DEADLINE_MS} milliseconds (got {deadline})")
     return deadline
+
+
+def read_session(header: str | None, body: dict[str, Any], endpoint: Endpoint) -> str:
+    """A request's session key (sessions on): the ``X-Fairgate-Session`` header, else the
+    conversation its endpoint's body names (the Responses API's ``conversation``, an id
+    or ``{"id": ...}``), else "" (its user's default session). 1 to 128 characters of
+    letters, digits, ``_``, ``.`` and ``-``."""
+    if header is not None:
+        if not SESSION_KEY.fullmatch(header):
+            raise BadRequest(f"header {SESSION_HEADER} must be 1 to 128 characters of "
+                             "letters, digits, '_', '.' and '-'")
+        return header
+    field = endpoint.session_field
+    value = body.get(field) if field else None
+    if isinstance(value, dict):
+        value = value.get("id")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not SESSION_KEY.fullmatch(value):
+        raise BadRequest(f"'{field}' must be a conversation id of 1 to 128 characters of "
+                         "letters, digits, '_', '.' and '-' (or an object with such an "
+                         "'id')", param=field)
+    return value
 
 
 def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> None:

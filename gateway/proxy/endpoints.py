@@ -69,6 +69,8 @@ class Endpoint:
     usage: Usage = CHOICES_USAGE
     batchable: bool = False  # a Batch API line may target it
     sim: str | None = None  # the simulator's behaviour; None: the simulator lacks it
+    # the body field naming a conversation, a session key when X-Fairgate-Session is absent
+    session_field: str | None = None
 
     @property
     def queued(self) -> bool:
@@ -104,7 +106,7 @@ RESPONSES = Endpoint(
     "/v1/responses", "POST", "createResponse", Kind.QUEUED,
     "The Responses API, queued fairly like chat; stream events relayed as they come",
     "CreateResponseRequest", "Response", "input", ("max_output_tokens",), Frames.EVENTS,
-    RESPONSES_USAGE, batchable=True, sim="responses")
+    RESPONSES_USAGE, batchable=True, sim="responses", session_field="conversation")
 TOKENIZE = Endpoint(
     "/tokenize", "POST", "tokenize", Kind.FORWARDED,
     "vLLM's tokenizer (any API key; cheap, so not queued)",

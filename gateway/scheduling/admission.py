@@ -181,15 +181,15 @@ class Admission(ReadsSettings):
                    creq: CompletionRequest, send: Callable[[Ticket], Awaitable[T]],
                    request_id: str | None = None, arrived_s: float | None = None,
                    deadline_ms: int | None = None, account: ApiKey | None = None,
-                   refuse_unready: bool = False) -> T:
+                   refuse_unready: bool = False, session: str = "") -> T:
         """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
         fails before anything was sent (nothing reached its engine), the backend's gates
         close and the request is queued once more, for another backend."""
         for attempt in (1, 2):
             async with self.admitted(model, user, klass, weight, creq, request_id,
                                      arrived_s, deadline_ms=deadline_ms,
-                                     account=account,
-                                     refuse_unready=refuse_unready) as ticket:
+                                     account=account, refuse_unready=refuse_unready,
+                                     session=session) as ticket:
                 try:
                     return await send(ticket)
                 except BackendUnreachable as exc:
@@ -204,8 +204,8 @@ class Admission(ReadsSettings):
     async def admitted(self, model: str, user: str, klass: str, weight: float,
                        creq: CompletionRequest, request_id: str | None = None,
                        arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                       account: ApiKey | None = None,
-                       refuse_unready: bool = False) -> AsyncIterator[Ticket]:
+                       account: ApiKey | None = None, refuse_unready: bool = False,
+                       session: str = "") -> AsyncIterator[Ticket]:
         """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
         tenant, ``gateway/scheduling/quotas.py``): charged before queueing the most it can
         cost (:meth:`max_cost`), corrected at the end to what the backend reported, and its
@@ -225,8 +225,8 @@ class Admission(ReadsSettings):
         try:
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
-                                      account=account,
-                                      refuse_unready=refuse_unready) as ticket:
+                                      account=account, refuse_unready=refuse_unready,
+                                      session=session) as ticket:
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
@@ -267,8 +267,8 @@ class Admission(ReadsSettings):
     async def _admitted(self, model: str, user: str, klass: str, weight: float,
                         creq: CompletionRequest, request_id: str,
                         arrived_s: float | None = None, *, deadline_ms: int | None = None,
-                        account: ApiKey | None = None,
-                        refuse_unready: bool = False) -> AsyncIterator[Ticket]:
+                        account: ApiKey | None = None, refuse_unready: bool = False,
+                        session: str = "") -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
         ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
         the key's usage recorded with the release (one Redis call).
@@ -281,7 +281,10 @@ class Admission(ReadsSettings):
         ``refuse_unready``: a client waits on its connection, so when no healthy backend of
         the model takes the request it is refused (503) at once, or held for one up to
         ``cold_start_wait_s`` (scale from zero); otherwise (a batch line) it waits in the
-        queue like any other (a length-aware pool's is always checked)."""
+        queue like any other (a length-aware pool's is always checked).
+
+        ``session``: with sessions on, the session it is queued in within its user's
+        share ("": the user's default session); ignored with sessions off."""
         prompt_est = estimate(creq)
         # a request naming a LoRA adapter is queued on its base model (docs/adapters.md)
         adapter = creq.model if creq.model != model else None
@@ -296,7 +299,8 @@ class Admission(ReadsSettings):
                                 else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
                                prompt_tokens=prompt_est, whole=not creq.stream,
-                               adapter=adapter)
+                               adapter=adapter,
+                               session=session if self.settings.sessions else None)
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms

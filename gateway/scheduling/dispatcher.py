@@ -267,7 +267,7 @@ class Dispatcher(ReadsSettings):
             self.waiters.pop(req.request_id, None)
             return
         if await self.store.cancel(model, req.request_id, req.user, req.klass,
-                                   req.tenant_name):
+                                   req.tenant_name, req.session):
             self.waiters.pop(req.request_id, None)
         elif future.done() and not future.cancelled() and future.exception() is None:
             await self.release(model, future.result(), 0.0)
@@ -403,7 +403,8 @@ class Dispatcher(ReadsSettings):
         self.metrics.serving_locally.set(0)
         for wait in served:
             r = wait.request
-            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name)
+            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
+                                    r.session)
         await self._requeue_waiters()  # the waiters still queued here
         log.info("store_back", handed_back=len(queued), served_locally=len(served))
 
@@ -597,7 +598,8 @@ class Dispatcher(ReadsSettings):
             fit = dataclasses.replace(fit, adapters=plan.adapters[backend])
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
-                             locality=plan.locality, fit=fit)
+                             locality=plan.locality, fit=fit,
+                             sessions=self.settings.sessions)
 
     async def _fold(self, model: str, backend: str
                     ) -> tuple[Plan | None, dict[str, Any] | None]:

@@ -29,6 +29,12 @@ MODEL_PATTERNS: dict[str, str] = {
     "users": "users:{klass}:{tenant}",    # zset: user -> user score, a tenant's queued users
     "user_saved": "usaved:{klass}:{tenant}",  # hash: user -> user score kept while idle
     "user_floor": "ufloor:{klass}",       # hash: tenant -> user score its last user left at
+    # sessions on (the third level): a user's queued sessions and their queues; the
+    # default session ("") queues in the user's own queue above
+    "sessions": "sess:{klass}:{tenant}:{user}",  # zset: session -> session score, queued ones
+    "session_saved": "ssaved:{klass}:{tenant}:{user}",  # hash: session -> score kept while idle
+    "session_queue": "sq:{klass}:{tenant}:{user}:{session}",  # list: one session's queued ids
+    "user_queued": "uq:{klass}:{tenant}:{user}",  # string: requests queued in a user's sessions
     "request": "req:{request_id}",        # hash: one request's state (TTL)
     "depth": "depth",                     # hash: class -> queued requests
     "backlogged_since": "since",          # hash: class -> when its queue became non-empty
@@ -100,9 +106,24 @@ class ModelKeys:
     def _key(self, name: str, **parts: str) -> str:
         return self.prefix + MODEL_PATTERNS[name].format(**parts)
 
-    def queue(self, klass: str, user: str, tenant: str | None = None) -> str:
-        """A user's queue in its tenant (None: the tenant named after the user)."""
+    def queue(self, klass: str, user: str, tenant: str | None = None,
+              session: str | None = None) -> str:
+        """A user's queue in its tenant (None: the tenant named after the user); with a
+        session (sessions on, not the default session ""), that session's queue."""
+        if session:
+            return self._key("session_queue", klass=klass, tenant=tenant or user, user=user,
+                             session=session)
         return self._key("queue", klass=klass, tenant=tenant or user, user=user)
+
+    def sessions(self, klass: str, tenant: str, user: str) -> str:
+        """A user's sessions with a queued request, by session score (sessions on)."""
+        return self._key("sessions", klass=klass, tenant=tenant, user=user)
+
+    def session_saved(self, klass: str, tenant: str, user: str) -> str:
+        return self._key("session_saved", klass=klass, tenant=tenant, user=user)
+
+    def user_queued(self, klass: str, tenant: str, user: str) -> str:
+        return self._key("user_queued", klass=klass, tenant=tenant, user=user)
 
     def active(self, klass: str) -> str:
         """The class's tenants with a queued request, by tenant score (with no tenants

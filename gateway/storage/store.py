@@ -41,6 +41,7 @@ class QueuedRequest:
     deadline_at: float | None = None  # first-token deadline (unix s): EDF in its user's queue
     prompt_tokens: int = 0  # estimated: where it fits, and the prefill-token gate
     whole: bool = False  # a whole answer (not streamed): it never reports a first token
+    session: str | None = None  # sessions on: its session ("" the user's default); None: off
     adapter: str | None = None  # the LoRA adapter it names: only backends having it take it
 
     @property
@@ -251,9 +252,12 @@ def dispatch_args(
     replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER, recent_window: int = 100,
     max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
     locality: Locality | None = None, fit: BackendFit | None = None,
+    sessions: bool = False,
 ) -> dict[str, Any]:
     """The named arguments of one dispatch decision for ``backend`` (see
-    :meth:`Store.dispatch`), as ``dispatch_for`` in ``lua/lib/dispatch.lua`` reads them."""
+    :meth:`Store.dispatch`), as ``dispatch_for`` in ``lua/lib/dispatch.lua`` reads them.
+    ``sessions``: each user's requests come from its least-served session (the third
+    level, ``policies/fairness.py``)."""
     fit = fit or BackendFit()
     loc = locality or Locality(0.0, 0, 0, 0.0)
     span = fit.prompt_range
@@ -273,8 +277,15 @@ def dispatch_args(
                      "others": [b for b in loc.others if b != backend]},
         "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
         "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
+        **({"sessions": True} if sessions else {}),
         **({} if fit.adapters is None else {"adapters": sorted(fit.adapters)}),
     }
+
+
+def session_keys(k: ModelKeys, klass: str, tenant: str, user: str) -> list[str]:
+    """A user's session-level keys (sessions on), declared for Redis Cluster."""
+    return [k.sessions(klass, tenant, user), k.session_saved(klass, tenant, user),
+            k.user_queued(klass, tenant, user)]
 
 
 def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
@@ -372,9 +383,12 @@ class Store:
         requests = []
         for req in reqs:
             tenant = req.tenant_name
-            keys += [k.queue(req.klass, req.user, tenant), k.request(req.request_id),
-                     k.active(req.klass), k.saved(req.klass), k.users(req.klass, tenant),
-                     k.user_saved(req.klass, tenant), k.user_floor(req.klass)]
+            keys += [k.queue(req.klass, req.user, tenant, req.session),
+                     k.request(req.request_id), k.active(req.klass), k.saved(req.klass),
+                     k.users(req.klass, tenant), k.user_saved(req.klass, tenant),
+                     k.user_floor(req.klass)]
+            if req.session is not None:
+                keys += session_keys(k, req.klass, tenant, req.user)
             if is_end_user(req.user):
                 keys.append(k.seen)
             # numbers kept as text where the script stores them as given
@@ -387,6 +401,7 @@ class Store:
                 "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
                 **({"adapter": req.adapter} if req.adapter else {}),
                 **({"seen": True} if is_end_user(req.user) else {}),
+                **({"session": req.session} if req.session is not None else {}),
                 **({"requeue": True} if requeue else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
@@ -404,6 +419,7 @@ class Store:
         now: float, replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER,
         recent_window: int = 100, max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
         locality: Locality | None = None, fit: BackendFit | None = None,
+        sessions: bool = False,
     ) -> tuple[list[Grant], int]:
         """Atomically pop the fairest requests (at most ``max_grants``) a backend's open
         gates admit, trying the classes in ``order`` with the given per-class limits: the
@@ -419,7 +435,7 @@ class Store:
         Returns the grants and how many requests are still queued for the model."""
         done = await self.dispatch_with(model, dispatch_args(
             model, backend, limits, replica, now, replica_ttl_s, order, recent_window,
-            max_grants, grant_pickup_s, locality, fit))
+            max_grants, grant_pickup_s, locality, fit, sessions))
         return done.grants, done.depth
 
     async def dispatch_with(self, model: str, args: Mapping[str, Any],
@@ -530,18 +546,23 @@ class Store:
         return int(forgotten), int(kept)
 
     async def cancel(self, model: str, request_id: str, user: str, klass: str,
-                     tenant: str | None = None) -> bool:
+                     tenant: str | None = None, session: str | None = None) -> bool:
         """Take a queued request out of its user's queue in ``tenant`` (None: the tenant
-        its hash names, else the user's own)."""
+        and session its hash names, else the user's own), with sessions on its
+        ``session``'s queue."""
         k = ModelKeys(model)
         if tenant is None:
-            tenant = await cast("Awaitable[str | None]", self.client.hget(
-                k.request(request_id), "tenant")) or user
-        keys = [k.queue(klass, user, tenant), k.active(klass), k.saved(klass),
+            found, session = await cast("Awaitable[list[str | None]]", self.client.hmget(
+                k.request(request_id), ["tenant", "session"]))
+            tenant = found or user
+        keys = [k.queue(klass, user, tenant, session), k.active(klass), k.saved(klass),
                 k.request(request_id), k.depth, k.backlogged_since, k.users(klass, tenant),
                 k.user_saved(klass, tenant), k.user_floor(klass)]
-        return bool(await self._run("cancel", keys,
-                                    [request_id, user, klass, tenant, k.prefix]))
+        args = [request_id, user, klass, tenant, k.prefix]
+        if session is not None:
+            keys += session_keys(k, klass, tenant, user)
+            args.append(session)
+        return bool(await self._run("cancel", keys, args))
 
     async def store_snapshot(self, model: str, backend: str, snap: BackendSnapshot,
                              shared: str = "") -> Stored:
@@ -834,16 +855,17 @@ class Store:
         absent. For the wait estimate. ``tenant`` None: the request's (its hash), else the
         user's own."""
         k = ModelKeys(model)
+        session = None
         if tenant is None and request_id is not None:
-            tenant = await cast("Awaitable[str | None]", self.client.hget(
-                k.request(request_id), "tenant"))
+            tenant, session = await cast("Awaitable[list[str | None]]", self.client.hmget(
+                k.request(request_id), ["tenant", "session"]))
         tenant = tenant or user
         pipe = self.client.pipeline(transaction=False)
         pipe.zscore(k.active(klass), tenant)
         if request_id is None:
             pipe.llen(k.queue(klass, user, tenant))
-        else:
-            pipe.lpos(k.queue(klass, user, tenant), request_id)
+        else:  # its index in its session's queue, with sessions on
+            pipe.lpos(k.queue(klass, user, tenant, session), request_id)
         score, index = await pipe.execute()
         return (None if score is None else float(score)), (None if index is None else int(index))
 

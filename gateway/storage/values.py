@@ -28,6 +28,7 @@ REQUEST_FIELDS: dict[str, str] = {
     "prefix": "its prompt's block-hash chain, space-separated (enqueue, locality only)",
     "deadline": "first-token deadline, unix s (enqueue, when given)",
     "whole": "1 for a whole answer, never streamed: it runs once dispatched (enqueue)",
+    "session": "its session key, \"\" the user's default session (enqueue, sessions on)",
     "adapter": "the LoRA adapter it names: only a backend having it takes it (enqueue)",
     "held_at": "when the prefill-token gate first held it, unix s (dispatch)",
     "backend": "where it was dispatched (dispatch)",

@@ -47,6 +47,7 @@ class Spec:
     max_tokens: int
     chat: bool = False
     deadline_ms: int | None = None  # sent as X-Fairgate-Deadline-Ms (first-token deadline)
+    session: str | None = None  # sent as X-Fairgate-Session
 
 
 @dataclass(slots=True)
@@ -166,6 +167,8 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
         headers = target.headers(spec.user)
         if spec.deadline_ms is not None:
             headers["X-Fairgate-Deadline-Ms"] = str(spec.deadline_ms)
+        if spec.session is not None and target.via_gateway:
+            headers["X-Fairgate-Session"] = spec.session
         async with session.post(target.url + path, json=body_for(spec, target.model),
                                 headers=headers) as resp:
             result.status = resp.status

@@ -381,3 +381,72 @@ async def test_a_queued_requests_place_is_read_in_its_tenant(redis: aioredis.Red
     assert await store.queue_place(M, "default", "alice", "x2") == (42.0, 1)
     assert await store.queue_place(M, "default", "alice", None, "research") == (42.0, 2)
     assert await store.queue_place(M, "default", "bob", None) == (None, 0)
+
+
+# --- sessions: the third level, within a user ------------------------------------------
+
+class SessionBench(Bench):
+    """:class:`Bench` with sessions on: each request in one of its user's sessions."""
+
+    def __init__(self, store: Store, policy: FairnessPolicy, prompts: dict[str, int],
+                 weights: dict[str, float]) -> None:
+        super().__init__(store, policy, prompts, weights)
+        self.session_served: dict[tuple[str, str], float] = {}
+        self.sessions: dict[str, str] = {}  # request id -> its session
+
+    async def enqueue_in(self, user: str, session: str, count: int) -> None:
+        for _ in range(count):
+            self.ids += 1
+            cost = self.policy.dispatch_cost(self.prompts[user], self.weights[user])
+            await self.store.enqueue(M, QueuedRequest(
+                f"{user}-{self.ids}", user, "default", "r1", cost, 1000.0,
+                session=session), 10**6)
+            self.sessions[f"{user}-{self.ids}"] = session
+
+    async def step(self) -> Grant:
+        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
+                                                 sessions=True)
+        prompt, weight = self.prompts[grant.user], self.weights[grant.user]
+        service = self.policy.service(prompt, OUTPUT, weight)
+        self.served[grant.user] += service
+        who = (grant.user, self.sessions[grant.request_id])
+        self.session_served[who] = self.session_served.get(who, 0.0) + service
+        self.inflight.append(grant)
+        if len(self.inflight) >= IN_FLIGHT:
+            await self.settle_one()
+        return grant
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("a_sessions", [1, 50])
+async def test_a_users_share_is_the_same_whatever_its_sessions(
+        redis: aioredis.Redis, name: str, a_sessions: int) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    b = SessionBench(store, policy_for(name), {"a": 100, "b": 300}, {"a": 1.0, "b": 1.0})
+    for s in range(a_sessions):
+        await b.enqueue_in("a", f"s{s}", 400 // a_sessions)
+    await b.enqueue_in("b", "", 400)
+    worst = 0.0
+    for _ in range(200):  # both stay backlogged throughout
+        await b.step()
+        worst = max(worst, abs(b.served["a"] - b.served["b"]))
+    assert worst <= b.bound(), (a_sessions, b.served, worst, b.bound())
+
+
+@pytest.mark.parametrize("name", POLICIES)
+async def test_backlogged_sessions_of_a_user_share_its_service(
+        redis: aioredis.Redis, name: str) -> None:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    b = SessionBench(store, policy_for(name), {"a": 100, "b": 100}, {"a": 1.0, "b": 1.0})
+    await b.enqueue_in("a", "agent", 300)  # an agent's parallel calls
+    await b.enqueue_in("a", "chat", 100)
+    await b.enqueue_in("b", "", 300)
+    worst = 0.0
+    for _ in range(150):  # a's two sessions and b stay backlogged throughout
+        await b.step()
+        worst = max(worst, abs(b.session_served.get(("a", "agent"), 0.0)
+                               - b.session_served.get(("a", "chat"), 0.0)))
+    assert worst <= b.bound(), (b.session_served, worst, b.bound())
+    assert abs(b.served["a"] - b.served["b"]) <= b.bound(), b.served

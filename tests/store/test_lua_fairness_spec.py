@@ -1,11 +1,12 @@
 """Differential spec of ``gateway/storage/lua/lib/fairness.lua`` (pick and charge, with the
 locality slack at both levels, prompt ranges and a backfill's room) and of enqueue.lua's
 order (EDF within a user's queue, the per-user cap, each level joined at its minimum)
-against their plain-data twin, ``policies/fairness.py`` TwoLevel: hypothesis draws a
-backend and a workload of enqueues, dispatches, settles and cancels; the real scripts run
-it on Redis (enqueue.lua and cancel.lua through the store, each dispatch one EVAL of the
-library module, each settle the charge every release applies), the twin in Python, and
-every decision and the final scores and queues must agree."""
+against their plain-data twin, ``policies/fairness.py`` TwoLevel, with sessions (the
+third level) on or off: hypothesis draws a backend and a workload of enqueues,
+dispatches, settles and cancels; the real scripts run it on Redis (enqueue.lua and
+cancel.lua through the store, each dispatch one EVAL of the library module, each settle
+the charge every release applies), the twin in Python, and every decision and the final
+scores and queues must agree."""
 
 from __future__ import annotations
 
@@ -32,16 +33,18 @@ local a = cjson.decode(ARGV[1])
 local prefix, class = a.prefix, a.class
 local pools = pools_for(prefix, a.range, a.block_tokens)
 local locality = locality_for(prefix, a.backend, a.locality, a.load, a.now)
-local fairness = fairness_for(prefix, pools, locality)
+local fairness = fairness_for(prefix, pools, locality, a.sessions)
 local tenant, user, id, held = fairness.pick(a.active, class, a.room)
 if not tenant then return {} end
-local queue = key_queue(prefix, class, tenant, user)
+local session = fairness.session(class, tenant, user)
+local queue = queue_of(prefix, class, tenant, user, session)
 id = id or redis.call('LINDEX', queue, 0)
 redis.call('LREM', queue, 1, id)
 local f = redis.call('HMGET', key_request(prefix, id), 'cost', 'tcost')
 local cost = tonumber(f[1]) or 0
-fairness.charge(class, tenant, user, queue, a.active, a.saved, cost, tonumber(f[2]) or cost)
-return {tenant, user, id, held or -1}
+fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost,
+  tonumber(f[2]) or cost)
+return {tenant, user, id, held or -1, session or cjson.null}
 """
 # a settle's charges (settle.lua; _lib.lua charge): to each level, active or saved
 SETTLE = """
@@ -49,10 +52,15 @@ local a = cjson.decode(ARGV[1])
 charge(key_users(a.prefix, a.class, a.tenant), key_user_saved(a.prefix, a.class, a.tenant),
   a.user, a.charge)
 charge(a.active, a.saved, a.tenant, a.tcharge)
+if a.session and redis.call('ZSCORE', key_users(a.prefix, a.class, a.tenant), a.user) then
+  charge(key_sessions(a.prefix, a.class, a.tenant, a.user),
+    key_session_saved(a.prefix, a.class, a.tenant, a.user), a.session, a.charge)
+end
 return 1
 """
 
 MEMBERS = [("A", "a1"), ("A", "a2"), ("A", "a3"), ("B", "b1"), ("B", "b2"), ("C", "c1")]
+SESSIONS = ["", "s1", "s2"]  # "": the user's default session
 HASHES = ["h1", "h2", "h3", "h4"]
 quarters = st.integers(0, 40).map(lambda n: n / 4)  # exact in Redis and Python alike
 chains = st.lists(st.sampled_from(HASHES), max_size=3, unique=True)
@@ -65,11 +73,11 @@ BACKENDS = st.fixed_dictionaries({
     "others": st.lists(st.tuples(st.sets(st.sampled_from(HASHES)), st.integers(0, 4)),
                        max_size=2),
     "load": st.integers(0, 4), "max_imbalance": st.integers(0, 3),
-    "max_queued": st.integers(2, 6),
+    "max_queued": st.integers(2, 6), "sessions": st.booleans(),
 })
 ENQUEUE = st.tuples(st.just("enqueue"), st.sampled_from(MEMBERS), quarters, quarters,
                    st.one_of(st.none(), st.integers(1, 4).map(float)), st.integers(0, 900),
-                   chains)
+                   chains, st.sampled_from(SESSIONS))
 DISPATCH_OP = st.tuples(st.just("dispatch"),
                         st.one_of(st.none(), st.none(), st.integers(-50, 600)))
 OPS = st.one_of(ENQUEUE, DISPATCH_OP, DISPATCH_OP,
@@ -97,7 +105,8 @@ async def state(client: aioredis.Redis, k: ModelKeys) -> dict[str, Any]:
         "tenants": dict(await client.zrange(k.active(CLASS), 0, -1, withscores=True)),
         "saved_tenants": {t: float(s) for t, s in (await client.hgetall(k.saved(CLASS))).items()},
         "floors": {t: float(s) for t, s in (await client.hgetall(k.user_floor(CLASS))).items()},
-        "users": {}, "saved_users": {}, "queues": {},
+        "users": {}, "saved_users": {}, "queues": {}, "sessions": {}, "saved_sessions": {},
+        "queued": {},
     }
     for t in sorted(tenants):
         users = dict(await client.zrange(k.users(CLASS, t), 0, -1, withscores=True))
@@ -110,6 +119,20 @@ async def state(client: aioredis.Redis, k: ModelKeys) -> dict[str, Any]:
         queue = await client.lrange(k.queue(CLASS, u, t), 0, -1)
         if queue:
             out["queues"][f"{t}/{u}"] = queue
+        for session in SESSIONS[1:]:
+            queue = await client.lrange(k.queue(CLASS, u, t, session), 0, -1)
+            if queue:
+                out["queues"][f"{t}/{u}/{session}"] = queue
+        active = dict(await client.zrange(k.sessions(CLASS, t, u), 0, -1, withscores=True))
+        saved = {s: float(v)
+                 for s, v in (await client.hgetall(k.session_saved(CLASS, t, u))).items()}
+        queued = await client.get(k.user_queued(CLASS, t, u))
+        if active:
+            out["sessions"][f"{t}/{u}"] = active
+        if saved:
+            out["saved_sessions"][f"{t}/{u}"] = saved
+        if queued is not None:
+            out["queued"][f"{t}/{u}"] = int(queued)
     return out
 
 
@@ -119,8 +142,13 @@ def twin_state(model: TwoLevel) -> dict[str, Any]:
         "floors": model.floors,
         "users": {t: u for t, u in model.users.items() if u},
         "saved_users": {t: u for t, u in model.saved_users.items() if u},
-        "queues": {f"{t}/{u}": [q.request_id for q in queue]
-                   for (t, u), queue in model.queues.items() if queue},
+        "queues": {**{f"{t}/{u}": [q.request_id for q in queue]
+                      for (t, u), queue in model.queues.items() if queue},
+                   **{f"{t}/{u}/{s}": [q.request_id for q in queue]
+                      for (t, u, s), queue in model.session_queues.items() if queue}},
+        "sessions": {f"{t}/{u}": v for (t, u), v in model.sessions.items() if v},
+        "saved_sessions": {f"{t}/{u}": v for (t, u), v in model.saved_sessions.items() if v},
+        "queued": {f"{t}/{u}": n for (t, u), n in model.queued.items()},
     }
 
 
@@ -150,27 +178,28 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         settle = client.register_script(load_library() + SETTLE)
         common = {"prefix": k.prefix, "class": CLASS, "active": k.active(CLASS),
                   "saved": k.saved(CLASS)}
-        model = TwoLevel()
+        model = TwoLevel(by_session=backend["sessions"])
         tokens: dict[str, int] = {}
         chain_of: dict[str, list[str]] = {}
-        enqueued: list[tuple[str, str, str]] = []
+        enqueued: list[tuple[str, str, str, str | None]] = []
         dispatched: list[Pick] = []
         for step, op in enumerate(ops):
             where = f"step {step} {op} of {ops} on {backend}"
             if op[0] == "enqueue":
-                _, (tenant, user), cost, tcost, deadline, ptok, chain = op
+                _, (tenant, user), cost, tcost, deadline, ptok, chain, drawn = op
+                session = drawn if backend["sessions"] else None
                 rid = f"r{step}"
                 got = await store.enqueue(name, QueuedRequest(
                     rid, user, CLASS, "r1", cost, 1000.0, tuple(chain), tenant, tcost,
-                    deadline, ptok), backend["max_queued"])
+                    deadline, ptok, session=session), backend["max_queued"])
                 want = model.enqueue(tenant, user, cost, tcost, rid, deadline,
-                                     backend["max_queued"])
+                                     backend["max_queued"], session)
                 assert got == want, f"{where}: lua queue length {got}, policies {want}"
                 if want > 0:
                     tokens[rid] = ptok
                     if chain:
                         chain_of[rid] = chain
-                    enqueued.append((tenant, user, rid))
+                    enqueued.append((tenant, user, rid, session))
             elif op[0] == "dispatch":
                 room = op[1]
                 args = {**common, "backend": BACKEND, "load": backend["load"], "now": 1000.0,
@@ -180,14 +209,17 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                                      "lookahead": backend["lookahead"], "index_size": 100,
                                      "index_ttl": 600, "max_imbalance": backend["max_imbalance"],
                                      "others": others}}
+                if backend["sessions"]:
+                    args["sessions"] = True
                 if room is not None:
                     args["room"] = room
                 found = await dispatch(args=[json.dumps(args)])
                 pick = model.pick(*twin_backend(backend, tokens, chain_of), room)
                 want_pick = None if pick is None else [
                     pick.tenant, pick.user, pick.request_id,
-                    -1 if pick.held_blocks is None else pick.held_blocks]
-                got_pick = [*found[:3], int(found[3])] if found else None
+                    -1 if pick.held_blocks is None else pick.held_blocks, pick.session]
+                got_pick = [*found[:3], int(found[3]), found[4] if len(found) > 4 else None
+                            ] if found else None
                 assert got_pick == want_pick, (
                     f"{where}: lua picked {got_pick}, policies {want_pick}")
                 if pick is not None:
@@ -198,12 +230,14 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 done = dispatched[n % len(dispatched)]
                 await settle(args=[json.dumps({**common, "tenant": done.tenant,
                                                "user": done.user, "charge": charge,
-                                               "tcharge": tcharge})])
-                model.settle(done.tenant, done.user, charge, tcharge)
+                                               "tcharge": tcharge,
+                                               **({} if done.session is None
+                                                  else {"session": done.session})})])
+                model.settle(done.tenant, done.user, charge, tcharge, done.session)
             elif op[0] == "cancel" and enqueued:
-                tenant, user, rid = enqueued[op[1] % len(enqueued)]
-                got_cancel = await store.cancel(name, rid, user, CLASS, tenant)
-                want_cancel = model.cancel(tenant, user, rid)
+                tenant, user, rid, session = enqueued[op[1] % len(enqueued)]
+                got_cancel = await store.cancel(name, rid, user, CLASS, tenant, session)
+                want_cancel = model.cancel(tenant, user, rid, session)
                 assert got_cancel == want_cancel, (
                     f"{where}: lua cancelled {got_cancel}, policies {want_cancel}")
         got_state, want_state = await state(client, k), twin_state(model)
@@ -218,12 +252,21 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
 @given(BACKENDS, WORKLOADS)
 @example(  # A idles, then a user it never had joins at the floor its last user left
     backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
-             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 2},
-    ops=[("enqueue", ("A", "a1"), 2.0, 1.0, None, 0, []),
-         ("enqueue", ("B", "b1"), 1.0, 1.0, None, 0, []), ("dispatch", None),
-         ("dispatch", None), ("enqueue", ("A", "a2"), 1.0, 1.0, None, 0, []),
-         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, []), ("dispatch", None),
+             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 2, "sessions": False},
+    ops=[("enqueue", ("A", "a1"), 2.0, 1.0, None, 0, [], ""),
+         ("enqueue", ("B", "b1"), 1.0, 1.0, None, 0, [], ""), ("dispatch", None),
+         ("dispatch", None), ("enqueue", ("A", "a2"), 1.0, 1.0, None, 0, [], ""),
+         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], ""), ("dispatch", None),
          ("dispatch", None)])
+@example(  # one user's busy session and its one-at-a-time one take turns
+    backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
+             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 6, "sessions": True},
+    ops=[("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s1"),
+         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s1"),
+         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s1"),
+         ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s2"), ("dispatch", None),
+         ("dispatch", None), ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s2"),
+         ("dispatch", None), ("settle", 0, 2.0, 2.0), ("cancel", 1), ("dispatch", None)])
 def test_fairness_lua_decides_as_policies_fairness(
         redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
     asyncio.run(run(redis_url, backend, ops))

@@ -79,3 +79,34 @@ end
 local function seen_at(prefix, tenant, user, at)
   redis.call('ZADD', key_seen(prefix), 'GT', at, seen_entry(tenant, user))
 end
+
+-- Sessions, the optional third level (policies/fairness.py TwoLevel, `sessions`): each
+-- user's sessions with a queued request in its sessions zset by session score, charged
+-- the user-level cost; each session its own queue, the default session ("", requests
+-- without a session key) the user's own queue. `session` nil: sessions off, one queue.
+local function queue_of(prefix, class, tenant, user, session)
+  if session and session ~= '' then
+    return key_session_queue(prefix, class, tenant, user, session)
+  end
+  return key_queue(prefix, class, tenant, user)
+end
+
+-- A request of `session` left its `queue`: one less queued for the user; the session,
+-- with nothing more queued, leaves the user's sessions, its score (`score`, default the
+-- one it has) saved. Returns whether the user has a request queued still. A user with
+-- none forgets its session scores: they are compared only among its own sessions, and
+-- start again, equal, with its next request.
+local function session_left(prefix, class, tenant, user, session, queue, score)
+  local sessions = key_sessions(prefix, class, tenant, user)
+  local saved = key_session_saved(prefix, class, tenant, user)
+  local count = key_user_queued(prefix, class, tenant, user)
+  if redis.call('DECR', count) <= 0 then redis.call('DEL', count) end
+  score = score or tonumber(redis.call('ZSCORE', sessions, session))
+  if score then place(sessions, saved, session, score, redis.call('LLEN', queue) > 0) end
+  if redis.call('ZCARD', sessions) > 0
+      or redis.call('LLEN', key_queue(prefix, class, tenant, user)) > 0 then
+    return true
+  end
+  redis.call('DEL', saved, count)
+  return false
+end

@@ -1,8 +1,9 @@
 -- Queue one tick's requests, each under (model, class, tenant, user), making the user and
--- its tenant active (see join in _lib.lua); then, when asked, dispatch to the backend
--- most likely to take them (dispatch_for in lib/dispatch.lua): the tick's requests and
--- their dispatch are one call. Starts its replica held back go first (start_each in
--- lib/inflight.lua), so the decision sees the slots they freed.
+-- its tenant active (see join in _lib.lua), and with sessions on in its session's queue,
+-- making the session active among the user's (queue_of in _lib.lua); then, when asked,
+-- dispatch to the backend most likely to take them (dispatch_for in lib/dispatch.lua):
+-- the tick's requests and their dispatch are one call. Starts its replica held back go
+-- first (start_each in lib/inflight.lua), so the decision sees the slots they freed.
 -- Within a user's queue, earliest deadline first: a request with a deadline goes ahead
 -- of the user's own requests with a later deadline or none (those keep their order), so
 -- the queue is its deadline requests by deadline, then the rest in arrival order.
@@ -18,22 +19,26 @@
 -- (optional: the LoRA adapter it names; only a backend having it takes it), requeue
 -- (optional: true for a request its replica queues again after a failover: not held to
 -- the cap), seen (optional: true for a trusted key's end user: its last-seen time
--- becomes `now`, see seen_at in _lib.lua)}
+-- becomes `now`, see seen_at in _lib.lua), session (optional, sessions on: its session
+-- key, "" for the user's default session)}
 -- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
--- length, -1 when the per-user cap is reached, 0 when the request was known already (its
--- hash exists: skipped).
+-- length (with sessions: its requests queued in all its sessions), -1 when the per-user
+-- cap is reached, 0 when the request was known already (its hash exists: skipped).
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 
 local function enqueue(r)
-  local queue = key_queue(prefix, r.class, r.tenant, r.user)
+  local queue = queue_of(prefix, r.class, r.tenant, r.user, r.session)
   local req = key_request(prefix, r.id)
   -- a request goes in once: one the store knows already is a call retried after its
   -- reply was lost, or a request queued again after a failover (its replica still holds
   -- the client) that the store did not forget; a requeued one is within the cap it was
   -- admitted under already
   if redis.call('EXISTS', req) == 1 then return 0 end
-  local queued = redis.call('LLEN', queue)
+  -- the cap counts the user's requests, over all its sessions
+  local count = r.session and key_user_queued(prefix, r.class, r.tenant, r.user)
+  local queued = count and (tonumber(redis.call('GET', count)) or 0)
+    or redis.call('LLEN', queue)
   if queued >= a.max_queued and not r.requeue then return -1 end
   -- the owner is alive (it is enqueueing): a Redis restarted empty learns it at once
   redis.call('ZADD', key_replicas(prefix), 'GT', r.now, r.owner)
@@ -62,6 +67,12 @@ local function enqueue(r)
   end
   if redis.call('HINCRBY', key_depth(prefix), r.class, 1) == 1 then
     redis.call('HSET', key_backlogged_since(prefix), r.class, r.now)
+  end
+  if r.session then
+    redis.call('HSET', req, 'session', r.session)
+    redis.call('INCR', count)
+    join(key_sessions(prefix, r.class, r.tenant, r.user),
+      key_session_saved(prefix, r.class, r.tenant, r.user), r.session, nil, nil)
   end
   join(key_users(prefix, r.class, r.tenant), key_user_saved(prefix, r.class, r.tenant),
     r.user, key_user_floor(prefix, r.class), r.tenant)

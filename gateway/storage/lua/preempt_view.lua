@@ -1,7 +1,8 @@
 -- What a preemption decision reads (policies/preemption.py, gateway/scheduling/
 -- preemption.py), in one call: for each class with requests queued, the request its next
 -- dispatch takes first (the queue head of the least-scored user of the least-scored
--- tenant) with its user's score; and every dispatched, unsettled request the live
+-- tenant, with sessions on of its default session or else its least-scored one) with its
+-- user's score; and every dispatched, unsettled request the live
 -- replicas hold, with its user's score in its class (a whole answer, never streamed,
 -- counts as started once dispatched: it reports no first token).
 -- KEYS[1] replicas zset  KEYS[2] queue depth hash
@@ -26,6 +27,12 @@ for _, class in ipairs(p.classes) do
       'WITHSCORES')
     if first and first[1] then
       local head = redis.call('LINDEX', key_queue(prefix, class, tenant, first[1]), 0)
+      if not head then  -- sessions on, its default session empty: its first session's
+        local session = redis.call('ZRANGE', key_sessions(prefix, class, tenant, first[1]),
+          0, 0)[1]
+        head = session and redis.call('LINDEX',
+          queue_of(prefix, class, tenant, first[1], session), 0)
+      end
       local at = head and redis.call('HGET', key_request(prefix, head), 'enqueued_at')
       if at then
         queued[#queued + 1] = {class = class, user = first[1], enqueued_at = tonumber(at),

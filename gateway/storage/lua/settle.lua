@@ -1,5 +1,6 @@
 -- Release a dispatched request (release_request in lib/inflight.lua), add the fairness
--- policy's settle charges to its user's score in its tenant and to the tenant's score
+-- policy's settle charges to its user's score in its tenant (and with sessions on to its
+-- session's, while the user has a request queued) and to the tenant's score
 -- (each to the saved score when idle, see charge in _lib.lua; the tenant and class are
 -- the request's, kept in its hash), record its usage, and let the slot it frees grant
 -- the backend's next requests in the same call. Starts its replica held back (its own
@@ -17,13 +18,14 @@ local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 start_each(prefix, a.starts)
 local info = redis.call('HMGET', key_request(prefix, a.id), 'owner', 'started', 'tenant',
-  'class', 'state', 'backend')
+  'class', 'state', 'backend', 'session')
+local session = info[7] or nil  -- sessions on: its session ("" the default one)
 local released
 if info[5] == 'queued' then
   -- it ran here, but a store that failed over lost its dispatch and still queues it:
   -- it leaves the queue (never dispatched again), charged as it ran
   released = release_request(prefix, a.id, {state = 'queued', user = a.user,
-    class = info[4], tenant = info[3] or a.user})
+    class = info[4], tenant = info[3] or a.user, session = session})
 else
   -- the backend its hash names: after a failover the store may have dispatched it
   -- again elsewhere (that grant's in-flight state is the one to release)
@@ -36,6 +38,11 @@ if released then
     charge(key_users(prefix, info[4], tenant), key_user_saved(prefix, info[4], tenant),
       a.user, a.charge)
     charge(key_active(prefix, info[4]), key_saved(prefix, info[4]), tenant, a.tcharge)
+    -- its session's score, while its user has sessions to compare (else forgotten)
+    if session and redis.call('ZSCORE', key_users(prefix, info[4], tenant), a.user) then
+      charge(key_sessions(prefix, info[4], tenant, a.user),
+        key_session_saved(prefix, info[4], tenant, a.user), session, a.charge)
+    end
   end
   if a.seen then seen_at(prefix, tenant, a.user, a.seen) end
 end

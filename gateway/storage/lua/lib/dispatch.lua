@@ -7,8 +7,11 @@
 -- cached request of the users within it, fairness.lua pick()). The served user's score
 -- grows by the request's user-level dispatch cost, its tenant's by the tenant-level one
 -- (both stored at enqueue). With no tenants configured every user is its own tenant.
+-- With sessions on (`a.sessions`), the user's request comes from its least-served
+-- session's queue, and that session's score grows by the user-level cost too.
 -- `a`, one JSON object (gateway/storage/store.py dispatch_args):
 --   now (s), replica_ttl (s), prefix (the model's key prefix), replica (this one),
+--   sessions (optional: true with sessions on, the third level),
 --   backend (its name), recent_kept (recent-list length), want (most grants to return),
 --   pickup (grant pickup limit, s: see replica_alive in replicas.lua),
 --   classes: in service order, each {name, limit (the snapshot's burst: max allowed in
@@ -51,7 +54,7 @@ local function dispatch_for(a)
 
   local pools = pools_for(prefix, a.range, a.block_tokens, a.adapters)
   local locality = locality_for(prefix, backend, a.locality, inflight, now)
-  local fairness = fairness_for(prefix, pools, locality)
+  local fairness = fairness_for(prefix, pools, locality, a.sessions)
   local granted = inflight_for(prefix, backend, a.replica,
     {user_inflight = key_user_inflight(prefix), sent = key_backend_sent(prefix, backend),
      backend_inflight = key_backend_inflight(prefix, backend), recent = key_recent(prefix),
@@ -62,8 +65,8 @@ local function dispatch_for(a)
   -- (policies/prefill.py uncached_tokens; `held`: its leading blocks in the index, if known).
   -- An id whose request is no longer queued (queued twice: a call retried after its reply
   -- was lost, or a failover) names no request: that entry only leaves the queue.
-  local function inspect(class, tenant, user, chosen, held)
-    local queue = key_queue(prefix, class, tenant, user)
+  local function inspect(class, tenant, user, session, chosen, held)
+    local queue = queue_of(prefix, class, tenant, user, session)
     local id = chosen or redis.call('LINDEX', queue, 0)
     local req = id and key_request(prefix, id)
     local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
@@ -92,7 +95,9 @@ local function dispatch_for(a)
       attempts = attempts + 1
       local tenant, user, chosen, held = fairness.pick(active, class)
       if not tenant then break end
-      local queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
+      local session = fairness.session(class, tenant, user)
+      local queue, id, req, fields, valid, tokens = inspect(class, tenant, user, session,
+        chosen, held)
       -- (a request nobody holds any more is never held: it is dropped below)
       local room = nil
       if valid then
@@ -102,12 +107,14 @@ local function dispatch_for(a)
       if room then
         tenant, user, chosen, held = fairness.pick(active, class, room)
         if not tenant then break end
-        queue, id, req, fields, valid, tokens = inspect(class, tenant, user, chosen, held)
+        session = fairness.session(class, tenant, user)
+        queue, id, req, fields, valid, tokens = inspect(class, tenant, user, session, chosen,
+          held)
       end
       if id then unqueue(prefix, class, queue, id, not chosen) end
       if valid then
         local cost = tonumber(fields[2]) or 0
-        fairness.charge(class, tenant, user, queue, active, saved, cost,
+        fairness.charge(class, tenant, user, session, queue, active, saved, cost,
           tonumber(fields[5]) or cost)
         local rank
         rank, inflight = granted.grant(id, req, class, user, fields[1], tokens)
@@ -117,7 +124,7 @@ local function dispatch_for(a)
         grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
       else
         if req then redis.call('DEL', req) end  -- expired, or its replica died
-        fairness.charge(class, tenant, user, queue, active, saved, 0, 0)
+        fairness.charge(class, tenant, user, session, queue, active, saved, 0, 0)
       end
     end
   end

@@ -1,7 +1,10 @@
 -- Two-level fair share within a class (policies/fairness.py): the tenant with the
 -- smallest tenant score, then its user with the smallest user score, then that user's
 -- oldest request; with a locality slack, the best cached request of the users within it
--- at both levels. fairness_for(prefix, pools, locality) over pools_for and locality_for.
+-- at both levels. With sessions on (`sessions` true), a user's queue is that of its
+-- least-served session (sessions zset; none: the default session, its own queue), and a
+-- dispatch charges the session too. fairness_for(prefix, pools, locality, sessions) over
+-- pools_for and locality_for.
 local RANGE_SCAN = 64  -- users looked at (fairness order) for a request a backend takes
 
 -- the smallest score of a zset: member, score (nil when empty)
@@ -11,12 +14,19 @@ local function least(zset)
   return top[1], tonumber(top[2])
 end
 
-local function fairness_for(prefix, pools, locality)
+local function fairness_for(prefix, pools, locality, sessions)
   local F = {}
   local slack, compared, lookahead = locality.slack, locality.compared, locality.lookahead
 
+  -- the session a user's next request comes from (nil: sessions off)
+  function F.session(class, tenant, user)
+    if not sessions then return nil end
+    return least(key_sessions(prefix, class, tenant, user)) or ''
+  end
+
   local function head(class, tenant, user)
-    return redis.call('LRANGE', key_queue(prefix, class, tenant, user), 0, lookahead - 1)
+    return redis.call('LRANGE', queue_of(prefix, class, tenant, user,
+      F.session(class, tenant, user)), 0, lookahead - 1)
   end
 
   -- the first request, in fairness order (tenants, their users, each user's first
@@ -86,16 +96,24 @@ local function fairness_for(prefix, pools, locality)
     return best_tenant, best, best_id, best_id and best_len or nil
   end
 
-  -- after `user` of `tenant` was served (its request taken out of `queue`): each score
-  -- grows by the request's cost at its level (`cost`, `tcost`: 0 for a dropped request),
-  -- and a user or tenant left with nothing queued leaves its active set, its score saved
-  -- (a tenant's last user's score is the floor its next user starts from)
-  function F.charge(class, tenant, user, queue, active, saved, cost, tcost)
+  -- after `user` of `tenant` was served (its request taken out of `queue`, its
+  -- `session`'s): each score grows by the request's cost at its level (`cost`, `tcost`: 0
+  -- for a dropped request; a session's by the user-level cost), and a session, user or
+  -- tenant left with nothing queued leaves its active set, its score saved (a tenant's
+  -- last user's score is the floor its next user starts from)
+  function F.charge(class, tenant, user, session, queue, active, saved, cost, tcost)
     local users = key_users(prefix, class, tenant)
     local score = (tonumber(redis.call('ZSCORE', users, user)) or 0) + cost
     local tscore = (tonumber(redis.call('ZSCORE', active, tenant)) or 0) + tcost
-    place(users, key_user_saved(prefix, class, tenant), user, score,
-      redis.call('LLEN', queue) > 0)
+    local queued
+    if session then
+      local sscore = redis.call('ZSCORE', key_sessions(prefix, class, tenant, user), session)
+      queued = session_left(prefix, class, tenant, user, session, queue,
+        sscore and tonumber(sscore) + cost)
+    else
+      queued = redis.call('LLEN', queue) > 0
+    end
+    place(users, key_user_saved(prefix, class, tenant), user, score, queued)
     local tenant_active = redis.call('ZCARD', users) > 0
     if not tenant_active then redis.call('HSET', key_user_floor(prefix, class), tenant, score) end
     place(active, saved, tenant, tscore, tenant_active)

@@ -94,19 +94,26 @@ local function release_inflight(prefix, id, user, backend, owner)
 end
 
 -- The one release: request `id` leaves wherever it is. `f`: its {state, user, class,
--- tenant, owner, backend, started}. Queued (cancel.lua): out of its user's queue, and a
--- user (tenant) left with nothing queued leaves its tenant's users (the class's
--- tenants), keeping its score. Dispatched (settle.lua, reap.lua): out of its backend's
--- in-flight state; one it was dispatched before the snapshot and never seen starting may
--- be among the snapshot's "unseen", and is gone now. Its hash goes. False when there was
+-- tenant, session, owner, backend, started}. Queued (cancel.lua): out of its user's
+-- queue (its session's: session_left in _lib.lua), and a user (tenant) left with
+-- nothing queued leaves its tenant's users (the class's tenants), keeping its score.
+-- Dispatched (settle.lua, reap.lua): out of its backend's in-flight state; one it was
+-- dispatched before the snapshot and never seen starting may be among the snapshot's
+-- "unseen", and is gone now. Its hash goes. False when there was
 -- nothing to release (no longer queued; released already).
 local function release_request(prefix, id, f)
   local req = key_request(prefix, id)
   if f.state == 'queued' then
-    local queue = key_queue(prefix, f.class, f.tenant, f.user)
+    local queue = queue_of(prefix, f.class, f.tenant, f.user, f.session)
     if not unqueue(prefix, f.class, queue, id, false) then return false end
     redis.call('DEL', req)
-    if redis.call('LLEN', queue) == 0 then leave(prefix, f.class, f.tenant, f.user) end
+    local queued
+    if f.session then
+      queued = session_left(prefix, f.class, f.tenant, f.user, f.session, queue)
+    else
+      queued = redis.call('LLEN', queue) > 0
+    end
+    if not queued then leave(prefix, f.class, f.tenant, f.user) end
     return true
   end
   if redis.call('DEL', req) == 0 or not (f.user and f.backend) then return false end
