@@ -8,17 +8,34 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
+import yaml
 
-from gateway.storage.embedded_redis import die_with_parent
-from tests.gateway.conftest import MODEL
+from gateway.storage.embedded_redis import die_with_parent, free_port
+from tests.gateway.conftest import KEYS, MODEL
 
 # fast enough for a test to see a dead replica, a lost lease and a new snapshot
 FAST = {"FAIRGATE_REPLICA_TTL_S": "1", "FAIRGATE_BATCH_LEASE_S": "1",
         "FAIRGATE_REPLICA_HEARTBEAT_S": "0.2", "FAIRGATE_SCRAPE_INTERVAL_S": "0.02",
         "FAIRGATE_BATCH_POLL_S": "0.05"}
+
+
+def replica_config(where: Path, name: str, redis_url: str, backend_urls: list[str],
+                   **extra: Any) -> tuple[Path, int]:
+    """A config file for one replica process on a free port (its data in ``where/name``):
+    backends ``b0``, ``b1``, … of the test model and the test keys; returns (file, port)."""
+    port = free_port()
+    config = where / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({
+        "redis_url": redis_url, "data_dir": str(where / name),
+        "listen": {"host": "127.0.0.1", "port": port},
+        "backends": [{"name": f"b{i}", "url": url, "model": MODEL}
+                     for i, url in enumerate(backend_urls)],
+        "api_keys": KEYS, **extra}))
+    return config, port
 
 
 async def start_gateway(config: Path, port: int, env: dict[str, str] | None = None

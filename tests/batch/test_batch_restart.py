@@ -11,12 +11,10 @@ from typing import Any
 
 import openai
 import redis.asyncio as aioredis
-import yaml
 
-from gateway.storage.embedded_redis import free_port
 from gateway.storage.keys import BatchKeys
-from tests.gateway.conftest import KEYS, MODEL, SimFactory
-from tests.processes import FAST, batch_file, start_gateway, wait_ready
+from tests.gateway.conftest import SimFactory
+from tests.processes import FAST, batch_file, replica_config, start_gateway, wait_ready
 
 LINES = 60
 
@@ -24,12 +22,7 @@ LINES = 60
 async def test_batch_survives_a_killed_gateway(sim: SimFactory, redis: aioredis.Redis,
                                                redis_url: str, tmp_path: Path) -> None:
     backend = await sim(max_num_seqs=16)
-    port = free_port()
-    config = tmp_path / "fairgate.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis_url": redis_url, "data_dir": str(tmp_path / "data"),
-        "listen": {"host": "127.0.0.1", "port": port},
-        "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
+    config, port = replica_config(tmp_path, "data", redis_url, [backend.url])
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-batch",
                            max_retries=0)
     first = await start_gateway(config, port, FAST)

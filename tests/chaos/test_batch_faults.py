@@ -13,12 +13,11 @@ from typing import Any
 
 import openai
 import redis.asyncio as aioredis
-import yaml
 
-from gateway.storage.embedded_redis import EmbeddedRedis, free_port
+from gateway.storage.embedded_redis import EmbeddedRedis
 from gateway.storage.keys import BatchKeys
-from tests.gateway.conftest import KEYS, MODEL, SimFactory
-from tests.processes import FAST, batch_file, start_gateway, wait_ready
+from tests.gateway.conftest import SimFactory
+from tests.processes import FAST, batch_file, replica_config, start_gateway, wait_ready
 
 LINES = 500
 
@@ -26,12 +25,7 @@ LINES = 500
 async def test_batch_survives_gateway_and_redis_kills(sim: SimFactory, tmp_path: Path) -> None:
     redis = EmbeddedRedis(data_dir=tmp_path / "redis", append_only=True).start()
     backend = await sim(max_num_seqs=32)
-    port = free_port()
-    config = tmp_path / "fairgate.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis_url": redis.url, "data_dir": str(tmp_path / "data"),
-        "listen": {"host": "127.0.0.1", "port": port},
-        "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
+    config, port = replica_config(tmp_path, "data", redis.url, [backend.url])
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-batch",
                            max_retries=0)
     gw = await start_gateway(config, port, {**FAST, "FAIRGATE_LOG_LEVEL": "warning"})

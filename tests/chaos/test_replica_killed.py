@@ -15,13 +15,11 @@ from pathlib import Path
 
 import aiohttp
 import redis.asyncio as aioredis
-import yaml
 
 from gateway.http.server import GatewayServer
-from gateway.storage.embedded_redis import free_port
 from gateway.storage.keys import ModelKeys
-from tests.gateway.conftest import KEYS, MODEL, SimFactory, gateway_settings
-from tests.processes import start_gateway, until_ready
+from tests.gateway.conftest import MODEL, SimFactory, gateway_settings
+from tests.processes import replica_config, start_gateway, until_ready
 
 FLOOD, NEWCOMERS = 24, 4
 
@@ -50,12 +48,7 @@ async def until(predicate: object, what: str) -> None:
 async def test_survivor_serves_at_once_and_nothing_leaks(
         sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
     backend = await sim(max_num_seqs=4)
-    port = free_port()
-    config = tmp_path / "a.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis_url": redis_url, "data_dir": str(tmp_path / "a"),
-        "listen": {"host": "127.0.0.1", "port": port},
-        "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
+    config, port = replica_config(tmp_path, "a", redis_url, [backend.url])
     doomed = await start_gateway(config, port, {"FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
     await until_ready(f"http://127.0.0.1:{port}")  # it has scraped the backend
     survivor = GatewayServer(gateway_settings(redis_url, [backend],

@@ -17,13 +17,11 @@ from pathlib import Path
 
 import aiohttp
 import redis.asyncio as aioredis
-import yaml
 
 from gateway.http.server import GatewayServer
-from gateway.storage.embedded_redis import free_port
 from gateway.storage.keys import ModelKeys
-from tests.gateway.conftest import KEYS, MODEL, SimFactory, complete, gateway_settings, until
-from tests.processes import start_gateway, until_ready
+from tests.gateway.conftest import MODEL, SimFactory, complete, gateway_settings, until
+from tests.processes import replica_config, start_gateway, until_ready
 
 CLIENTS = 10
 TTL_S = "1"  # both replicas take a replica silent this long for dead
@@ -32,12 +30,7 @@ TTL_S = "1"  # both replicas take a replica silent this long for dead
 async def test_a_paused_replica_loses_none_of_its_queued_clients(
         sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
     backend = await sim(max_num_seqs=2)
-    port = free_port()
-    config = tmp_path / "paused.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis_url": redis_url, "data_dir": str(tmp_path / "paused"),
-        "listen": {"host": "127.0.0.1", "port": port},
-        "backends": [{"name": "b0", "url": backend.url, "model": MODEL}], "api_keys": KEYS}))
+    config, port = replica_config(tmp_path, "paused", redis_url, [backend.url])
     paused = await start_gateway(config, port, {
         "FAIRGATE_SCRAPE_INTERVAL_S": "0.02", "FAIRGATE_REPLICA_HEARTBEAT_S": "0.2",
         "FAIRGATE_REPLICA_TTL_S": TTL_S})

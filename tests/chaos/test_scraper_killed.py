@@ -9,13 +9,11 @@ from pathlib import Path
 
 import aiohttp
 import redis.asyncio as aioredis
-import yaml
 
 from gateway.http.server import GatewayServer
-from gateway.storage.embedded_redis import free_port
 from gateway.storage.keys import ModelKeys
-from tests.gateway.conftest import KEYS, MODEL, SimFactory, complete, gateway_settings, until
-from tests.processes import start_gateway, until_ready
+from tests.gateway.conftest import MODEL, SimFactory, complete, gateway_settings, until
+from tests.processes import replica_config, start_gateway, until_ready
 
 INTERVAL_S = 0.05
 
@@ -23,14 +21,7 @@ INTERVAL_S = 0.05
 async def test_a_killed_scraper_replica_hands_its_backends_to_another(
         sim: SimFactory, redis: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
     backends = [await sim(profile="instant"), await sim(profile="instant")]
-    port = free_port()
-    config = tmp_path / "scraper.yaml"
-    config.write_text(yaml.safe_dump({
-        "redis_url": redis_url, "data_dir": str(tmp_path / "scraper"),
-        "listen": {"host": "127.0.0.1", "port": port},
-        "backends": [{"name": f"b{i}", "url": b.url, "model": MODEL}
-                     for i, b in enumerate(backends)],
-        "api_keys": KEYS}))
+    config, port = replica_config(tmp_path, "scraper", redis_url, [b.url for b in backends])
     env = {"FAIRGATE_SCRAPE_INTERVAL_S": str(INTERVAL_S)}
     doomed = await start_gateway(config, port, env)
     await until_ready(f"http://127.0.0.1:{port}")  # it took the leases and scraped
