@@ -6,10 +6,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import deque
 
 import pytest
 import redis as redis_sync
 
+from gateway.storage import embedded_redis
 from gateway.storage.embedded_redis import EmbeddedRedis, EmbeddedRedisError
 
 
@@ -72,3 +74,31 @@ def test_port_in_use_fails_clearly() -> None:
 async def test_fixture_gives_clean_database(redis) -> None:  # type: ignore[no-untyped-def]
     assert await redis.dbsize() == 0
     await redis.set("leftover", 1)
+
+
+def test_free_port_never_hands_out_a_port_twice_when_the_kernel_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel gave two binds in a row one ephemeral port: a cluster node's bus port
+    was its own port, and the node exited (``Address already in use``)."""
+    offered = iter([41000, 41000, 41000, 41001])
+
+    class Socket:
+        def __init__(self, *args: object) -> None:
+            self.port = 0
+
+        def __enter__(self) -> Socket:
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.port = next(offered)
+
+        def getsockname(self) -> tuple[str, int]:
+            return "127.0.0.1", self.port
+
+    monkeypatch.setattr(embedded_redis.socket, "socket", Socket)
+    monkeypatch.setattr(embedded_redis, "_handed_out", deque(maxlen=8))  # this test's own
+    ports = [embedded_redis.free_port(), embedded_redis.free_port()]
+    assert ports == [41000, 41001], ports

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -42,10 +43,22 @@ def server_binary() -> str:
     return str(path)
 
 
+# the ports free_port handed out lately: not handed out again
+_handed_out: deque[int] = deque(maxlen=1024)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port nothing is bound to now, and not one this process was given lately. The
+    kernel may give two binds in a row the same ephemeral port while the first caller has
+    not bound it yet: a cluster node got its own port as its bus port and exited."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.append(port)
+            return port
+    raise EmbeddedRedisError("no free port that was not handed out lately")
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the child
