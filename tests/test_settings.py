@@ -43,6 +43,11 @@ def test_missing_file_and_bad_values_fail_clearly(tmp_path: Path) -> None:
         load_settings(None, classes={"urgent": {}})
     with pytest.raises(ValidationError):
         load_settings(None, api_keys=[{"key": "k", "user": "u", "priority_class": "vip"}])
+    # a body limit or per-user queue cap below 1 was accepted: no request could pass it
+    for field in ("max_body_bytes", "max_queued_per_user"):
+        for bad in (0, -1):
+            with pytest.raises(ValidationError, match=field):
+                load_settings(None, **{field: bad})
 
 
 def test_a_redis_cluster_from_env_and_one_store_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -473,12 +473,12 @@ class Settings(BaseSettings):
     # a streamed request sent with X-Fairgate-Queue-Status: 1 gets its 200 at once and an
     # SSE comment with its place in the queue this often (gateway/http/queue_status.py)
     queue_status_interval_s: float = Field(1.0, gt=0)
-    max_body_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)
     # /tokenize and /detokenize (not queued): their own body limit, and how many of one
     # user's may be at the backends at once on a replica (beyond: 429)
     max_unqueued_body_bytes: int = Field(1024 * 1024, ge=1)
     max_unqueued_per_user: int = Field(4, ge=1)
-    max_queued_per_user: int = 1000
+    max_queued_per_user: int = Field(1000, ge=1)
     upstream_timeout_s: float = 600.0  # the backend sends nothing for this long → 502
     max_request_s: float = Field(3600.0, gt=0)  # one answer, streamed or not, at most
     # a stream under way that brings no whole frame for this long is cut: continued

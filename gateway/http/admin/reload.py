@@ -59,10 +59,10 @@ async def reload_config(request: web.Request) -> web.Response:
     return web.json_response(report)
 
 
-def _read_config(path: Path) -> Settings:
+def _read_config(path: Path, current: Settings) -> Settings:
     """The whole new config, validated (``gateway/core/config_file.py``); ``BadRequest``
-    naming the problem otherwise, also when it names no backends or no keys at all (a
-    reload must never lock the operators out)."""
+    naming the problem otherwise, also when it names no backends or no keys at all, or no
+    admin key where ``current`` has some (a reload must never lock the operators out)."""
     def refuse(problem: str) -> BadRequest:
         return BadRequest(f"config file {str(path)!r} {problem}; nothing reloaded, the "
                           "current config stays")
@@ -75,6 +75,9 @@ def _read_config(path: Path) -> Settings:
         raise refuse("names no backends and no discovery")
     if not new.api_keys and not new.admin_keys:
         raise refuse("names no API keys and no admin keys")
+    if current.admin_keys and not new.admin_keys:
+        raise refuse("names no admin keys: no operator could reload, drain or cancel again "
+                     "(a restart turns the admin API off)")
     return new
 
 
@@ -85,7 +88,7 @@ def reload_settings(svc: Services) -> dict[str, Any]:
     current = svc.settings
     if current.config_file is None:
         raise NoConfigFile("the gateway was started without a config file: nothing to reload")
-    new = _read_config(current.config_file)
+    new = _read_config(current.config_file, current)
     restart = _changed(current, new, RESTART_FIELDS)
     listed = _changed(current, new, BACKEND_FIELDS)
     if new.models() == current.models():  # same models: the pool re-pointed in place
