@@ -30,6 +30,9 @@ MASTER_NAME = "fairgate"
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 3000
 START_TIMEOUT_S = 10.0
+# a promotion: seconds on a quiet machine, more than 30 s beside a vLLM server compiling
+# (a failed election waits 2 x failover-timeout before the next)
+PROMOTION_BOUND_S = 60.0
 
 
 class LinkCut:
@@ -176,7 +179,7 @@ class SentinelRig:
         proc.kill()
         proc.wait()
 
-    async def until_promoted(self, timeout_s: float = 30.0) -> float:
+    async def until_promoted(self, timeout_s: float = PROMOTION_BOUND_S) -> float:
         """Until every sentinel names the replica master, up (what a client asks them);
         returns when (monotonic)."""
         def promoted() -> bool:
