@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,15 @@ from gateway.http.server import GatewayServer
 from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, complete
 
 N = 200
-# Background traffic differs a little between the run and the idle window (a scrape more
-# or less): a few commands over N requests. Bounds met exactly by construction (two
-# calls for a streamed request, four under limits) get this much room; an extra call per
-# request is a whole one.
-NOISE = 0.15
+# Background traffic differs between the run and the idle window: a scrape more or less,
+# and on a loaded machine more of the scrapes' dispatch wake-ups find a request in flight
+# (a clean-clone CI run counted +0.175 commands per limited request, none of them on the
+# request's path). So the bounds are checked twice: exactly on the request's path (the
+# commands and scripts sent once or more per request: an extra call per request adds a
+# whole one), and with this much room on the total, which background shares.
+NOISE = 0.5
+# A command or script sent at least this often per request is on the request's path.
+ON_PATH = 0.5
 # The same background traffic in the run and in the idle window: scrapes at one interval
 # whether the backend is busy or not (by default an idle backend is scraped every 0.5 s,
 # so the idle window would take off less than the run carried: +0.15 per request seen).
@@ -37,13 +42,14 @@ STEADY_BACKGROUND = {"scrape_interval_s": 0.1, "idle_scrape_interval_s": 0.1,
 LIMITED = {"key": "sk-limited", "user": "lima", "limits": {"rpm": 100000, "tpm": 10000000}}
 
 
-def gateway_counts(metrics: GatewayMetrics) -> tuple[float, float]:
-    """(commands sent, round trips) so far."""
-    commands = trips = 0.0
+def gateway_counts(metrics: GatewayMetrics) -> tuple[Counter[str], float]:
+    """(commands sent, by command or script, round trips) so far."""
+    commands: Counter[str] = Counter()
+    trips = 0.0
     for family in metrics.registry.collect():
         for sample in family.samples:
             if sample.name == "fairgate_redis_commands_total":
-                commands += sample.value
+                commands[sample.labels["script"] or sample.labels["command"]] += sample.value
             elif sample.name == "fairgate_redis_command_duration_seconds_count":
                 trips += sample.value
     return commands, trips
@@ -81,7 +87,7 @@ async def monitored(redis_url: str) -> AsyncIterator[Monitor]:
 
 
 async def per_request(gw: GatewayServer, redis_url: str,
-                      one: Callable[[], Awaitable[Any]]) -> dict[str, float]:
+                      one: Callable[[], Awaitable[Any]]) -> dict[str, Any]:
     """Commands (the gateway's count and MONITOR's) and round trips per request, the idle
     window's counts taken off."""
     metrics = gw.services.metrics
@@ -98,8 +104,26 @@ async def per_request(gw: GatewayServer, redis_url: str,
         await asyncio.sleep(run_s)  # the idle window itself: background traffic only
         c2, t2 = gateway_counts(metrics)
         m2 = mon.commands
-    return {"commands": ((c1 - c0) - (c2 - c1)) / N, "round_trips": ((t1 - t0) - (t2 - t1)) / N,
-            "monitor": ((m1 - m0) - (m2 - m1)) / N, "idle_commands": c2 - c1, "run_s": run_s}
+    run, idle = c1 - c0, c2 - c1
+    by_name = {name: round((run[name] - idle[name]) / N, 3) for name in run | idle
+               if run[name] != idle[name]}
+    return {"commands": (run.total() - idle.total()) / N,
+            "round_trips": ((t1 - t0) - (t2 - t1)) / N,
+            "monitor": ((m1 - m0) - (m2 - m1)) / N, "idle_commands": idle.total(),
+            "run_s": run_s, "by_name": by_name}
+
+
+def on_path(got: dict[str, Any]) -> float:
+    """Commands per request on the request's path (background taken off by name)."""
+    return sum(v for v in got["by_name"].values() if v >= ON_PATH)
+
+
+def check(got: dict[str, Any], bound: float, what: str) -> None:
+    assert on_path(got) <= bound + 0.01, f"{what}: gateway counted {got}"
+    assert got["commands"] <= bound + NOISE, f"{what}: gateway counted {got}"
+    assert got["monitor"] <= bound + NOISE, f"{what}: MONITOR counted {got}"
+    assert abs(got["monitor"] - got["commands"]) <= 0.3, (
+        f"{what}: MONITOR and the gateway's counter disagree: {got}")
 
 
 async def stream(session: aiohttp.ClientSession, url: str, key: str) -> None:
@@ -118,11 +142,8 @@ async def test_a_request_costs_at_most_three_commands_in_two_and_a_half_round_tr
     async with aiohttp.ClientSession() as session:
         got = await per_request(gw, redis_url, lambda: complete(session, gw.url, "sk-alice", 2))
     print(f"\nper request, default config: {got}")
-    assert got["commands"] <= 3.0, f"gateway counted {got} per request"
+    check(got, 3.0, "per request")
     assert got["round_trips"] <= 2.5, f"gateway counted {got} per request"
-    assert got["monitor"] <= 3.0, f"MONITOR counted {got} per request"
-    assert abs(got["monitor"] - got["commands"]) <= 0.3, (
-        f"MONITOR and the gateway's counter disagree: {got}")
 
 
 async def test_a_streamed_request_costs_two_commands_and_one_under_limits_four(
@@ -135,12 +156,7 @@ async def test_a_streamed_request_costs_two_commands_and_one_under_limits_four(
                                     lambda: complete(session, gw.url, "sk-limited", 2))
     print(f"\nper request, streamed: {streamed}\nper request, limits on: {limited}")
     # streamed: with nothing queued its first token rides on its settle (no started call)
-    assert streamed["commands"] <= 2.0 + NOISE, f"gateway counted {streamed} per streamed request"
+    check(streamed, 2.0, "per streamed request")
     assert streamed["round_trips"] <= 2.5, f"gateway counted {streamed} per streamed request"
-    assert streamed["monitor"] <= 2.0 + NOISE, f"MONITOR counted {streamed} per streamed request"
     # limits on: the limits' check and their correction on top
-    assert limited["commands"] <= 4.0 + NOISE, f"gateway counted {limited} per limited request"
-    assert limited["monitor"] <= 4.0 + NOISE, f"MONITOR counted {limited} per limited request"
-    for got in (streamed, limited):
-        assert abs(got["monitor"] - got["commands"]) <= 0.3, (
-            f"MONITOR and the gateway's counter disagree: {got}")
+    check(limited, 4.0, "per limited request")
