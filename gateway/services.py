@@ -175,6 +175,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
                  asyncio.create_task(supervise("quotas", quotas.run, restarts), name="quotas"),
+                 asyncio.create_task(supervise("adapters", admission.adapter_loads.run,
+                                               restarts), name="adapters"),
                  asyncio.create_task(supervise("migrate", Migrations(
                      store, pool, running).run, restarts), name="migrate"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,

@@ -44,6 +44,7 @@ from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
 from gateway.proxy.moving import FAILOVER, Mover
 from gateway.proxy.moving import PREEMPT as PREEMPT
+from gateway.scheduling.adapter_loads import AdapterLoads
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.running import Running, RunningStreams
@@ -143,6 +144,8 @@ class Admission(ReadsSettings):
         self.metrics = metrics
         self.replica_id = replica_id
         self.waits = Waits(settings, dispatcher.store)
+        # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
+        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
         self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
 
     @asynccontextmanager
@@ -288,6 +291,7 @@ class Admission(ReadsSettings):
         prompt_est = estimate(creq)
         # a request naming a LoRA adapter is queued on its base model (docs/adapters.md)
         adapter = creq.model if creq.model != model else None
+        admitted_s = time.monotonic()
         cold = await self._check_fit(model, klass, creq, prompt_est, refuse_unready, adapter)
         tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
@@ -315,7 +319,8 @@ class Admission(ReadsSettings):
             # its user's queue serves earliest deadline first (enqueue.lua)
             queued = replace(queued, deadline_at=time.time() + left_s)
         try:
-            grant = await self._acquire(model, queued, timeout_s, cold)
+            grant = await self._acquire_adapter(model, adapter, queued, timeout_s, cold,
+                                                admitted_s)
         except QueueTimeout as exc:
             if timeout_s < cls_cfg.max_queue_wait_s:  # the deadline, not the class's limit
                 raise DeadlineUnmeetable(
@@ -448,6 +453,29 @@ class Admission(ReadsSettings):
         finally:
             await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
 
+    async def _acquire_adapter(self, model: str, adapter: str | None, queued: QueuedRequest,
+                               timeout_s: float, cold: bool, admitted_s: float) -> Grant:
+        """:meth:`_acquire`; for a request naming a LoRA adapter, counted as queued for
+        it (a runtime adapter unloaded meanwhile is loaded again for it,
+        ``AdapterLoads.run``), its dispatch noted as the adapter's use and its wait
+        since admission (``admitted_s``, monotonic; its load included) observed."""
+        if adapter is None:
+            return await self._acquire(model, queued, timeout_s, cold)
+        key = (model, adapter)
+        gauge = self.metrics.adapter_requests.labels(model, adapter, "queued")
+        gauge.inc()
+        self.adapter_loads.queued[key] += 1
+        try:
+            grant = await self._acquire(model, queued, timeout_s, cold)
+        finally:
+            gauge.dec()
+            self.adapter_loads.queued[key] -= 1
+            if self.adapter_loads.queued[key] <= 0:
+                del self.adapter_loads.queued[key]
+        self.adapter_loads.used(grant.backend, adapter)
+        self.metrics.adapter_wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
+        return grant
+
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
                          prompt_tokens: int, refuse_unready: bool,
                          adapter: str | None = None) -> bool:
@@ -457,7 +485,11 @@ class Admission(ReadsSettings):
         backends that take it (``refuse_unready``: of the model, else only of a
         length-aware pool) is healthy: a 503 now, or with ``cold_start_wait_s`` True (it
         is cold: :meth:`_acquire` waits for one of them). A request naming a LoRA
-        ``adapter`` only counts the backends having it: none at all is a 503 at once."""
+        ``adapter`` only counts the backends having it: none at all is a 503 at once, or,
+        for a runtime adapter, waits for its load (``adapter_loads.py``)."""
+        if (adapter is not None and not self.adapter_loads.resident(model, adapter)
+                and self.adapter_loads.runtime(adapter)):
+            await self.adapter_loads.ensure(model, adapter)
         if adapter is not None and not any(adapter in self.pool.adapters_on(h)
                                            for h in self.pool.for_model(model)):
             raise Unavailable(f"no backend of {model!r} has the adapter {adapter!r} loaded",

@@ -670,6 +670,61 @@ class Store:
             pipe.hdel(k.migrate, backend)
         await pipe.execute()
 
+    # runtime LoRA loads (gateway/scheduling/adapter_loads.py): one process loads at a
+    # time per model, the outcome of each adapter's last load is kept for the others
+
+    async def lock_adapter_loads(self, model: str, holder: str, ttl_s: float) -> bool:
+        """Take the model's adapter-load lease for ``holder`` (False: another holds it)."""
+        return bool(await cast("Awaitable[bool | None]", self.client.set(
+            ModelKeys(model).lora_loading, holder, nx=True, px=max(1, int(ttl_s * 1000)))))
+
+    async def unlock_adapter_loads(self, model: str, holder: str) -> None:
+        """Give the lease back, if ``holder`` still has it."""
+        key = ModelKeys(model).lora_loading
+        if await cast("Awaitable[str | None]", self.client.get(key)) == holder:
+            await cast("Awaitable[int]", self.client.delete(key))
+
+    async def adapter_load(self, model: str, adapter: str) -> dict[str, Any] | None:
+        """The outcome of the adapter's last load ({backend} or {backend, error,
+        status}), while it is kept."""
+        raw = await cast("Awaitable[str | None]",
+                         self.client.get(ModelKeys(model).lora_load(adapter)))
+        if not raw:
+            return None
+        value = json.loads(raw)
+        return value if isinstance(value, dict) else None
+
+    async def record_adapter_load(self, model: str, adapter: str, outcome: Mapping[str, Any],
+                                  keep_s: float, loaded_at: float | None = None) -> None:
+        """Keep a load's outcome ``keep_s``; a load that succeeded also records when
+        (unix s) the adapter came to its backend."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(k.lora_load(adapter), json.dumps(dict(outcome)),
+                 px=max(1, int(keep_s * 1000)))
+        if loaded_at is not None:
+            pipe.hset(k.backend_lora(str(outcome["backend"])), adapter, repr(loaded_at))
+        await pipe.execute()
+
+    async def record_adapter_unload(self, model: str, backend: str, adapter: str) -> None:
+        """The adapter left ``backend``: its load's outcome and time are forgotten."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(k.lora_load(adapter))
+        pipe.hdel(k.backend_lora(backend), adapter)
+        await pipe.execute()
+
+    async def adapters_loaded_at(self, model: str, backends: Sequence[str]
+                                 ) -> dict[str, dict[str, float]]:
+        """backend -> adapter -> when (unix s) the gateway loaded it there."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        for name in backends:
+            pipe.hgetall(k.backend_lora(name))
+        raw = await pipe.execute()
+        return {name: {str(a): float(t) for a, t in found.items()}
+                for name, found in zip(backends, raw, strict=True)}
+
     async def migrate_times(self, model: str) -> dict[str, float]:
         """Drained backends whose running answers move elsewhere, and from when (unix s)."""
         raw = await cast("Awaitable[dict[str, str]]",
