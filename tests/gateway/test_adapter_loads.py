@@ -106,6 +106,8 @@ async def test_with_no_slot_free_the_least_recently_used_idle_adapter_makes_room
     assert held and all(v == 0 for v in held.values()), held  # none held once answered
     handle = gw.services.pool.handles["b0"]
     assert gw.services.pool.adapters_on(handle) == {"a", "c"}, handle.adapters
+    lora = (await gw.services.inspector.backend("b0"))["lora"]  # the dashboard's row
+    assert (lora["resident"], lora["slots"]) == (["a", "c"], 2), lora
     await store_is_idle(gw)
 
 
