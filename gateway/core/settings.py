@@ -394,7 +394,7 @@ class Settings(BaseSettings):
     # tried again for adapter_load_retry_s (requests get its error meanwhile)
     adapter_min_residency_s: float = Field(30.0, ge=0)
     adapter_load_wait_s: float = Field(60.0, gt=0)
-    adapter_load_retry_s: float = Field(30.0, ge=0)
+    adapter_load_retry_s: float = Field(30.0, gt=0)
     # backends found by DNS names (a Kubernetes headless Service per pool), beside the
     # configured ones and those added with POST /admin/backends (docs/operations.md)
     discovery: list[Discovery] = []

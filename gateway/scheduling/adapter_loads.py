@@ -110,9 +110,11 @@ class AdapterLoads(ReadsSettings):
                     continue
             left = deadline - time.monotonic()
             if left <= 0:
+                why = ("none had a slot for it" if self._hosts(model, adapter)
+                       else "no healthy backend may load it")
                 raise AdapterNotLoaded(
                     f"the LoRA adapter {adapter!r} is resident on no backend of {model!r} "
-                    f"and none had a slot for it within adapter_load_wait_s ({wait_s:g} s)")
+                    f"and {why} within adapter_load_wait_s ({wait_s:g} s)")
             if await self.store.lock_adapter_loads(model, self.owner, left + 5.0):
                 try:
                     plan = await self._plan(model, adapter)
@@ -191,12 +193,10 @@ class AdapterLoads(ReadsSettings):
         ``adapter_load_retry_s``) and raise it."""
         log.warning("adapter_load_failed", backend=backend, adapter=adapter, status=status,
                     error=message)
-        keep_s = self.settings.adapter_load_retry_s
-        if keep_s > 0:
-            with contextlib.suppress(StoreUnavailable):
-                await self.store.record_adapter_load(
-                    model, adapter, {"backend": backend, "status": status, "error": message},
-                    keep_s)
+        with contextlib.suppress(StoreUnavailable):
+            await self.store.record_adapter_load(
+                model, adapter, {"backend": backend, "status": status, "error": message},
+                self.settings.adapter_load_retry_s)
         raise AdapterLoadFailed(message)
 
     async def _post(self, handle: BackendHandle, path: str, body: dict[str, Any],
