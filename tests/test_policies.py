@@ -6,7 +6,7 @@ import pytest
 
 from policies.backend_choice import Candidate, by_load
 from policies.classes import effective_class
-from policies.fairness import RoundRobin, Vtc
+from policies.fairness import POLICIES, RoundRobin, Vtc, charged_prompt, policy_for, predicted_cost
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, wider
 from policies.priority import vllm_priority
 from policies.starvation import FloorPolicy, owed_class, service_order
@@ -45,6 +45,28 @@ def test_vtc_and_round_robin_costs() -> None:
     rr = RoundRobin()
     assert rr.dispatch_cost(100, 1.0) == 1.0 and rr.dispatch_cost(100, 2.0) == 0.5
     assert rr.settle_charge(1, 1, 9, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_dispatch_cost_of_a_predicted_hit_is_the_cost_of_the_uncached_tokens(
+        name: str) -> None:
+    """The scripts charge a dispatch ``predicted_cost`` (the cost stored for the whole
+    estimate, less the policy's credit per token predicted cached) without knowing the
+    policy: it must be the policy's dispatch cost of the uncached tokens, and dispatch
+    plus settle the service of what the engine computed, whatever the prediction."""
+    policy = policy_for(name)
+    for weight in (0.5, 1.0, 3.0):
+        for prompt in (0, 1, 64, 700):
+            whole = policy.dispatch_cost(prompt, weight)
+            for uncached in (0, prompt // 3, prompt):
+                got = predicted_cost(whole, policy.cached_credit(weight), prompt, uncached)
+                want = policy.dispatch_cost(uncached, weight)
+                assert got == pytest.approx(want), (name, weight, prompt, uncached, got, want)
+                for computed in (0, uncached, prompt):
+                    total = got + policy.settle_charge(computed, uncached, 9, weight)
+                    assert total == pytest.approx(policy.service(computed, 9, weight)), (
+                        name, weight, prompt, uncached, computed, total)
+    assert charged_prompt(700, None) == 700 and charged_prompt(700, 60) == 60
 
 
 def test_priority_class_dominates_rank() -> None:

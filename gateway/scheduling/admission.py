@@ -53,7 +53,7 @@ from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.cost import estimate_prompt_tokens, max_cost_tokens
-from policies.fairness import FairnessPolicy, tenant_of
+from policies.fairness import FairnessPolicy, charged_prompt, tenant_of
 from policies.locality import prefix_chain
 from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
@@ -304,7 +304,9 @@ class Admission(ReadsSettings):
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
                                prompt_tokens=prompt_est, whole=not creq.stream,
                                adapter=adapter,
-                               session=session if self.settings.sessions else None)
+                               session=session if self.settings.sessions else None,
+                               credit=self.policy.cached_credit(weight),
+                               tenant_credit=self.policy.cached_credit(tenant_weight))
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -367,12 +369,15 @@ class Admission(ReadsSettings):
             prompt = ticket.prompt_tokens or prompt_est
             output = ticket.completion_tokens
             # what the GPU computed: the prompt tokens its prefix cache lacked (dispatch
-            # charged the whole estimate; the settle corrects it, a refund when cached)
+            # charged those the backend's prefix index predicted uncached; the settle
+            # corrects that to what the backend reports)
             computed = prompt - min(ticket.cached_tokens, prompt)
-            charge = (-queued.cost if ticket.unsent
-                      else self.policy.settle_charge(computed, prompt_est, output, weight))
-            tenant_charge = (-queued.tenant_charge if ticket.unsent else
-                             self.policy.settle_charge(computed, prompt_est, output,
+            charged = charged_prompt(prompt_est, grant.charged_prompt)
+            dispatched, tenant_dispatched = queued.charged(grant.charged_prompt)
+            charge = (-dispatched if ticket.unsent
+                      else self.policy.settle_charge(computed, charged, output, weight))
+            tenant_charge = (-tenant_dispatched if ticket.unsent else
+                             self.policy.settle_charge(computed, charged, output,
                                                        tenant_weight))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
                                    self.policy.service(
@@ -429,7 +434,7 @@ class Admission(ReadsSettings):
         # its id names the answer it continues (whoever reads this replica's running set
         # in Redis, preemption, tells the answer's segments apart)
         cont = replace(queued, request_id=continuation_id(queued.request_id, number),
-                       cost=0.0, tenant_cost=0.0,
+                       cost=0.0, tenant_cost=0.0, credit=0.0, tenant_credit=0.0,
                        enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens)
         cls_cfg = self.settings.classes[queued.klass]
         grant = await self.dispatcher.acquire(

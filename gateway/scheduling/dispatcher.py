@@ -647,7 +647,8 @@ class Dispatcher(ReadsSettings):
             self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
                                               grant.matched_blocks, grant.prompt_blocks)
             if grant.owner == self.replica_id:
-                self._deliver(model, grant.request_id, grant.backend, grant.rank)
+                self._deliver(model, grant.request_id, grant.backend, grant.rank,
+                              grant.charged_prompt)
         if done.grants and plan.owed is not None:
             self._class_view.pop(model, None)
             return True
@@ -711,7 +712,8 @@ class Dispatcher(ReadsSettings):
         back when it fails: marking a start twice, or after its settle, changes nothing)."""
         return list(self._starts.pop(model, {}).values())
 
-    def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
+    def _deliver(self, model: str, request_id: str, backend: str, rank: int,
+                 charged_prompt: int | None = None) -> None:
         running = self.held.get(request_id)
         if running is not None:
             # granted again (a failed-over store lost the first dispatch and still queued
@@ -724,7 +726,7 @@ class Dispatcher(ReadsSettings):
         if waiter is not None and not waiter.future.done():
             req = waiter.request
             grant = Grant(request_id, req.klass, req.user, rank, self.replica_id, backend,
-                          req.enqueued_at)
+                          req.enqueued_at, charged_prompt=charged_prompt)
             self.held[request_id] = grant
             waiter.future.set_result(grant)
             return
@@ -771,7 +773,8 @@ class Dispatcher(ReadsSettings):
             if grant.request_id in self.waiters:
                 # its grant never arrived (popped from a store that died before
                 # answering): its client still waits here, so it goes now
-                self._deliver(model, grant.request_id, grant.backend, grant.rank)
+                self._deliver(model, grant.request_id, grant.backend, grant.rank,
+                              grant.charged_prompt)
                 continue
             if await self.store.settle(model, grant, 0.0):
                 released += 1

@@ -125,7 +125,7 @@ async def test_dispatch_pushes_grant_to_owning_replica(redis: aioredis.Redis) ->
     await store.enqueue(M, req("x", "a", owner="r2"), 10)
     g = await dispatch(store)
     assert g is not None and g.owner == "r2"
-    assert await store.next_order(M, "r2", 0.1) == ("x", "b1", 0)
+    assert await store.next_order(M, "r2", 0.1) == ("x", "b1", 0, 0)  # 0 prompt tokens
     assert await store.next_order(M, "r1", 0.05) is None
 
 
