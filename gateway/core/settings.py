@@ -461,8 +461,10 @@ class Settings(BaseSettings):
     # index (Redis) records what it was sent, and among the users within `locality_slack`
     # (service units: VTC tokens, or requests under round_robin) of the least-served one,
     # the head whose prompt prefix is best cached there goes first; 0 = strict order. The
-    # fairness bound grows by the slack (policies/fairness.py).
-    routing: Literal["least_loaded", "locality"] = "least_loaded"
+    # fairness bound grows by the slack (policies/fairness.py). "auto" (the default):
+    # locality for a model with two or more backends, least_loaded for one (nothing to
+    # choose; policies/locality.py routing_for).
+    routing: Literal["auto", "least_loaded", "locality"] = "auto"
     locality_slack: float = Field(4096.0, ge=0)
     locality_candidates: int = Field(8, ge=1, le=64)  # users compared within the slack
     prefix_index_size: int = Field(8192, ge=1)  # block hashes kept per backend (≈ 64 tokens each)

@@ -54,7 +54,7 @@ from gateway.storage.store import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.cost import estimate_prompt_tokens, max_cost_tokens
 from policies.fairness import FairnessPolicy, charged_prompt, tenant_of
-from policies.locality import prefix_chain
+from policies.locality import prefix_chain, routing_for
 from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
@@ -249,6 +249,11 @@ class Admission(ReadsSettings):
                     error=not (cancelled or (ticket is not None and ticket.completed)),
                     stored=ticket is not None and ticket.usage_recorded, cancelled=cancelled)
 
+    def _locality(self, model: str) -> bool:
+        """Whether the model routes by locality (its requests' prompts are hashed)."""
+        return routing_for(self.settings.routing,
+                           len(self.pool.for_model(model))) == "locality"
+
     def max_cost(self, model: str, creq: CompletionRequest) -> int:
         """What the request can cost at most (``policies/cost.max_cost_tokens``): the
         model's context length bounds a request that sets no output limit (the
@@ -299,8 +304,7 @@ class Admission(ReadsSettings):
                                tenant_weight)
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
-                               (prefix_chain(creq.body) if self.settings.routing == "locality"
-                                else ()),
+                               (prefix_chain(creq.body) if self._locality(model) else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
                                prompt_tokens=prompt_est, whole=not creq.stream,
                                adapter=adapter,

@@ -63,6 +63,7 @@ from policies.adapters import takes as adapter_takes
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
 from policies.gates import Gate, wider
+from policies.locality import routing_for
 from policies.starvation import FloorPolicy, owed_class, service_order
 
 log = structlog.get_logger("fairgate.dispatcher")
@@ -167,7 +168,7 @@ class Dispatcher(ReadsSettings):
         self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
                                   settings.prefix_index_size, settings.prefix_index_ttl_s,
                                   settings.locality_max_imbalance)
-                         if settings.routing == "locality" else None)
+                         if settings.routing != "least_loaded" else None)
 
     @property
     def replica_ttl_s(self) -> float:
@@ -576,7 +577,10 @@ class Dispatcher(ReadsSettings):
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
-        locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
+        locality = None  # least_loaded: configured, or auto with one backend
+        if (self.locality is not None
+                and routing_for(self.settings.routing, len(handles)) == "locality"):
+            locality = dataclasses.replace(self.locality, others=tuple(handles))
         open_ = [c.name for c in by_load(candidates)]
         return Plan(now, owed, service_order(owed), burst, gated, open_, handles, locality,
                     self._adapter_placement([handles[name] for name in open_]))
