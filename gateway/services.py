@@ -96,7 +96,8 @@ def request_ttl_s(settings: Settings) -> float:
 
 def fairness_policy(settings: Settings) -> FairnessPolicy:
     return policy_for(settings.fairness,
-                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight))
+                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight,
+                                settings.vtc_kv_weight))
 
 
 def store_client(settings: Settings, metrics: GatewayMetrics,

@@ -25,6 +25,10 @@ adds), and the settle charges the rest: the policy's service of what the backend
 computed less what dispatch charged. Dispatch charge plus settle charge is the service
 of the request, whatever the prediction was, so a user whose prompts are cached is
 charged what its requests made the GPU compute, and the bounds below hold in that unit.
+Optionally (``vtc_kv_weight`` > 0, off by default) VTC also charges at settle the KV cache
+a request held, in token-seconds (``policies/cost.kv_token_seconds``): a long context
+held for long costs more than its tokens; the bounds then count that term in the largest
+request's service and in what in-flight requests leave to their settle.
 
 Each policy states its fairness bound (:meth:`FairnessPolicy.bound`): the largest gap in
 weighted service between two continuously backlogged users, given the largest cost of one
@@ -100,10 +104,12 @@ class FairnessPolicy(Protocol):
         the scripts charge :func:`predicted_cost` without knowing the policy)."""
 
     def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
-                      weight: float) -> float:
-        """Added when it settles: real usage, less what dispatch charged."""
+                      weight: float, kv_token_s: float = 0.0) -> float:
+        """Added when it settles: real usage (``kv_token_s``: the KV cache it held,
+        ``policies/cost.kv_token_seconds``), less what dispatch charged."""
 
-    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float,
+                kv_token_s: float = 0.0) -> float:
         """Weighted service of one finished request, in the policy's unit."""
 
     def bound(self, max_request_service: float, in_flight: int,
@@ -122,10 +128,11 @@ class RoundRobin:
         return 0.0
 
     def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
-                      weight: float) -> float:
+                      weight: float, kv_token_s: float = 0.0) -> float:
         return 0.0
 
-    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float,
+                kv_token_s: float = 0.0) -> float:
         return 1.0 / weight
 
     def bound(self, max_request_service: float, in_flight: int,
@@ -145,11 +152,12 @@ class Vtc:
         return self.cost.w_in / weight
 
     def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
-                      weight: float) -> float:
-        return self.cost.of(prompt_tokens - charged_prompt, output_tokens, weight)
+                      weight: float, kv_token_s: float = 0.0) -> float:
+        return self.cost.of(prompt_tokens - charged_prompt, output_tokens, weight, kv_token_s)
 
-    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
-        return self.cost.of(prompt_tokens, output_tokens, weight)
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float,
+                kv_token_s: float = 0.0) -> float:
+        return self.cost.of(prompt_tokens, output_tokens, weight, kv_token_s)
 
     def bound(self, max_request_service: float, in_flight: int,
               max_unsettled_service: float) -> float:

@@ -6,6 +6,7 @@ import pytest
 
 from policies.backend_choice import Candidate, by_load
 from policies.classes import effective_class
+from policies.cost import TokenCost, kv_token_seconds
 from policies.fairness import POLICIES, RoundRobin, Vtc, charged_prompt, policy_for, predicted_cost
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, wider
 from policies.priority import vllm_priority
@@ -67,6 +68,27 @@ def test_the_dispatch_cost_of_a_predicted_hit_is_the_cost_of_the_uncached_tokens
                     assert total == pytest.approx(policy.service(computed, 9, weight)), (
                         name, weight, prompt, uncached, computed, total)
     assert charged_prompt(700, None) == 700 and charged_prompt(700, 60) == 60
+
+
+def test_the_kv_occupancy_term_is_off_by_default_and_charges_what_a_context_held() -> None:
+    """Off (``w_kv`` 0, the default) it changes no charge; on, a long context held for
+    long costs more than the same tokens held briefly, charged at settle only, so
+    dispatch plus settle is still the request's service."""
+    assert kv_token_seconds(1000, 100, 2.0) == 1000 * 2.0 + 100 * 1.0
+    assert kv_token_seconds(1000, 100, -1.0) == 0.0  # a clock step back holds nothing
+    off, on = Vtc(), Vtc(TokenCost(w_kv=0.01))
+    assert TokenCost() == TokenCost(1.0, 2.0, 0.0)
+    long_held = kv_token_seconds(30_000, 500, 60.0)
+    assert off.service(30_000, 500, 1.0, long_held) == off.service(30_000, 500, 1.0)
+    assert off.settle_charge(30_000, 30_000, 500, 1.0, long_held) == 1000.0
+    brief = kv_token_seconds(30_000, 500, 1.0)
+    assert on.service(30_000, 500, 1.0, long_held) > on.service(30_000, 500, 1.0, brief)
+    assert on.service(30_000, 500, 2.0, long_held) == pytest.approx(
+        (30_000 + 1000 + 0.01 * long_held) / 2)
+    total = on.dispatch_cost(30_000, 1.0) + on.settle_charge(30_000, 30_000, 500, 1.0,
+                                                              long_held)
+    assert total == pytest.approx(on.service(30_000, 500, 1.0, long_held)), total
+    assert RoundRobin().service(30_000, 500, 1.0, long_held) == 1.0
 
 
 def test_priority_class_dominates_rank() -> None:

@@ -428,6 +428,10 @@ class Settings(BaseSettings):
     sessions: bool = False
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    # VTC's optional KV-occupancy term: cost per token-second of KV cache a request held
+    # (its prompt for as long as it ran, its output half of that; policies/cost.py
+    # kv_token_seconds), charged at settle; 0: off
+    vtc_kv_weight: float = Field(0.0, ge=0)
     priority_class_gap: int = 1000
     # Starvation protection (policies/starvation.py): a class backlogged this long is owed
     # its floor share of the last `starvation_window` dispatches.

@@ -52,7 +52,7 @@ from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
-from policies.cost import estimate_prompt_tokens, max_cost_tokens
+from policies.cost import estimate_prompt_tokens, kv_token_seconds, max_cost_tokens
 from policies.fairness import FairnessPolicy, charged_prompt, tenant_of
 from policies.locality import prefix_chain, routing_for
 from policies.prefill import no_fit_message
@@ -76,6 +76,7 @@ class Ticket:
     timing: StreamTiming | None
     waits: Waits | None = None  # hears the dispatch-to-first-token time of a stream
     dispatched_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None  # monotonic, when its first token streamed
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the backend's prefix cache
@@ -103,6 +104,7 @@ class Ticket:
     async def first_token(self) -> None:
         if not self._started:
             self._started = True
+            self.first_token_s = time.monotonic()
             if self.on_started is not None:
                 self.on_started()
             if self.waits is not None and self.timing is not None:
@@ -378,15 +380,18 @@ class Admission(ReadsSettings):
             computed = prompt - min(ticket.cached_tokens, prompt)
             charged = charged_prompt(prompt_est, grant.charged_prompt)
             dispatched, tenant_dispatched = queued.charged(grant.charged_prompt)
+            # the KV cache it held, from its first token (else its dispatch) to now
+            kv = kv_token_seconds(prompt, output, time.monotonic()
+                                  - (ticket.first_token_s or ticket.dispatched_s))
             charge = (-dispatched if ticket.unsent
-                      else self.policy.settle_charge(computed, charged, output, weight))
+                      else self.policy.settle_charge(computed, charged, output, weight, kv))
             tenant_charge = (-tenant_dispatched if ticket.unsent else
                              self.policy.settle_charge(computed, charged, output,
-                                                       tenant_weight))
+                                                       tenant_weight, kv))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
                                    self.policy.service(
                                        (ticket.prompt_tokens or 0) - ticket.cached_tokens,
-                                       output, weight), timing, ticket.cached_tokens)
+                                       output, weight, kv), timing, ticket.cached_tokens)
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
