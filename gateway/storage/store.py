@@ -794,7 +794,7 @@ class Store:
         return max(1, int(replies[-1])) if models and live_since is not None else 1
 
     async def next_order(self, model: str, replica: str, timeout_s: float
-                         ) -> tuple[str, str, int, int] | Preempt | None:
+                         ) -> tuple[str, str, int, int | None] | Preempt | None:
         """Block until a grant for one of this replica's requests, or an order to preempt
         one of its streams, arrives (or timeout)."""
         k = ModelKeys(model)
@@ -805,9 +805,13 @@ class Store:
         if item[0] == k.preempts(replica):
             order = PREEMPT.decode(item[1])
             return Preempt(order["request_id"], order["original"], order["backend"])
-        entry = GRANT.decode(item[1])
-        return (entry["request_id"], entry["backend"], int(entry["rank"]),
-                int(entry["charged"]))
+        raw = item[1]
+        if raw.count("\t") == len(GRANT.fields) - 2:  # pushed by an older replica
+            raw += "\t"
+        entry = GRANT.decode(raw)
+        # the prompt tokens its dispatch charged (None: not said, the whole estimate)
+        charged = int(entry["charged"]) if entry["charged"] else None
+        return entry["request_id"], entry["backend"], int(entry["rank"]), charged
 
     async def preemption_view(self, model: str, classes: Sequence[str],
                               alive_after: float) -> PreemptView:
