@@ -96,7 +96,8 @@ def request_ttl_s(settings: Settings) -> float:
 
 def fairness_policy(settings: Settings) -> FairnessPolicy:
     return policy_for(settings.fairness,
-                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight))
+                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight,
+                                settings.vtc_kv_weight))
 
 
 def store_client(settings: Settings, metrics: GatewayMetrics,
@@ -175,6 +176,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
                  asyncio.create_task(supervise("quotas", quotas.run, restarts), name="quotas"),
+                 asyncio.create_task(supervise("adapters", admission.adapter_loads.run,
+                                               restarts), name="adapters"),
                  asyncio.create_task(supervise("migrate", Migrations(
                      store, pool, running).run, restarts), name="migrate"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,

@@ -7,6 +7,8 @@ weighted token cost that VTC fairness and the service metrics both count.
   script (a token per UTF-8 byte), about right for ordinary ASCII text (4 characters a
   token): routing English by its bytes would send prompts of a quarter of a short pool's
   limit to the long pool.
+- :class:`TokenCost` — VTC's weighted token cost, with its optional KV-occupancy term
+  (:func:`kv_token_seconds`, off by default).
 - :func:`max_cost_tokens` — the *most* a request can cost: what limits and budgets reserve
   (refunded to the real cost at the end). Its prompt part, :func:`prompt_token_bound`, is a
   token per UTF-8 byte for every script, ASCII too (a byte-level BPE tokenizer never emits
@@ -34,13 +36,29 @@ _RENDERED = {"messages": ("messages", "tools", "documents"),
 
 @dataclass(frozen=True, slots=True)
 class TokenCost:
-    """VTC's cost of service: prompt tokens × ``w_in`` + output tokens × ``w_out``."""
+    """VTC's cost of service: prompt tokens × ``w_in`` + output tokens × ``w_out``, plus,
+    optionally (``w_kv`` > 0; 0 by default), the KV cache the request held: its
+    :func:`kv_token_seconds` × ``w_kv``."""
 
     w_in: float = 1.0
     w_out: float = 2.0
+    w_kv: float = 0.0  # per token-second of KV cache held (0: not counted)
 
-    def of(self, prompt_tokens: int, output_tokens: int, weight: float = 1.0) -> float:
-        return (prompt_tokens * self.w_in + output_tokens * self.w_out) / weight
+    def of(self, prompt_tokens: int, output_tokens: int, weight: float = 1.0,
+           kv_token_s: float = 0.0) -> float:
+        return (prompt_tokens * self.w_in + output_tokens * self.w_out
+                + kv_token_s * self.w_kv) / weight
+
+
+def kv_token_seconds(context_tokens: int, output_tokens: int, held_s: float) -> float:
+    """The KV cache a request held, in token-seconds, over the ``held_s`` seconds it ran
+    on its backend (from its first token, or its dispatch when that is not known, to its
+    end): every one of its ``context_tokens`` prompt tokens for all of it, and its
+    ``output_tokens``, generated evenly, each for half of it on average. What a long
+    context costs besides its tokens: a 30k-token prompt streaming for a minute keeps
+    GPU memory from other requests all that time."""
+    held = max(0.0, held_s)
+    return context_tokens * held + output_tokens * held / 2
 
 
 def _units(text: str) -> int:

@@ -8,9 +8,27 @@ A policy only says what those costs are:
 
 - :class:`RoundRobin`: per request, 1 / key weight at dispatch, nothing at settle.
   Backlogged users take turns (weighted by their keys).
-- :class:`Vtc`: Virtual Token Counter (Sheng et al., OSDI 2024). The prompt estimate ×
-  ``w_in`` at dispatch; at settle the output tokens × ``w_out`` plus the correction of the
-  prompt estimate by the real count; all divided by the key weight.
+- :class:`Vtc`: Virtual Token Counter (Sheng et al., OSDI 2024), on what the GPU
+  computes: *uncached* prompt tokens × ``w_in`` plus output tokens × ``w_out``, divided by
+  the key weight. At dispatch the prompt estimate less what the backend's prefix index
+  predicts cached (:func:`predicted_cost`); at settle the output plus the correction of
+  that prediction by what the backend reports (vLLM's ``cached_tokens``).
+
+**Cache-aware cost.** A prompt prefix the backend holds in its prefix cache is not
+computed again, so a policy charges only the uncached part (:meth:`FairnessPolicy.service`
+is given the uncached prompt tokens). The dispatch cost is stored at enqueue for the whole
+estimate, with the policy's :meth:`~FairnessPolicy.cached_credit` (what one predicted
+cached prompt token takes off it); the dispatch decision (``lua/lib/dispatch.lua``), which
+knows the backend, charges :func:`predicted_cost` with the uncached tokens the backend's
+prefix index predicts (``policies/prefill.uncached_tokens``: the same count the prefill gate
+adds), and the settle charges the rest: the policy's service of what the backend really
+computed less what dispatch charged. Dispatch charge plus settle charge is the service
+of the request, whatever the prediction was, so a user whose prompts are cached is
+charged what its requests made the GPU compute, and the bounds below hold in that unit.
+Optionally (``vtc_kv_weight`` > 0, off by default) VTC also charges at settle the KV cache
+a request held, in token-seconds (``policies/cost.kv_token_seconds``): a long context
+held for long costs more than its tokens; the bounds then count that term in the largest
+request's service and in what in-flight requests leave to their settle.
 
 Each policy states its fairness bound (:meth:`FairnessPolicy.bound`): the largest gap in
 weighted service between two continuously backlogged users, given the largest cost of one
@@ -76,13 +94,22 @@ class FairnessPolicy(Protocol):
     def name(self) -> str: ...
 
     def dispatch_cost(self, prompt_tokens: int, weight: float) -> float:
-        """Added to the user's score when the request is dispatched."""
+        """Added to the user's score when the request is dispatched, for
+        ``prompt_tokens`` prompt tokens to compute (none predicted cached)."""
+
+    def cached_credit(self, weight: float) -> float:
+        """What each prompt token predicted cached takes off the dispatch cost: for any
+        ``cached`` ≤ ``p``, ``dispatch_cost(p - cached, w) == dispatch_cost(p, w) -
+        cached * cached_credit(w)`` (the dispatch cost is affine in the prompt tokens:
+        the scripts charge :func:`predicted_cost` without knowing the policy)."""
 
     def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
-                      weight: float) -> float:
-        """Added when it settles: real usage, less what dispatch charged."""
+                      weight: float, kv_token_s: float = 0.0) -> float:
+        """Added when it settles: real usage (``kv_token_s``: the KV cache it held,
+        ``policies/cost.kv_token_seconds``), less what dispatch charged."""
 
-    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float,
+                kv_token_s: float = 0.0) -> float:
         """Weighted service of one finished request, in the policy's unit."""
 
     def bound(self, max_request_service: float, in_flight: int,
@@ -97,11 +124,15 @@ class RoundRobin:
     def dispatch_cost(self, prompt_tokens: int, weight: float) -> float:
         return 1.0 / weight
 
-    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
-                      weight: float) -> float:
+    def cached_credit(self, weight: float) -> float:
         return 0.0
 
-    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
+                      weight: float, kv_token_s: float = 0.0) -> float:
+        return 0.0
+
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float,
+                kv_token_s: float = 0.0) -> float:
         return 1.0 / weight
 
     def bound(self, max_request_service: float, in_flight: int,
@@ -117,17 +148,35 @@ class Vtc:
     def dispatch_cost(self, prompt_tokens: int, weight: float) -> float:
         return self.cost.of(prompt_tokens, 0, weight)
 
-    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
-                      weight: float) -> float:
-        return self.cost.of(prompt_tokens - charged_prompt, output_tokens, weight)
+    def cached_credit(self, weight: float) -> float:
+        return self.cost.w_in / weight
 
-    def service(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
-        return self.cost.of(prompt_tokens, output_tokens, weight)
+    def settle_charge(self, prompt_tokens: int, charged_prompt: int, output_tokens: int,
+                      weight: float, kv_token_s: float = 0.0) -> float:
+        return self.cost.of(prompt_tokens - charged_prompt, output_tokens, weight, kv_token_s)
+
+    def service(self, prompt_tokens: int, output_tokens: int, weight: float,
+                kv_token_s: float = 0.0) -> float:
+        return self.cost.of(prompt_tokens, output_tokens, weight, kv_token_s)
 
     def bound(self, max_request_service: float, in_flight: int,
               max_unsettled_service: float) -> float:
         # VTC's 2·U, plus the output of requests dispatched but not yet settled
         return 2 * max_request_service + in_flight * max_unsettled_service
+
+
+def predicted_cost(cost: float, credit: float, prompt_tokens: int, uncached: int) -> float:
+    """The dispatch cost charged for a request stored with ``cost`` (its whole estimate of
+    ``prompt_tokens`` uncached) and ``credit`` (:meth:`FairnessPolicy.cached_credit`) when
+    the backend's prefix index predicts ``uncached`` of them to compute: ``predicted_cost``
+    in ``lua/_lib.lua``. Equal to the policy's dispatch cost of ``uncached`` tokens."""
+    return cost - credit * max(0, prompt_tokens - uncached)
+
+
+def charged_prompt(prompt_tokens: int, predicted_uncached: int | None) -> int:
+    """The prompt tokens dispatch charged: what the backend's prefix index predicted
+    uncached (None: not known where it was granted, the whole estimate)."""
+    return prompt_tokens if predicted_uncached is None else predicted_uncached
 
 
 def with_locality(bound: float, slack: float) -> float:
@@ -176,9 +225,21 @@ class Queued:
     """A queued request as the two-level engine sees it."""
 
     request_id: str
-    cost: float  # added to its user's score at dispatch
+    cost: float  # added to its user's score at dispatch (the whole estimate uncached)
     tenant_cost: float  # added to its tenant's
     deadline: float | None = None  # first-token deadline (unix s): EDF in its user's queue
+    prompt_tokens: int = 0  # estimated
+    credit: float = 0.0  # taken off ``cost`` per prompt token predicted cached
+    tenant_credit: float = 0.0  # and off ``tenant_cost``
+
+    def charged(self, uncached: int | None) -> tuple[float, float]:
+        """(user-level, tenant-level) dispatch cost when the backend's index predicts
+        ``uncached`` prompt tokens to compute (None: not read, the whole estimate)."""
+        if uncached is None:
+            return self.cost, self.tenant_cost
+        return (predicted_cost(self.cost, self.credit, self.prompt_tokens, uncached),
+                predicted_cost(self.tenant_cost, self.tenant_credit, self.prompt_tokens,
+                               uncached))
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,14 +315,17 @@ class TwoLevel:
 
     def enqueue(self, tenant: str, user: str, cost: float, tenant_cost: float,
                 request_id: str | None = None, deadline: float | None = None,
-                max_queued: int | None = None, session: str | None = None) -> int:
+                max_queued: int | None = None, session: str | None = None,
+                prompt_tokens: int = 0, credit: float = 0.0,
+                tenant_credit: float = 0.0) -> int:
         """Queue a request (at its EDF place) and make its user and tenant active, each
         at its saved score lifted to the smallest active score of its level (a user of a
         tenant with no active user: to the tenant's floor, where its last user left);
         with a ``session`` ("" the default one), in that session's queue, the session
         active among its user's likewise. Returns the user's queue length (with a
         session: its requests queued in all its sessions), or -1 when ``max_queued`` are
-        already queued."""
+        already queued. ``credit``, ``tenant_credit``: what each of its ``prompt_tokens``
+        predicted cached takes off its costs at dispatch (:meth:`serve`)."""
         queue = self._queue(tenant, user, session)
         count = len(queue) if session is None else self.queued.get((tenant, user), 0)
         if max_queued is not None and count >= max_queued:
@@ -270,7 +334,8 @@ class TwoLevel:
             self.issued += 1
             request_id = f"{tenant}/{user}/{self.issued}"
         queue.insert(edf_position([q.deadline for q in queue], deadline),
-                     Queued(request_id, cost, tenant_cost, deadline))
+                     Queued(request_id, cost, tenant_cost, deadline, prompt_tokens, credit,
+                            tenant_credit))
         if session is not None:
             count = self.queued[(tenant, user)] = count + 1
             active = self.sessions.setdefault((tenant, user), {})
@@ -350,9 +415,11 @@ class TwoLevel:
                 break
         return None
 
-    def serve(self, pick: Pick) -> Queued:
+    def serve(self, pick: Pick, uncached: int | None = None) -> Queued:
         """Take the picked request out of its queue and charge it: its user's score grows
-        by its cost, its tenant's by its tenant cost; a user left with nothing queued
+        by its cost, its tenant's by its tenant cost (with ``uncached``, the prompt tokens
+        the backend's prefix index predicts to compute, the :func:`predicted_cost` of
+        each); a user left with nothing queued
         leaves (its score saved), and a tenant left without users leaves too, its last
         user's score kept as the tenant's floor; with sessions, its session's score grows
         by its cost too, and a session left with nothing queued leaves its user's."""
@@ -361,10 +428,11 @@ class TwoLevel:
         request = next(q for q in queue if q.request_id == pick.request_id)
         queue.remove(request)
         users = self.users[tenant]
-        users[user] += request.cost
-        self.tenants[tenant] += request.tenant_cost
+        cost, tenant_cost = request.charged(uncached)
+        users[user] += cost
+        self.tenants[tenant] += tenant_cost
         queued = (bool(queue) if pick.session is None
-                  else self._session_left(tenant, user, pick.session, queue, request.cost))
+                  else self._session_left(tenant, user, pick.session, queue, cost))
         if not queued:
             self._leave(tenant, user)
         return request

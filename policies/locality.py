@@ -11,6 +11,10 @@ hashes do. Only full chunks count (vLLM caches only full blocks), and only the f
 apart, bounded in Redis). These hashes are consistent only with themselves: they are not
 vLLM's hashes (fairgate does not tokenize), they only predict where an equal prefix went.
 
+**The routing.** ``routing: locality`` is what a model with two or more backends gets by
+default (``auto``, :func:`routing_for`); ``least_loaded`` stays an option, and a model
+with one backend has nothing to choose.
+
 **The choice** (:func:`choose`, mirrored by ``gateway/storage/lua/dispatch.lua``): when a backend
 can take a request of a class, the users whose fairness score is within ``slack`` of the
 smallest (at most ``candidates`` of them, in fairness order) are considered, each with the
@@ -41,6 +45,15 @@ backend holding its prefix was busier than ``locality_max_imbalance`` allows); n
 cached anywhere, so the fairness order's next request to a backend with room."""
 MAX_BLOCKS = 32
 HASH_BYTES = 8  # 16 hex characters per block hash
+
+
+def routing_for(configured: str, backends: int) -> str:
+    """How a model with ``backends`` backends routes: ``locality`` or ``least_loaded`` as
+    configured; ``auto`` (the default) is locality where there is a choice (two or more
+    backends) and least_loaded for one backend (its index would only cost Redis work)."""
+    if configured == "auto":
+        return "locality" if backends >= 2 else "least_loaded"
+    return configured
 
 
 def _pieces(value: Any) -> Iterator[str]:

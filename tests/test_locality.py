@@ -12,6 +12,7 @@ from policies.locality import (
     matched,
     prefix_chain,
     prompt_text,
+    routing_for,
 )
 
 SYSTEM_A = "You are the billing assistant. " * 40
@@ -130,3 +131,10 @@ def test_a_head_held_by_a_not_busier_backend_is_left_to_it() -> None:
     assert choose(users, CACHED, slack=5.0, candidates=8, elsewhere=elsewhere) is None
     # strict order (slack 0) ignores locality altogether
     assert choose(users, CACHED, slack=0.0, candidates=8, elsewhere=elsewhere) == (0, 0)
+
+
+def test_auto_routes_by_locality_where_there_is_a_choice() -> None:
+    assert routing_for("auto", 0) == routing_for("auto", 1) == "least_loaded"
+    assert routing_for("auto", 2) == routing_for("auto", 5) == "locality"
+    for configured in ("least_loaded", "locality"):  # as configured, whatever the count
+        assert {routing_for(configured, n) for n in (1, 2, 3)} == {configured}

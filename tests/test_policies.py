@@ -6,7 +6,8 @@ import pytest
 
 from policies.backend_choice import Candidate, by_load
 from policies.classes import effective_class
-from policies.fairness import RoundRobin, Vtc
+from policies.cost import TokenCost, kv_token_seconds
+from policies.fairness import POLICIES, RoundRobin, Vtc, charged_prompt, policy_for, predicted_cost
 from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, wider
 from policies.priority import vllm_priority
 from policies.starvation import FloorPolicy, owed_class, service_order
@@ -45,6 +46,49 @@ def test_vtc_and_round_robin_costs() -> None:
     rr = RoundRobin()
     assert rr.dispatch_cost(100, 1.0) == 1.0 and rr.dispatch_cost(100, 2.0) == 0.5
     assert rr.settle_charge(1, 1, 9, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_dispatch_cost_of_a_predicted_hit_is_the_cost_of_the_uncached_tokens(
+        name: str) -> None:
+    """The scripts charge a dispatch ``predicted_cost`` (the cost stored for the whole
+    estimate, less the policy's credit per token predicted cached) without knowing the
+    policy: it must be the policy's dispatch cost of the uncached tokens, and dispatch
+    plus settle the service of what the engine computed, whatever the prediction."""
+    policy = policy_for(name)
+    for weight in (0.5, 1.0, 3.0):
+        for prompt in (0, 1, 64, 700):
+            whole = policy.dispatch_cost(prompt, weight)
+            for uncached in (0, prompt // 3, prompt):
+                got = predicted_cost(whole, policy.cached_credit(weight), prompt, uncached)
+                want = policy.dispatch_cost(uncached, weight)
+                assert got == pytest.approx(want), (name, weight, prompt, uncached, got, want)
+                for computed in (0, uncached, prompt):
+                    total = got + policy.settle_charge(computed, uncached, 9, weight)
+                    assert total == pytest.approx(policy.service(computed, 9, weight)), (
+                        name, weight, prompt, uncached, computed, total)
+    assert charged_prompt(700, None) == 700 and charged_prompt(700, 60) == 60
+
+
+def test_the_kv_occupancy_term_is_off_by_default_and_charges_what_a_context_held() -> None:
+    """Off (``w_kv`` 0, the default) it changes no charge; on, a long context held for
+    long costs more than the same tokens held briefly, charged at settle only, so
+    dispatch plus settle is still the request's service."""
+    assert kv_token_seconds(1000, 100, 2.0) == 1000 * 2.0 + 100 * 1.0
+    assert kv_token_seconds(1000, 100, -1.0) == 0.0  # a clock step back holds nothing
+    off, on = Vtc(), Vtc(TokenCost(w_kv=0.01))
+    assert TokenCost() == TokenCost(1.0, 2.0, 0.0)
+    long_held = kv_token_seconds(30_000, 500, 60.0)
+    assert off.service(30_000, 500, 1.0, long_held) == off.service(30_000, 500, 1.0)
+    assert off.settle_charge(30_000, 30_000, 500, 1.0, long_held) == 1000.0
+    brief = kv_token_seconds(30_000, 500, 1.0)
+    assert on.service(30_000, 500, 1.0, long_held) > on.service(30_000, 500, 1.0, brief)
+    assert on.service(30_000, 500, 2.0, long_held) == pytest.approx(
+        (30_000 + 1000 + 0.01 * long_held) / 2)
+    total = on.dispatch_cost(30_000, 1.0) + on.settle_charge(30_000, 30_000, 500, 1.0,
+                                                              long_held)
+    assert total == pytest.approx(on.service(30_000, 500, 1.0, long_held)), total
+    assert RoundRobin().service(30_000, 500, 1.0, long_held) == 1.0
 
 
 def test_priority_class_dominates_rank() -> None:

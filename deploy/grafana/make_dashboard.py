@@ -220,6 +220,24 @@ def build() -> dict[str, Any]:
     lay.add(timeseries("Pause of a continued answer (p50, p90)", quantiles(
         "fairgate_continuation_pause_seconds", "reason", (0.5, 0.9)), unit="s"))
 
+    lay.row("LoRA adapters")
+    lay.add(timeseries("Adapters resident per backend, and its slots", [
+        ("sum by (backend) (fairgate_backend_adapter_loaded)", "resident {{backend}}"),
+        ("max by (backend) (fairgate_backend_lora_slots)", "slots {{backend}}")],
+        description="Adapters each backend lists (docs/adapters.md) against vLLM's "
+                    "--max-loras"))
+    lay.add(timeseries("Adapter loads and unloads/s by outcome", [
+        (f"sum by (outcome) (rate(fairgate_adapter_loads_total[{RI}]))", "load {{outcome}}"),
+        (f"sum by (outcome) (rate(fairgate_adapter_unloads_total[{RI}]))",
+         "unload {{outcome}}")], unit="ops", stack=True,
+        description="Runtime loads (a request for an adapter resident nowhere) and the "
+                    "unloads that made room for them"))
+    lay.add(timeseries("Adapter requests held: loading or queued", [
+        (f"sum by (adapter, state) (fairgate_adapter_requests{{{M}}})",
+         "{{adapter}} {{state}}")], stack=True))
+    lay.add(timeseries("Adapter wait to dispatch (p90), its load included", quantiles(
+        "fairgate_adapter_wait_seconds", "adapter", (0.9,)), unit="s"))
+
     lay.row("Errors and Redis")
     lay.add(timeseries("Errors/s by status and type", [
         (f"sum by (status, type) (rate(fairgate_errors_total[{RI}]))", "{{status}} {{type}}")],

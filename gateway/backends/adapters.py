@@ -27,9 +27,10 @@ def adapters_in_cards(cards: Iterable[Any], model: str) -> tuple[str, ...]:
 
 
 def configured_on(settings: Settings, backend: Backend) -> frozenset[str]:
-    """The configured adapters available on ``backend``."""
+    """The configured adapters available on ``backend`` (a runtime one only where the
+    backend lists it)."""
     return frozenset(a.name for a in settings.adapters
-                     if a.base_model == backend.model
+                     if a.base_model == backend.model and not a.runtime
                      and (a.backends is None or backend.name in a.backends))
 
 
@@ -72,3 +73,16 @@ def resolve(name: str, settings: Settings,
         if entry.name == name:
             return Resolved(entry.base_model, name)
     return None
+
+
+def runtime_on(settings: Settings, backend: Backend) -> dict[str, str]:
+    """The runtime adapters (``runtime: true``) the gateway may load on ``backend``:
+    name -> path."""
+    return {a.name: str(a.path) for a in settings.adapters
+            if a.runtime and a.base_model == backend.model
+            and (a.backends is None or backend.name in a.backends)}
+
+
+def runtime_adapter(settings: Settings, name: str) -> bool:
+    """Whether the gateway loads ``name`` at runtime."""
+    return any(a.runtime and a.name == name for a in settings.adapters)

@@ -179,6 +179,9 @@ class BackendPool(ReadsSettings):
         self.scraper_id = scraper_id or (
             f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
         self._store_down = False
+        # runtime adapter loads/unloads not yet in the backends' listings: backend ->
+        # adapter -> (loaded, until monotonic s) (note_adapter)
+        self._noted: dict[str, dict[str, tuple[bool, float]]] = {}
         settings.on_swap(self._derive)
 
     def _derive(self, settings: Settings) -> None:
@@ -227,8 +230,32 @@ class BackendPool(ReadsSettings):
 
     def adapters_on(self, handle: BackendHandle) -> frozenset[str]:
         """The LoRA adapters available on ``handle``: those its /v1/models lists and
-        those the config puts there."""
-        return adapters.configured_on(self.settings, handle.config) | set(handle.adapters)
+        those the config puts there, corrected by the runtime loads and unloads noted
+        since (:meth:`note_adapter`)."""
+        found = adapters.configured_on(self.settings, handle.config) | set(handle.adapters)
+        noted = self._noted.get(handle.name)
+        if not noted:
+            return found
+        now = time.monotonic()
+        for adapter, (loaded, until) in list(noted.items()):
+            if until < now or (adapter in found) == loaded:  # its listing agrees by now
+                del noted[adapter]
+            elif loaded:
+                found = found | {adapter}
+            else:
+                found = found - {adapter}
+        return found
+
+    def note_adapter(self, backend: str, adapter: str, loaded: bool) -> None:
+        """A runtime load (or unload) of ``adapter`` on ``backend``, in force here before
+        the backend's /v1/models shows it: until its listing agrees, for three
+        ``adapter_refresh_s`` at most. The backend's listing is read again at its next
+        scrape (when this process scrapes it)."""
+        until = time.monotonic() + 3 * self.settings.adapter_refresh_s + 5.0
+        self._noted.setdefault(backend, {})[adapter] = (loaded, until)
+        handle = self.handles.get(backend)
+        if handle is not None:
+            handle.cards_read_at = 0.0
 
     def discovered(self) -> dict[str, set[str]]:
         """The adapters the backends list, by base model."""

@@ -28,9 +28,13 @@
     │                                  carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/storage/redis_client.py)
     │   ├── BackendRemoved (503)       its backend left the config after the dispatch
+    │   ├── AdapterNotLoaded (503)     its runtime LoRA adapter found no slot within
+    │   │                              adapter_load_wait_s
     │   └── TooManyConnections (503)   the gateway's client connection cap is reached
     ├── UpstreamError (502)            backend broken or failed mid-answer
-    │   └── BackendUnreachable (502)   no connection: nothing reached the backend
+    │   ├── BackendUnreachable (502)   no connection: nothing reached the backend
+    │   └── AdapterLoadFailed (502)    the backend refused (or failed) to load the
+    │                                  runtime LoRA adapter the request names
     └── QueueTimeout (504)             waited longer than the class's max_queue_wait_s
 
 Errors are plain exceptions; the HTTP edge (``gateway/core/edge.py``) renders them, every way
@@ -174,6 +178,10 @@ class BackendRemoved(Unavailable):
     code = "backend_removed"
 
 
+class AdapterNotLoaded(Unavailable):
+    code = "adapter_not_loaded"
+
+
 class TooManyConnections(Unavailable):
     code = "too_many_connections"
 
@@ -186,6 +194,10 @@ class BackendUnreachable(UpstreamError):
     """The connection to the backend failed before anything was sent: safe to retry."""
 
     code = "backend_unreachable"
+
+
+class AdapterLoadFailed(UpstreamError):
+    code = "adapter_load_failed"
 
 
 class QueueTimeout(FairgateError):

@@ -180,6 +180,25 @@ class GatewayMetrics:
             "Distinct LoRA adapters one batch of the backend runs (vLLM's --max-loras, the "
             "max_lora label of vllm:lora_requests_info)",
             ["backend"], registry=r, multiprocess_mode=SHARED)
+        self.adapter_loads = Counter(
+            "fairgate_adapter_loads_total",
+            "Runtime LoRA loads the gateway asked of a backend (POST /v1/load_lora_adapter), "
+            "by outcome: loaded or failed",
+            ["backend", "adapter", "outcome"], registry=r)
+        self.adapter_unloads = Counter(
+            "fairgate_adapter_unloads_total",
+            "Runtime LoRA unloads the gateway asked of a backend to make room for another "
+            "adapter (POST /v1/unload_lora_adapter), by outcome: unloaded or failed",
+            ["backend", "adapter", "outcome"], registry=r)
+        self.adapter_requests = Gauge(
+            "fairgate_adapter_requests",
+            "Requests naming a LoRA adapter that this process holds before dispatch, by "
+            "state: loading (waiting for its runtime load) or queued (in the fair queue)",
+            ["model", "adapter", "state"], registry=r, multiprocess_mode="livesum")
+        self.adapter_wait = Histogram(
+            "fairgate_adapter_wait_seconds",
+            "Requests naming a LoRA adapter: from admission to dispatch, its runtime load "
+            "(if any) included", ["model", "adapter"], buckets=WAIT_BUCKETS, registry=r)
         self.backend_prefix_hit_ratio = Gauge(
             "fairgate_backend_prefix_cache_hit_ratio",
             "vLLM's recent prefix cache hit rate: Δvllm:prefix_cache_hits_total / "

@@ -170,6 +170,17 @@ class Adapter(BaseModel):
     base_model: str = Field(min_length=1)
     path: str | None = None  # where the adapter's weights are (shown in /v1/models)
     backends: list[str] | None = None
+    # True: the gateway loads it at runtime (vLLM's POST /v1/load_lora_adapter with
+    # ``path``) on one of those backends when a request names it and it is resident
+    # nowhere, and may unload it to make room for another; it is available only where
+    # the backend lists it. False: the backends were started with it (--lora-modules).
+    runtime: bool = False
+
+    @model_validator(mode="after")
+    def _runtime_has_a_path(self) -> Adapter:
+        if self.runtime and not self.path:
+            raise ValueError(f"adapter {self.name!r}: runtime: true needs its path")
+        return self
 
 
 class Autoscale(BaseModel):
@@ -377,6 +388,13 @@ class Settings(BaseSettings):
     # how often a backend with LoRA (vLLM's vllm:lora_requests_info gauge) has its
     # /v1/models read again by its scraper, for the adapters loaded or unloaded since
     adapter_refresh_s: float = Field(5.0, gt=0)
+    # runtime adapters (``runtime: true``): an adapter the gateway loaded is not unloaded
+    # for another within this time (no thrash); a request for one resident nowhere waits
+    # at most adapter_load_wait_s for its load (a 503 after); a load that failed is not
+    # tried again for adapter_load_retry_s (requests get its error meanwhile)
+    adapter_min_residency_s: float = Field(30.0, ge=0)
+    adapter_load_wait_s: float = Field(60.0, gt=0)
+    adapter_load_retry_s: float = Field(30.0, gt=0)
     # backends found by DNS names (a Kubernetes headless Service per pool), beside the
     # configured ones and those added with POST /admin/backends (docs/operations.md)
     discovery: list[Discovery] = []
@@ -410,6 +428,10 @@ class Settings(BaseSettings):
     sessions: bool = False
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    # VTC's optional KV-occupancy term: cost per token-second of KV cache a request held
+    # (its prompt for as long as it ran, its output half of that; policies/cost.py
+    # kv_token_seconds), charged at settle; 0: off
+    vtc_kv_weight: float = Field(0.0, ge=0)
     priority_class_gap: int = 1000
     # Starvation protection (policies/starvation.py): a class backlogged this long is owed
     # its floor share of the last `starvation_window` dispatches.
@@ -443,8 +465,10 @@ class Settings(BaseSettings):
     # index (Redis) records what it was sent, and among the users within `locality_slack`
     # (service units: VTC tokens, or requests under round_robin) of the least-served one,
     # the head whose prompt prefix is best cached there goes first; 0 = strict order. The
-    # fairness bound grows by the slack (policies/fairness.py).
-    routing: Literal["least_loaded", "locality"] = "least_loaded"
+    # fairness bound grows by the slack (policies/fairness.py). "auto" (the default):
+    # locality for a model with two or more backends, least_loaded for one (nothing to
+    # choose; policies/locality.py routing_for).
+    routing: Literal["auto", "least_loaded", "locality"] = "auto"
     locality_slack: float = Field(4096.0, ge=0)
     locality_candidates: int = Field(8, ge=1, le=64)  # users compared within the slack
     prefix_index_size: int = Field(8192, ge=1)  # block hashes kept per backend (≈ 64 tokens each)

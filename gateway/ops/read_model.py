@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.backends.scrape import BackendPool
+from gateway.backends.scrape import BackendHandle, BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.ops.history import History
@@ -127,8 +127,19 @@ class Inspector(ReadsSettings):
                         h.name, self.settings.tpot_window_s),  # the prefix index's
                 },
                 "dispatch_reasons": dict(self.metrics.decision_counts.get(h.name, {})),
+                "lora": self._lora(h),
             })
         return out
+
+    def _lora(self, h: BackendHandle) -> dict[str, Any] | None:
+        """Its LoRA adapters (docs/adapters.md): resident (available there), active (with
+        live requests, by vLLM's gauge) and its slots; None: its model has none."""
+        fit = self.pool.fit(h)
+        if fit.adapters is None and h.lora is None:
+            return None
+        return {"resident": sorted(self.pool.adapters_on(h)),
+                "active": sorted(h.lora.active) if h.lora else [],
+                "slots": h.lora.max_lora if h.lora else None}
 
     async def backend(self, name: str) -> dict[str, Any]:
         model = self.pool.handles[name].config.model

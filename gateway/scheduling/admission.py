@@ -44,6 +44,7 @@ from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
 from gateway.proxy.moving import FAILOVER, Mover
 from gateway.proxy.moving import PREEMPT as PREEMPT
+from gateway.scheduling.adapter_loads import AdapterLoads
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.running import Running, RunningStreams
@@ -51,9 +52,9 @@ from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
-from policies.cost import estimate_prompt_tokens, max_cost_tokens
-from policies.fairness import FairnessPolicy, tenant_of
-from policies.locality import prefix_chain
+from policies.cost import estimate_prompt_tokens, kv_token_seconds, max_cost_tokens
+from policies.fairness import FairnessPolicy, charged_prompt, tenant_of
+from policies.locality import prefix_chain, routing_for
 from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
@@ -75,6 +76,7 @@ class Ticket:
     timing: StreamTiming | None
     waits: Waits | None = None  # hears the dispatch-to-first-token time of a stream
     dispatched_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None  # monotonic, when its first token streamed
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, found in the backend's prefix cache
@@ -102,6 +104,7 @@ class Ticket:
     async def first_token(self) -> None:
         if not self._started:
             self._started = True
+            self.first_token_s = time.monotonic()
             if self.on_started is not None:
                 self.on_started()
             if self.waits is not None and self.timing is not None:
@@ -143,6 +146,8 @@ class Admission(ReadsSettings):
         self.metrics = metrics
         self.replica_id = replica_id
         self.waits = Waits(settings, dispatcher.store)
+        # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
+        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
         self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
 
     @asynccontextmanager
@@ -246,6 +251,11 @@ class Admission(ReadsSettings):
                     error=not (cancelled or (ticket is not None and ticket.completed)),
                     stored=ticket is not None and ticket.usage_recorded, cancelled=cancelled)
 
+    def _locality(self, model: str) -> bool:
+        """Whether the model routes by locality (its requests' prompts are hashed)."""
+        return routing_for(self.settings.routing,
+                           len(self.pool.for_model(model))) == "locality"
+
     def max_cost(self, model: str, creq: CompletionRequest) -> int:
         """What the request can cost at most (``policies/cost.max_cost_tokens``): the
         model's context length bounds a request that sets no output limit (the
@@ -288,6 +298,7 @@ class Admission(ReadsSettings):
         prompt_est = estimate(creq)
         # a request naming a LoRA adapter is queued on its base model (docs/adapters.md)
         adapter = creq.model if creq.model != model else None
+        admitted_s = time.monotonic()
         cold = await self._check_fit(model, klass, creq, prompt_est, refuse_unready, adapter)
         tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
             name: t.weight for name, t in self.settings.tenants.items()})
@@ -295,12 +306,13 @@ class Admission(ReadsSettings):
                                tenant_weight)
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, weight), time.time(),
-                               (prefix_chain(creq.body) if self.settings.routing == "locality"
-                                else ()),
+                               (prefix_chain(creq.body) if self._locality(model) else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
                                prompt_tokens=prompt_est, whole=not creq.stream,
                                adapter=adapter,
-                               session=session if self.settings.sessions else None)
+                               session=session if self.settings.sessions else None,
+                               credit=self.policy.cached_credit(weight),
+                               tenant_credit=self.policy.cached_credit(tenant_weight))
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -315,7 +327,8 @@ class Admission(ReadsSettings):
             # its user's queue serves earliest deadline first (enqueue.lua)
             queued = replace(queued, deadline_at=time.time() + left_s)
         try:
-            grant = await self._acquire(model, queued, timeout_s, cold)
+            grant = await self._acquire_adapter(model, adapter, queued, timeout_s, cold,
+                                                admitted_s)
         except QueueTimeout as exc:
             if timeout_s < cls_cfg.max_queue_wait_s:  # the deadline, not the class's limit
                 raise DeadlineUnmeetable(
@@ -362,17 +375,23 @@ class Admission(ReadsSettings):
             prompt = ticket.prompt_tokens or prompt_est
             output = ticket.completion_tokens
             # what the GPU computed: the prompt tokens its prefix cache lacked (dispatch
-            # charged the whole estimate; the settle corrects it, a refund when cached)
+            # charged those the backend's prefix index predicted uncached; the settle
+            # corrects that to what the backend reports)
             computed = prompt - min(ticket.cached_tokens, prompt)
-            charge = (-queued.cost if ticket.unsent
-                      else self.policy.settle_charge(computed, prompt_est, output, weight))
-            tenant_charge = (-queued.tenant_charge if ticket.unsent else
-                             self.policy.settle_charge(computed, prompt_est, output,
-                                                       tenant_weight))
+            charged = charged_prompt(prompt_est, grant.charged_prompt)
+            dispatched, tenant_dispatched = queued.charged(grant.charged_prompt)
+            # the KV cache it held, from its first token (else its dispatch) to now
+            kv = kv_token_seconds(prompt, output, time.monotonic()
+                                  - (ticket.first_token_s or ticket.dispatched_s))
+            charge = (-dispatched if ticket.unsent
+                      else self.policy.settle_charge(computed, charged, output, weight, kv))
+            tenant_charge = (-tenant_dispatched if ticket.unsent else
+                             self.policy.settle_charge(computed, charged, output,
+                                                       tenant_weight, kv))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
                                    self.policy.service(
                                        (ticket.prompt_tokens or 0) - ticket.cached_tokens,
-                                       output, weight), timing, ticket.cached_tokens)
+                                       output, weight, kv), timing, ticket.cached_tokens)
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=output, completed=ticket.completed)
@@ -425,7 +444,7 @@ class Admission(ReadsSettings):
         # in Redis, preemption, tells the answer's segments apart); the segment it
         # continues leaves its backend as it is queued: the slot vLLM freed counts free
         cont = replace(queued, request_id=continuation_id(queued.request_id, number),
-                       cost=0.0, tenant_cost=0.0,
+                       cost=0.0, tenant_cost=0.0, credit=0.0, tenant_credit=0.0,
                        enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens,
                        leaves=(running.segment or queued.request_id, running.backend))
         cls_cfg = self.settings.classes[queued.klass]
@@ -450,6 +469,29 @@ class Admission(ReadsSettings):
         finally:
             await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
 
+    async def _acquire_adapter(self, model: str, adapter: str | None, queued: QueuedRequest,
+                               timeout_s: float, cold: bool, admitted_s: float) -> Grant:
+        """:meth:`_acquire`; for a request naming a LoRA adapter, counted as queued for
+        it (a runtime adapter unloaded meanwhile is loaded again for it,
+        ``AdapterLoads.run``), its dispatch noted as the adapter's use and its wait
+        since admission (``admitted_s``, monotonic; its load included) observed."""
+        if adapter is None:
+            return await self._acquire(model, queued, timeout_s, cold)
+        key = (model, adapter)
+        gauge = self.metrics.adapter_requests.labels(model, adapter, "queued")
+        gauge.inc()
+        self.adapter_loads.queued[key] += 1
+        try:
+            grant = await self._acquire(model, queued, timeout_s, cold)
+        finally:
+            gauge.dec()
+            self.adapter_loads.queued[key] -= 1
+            if self.adapter_loads.queued[key] <= 0:
+                del self.adapter_loads.queued[key]
+        self.adapter_loads.used(grant.backend, adapter)
+        self.metrics.adapter_wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
+        return grant
+
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,
                          prompt_tokens: int, refuse_unready: bool,
                          adapter: str | None = None) -> bool:
@@ -459,7 +501,11 @@ class Admission(ReadsSettings):
         backends that take it (``refuse_unready``: of the model, else only of a
         length-aware pool) is healthy: a 503 now, or with ``cold_start_wait_s`` True (it
         is cold: :meth:`_acquire` waits for one of them). A request naming a LoRA
-        ``adapter`` only counts the backends having it: none at all is a 503 at once."""
+        ``adapter`` only counts the backends having it: none at all is a 503 at once, or,
+        for a runtime adapter, waits for its load (``adapter_loads.py``)."""
+        if (adapter is not None and not self.adapter_loads.resident(model, adapter)
+                and self.adapter_loads.runtime(adapter)):
+            await self.adapter_loads.ensure(model, adapter)
         if adapter is not None and not any(adapter in self.pool.adapters_on(h)
                                            for h in self.pool.for_model(model)):
             raise Unavailable(f"no backend of {model!r} has the adapter {adapter!r} loaded",

@@ -63,6 +63,7 @@ from policies.adapters import takes as adapter_takes
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
 from policies.gates import Gate, wider
+from policies.locality import routing_for
 from policies.starvation import FloorPolicy, owed_class, service_order
 
 log = structlog.get_logger("fairgate.dispatcher")
@@ -167,7 +168,7 @@ class Dispatcher(ReadsSettings):
         self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
                                   settings.prefix_index_size, settings.prefix_index_ttl_s,
                                   settings.locality_max_imbalance)
-                         if settings.routing == "locality" else None)
+                         if settings.routing != "least_loaded" else None)
 
     @property
     def replica_ttl_s(self) -> float:
@@ -576,7 +577,10 @@ class Dispatcher(ReadsSettings):
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
-        locality = self.locality and dataclasses.replace(self.locality, others=tuple(handles))
+        locality = None  # least_loaded: configured, or auto with one backend
+        if (self.locality is not None
+                and routing_for(self.settings.routing, len(handles)) == "locality"):
+            locality = dataclasses.replace(self.locality, others=tuple(handles))
         open_ = [c.name for c in by_load(candidates)]
         return Plan(now, owed, service_order(owed), burst, gated, open_, handles, locality,
                     self._adapter_placement([handles[name] for name in open_]))
@@ -647,7 +651,8 @@ class Dispatcher(ReadsSettings):
             self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
                                               grant.matched_blocks, grant.prompt_blocks)
             if grant.owner == self.replica_id:
-                self._deliver(model, grant.request_id, grant.backend, grant.rank)
+                self._deliver(model, grant.request_id, grant.backend, grant.rank,
+                              grant.charged_prompt)
         if done.grants and plan.owed is not None:
             self._class_view.pop(model, None)
             return True
@@ -711,7 +716,8 @@ class Dispatcher(ReadsSettings):
         back when it fails: marking a start twice, or after its settle, changes nothing)."""
         return list(self._starts.pop(model, {}).values())
 
-    def _deliver(self, model: str, request_id: str, backend: str, rank: int) -> None:
+    def _deliver(self, model: str, request_id: str, backend: str, rank: int,
+                 charged_prompt: int | None = None) -> None:
         running = self.held.get(request_id)
         if running is not None:
             # granted again (a failed-over store lost the first dispatch and still queued
@@ -724,7 +730,7 @@ class Dispatcher(ReadsSettings):
         if waiter is not None and not waiter.future.done():
             req = waiter.request
             grant = Grant(request_id, req.klass, req.user, rank, self.replica_id, backend,
-                          req.enqueued_at)
+                          req.enqueued_at, charged_prompt=charged_prompt)
             self.held[request_id] = grant
             waiter.future.set_result(grant)
             return
@@ -771,7 +777,8 @@ class Dispatcher(ReadsSettings):
             if grant.request_id in self.waiters:
                 # its grant never arrived (popped from a store that died before
                 # answering): its client still waits here, so it goes now
-                self._deliver(model, grant.request_id, grant.backend, grant.rank)
+                self._deliver(model, grant.request_id, grant.backend, grant.rank,
+                              grant.charged_prompt)
                 continue
             if await self.store.settle(model, grant, 0.0):
                 released += 1

@@ -54,6 +54,9 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
+    "backend_lora": "bk:{backend}:lora",  # hash: adapter -> when the gateway loaded it there
+    "lora_loading": "lora:loading",       # string: the process loading an adapter (PX lease)
+    "lora_load": "lora:{adapter}:load",   # string: JSON outcome of the adapter's last load (TTL)
     "backend_preempt": "bk:{backend}:preempt",  # string: when its last preemption was ordered
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
@@ -193,6 +196,16 @@ class ModelKeys:
 
     def backend_preempt(self, backend: str) -> str:
         return self._key("backend_preempt", backend=backend)
+
+    def backend_lora(self, backend: str) -> str:
+        return self._key("backend_lora", backend=backend)
+
+    @property
+    def lora_loading(self) -> str:
+        return self._key("lora_loading")
+
+    def lora_load(self, adapter: str) -> str:
+        return self._key("lora_load", adapter=adapter)
 
     def backend_started(self, backend: str) -> str:
         return self._key("backend_started", backend=backend)

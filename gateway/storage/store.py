@@ -22,6 +22,7 @@ from gateway.core.settings import is_end_user
 from gateway.storage.keys import HISTORY_INDEX, ModelKeys, history_key, lua_prelude
 from gateway.storage.values import GRANT, PREEMPT, PREFILL, UsageCounts, lua_values
 from policies.classes import CLASS_ORDER
+from policies.fairness import predicted_cost
 from policies.gates import BackendSnapshot, Gate
 from policies.prefill import TOKENS_PER_BLOCK, PromptRange
 from policies.share_ratio import Account
@@ -43,6 +44,10 @@ class QueuedRequest:
     whole: bool = False  # a whole answer (not streamed): it never reports a first token
     session: str | None = None  # sessions on: its session ("" the user's default); None: off
     adapter: str | None = None  # the LoRA adapter it names: only backends having it take it
+    # taken off cost (tenant_cost) per prompt token the backend's prefix index predicts
+    # cached (the policy's cached_credit; kept only with a prefix chain)
+    credit: float = 0.0
+    tenant_credit: float | None = None  # None: credit
     # a continuation: the (request id, backend) of the segment it continues, which leaves
     # that backend as it is queued (leave_inflight in lua/lib/inflight.lua)
     leaves: tuple[str, str] | None = None
@@ -54,6 +59,19 @@ class QueuedRequest:
     @property
     def tenant_charge(self) -> float:
         return self.cost if self.tenant_cost is None else self.tenant_cost
+
+    @property
+    def tenant_hit(self) -> float:
+        return self.credit if self.tenant_credit is None else self.tenant_credit
+
+    def charged(self, charged_prompt: int | None) -> tuple[float, float]:
+        """(user-level, tenant-level) dispatch cost charged when its grant charged
+        ``charged_prompt`` prompt tokens (None: the whole estimate)."""
+        if charged_prompt is None or not self.prefix:
+            return self.cost, self.tenant_charge
+        return (predicted_cost(self.cost, self.credit, self.prompt_tokens, charged_prompt),
+                predicted_cost(self.tenant_charge, self.tenant_hit, self.prompt_tokens,
+                               charged_prompt))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +111,9 @@ class Grant:
     prompt_blocks: int = 0  # blocks of its chain (0: no index, routing least_loaded)
     reason: str = "load"  # why it went there: policies.locality.DISPATCH_REASONS
     local: bool = False  # granted by this replica alone while the store was unreachable
+    # the prompt tokens its dispatch cost charged (predicted uncached there); None: the
+    # whole estimate (granted by this replica alone)
+    charged_prompt: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,8 +336,8 @@ def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
 def _dispatched(backend: str, raw: Sequence[Any]) -> Dispatched:
     found, depth, decisions, since, recent = raw
     grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at),
-                    int(held), int(blocks), reason)
-              for (rid, klass, user, rank, owner, enqueued_at), (held, blocks, reason)
+                    int(held), int(blocks), reason, charged_prompt=int(charged))
+              for (rid, klass, user, rank, owner, enqueued_at, charged), (held, blocks, reason)
               in zip(found, decisions, strict=True)]
     backlogged = {str(since[i]): float(since[i + 1]) for i in range(0, len(since), 2)}
     return Dispatched(grants, int(depth), backlogged, [str(c) for c in recent])
@@ -411,6 +432,8 @@ class Store:
                 "chain": " ".join(req.prefix),
                 "deadline": "" if req.deadline_at is None else repr(req.deadline_at),
                 "ptok": int(req.prompt_tokens), **({"whole": True} if req.whole else {}),
+                **({"hit": repr(float(req.credit)), "thit": repr(float(req.tenant_hit))}
+                   if req.prefix and (req.credit or req.tenant_hit) else {}),
                 **({"adapter": req.adapter} if req.adapter else {}),
                 **({"seen": True} if is_end_user(req.user) else {}),
                 **({"session": req.session} if req.session is not None else {}),
@@ -684,6 +707,61 @@ class Store:
             pipe.hdel(k.migrate, backend)
         await pipe.execute()
 
+    # runtime LoRA loads (gateway/scheduling/adapter_loads.py): one process loads at a
+    # time per model, the outcome of each adapter's last load is kept for the others
+
+    async def lock_adapter_loads(self, model: str, holder: str, ttl_s: float) -> bool:
+        """Take the model's adapter-load lease for ``holder`` (False: another holds it)."""
+        return bool(await cast("Awaitable[bool | None]", self.client.set(
+            ModelKeys(model).lora_loading, holder, nx=True, px=max(1, int(ttl_s * 1000)))))
+
+    async def unlock_adapter_loads(self, model: str, holder: str) -> None:
+        """Give the lease back, if ``holder`` still has it."""
+        key = ModelKeys(model).lora_loading
+        if await cast("Awaitable[str | None]", self.client.get(key)) == holder:
+            await cast("Awaitable[int]", self.client.delete(key))
+
+    async def adapter_load(self, model: str, adapter: str) -> dict[str, Any] | None:
+        """The outcome of the adapter's last load ({backend} or {backend, error,
+        status}), while it is kept."""
+        raw = await cast("Awaitable[str | None]",
+                         self.client.get(ModelKeys(model).lora_load(adapter)))
+        if not raw:
+            return None
+        value = json.loads(raw)
+        return value if isinstance(value, dict) else None
+
+    async def record_adapter_load(self, model: str, adapter: str, outcome: Mapping[str, Any],
+                                  keep_s: float, loaded_at: float | None = None) -> None:
+        """Keep a load's outcome ``keep_s``; a load that succeeded also records when
+        (unix s) the adapter came to its backend."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(k.lora_load(adapter), json.dumps(dict(outcome)),
+                 px=max(1, int(keep_s * 1000)))
+        if loaded_at is not None:
+            pipe.hset(k.backend_lora(str(outcome["backend"])), adapter, repr(loaded_at))
+        await pipe.execute()
+
+    async def record_adapter_unload(self, model: str, backend: str, adapter: str) -> None:
+        """The adapter left ``backend``: its load's outcome and time are forgotten."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(k.lora_load(adapter))
+        pipe.hdel(k.backend_lora(backend), adapter)
+        await pipe.execute()
+
+    async def adapters_loaded_at(self, model: str, backends: Sequence[str]
+                                 ) -> dict[str, dict[str, float]]:
+        """backend -> adapter -> when (unix s) the gateway loaded it there."""
+        k = ModelKeys(model)
+        pipe = self.client.pipeline(transaction=False)
+        for name in backends:
+            pipe.hgetall(k.backend_lora(name))
+        raw = await pipe.execute()
+        return {name: {str(a): float(t) for a, t in found.items()}
+                for name, found in zip(backends, raw, strict=True)}
+
     async def migrate_times(self, model: str) -> dict[str, float]:
         """Drained backends whose running answers move elsewhere, and from when (unix s)."""
         raw = await cast("Awaitable[dict[str, str]]",
@@ -730,7 +808,7 @@ class Store:
         return max(1, int(replies[-1])) if models and live_since is not None else 1
 
     async def next_order(self, model: str, replica: str, timeout_s: float
-                         ) -> tuple[str, str, int] | Preempt | None:
+                         ) -> tuple[str, str, int, int | None] | Preempt | None:
         """Block until a grant for one of this replica's requests, or an order to preempt
         one of its streams, arrives (or timeout)."""
         k = ModelKeys(model)
@@ -741,8 +819,13 @@ class Store:
         if item[0] == k.preempts(replica):
             order = PREEMPT.decode(item[1])
             return Preempt(order["request_id"], order["original"], order["backend"])
-        entry = GRANT.decode(item[1])
-        return entry["request_id"], entry["backend"], int(entry["rank"])
+        raw = item[1]
+        if raw.count("\t") == len(GRANT.fields) - 2:  # pushed by an older replica
+            raw += "\t"
+        entry = GRANT.decode(raw)
+        # the prompt tokens its dispatch charged (None: not said, the whole estimate)
+        charged = int(entry["charged"]) if entry["charged"] else None
+        return entry["request_id"], entry["backend"], int(entry["rank"]), charged
 
     async def preemption_view(self, model: str, classes: Sequence[str],
                               alive_after: float) -> PreemptView:
@@ -918,8 +1001,10 @@ class Store:
 
 
 def _grant(request_id: str, raw: Mapping[str, str]) -> Grant:
+    charged = raw.get("ctok")
     return Grant(request_id, raw["class"], raw["user"], int(raw["rank"]), raw["owner"],
-                 raw["backend"], float(raw["enqueued_at"]))
+                 raw["backend"], float(raw["enqueued_at"]),
+                 charged_prompt=None if charged is None else int(charged))
 
 
 def snapshot_from(raw: Mapping[str, str]) -> BackendSnapshot | None:

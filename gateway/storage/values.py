@@ -22,6 +22,9 @@ REQUEST_FIELDS: dict[str, str] = {
     "owner": "the replica that holds its client (enqueue)",
     "cost": "user-level dispatch cost (enqueue)",
     "tcost": "tenant-level dispatch cost (enqueue)",
+    "hit": "taken off cost per prompt token a backend's index predicts cached (enqueue, "
+           "locality only)",
+    "thit": "taken off tcost likewise (enqueue, locality only)",
     "enqueued_at": "unix s (enqueue)",
     "state": "queued, then dispatched (enqueue, dispatch)",
     "ptok": "estimated prompt tokens (enqueue)",
@@ -34,6 +37,8 @@ REQUEST_FIELDS: dict[str, str] = {
     "backend": "where it was dispatched (dispatch)",
     "rank": "its user's requests already in flight: the vLLM priority rank (dispatch)",
     "dispatched_at": "unix s (dispatch)",
+    "ctok": "the prompt tokens its dispatch cost charged: those predicted uncached there "
+            "(dispatch)",
     "started": "1 once its first token streamed and its start reached Redis",
     "preempted": "how often the stream was preempted (preempt.lua, on the original's hash)",
     "unmovable": "1 once its replica refused to preempt it (Store.preempt_refused)",
@@ -75,7 +80,8 @@ class Record:
 
 
 # A grant pushed to the replica that holds the client (``grants:{replica}``).
-GRANT = Record("grant", ("request_id", "backend", "rank", "pushed_at"), "\t")
+# ``charged``: the prompt tokens its dispatch cost charged (predicted uncached there).
+GRANT = Record("grant", ("request_id", "backend", "rank", "pushed_at", "charged"), "\t")
 # A request's uncached prompt tokens, maybe not yet scheduled (``bk:{backend}:prefill``).
 PREFILL = Record("prefill", ("tokens", "dispatched_at"), " ")
 # A preemption order pushed to the replica that holds the stream (``preempts:{replica}``):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import queue
 import re
@@ -271,10 +272,13 @@ class VllmServer:
         return self.url + "/v1"
 
 
-def _own_session_dying_with_parent() -> None:
+def _own_session_dying_with_parent(cpus: frozenset[int] | None = None) -> None:
     """In the child: own process group (killed whole at the end), and SIGTERM when the
-    pytest process dies without its teardown (e.g. killed by a timeout)."""
+    pytest process dies without its teardown (e.g. killed by a timeout); ``cpus``: the
+    CPUs it may run on (vLLM's CPU engine binds its threads to those it is allowed)."""
     os.setsid()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -306,10 +310,12 @@ class Launched:
 
 
 def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-           max_num_seqs: int, extra_args: tuple[str, ...] = (), nice: int = 0) -> Launched:
+           max_num_seqs: int, extra_args: tuple[str, ...] = (), nice: int = 0,
+           cpus: frozenset[int] | None = None) -> Launched:
     """Start ``vllm.entrypoints.openai.api_server`` serving the tiny model on a free
     loopback port (priority scheduler, chunked prefill; prefix caching on, V1's default;
-    ``extra_args`` appended; ``nice``: its CPU niceness); returns at once:
+    ``extra_args`` appended; ``nice``: its CPU niceness; ``cpus``: the only CPUs its
+    processes may run on, its engine's threads bound to them); returns at once:
     :func:`wait_healthy` waits for it, so several can start together."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
@@ -357,7 +363,7 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
             stderr=subprocess.STDOUT,
             env=env,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_own_session_dying_with_parent,
+            preexec_fn=functools.partial(_own_session_dying_with_parent, cpus),
         )
     return Launched(proc, VllmServer(f"http://127.0.0.1:{port}", SERVED_MODEL, log, proc.pid),
                     started)

@@ -1,8 +1,13 @@
-"""routing: locality on two real vLLM servers (CPU, the tiny model; automatic prefix
-caching on, V1's default): chat sessions with distinct long system prompts and several
-turns each compute clearly fewer prompt tokens through fairgate than the same workload
-from a client alternating between the two servers, by vLLM's own counters
+"""Locality on two real vLLM servers (CPU, the tiny model; automatic prefix caching on,
+V1's default): chat sessions with distinct long system prompts and several turns each
+compute clearly fewer prompt tokens through fairgate with a default config (no
+``routing:`` line: two backends route by locality) than the same workload from a client
+alternating between the two servers, by vLLM's own counters
 (``vllm:prefix_cache_queries_total`` − ``vllm:prefix_cache_hits_total``).
+
+The module's own server runs with ``--enable-prompt-tokens-details``: the cached prompt
+tokens the gateway's usage records hold are those vLLM counts
+(``vllm:prompt_tokens_cached_total``).
 
 The same two servers as a short pool and a ``long_context`` pool of one model: each
 prompt reaches only the server whose range holds it, by vLLM's own prompt-length
@@ -23,6 +28,7 @@ from gateway.core.settings import Backend
 from gateway.http.server import GatewayServer
 from tests.e2e_vllm.conftest import VllmServer, _stop, launch, skip_requested, wait_healthy
 from tests.gateway.conftest import gateway_settings
+from tests.ops.conftest import ADMIN
 
 pytestmark = pytest.mark.vllm
 
@@ -30,6 +36,7 @@ SESSIONS = 6
 TURNS = 3
 SECOND_MAX_NUM_SEQS = 4  # 2 cores: the second server small
 QUERIES = "vllm:prefix_cache_queries_total"
+CACHED = "vllm:prompt_tokens_cached_total"
 HITS = "vllm:prefix_cache_hits_total"
 WORDS = ("the", "answer", "should", "follow", "house", "style", "and", "cite", "sources",
          "when", "asked", "about", "policy", "travel", "budget", "rules", "for", "team")
@@ -44,7 +51,8 @@ def two_servers(request: pytest.FixtureRequest,
         pytest.skip("FAIRGATE_SKIP_VLLM=1")
     python = request.getfixturevalue("vllm_python")
     model_dir = request.getfixturevalue("tiny_model_dir")
-    second = launch(python, model_dir, tmp_path_factory, SECOND_MAX_NUM_SEQS)
+    second = launch(python, model_dir, tmp_path_factory, SECOND_MAX_NUM_SEQS,
+                    ("--enable-prompt-tokens-details",))
     try:
         first: VllmServer = request.getfixturevalue("vllm_server")
         wait_healthy(second)
@@ -109,10 +117,12 @@ async def test_locality_computes_fewer_prompt_tokens_than_alternating_servers(
     for c in direct:
         await c.close()
 
-    # the same workload (other prompts of the same length) through fairgate
+    # the same workload (other prompts of the same length) through fairgate, with the
+    # default routing (auto: locality, the model has two backends)
     settings = gateway_settings(
-        redis_url, two_servers, routing="locality", scrape_interval_s=0.05, scrape_timeout_s=5.0,
+        redis_url, two_servers, scrape_interval_s=0.05, scrape_timeout_s=5.0,
         snapshot_stale_s=10.0, unhealthy_after_failures=20)
+    assert settings.routing == "auto", settings.routing
     backends = [Backend(name=f"cpu{i}", url=s.url, model=model)
                 for i, s in enumerate(two_servers)]
     gw = GatewayServer(settings.model_copy(update={"backends": backends}))
@@ -129,7 +139,7 @@ async def test_locality_computes_fewer_prompt_tokens_than_alternating_servers(
         await gw.stop()
     ratio = through_fairgate / alternating
     print(f"prompt tokens computed: alternating {alternating:.0f}, "
-          f"fairgate locality {through_fairgate:.0f}, ratio {ratio:.2f}")
+          f"fairgate default config {through_fairgate:.0f}, ratio {ratio:.2f}")
     assert alternating > 0 and through_fairgate > 0
     assert ratio < 0.8
 
@@ -190,3 +200,51 @@ async def test_length_aware_pools_send_each_prompt_to_its_server(
           f"cpu1 {n1:.0f} requests ({small1:.0f} ≤ 500 tokens)")
     assert (n0, small0) == (len(short), len(short))  # only the short prompts
     assert (n1, small1) == (len(long), 0)  # only the long ones
+
+
+async def vllm_counter(server: VllmServer, name: str) -> float:
+    """A counter of vLLM's /metrics, summed over its label sets."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(server.url + "/metrics", timeout=30)).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] == name)
+
+
+async def test_usage_records_the_cached_tokens_vllm_counts(
+        two_servers: list[VllmServer], redis: aioredis.Redis, redis_url: str) -> None:
+    """Through the server started with ``--enable-prompt-tokens-details``: the cached
+    prompt tokens of the usage records (``/admin/usage``) are vLLM's own count of them,
+    and there are some (the sessions' later turns)."""
+    server = two_servers[1]
+    settings = gateway_settings(
+        redis_url, [server], scrape_interval_s=0.05, scrape_timeout_s=5.0,
+        snapshot_stale_s=10.0, unhealthy_after_failures=20, admin_keys=[ADMIN])
+    gw = GatewayServer(settings.model_copy(update={"backends": [
+        Backend(name="cpu1", url=server.url, model=server.model)]}))
+    await gw.start()
+    try:
+        await asyncio.wait_for(gw.services.pool.handles["cpu1"].scraped.wait(), 30)
+        before = await vllm_counter(server, CACHED)
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-app", max_retries=0)
+        try:
+            await run_sessions("USE", [client], server.model)
+        finally:
+            await client.close()
+        counted = await vllm_counter(server, CACHED) - before
+
+        async def recorded() -> float:
+            async with httpx.AsyncClient() as http:
+                rows = (await http.get(gw.url + "/admin/usage?group_by=user",
+                                       headers={"Authorization": f"Bearer {ADMIN}"},
+                                       timeout=30)).json()["data"]
+            return float(sum(r["cached_prompt_tokens"] for r in rows))
+
+        deadline = asyncio.get_running_loop().time() + 30
+        usage = await recorded()
+        while usage != counted and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)  # the last settles may still be on their way
+            usage = await recorded()
+    finally:
+        await gw.stop()
+    print(f"cached prompt tokens: usage records {usage:.0f}, vLLM {counted:.0f}")
+    assert counted > 0 and usage == counted, (usage, counted)

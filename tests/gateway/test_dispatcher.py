@@ -276,7 +276,7 @@ async def test_a_grant_for_another_replica_goes_to_its_grant_list(
     await rig.dispatcher.dispatch_once(MODEL)
     assert rig.dispatcher.waiters == {}
     assert await redis.llen(K.grants(other)) == 1
-    assert await rig.store.next_order(MODEL, other, 1.0) == ("theirs", "b0", 0)
+    assert await rig.store.next_order(MODEL, other, 1.0) == ("theirs", "b0", 0, 0)
     assert await redis.llen(K.grants(REPLICA)) == 0
 
 

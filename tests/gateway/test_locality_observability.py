@@ -112,3 +112,26 @@ async def test_least_loaded_dispatches_by_load_and_predicts_nothing(
     view = await gw.services.inspector.backends(MODEL, time.time())
     assert view[0]["prefix_cache"]["predicted_hit_ratio"] is None
     assert view[0]["dispatch_reasons"] == {"load": SESSIONS * TURNS}
+
+
+async def test_the_default_routes_two_backends_by_locality_and_one_by_load(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """No ``routing:`` line (``auto``): a model with two backends routes by locality (its
+    sessions' later turns are dispatched as cache hits, the index predicts blocks), a
+    model with one has nothing to choose and routes by load (no prompt is hashed)."""
+    two = await gateway([await sim(), await sim()])
+    assert two.services.settings.routing == "auto"
+    await chat_sessions(two.url)
+    reasons = by_label(await gateway_samples(two.url), "fairgate_dispatch_decisions_total",
+                       "reason")
+    # every later turn finds its session's prefix where its earlier turns went
+    assert reasons.get("cache_hit", 0) >= SESSIONS * (TURNS - 1), reasons
+    assert "load" not in reasons or reasons["load"] < SESSIONS, reasons
+    await assert_settled(two)
+    await two.stop()  # the next gateway shares the Redis
+    one = await gateway([await sim()])
+    await chat_sessions(one.url)
+    samples = await gateway_samples(one.url)
+    assert by_label(samples, "fairgate_dispatch_decisions_total", "reason") == {
+        "load": SESSIONS * TURNS}, samples
+    assert by_label(samples, "fairgate_prefix_predicted_blocks_total", "kind") == {}

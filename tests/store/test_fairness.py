@@ -31,10 +31,13 @@ from policies.fairness import (
     RoundRobin,
     TwoLevel,
     Vtc,
+    charged_prompt,
     level_bounds,
     policy_for,
+    with_locality,
 )
 from policies.locality import within_slack
+from policies.prefill import TOKENS_PER_BLOCK
 
 M = "m"
 K = ModelKeys(M)
@@ -450,3 +453,121 @@ async def test_backlogged_sessions_of_a_user_share_its_service(
                                - b.session_served.get(("a", "chat"), 0.0)))
     assert worst <= b.bound(), (b.session_served, worst, b.bound())
     assert abs(b.served["a"] - b.served["b"]) <= b.bound(), b.served
+
+
+# --- cache-aware cost: charged what the GPU computes ------------------------------------
+
+BLOCKS = 10  # of a prompt's chain, each TOKENS_PER_BLOCK estimated tokens
+PROMPT = BLOCKS * TOKENS_PER_BLOCK + 60
+ENGINE_CACHED = (BLOCKS - 1) * TOKENS_PER_BLOCK  # the engine found one block less
+
+
+class CacheBench:
+    """Dispatch with locality and settle on a real Redis, as the gateway does: "hot"
+    sends one prompt again and again (its chain in the backend's prefix index, its
+    prefix in the engine's cache), "cold" new prompts of the same length. Dispatch
+    charges what the index predicts uncached; the settle what the engine computed."""
+
+    def __init__(self, store: Store, policy: FairnessPolicy) -> None:
+        self.store, self.policy = store, policy
+        self.computed = {"hot": 0.0, "cold": 0.0}  # service of what the engine computed
+        self.inflight: deque[Grant] = deque()
+        self.ids = 0
+        self.charged: list[int] = []  # the prompt tokens each hot dispatch charged
+        self.unsettled = 0.0  # the largest service a dispatch left to its settle
+
+    def chain(self, user: str) -> tuple[str, ...]:
+        return tuple(f"{user}-{self.ids if user == 'cold' else 0}-{i}" for i in range(BLOCKS))
+
+    async def enqueue(self, user: str, count: int) -> None:
+        for _ in range(count):
+            self.ids += 1
+            await self.store.enqueue(M, QueuedRequest(
+                f"{user}-{self.ids}", user, "default", "r1",
+                self.policy.dispatch_cost(PROMPT, 1.0), 1000.0, self.chain(user),
+                prompt_tokens=PROMPT, credit=self.policy.cached_credit(1.0)), 10**6)
+
+    def engine_computed(self, user: str) -> int:
+        return PROMPT - (ENGINE_CACHED if user == "hot" else 0)
+
+    async def step(self, locality: Locality) -> Grant:
+        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
+                                                 locality=locality)
+        computed = self.engine_computed(grant.user)
+        service = self.policy.service(computed, OUTPUT, 1.0)
+        self.computed[grant.user] += service
+        charged = charged_prompt(PROMPT, grant.charged_prompt)
+        if grant.user == "hot":
+            self.charged.append(charged)
+        self.unsettled = max(self.unsettled,
+                             service - self.policy.dispatch_cost(charged, 1.0))
+        self.inflight.append(grant)
+        if len(self.inflight) >= IN_FLIGHT:
+            await self.settle_one()
+        return grant
+
+    async def settle_one(self) -> None:
+        old = self.inflight.popleft()
+        charge = self.policy.settle_charge(self.engine_computed(old.user),
+                                           charged_prompt(PROMPT, old.charged_prompt),
+                                           OUTPUT, 1.0)
+        await self.store.settle(M, old, charge, charge)
+
+
+async def cache_bench(redis: aioredis.Redis, name: str) -> CacheBench:
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    b = CacheBench(store, policy_for(name))
+    # the backend was sent hot's prompt before: its index holds the chain
+    await redis.zadd(K.backend_prefixes("b1"), dict.fromkeys(b.chain("hot"), 1000.0))
+    return b
+
+
+@pytest.mark.parametrize("name", POLICIES)
+async def test_a_user_with_cacheable_prompts_is_not_overcharged(
+        redis: aioredis.Redis, name: str) -> None:
+    """Its dispatch is charged the tokens the index predicts uncached, its settle what the
+    engine reports: once all settled, each user's counter is the service of what the GPU
+    computed for it, so under VTC the user whose prompts are cached gets more requests
+    for the same service (charged by prompt tokens, both would get as many)."""
+    b = await cache_bench(redis, name)
+    loc = Locality(slack=0.0, candidates=8, index_size=1000, index_ttl_s=600.0)
+    await b.enqueue("hot", 300)
+    await b.enqueue("cold", 300)
+    served = {"hot": 0, "cold": 0}
+    for _ in range(200):
+        served[(await b.step(loc)).user] += 1
+    while b.inflight:
+        await b.settle_one()
+    # every hot dispatch charged the tokens past the blocks its index held
+    assert set(b.charged) == {PROMPT - BLOCKS * TOKENS_PER_BLOCK}, sorted(set(b.charged))
+    for user in ("hot", "cold"):  # both still queued: active, each its own tenant
+        score = await redis.zscore(K.users("default", user), user)
+        assert score == pytest.approx(b.computed[user]), (user, score, b.computed)
+    assert abs(b.computed["hot"] - b.computed["cold"]) <= b.policy.bound(
+        b.policy.service(PROMPT, OUTPUT, 1.0), IN_FLIGHT, b.unsettled), (b.computed, served)
+    if name == "vtc":  # hot's requests cost about a third of cold's: it gets more of them
+        assert served["hot"] > 2 * served["cold"], served
+    else:
+        assert abs(served["hot"] - served["cold"]) <= 1, served
+
+
+@pytest.mark.parametrize("name", POLICIES)
+async def test_the_bound_holds_with_locality_in_computed_service(
+        redis: aioredis.Redis, name: str) -> None:
+    """With a slack, a backend may serve the user whose prompt it has cached ahead of
+    the least-served one: the gap in the service of what the GPU computed stays within
+    the policy's bound (the largest request, and what dispatches leave to their settle
+    in flight) plus the slack."""
+    b = await cache_bench(redis, name)
+    slack = 3 * b.policy.service(PROMPT, OUTPUT, 1.0)
+    loc = Locality(slack=slack, candidates=8, index_size=1000, index_ttl_s=600.0)
+    await b.enqueue("hot", 300)
+    await b.enqueue("cold", 300)
+    worst = 0.0
+    for _ in range(200):  # both stay backlogged throughout
+        await b.step(loc)
+        worst = max(worst, abs(b.computed["hot"] - b.computed["cold"]))
+    bound = with_locality(b.policy.bound(b.policy.service(PROMPT, OUTPUT, 1.0), IN_FLIGHT,
+                                         b.unsettled), slack)
+    assert worst <= bound, (b.computed, worst, bound)

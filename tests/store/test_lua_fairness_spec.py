@@ -1,5 +1,6 @@
 """Differential spec of ``gateway/storage/lua/lib/fairness.lua`` (pick and charge, with the
-locality slack at both levels, prompt ranges and a backfill's room) and of enqueue.lua's
+locality slack at both levels, prompt ranges and a backfill's room, the dispatch cost of
+the prompt tokens the backend's prefix index predicts uncached) and of enqueue.lua's
 order (EDF within a user's queue, the per-user cap, each level joined at its minimum)
 against their plain-data twin, ``policies/fairness.py`` TwoLevel, with sessions (the
 third level) on or off: hypothesis draws a backend and a workload of enqueues,
@@ -22,8 +23,8 @@ from hypothesis import strategies as st
 from gateway.storage.keys import ModelKeys
 from gateway.storage.store import QueuedRequest, Store, load_library
 from policies.fairness import Pick, TwoLevel
-from policies.locality import LocalityView
-from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange
+from policies.locality import LocalityView, matched
+from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange, uncached_tokens
 
 CLASS = "default"
 BACKEND = "b1"
@@ -40,11 +41,20 @@ local session = fairness.session(class, tenant, user)
 local queue = queue_of(prefix, class, tenant, user, session)
 id = id or redis.call('LINDEX', queue, 0)
 redis.call('LREM', queue, 1, id)
-local f = redis.call('HMGET', key_request(prefix, id), 'cost', 'tcost')
+local f = redis.call('HMGET', key_request(prefix, id), 'cost', 'tcost', 'ptok', 'prefix',
+  'hit', 'thit')
 local cost = tonumber(f[1]) or 0
-fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost,
-  tonumber(f[2]) or cost)
-return {tenant, user, id, held or -1, session or cjson.null}
+local tcost = tonumber(f[2]) or cost
+-- the prompt tokens the index predicts uncached, charged at their cost (dispatch.lua)
+local ptok = tonumber(f[3]) or 0
+local tokens = ptok
+if tokens > 0 then
+  tokens = math.max(0, tokens - (held or locality.held_blocks(f[4])) * a.block_tokens)
+end
+cost = predicted_cost(cost, tonumber(f[5]) or 0, ptok, tokens)
+tcost = predicted_cost(tcost, tonumber(f[6]) or 0, ptok, tokens)
+fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost, tcost)
+return {tenant, user, id, held or -1, tokens, session or cjson.null}
 """
 # a settle's charges (settle.lua; _lib.lua charge): to each level, active or saved
 SETTLE = """
@@ -63,6 +73,7 @@ MEMBERS = [("A", "a1"), ("A", "a2"), ("A", "a3"), ("B", "b1"), ("B", "b2"), ("C"
 SESSIONS = ["", "s1", "s2"]  # "": the user's default session
 HASHES = ["h1", "h2", "h3", "h4"]
 quarters = st.integers(0, 40).map(lambda n: n / 4)  # exact in Redis and Python alike
+credits = st.sampled_from([0.0, 0.0, 0.25, 1.0])  # per prompt token predicted cached
 chains = st.lists(st.sampled_from(HASHES), max_size=3, unique=True)
 
 BACKENDS = st.fixed_dictionaries({
@@ -77,7 +88,7 @@ BACKENDS = st.fixed_dictionaries({
 })
 ENQUEUE = st.tuples(st.just("enqueue"), st.sampled_from(MEMBERS), quarters, quarters,
                    st.one_of(st.none(), st.integers(1, 4).map(float)), st.integers(0, 900),
-                   chains, st.sampled_from(SESSIONS))
+                   chains, st.sampled_from(SESSIONS), credits, credits)
 DISPATCH_OP = st.tuples(st.just("dispatch"),
                         st.one_of(st.none(), st.none(), st.integers(-50, 600)))
 OPS = st.one_of(ENQUEUE, DISPATCH_OP, DISPATCH_OP,
@@ -186,14 +197,18 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         for step, op in enumerate(ops):
             where = f"step {step} {op} of {ops} on {backend}"
             if op[0] == "enqueue":
-                _, (tenant, user), cost, tcost, deadline, ptok, chain, drawn = op
+                _, (tenant, user), cost, tcost, deadline, ptok, chain, drawn, *credit = op
+                credit, tcredit = credit or (0.0, 0.0)
                 session = drawn if backend["sessions"] else None
                 rid = f"r{step}"
-                got = await store.enqueue(name, QueuedRequest(
-                    rid, user, CLASS, "r1", cost, 1000.0, tuple(chain), tenant, tcost,
-                    deadline, ptok, session=session), backend["max_queued"])
+                queued = QueuedRequest(rid, user, CLASS, "r1", cost, 1000.0, tuple(chain),
+                                       tenant, tcost, deadline, ptok, session=session,
+                                       credit=credit, tenant_credit=tcredit)
+                got = await store.enqueue(name, queued, backend["max_queued"])
+                # a request without a chain is never predicted cached: no credit kept
                 want = model.enqueue(tenant, user, cost, tcost, rid, deadline,
-                                     backend["max_queued"], session)
+                                     backend["max_queued"], session, ptok,
+                                     credit if chain else 0.0, tcredit if chain else 0.0)
                 assert got == want, f"{where}: lua queue length {got}, policies {want}"
                 if want > 0:
                     tokens[rid] = ptok
@@ -218,12 +233,16 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 want_pick = None if pick is None else [
                     pick.tenant, pick.user, pick.request_id,
                     -1 if pick.held_blocks is None else pick.held_blocks, pick.session]
-                got_pick = [*found[:3], int(found[3]), found[4] if len(found) > 4 else None
+                got_pick = [*found[:3], int(found[3]), found[5] if len(found) > 5 else None
                             ] if found else None
                 assert got_pick == want_pick, (
                     f"{where}: lua picked {got_pick}, policies {want_pick}")
                 if pick is not None:
-                    model.serve(pick)
+                    held = matched(chain_of.get(pick.request_id, ()), backend["index"])
+                    uncached = uncached_tokens(tokens[pick.request_id], held)
+                    assert int(found[4]) == uncached, (
+                        f"{where}: lua charged {found[4]} prompt tokens, policies {uncached}")
+                    model.serve(pick, uncached)
                     dispatched.append(pick)
             elif op[0] == "settle" and dispatched:
                 _, n, charge, tcharge = op
@@ -267,6 +286,13 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
          ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s2"), ("dispatch", None),
          ("dispatch", None), ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s2"),
          ("dispatch", None), ("settle", 0, 2.0, 2.0), ("cancel", 1), ("dispatch", None)])
+@example(  # a cached prompt is charged its uncached tokens, at both levels
+    backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1,
+             "index": {"h1", "h2"}, "others": [], "load": 0, "max_imbalance": 0,
+             "max_queued": 4, "sessions": False},
+    ops=[("enqueue", ("A", "a1"), 9.0, 8.0, None, 300, ["h1", "h2", "h3"], "", 0.25, 1.0),
+         ("enqueue", ("B", "b1"), 1.0, 1.0, None, 200, ["h3"], "", 1.0, 0.25),
+         ("dispatch", None), ("dispatch", None)])
 def test_fairness_lua_decides_as_policies_fairness(
         redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
     asyncio.run(run(redis_url, backend, ops))

@@ -17,7 +17,7 @@ async def running(store: Store, redis: aioredis.Redis, rid: str, user: str, klas
     grants, _ = await store.dispatch(M, "b1", ALL_OPEN, "r1", 1000.0, 10.0)
     assert [g.request_id for g in grants] == [rid], grants
     if owner != "r1":  # its grant went to the owner's list
-        assert await store.next_order(M, owner, 0.1) == (rid, "b1", grants[0].rank)
+        assert await store.next_order(M, owner, 0.1) == (rid, "b1", grants[0].rank, 0)
     if started:
         await store.mark_started(M, grants[0], 1000.5)
     return grants[0]

@@ -125,7 +125,7 @@ async def test_dispatch_pushes_grant_to_owning_replica(redis: aioredis.Redis) ->
     await store.enqueue(M, req("x", "a", owner="r2"), 10)
     g = await dispatch(store)
     assert g is not None and g.owner == "r2"
-    assert await store.next_order(M, "r2", 0.1) == ("x", "b1", 0)
+    assert await store.next_order(M, "r2", 0.1) == ("x", "b1", 0, 0)  # 0 prompt tokens
     assert await store.next_order(M, "r1", 0.05) is None
 
 
@@ -368,3 +368,12 @@ async def test_a_redis_restarted_between_loading_and_running_a_script(
     await redis.script_flush()
     with pytest.raises(StoreUnavailable, match="not loaded"):
         await store.enqueue(M, req("a2", "a"), max_queued=2)
+
+
+async def test_a_grant_entry_without_its_charge_reads_as_the_whole_estimate(
+        redis: aioredis.Redis) -> None:
+    """A grant an older replica pushed (no ``charged`` field) is still delivered: its
+    dispatch charged the whole estimate."""
+    store = Store(redis, 600)
+    await redis.rpush(K.grants("r2"), "x\tb1\t3\t1000.0")
+    assert await store.next_order(M, "r2", 0.1) == ("x", "b1", 3, None)

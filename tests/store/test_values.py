@@ -34,16 +34,17 @@ def test_an_entry_with_the_wrong_shape_is_refused() -> None:
 
 async def test_the_lua_builders_and_readers_agree_with_python(redis: aioredis.Redis) -> None:
     script = lua_values() + """
-    local g = grant_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+    local g = grant_entry(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[7])
     local p = prefill_entry(ARGV[5], ARGV[6])
     return {g, grant_request_id(g), grant_backend(g), grant_rank(g), grant_pushed_at(g),
-            p, prefill_tokens(p), prefill_dispatched_at(p)}
+            grant_charged(g), p, prefill_tokens(p), prefill_dispatched_at(p)}
     """
-    out = await redis.eval(script, 0, "r-1", "b0", "2", "1764600000.5", "812", "1764600001.25")
-    assert out[0] == GRANT.encode("r-1", "b0", "2", "1764600000.5"), out
-    assert out[1:5] == ["r-1", "b0", "2", "1764600000.5"], out
-    assert out[5] == PREFILL.encode(812, "1764600001.25"), out
-    assert out[6:] == ["812", "1764600001.25"], out
+    out = await redis.eval(script, 0, "r-1", "b0", "2", "1764600000.5", "812", "1764600001.25",
+                           "340")
+    assert out[0] == GRANT.encode("r-1", "b0", "2", "1764600000.5", "340"), out
+    assert out[1:6] == ["r-1", "b0", "2", "1764600000.5", "340"], out
+    assert out[6] == PREFILL.encode(812, "1764600001.25"), out
+    assert out[7:] == ["812", "1764600001.25"], out
 
 
 # The scripts' request hashes: `req`, key_request(...), and these KEYS of a script.

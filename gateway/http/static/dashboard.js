@@ -157,6 +157,17 @@ function prefillCell(b) {
   ];
 }
 
+function loraCell(b) {
+  // LoRA adapters resident here (docs/adapters.md), those with live requests marked *
+  const l = b.lora;
+  if (!l) return [el("div", { "data-metric": "lora" }, "–")];
+  const names = l.resident.map((a) => (l.active.includes(a) ? `${a}*` : a)).join(", ");
+  const slots = l.slots === null ? "" : ` (${l.resident.length}/${l.slots} slots)`;
+  return [el("div", { "data-metric": "lora",
+                      title: "resident adapters; * with live requests; of vLLM's --max-loras" },
+    `${names || "none"}${slots}`)];
+}
+
 const ORIGINS = {
   config: "in the config file",
   admin: "added with POST /admin/backends",
@@ -206,6 +217,7 @@ function backendsPanel(backends) {
       el("td", {}, pacingCell(b.pacing)),
       el("td", {}, prefixCell(b)),
       el("td", {}, prefillCell(b)),
+      el("td", {}, ...loraCell(b)),
       el("td", {}, ...drainCell(b)));
   });
   return el("div", { class: "panel wide" }, el("h3", {}, "Backends"),
@@ -222,6 +234,7 @@ function backendsPanel(backends) {
            ["pacing allowance", "how many of each class may wait at vLLM (adaptive pacing), and why it last moved"],
            ["prefix cache", "vLLM's hit rate, the prefix index's prediction, dispatches by reason"],
            ["prompts, pending prefill", "the prompt lengths it takes; prompt tokens not yet prefilled"],
+           ["LoRA adapters", "resident adapters (* with live requests) and vLLM's adapter slots"],
            ""], rows,
           "no backends"));
 }

@@ -110,3 +110,11 @@ local function session_left(prefix, class, tenant, user, session, queue, score)
   redis.call('DEL', saved, count)
   return false
 end
+
+-- The dispatch cost charged for a request stored with `cost` (its whole estimate of
+-- `ptok` prompt tokens uncached) and `credit` (taken off per prompt token predicted
+-- cached) when the backend's prefix index predicts `uncached` of them to compute
+-- (policies/fairness.py predicted_cost).
+local function predicted_cost(cost, credit, ptok, uncached)
+  return cost - credit * math.max(0, ptok - uncached)
+end

@@ -15,7 +15,8 @@
 -- dispatch costs, added to the scores at dispatch), now (s), chain (the prompt's
 -- block-hash chain, space-separated, "" when not hashed), deadline (first-token
 -- deadline, unix s, "" for none), ptok (estimated prompt tokens: where it fits, the
--- prefill gate), whole (optional: true for a whole answer, never streamed), adapter
+-- prefill gate), hit and thit (optional, with a chain: what each prompt token a
+-- backend's prefix index predicts cached takes off cost and tcost at dispatch), whole (optional: true for a whole answer, never streamed), adapter
 -- (optional: the LoRA adapter it names; only a backend having it takes it), requeue
 -- (optional: true for a request its replica queues again after a failover: not held to
 -- the cap), seen (optional: true for a trusted key's end user: its last-seen time
@@ -48,7 +49,11 @@ local function enqueue(r)
   redis.call('HSET', req, 'user', r.user, 'class', r.class, 'owner', r.owner,
     'cost', r.cost, 'enqueued_at', r.now, 'state', 'queued', 'tenant', r.tenant,
     'tcost', r.tcost, 'ptok', r.ptok)
-  if r.chain ~= '' then redis.call('HSET', req, 'prefix', r.chain) end
+  if r.chain ~= '' then
+    redis.call('HSET', req, 'prefix', r.chain)
+    -- taken off the costs per prompt token a backend's index predicts cached
+    if r.hit then redis.call('HSET', req, 'hit', r.hit, 'thit', r.thit) end
+  end
   if r.whole then redis.call('HSET', req, 'whole', 1) end
   if r.adapter then redis.call('HSET', req, 'adapter', r.adapter) end
   redis.call('EXPIRE', req, a.ttl)

@@ -6,7 +6,9 @@
 -- score, then that user's oldest request (with a locality slack at both levels: the best
 -- cached request of the users within it, fairness.lua pick()). The served user's score
 -- grows by the request's user-level dispatch cost, its tenant's by the tenant-level one
--- (both stored at enqueue). With no tenants configured every user is its own tenant.
+-- (both stored at enqueue for the whole prompt estimate, less, for the prompt tokens this
+-- backend's prefix index predicts cached, the credit stored with them: predicted_cost in
+-- _lib.lua). With no tenants configured every user is its own tenant.
 -- With sessions on (`a.sessions`), the user's request comes from its least-served
 -- session's queue, and that session's score grows by the user-level cost too.
 -- `a`, one JSON object (gateway/storage/store.py dispatch_args):
@@ -29,7 +31,8 @@
 --   adapters (optional: the LoRA adapters the backend has; a request naming another
 --   waits for a backend that has it).
 -- Returns {grants, depth, decisions, backlogged, recent}: grants a list of {id, class,
--- user, rank, owner, enqueued_at} (a grant for a request another replica holds is also
+-- user, rank, owner, enqueued_at, charged (the prompt tokens its dispatch cost charged:
+-- those predicted uncached here)} (a grant for a request another replica holds is also
 -- pushed to its grant list), depth the requests still queued for the model (all
 -- classes), decisions one {held blocks, chain blocks, reason} per grant (locality.lua
 -- record), backlogged the class -> backlogged-since hash (flat), recent the classes of
@@ -70,7 +73,7 @@ local function dispatch_for(a)
     local id = chosen or redis.call('LINDEX', queue, 0)
     local req = id and key_request(prefix, id)
     local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
-      'tcost', 'ptok', 'state')
+      'tcost', 'ptok', 'state', 'hit', 'thit')
     if fields and fields[7] and fields[7] ~= 'queued' then req, fields = nil, nil end
     local valid = fields and fields[1]
       and replica_alive(replicas, prefix, fields[1], now, a.replica_ttl, a.pickup)
@@ -113,15 +116,20 @@ local function dispatch_for(a)
       end
       if id then unqueue(prefix, class, queue, id, not chosen) end
       if valid then
+        -- the dispatch cost of the tokens predicted uncached here (the settle corrects it
+        -- to what the backend reports)
+        local ptok = tonumber(fields[6]) or 0
         local cost = tonumber(fields[2]) or 0
-        fairness.charge(class, tenant, user, session, queue, active, saved, cost,
-          tonumber(fields[5]) or cost)
+        local tcost = tonumber(fields[5]) or cost
+        cost = predicted_cost(cost, tonumber(fields[8]) or 0, ptok, tokens)
+        tcost = predicted_cost(tcost, tonumber(fields[9]) or 0, ptok, tokens)
+        fairness.charge(class, tenant, user, session, queue, active, saved, cost, tcost)
         local rank
         rank, inflight = granted.grant(id, req, class, user, fields[1], tokens)
         sent = sent + 1
         pending = pending + tokens
         decisions[#decisions + 1] = locality.record(fields[4])
-        grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3]}
+        grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3], tokens}
       else
         if req then redis.call('DEL', req) end  -- expired, or its replica died
         fairness.charge(class, tenant, user, session, queue, active, saved, 0, 0)

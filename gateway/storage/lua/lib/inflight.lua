@@ -8,7 +8,8 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
   local I = {}
 
   -- grant request `id` (hash `req`) of `user` in `class`, whose client `owner` holds,
-  -- with `tokens` uncached prompt tokens: its vLLM priority rank (the user's requests
+  -- with `tokens` uncached prompt tokens (those its dispatch cost charged, kept as
+  -- `ctok`): its vLLM priority rank (the user's requests
   -- already in flight), the per-user and per-backend counts, the sent-since-snapshot set,
   -- the owner's running set (or its grant list when another replica holds the client),
   -- the recent classes and the pending prefill. Returns the rank and the backend's
@@ -18,12 +19,13 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
     redis.call('ZADD', k.sent, now, id)
     local inflight = redis.call('INCR', k.backend_inflight)
     redis.call('HSET', req, 'state', 'dispatched', 'backend', backend, 'rank', rank,
-      'dispatched_at', now)
+      'dispatched_at', now, 'ctok', tokens)
     redis.call('SADD', key_running(prefix, owner), id)
     redis.call('LPUSH', k.recent, class)
     redis.call('LTRIM', k.recent, 0, recent_kept - 1)
     if owner ~= replica then
-      redis.call('RPUSH', key_grants(prefix, owner), grant_entry(id, backend, rank, stamp))
+      redis.call('RPUSH', key_grants(prefix, owner), grant_entry(id, backend, rank, stamp,
+        tokens))
     end
     if tokens > 0 then redis.call('HSET', k.prefill, id, prefill_entry(tokens, stamp)) end
     return rank, inflight
