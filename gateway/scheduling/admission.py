@@ -441,10 +441,12 @@ class Admission(ReadsSettings):
             self.pool.unreachable(failed, ConnectionError("the answer failed mid-way"))
         paused = time.monotonic()
         # its id names the answer it continues (whoever reads this replica's running set
-        # in Redis, preemption, tells the answer's segments apart)
+        # in Redis, preemption, tells the answer's segments apart); the segment it
+        # continues leaves its backend as it is queued: the slot vLLM freed counts free
         cont = replace(queued, request_id=continuation_id(queued.request_id, number),
                        cost=0.0, tenant_cost=0.0, credit=0.0, tenant_credit=0.0,
-                       enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens)
+                       enqueued_at=time.time(), deadline_at=0.0, prompt_tokens=tokens,
+                       leaves=(running.segment or queued.request_id, running.backend))
         cls_cfg = self.settings.classes[queued.klass]
         grant = await self.dispatcher.acquire(
             model, cont, min(cls_cfg.max_queue_wait_s, self.settings.continue_wait_s))
@@ -455,7 +457,7 @@ class Admission(ReadsSettings):
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
                                  self.settings.priority_class_gap)
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, None)
-        running.backend = grant.backend
+        running.backend, running.segment = grant.backend, cont.request_id
         pause = self.metrics.continuation_pause.labels(reason)
         ticket.on_started = lambda: pause.observe(time.monotonic() - paused)
         self.metrics.continuations.labels(reason, "continued").inc()

@@ -197,7 +197,8 @@ def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
           ) -> tuple[list[Waiting], list[Running]]:
     """The rule's inputs from what Redis holds: each backlogged class's next request and
     each dispatched request that has not streamed yet wait; the current segment of each
-    streaming answer runs (a continued answer's older segments are left out), with its
+    streaming answer runs (a continued answer's older segments, and one that left its
+    backend while its continuation waits, are left out), with its
     tokens so far estimated from its time on the backend and the backend's recent TPOT
     (vLLM's batch decodes one token per running request per step)."""
     waiting = [Waiting(q["class"], q["user"], max(0.0, now - float(q["enqueued_at"])),
@@ -209,6 +210,8 @@ def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
         latest[original] = max(number, latest.get(original, 0))
         if number == 0:
             preempted[original] = int(r.get("preempted") or 0)
+        if r.get("left"):  # its answer continues elsewhere: neither waits nor runs here
+            continue
         if not r.get("started"):
             waiting.append(Waiting(r["class"], r["user"],
                                    max(0.0, now - float(r["enqueued_at"])), r["backend"],
@@ -216,7 +219,8 @@ def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
     running = []
     for r in view.inflight:
         original, number = original_id(str(r["id"]))
-        if not r.get("started") or r.get("unmovable") or number != latest[original]:
+        if (not r.get("started") or r.get("unmovable") or r.get("left")
+                or number != latest[original]):
             continue
         handle = handles.get(r["backend"])
         tpot = handle.last.tpot_s if handle is not None and handle.last is not None else None

@@ -51,6 +51,7 @@ class Running:
     dispatched_s: float
     mover: Mover
     moves: int = 0  # continuation attempts of moves on purpose
+    segment: str = ""  # the request id of the segment on ``backend`` ("": the original)
 
     def entry(self, max_moves: int) -> RunningEntry:
         return RunningEntry(self.request_id, self.model, self.user, self.tenant, self.klass,

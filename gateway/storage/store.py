@@ -48,6 +48,9 @@ class QueuedRequest:
     # cached (the policy's cached_credit; kept only with a prefix chain)
     credit: float = 0.0
     tenant_credit: float | None = None  # None: credit
+    # a continuation: the (request id, backend) of the segment it continues, which leaves
+    # that backend as it is queued (leave_inflight in lua/lib/inflight.lua)
+    leaves: tuple[str, str] | None = None
 
     @property
     def tenant_name(self) -> str:
@@ -129,6 +132,13 @@ def start_keys(model: str, starts: Sequence[Start]) -> list[str]:
     return [key for s in starts for key in (
         k.backend_sent(s.backend), k.backend_snapshot(s.backend), k.request(s.request_id),
         k.backend_prefill(s.backend), k.backend_started(s.backend))]
+
+
+def leave_keys(k: ModelKeys, request_id: str, backend: str) -> list[str]:
+    """The keys a segment leaving ``backend`` touches, declared for Redis Cluster."""
+    return [k.request(request_id), k.backend_sent(backend), k.backend_snapshot(backend),
+            k.backend_prefill(backend), k.backend_started(backend),
+            k.backend_inflight(backend), k.user_inflight]
 
 
 def _starts(starts: Sequence[Start]) -> list[dict[str, Any]]:
@@ -412,6 +422,8 @@ class Store:
                 keys += session_keys(k, req.klass, tenant, req.user)
             if is_end_user(req.user):
                 keys.append(k.seen)
+            if req.leaves is not None:
+                keys += leave_keys(k, *req.leaves)
             # numbers kept as text where the script stores them as given
             requests.append({
                 "id": req.request_id, "user": req.user, "class": req.klass,
@@ -425,7 +437,9 @@ class Store:
                 **({"adapter": req.adapter} if req.adapter else {}),
                 **({"seen": True} if is_end_user(req.user) else {}),
                 **({"session": req.session} if req.session is not None else {}),
-                **({"requeue": True} if requeue else {})})
+                **({"requeue": True} if requeue else {}),
+                **({"leaves": {"id": req.leaves[0], "backend": req.leaves[1]}}
+                   if req.leaves is not None else {})})
         args: dict[str, Any] = {"prefix": k.prefix, "max_queued": max_queued,
                                 "ttl": int(self.request_ttl_s), "requests": requests}
         if starts:

@@ -5,6 +5,7 @@ travel through its grant list, whichever script made them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import date
 
 import redis.asyncio as aioredis
@@ -152,3 +153,42 @@ async def test_starts_ride_on_a_settle_before_its_release(redis: aioredis.Redis)
     assert await redis.zrange(K.backend_sent("b1"), 0, -1) == []
     assert await redis.zrange(K.backend_started("b1"), 0, -1) == ["b1"]
     assert await store.user_inflight(M) == {"bob": 1}
+
+
+async def test_a_continued_segment_leaves_its_backend_when_its_continuation_is_queued(
+        redis: aioredis.Redis) -> None:
+    """A stream moved off b1 (preempted, drained, or b1 failed): vLLM freed its slot, so
+    the in-flight count must drop as its continuation is queued, not when the whole answer
+    ends (else every snapshot counts it "unseen" and the gates stay closed). Its hash
+    stays (the answer's preemption count), a late start of it changes nothing, and the
+    answer's settle releases nothing twice."""
+    store = Store(redis, 600)
+    await alive(store, "r1")
+    await store.enqueue(M, req("a1", "alice"), 10)
+    grant = await dispatch(store)
+    assert grant is not None and grant.request_id == "a1", grant
+    await store.mark_started(M, grant, 1001.0)
+    await redis.hset(K.request("a1"), "preempted", 1)
+    assert await redis.get(K.backend_inflight("b1")) == "1"
+    cont = replace(req("a1~1", "alice"), cost=0.0, leaves=("a1", "b1"))
+    assert await store.enqueue(M, cont, 10) == 1
+    fields = await redis.hgetall(K.request("a1"))
+    assert (await redis.get(K.backend_inflight("b1")), fields.get("left"),
+            fields.get("preempted")) == (None, "1", "1"), fields
+    assert await store.user_inflight(M) == {}
+    # the snapshot after the move shows b1 empty: nothing reads as unseen
+    snap = BackendSnapshot(waiting=0, running=0, kv_usage=0.0, tpot_s=None,
+                           taken_at_s=1002.0)
+    await store.store_snapshot(M, "b1", snap)
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "0"
+    # the continuation runs on b1 again; a late start of the segment that left is ignored
+    second = await dispatch(store)
+    assert second is not None and second.request_id == "a1~1", second
+    await store.mark_starts(M, [Start("a1", "b1", 1003.0)])
+    assert await redis.zcard(K.backend_started("b1")) == 0
+    # each segment settles once: the in-flight count ends at 0, not below
+    assert await store.settle(M, second, 0.0)
+    assert await store.settle(M, grant, 5.0)
+    assert (await redis.get(K.backend_inflight("b1")), await store.user_inflight(M),
+            await redis.exists(K.request("a1"))) == (None, {}, 0)
+    assert await redis.smembers(K.running("r1")) == set()

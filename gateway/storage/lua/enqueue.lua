@@ -21,7 +21,9 @@
 -- (optional: true for a request its replica queues again after a failover: not held to
 -- the cap), seen (optional: true for a trusted key's end user: its last-seen time
 -- becomes `now`, see seen_at in _lib.lua), session (optional, sessions on: its session
--- key, "" for the user's default session)}
+-- key, "" for the user's default session), leaves (optional, a continuation: {id,
+-- backend} of the segment it continues, which leaves that backend: leave_inflight in
+-- lib/inflight.lua)}
 -- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
 -- length (with sessions: its requests queued in all its sessions), -1 when the per-user
 -- cap is reached, 0 when the request was known already (its hash exists: skipped).
@@ -29,6 +31,7 @@ local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 
 local function enqueue(r)
+  if r.leaves then leave_inflight(prefix, r.leaves.id, r.leaves.backend) end
   local queue = queue_of(prefix, r.class, r.tenant, r.user, r.session)
   local req = key_request(prefix, r.id)
   -- a request goes in once: one the store knows already is a call retried after its

@@ -4,12 +4,14 @@
 -- tenant, with sessions on of its default session or else its least-scored one) with its
 -- user's score; and every dispatched, unsettled request the live
 -- replicas hold, with its user's score in its class (a whole answer, never streamed,
--- counts as started once dispatched: it reports no first token).
+-- counts as started once dispatched: it reports no first token; a segment that left its
+-- backend, its answer continuing elsewhere, is marked `left`).
 -- KEYS[1] replicas zset  KEYS[2] queue depth hash
 -- ARGV[1] JSON {prefix, classes (service order), alive_after (unix s: the oldest live
 --   heartbeat)}
 -- Returns JSON {queued = [{class, user, enqueued_at, score}], inflight = [{id, class,
---   user, backend, started, enqueued_at, dispatched_at, preempted, unmovable, score}]}.
+--   user, backend, started, enqueued_at, dispatched_at, preempted, unmovable, left,
+--   score}]}.
 local p = cjson.decode(ARGV[1])
 local prefix = p.prefix
 
@@ -46,12 +48,13 @@ local inflight = {}
 for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], p.alive_after, '+inf')) do
   for _, id in ipairs(redis.call('SMEMBERS', key_running(prefix, replica))) do
     local f = redis.call('HMGET', key_request(prefix, id), 'state', 'class', 'user', 'tenant',
-      'backend', 'started', 'enqueued_at', 'dispatched_at', 'preempted', 'unmovable', 'whole')
+      'backend', 'started', 'enqueued_at', 'dispatched_at', 'preempted', 'unmovable', 'whole',
+      'left')
     if f[1] == 'dispatched' and f[5] then
       inflight[#inflight + 1] = {id = id, class = f[2], user = f[3], backend = f[5],
         started = f[6] == '1' or f[11] == '1', enqueued_at = tonumber(f[7]) or 0,
         dispatched_at = tonumber(f[8]) or 0, preempted = tonumber(f[9]) or 0,
-        unmovable = f[10] == '1', score = score(f[2], f[4] or f[3], f[3])}
+        unmovable = f[10] == '1', left = f[12] == '1', score = score(f[2], f[4] or f[3], f[3])}
     end
   end
 end

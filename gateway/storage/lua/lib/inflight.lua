@@ -45,6 +45,7 @@ end
 local function start_inflight(prefix, backend, id, at)
   local req = key_request(prefix, id)
   if redis.call('EXISTS', req) == 0 then return 0 end  -- settled (or reaped) already
+  if redis.call('HEXISTS', req, 'left') == 1 then return 0 end  -- it left the backend
   if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
   local sent = redis.call('ZREM', key_backend_sent(prefix, backend), id)
@@ -118,9 +119,33 @@ local function release_request(prefix, id, f)
     if not queued then leave(prefix, f.class, f.tenant, f.user) end
     return true
   end
-  if redis.call('DEL', req) == 0 or not (f.user and f.backend) then return false end
+  -- a segment that left its backend (leave_inflight) was released there already
+  local left = redis.call('HGET', req, 'left') == '1'
+  if redis.call('DEL', req) == 0 then return false end
+  if left then
+    if f.owner then redis.call('SREM', key_running(prefix, f.owner), id) end
+    return true
+  end
+  if not (f.user and f.backend) then return false end
   if not release_inflight(prefix, id, f.user, f.backend, f.owner) and not f.started then
     take_unseen(key_backend_snapshot(prefix, f.backend))
   end
   return true
+end
+
+-- A segment of an answer that continues elsewhere (moved on purpose, or its backend
+-- failed: gateway/scheduling/admission.py) leaves `backend` when its continuation is
+-- queued: out of the backend's in-flight state and its user's count, as a release, so
+-- the slot vLLM freed counts as free at once (else it would read as "unseen" in every
+-- snapshot until the whole answer ends, and hold the gates closed). Its hash stays,
+-- marked `left`, until the answer settles: it keeps the answer's preemption count, and
+-- its owner's running set still names it (release_request then only forgets it).
+local function leave_inflight(prefix, id, backend)
+  local req = key_request(prefix, id)
+  local f = redis.call('HMGET', req, 'state', 'user', 'backend', 'started', 'left')
+  if f[1] ~= 'dispatched' or f[5] or f[3] ~= backend or not f[2] then return end
+  redis.call('HSET', req, 'left', 1)
+  if not release_inflight(prefix, id, f[2], backend, nil) and not f[4] then
+    take_unseen(key_backend_snapshot(prefix, backend))
+  end
 end
