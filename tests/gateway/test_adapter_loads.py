@@ -21,8 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.http.server import GatewayServer
-from loadtest.sim.server import SimServer
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, store_is_idle, until
+from tests.gateway.test_adapters import client, ran
 
 RUNTIME: dict[str, Any] = {"enable_lora": True, "allow_runtime_lora_updating": True,
                            "lora_load_s": 0.05}
@@ -31,17 +31,6 @@ RUNTIME: dict[str, Any] = {"enable_lora": True, "allow_runtime_lora_updating": T
 def runtime(*names: str) -> list[dict[str, Any]]:
     return [{"name": n, "base_model": MODEL, "path": f"/adapters/{n}", "runtime": True}
             for n in names]
-
-
-def client(gw: GatewayServer, key: str = "sk-alice") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
-
-
-def ran(backend: SimServer) -> dict[str | None, int]:
-    counts: dict[str | None, int] = {}
-    for record in backend.engine.records.values():
-        counts[record.lora] = counts.get(record.lora, 0) + 1
-    return counts
 
 
 async def samples(gw: GatewayServer, prefix: str) -> dict[tuple[str, tuple[Any, ...]], float]:

@@ -38,7 +38,7 @@ async def two_backends(sim: SimFactory, gateway: GatewayFactory,
     return b0, b1, gw
 
 
-def client(gw: GatewayServer, key: str) -> openai.AsyncOpenAI:
+def client(gw: GatewayServer, key: str = "sk-alice") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
 
 
