@@ -21,7 +21,11 @@ from gateway.runtime import cli
 from gateway.storage.embedded_redis import free_port
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, complete
 
+# a process start and stop, bounded: a hang fails, a loaded runner is slow
+START_S = 90.0
 
+
+@pytest.mark.timeout(300)
 async def test_serve_from_yaml_with_embedded_redis(sim: SimFactory, tmp_path: Path) -> None:
     backend = await sim(profile="instant")
     port = free_port()
@@ -36,7 +40,8 @@ async def test_serve_from_yaml_with_embedded_redis(sim: SimFactory, tmp_path: Pa
         env={**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
     assert proc.stdout is not None and proc.stderr is not None
     try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        # a loaded CI runner (a vLLM server compiling beside) took over 30 s to start it
+        line = await asyncio.wait_for(proc.stdout.readline(), START_S)
         assert line.decode().strip() == f"fairgate listening on http://127.0.0.1:{port}"
         base = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as session:
@@ -49,7 +54,7 @@ async def test_serve_from_yaml_with_embedded_redis(sim: SimFactory, tmp_path: Pa
             assert data["usage"]["completion_tokens"] == 3
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await asyncio.wait_for(proc.wait(), START_S) == 0
     logs = [json.loads(x) for x in (await proc.stderr.read()).decode().splitlines()
             if x.startswith("{")]
     redis_url = next(e["url"] for e in logs if e["event"] == "embedded_redis_started")
@@ -155,6 +160,7 @@ async def test_demo_on_a_port_in_use_names_the_port_and_the_flag(tmp_path: Path)
     assert f"port {port} on 127.0.0.1 is already in use" in line and "--port" in line
 
 
+@pytest.mark.timeout(300)
 async def test_demo_banner_names_the_dashboard_and_the_admin_key(tmp_path: Path) -> None:
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -163,11 +169,11 @@ async def test_demo_banner_names_the_dashboard_and_the_admin_key(tmp_path: Path)
         env=_env(FAIRGATE_LOG_LEVEL="warning"))
     assert proc.stdout is not None
     try:
-        banner = [(await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        banner = [(await asyncio.wait_for(proc.stdout.readline(), START_S)).decode()
                   for _ in range(5)]
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert await asyncio.wait_for(proc.wait(), START_S) == 0
     url = f"http://127.0.0.1:{port}"
     assert banner[0].startswith(f"fairgate demo is up: {url}/v1")
     assert f"dashboard: {url}/dashboard?key=sk-admin" in banner[2]

@@ -23,8 +23,8 @@ from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory
 from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
-CONSUMERS = {"Admission", "BackendList", "BackendPool", "BatchRunner", "Dispatcher",
-             "History", "Inspector", "PoolWatch", "Preemptor",
+CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
+             "Dispatcher", "History", "Inspector", "PoolWatch", "Preemptor",
              "Quotas", "RuntimeKeys", "Waits"}
 SETTINGS_COPIES = (Settings, ClassConfig, Tenant)
 
