@@ -7,6 +7,7 @@ its ``/metrics``), and A ends with none (the simulator saw each of them aborted)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 import yaml
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -52,17 +54,24 @@ async def start_sim(port: int) -> asyncio.subprocess.Process:
     return proc
 
 
-@pytest.fixture
-async def fleet(redis_url: str, tmp_path: Path) -> AsyncIterator[tuple[list[str], list[str]]]:
-    """(simulator URLs, gateway URLs): backends a and b, two replicas."""
+@contextlib.asynccontextmanager
+async def fleet(redis_url: str, tmp_path: Path, tag: str
+                ) -> AsyncIterator[tuple[list[str], list[str]]]:
+    """(simulator URLs, gateway URLs): backends a and b, two replicas, on an empty
+    Redis."""
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        await redis.flushdb()  # what an earlier attempt left (its drained flags)
+    finally:
+        await redis.aclose()
     sim_ports, gw_ports = [free_port(), free_port()], [free_port(), free_port()]
     procs = [await start_sim(p) for p in sim_ports]
     sims = [f"http://127.0.0.1:{p}" for p in sim_ports]
     try:
         for i, port in enumerate(gw_ports):
-            config = tmp_path / f"replica{i}.yaml"
+            config = tmp_path / f"{tag}-replica{i}.yaml"
             config.write_text(yaml.safe_dump({
-                "redis_url": redis_url, "data_dir": str(tmp_path / f"r{i}"),
+                "redis_url": redis_url, "data_dir": str(tmp_path / f"{tag}-r{i}"),
                 "listen": {"host": "127.0.0.1", "port": port}, "api_keys": KEYS,
                 "admin_keys": [ADMIN],
                 "backends": [{"name": n, "url": u, "model": MODEL}
@@ -173,10 +182,25 @@ async def until_done(clients: list[Client], tasks: list[asyncio.Task[None]]) -> 
             f"ended: {[t.done() for t in tasks]}")
 
 
-@pytest.mark.timeout(360)
-async def test_a_drain_with_migrate_drops_no_stream(
-        fleet: tuple[list[str], list[str]]) -> None:
-    sims, gateways = fleet
+ATTEMPTS = 3
+
+
+@pytest.mark.timeout(900)
+async def test_a_drain_with_migrate_drops_no_stream(redis_url: str, tmp_path: Path) -> None:
+    missed = []
+    for attempt in range(ATTEMPTS):
+        async with fleet(redis_url, tmp_path, f"attempt{attempt}") as (sims, gateways):
+            why = await scene(sims, gateways)
+        if why is None:
+            return
+        missed.append(why)
+    pytest.fail(f"no scene had streams running on a when the drain came: {missed}")
+
+
+async def scene(sims: list[str], gateways: list[str]) -> str | None:
+    """One scene, checked; None when done, else why it could not be judged: every stream
+    ended before the drain (on a loaded machine the admin calls between the streams' start
+    and the drain took longer than the streams' ~9 s), so the scene runs again."""
     async with aiohttp.ClientSession() as http:
         n = STREAMS_PER_REPLICA * len(gateways)
         # the unmoved answers, straight from b while the streams run (b takes no stream
@@ -195,15 +219,19 @@ async def test_a_drain_with_migrate_drops_no_stream(
             answer = await admin(http, "POST", gateways[0] + "/admin/backends/a/drain",
                                  {"migrate": True, "grace_s": GRACE_S})
             after = time.time()
-            # the answer shows what ran on a, unless its grace was over before it was
-            # written (a loaded machine): the streams may have moved already
-            assert answer["running"] == STREAMS_PER_REPLICA or after >= answer["migrate_at"], (
-                answer, after)
-            assert before + GRACE_S <= answer["migrate_at"] <= after + GRACE_S, answer
-            # how far the streams were when the drain was answered (for the message)
+            # how far the streams were when the drain was answered
             async with http.get(sims[0] + "/debug/requests") as resp:
                 at_drain = [(r["output_tokens"], r["finished_s"] is not None)
                             for r in await resp.json()]
+            # the answer shows what ran on a, unless its grace was over before it was
+            # written (a loaded machine): the streams may have moved already
+            if answer["running"] != STREAMS_PER_REPLICA and after < answer["migrate_at"]:
+                wants_task.cancel()
+                await asyncio.gather(wants_task, return_exceptions=True)
+                return (f"running on a {answer['running']} when the drain was answered, "
+                        f"{answer['migrate_at'] - after:.3f} s before its migrate time; "
+                        f"(tokens, ended) at the simulator: {at_drain}")
+            assert before + GRACE_S <= answer["migrate_at"] <= after + GRACE_S, answer
             shown = await backend_a(http, gateways[1])  # the other replica sees it too
             assert shown["migrate_at"] == answer["migrate_at"], shown
             await until_done(clients, tasks)
@@ -229,3 +257,4 @@ async def test_a_drain_with_migrate_drops_no_stream(
             on_a = await resp.json()
         aborted = sum(1 for r in on_a if r.get("aborted"))
         assert len(on_a) == n and aborted == n, (len(on_a), aborted)
+    return None
