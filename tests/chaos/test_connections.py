@@ -219,14 +219,20 @@ async def _trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
     bytes, then AssertionError."""
     answer = asyncio.ensure_future(reader.read())
     try:
-        for _ in range(at_most):
-            done, _ = await asyncio.wait([answer], timeout=every_s)
-            if done:
-                return answer.result()
-            writer.write(b"x")
-        raise AssertionError(f"a body trickled for {at_most} bytes was never cut")
-    except ConnectionError:  # closed while writing: cut
-        return await answer
+        try:
+            for _ in range(at_most):
+                done, _ = await asyncio.wait([answer], timeout=every_s)
+                if done:
+                    break
+                writer.write(b"x")
+            else:
+                raise AssertionError(f"a body trickled for {at_most} bytes was never cut")
+        except ConnectionError:  # closed while writing: cut
+            pass
+        try:
+            return await answer
+        except ConnectionError:  # reset (closed with bytes of ours unread): cut, no answer
+            return b""
     finally:
         answer.cancel()
         writer.close()
