@@ -311,11 +311,13 @@ class Launched:
 
 def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
            max_num_seqs: int, extra_args: tuple[str, ...] = (), nice: int = 0,
-           cpus: frozenset[int] | None = None) -> Launched:
+           cpus: frozenset[int] | None = None,
+           extra_env: dict[str, str] | None = None) -> Launched:
     """Start ``vllm.entrypoints.openai.api_server`` serving the tiny model on a free
     loopback port (priority scheduler, chunked prefill; prefix caching on, V1's default;
     ``extra_args`` appended; ``nice``: its CPU niceness; ``cpus``: the only CPUs its
-    processes may run on, its engine's threads bound to them); returns at once:
+    processes may run on, its engine's threads bound to them; ``extra_env``: more environment
+    variables); returns at once:
     :func:`wait_healthy` waits for it, so several can start together."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
@@ -347,6 +349,7 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
     ]
     env = {
         **os.environ,
+        **(extra_env or {}),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
