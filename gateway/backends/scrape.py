@@ -537,8 +537,9 @@ class BackendPool(ReadsSettings):
         pacing = ({c: dataclasses.replace(p, peak_running=0) for c, p in handle.pacing.items()}
                   if recovering else handle.pacing)
         peak = max(0 if recovering else handle.peak_running, snap.running)
-        if (not handle.model_card_read
-                or time.monotonic() - handle.cards_read_at >= self.settings.adapter_refresh_s):
+        if not handle.model_card_read or (
+                raw.lora is not None
+                and time.monotonic() - handle.cards_read_at >= self.settings.adapter_refresh_s):
             await self._read_model_card(handle)
         gates, pacing = self._assess(pacing, snap, ttft, peak)
         shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
@@ -609,11 +610,8 @@ class BackendPool(ReadsSettings):
 
     async def _read_model_card(self, handle: BackendHandle) -> None:
         """vLLM's /v1/models names each model's ``max_model_len`` (read once) and the
-        LoRA adapters loaded on it, read again every ``adapter_refresh_s``. Not only
-        while the backend shows vLLM's LoRA gauge: vLLM sets that gauge with each engine
-        step, so a server that has run no request since it started shows none (seen on
-        vLLM 0.32), though it may list adapters (``--lora-modules``, a runtime load) or
-        have forgotten those it had (a restart)."""
+        LoRA adapters loaded on it (read again every ``adapter_refresh_s`` while the
+        backend shows vLLM's LoRA gauge)."""
         handle.cards_read_at = time.monotonic()
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
