@@ -120,6 +120,7 @@ class SimSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "priority"
+    metrics: str = "all"  # "gateway": /metrics shows only what fairgate reads (fairgate sim)
 
 
 async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Proc:
@@ -146,7 +147,7 @@ async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label
     args = ["sim", "--port", "0", "--count", str(count), "--model", model,
             "--profile", spec.profile, "--max-num-seqs", str(spec.max_num_seqs),
             "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-            "--scheduling-policy", spec.scheduling_policy]
+            "--scheduling-policy", spec.scheduling_policy, "--metrics", spec.metrics]
     proc, log = _spawn(label, args, log_path)
     sims = Proc(label, "", proc, log)
     try:
