@@ -3,9 +3,13 @@ tenant on one, issue 27's fleet-scope phase.
 
 Two simulated vLLM backends in this process, one per model: ``x`` (cost factor 1) and
 ``y`` (``y_factor``), ``max_num_seqs`` 2 each so requests queue in the gateway; one
-gateway in this process on the given Redis, with ``fairness_scope`` as asked. Tenant
-``a`` floods both models, tenant ``b`` floods ``x`` only, through the ``openai`` SDK;
-every request is one shape (a 200-token prompt, a few output tokens, ``ignore_eos``).
+gateway in this process on the given Redis (best empty: scores an earlier run left there
+shift the start), with ``fairness_scope`` as asked. Tenant ``a`` floods both models,
+tenant ``b`` floods ``x`` only, through the ``openai`` SDK; every request is one shape (a
+200-token prompt, a few output tokens, ``ignore_eos``).
+
+Run: ``asyncio.run(run_phase(redis_url, "fleet"))`` (and ``"model"`` for the contrast);
+``Shares.report()`` is the row to record.
 
 Measured at the backends (their own records, not the gateway's): while all three streams
 are backlogged (from the latest first start to the earliest last start of ``a`` on x,
