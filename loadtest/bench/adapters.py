@@ -217,6 +217,7 @@ def analyse(results: list[Result], start: float, counted: dict[str, dict[str, in
     for name in adapter_names(p):
         mine = [r for r in sent if r.tag == name]
         by_adapter[name] = {"sent": len(mine), "completed": sum(r.ok for r in mine),
+                            "failed": sum(not r.ok and r.error != "cancelled" for r in mine),
                             "ttft_p50_ms": _ms(percentile(waits(mine, b), 50)),
                             "ttft_p99_ms": _ms(percentile(waits(mine, b), 99))}
     loads = counted["end"]["lora_loads"] - counted["start"]["lora_loads"]
@@ -341,6 +342,8 @@ def headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
                                         ratio(fg[key], base[key]), target, met))
     cold_p99 = fg["cold_ttft_p99_ms"]
     rows += [
+        report.Headline(f"fairgate: requests failed (of {fg['sent']} sent)", None,
+                        fg["failed"], None, "0", fg["failed"] == 0),
         report.Headline(f"fairgate: requests of the {p['cold']} coldest adapters failed (of "
                         f"{fg['cold_sent']} sent)", None, fg["cold_failed"], None,
                         "0 (no starvation)", fg["cold_failed"] == 0),
