@@ -28,6 +28,7 @@ import structlog
 
 from gateway.backends.scrape import BackendHandle, BackendPool
 from gateway.core.errors import (
+    AdapterGone,
     BackendRemoved,
     BackendUnreachable,
     DeadlineUnmeetable,
@@ -188,9 +189,11 @@ class Admission(ReadsSettings):
                    request_id: str | None = None, arrived_s: float | None = None,
                    deadline_ms: int | None = None, account: ApiKey | None = None,
                    refuse_unready: bool = False, session: str = "") -> T:
-        """:meth:`admitted` around ``send(ticket)``. When the connection to the backend
-        fails before anything was sent (nothing reached its engine), the backend's gates
-        close and the request is queued once more, for another backend."""
+        """:meth:`admitted` around ``send(ticket)``. When nothing reached the backend's
+        engine, the request is queued once more: the connection failed (the backend's
+        gates close, so it goes to another), or the backend no longer had the LoRA adapter
+        it names (unloaded while it was on its way: it is resident there no more, so it
+        goes where the adapter is, or has it loaded again)."""
         for attempt in (1, 2):
             async with self.admitted(model, user, klass, weight, creq, request_id,
                                      arrived_s, deadline_ms=deadline_ms,
@@ -203,7 +206,14 @@ class Admission(ReadsSettings):
                     self.pool.unreachable(ticket.backend, exc)
                     if attempt == 2:
                         raise
-            log.warning("backend_unreachable_retry", backend=ticket.grant.backend)
+                    reason = "backend_unreachable_retry"
+                except AdapterGone:
+                    ticket.unsent = True
+                    await self.adapter_loads.gone(model, ticket.grant.backend, creq.model)
+                    if attempt == 2:
+                        raise
+                    reason = "adapter_gone_retry"
+            log.warning(reason, backend=ticket.grant.backend)
         raise AssertionError("unreachable")
 
     @asynccontextmanager
