@@ -123,13 +123,21 @@ class SimSpec:
     # usage.prompt_tokens_details.cached_tokens, as deploy/ runs vLLM: the gateway's
     # charge is corrected at the settle to the uncached prompt vLLM reports
     enable_prompt_tokens_details: bool = True
+    # LoRA (vLLM's --enable-lora --max-loras, runtime loading on): 0 leaves it off
+    max_loras: int = 0
+    lora_load_s: float = 0.0  # how long a runtime load takes (the simulator's own flag)
 
     def flags(self) -> list[str]:
-        return ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                "--scheduling-policy", self.scheduling_policy,
-                *(["--enable-prompt-tokens-details"] if self.enable_prompt_tokens_details
-                  else [])]
+        """The ``fairgate sim`` flags of this spec (besides port, count and model)."""
+        flags = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs),
+                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                 "--scheduling-policy", self.scheduling_policy,
+                 *(["--enable-prompt-tokens-details"] if self.enable_prompt_tokens_details
+                   else [])]
+        if self.max_loras:
+            flags += ["--enable-lora", "--max-loras", str(self.max_loras),
+                      "--allow-runtime-lora-updating", "--lora-load-s", str(self.lora_load_s)]
+        return flags
 
 
 async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Proc:
