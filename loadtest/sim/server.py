@@ -217,6 +217,8 @@ class SimServer:
                 "prefix_cache_queries": engine.prefix_cache_queries,
                 "prefix_cache_hits": engine.prefix_cache_hits,
                 "scrapes": self.scrapes,
+                "lora_loads": self.loras.loads,
+                "lora_unloads": self.loras.unloads,
             }
         )
 
