@@ -29,7 +29,9 @@
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/storage/redis_client.py)
     │   ├── BackendRemoved (503)       its backend left the config after the dispatch
     │   ├── AdapterNotLoaded (503)     its runtime LoRA adapter found no slot within
-    │   │                              adapter_load_wait_s
+    │   │   │                          adapter_load_wait_s
+    │   │   └── AdapterGone (503)      the backend no longer had its LoRA adapter (unloaded
+    │   │                              as the request reached it), twice
     │   └── TooManyConnections (503)   the gateway's client connection cap is reached
     ├── UpstreamError (502)            backend broken or failed mid-answer
     │   ├── BackendUnreachable (502)   no connection: nothing reached the backend
@@ -180,6 +182,14 @@ class BackendRemoved(Unavailable):
 
 class AdapterNotLoaded(Unavailable):
     code = "adapter_not_loaded"
+
+
+class AdapterGone(AdapterNotLoaded):
+    """The backend answered 404 for the LoRA adapter the request names: it was unloaded
+    (to make room for another, by any replica, or by hand) while the request was on its
+    way. Nothing reached the engine: admission queues the request again."""
+
+    code = "adapter_unloaded"
 
 
 class TooManyConnections(Unavailable):

@@ -18,7 +18,9 @@ When the backend fails mid-answer, ``forward`` continues the answer on another b
 (``continuation``: the caller's way to get one, ``gateway/scheduling/admission.py``): a
 continuable stream from its token ids (``gateway/proxy/continuation.py``), a whole answer
 (nothing reached the client yet) by sending the request again; a backend that answers a
-whole request with a 5xx counts as failed too.
+whole request with a 5xx counts as failed too. A 404 for the LoRA adapter a request
+names (unloaded while the request was on its way) is ``AdapterGone``: nothing ran, and
+admission queues the request again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from aiohttp import web
 from gateway.backends.scrape import BackendHandle
 from gateway.core import jsonio
 from gateway.core.edge import error_json
-from gateway.core.errors import BackendUnreachable, BadRequest, FairgateError, UpstreamError
+from gateway.core.errors import (
+    AdapterGone,
+    BackendUnreachable,
+    BadRequest,
+    FairgateError,
+    UpstreamError,
+)
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import CHOICES_USAGE, COMPLETIONS, Usage
@@ -108,6 +116,9 @@ class Upstream:
         async with contextlib.AsyncExitStack() as stack:
             resp, started = await self._open(stack, handle, creq.path, body, priority,
                                              resume, mover, creq.stream)
+            if resp.status == 404 and started is None and creq.model != handle.config.model:
+                raise AdapterGone(f"backend {handle.name} no longer has the LoRA adapter "
+                                  f"{creq.model!r}: {(await resp.read())[:200]!r}")
             if not creq.stream:
                 return await self._whole(handle, resp, listener, creq.endpoint.usage, resume,
                                          mover)

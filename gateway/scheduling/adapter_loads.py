@@ -15,6 +15,9 @@ this module does the I/O:
 - **No retry loop.** A load the backend refused (or that failed) is kept as an outcome
   for ``adapter_load_retry_s``: the requests meanwhile get its 502
   ``adapter_load_failed`` at once, from every replica.
+- **Unloaded on the way.** A request that reaches a backend just after its adapter left
+  it (vLLM answers 404) was not run: ``gone`` forgets the adapter there, and admission
+  queues the request again, to be loaded again for it if it is resident nowhere.
 - **Queued requests of an unloaded adapter.** ``run`` looks, every ``SWEEP_S``, for
   adapters with requests queued in this process that are resident nowhere (unloaded to
   make room for another) and loads them again, so they are not left waiting.
@@ -69,6 +72,17 @@ class AdapterLoads(ReadsSettings):
     def used(self, backend: str, adapter: str) -> None:
         """A request for ``adapter`` was dispatched to ``backend``."""
         self._last_used[(backend, adapter)] = time.time()
+
+    async def gone(self, model: str, backend: str, adapter: str) -> None:
+        """``backend`` answered that it does not have ``adapter`` (unloaded while a request
+        was on its way there): it is resident there no more, for this process now and for
+        every replica's next load (its load's outcome naming that backend is forgotten)."""
+        self.pool.note_adapter(backend, adapter, False)
+        with contextlib.suppress(StoreUnavailable):
+            outcome = await self.store.adapter_load(model, adapter)
+            if outcome is not None and outcome.get("backend") == backend \
+                    and "error" not in outcome:
+                await self.store.record_adapter_unload(model, backend, adapter)
 
     async def ensure(self, model: str, adapter: str) -> None:
         """Return once ``adapter`` is resident on a backend of ``model``, loading it if

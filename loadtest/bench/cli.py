@@ -20,7 +20,7 @@ from loadtest.bench.env import Options
 
 SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
              "locality", "tenants", "pacing", "replicas", "shards", "fleet", "preemption",
-             "autoscale", "sessions")
+             "autoscale", "sessions", "adapters")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -62,6 +62,7 @@ class Result:
     token_times: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # of the prompt, from the backend's prefix cache (its usage)
 
     @property
     def ok(self) -> bool:
@@ -141,7 +142,14 @@ def _take_frames(result: Result, frames: bytes, now: float) -> int | None:
         if usage:
             usage_tokens = int(usage.get("completion_tokens") or 0)
             result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+            result.cached_tokens = cached_tokens(usage)
     return usage_tokens
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """The prompt tokens a usage object says the prefix cache held (0: not reported)."""
+    details = usage.get("prompt_tokens_details")
+    return int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
 
 
 def new_session() -> aiohttp.ClientSession:

@@ -120,14 +120,30 @@ class SimSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     scheduling_policy: str = "priority"
+    # usage.prompt_tokens_details.cached_tokens, as deploy/ runs vLLM: the gateway's
+    # charge is corrected at the settle to the uncached prompt vLLM reports
+    enable_prompt_tokens_details: bool = True
+    # LoRA (vLLM's --enable-lora --max-loras, runtime loading on): 0 leaves it off
+    max_loras: int = 0
+    lora_load_s: float = 0.0  # how long a runtime load takes (the simulator's own flag)
+    metrics: str = "all"  # "gateway": /metrics shows only what fairgate reads (fairgate sim)
+
+    def flags(self) -> list[str]:
+        """The ``fairgate sim`` flags of this spec (besides port, count and model)."""
+        flags = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs),
+                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                 "--scheduling-policy", self.scheduling_policy, "--metrics", self.metrics,
+                 *(["--enable-prompt-tokens-details"] if self.enable_prompt_tokens_details
+                   else [])]
+        if self.max_loras:
+            flags += ["--enable-lora", "--max-loras", str(self.max_loras),
+                      "--allow-runtime-lora-updating", "--lora-load-s", str(self.lora_load_s)]
+        return flags
 
 
 async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Proc:
     port = free_port()
-    args = ["sim", "--port", str(port), "--model", model, "--profile", spec.profile,
-            "--max-num-seqs", str(spec.max_num_seqs),
-            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-            "--scheduling-policy", spec.scheduling_policy]
+    args = ["sim", "--port", str(port), "--model", model, *spec.flags()]
     proc, log = _spawn(label, args, log_dir / f"{label}.log")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -143,10 +159,7 @@ async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label
     """``count`` simulators in one process (``fairgate sim --count``), each on a free port;
     returns the process and their URLs (from the lines naming them)."""
     log_path = log_dir / f"{label}.log"
-    args = ["sim", "--port", "0", "--count", str(count), "--model", model,
-            "--profile", spec.profile, "--max-num-seqs", str(spec.max_num_seqs),
-            "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
-            "--scheduling-policy", spec.scheduling_policy]
+    args = ["sim", "--port", "0", "--count", str(count), "--model", model, *spec.flags()]
     proc, log = _spawn(label, args, log_path)
     sims = Proc(label, "", proc, log)
     try:

@@ -97,14 +97,17 @@ def sliding_windows(start: float, end: float, width: float, step: float
 
 
 def service_by_user(results: Iterable[Result], start: float, end: float,
-                    w_in: float, w_out: float) -> dict[str, float]:
+                    w_in: float, w_out: float, uncached: bool = True) -> dict[str, float]:
     """Weighted token service in [start, end): the prompt counts when its first token
-    arrives (prefill done), each output token when its frame arrives."""
+    arrives (prefill done), each output token when its frame arrives. ``uncached``: the
+    prompt tokens the backend computed (what fairgate charges: ``policies/cost.py``),
+    else all of them."""
     out: dict[str, float] = {}
     for r in results:
         served = 0.0
         if r.first_token_s is not None and start <= r.first_token_s < end:
-            served += r.prompt_tokens * w_in
+            prompt = r.prompt_tokens - (r.cached_tokens if uncached else 0)
+            served += prompt * w_in
         served += w_out * sum(1 for t in r.token_times if start <= t < end)
         if served:
             out[r.user] = out.get(r.user, 0.0) + served

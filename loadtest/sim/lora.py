@@ -50,6 +50,7 @@ class LoraRegistry:
         self.load_s = load_s
         self.adapters: dict[str, str] = dict(modules)
         self.loads = 0  # runtime loads that succeeded
+        self.unloads = 0  # and unloads
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def __contains__(self, name: object) -> bool:
@@ -91,6 +92,7 @@ class LoraRegistry:
             if name not in self.adapters:
                 raise SimError(404, f"The lora adapter '{name}' cannot be found.")
             del self.adapters[name]
+            self.unloads += 1
         return f"Success: LoRA adapter '{name}' removed successfully."
 
     def cards(self, created: int, permission: dict[str, Any]) -> list[dict[str, Any]]:

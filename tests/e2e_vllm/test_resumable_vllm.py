@@ -1,6 +1,6 @@
 """Resumable streams on real vLLM (CPU, the tiny model), through the ``openai`` SDK.
 
-- Preemption for fairness (opt-in, ``FAIRGATE_VLLM_PREEMPTION=1``): this module's server
+- Preemption for fairness (``FAIRGATE_VLLM_PREEMPTION=0`` leaves it out): this module's server
   (``--max-num-seqs 8``, a frame per 8 tokens, on one CPU of its own), warmed first; a
   batch-class key fills every slot with long generations (``ignore_eos``), then an
   interactive newcomer arrives. Its time to first token with preemption on, off (two
@@ -70,11 +70,11 @@ SERVER_NICE = 10
 # newcomer's enqueue, the scrapes and the preemption decision all waited that long. The
 # measured server runs on one CPU (its engine's threads bound there); the others are this
 # process's.
-PREEMPTION_OPT_IN = "FAIRGATE_VLLM_PREEMPTION"
+PREEMPTION_OPT_OUT = "FAIRGATE_VLLM_PREEMPTION"
 
 
 def preemption_measured() -> bool:
-    return os.environ.get(PREEMPTION_OPT_IN) == "1"
+    return os.environ.get(PREEMPTION_OPT_OUT, "1") != "0"
 
 
 def server_options() -> tuple[tuple[str, ...], int, frozenset[int] | None]:
@@ -612,7 +612,7 @@ async def warm_up(server: VllmServer) -> None:
 # tokens). Its failures on 2 shared cores were this process starved by the engine, not the
 # decision; on a CPU of its own the server no longer starves it (loadtest/RESULTS.md)
 @pytest.mark.skipif(not preemption_measured(),
-                    reason=f"{PREEMPTION_OPT_IN}=1 runs it (over a minute more for the tier)")
+                    reason=f"{PREEMPTION_OPT_OUT}=0 leaves it out")
 async def test_preemption_gives_an_interactive_newcomer_a_batch_slot(
         eight_slots: ModuleServer, redis: aioredis.Redis, redis_url: str) -> None:
     server = eight_slots.get()

@@ -182,3 +182,36 @@ async def test_a_failed_load_is_a_clear_error_and_is_not_retried(
     assert loads == {("b0", "x", "failed"): 1}, loads
     assert ran(b0) == {}, ran(b0)
     await store_is_idle(gw)
+
+
+async def test_a_request_reaching_a_backend_just_after_its_adapter_left_is_queued_again(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """An adapter unloaded while a request for it is on its way (to make room for a cold
+    one, by another replica, or by hand): vLLM answers that request 404. Nothing ran, so
+    the gateway queues it again and loads the adapter again for it: the client is served.
+    Here the unload is made on the backend behind the gateway's back, its listing read
+    never again, so the gateway sends each request where it believes the adapter is."""
+    b0 = await sim(max_loras=2, **RUNTIME)
+    gw = await gateway([b0], adapters=runtime("a"), adapter_refresh_s=3600)
+    handle = gw.services.pool.handles["b0"]
+    answers = []
+    async with client(gw) as alice, aiohttp.ClientSession() as http:
+        first = await alice.completions.create(model="a", prompt="x", max_tokens=2)
+        assert (first.model, b0.loras.loads) == ("a", 1), (first.model, b0.loras.loads)
+        for stream in (False, True, False):
+            async with http.post(b0.url + "/v1/unload_lora_adapter",
+                                 json={"lora_name": "a"}) as resp:
+                assert resp.status == 200, (resp.status, await resp.text())
+            if stream:
+                chunks = await alice.completions.create(model="a", prompt="x", max_tokens=2,
+                                                        stream=True)
+                answers.append("".join([c.model async for c in chunks][:1]))
+            else:
+                answer = await alice.completions.create(model="a", prompt="x", max_tokens=2)
+                answers.append(answer.model)
+            assert "a" in gw.services.pool.adapters_on(handle), handle.adapters
+    assert answers == ["a", "a", "a"], answers
+    # each request's first try met the unload: loaded again for it, 1 + 3 loads in all
+    assert b0.loras.loads == 4, b0.loras.loads
+    assert ran(b0) == {"a": 4}, ran(b0)
+    await store_is_idle(gw)

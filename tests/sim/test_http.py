@@ -206,4 +206,5 @@ async def test_debug_endpoints(server: SimServer) -> None:
     assert state == {
         "num_waiting": 0, "num_running": 0, "kv_usage": 0.0,
         "prefix_cache_queries": 1, "prefix_cache_hits": 0, "scrapes": 0,
+        "lora_loads": 0, "lora_unloads": 0,
     }  # fmt: skip
