@@ -52,7 +52,7 @@ LORA_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
 RUNTIME_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 MAX_NUM_SEQS = 4  # 2 cores, two servers: small batches
 LOADED = re.compile(r"Loaded new LoRA adapter: name '([^']*)'")  # vLLM logs each load
-LONG_TOKENS = 300  # requests that run for seconds on the CPU: a steady state to compare
+LONG_TOKENS = 2000  # streams held open while compared (the context is 2,048)
 WAIT_S = 60.0
 
 
@@ -212,10 +212,11 @@ async def test_adapters_run_where_resident_a_cold_one_is_loaded_once_and_the_gau
             belief = await gateway_view(http, gw)
             assert belief.get("loads") == {(names[home], "c", "loaded"): 1.0}, belief
 
-            # 3. the gateway's view is vLLM's while every adapter runs, and once idle
+            # 3. the gateway's view is vLLM's while every adapter runs (streams held open
+            # until compared, then closed: vLLM aborts them), and once idle
             expected = [{"a"}, {"b"}]
             expected[home].add("c")
-            running = [asyncio.create_task(ask(m, LONG_TOKENS)) for m in ("a", "b", "c")]
+            streams = []
 
             async def describe() -> str:
                 return (f"gateway {await gateway_view(http, gw)}; vLLM "
@@ -226,13 +227,20 @@ async def test_adapters_run_where_resident_a_cold_one_is_loaded_once_and_the_gau
                 return [view.get(n, {}).get("active") for n in names] == active
 
             try:
+                for m in ("a", "b", "c"):
+                    stream = await client.completions.create(
+                        model=m, prompt=f"the long queue of {m}", max_tokens=LONG_TOKENS,
+                        stream=True, extra_body={"ignore_eos": True})
+                    streams.append(stream)
+                    first = await stream.__anext__()  # it runs
+                    assert first.model == m, first
                 await eventually(lambda: gateway_sees(expected), "every adapter active",
                                  describe)
                 belief = await gateway_view(http, gw)
                 truth = [await vllm_view(http, s) for s in servers]
             finally:
-                answered = await asyncio.gather(*running)
-            assert answered == ["a", "b", "c"], answered
+                for stream in streams:
+                    await stream.close()
             print(f"busy: gateway {belief}; vLLM gauges {[t['gauge'] for t in truth]}")
             for name, t, active in zip(names, truth, expected, strict=True):
                 max_lora, run, wait = gauge_sets(t["gauge"])
