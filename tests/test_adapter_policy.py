@@ -237,7 +237,7 @@ def test_a_cold_adapter_with_a_request_waiting_is_loaded_within_the_bound(
     hots = [f"h{i}" for i in range(slots + hot)]
     loaded = {a: 0.0 for a in hots[:slots]}
     t, since = 0.0, {a: rng.uniform(0.01, 5.0) for a in hots}  # after the cold one
-    bound = starve_s + residency_s(load_s) + load_s + step_s
+    bound = starve_s + residency_s(load_s) + load_s + step_s + 1e-6  # float steps
     while "cold" not in loaded:
         assert t <= bound, (t, bound, loaded)
         demand = {a: Demand(rng.randint(1, 9), since[a]) for a in hots}
