@@ -137,7 +137,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         replica_id = settings.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
-        store = Store(client, request_ttl_s(settings))
+        store = Store(client, request_ttl_s(settings), settings.fleet_models())
         config.on_swap(lambda new: setattr(store, "request_ttl_s", request_ttl_s(new)))
         pool = BackendPool(config, session, store, metrics)
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)

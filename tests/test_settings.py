@@ -113,3 +113,38 @@ def test_redis_nodes_are_read_alike_for_cluster_and_sentinel() -> None:
     want = [("10.0.0.1", 6379), ("::1", 26379)]
     assert addresses(cluster.nodes) == want, addresses(cluster.nodes)
     assert sentinel.addresses() == want, sentinel.addresses()
+
+
+def test_fairness_scope_and_cost_factors_are_checked_clearly(tmp_path: Path) -> None:
+    from gateway.core.config_file import ConfigFileInvalid, read_config_file
+
+    two = YAML.replace("backends:\n", "backends:\n  - {name: b2, url: http://127.0.0.1:8101,"
+                       " model: llama-3.1-70b}\n")
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(two + "fairness_scope: fleet\ncost_factors: {llama-3.1-70b: 8}\n")
+    s = read_config_file(path)
+    assert (s.cost_factor("llama-3.1-70b"), s.cost_factor("llama-3.1-8b")) == (8.0, 1.0)
+    assert s.fleet_models() == ["llama-3.1-70b", "llama-3.1-8b"], s.fleet_models()
+    per_model = load_settings(None, cost_factors={"llama-3.1-8b": 4.0},
+                              backends=[{"name": "b", "url": "http://h", "model": "llama-3.1-8b"}])
+    assert per_model.fairness_scope == "model" and per_model.cost_factor("llama-3.1-8b") == 1.0
+    assert per_model.fleet_models() == []
+    for extra, words in (
+            ("fairness_scope: all\n", "fairness_scope Input should be 'model' or 'fleet'"),
+            ("cost_factors: {llama-3.1-8b: 0}\n", "cost_factors.`llama-3.1-8b` Input should "
+             "be greater than 0"),
+            ("cost_factors: {llama-3.1-8b: .inf}\n", "Input should be a finite number"),
+            ("cost_factors: {llama-3.1-8b: cheap}\n", "Input should be a valid number"),
+            ("cost_factors: {gpt-4: 2}\n", "cost_factors: 'gpt-4' is not a served model "
+             "(llama-3.1-70b, llama-3.1-8b)"),
+            ("adapters: [{name: sql, base_model: llama-3.1-8b}]\ncost_factors: {sql: 2}\n",
+             "cost_factors: 'sql' is an adapter: its requests count at its base model's "
+             "factor ('llama-3.1-8b')"),
+            ("fairness_scope: fleet\nredis_cluster: {nodes: ['h:1']}\n",
+             "fairness_scope fleet needs one Redis")):
+        alone = "redis_cluster" in extra  # one store only: the cluster instead of the URL
+        path.write_text((two.replace("redis_url: redis://127.0.0.1:6399/0\n", "") if alone
+                         else two) + extra)
+        with pytest.raises(ConfigFileInvalid) as bad:
+            read_config_file(path)
+        assert words in str(bad.value), (extra, str(bad.value))

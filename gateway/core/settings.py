@@ -31,6 +31,7 @@ from pydantic_settings import (
 
 from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, default_floors
 from policies.fairness import POLICIES
+from policies.fleet import factor_of
 from policies.gates import GatePolicy
 from policies.pacing import PacingTargets
 from policies.preemption import PreemptRule
@@ -424,6 +425,15 @@ class Settings(BaseSettings):
     end_user_idle_s: float = Field(86400.0, gt=0)
     classes: dict[str, ClassConfig] = Field(default_factory=_default_classes)
     fairness: str = "vtc"
+    # Fair share per model ("model": each model's queues count only their own service) or
+    # across the fleet ("fleet": a tenant's and a user's service counters span every
+    # model, each model's charges multiplied by its cost factor), docs/scheduling.md
+    # "Fair share across models". Needs one Redis (or Sentinel), not a Redis Cluster.
+    fairness_scope: Literal["model", "fleet"] = "model"
+    # fleet scope: what a model's service counts for against the others' (relative
+    # GPU-seconds per token, say: 8 for a 70B model beside 8B ones at 1); a model not
+    # listed counts 1.0; no effect in model scope. Read per request (a reload applies it).
+    cost_factors: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = {}
     # Sessions, a third fairness level (tenant -> user -> session, docs/scheduling.md):
     # within a user, its sessions (X-Fairgate-Session, or a Responses API conversation;
     # requests without one form its default session) share its service fairly; its share
@@ -598,6 +608,35 @@ class Settings(BaseSettings):
                 raise ValueError(f"{where}: the name {adapter.name!r} is taken")
             seen.add(adapter.name)
         return self
+
+    @model_validator(mode="after")
+    def _cost_factors_of_models(self) -> Settings:
+        models = set(self.models())
+        adapters = {a.name: a.base_model for a in self.adapters}
+        for name in self.cost_factors:
+            if name in adapters:
+                raise ValueError(f"cost_factors: {name!r} is an adapter: its requests count "
+                                 f"at its base model's factor ({adapters[name]!r})")
+            if name not in models:
+                raise ValueError(f"cost_factors: {name!r} is not a served model "
+                                 f"({', '.join(sorted(models)) or 'none'})")
+        if self.fairness_scope == "fleet" and self.redis_cluster is not None:
+            raise ValueError("fairness_scope fleet needs one Redis (redis_url or "
+                             "redis_sentinel): its counters span models, whose keys a Redis "
+                             "Cluster keeps in separate slots")
+        return self
+
+    def cost_factor(self, model: str) -> float:
+        """What one unit of the model's service counts for in a fair-share counter: its
+        ``cost_factors`` entry (1.0 when absent) in fleet scope, 1.0 in model scope."""
+        if self.fairness_scope != "fleet":
+            return 1.0
+        return factor_of(self.cost_factors, model)
+
+    def fleet_models(self) -> list[str]:
+        """The models whose fair-share counters are one (fleet scope: every model served;
+        model scope: none)."""
+        return self.models() if self.fairness_scope == "fleet" else []
 
     @model_validator(mode="after")
     def _one_store(self) -> Settings:

@@ -55,6 +55,7 @@ from gateway.storage.store import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.cost import estimate_prompt_tokens, kv_token_seconds, max_cost_tokens
 from policies.fairness import FairnessPolicy, charged_prompt, tenant_of
+from policies.fleet import fleet_weight
 from policies.locality import prefix_chain, routing_for
 from policies.prefill import no_fit_message
 from policies.priority import vllm_priority
@@ -314,15 +315,19 @@ class Admission(ReadsSettings):
             name: t.weight for name, t in self.settings.tenants.items()})
         self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
                                tenant_weight)
+        # the weights its charges are divided by: fleet scope multiplies the model's
+        # charges by its cost factor (policies/fleet.py; 1 per model)
+        factor = self.settings.cost_factor(model)
+        cw, ctw = fleet_weight(weight, factor), fleet_weight(tenant_weight, factor)
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
-                               self.policy.dispatch_cost(prompt_est, weight), time.time(),
+                               self.policy.dispatch_cost(prompt_est, cw), time.time(),
                                (prefix_chain(creq.body) if self._locality(model) else ()),
-                               tenant, self.policy.dispatch_cost(prompt_est, tenant_weight),
+                               tenant, self.policy.dispatch_cost(prompt_est, ctw),
                                prompt_tokens=prompt_est, whole=not creq.stream,
                                adapter=adapter,
                                session=session if self.settings.sessions else None,
-                               credit=self.policy.cached_credit(weight),
-                               tenant_credit=self.policy.cached_credit(tenant_weight))
+                               credit=self.policy.cached_credit(cw),
+                               tenant_credit=self.policy.cached_credit(ctw))
         cls_cfg = self.settings.classes[klass]
         if deadline_ms is None:
             deadline_ms = cls_cfg.ttft_slo_ms
@@ -394,10 +399,9 @@ class Admission(ReadsSettings):
             kv = kv_token_seconds(prompt, output, time.monotonic()
                                   - (ticket.first_token_s or ticket.dispatched_s))
             charge = (-dispatched if ticket.unsent
-                      else self.policy.settle_charge(computed, charged, output, weight, kv))
+                      else self.policy.settle_charge(computed, charged, output, cw, kv))
             tenant_charge = (-tenant_dispatched if ticket.unsent else
-                             self.policy.settle_charge(computed, charged, output,
-                                                       tenant_weight, kv))
+                             self.policy.settle_charge(computed, charged, output, ctw, kv))
             self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
                                    self.policy.service(
                                        (ticket.prompt_tokens or 0) - ticket.cached_tokens,

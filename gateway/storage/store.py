@@ -367,15 +367,31 @@ class QueuedSample:
 class Store:
     """Domain verbs over one Redis client (``decode_responses=True``)."""
 
-    def __init__(self, client: aioredis.Redis, request_ttl_s: float) -> None:
+    def __init__(self, client: aioredis.Redis, request_ttl_s: float,
+                 fleet: Sequence[str] = ()) -> None:
         self.client = client
         self.request_ttl_s = request_ttl_s
+        # fairness_scope fleet: the models whose fair-share counters are one (a charge on
+        # one of them counts on the others too, ``spread`` in lua/_lib.lua); () per model
+        self.fleet = tuple(fleet)
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(load_script(name))
             for name in ("enqueue", "dispatch", "settle", "cancel", "snapshot", "reap",
                          "started", "share", "scrapers", "history", "preempt_view",
                          "preempt", "forget")
         }
+
+    def _others(self, model: str) -> list[str]:
+        """The key prefixes of the fleet's other models (fleet scope; [] per model)."""
+        if model not in self.fleet:
+            return []
+        return [ModelKeys(m).prefix for m in self.fleet if m != model]
+
+    def _spread(self, model: str, args: Mapping[str, Any] | None
+                ) -> Mapping[str, Any] | None:
+        """Dispatch arguments whose charges also count on the fleet's other models."""
+        others = self._others(model)
+        return args if args is None or not others else {**args, "fleet": others}
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run a script. redis-py loads a script the server lacks once, then runs it again;
@@ -445,7 +461,7 @@ class Store:
         if starts:
             args["starts"] = _starts(starts)
         if then is not None:
-            args["dispatch"] = then
+            args["dispatch"] = self._spread(model, then)
         keys += start_keys(model, starts) + dispatch_keys(model, then)
         out = await self._run("enqueue", list(dict.fromkeys(keys)), [json.dumps(args)])
         return ([int(p) for p in out[0]],
@@ -480,6 +496,7 @@ class Store:
         """:meth:`dispatch` from its arguments (:func:`dispatch_args`); ``starts`` are
         marked first."""
         keys = start_keys(model, starts) + dispatch_keys(model, args)
+        args = self._spread(model, args) or args
         if starts:
             args = {**args, "starts": _starts(starts)}
         raw = await self._run("dispatch", list(dict.fromkeys(keys)), [json.dumps(args)])
@@ -507,7 +524,7 @@ class Store:
                                time.time() if now is None else now)]
         args: dict[str, Any] = {"prefix": ModelKeys(model).prefix, "starts": _starts(starts)}
         if then is not None:
-            args["dispatch"] = then
+            args["dispatch"] = self._spread(model, then)
         keys = start_keys(model, starts) + dispatch_keys(model, then)
         out = await self._run("started", list(dict.fromkeys(keys)), [json.dumps(args)])
         return _dispatched(grant.backend, out[1]) if len(out) > 1 else None
@@ -546,6 +563,8 @@ class Store:
             "prefix": k.prefix, "id": grant.request_id, "user": grant.user,
             "backend": grant.backend, "charge": charge,
             "tcharge": charge if tenant_charge is None else tenant_charge}
+        if others := self._others(model):
+            args["fleet"] = others
         if usage is not None:
             keys.append(usage.key)
             args["usage"] = {"key": usage.key, "ttl": usage.ttl_s, "counts": usage.counts}
@@ -555,7 +574,7 @@ class Store:
         if starts:
             args["starts"] = _starts(starts)
         if then is not None:
-            args["dispatch"] = then
+            args["dispatch"] = self._spread(model, then)
         keys += start_keys(model, starts) + dispatch_keys(model, then)
         out = await self._run("settle", list(dict.fromkeys(keys)), [json.dumps(args)])
         return bool(out[0]), (_dispatched(grant.backend, out[1]) if len(out) > 1 else None)

@@ -123,3 +123,25 @@ async def test_a_reload_reaches_every_consumer(sim: SimFactory, gateway: Gateway
             assert resp.status == 504, body
             assert int(resp.headers["Retry-After"]) >= 4, dict(resp.headers)
         assert took < 5, f"timed out after {took:.1f}s, not the reloaded 0.5 s"
+
+
+async def test_cost_factors_reload_and_the_fairness_scope_needs_a_restart(
+        sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path) -> None:
+    """The scope is wired into the store at start (which models' counters are one); the
+    cost factors are read per request, so a reload applies them."""
+    backend = await sim()
+    path = tmp_path / "fairgate.yaml"
+    fleet = {"fairness_scope": "fleet", "cost_factors": {MODEL: 2.0}}
+    path.write_text(yaml.safe_dump(config(redis_url, [backend], **fleet)))
+    gw = await gateway([backend], admin_keys=[ADMIN], config_file=path, **fleet)
+    svc: Services = gw.services
+    assert svc.store.fleet == (MODEL,) and svc.settings.cost_factor(MODEL) == 2.0
+    path.write_text(yaml.safe_dump(config(redis_url, [backend], fairness_scope="model",
+                                          cost_factors={MODEL: 3.0})))
+    async with aiohttp.ClientSession() as http:
+        status, got = await admin_call(http, "POST", gw.url + "/admin/reload")
+    assert status == 200, got
+    assert got["restart_required"] == ["fairness_scope"], got
+    assert "cost_factors" in got["reloaded"], got
+    assert svc.settings.fairness_scope == "fleet", svc.settings.fairness_scope
+    assert svc.settings.cost_factor(MODEL) == 3.0 and svc.store.fleet == (MODEL,)

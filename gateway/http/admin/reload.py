@@ -32,7 +32,7 @@ from gateway.services import Services
 log = structlog.get_logger("fairgate.admin")
 
 # settings wired into something built once at start: a change needs a restart
-RESTART_FIELDS = ("fairness", "redis_url", "redis_sentinel", "redis_cluster",
+RESTART_FIELDS = ("fairness", "fairness_scope", "redis_url", "redis_sentinel", "redis_cluster",
                   "listen", "replica_id",
                   "vtc_input_weight", "vtc_output_weight", "priority_class_gap", "tenants",
                   "key_pepper", "workers", "data_dir", "max_file_bytes",

@@ -58,6 +58,32 @@ local function charge(zset, saved, member, amount)
   end
 end
 
+-- Fair share across models (fairness_scope fleet, policies/fairness.py Fleet): a charge
+-- on one model counts on the fleet's other models too (`prefixes`, their key prefixes:
+-- nil per model), on the user's and the tenant's scores there, active or saved, where
+-- the model knows them (a member never seen there is lifted at its first enqueue, so it
+-- gets no field). Each model keeps its own virtual time: joins and their lift stay per
+-- model. The amounts carry the cost factor of the model that served (the caller's).
+local function known_charge(zset, saved, member, amount)
+  if redis.call('ZSCORE', zset, member) then
+    redis.call('ZINCRBY', zset, amount, member)
+  elseif redis.call('HEXISTS', saved, member) == 1 then
+    redis.call('HINCRBYFLOAT', saved, member, amount)
+  end
+end
+
+local function spread(prefixes, class, tenant, user, cost, tcost)
+  if not prefixes then return end
+  for _, p in ipairs(prefixes) do
+    if cost ~= 0 then
+      known_charge(key_users(p, class, tenant), key_user_saved(p, class, tenant), user, cost)
+    end
+    if tcost ~= 0 then
+      known_charge(key_active(p, class), key_saved(p, class), tenant, tcost)
+    end
+  end
+end
+
 -- A user whose queue emptied leaves its tenant's active users, keeping its score; a
 -- tenant left without users leaves the class's tenants, keeping its score (its last
 -- user's score is the floor its next user starts from).

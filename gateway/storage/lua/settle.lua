@@ -11,7 +11,8 @@
 -- usage hash, gateway/scheduling/usage.py), seen (optional, a trusted key's end user:
 -- now, its last-seen time, see seen_at in _lib.lua), starts (optional: a list of {id,
 -- backend, at}), dispatch (optional: the backend's dispatch arguments, see dispatch_for
--- in lib/dispatch.lua)}
+-- in lib/dispatch.lua), fleet (optional, fairness_scope fleet: the other models' key
+-- prefixes, where the charges count too: spread in _lib.lua)}
 -- Returns {released (0 when it had been released already), dispatch_for's result when
 -- it ran}.
 local a = cjson.decode(ARGV[1])
@@ -38,6 +39,7 @@ if released then
     charge(key_users(prefix, info[4], tenant), key_user_saved(prefix, info[4], tenant),
       a.user, a.charge)
     charge(key_active(prefix, info[4]), key_saved(prefix, info[4]), tenant, a.tcharge)
+    spread(a.fleet, info[4], tenant, a.user, a.charge, a.tcharge)
     -- its session's score, while its user has sessions to compare (else forgotten)
     if session and redis.call('ZSCORE', key_users(prefix, info[4], tenant), a.user) then
       charge(key_sessions(prefix, info[4], tenant, a.user),

@@ -29,7 +29,9 @@
 --   block_tokens (estimated tokens of one prefix block), backfill_s (how long smaller
 --   requests may pass one the prefill gate holds; policies/prefill.py may_backfill),
 --   adapters (optional: the LoRA adapters the backend has; a request naming another
---   waits for a backend that has it).
+--   waits for a backend that has it),
+--   fleet (optional, fairness_scope fleet: the other models' key prefixes, where each
+--   dispatch cost counts too: spread in _lib.lua).
 -- Returns {grants, depth, decisions, backlogged, recent}: grants a list of {id, class,
 -- user, rank, owner, enqueued_at, charged (the prompt tokens its dispatch cost charged:
 -- those predicted uncached here)} (a grant for a request another replica holds is also
@@ -124,6 +126,7 @@ local function dispatch_for(a)
         cost = predicted_cost(cost, tonumber(fields[8]) or 0, ptok, tokens)
         tcost = predicted_cost(tcost, tonumber(fields[9]) or 0, ptok, tokens)
         fairness.charge(class, tenant, user, session, queue, active, saved, cost, tcost)
+        spread(a.fleet, class, tenant, user, cost, tcost)
         local rank
         rank, inflight = granted.grant(id, req, class, user, fields[1], tokens)
         sent = sent + 1
