@@ -13,14 +13,20 @@ every higher class's. Little's law (a queue of ``B`` drained within ``T`` needs 
 ``B / T``) on top of the load the pool serves now (``λ``, tokens/s, of the classes at or
 above it) gives, for each targeted class ``c``::
 
-    need_c = (Σ_{k ≤ c} λ_k + Σ_{k ≤ c} B_k / T_c) / μ
+    need_c = (Σ_{k ≤ c} λ_k / ρ + Σ_{k ≤ c} B_k / T_c) / μ
+
+``ρ`` is the target utilization (``autoscale.target_utilization``, 1 by default): the share
+of each backend's rate the load served now may take. Below 1 it keeps spare capacity for
+a burst: new backends take a cold start to come, and a pool sized for its load at ρ
+absorbs a step of 1/ρ× its load meanwhile (ρ = 0.25: a 4× step) instead of refusing
+or missing the step's requests until they arrive.
 
 A class without a target (batch) only fills idle capacity: its own throughput buys
 nothing. Its backlog counts only through its completion window: with ``L`` seconds left
 of it (times :data:`WINDOW_MARGIN`), the whole queue ahead of and in it must drain in
 time::
 
-    need_batch = (Σ_targeted λ_k + Σ_all B_k / (L · margin)) / μ
+    need_batch = (Σ_targeted λ_k / ρ + Σ_all B_k / (L · margin)) / μ
 
 which exceeds the replicas there are (at least one) only when the window is at risk
 (:func:`window_at_risk`).
@@ -65,6 +71,7 @@ class PoolDemand:
     ready: int  # backends that take work now
     running: int = 0  # requests running at its backends
     window_left_s: float | None = None  # the earliest untargeted (batch) deadline left
+    utilization: float = 1.0  # ρ: the share of μ the targeted classes' load may use
 
     @property
     def queued(self) -> float:
@@ -100,7 +107,7 @@ def class_needs(pool: PoolDemand) -> dict[str, float]:
         backlog += max(0.0, c.queued_tokens)
         if c.target_s is None:
             continue
-        load += max(0.0, c.served_tokens_per_s)
+        load += max(0.0, c.served_tokens_per_s) / max(pool.utilization, EPSILON)
         needs[c.klass] = (load + backlog / max(c.target_s, EPSILON)) / mu
     window = pool.window_left_s
     untargeted = [c for c in pool.classes if c.target_s is None and c.queued_tokens > 0]

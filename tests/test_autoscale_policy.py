@@ -26,13 +26,13 @@ MU = 1000.0  # one backend serves 1,000 tokens/s
 def pool(interactive: float = 0.0, default: float = 0.0, batch: float = 0.0, *,
          served: tuple[float, float] = (0.0, 0.0), ready: int = 1, running: int = 0,
          mu: float | None = MU, window_left_s: float | None = None,
-         targets: tuple[float, float] = (2.0, 10.0)) -> PoolDemand:
+         targets: tuple[float, float] = (2.0, 10.0), utilization: float = 1.0) -> PoolDemand:
     """A pool with this many queued tokens per class (one request per 100 tokens)."""
     return PoolDemand(
         (ClassDemand("interactive", interactive, interactive / 100, served[0], targets[0]),
          ClassDemand("default", default, default / 100, served[1], targets[1]),
          ClassDemand("batch", batch, batch / 100, 0.0, None)),
-        mu, ready, running, window_left_s)
+        mu, ready, running, window_left_s, utilization)
 
 
 # ------------------------------------------------------------------------------ the need
@@ -43,6 +43,19 @@ def test_littles_law_on_the_backlog_and_the_load() -> None:
     # tokens/s served now add half of one
     assert replicas_needed(pool(4000)) == pytest.approx(2.0)
     assert replicas_needed(pool(4000, served=(500, 0))) == pytest.approx(2.5)
+
+
+def test_a_target_utilization_keeps_room_for_a_burst_of_its_inverse() -> None:
+    # 1,500 tokens/s served now at ρ = 0.25: sized for 6,000 tokens/s, i.e. 6 backends at
+    # ρ = 1 would be needed for a 4x step, and the pool has them before it comes; the
+    # backlog's term is not scaled (it is work to drain, not load to absorb)
+    assert replicas_needed(pool(served=(1500, 0), utilization=0.25)) == pytest.approx(6.0)
+    assert replicas_needed(pool(served=(1500, 0))) == pytest.approx(1.5)
+    assert replicas_needed(pool(4000, served=(1500, 0), utilization=0.25)) == \
+        pytest.approx(8.0)
+    # and after the 4x step, served at ρ = 1 what it was sized for at 0.25
+    stepped = replicas_needed(pool(served=(6000, 0)))
+    assert stepped == pytest.approx(replicas_needed(pool(served=(1500, 0), utilization=0.25)))
 
 
 def test_a_lower_class_waits_behind_the_higher_ones() -> None:

@@ -191,6 +191,9 @@ class Autoscale(BaseModel):
 
     interval_s: float = Field(default=2.0, gt=0)  # how often the pools' demand is read
     headroom: float = Field(default=0.2, ge=0)  # hysteresis: down only when need × (1 + this) fits
+    # the share of a backend's measured rate the targeted classes' load may use: below 1,
+    # spare capacity for a burst of 1/this × the load while new backends start
+    target_utilization: float = Field(default=1.0, gt=0, le=1)
     scale_down_delay_s: float = Field(default=300.0, ge=0)
     min_replicas: int = Field(default=0, ge=0)  # per pool
     max_replicas: int | None = Field(default=None, ge=0)  # per pool; None: no bound

@@ -250,7 +250,8 @@ class PoolWatch(ReadsSettings):
             self._record(name, klass, shown[klass])
         demand = PoolDemand(demands, mu, len(ready),
                             sum(h.last.running + h.last.waiting for h in ready
-                                if h.last is not None), window)
+                                if h.last is not None), window,
+                            s.autoscale.target_utilization)
         state = self.states[name] = decide(demand, rules_of(s),
                                            self.states.get(name, ScaleState(len(ready))),
                                            mono)

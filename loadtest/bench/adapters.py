@@ -45,8 +45,9 @@ for the whole window, as ``fairgate bench fairness`` measures it; requests faile
 placements).
 
 **Fleet-scope phase** (issue 27: a tenant sending to two models against a tenant on
-one, token shares by weight within 5 %): its place is :func:`fleet_scope` below; it is
-built with ``fairness_scope: fleet``, by its own change. Until then the report says so.
+one, token shares by weight within 5 %): :func:`fleet_scope`, the run of
+``loadtest/bench/model_shares.py`` with ``fairness_scope: fleet`` and, for contrast,
+``model``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
-from loadtest.bench import report
+from loadtest.bench import model_shares, report
 from loadtest.bench.client import Result, Spec, Target, new_session, send
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import cancel_all, progress
@@ -101,6 +102,10 @@ def params(opts: Options) -> dict[str, Any]:
                        lora_load_s=opts.pick(0.5, 0.2)).__dict__,
         "gateway": "defaults (the minimum residency from the measured load time); the "
                    "adapters runtime: true",
+        # the fleet-scope phase (loadtest/bench/model_shares.py): requests of tenant a on
+        # models x and y (cost factor y_factor), of tenant b on x
+        "fleet_scope": {"y_factor": 0.5, "a_on_x": opts.pick(50, 20),
+                        "a_on_y": opts.pick(120, 48), "b_on_x": opts.pick(100, 40)},
     }
 
 
@@ -301,15 +306,21 @@ async def _fairgate(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- fleet-scope phase
-FLEET_SCOPE_PENDING = ("not built yet: it needs fairness_scope: fleet (issue 27 item 3), "
-                       "which is its own change")
+SHARE_TOLERANCE = 0.05  # of the fair share: a half within ± 0.025
 
 
-async def fleet_scope(bench: Bench, p: dict[str, Any]) -> dict[str, Any] | None:
-    """The fleet-scope phase: a tenant sending to two models against a tenant on one, their
-    token shares by weight (target: within 5 %). None until ``fairness_scope: fleet``
-    exists; its run goes into the report as ``runs["fleet_scope"]``."""
-    return None
+async def fleet_scope(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
+    """The fleet-scope phase (``loadtest/bench/model_shares.py``): a tenant sending to two
+    models against a tenant on one, their token shares by weight with ``fairness_scope:
+    fleet`` (target: each within 5 % of a half) and, for contrast, ``model``; each on an
+    emptied Redis."""
+    out = {}
+    for scope in ("fleet", "model"):
+        async with aioredis.Redis.from_url(bench.redis_url) as client:
+            await client.flushdb()
+        shares = await model_shares.run_phase(bench.redis_url, scope, **p["fleet_scope"])
+        out[scope] = shares.report()
+    return out
 
 
 # ------------------------------------------------------------------------------- report
@@ -351,9 +362,16 @@ def headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
         report.Headline("fairgate: Jain's index over users (window mean)", None,
                         fg["jain_mean"], None, f"≥ {JAIN_TARGET}",
                         None if fg["jain_mean"] is None else fg["jain_mean"] >= JAIN_TARGET),
-        report.Headline("fleet scope: token shares by weight, two models vs one", None, None,
-                        None, "within 5 % (" + FLEET_SCOPE_PENDING + ")", None),
     ]
+    shares = {scope: runs["fleet_scope"][scope]["shares"].get("a")
+              for scope in ("fleet", "model")}
+    fleet = shares["fleet"]
+    rows.append(report.Headline(
+        "tenant a's token share by weight on two models vs tenant b on one: fairness_scope "
+        "model (direct column) vs fleet", shares["model"], fleet, None,
+        f"fleet: 0.5 ± {0.5 * SHARE_TOLERANCE:g}",
+        None if fleet is None else abs(fleet - 0.5) <= 0.5 * SHARE_TOLERANCE))
+    return rows
     return rows
 
 
@@ -399,7 +417,7 @@ async def run(opts: Options) -> dict[str, Any]:
         for policy in POLICIES:
             runs[policy] = await _baseline(bench, p, policy)
         runs["fairgate"] = await _fairgate(bench, p)
-        runs["fleet_scope"] = await fleet_scope(bench, p) or {"status": FLEET_SCOPE_PENDING}
+        runs["fleet_scope"] = await fleet_scope(bench, p)
     notes = ["Columns: **direct** = the baseline the row names (a client-side router "
              "straight to the simulators), **gateway** = fairgate, ratio = fairgate ÷ "
              "baseline. A request with no first token when the run ended counts its wait "

@@ -11,7 +11,9 @@ backend ``b0`` stays: both policies keep at least one.
 Two policies in one run, each on a fresh gateway, Redis database and backend ``b0``:
 
 - **fairgate**: ``desired_replicas`` of ``GET /admin/pools`` (``policies/autoscale.py``),
-  followed as it is;
+  followed as it is, with ``autoscale.target_utilization`` 1 / ``step_factor``: the room
+  ``docs/autoscaling.md`` prescribes for a pool that must absorb bursts of that factor
+  within a cold start;
 - **threshold**: the rule of the KEDA guides, tenant-blind: requests waiting (the gateway's
   queue, every class, plus vLLM's ``num_requests_waiting`` summed over the backends) above
   ``threshold`` adds a backend per poll; below it for ``cooldown_s`` (and that long after
@@ -85,6 +87,8 @@ def gateway_settings(p: dict[str, Any]) -> dict[str, Any]:
     return {"admin_keys": [ADMIN_KEY], "backends_refresh_s": 0.5,
             "classes": {"interactive": {"ttft_slo_ms": p["ttft_slo_ms"]}},
             "autoscale": {"interval_s": p["autoscale_interval_s"],
+                          # room for the step the workload has: 1 / step_factor
+                          "target_utilization": 1 / p["step_factor"],
                           "scale_down_delay_s": p["cooldown_s"],
                           "min_replicas": p["min_replicas"], "max_replicas": p["max_replicas"]}}
 
