@@ -10,8 +10,11 @@ expire (``lease_s``: three intervals, at least :data:`LEASE_FLOOR_S`) and the ne
 another takes them. A holder that stops publishing (its scrapes hang) gives its lease up.
 
 The holder scrapes every ``scrape_interval_s`` while the backend is busy (requests run,
-wait or are in flight there, or are queued for its model), every idle interval otherwise;
-an enqueue brings it back at once (:meth:`BackendPool.hurry`, or the next tick elsewhere).
+wait or are in flight there, were dispatched to it by any replica, or are queued for its
+model), every idle interval once none of that was seen for a whole idle interval; an
+enqueue brings it back at once (:meth:`BackendPool.hurry`, or the next tick elsewhere).
+Requests that end between two ticks leave no in-flight count to see: the backend's
+dispatch counter, moved by every replica's dispatches, stands for them.
 
 A scrape that fails or times out closes the holder's gates to that backend at once and is
 published, so every process closes them on its next tick; after
@@ -115,6 +118,8 @@ class BackendHandle:
     published_at: float = 0.0  # monotonic s of this process's last publication
     seen: str = ""  # the version of its published snapshot this process read last
     busy: bool = True  # scraped at the configured interval (False: the idle one)
+    active_at: float = field(default_factory=time.monotonic)  # monotonic s: work last seen
+    dispatches: int = 0  # its dispatch counter (all replicas) as this process read it last
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # lease taken, or work came
     # where it comes from: "config" (the file), "admin" (POST /admin/backends) or "dns"
     # (discovery); and since when (unix s) it is leaving, drained until nothing runs there
@@ -396,8 +401,17 @@ class BackendPool(ReadsSettings):
         if view.published is not None:
             self._adopt(handle, view.published)
         last = handle.last
-        busy = (queued or view.inflight > 0
-                or (last is not None and last.running + last.waiting > 0))
+        came, handle.dispatches = view.dispatches != handle.dispatches, view.dispatches
+        self._note_work(handle, now, queued or came or view.inflight > 0
+                        or (last is not None and last.running + last.waiting > 0))
+
+    def _note_work(self, handle: BackendHandle, now: float, seen: bool) -> None:
+        """Busy while work was seen within an idle interval: requests that each end
+        between two looks must not make a backend that serves a steady stream look
+        idle."""
+        if seen:
+            handle.active_at = now
+        busy = now - handle.active_at < self.idle_interval_s
         if busy and not handle.busy and handle.held:
             handle.wake.set()  # back to the fast interval at once
         handle.busy = busy
@@ -406,11 +420,10 @@ class BackendPool(ReadsSettings):
         """Work was queued for ``model``: its idle backends this process scrapes are
         scraped now and at the fast interval (elsewhere the next tick tells their
         scrapers)."""
+        now = time.monotonic()
         for h in self.handles.values():
-            if not h.busy and h.config.model == model:
-                h.busy = True
-                if h.held:
-                    h.wake.set()
+            if h.config.model == model:
+                self._note_work(h, now, True)
 
     def _adopt(self, handle: BackendHandle, raw: dict[str, str]) -> None:
         """Take in what another process (or this one, before a restart) published."""

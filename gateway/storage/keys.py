@@ -52,6 +52,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_scraper": "bk:{backend}:scraper",  # string: the process scraping it (PX lease)
     "backend_inflight": "bk:{backend}:inflight",  # string: dispatched, unsettled requests
+    "backend_dispatches": "bk:{backend}:dispatches",  # string: requests ever dispatched there
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
     "backend_lora": "bk:{backend}:lora",  # hash: adapter -> "loaded_at load_s" (the gateway's)
@@ -214,6 +215,9 @@ class ModelKeys:
 
     def backend_started(self, backend: str) -> str:
         return self._key("backend_started", backend=backend)
+
+    def backend_dispatches(self, backend: str) -> str:
+        return self._key("backend_dispatches", backend=backend)
 
     def backend_sent(self, backend: str) -> str:
         return self._key("backend_sent", backend=backend)

@@ -212,6 +212,7 @@ class ScrapeView:
     inflight: int  # dispatched, unsettled requests at it (all replicas)
     pending_prefill_tokens: int
     published: dict[str, str] | None  # the snapshot hash, when changed since ``seen``
+    dispatches: int = 0  # requests ever dispatched to it, by every replica
 
 
 def _gate(limit: int | Gate) -> Gate:
@@ -654,15 +655,17 @@ class Store:
             k = ModelKeys(model)
             keys = [key for w in wishes for key in (
                 k.backend_scraper(w.backend), k.backend_snapshot(w.backend),
-                k.backend_inflight(w.backend), k.backend_prefill(w.backend))]
+                k.backend_inflight(w.backend), k.backend_prefill(w.backend),
+                k.backend_dispatches(w.backend))]
             arg = {"holder": holder, "ttl_ms": int(ttl_s * 1000), "backends": [
                 {"name": w.backend, "want": w.want, "seen": w.seen} for w in wishes]}
             queued, rows = await self._run("scrapers", [*keys, k.depth, k.drained],
                                            [json.dumps(arg)])
             return int(queued), {w.backend: ScrapeView(
                 bool(held), bool(drained), int(inflight), int(pending),
-                None if raw == 0 else dict(zip(raw[::2], raw[1::2], strict=True)))
-                for w, (held, drained, inflight, pending, raw) in zip(wishes, rows, strict=True)}
+                None if raw == 0 else dict(zip(raw[::2], raw[1::2], strict=True)), int(dispatches))
+                for w, (held, drained, inflight, pending, raw, dispatches)
+                in zip(wishes, rows, strict=True)}
 
         models = [m for m, wishes in wanted.items() if wishes]
         found = await asyncio.gather(*(one(m, wanted[m]) for m in models))

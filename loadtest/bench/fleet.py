@@ -1,7 +1,10 @@
 """``fleet``: the gateway's own cost at fleet size, by the number of gateway replicas.
 
 Processes: ``--size`` (default 32) ``instant``-profile simulators in one process
-(``fairgate sim --count N``, each its own port and /metrics), 1, 2 and 4 gateway replicas
+(``fairgate sim --count N --metrics gateway``, each its own port and /metrics showing only
+the samples fairgate reads: vLLM's whole text costs the simulator ~5 ms a scrape, and 32
+of them scraped up to 10 times a second would take more than this machine's two cores,
+so the bench measured the simulators' contention, not the gateway), 1, 2 and 4 gateway replicas
 (``fairgate serve --workers 1`` each, all backends in every config, one Redis), the load
 generator in this one. For each replica count:
 
@@ -11,7 +14,9 @@ generator in this one. For each replica count:
 - **load** (open loop at a fixed rate, spread evenly over the replicas): gateway CPU per
   request, scrapes per backend per second, dispatch decisions per second (every replica's
   ``fairgate_dispatches_total``), and the published snapshots' age (now - ``taken_at`` of
-  every ``bk:<backend>:snap`` in Redis, sampled every 50 ms) at p50/p99.
+  every ``bk:<backend>:snap`` in Redis, sampled every 50 ms) at p50/p99;
+- in both: the simulators' CPU and the machine's busy share (``/proc/stat``): where the
+  machine is saturated, the latencies are not the gateway's alone.
 
 Targets (issue "the gateway's own cost at fleet size"): idle CPU ≤ 1 % of a core per
 backend per gateway process; scrapes per backend per second ≤ 1.2 / ``scrape_interval_s``
@@ -38,7 +43,8 @@ from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sims
 from loadtest.bench.stats import percentile, summarize
 
 SCRAPE_INTERVAL_S = 0.1  # the default setting
-SIM = SimSpec(profile="instant", max_num_seqs=1024, max_num_batched_tokens=8192)
+SIM = SimSpec(profile="instant", max_num_seqs=1024, max_num_batched_tokens=8192,
+              metrics="gateway")
 USERS = 16
 
 
@@ -86,15 +92,25 @@ async def snapshot_ages(client: aioredis.Redis, backends: int, stop: asyncio.Eve
             await asyncio.wait_for(stop.wait(), 0.05)
 
 
-async def _measured(http: aiohttp.ClientSession, gateways: list[Proc], urls: list[str],
-                    window: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+def machine_ticks() -> tuple[int, int]:
+    """All CPU ticks of the machine so far, and the idle ones (``/proc/stat``)."""
+    with open("/proc/stat") as handle:
+        ticks = [int(x) for x in handle.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4]
+
+
+async def _measured(http: aiohttp.ClientSession, gateways: list[Proc], sims: Proc,
+                    urls: list[str], window: Callable[[], Awaitable[dict[str, Any]]]
+                    ) -> dict[str, Any]:
     """Run ``window()``; the gateway CPU, scrapes and dispatches over it."""
-    cpu0 = [g.cpu_seconds() for g in gateways]
+    cpu0, sims0, (all0, idle0) = [g.cpu_seconds() for g in gateways], sims.cpu_seconds(), \
+        machine_ticks()
     s0, d0 = await scrapes(http, urls), await dispatches(http, gateways)
     start = time.perf_counter()
     out: dict[str, Any] = await window()
     wall = time.perf_counter() - start
     cpu = [g.cpu_seconds() - c for g, c in zip(gateways, cpu0, strict=True)]
+    sims_s, (all1, idle1) = sims.cpu_seconds() - sims0, machine_ticks()
     s1, d1 = await scrapes(http, urls), await dispatches(http, gateways)
     per_backend = [(b - a) / wall for a, b in zip(s0, s1, strict=True)]
     return {**out, "wall_s": round(wall, 3),
@@ -102,11 +118,13 @@ async def _measured(http: aiohttp.ClientSession, gateways: list[Proc], urls: lis
             "cpu_s": round(sum(cpu), 4),
             "scrapes_per_backend_s": {"mean": round(sum(per_backend) / len(per_backend), 3),
                                       "max": round(max(per_backend), 3)},
-            "dispatches_per_s": round((d1 - d0) / wall, 2)}
+            "dispatches_per_s": round((d1 - d0) / wall, 2),
+            "simulator_cores": round(sims_s / wall, 3),
+            "machine_busy": round(1 - (idle1 - idle0) / max(1, all1 - all0), 3)}
 
 
-async def _phase(opts: Options, p: dict[str, Any], bench: Bench, urls: list[str],
-                 replicas: int) -> dict[str, Any]:
+async def _phase(opts: Options, p: dict[str, Any], bench: Bench, sims: Proc,
+                 urls: list[str], replicas: int) -> dict[str, Any]:
     n = p["backends"]
     config = {"redis_url": bench.redis_url,
               "backends": [{"name": f"b{i}", "url": u, "model": MODEL}
@@ -124,10 +142,10 @@ async def _phase(opts: Options, p: dict[str, Any], bench: Bench, urls: list[str]
                     return {}
 
                 await asyncio.sleep(min(2.0, p["idle_s"]))  # settle: leases, first scrapes
-                quiet = await _measured(http, gateways, urls, idle)
+                quiet = await _measured(http, gateways, sims, urls, idle)
                 quiet["cpu_pct_per_backend_per_process"] = [
                     round(100 * c / n, 3) for c in quiet["gateway_cores"]]
-                busy = await _measured(http, gateways, urls,
+                busy = await _measured(http, gateways, sims, urls,
                                        lambda: _load(opts, p, client, gateways))
                 busy["cpu_ms_per_req"] = round(
                     busy["cpu_s"] * 1000 / max(1, busy["requests"]["sent"]), 3)
@@ -198,7 +216,8 @@ async def run(opts: Options) -> dict[str, Any]:
         sims, urls = await start_sims(SIM, MODEL, p["backends"], bench.log_dir, "sims")
         try:
             for replicas in p["replicas"]:
-                runs[f"replicas_{replicas}"] = await _phase(opts, p, bench, urls, replicas)
+                runs[f"replicas_{replicas}"] = await _phase(opts, p, bench, sims, urls,
+                                                            replicas)
         finally:
             sims.stop()
     fig, ax = report.figure(f"Gateway cost with {p['backends']} backends", "gateway replicas",

@@ -126,12 +126,13 @@ class SimSpec:
     # LoRA (vLLM's --enable-lora --max-loras, runtime loading on): 0 leaves it off
     max_loras: int = 0
     lora_load_s: float = 0.0  # how long a runtime load takes (the simulator's own flag)
+    metrics: str = "all"  # "gateway": /metrics shows only what fairgate reads (fairgate sim)
 
     def flags(self) -> list[str]:
         """The ``fairgate sim`` flags of this spec (besides port, count and model)."""
         flags = ["--profile", self.profile, "--max-num-seqs", str(self.max_num_seqs),
                  "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-                 "--scheduling-policy", self.scheduling_policy,
+                 "--scheduling-policy", self.scheduling_policy, "--metrics", self.metrics,
                  *(["--enable-prompt-tokens-details"] if self.enable_prompt_tokens_details
                    else [])]
         if self.max_loras:

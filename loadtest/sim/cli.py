@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import Any
 
+from gateway.backends.vllm_metrics import WANTED
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.lora import parse_lora_module
@@ -72,6 +73,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter "
         f"(default: vLLM's {RUNTIME_LORA_ENV} environment variable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--metrics", choices=("all", "gateway"), default="all",
+        help="what GET /metrics shows: all of vLLM's families, or only the samples "
+        "fairgate's scraper reads (cheap to render: many simulators in one process)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -134,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             reject_priority=args.reject_priority,
             embedding_dimensions=args.embedding_dimensions,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            metrics_only=WANTED if args.metrics == "gateway" else None,
         )
         for i in range(args.count)
     ]

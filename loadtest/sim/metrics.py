@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
 
+from loadtest.sim.exposition import Exposition
 from loadtest.sim.records import RequestRecord
 
 if TYPE_CHECKING:
@@ -64,9 +66,12 @@ class SimMetrics:
 
     def __init__(
         self, model_name: str, max_model_len: int, registry: CollectorRegistry,
-        max_lora: int | None = None,
+        max_lora: int | None = None, only: frozenset[str] | None = None,
     ) -> None:
         self.registry = registry
+        self.exposition = Exposition()
+        # ``only``: the sample names /metrics shows (None: all); the rest is still counted
+        self.shown: Collector = registry if only is None else registry.restricted_registry(only)
         # vLLM's LoRA info gauge (only with --enable-lora): no model_name or engine label;
         # each (max_lora, waiting, running) combination is its own series, set to the time
         # it was last seen, and old combinations stay: the newest value is the current one
@@ -274,4 +279,4 @@ class SimMetrics:
                 max_lora=str(self.max_lora), waiting_lora_adapters=adapters,
                 running_lora_adapters=adapters,
             ).set_to_current_time()  # fmt: skip
-        return generate_latest(self.registry)
+        return self.exposition.render(self.shown)

@@ -82,6 +82,7 @@ class SimServer:
         reject_priority: bool = False,
         embedding_dimensions: int = DEFAULT_DIMENSIONS,
         allow_runtime_lora_updating: bool = False,
+        metrics_only: frozenset[str] | None = None,
     ) -> None:
         self.config = config
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
@@ -92,7 +93,7 @@ class SimServer:
         self.embedding_dimensions = embedding_dimensions
         self.metrics = SimMetrics(
             config.model, config.model_len, CollectorRegistry(),
-            max_lora=config.max_loras if config.enable_lora else None,
+            max_lora=config.max_loras if config.enable_lora else None, only=metrics_only,
         )  # fmt: skip
         self._engine = SimEngine(config, observer=self.metrics)
         self._runner: web.AppRunner | None = None

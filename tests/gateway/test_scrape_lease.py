@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -211,3 +212,39 @@ async def test_a_wake_up_left_set_after_the_lease_is_gone_does_not_spin_the_even
     assert not rescued and taken, (
         f"the non-holder's scrape loop did not take its wake-up (spun until a thread "
         f"cleared it: {bool(rescued)})")
+
+
+async def test_a_backend_serving_short_requests_of_another_replica_is_scraped_fast(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A steady stream of short requests, queued and dispatched by a replica that does
+    not hold the backend's scrape lease: each ends between two ticks of the holder, so
+    the holder sees nothing queued, nothing in flight and nothing running, and used to
+    scrape the backend at the idle interval while it served (the fleet bench: 2-3 scrapes
+    a second under load instead of 10, snapshots up to a second old). The dispatches since
+    its latest snapshot, which every replica's dispatches add to, make it busy."""
+    backend = await sim(profile="instant")
+    fast, idle = 0.05, 0.45
+    replicas = [await gateway([backend], scrape_interval_s=fast, idle_scrape_interval_s=idle)
+                for _ in range(2)]
+    await until(lambda: len(holders(replicas, "b0")) == 1, "one scraper of b0")
+    holder = next(gw for gw in replicas if gw.services.pool.handles["b0"].held)
+    sender = next(gw for gw in replicas if gw is not holder)
+    handle = holder.services.pool.handles["b0"]
+    await until(lambda: not handle.busy, "the backend seen idle by its scraper")
+    sent: list[asyncio.Task[dict[str, Any]]] = []
+    async with aiohttp.ClientSession() as session:
+        async def stream() -> None:  # 10 short requests a second through the other replica
+            while True:
+                sent.append(asyncio.create_task(complete(session, sender.url, "sk-alice", 1)))
+                await asyncio.sleep(0.1)
+
+        task = asyncio.create_task(stream())
+        await asyncio.sleep(3 * idle)  # the stream under way
+        (count,), elapsed = await scrapes_over([backend], WINDOW_S)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*sent)
+    print(f"\nserving: {count} scrapes in {elapsed:.2f}s (fast {fast}s, idle {idle}s)")
+    assert count >= 0.5 * elapsed / fast, (
+        f"a backend serving 10 requests a second was scraped {count} times in "
+        f"{elapsed:.2f}s: at the idle interval ({idle}s), not the fast one ({fast}s)")

@@ -12,12 +12,15 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
   -- `ctok`): its vLLM priority rank (the user's requests
   -- already in flight), the per-user and per-backend counts, the sent-since-snapshot set,
   -- the owner's running set (or its grant list when another replica holds the client),
-  -- the recent classes and the pending prefill. Returns the rank and the backend's
+  -- the backend's dispatch counter, the recent classes and the pending prefill. Returns the rank and the backend's
   -- requests in flight.
   function I.grant(id, req, class, user, owner, tokens)
     local rank = redis.call('HINCRBY', k.user_inflight, user, 1) - 1
     redis.call('ZADD', k.sent, now, id)
     local inflight = redis.call('INCR', k.backend_inflight)
+    -- the backend's scraper reads it to see work came (a short request can end between
+    -- two of its looks and leave no other trace)
+    redis.call('INCR', key_backend_dispatches(prefix, backend))
     redis.call('HSET', req, 'state', 'dispatched', 'backend', backend, 'rank', rank,
       'dispatched_at', now, 'ctok', tokens)
     redis.call('SADD', key_running(prefix, owner), id)
