@@ -12,7 +12,8 @@ available, and one whose resident backends are all closed goes to the others.
 dispatch script then passes over a request whose adapter is not in its backend's set.
 
 ``plan_load`` decides a runtime load: where an adapter resident nowhere is loaded, and
-which adapter makes room for it there (``docs/adapters.md``).
+which adapter makes room for it there; ``load_order`` which waiting adapter goes first,
+``residency_s`` how long a loaded one stays (``docs/adapters.md``).
 """
 
 from __future__ import annotations
@@ -67,9 +68,52 @@ def takes(hosts: Sequence[AdapterHost]) -> Mapping[str, frozenset[str]]:
 # Where vLLM allows runtime loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING), an adapter the
 # gateway may load (one configured with ``runtime: true`` and a path) that is resident
 # nowhere is loaded on one backend: one with a free slot, the least loaded; else one
-# whose least recently used adapter it may unload first. An adapter the gateway loaded
-# stays at least ``min_residency_s`` (no thrash); an idle one goes before a busy one, so
-# a cold adapter is never held behind popular ones for longer than that (no starvation).
+# whose adapter with the least demand it may unload first. An adapter the gateway loaded
+# stays at least its minimum residency (``residency_s``: nine times its measured load, so
+# loading takes at most a tenth of a slot's time: no thrash). When several adapters wait,
+# the slot goes to the one with the most requests waiting, or to the longest-waiting once
+# it has waited ``starve_s`` (``load_order``: no starvation).
+
+LOAD_SHARE = 0.1
+"""At most this share of a slot's time goes to loading adapters into it."""
+RESIDENCY_FLOOR_S = 1.0
+"""The least minimum residency, however fast a load: a loaded adapter's queued requests
+are dispatched and reach vLLM within it."""
+
+
+def residency_s(load_s: float | None, override_s: float | None = None) -> float:
+    """How long an adapter the gateway loaded (in ``load_s``; None: not measured) is
+    kept before another may take its slot: ``override_s`` when set
+    (``adapter_min_residency_s``), else ``(1 - LOAD_SHARE) / LOAD_SHARE`` times its load
+    (nine times), at least ``RESIDENCY_FLOOR_S``. A slot then loads at most once per
+    load + residency, so loading is at most ``LOAD_SHARE`` of its time."""
+    if override_s is not None:
+        return override_s
+    if load_s is None:
+        return RESIDENCY_FLOOR_S
+    return max(load_s * (1 - LOAD_SHARE) / LOAD_SHARE, RESIDENCY_FLOOR_S)
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """An adapter's requests waiting in the gateway (for its load, or queued), summed
+    over every replica."""
+
+    requests: int
+    since: float  # when the oldest of them was admitted (unix s)
+
+
+def load_order(waiting: Mapping[str, Demand], now: float, starve_s: float) -> list[str]:
+    """The order in which adapters resident nowhere get a slot: those whose oldest
+    request has waited ``starve_s`` or more first, the longest-waiting first (a cold
+    adapter is not held behind popular ones); then the most requests waiting, then the
+    longest wait (name breaks ties)."""
+    def key(a: str) -> tuple[int, float, float, str]:
+        d = waiting[a]
+        if now - d.since >= starve_s:
+            return (0, d.since, 0.0, a)
+        return (1, -d.requests, d.since, a)
+    return sorted(waiting, key=key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +129,33 @@ class LoadHost:
     unloadable: frozenset[str] = frozenset()
     loaded_at: Mapping[str, float] = field(default_factory=dict)  # by the gateway (unix s)
     last_used: Mapping[str, float] = field(default_factory=dict)  # last dispatch (unix s)
+    load_s: Mapping[str, float] = field(default_factory=dict)  # its measured load (s)
 
     @property
     def free(self) -> bool:
         return self.slots is None or len(self.loaded) < self.slots
 
-    def victim(self, now: float, min_residency_s: float) -> str | None:
+    def victim(self, now: float, min_residency_s: float | None,
+               queued: Mapping[str, int] | None = None, bid: int | None = None) -> str | None:
         """The adapter to unload for a new one: of those the gateway may unload and that
-        were loaded at least ``min_residency_s`` ago (an adapter loaded before the
-        gateway saw it counts as old), an idle one before a busy one, then the least
-        recently used (name breaks ties); None: none may go yet."""
+        have stayed their minimum residency (``residency_s``; ``min_residency_s``
+        overrides it; an adapter loaded before the gateway saw it counts as old) and
+        have fewer requests ``queued`` than ``bid`` (the new one's; None: any), the one
+        with no demand (none queued, none live by the gauge) first, then the fewest
+        queued, then the least recently used (name breaks ties); None: none may go yet."""
+        queued = queued or {}
         may = [a for a in self.loaded & self.unloadable
-               if now - self.loaded_at.get(a, float("-inf")) >= min_residency_s]
+               if now - self.loaded_at.get(a, float("-inf"))
+               >= residency_s(self.load_s.get(a), min_residency_s)
+               and (bid is None or queued.get(a, 0) == 0 or queued[a] < bid)]
         if not may:
             return None
-        return min(may, key=lambda a: (a in self.active, self.last_used.get(a, 0.0), a))
+        return min(may, key=lambda a: self.pressure(a, queued))
+
+    def pressure(self, adapter: str, queued: Mapping[str, int]) -> tuple[bool, int, float, str]:
+        """How much ``adapter`` is wanted here (lower goes first as a victim)."""
+        n = queued.get(adapter, 0)
+        return (n > 0 or adapter in self.active, n, self.last_used.get(adapter, 0.0), adapter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,18 +168,27 @@ class LoadPlan:
 
 
 def plan_load(adapter: str, hosts: Sequence[LoadHost], now: float,
-              min_residency_s: float) -> LoadPlan | None:
+              min_residency_s: float | None, demand: Mapping[str, Demand] | None = None,
+              starve_s: float = float("inf")) -> LoadPlan | None:
     """Where to load ``adapter``; None when there is nothing to do (it is resident on
-    one of ``hosts``) or nothing may be done yet (no slot free and no adapter past its
-    minimum residency: ask again later). A free slot first, the least loaded backend;
-    else the backend whose victim is idle, then the least loaded."""
+    one of ``hosts``) or nothing may be done yet (no slot free and no adapter it may
+    displace: ask again later). A free slot first, the least loaded backend; else the
+    backend whose victim has the least demand, then the least loaded. ``demand``: the
+    requests waiting for each adapter; one with requests queued is displaced only by an
+    adapter with more, or by one that has waited ``starve_s``."""
     if any(adapter in h.loaded for h in hosts):
         return None
     free = [h for h in hosts if h.free]
     if free:
         return LoadPlan(min(free, key=lambda h: (h.load, h.name)).name)
-    options = [(h, v) for h in hosts if (v := h.victim(now, min_residency_s)) is not None]
+    demand = demand or {}
+    queued = {a: d.requests for a, d in demand.items()}
+    own = demand.get(adapter)
+    bid = None if own is None or now - own.since >= starve_s else own.requests
+    options = [(h, v) for h in hosts if (v := h.victim(now, min_residency_s, queued, bid))
+               is not None]
     if not options:
         return None
-    host, victim = min(options, key=lambda o: (o[1] in o[0].active, o[0].load, o[0].name))
+    host, victim = min(options, key=lambda o: (o[0].pressure(o[1], queued)[:2], o[0].load,
+                                               o[0].name))
     return LoadPlan(host.name, victim)

@@ -393,10 +393,13 @@ class Settings(BaseSettings):
     # /v1/models read again by its scraper, for the adapters loaded or unloaded since
     adapter_refresh_s: float = Field(5.0, gt=0)
     # runtime adapters (``runtime: true``): an adapter the gateway loaded is not unloaded
-    # for another within this time (no thrash); a request for one resident nowhere waits
-    # at most adapter_load_wait_s for its load (a 503 after); a load that failed is not
-    # tried again for adapter_load_retry_s (requests get its error meanwhile)
-    adapter_min_residency_s: float = Field(30.0, ge=0)
+    # for another within its minimum residency (no thrash): nine times its measured load,
+    # at least 1 s (policies/adapters.residency_s), or adapter_min_residency_s when set; a
+    # request for one resident nowhere waits at most adapter_load_wait_s for its load (a
+    # 503 after; past a quarter of it, its adapter goes before those with more demand); a
+    # load that failed is not tried again for adapter_load_retry_s (requests get its error
+    # meanwhile)
+    adapter_min_residency_s: float | None = Field(None, ge=0)
     adapter_load_wait_s: float = Field(60.0, gt=0)
     adapter_load_retry_s: float = Field(30.0, gt=0)
     # backends found by DNS names (a Kubernetes headless Service per pool), beside the

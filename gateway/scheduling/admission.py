@@ -486,22 +486,19 @@ class Admission(ReadsSettings):
     async def _acquire_adapter(self, model: str, adapter: str | None, queued: QueuedRequest,
                                timeout_s: float, cold: bool, admitted_s: float) -> Grant:
         """:meth:`_acquire`; for a request naming a LoRA adapter, counted as queued for
-        it (a runtime adapter unloaded meanwhile is loaded again for it,
-        ``AdapterLoads.run``), its dispatch noted as the adapter's use and its wait
+        it (its demand orders the slots; a runtime adapter unloaded meanwhile is loaded
+        again for it, ``AdapterLoads.run``), its dispatch noted as the adapter's use and its wait
         since admission (``admitted_s``, monotonic; its load included) observed."""
         if adapter is None:
             return await self._acquire(model, queued, timeout_s, cold)
-        key = (model, adapter)
         gauge = self.metrics.adapter_requests.labels(model, adapter, "queued")
         gauge.inc()
-        self.adapter_loads.queued[key] += 1
+        since = time.time() - (time.monotonic() - admitted_s)
         try:
-            grant = await self._acquire(model, queued, timeout_s, cold)
+            with self.adapter_loads.waiting(model, adapter, since):
+                grant = await self._acquire(model, queued, timeout_s, cold)
         finally:
             gauge.dec()
-            self.adapter_loads.queued[key] -= 1
-            if self.adapter_loads.queued[key] <= 0:
-                del self.adapter_loads.queued[key]
         self.adapter_loads.used(grant.backend, adapter)
         self.metrics.adapter_wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
         return grant

@@ -55,9 +55,10 @@ MODEL_PATTERNS: dict[str, str] = {
     "backend_dispatches": "bk:{backend}:dispatches",  # string: requests ever dispatched there
     "backend_prefixes": "bk:{backend}:prefixes",  # zset: prompt block hash -> last sent (LRU)
     "backend_prefill": "bk:{backend}:prefill",  # hash: id -> "tokens dispatched_at", unscheduled
-    "backend_lora": "bk:{backend}:lora",  # hash: adapter -> when the gateway loaded it there
+    "backend_lora": "bk:{backend}:lora",  # hash: adapter -> "loaded_at load_s" (the gateway's)
     "lora_loading": "lora:loading",       # string: the process loading an adapter (PX lease)
     "lora_load": "lora:{adapter}:load",   # string: JSON outcome of the adapter's last load (TTL)
+    "lora_demand": "lora:demand",         # hash: replica -> JSON requests waiting per adapter
     "backend_preempt": "bk:{backend}:preempt",  # string: when its last preemption was ordered
     "service": "service",                 # zset: user -> forward-decayed service, all replicas
     "service_epoch": "service:epoch",     # string: the unix time the service scores are scaled to
@@ -207,6 +208,10 @@ class ModelKeys:
 
     def lora_load(self, adapter: str) -> str:
         return self._key("lora_load", adapter=adapter)
+
+    @property
+    def lora_demand(self) -> str:
+        return self._key("lora_demand")
 
     def backend_started(self, backend: str) -> str:
         return self._key("backend_started", backend=backend)

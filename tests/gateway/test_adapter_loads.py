@@ -5,8 +5,10 @@ real Redis (``docs/adapters.md``).
 A request naming a runtime adapter resident nowhere has it loaded once, however many
 requests and replicas ask at the same time; with no slot free the least recently used
 idle adapter makes room; a cold adapter is served within the bound while popular ones
-keep every slot busy; an adapter stays its minimum residency; a load the backend refuses
-is a clear error, not retried; loads, unloads and per-adapter waits are on /metrics.
+keep every slot busy; an adapter stays its minimum residency (nine times its measured
+load by default, or the setting), then makes room; a freed slot goes to the waiting
+adapter with the most requests; a load the backend refuses is a clear error, not
+retried; loads, unloads and per-adapter waits are on /metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.http.server import GatewayServer
+from gateway.storage.keys import ModelKeys
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, store_is_idle, until
 from tests.gateway.test_adapters import client, ran
 
@@ -158,6 +161,75 @@ async def test_an_adapter_stays_its_minimum_residency(sim: SimFactory,
                    "had a slot for it within adapter_load_wait_s (0.5 s)",
         "type": "server_error", "param": None, "code": "adapter_not_loaded"}, refused.value.body
     assert (b0.loras.loads, set(b0.loras.adapters)) == (1, {"a"}), b0.loras.adapters
+    await store_is_idle(gw)
+
+
+async def test_by_default_an_adapter_stays_nine_times_its_measured_load_then_makes_room(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """No adapter_min_residency_s: the residency follows the load time (0.3 s here, so
+    2.7 s), not a fixed 30 s."""
+    load_s = 0.3
+    b0 = await sim(max_loras=1, **{**RUNTIME, "lora_load_s": load_s})
+    gw = await gateway([b0], adapters=runtime("a", "b"))
+    async with client(gw) as alice:
+        asked = time.monotonic()
+        await alice.completions.create(model="a", prompt="x", max_tokens=2)
+        answer = await alice.completions.create(model="b", prompt="x", max_tokens=2)
+        took = time.monotonic() - asked
+    # a's load, its residency of 9 loads, b's load: at least 10 loads' time
+    assert answer.model == "b" and 10 * load_s <= took < 20.0, (answer.model, took)
+    assert (b0.loras.loads, b0.loras.unloads, set(b0.loras.adapters)) == (2, 1, {"b"}), (
+        b0.loras.loads, b0.loras.unloads, b0.loras.adapters)
+    await store_is_idle(gw)
+
+
+async def test_a_freed_slot_goes_to_the_waiting_adapter_with_the_most_requests(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """One slot, held by ``a``; three cold adapters ask first (a request each), then
+    ``hot`` (three). When ``a`` may go (its residency is set past), ``hot`` is loaded
+    first; the cold ones follow, one slot each in turn."""
+    b0 = await sim(max_loras=1, **RUNTIME)
+    colds = ("c1", "c2", "c3")
+    gw = await gateway([b0], adapters=runtime("a", "hot", *colds),
+                       adapter_min_residency_s=3600)
+    store, key = gw.services.store, ModelKeys(MODEL).backend_lora("b0")
+
+    async def age_all() -> None:  # every resident adapter past its residency
+        for name in list(b0.loras.adapters):
+            await store.client.hset(key, name, "0.0")
+
+    async def loading() -> dict[str, float]:
+        found = await samples(gw, "fairgate_adapter_requests")
+        return {dict(labels)["adapter"]: v for (name, labels), v in found.items()
+                if dict(labels)["state"] == "loading" and v}
+
+    async def waiting(expected: dict[str, float]) -> bool:
+        return await loading() == expected
+
+    async with client(gw) as alice, client(gw, "sk-bob") as bob:
+        await alice.completions.create(model="a", prompt="x", max_tokens=2)
+        cold = [asyncio.create_task(alice.completions.create(model=c, prompt="x", max_tokens=2))
+                for c in colds]
+        await until(lambda: waiting(dict.fromkeys(colds, 1.0)), "the cold ones wait")
+        hot = [asyncio.create_task(bob.completions.create(model="hot", prompt="x", max_tokens=2))
+               for _ in range(3)]
+        await until(lambda: waiting({**dict.fromkeys(colds, 1.0), "hot": 3.0}),
+                    "all wait for a load")
+        await age_all()
+        await until(lambda: b0.loras.loads == 2, "the second load")
+        first = set(b0.loras.adapters)
+        hot_answers = await asyncio.gather(*hot)
+
+        async def aged_and_served() -> bool:
+            await age_all()
+            return all(t.done() for t in cold)
+
+        await until(aged_and_served, "the cold ones served in turn")
+        cold_answers = [t.result() for t in cold]
+    assert first == {"hot"}, (first, b0.loras.adapters)
+    assert [a.model for a in hot_answers] == ["hot"] * 3, hot_answers
+    assert [a.model for a in cold_answers] == list(colds), cold_answers
+    assert b0.loras.loads == 5, b0.loras.loads
     await store_is_idle(gw)
 
 
