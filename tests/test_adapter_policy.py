@@ -231,13 +231,15 @@ def test_a_cold_adapter_with_a_request_waiting_is_loaded_within_the_bound(
         slots: int, load_s: float, hot: int, rng: random.Random) -> None:
     """Popular adapters (many requests each, always some waiting for a slot) against one
     cold adapter with one request: it is loaded by ``starve_s`` + its victim's minimum
-    residency + one load, whatever the popular ones do. Loads are one at a time, each
-    as soon as the first adapter in ``load_order`` that can be placed may be."""
+    residency + two loads (one may be under way when it starves: the victim can be the
+    adapter that load brings; then its own), whatever the popular ones do. Loads are one
+    at a time, each as soon as the first adapter in ``load_order`` that can be placed
+    may be."""
     starve_s, step_s = 15.0, 0.1
     hots = [f"h{i}" for i in range(slots + hot)]
     loaded = {a: 0.0 for a in hots[:slots]}
     t, since = 0.0, {a: rng.uniform(0.01, 5.0) for a in hots}  # after the cold one
-    bound = starve_s + residency_s(load_s) + load_s + step_s + 1e-6  # float steps
+    bound = starve_s + residency_s(load_s) + 2 * load_s + step_s + 1e-6  # float steps
     while "cold" not in loaded:
         assert t <= bound, (t, bound, loaded)
         demand = {a: Demand(rng.randint(1, 9), since[a]) for a in hots}
