@@ -112,6 +112,19 @@ async def backend_a(http: aiohttp.ClientSession, gateway: str) -> dict[str, Any]
     return next(b for b in rows if b["name"] == "a")
 
 
+async def counted_on_a(http: aiohttp.ClientSession, gateways: list[str], each: int
+                       ) -> list[int]:
+    """Until every gateway counts ``each`` streams running on a, at most
+    ``EVENT_TIMEOUT_S``; the counts then. A gateway counts a stream once it relays its
+    first frame, which on a loaded machine can trail the simulator's own count."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while True:
+        running = [(await backend_a(http, g))["running"] for g in gateways]
+        if running == [each] * len(gateways) or time.monotonic() >= deadline:
+            return running
+        await asyncio.sleep(0.02)
+
+
 async def drain_continuations(http: aiohttp.ClientSession, gateway: str) -> dict[str, float]:
     async with http.get(gateway + "/metrics") as resp:
         text = await resp.text()
@@ -212,7 +225,7 @@ async def scene(sims: list[str], gateways: list[str]) -> str | None:
         tasks = [asyncio.create_task(c.run()) for c in clients]
         try:
             await all_generating(http, sims[0], n)
-            running = [(await backend_a(http, g))["running"] for g in gateways]
+            running = await counted_on_a(http, gateways, STREAMS_PER_REPLICA)
             assert running == [STREAMS_PER_REPLICA] * len(gateways), running
             await admin(http, "POST", gateways[1] + "/admin/backends/b/undrain")
             before = time.time()
