@@ -33,7 +33,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -183,7 +183,7 @@ class BackendPool(ReadsSettings):
         # this process, as its scrape leases name it
         self.scraper_id = scraper_id or (
             f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
-        self._store_down = False
+        self._down: set[str] = set()  # models whose leases the store did not answer
         # runtime adapter loads/unloads not yet in the backends' listings: backend ->
         # adapter -> (loaded, until monotonic s) (note_adapter)
         self._noted: dict[str, dict[str, tuple[bool, float]]] = {}
@@ -355,28 +355,42 @@ class BackendPool(ReadsSettings):
             if not keeps:
                 log.warning("scrape_lease_given_up", backend=h.name, silent_s=yield_s)
             wanted.setdefault(h.config.model, []).append(LeaseWish(h.name, keeps, h.seen))
-        try:
-            found = await self.store.scrape_leases(self.scraper_id, self.lease_s, wanted)
-        except StoreUnavailable as exc:
-            if not self._store_down:
-                log.warning("scrape_leases_failed", error=str(exc))
-                self._store_down = True
-                if self.alone:  # degraded mode: every process scrapes for itself
-                    for h in handles.values():
-                        h.wake.set()
-            return
-        self._store_down = False
-        for queued, views in found.values():
+        # one call per model, each on its own: behind Redis Cluster a model whose shard
+        # is failing over must not stop the others' leases and snapshots
+        models = list(wanted)
+        found = await asyncio.gather(*(self.store.scrape_lease(
+            self.scraper_id, self.lease_s, m, wanted[m]) for m in models),
+            return_exceptions=True)
+        for model, result in zip(models, found, strict=True):
+            if isinstance(result, StoreUnavailable):
+                self._lost(model, result, handles.values())
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            self._down.discard(model)
+            queued, views = result
             for name, view in views.items():
                 handle = handles[name]
                 if self.handles.get(name) is handle:
                     self._take_view(handle, view, queued > 0, now, epochs[name])
 
-    @property
-    def alone(self) -> bool:
-        """Scraping every backend for this process only: Redis is unreachable and
-        ``store_outage: local`` serves on (no lease, no published snapshot meanwhile)."""
-        return self._store_down and self.settings.store_outage == "local"
+    def _lost(self, model: str, error: StoreUnavailable,
+              handles: Iterable[BackendHandle]) -> None:
+        """The store did not answer for ``model``'s leases."""
+        if model in self._down:
+            return
+        log.warning("scrape_leases_failed", model=model, error=str(error))
+        self._down.add(model)
+        if self._alone(model):  # degraded mode: every process scrapes for itself
+            for h in handles:
+                if h.config.model == model:
+                    h.wake.set()
+
+    def _alone(self, model: str) -> bool:
+        """Scraping ``model``'s backends for this process only: the store is unreachable
+        for it and ``store_outage: local`` serves on (no lease, no published snapshot
+        meanwhile)."""
+        return model in self._down and self.settings.store_outage == "local"
 
     async def _give_up_leases(self) -> None:
         """On the way out: the leases this process holds go to the next tick of another."""
@@ -510,7 +524,7 @@ class BackendPool(ReadsSettings):
         scrape stays set for the next turn: scraped again at once."""
         while True:
             delay = None
-            if handle.held or self.alone:
+            if handle.held or self._alone(handle.config.model):
                 started = time.monotonic()
                 await self.scrape_once(handle)
                 interval = (self.settings.scrape_interval_s if handle.busy

@@ -647,29 +647,31 @@ class Store:
     async def scrape_leases(self, holder: str, ttl_s: float,
                             wanted: Mapping[str, Sequence[LeaseWish]]
                             ) -> dict[str, tuple[int, dict[str, ScrapeView]]]:
-        """Take, renew or give up ``holder``'s scrape leases (``lua/scrapers.lua``), one
-        call per model (concurrently), and read what each backend's scraper published
-        since ``seen``: model -> (requests queued for it, backend -> its view)."""
-        async def one(model: str, wishes: Sequence[LeaseWish]
-                      ) -> tuple[int, dict[str, ScrapeView]]:
-            k = ModelKeys(model)
-            keys = [key for w in wishes for key in (
-                k.backend_scraper(w.backend), k.backend_snapshot(w.backend),
-                k.backend_inflight(w.backend), k.backend_prefill(w.backend),
-                k.backend_dispatches(w.backend))]
-            arg = {"holder": holder, "ttl_ms": int(ttl_s * 1000), "backends": [
-                {"name": w.backend, "want": w.want, "seen": w.seen} for w in wishes]}
-            queued, rows = await self._run("scrapers", [*keys, k.depth, k.drained],
-                                           [json.dumps(arg)])
-            return int(queued), {w.backend: ScrapeView(
-                bool(held), bool(drained), int(inflight), int(pending),
-                None if raw == 0 else dict(zip(raw[::2], raw[1::2], strict=True)), int(dispatches))
-                for w, (held, drained, inflight, pending, raw, dispatches)
-                in zip(wishes, rows, strict=True)}
-
+        """:meth:`scrape_lease` for every model of ``wanted`` (concurrently)."""
         models = [m for m, wishes in wanted.items() if wishes]
-        found = await asyncio.gather(*(one(m, wanted[m]) for m in models))
+        found = await asyncio.gather(*(self.scrape_lease(holder, ttl_s, m, wanted[m])
+                                       for m in models))
         return dict(zip(models, found, strict=True))
+
+    async def scrape_lease(self, holder: str, ttl_s: float, model: str,
+                           wishes: Sequence[LeaseWish]) -> tuple[int, dict[str, ScrapeView]]:
+        """Take, renew or give up ``holder``'s scrape leases of ``model``'s backends
+        (``lua/scrapers.lua``, one call), and read what each backend's scraper published
+        since ``seen``: (requests queued for the model, backend -> its view)."""
+        k = ModelKeys(model)
+        keys = [key for w in wishes for key in (
+            k.backend_scraper(w.backend), k.backend_snapshot(w.backend),
+            k.backend_inflight(w.backend), k.backend_prefill(w.backend),
+            k.backend_dispatches(w.backend))]
+        arg = {"holder": holder, "ttl_ms": int(ttl_s * 1000), "backends": [
+            {"name": w.backend, "want": w.want, "seen": w.seen} for w in wishes]}
+        queued, rows = await self._run("scrapers", [*keys, k.depth, k.drained],
+                                       [json.dumps(arg)])
+        return int(queued), {w.backend: ScrapeView(
+            bool(held), bool(drained), int(inflight), int(pending),
+            None if raw == 0 else dict(zip(raw[::2], raw[1::2], strict=True)), int(dispatches))
+            for w, (held, drained, inflight, pending, raw, dispatches)
+            in zip(wishes, rows, strict=True)}
 
     async def add_service(self, model: str, amounts: Mapping[str, float], now: float,
                           half_life_s: float, cap: int, ttl_s: float,

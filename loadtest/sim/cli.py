@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
@@ -13,7 +14,7 @@ from gateway.backends.vllm_metrics import WANTED
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.lora import parse_lora_module
-from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES
+from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.scheduler import POLICIES
 from loadtest.sim.server import SimServer
 
@@ -74,6 +75,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         f"(default: vLLM's {RUNTIME_LORA_ENV} environment variable)",
     )  # fmt: skip
     parser.add_argument(
+        "--step-overhead-ms", type=float, default=0.0,
+        help="added to the modelled time of every engine step (a slower engine, e.g. "
+        "for streams that must last on a loaded machine)",
+    )  # fmt: skip
+    parser.add_argument(
         "--metrics", choices=("all", "gateway"), default="all",
         help="what GET /metrics shows: all of vLLM's families, or only the samples "
         "fairgate's scraper reads (cheap to render: many simulators in one process)",
@@ -86,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Build the engine config from parsed arguments."""
     return EngineConfig(
         model=args.model,
-        profile=args.profile,
+        profile=slowed(PROFILES[args.profile], args.step_overhead_ms / 1000),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
@@ -101,6 +107,15 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         lora_modules=tuple(parse_lora_module(item) for item in args.lora_modules),
         lora_load_s=args.lora_load_s,
     )
+
+
+def slowed(profile: Profile, extra_s: float) -> Profile:
+    """``profile`` with ``extra_s`` more fixed cost per step."""
+    if extra_s == 0:
+        return profile
+    if extra_s < 0:
+        raise ValueError(f"--step-overhead-ms must be at least 0, got {extra_s * 1000:g}")
+    return dataclasses.replace(profile, step_overhead_s=profile.step_overhead_s + extra_s)
 
 
 async def serve(*servers: SimServer) -> None:

@@ -29,14 +29,17 @@ from tests.processes import FAST, start_gateway, until_ready
 ADMIN = "sk-admin"
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN}"}
 STREAMS_PER_REPLICA = 4
-# about 9 s on the simulated H100. The drain follows what the simulator generated, not
-# what the clients read: on a loaded machine a client reading through the SDK lags its
-# stream by seconds, and a drain after the clients' 20th chunk found every stream ended.
-MAX_TOKENS = 1500
+# A slowed simulator (about 45 ms a token): each stream lasts about 30 s, long enough for the
+# admin calls before the drain on a loaded machine (one read of /admin/backends took 12 s
+# beside six busy loops, and the ~9 s streams of the plain simulated H100 had ended). The
+# drain follows what the simulator generated, not what the clients read: a client reading
+# through the SDK lags its stream by seconds on a loaded machine.
+STEP_OVERHEAD_MS = 40
+MAX_TOKENS = 700
 CUT_AFTER = 20  # tokens every stream has generated before the drain
 GRACE_S = 0.3
 EVENT_TIMEOUT_S = 60.0
-# The clients read 8 × 1,500 chunks through the SDK in this one process: on a loaded
+# The clients read 8 × 700 chunks through the SDK in this one process: on a loaded
 # machine (load 10 on 2 cores) that took over 60 s after the drain. A hung stream shows as
 # a client with no new text for this long, not as a slow total.
 STALL_S = 60.0
@@ -47,6 +50,7 @@ async def start_sim(port: int) -> asyncio.subprocess.Process:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest", "sim", "--port", str(port), "--model", MODEL,
         "--max-num-seqs", "32", "--scheduling-policy", "priority",
+        "--step-overhead-ms", str(STEP_OVERHEAD_MS),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         preexec_fn=die_with_parent)
     assert proc.stdout is not None
@@ -113,15 +117,18 @@ async def backend_a(http: aiohttp.ClientSession, gateway: str) -> dict[str, Any]
 
 
 async def counted_on_a(http: aiohttp.ClientSession, gateways: list[str], each: int
-                       ) -> list[int]:
+                       ) -> tuple[list[int], list[tuple[float, list[int]]]]:
     """Until every gateway counts ``each`` streams running on a, at most
-    ``EVENT_TIMEOUT_S``; the counts then. A gateway counts a stream once it relays its
-    first frame, which on a loaded machine can trail the simulator's own count."""
-    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    ``EVENT_TIMEOUT_S``; the counts then, and every change of them seen on the way
+    (seconds since the first look, counts)."""
+    start = time.monotonic()
+    seen: list[tuple[float, list[int]]] = []
     while True:
         running = [(await backend_a(http, g))["running"] for g in gateways]
-        if running == [each] * len(gateways) or time.monotonic() >= deadline:
-            return running
+        if not seen or seen[-1][1] != running:
+            seen.append((round(time.monotonic() - start, 3), running))
+        if running == [each] * len(gateways) or time.monotonic() - start >= EVENT_TIMEOUT_S:
+            return running, seen
         await asyncio.sleep(0.02)
 
 
@@ -213,7 +220,7 @@ async def test_a_drain_with_migrate_drops_no_stream(redis_url: str, tmp_path: Pa
 async def scene(sims: list[str], gateways: list[str]) -> str | None:
     """One scene, checked; None when done, else why it could not be judged: every stream
     ended before the drain (on a loaded machine the admin calls between the streams' start
-    and the drain took longer than the streams' ~9 s), so the scene runs again."""
+    and the drain took longer than the streams' ~30 s), so the scene runs again."""
     async with aiohttp.ClientSession() as http:
         n = STREAMS_PER_REPLICA * len(gateways)
         # the unmoved answers, straight from b while the streams run (b takes no stream
@@ -225,8 +232,16 @@ async def scene(sims: list[str], gateways: list[str]) -> str | None:
         tasks = [asyncio.create_task(c.run()) for c in clients]
         try:
             await all_generating(http, sims[0], n)
-            running = await counted_on_a(http, gateways, STREAMS_PER_REPLICA)
-            assert running == [STREAMS_PER_REPLICA] * len(gateways), running
+            running, seen = await counted_on_a(http, gateways, STREAMS_PER_REPLICA)
+            if running != [STREAMS_PER_REPLICA] * len(gateways):
+                async with http.get(sims[0] + "/debug/requests") as resp:
+                    ended = sum(r["finished_s"] is not None for r in await resp.json())
+                if ended:  # the streams ended before the gateways were read
+                    wants_task.cancel()
+                    await asyncio.gather(wants_task, return_exceptions=True)
+                    return (f"{ended} of {n} streams ended before both gateways counted "
+                            f"them running on a (counts seen, s: {seen})")
+            assert running == [STREAMS_PER_REPLICA] * len(gateways), (running, seen)
             await admin(http, "POST", gateways[1] + "/admin/backends/b/undrain")
             before = time.time()
             answer = await admin(http, "POST", gateways[0] + "/admin/backends/a/drain",

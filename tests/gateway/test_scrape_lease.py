@@ -12,13 +12,16 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from gateway.backends.published import Published
 from gateway.backends.scrape import BackendPool
+from gateway.core.errors import StoreUnavailable
 from gateway.http.server import GatewayServer
 from gateway.storage.keys import ModelKeys
 from gateway.storage.store import Store
+from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
@@ -33,6 +36,7 @@ from tests.gateway.conftest import (
 )
 
 K = ModelKeys(MODEL)
+OTHER = "mistral"
 WINDOW_S = 2.0
 
 
@@ -248,3 +252,45 @@ async def test_a_backend_serving_short_requests_of_another_replica_is_scraped_fa
     assert count >= 0.5 * elapsed / fast, (
         f"a backend serving 10 requests a second was scraped {count} times in "
         f"{elapsed:.2f}s: at the idle interval ({idle}s), not the fast one ({fast}s)")
+
+
+async def test_a_model_whose_store_shard_fails_does_not_stop_another_models_snapshots(
+        sim: SimFactory, gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Behind Redis Cluster each model lives on one shard. While one model's shard fails
+    over, a replica's lease tick must still read the other models' published snapshots:
+    one tick for every model used to fail whole, so on every replica but the scraper the
+    healthy shard's snapshots went stale and its gates closed until the other was back."""
+    other = SimServer(EngineConfig(model=OTHER, scheduling_policy="priority"))
+    await other.start()
+    try:
+        backends = [await sim(), other]
+        replicas = [await gateway(backends, backend_options={"b1": {"model": OTHER}})
+                    for _ in range(2)]
+        await until(lambda: len(holders(replicas, "b1")) == 1, "one scraper of b1")
+        reader = next(gw for gw in replicas if not gw.services.pool.handles["b1"].held)
+        store = reader.services.store
+        real = store._run
+
+        async def shard_down(name: str, keys: Any, args: Any) -> Any:
+            if name == "scrapers" and K.drained in keys:
+                raise StoreUnavailable("the shard of the first model fails over")
+            return await real(name, keys, args)
+
+        monkeypatch.setattr(store, "_run", shard_down)
+        handle = reader.services.pool.handles["b1"]
+        since = time.time()
+        taken: list[float | None] = []
+
+        def fresh() -> bool:
+            taken.append(None if handle.last is None else handle.last.taken_at_s - since)
+            return handle.last is not None and handle.last.taken_at_s > since + 0.5
+
+        try:
+            await until(fresh, "the other model's published snapshots still read",
+                        timeout_s=10)
+        except pytest.fail.Exception:
+            pytest.fail("the other model's snapshots were not read while the first's shard "
+                        f"failed (the last looks' snapshot times after its start, s: "
+                        f"{taken[-5:]})")
+    finally:
+        await other.stop()

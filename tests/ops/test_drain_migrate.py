@@ -145,7 +145,7 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
     assert m.continuations.labels("failover", "continued")._value.get() == 0
 
 
-@pytest.mark.parametrize("read", ["scrape_leases", "store_snapshot"])
+@pytest.mark.parametrize("read", ["scrape_lease", "store_snapshot"])
 async def test_a_drain_is_not_undone_by_a_redis_answer_read_before_it(
         sim: SimFactory, gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch,
         read: str) -> None:
@@ -166,7 +166,7 @@ async def test_a_drain_is_not_undone_by_a_redis_answer_read_before_it(
         return found
 
     monkeypatch.setattr(store, read, read_then_wait)
-    call = pool.tick() if read == "scrape_leases" else pool.scrape_once(handle)
+    call = pool.tick() if read == "scrape_lease" else pool.scrape_once(handle)
     task = asyncio.create_task(call)
     await answered.wait()  # Redis answered "not drained" …
     await store.set_drained(MODEL, "b0", True)  # … then the admin drain, as ops.py does
@@ -177,5 +177,5 @@ async def test_a_drain_is_not_undone_by_a_redis_answer_read_before_it(
     # a later read (another process's undrain, say) is taken as before
     monkeypatch.setattr(store, read, real)
     await store.set_drained(MODEL, "b0", False)
-    await (pool.tick() if read == "scrape_leases" else pool.scrape_once(handle))
+    await (pool.tick() if read == "scrape_lease" else pool.scrape_once(handle))
     assert not handle.drained, f"a {read} answer after an undrain elsewhere was not taken"
