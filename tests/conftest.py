@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.core.logs import configure_logging
 from gateway.storage.embedded_redis import EmbeddedRedis
 from loadtest.valkey_cluster import ValkeyCluster
 
@@ -32,6 +33,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = str(root / "pytest")
     (root / "tmp").mkdir()
     os.environ["TMPDIR"] = tempfile.tempdir = str(root / "tmp")
+    # the gateways run in the test processes log as `fairgate serve` does, not through
+    # structlog's defaults: those render each exception as a highlighted rich traceback,
+    # which stood the event loop still for over 8 s on a loaded machine (a store outage
+    # logs a few) and failed the cluster failover test's control streams
+    configure_logging()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -166,7 +166,10 @@ def configure_logging(level: int | str = logging.INFO,
         server_log.addFilter(MalformedHttpLogs())
     tail: list[structlog.typing.Processor]
     if sys.stderr.isatty():  # the console renderer prints the exception itself
-        tail = [structlog.dev.ConsoleRenderer()]
+        # plainly: rich's highlighted traceback (structlog's default when rich is
+        # installed) took seconds per exception on a busy machine, with the event loop
+        # standing still meanwhile
+        tail = [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
     else:
         tail = [exception_fields, structlog.processors.format_exc_info,
                 structlog.processors.JSONRenderer(serializer=json_line)]

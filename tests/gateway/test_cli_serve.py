@@ -98,7 +98,8 @@ def _listening_socket() -> socket.socket:
 
 
 def _one_line(stderr: str) -> str:
-    lines = stderr.strip().splitlines()
+    """The one line a person reads on stderr (the log's JSON lines before it aside)."""
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith("{")]
     assert len(lines) == 1, stderr
     assert "Traceback" not in stderr
     return lines[0]
