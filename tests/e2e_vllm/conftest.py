@@ -314,7 +314,7 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
            cpus: frozenset[int] | None = None,
            extra_env: dict[str, str] | None = None) -> Launched:
     """Start ``vllm.entrypoints.openai.api_server`` serving the tiny model on a free
-    loopback port (priority scheduler, chunked prefill; prefix caching on, V1's default;
+    loopback port (priority scheduler, chunked prefill, eager; prefix caching on, V1's default;
     ``extra_args`` appended; ``nice``: its CPU niceness; ``cpus``: the only CPUs its
     processes may run on, its engine's threads bound to them; ``extra_env``: more environment
     variables); returns at once:
@@ -341,6 +341,11 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
         "512",
         "--max-num-seqs",
         str(max_num_seqs),
+        # no torch.compile: it took 30-45 s of every server's start (its cache never hits:
+        # the tiny model's directory, part of its key, is new in every run), and nothing
+        # the tier checks (scheduling, priorities, preemption, prefix caching, LoRA,
+        # metrics) depends on it
+        "--enforce-eager",
         "--host",
         "127.0.0.1",
         "--port",
