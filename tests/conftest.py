@@ -37,7 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # structlog's defaults: those render each exception as a highlighted rich traceback,
     # which stood the event loop still for over 8 s on a loaded machine (a store outage
     # logs a few) and failed the cluster failover test's control streams
-    configure_logging()
+    configure_logging(cache=False)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

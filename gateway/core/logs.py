@@ -156,9 +156,11 @@ _STDERR = _CurrentStderr()
 
 
 def configure_logging(level: int | str = logging.INFO,
-                      sample_above_per_s: float | None = None) -> None:
+                      sample_above_per_s: float | None = None, cache: bool = True) -> None:
     """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``);
-    ``sample_above_per_s``: see :class:`RequestLogSampler` (None: every line)."""
+    ``sample_above_per_s``: see :class:`RequestLogSampler` (None: every line); ``cache``:
+    each logger keeps the processors it first logged with (off in the tests, whose
+    ``structlog.testing.capture_logs`` needs every logger to follow the current ones)."""
     if isinstance(level, str):
         level = logging.getLevelNamesMapping()[level.upper()]
     server_log = logging.getLogger("aiohttp.server")
@@ -185,5 +187,5 @@ def configure_logging(level: int | str = logging.INFO,
         # one write per line (print() writes the newline apart): the workers of
         # `fairgate serve --workers N` share stderr, and their lines must not interleave
         logger_factory=structlog.WriteLoggerFactory(_STDERR),  # type: ignore[arg-type]
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )

@@ -83,7 +83,7 @@ def test_errors_and_rejections_are_never_sampled(method: str, line: dict[str, ob
 
 def test_configured_sampling_drops_lines_from_the_log(capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
-    configure_logging("info", sample_above_per_s=10)
+    configure_logging("info", sample_above_per_s=10, cache=False)
     try:
         (sampler,) = [p for p in structlog.get_config()["processors"]
                       if isinstance(p, RequestLogSampler)]
@@ -97,12 +97,12 @@ def test_configured_sampling_drops_lines_from_the_log(capsys: pytest.CaptureFixt
             log.info("rejected", status=429)
         lines = [json.loads(x) for x in capsys.readouterr().err.splitlines()]
     finally:
-        configure_logging("info")
+        configure_logging("info", cache=False)
     assert sum(1 for x in lines if x["event"] == "rejected") == 2000
     finished = [x for x in lines if x["event"] == "finished"]
     # the first second in full, then about 10 a second (one request in 100)
     assert 1000 < len(finished) < 1030
     assert all(x["sampled_one_in"] == 100 for x in finished[1000:])
-    configure_logging("info")
+    configure_logging("info", cache=False)
     assert not any(isinstance(p, RequestLogSampler)
                    for p in structlog.get_config()["processors"])
