@@ -217,6 +217,14 @@ class Fleet:
         return f"still draining after {REMOVAL_TIMEOUT_S:g} s: stopped anyway"
 
     async def close(self) -> None:
+        """Removals under way finish first (the load is over, so their drains end soon;
+        at most ``REMOVAL_TIMEOUT_S``): cancelled, a removal decided just before the end
+        left no answer (a clean-clone CI run read it as a failed removal); then the rest
+        stops."""
+        retiring = [r.task for r in self.replicas if r.leaving_s is not None
+                    and r.task is not None and not r.task.done()]
+        if retiring:
+            await asyncio.wait(retiring, timeout=REMOVAL_TIMEOUT_S)
         tasks = [r.task for r in self.replicas if r.task is not None]
         await cancel_all(tasks)
         now = time.perf_counter()
