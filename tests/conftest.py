@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from openai import AsyncOpenAI
 
 from gateway.core.logs import configure_logging
 from gateway.storage.embedded_redis import EmbeddedRedis
@@ -102,6 +103,27 @@ async def redis(redis_url: str) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+OpenAIClients = Callable[..., AsyncOpenAI]
+
+
+@pytest.fixture
+async def openai_clients() -> AsyncIterator[OpenAIClients]:
+    """``make(url, key, **options)``: an ``openai.AsyncOpenAI`` on ``url + "/v1"`` (no
+    retries unless ``options`` say), closed when the test ends. A client left to the
+    garbage collector closes itself on whatever event loop runs then: a later test's,
+    where its connections' closed loop logs "Task exception was never retrieved"."""
+    made: list[AsyncOpenAI] = []
+
+    def make(url: str, key: str, **options: object) -> AsyncOpenAI:
+        made.append(AsyncOpenAI(base_url=url + "/v1", api_key=key,
+                                **{"max_retries": 0, **options}))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.close()
 
 
 @pytest.fixture(scope="session")

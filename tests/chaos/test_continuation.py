@@ -13,12 +13,12 @@ from typing import Any
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from openai import AsyncOpenAI
 
 from gateway.core.settings import Backend
 from gateway.http.server import GatewayServer
 from gateway.storage.embedded_redis import free_port
 from tests.chaos.test_backend_killed import start_sim
+from tests.conftest import OpenAIClients
 from tests.gateway.conftest import MODEL, assert_settled, gateway_settings
 
 MAX_TOKENS = 300
@@ -101,9 +101,10 @@ def sdk_args(chat: bool, i: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-async def test_a_stream_survives_its_backend_being_killed(rig: Rig, chat: bool) -> None:
+async def test_a_stream_survives_its_backend_being_killed(
+        rig: Rig, chat: bool, openai_clients: OpenAIClients) -> None:
     want = await reference(rig.urls[1], chat, 1)
-    oai = AsyncOpenAI(base_url=rig.gw.url + "/v1", api_key="sk-alice", max_retries=0)
+    oai = openai_clients(rig.gw.url, "sk-alice")
     args = sdk_args(chat, 1)
     got, ids, created, usage, finish = [], set(), set(), None, None
     if chat:
@@ -136,9 +137,10 @@ async def test_a_stream_survives_its_backend_being_killed(rig: Rig, chat: bool) 
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-async def test_a_whole_answer_survives_its_backend_being_killed(rig: Rig, chat: bool) -> None:
+async def test_a_whole_answer_survives_its_backend_being_killed(
+        rig: Rig, chat: bool, openai_clients: OpenAIClients) -> None:
     want = await reference(rig.urls[1], chat, 2)
-    oai = AsyncOpenAI(base_url=rig.gw.url + "/v1", api_key="sk-alice", max_retries=0)
+    oai = openai_clients(rig.gw.url, "sk-alice")
     args = sdk_args(chat, 2)
     if chat:
         call: Any = oai.chat.completions.create(**args)

@@ -9,7 +9,6 @@ import asyncio
 from typing import Any
 
 import pytest
-from openai import AsyncOpenAI
 
 from gateway.scheduling.admission import DRAIN
 from gateway.scheduling.running import RunningEntry, RunningStreams
@@ -22,6 +21,7 @@ from tests.chaos.test_continuation import (
     running_on,
     sdk_args,
 )
+from tests.conftest import OpenAIClients
 from tests.gateway.conftest import MODEL, until
 
 __all__ = ["rig"]  # the fixture
@@ -48,10 +48,11 @@ async def moved(running: RunningStreams, left: str) -> RunningEntry | None:
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-async def test_a_moved_stream_continues_on_the_other_backend(rig: Rig, chat: bool) -> None:
+async def test_a_moved_stream_continues_on_the_other_backend(
+        rig: Rig, chat: bool, openai_clients: OpenAIClients) -> None:
     want = await reference(rig.urls[0], chat, 3)
     svc = rig.gw.services
-    oai = AsyncOpenAI(base_url=rig.gw.url + "/v1", api_key="sk-alice", max_retries=0)
+    oai = openai_clients(rig.gw.url, "sk-alice")
     args = sdk_args(chat, 3)
     if chat:
         stream: Any = await oai.chat.completions.create(
@@ -95,10 +96,11 @@ async def test_a_moved_stream_continues_on_the_other_backend(rig: Rig, chat: boo
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
-async def test_a_moved_whole_answer_is_sent_again_elsewhere(rig: Rig, chat: bool) -> None:
+async def test_a_moved_whole_answer_is_sent_again_elsewhere(
+        rig: Rig, chat: bool, openai_clients: OpenAIClients) -> None:
     want = await reference(rig.urls[0], chat, 4)
     svc = rig.gw.services
-    oai = AsyncOpenAI(base_url=rig.gw.url + "/v1", api_key="sk-alice", max_retries=0)
+    oai = openai_clients(rig.gw.url, "sk-alice")
     args = sdk_args(chat, 4)
     call: Any = (oai.chat.completions.create(**args) if chat
                  else oai.completions.create(**args))

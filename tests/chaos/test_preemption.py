@@ -24,6 +24,7 @@ from openai import AsyncOpenAI
 
 from gateway.http.server import GatewayServer
 from loadtest.sim.server import SimServer
+from tests.conftest import OpenAIClients
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, until
 
 SLOTS = 4
@@ -38,17 +39,18 @@ def body(i: int, max_tokens: int) -> dict[str, Any]:
 
 async def stream(gw: GatewayServer, key: str, i: int, max_tokens: int) -> tuple[str, int]:
     """One chat stream through the SDK: (its text, its completion tokens)."""
-    oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=120)
-    out = await oai.chat.completions.create(
-        **body(i, max_tokens), stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True})
     text, tokens = [], 0
-    async for chunk in out:
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            if choice.delta.content:
-                text.append(choice.delta.content)
+    async with AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
+                           timeout=120) as oai:
+        out = await oai.chat.completions.create(
+            **body(i, max_tokens), stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        async for chunk in out:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text.append(choice.delta.content)
     return "".join(text), tokens
 
 
@@ -174,14 +176,15 @@ async def test_one_answer_is_preempted_at_most_max_preemptions_times(
 
 @pytest.mark.timeout(120)
 async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
-        gateway: GatewayFactory, sim: SimFactory, tmp_path: Path) -> None:
+        gateway: GatewayFactory, sim: SimFactory, tmp_path: Path,
+        openai_clients: OpenAIClients) -> None:
     backend, spare = await sim(max_num_seqs=SLOTS), await sim(max_num_seqs=SLOTS)
     gw = await gateway([backend], data_dir=tmp_path, batch_poll_s=0.05,
                        classes={"interactive": {"preempt_after_ms": 300}})
     want = asyncio.gather(*(reference(spare, i, FILL_TOKENS) for i in range(SLOTS)))
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {**body(i, FILL_TOKENS), "ignore_eos": True}} for i in range(SLOTS)]
-    oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-batch", max_retries=0)
+    oai = openai_clients(gw.url, "sk-batch")
     upload = await oai.files.create(
         file=("in.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode()),
         purpose="batch")

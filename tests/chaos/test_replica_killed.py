@@ -82,8 +82,10 @@ async def test_survivor_serves_at_once_and_nothing_leaks(
             doomed.kill()
         await survivor.stop()
     assert all(status == 200 for status, _ in newcomers), newcomers
-    # served within the pickup/TTL window, not after ~10 s of a stalled gate
-    assert max(elapsed for _, elapsed in newcomers) < 5.0, newcomers
+    # served once the dead replica's slots are reaped: its 3 s TTL and one 1 s heartbeat
+    # after the kill (~3-4 s idle), with 4 s to spare for a loaded machine (CI: 6.1 s with
+    # its event loop or Redis starved of CPU ~3 s). Slots held to the old 10 s TTL: 10.2 s
+    assert max(elapsed for _, elapsed in newcomers) < 8.0, newcomers
     assert all(status == -1 for status, _ in lost)  # their client connections died
     ran = Counter(r.max_tokens for r in backend.engine.records.values()
                   if r.finished_s is not None and not r.aborted)

@@ -18,6 +18,7 @@ from gateway.core.errors import BadRequest
 from gateway.http.admin.ops import MAX_GRACE_S, drain_grace_s
 from gateway.http.server import GatewayServer
 from tests.chaos.test_continuation import CUT_AFTER, MAX_TOKENS, reference, sdk_args
+from tests.conftest import OpenAIClients
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 from tests.ops.conftest import ADMIN, admin_headers
 
@@ -86,9 +87,8 @@ async def test_the_admin_drain_stores_and_clears_the_migrate_time(
     assert await gw.services.store.migrate_times(MODEL) == {}
 
 
-async def running_stream(gw: GatewayServer, i: int) -> tuple[Any, list[str]]:
+async def running_stream(oai: AsyncOpenAI, i: int) -> tuple[Any, list[str]]:
     """A chat stream through the SDK, read up to ``CUT_AFTER`` content chunks."""
-    oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", max_retries=0)
     stream: Any = await oai.chat.completions.create(
         **sdk_args(True, i), stream=True, stream_options={"include_usage": True})
     got: list[str] = []
@@ -108,16 +108,17 @@ async def rest(stream: Any, got: list[str]) -> tuple[str, Any]:
 
 
 async def test_without_migrate_or_after_an_undrain_nothing_moves(
-        sim: SimFactory, gateway: GatewayFactory) -> None:
+        sim: SimFactory, gateway: GatewayFactory, openai_clients: OpenAIClients) -> None:
     sims = [await sim(), await sim()]
     gw = await gateway(sims, admin_keys=[ADMIN])
+    oai = openai_clients(gw.url, "sk-alice")
     svc = gw.services
     migrations = Migrations(svc.store, svc.pool, svc.running)
     m = svc.metrics
     async with aiohttp.ClientSession() as http:
         # a drain without migrate: the stream runs to its end where it is
         want = await reference(sims[0].url, True, 5)
-        stream, got = await running_stream(gw, 5)
+        stream, got = await running_stream(oai, 5)
         [entry] = svc.running.entries()
         drain = f"{gw.url}/admin/backends/{entry.backend}/drain"
         assert (await post(http, drain))[0] == 200
@@ -129,7 +130,7 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
 
         # a migrate cancelled by an undrain: nothing moves, even long after its time
         want = await reference(sims[0].url, True, 6)
-        stream, got = await running_stream(gw, 6)
+        stream, got = await running_stream(oai, 6)
         [entry] = svc.running.entries()
         drain = f"{gw.url}/admin/backends/{entry.backend}/drain"
         assert (await post(http, drain, {"migrate": True, "grace_s": MAX_GRACE_S}))[0] == 200

@@ -21,6 +21,7 @@ from gateway.backends.registry import BackendList
 from gateway.http.server import GatewayServer
 from gateway.storage.keys import RUNTIME_BACKENDS
 from tests.chaos.test_continuation import MAX_TOKENS, reference
+from tests.conftest import OpenAIClients
 from tests.gateway.conftest import HI, MODEL, GatewayFactory, SimFactory, until
 from tests.ops.conftest import ADMIN, admin_headers
 from tests.ops.test_drain_migrate import rest, running_stream
@@ -71,9 +72,11 @@ async def test_an_added_backend_serves_the_next_request_on_every_replica(
             shown = {b["name"]: b["origin"] for b in state["models"][MODEL]["backends"]}
             assert shown == {"b0": "config", "rt0": "admin"}, shown
             served = len(s1.engine.records)
-            oai = AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", max_retries=0)
-            answer = await oai.chat.completions.create(
-                model=MODEL, messages=HI, max_tokens=4 + i, extra_body={"ignore_eos": True})
+            async with AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice",
+                                   max_retries=0) as oai:
+                answer = await oai.chat.completions.create(
+                    model=MODEL, messages=HI, max_tokens=4 + i,
+                    extra_body={"ignore_eos": True})
             assert answer.usage is not None and answer.usage.completion_tokens == 4 + i, answer
             assert len(s1.engine.records) == served + 1, (i, len(s1.engine.records))
         assert len(s0.engine.records) == 0, "the drained backend served"
@@ -93,7 +96,7 @@ async def test_an_added_backend_serves_the_next_request_on_every_replica(
 
 
 async def test_a_backend_removed_under_a_stream_drains_and_the_stream_ends_whole(
-        sim: SimFactory, gateway: GatewayFactory) -> None:
+        sim: SimFactory, gateway: GatewayFactory, openai_clients: OpenAIClients) -> None:
     sims = [await sim(), await sim()]
     gw = await gateway(sims[:1], **FAST)
     svc = gw.services
@@ -105,7 +108,7 @@ async def test_a_backend_removed_under_a_stream_drains_and_the_stream_ends_whole
         assert status == 201, row
         await scraped(gw, "rt0")
         want = await reference(sims[1].url, True, 7)
-        stream, got = await running_stream(gw, 7)
+        stream, got = await running_stream(openai_clients(gw.url, "sk-alice"), 7)
         [entry] = svc.running.entries()
         assert entry.backend == "rt0", entry
         assert (await admin(http, "POST", gw.url + "/admin/backends/b0/undrain"))[0] == 200
@@ -188,7 +191,8 @@ async def test_bad_bodies_get_openai_errors_and_change_nothing(
 
 
 async def test_backends_found_by_a_dns_name_come_and_go_with_its_answer(
-        sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path) -> None:
+        sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path,
+        openai_clients: OpenAIClients) -> None:
     """The discovery resolves ``localhost`` with the event loop's resolver: its
     127.0.0.1 is a backend (its ::1, where a system lists one, is one too, and stays
     unhealthy: the simulators listen on 127.0.0.1). A reload pointing the discovery at
@@ -219,7 +223,7 @@ async def test_backends_found_by_a_dns_name_come_and_go_with_its_answer(
         assert status == 409 and body["error"]["code"] == "backend_not_removable", body
 
         want = await reference(s1.url, True, 9)
-        stream, got = await running_stream(gw, 9)
+        stream, got = await running_stream(openai_clients(gw.url, "sk-alice"), 9)
         [entry] = svc.running.entries()
         assert entry.backend == first, entry
         write(s2.port)  # the Service's pods moved: the old answer leaves
