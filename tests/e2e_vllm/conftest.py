@@ -15,7 +15,9 @@ Session fixtures:
 Env: ``FAIRGATE_VLLM_VENV`` (default ``<repo>/.venv-vllm``), ``FAIRGATE_VLLM_START_TIMEOUT``
 (seconds, default 240), ``FAIRGATE_VLLM_INSTALL_TIMEOUT`` (seconds, default 1800),
 ``FAIRGATE_VLLM_URL`` (use an already running server started with the flags below, serving
-the model as ``tiny``, instead of installing and starting one: for iterating locally).
+the model as ``tiny``, instead of installing and starting one: for iterating locally),
+``FAIRGATE_VLLM_WORKER_PROCESS=1`` (each server's model runner in a worker process of its
+own, vLLM's default on CPU, instead of inside its engine core: see ``launch``).
 """
 
 from __future__ import annotations
@@ -309,6 +311,24 @@ class Launched:
         return self.server.url
 
 
+# The engine and its model runner in one process: two processes per server, not three.
+# vLLM 0.32's API server always runs its engine core in a process of its own (AsyncLLM:
+# v1/engine/async_llm.py:184 make_async_mp_client; core_client.py:111-115 refuses asyncio
+# without it), and its CPU platform adds a worker process (the multiproc executor, which
+# binds its OpenMP threads: v1/executor/multiproc_executor.py:189-193) unless
+# VLLM_ENABLE_V1_MULTIPROCESSING=0 (platforms/cpu.py:333-341); then the uniproc executor
+# runs the model inside the engine core: one process start and torch import fewer per
+# server. The variable's other uses (grep in vllm/): the offline LLMEngine (not used by the
+# API server), a warning about the global seed (engine/arg_utils.py:1944) and the usage
+# report (off). Nothing binds the engine's threads then: OMP_NUM_THREADS=1 is the one
+# thread the binding gave it on 2 cores (auto binding: a core reserved, the rest for the
+# worker); ``cpus`` and ``nice`` hold for all its processes as before.
+# FAIRGATE_VLLM_WORKER_PROCESS=1 goes back to vLLM's default (the worker process, bound by
+# vLLM), to compare.
+ENGINE_IN_ONE_PROCESS = os.environ.get("FAIRGATE_VLLM_WORKER_PROCESS", "") != "1"
+ONE_ENGINE_PROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
 def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
            max_num_seqs: int, extra_args: tuple[str, ...] = (), nice: int = 0,
            cpus: frozenset[int] | None = None,
@@ -316,8 +336,8 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
     """Start ``vllm.entrypoints.openai.api_server`` serving the tiny model on a free
     loopback port (priority scheduler, chunked prefill, eager; prefix caching on, V1's default;
     ``extra_args`` appended; ``nice``: its CPU niceness; ``cpus``: the only CPUs its
-    processes may run on, its engine's threads bound to them; ``extra_env``: more environment
-    variables); returns at once:
+    processes may run on; ``extra_env``: more environment variables; the engine's
+    processes as :data:`ENGINE_IN_ONE_PROCESS` says); returns at once:
     :func:`wait_healthy` waits for it, so several can start together."""
     port = free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
@@ -361,6 +381,7 @@ def launch(vllm_python: Path, tiny_model_dir: Path, tmp_path_factory: pytest.Tem
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
+        **(ONE_ENGINE_PROCESS_ENV if ENGINE_IN_ONE_PROCESS else {}),
     }
     env.pop("VIRTUAL_ENV", None)
     started = time.monotonic()
