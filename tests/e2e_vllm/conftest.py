@@ -443,3 +443,72 @@ def vllm_server(
         yield server.server
     finally:
         _stop(server.proc)
+
+
+# The 4-slot server: test_gateway_vllm's pacing tests (a batch a flood fills on 2 cores)
+# and test_locality_vllm's second server (the cached prompt tokens of the usage records:
+# --enable-prompt-tokens-details) are one server, started once for both modules (they run
+# one after the other). Neither depends on what the other left: every check there is on its
+# own requests (their order, their usage) or on a before/after difference of vLLM's
+# counters and histograms, both modules' requests are over when their tests end, and their
+# prompts share no 128-token block (no prefix cache hit from one to the other).
+FOUR_SLOTS = 4
+FOUR_SLOTS_ARGS = ("--enable-prompt-tokens-details",)
+
+
+def used_later(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test after the requesting module's last (in the session's order) uses
+    ``fixture``."""
+    items = request.session.items
+    last = max((k for k, item in enumerate(items)
+                if item.getparent(pytest.Module) is request.node), default=-1)
+    return any(fixture in getattr(item, "fixturenames", ()) for item in items[last + 1:])
+
+
+class SharedServer:
+    """A server some modules use one after the other: started by the first to ask
+    (:meth:`start`, or :meth:`get`, which waits until it is healthy), started again when
+    found dead, stopped when a module that used it ends and no later test uses it
+    (:meth:`release`; not left idle beside the modules after), else at the package's end."""
+
+    def __init__(self, fixture: str, start: Callable[[], Launched]) -> None:
+        self.fixture = fixture
+        self._start = start
+        self.launched: Launched | None = None
+
+    def start(self) -> Launched:
+        if self.launched is None or self.launched.proc.poll() is not None:
+            self.launched = self._start()
+        return self.launched
+
+    def get(self) -> VllmServer:
+        launched = self.start()
+        wait_healthy(launched)
+        return launched.server
+
+    def stop(self) -> None:
+        if self.launched is not None:
+            _stop(self.launched.proc)
+            self.launched = None
+
+    def release(self, request: pytest.FixtureRequest) -> None:
+        """At the end of a module (its module-scoped fixture's teardown)."""
+        if not used_later(request, self.fixture):
+            self.stop()
+
+
+@pytest.fixture(scope="package")
+def four_slots(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer]:
+    """The 4-slot server (``FOUR_SLOTS_ARGS``), shared: a module takes it with
+    ``four_slots.get()`` and gives it back with ``four_slots.release(request)``."""
+    if skip_requested():
+        pytest.skip("FAIRGATE_SKIP_VLLM=1")
+    python: Path = request.getfixturevalue("vllm_python")
+    model_dir: Path = request.getfixturevalue("tiny_model_dir")
+    shared = SharedServer("four_slots", lambda: launch(
+        python, model_dir, tmp_path_factory, FOUR_SLOTS, FOUR_SLOTS_ARGS))
+    try:
+        yield shared
+    finally:
+        shared.stop()

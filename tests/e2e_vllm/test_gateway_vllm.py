@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 
 from gateway.core.settings import Backend
 from gateway.http.server import GatewayServer
-from tests.e2e_vllm.conftest import VllmServer, _stop, launch, skip_requested, wait_healthy
+from tests.e2e_vllm.conftest import FOUR_SLOTS, SharedServer, VllmServer
 from tests.e2e_vllm.helpers import (
     Finished,
     QueueLength,
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.vllm
 FLOOD = 64
 FLOOD_TOKENS = 128
 MAX_WAITING = 3  # the interactive class's gate (default settings)
-SMALL_BATCH = 4  # --max-num-seqs of the pacing tests' server
+SMALL_BATCH = FOUR_SLOTS  # --max-num-seqs of the pacing tests' server
 # The gate sends at most the waiting room plus the free slots per snapshot; an engine step
 # that comes late (a starved CPU) shows those sent into free slots as waiting for a moment
 MAX_SEEN = MAX_WAITING + SMALL_BATCH
@@ -39,19 +39,16 @@ MAX_SEEN = MAX_WAITING + SMALL_BATCH
 
 @pytest.fixture(scope="module")
 def small_batch(request: pytest.FixtureRequest,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A server of this module with a batch of SMALL_BATCH sequences, which a flood fills
-    on 2 cores (the session's 16 slots it does not: the CPU API server delivers answers
-    late), so the pacing tests see requests wait behind a full batch."""
-    if skip_requested():
-        pytest.skip("FAIRGATE_SKIP_VLLM=1")
-    server = launch(request.getfixturevalue("vllm_python"),
-                    request.getfixturevalue("tiny_model_dir"), tmp_path_factory, SMALL_BATCH)
+                four_slots: SharedServer) -> Iterator[VllmServer]:
+    """A server with a batch of SMALL_BATCH sequences, which a flood fills on 2 cores (the
+    session's 16 slots it does not: the CPU API server delivers answers late), so the
+    pacing tests see requests wait behind a full batch: the package's 4-slot server
+    (``four_slots`` in conftest.py, test_locality_vllm's second server after this module;
+    these tests judge it by their own requests and by differences of its counters)."""
     try:
-        wait_healthy(server)
-        yield server.server
+        yield four_slots.get()
     finally:
-        _stop(server.proc)
+        four_slots.release(request)
 
 
 @pytest.fixture

@@ -5,9 +5,12 @@ compute clearly fewer prompt tokens through fairgate with a default config (no
 alternating between the two servers, by vLLM's own counters
 (``vllm:prefix_cache_queries_total`` − ``vllm:prefix_cache_hits_total``).
 
-The module's own server runs with ``--enable-prompt-tokens-details``: the cached prompt
-tokens the gateway's usage records hold are those vLLM counts
-(``vllm:prompt_tokens_cached_total``).
+The second server (the package's 4-slot one, ``four_slots`` in conftest.py, which
+test_gateway_vllm's pacing tests use before) runs with ``--enable-prompt-tokens-details``:
+the cached prompt tokens the gateway's usage records hold are those vLLM counts
+(``vllm:prompt_tokens_cached_total``). Every check here is a before/after difference of
+vLLM's counters or on this module's own requests: what ran on the servers before does not
+count.
 
 The same two servers as a short pool and a ``long_context`` pool of one model: each
 prompt reaches only the server whose range holds it, by vLLM's own prompt-length
@@ -26,7 +29,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gateway.core.settings import Backend
 from gateway.http.server import GatewayServer
-from tests.e2e_vllm.conftest import VllmServer, _stop, launch, skip_requested, wait_healthy
+from tests.e2e_vllm.conftest import SharedServer, VllmServer
 from tests.gateway.conftest import gateway_settings
 from tests.ops.conftest import ADMIN
 
@@ -34,7 +37,6 @@ pytestmark = pytest.mark.vllm
 
 SESSIONS = 6
 TURNS = 3
-SECOND_MAX_NUM_SEQS = 4  # 2 cores: the second server small
 QUERIES = "vllm:prefix_cache_queries_total"
 CACHED = "vllm:prompt_tokens_cached_total"
 HITS = "vllm:prefix_cache_hits_total"
@@ -44,21 +46,16 @@ WORDS = ("the", "answer", "should", "follow", "house", "style", "and", "cite", "
 
 @pytest.fixture(scope="module")
 def two_servers(request: pytest.FixtureRequest,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
-    """The session's server and one more for this module, started while the first
-    starts (when it is not running yet), stopped after the module."""
-    if skip_requested():
-        pytest.skip("FAIRGATE_SKIP_VLLM=1")
-    python = request.getfixturevalue("vllm_python")
-    model_dir = request.getfixturevalue("tiny_model_dir")
-    second = launch(python, model_dir, tmp_path_factory, SECOND_MAX_NUM_SEQS,
-                    ("--enable-prompt-tokens-details",))
+                four_slots: SharedServer) -> Iterator[list[VllmServer]]:
+    """The session's server and the package's 4-slot one (2 cores: the second server
+    small), started while the first starts when neither runs yet; the second is stopped
+    after the module unless a later test uses it."""
+    four_slots.start()
     try:
         first: VllmServer = request.getfixturevalue("vllm_server")
-        wait_healthy(second)
-        yield [first, second.server]
+        yield [first, four_slots.get()]
     finally:
-        _stop(second.proc)
+        four_slots.release(request)
 
 
 def system_prompt(tag: str, session: int) -> str:
