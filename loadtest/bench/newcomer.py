@@ -103,8 +103,8 @@ async def run(opts: Options) -> dict[str, Any]:
             async with bench.backend(SIM, f"sim-direct-{endpoint}") as be:
                 runs[endpoint]["direct"], waiting[endpoint]["direct"] = await _phase(
                     opts, p, be.target(), be.url, chat)
-            async with bench.backend(SIM, f"sim-gateway-{endpoint}") as be, \
-                    bench.gateway(be, users, f"gateway-{endpoint}") as gw:
+            async with bench.served(SIM, f"sim-gateway-{endpoint}", users,
+                                    f"gateway-{endpoint}") as (be, gw):
                 runs[endpoint]["gateway"], waiting[endpoint]["gateway"] = await _phase(
                     opts, p, gateway_target(gw, be), be.url, chat)
     summary: dict[str, Any] = {}

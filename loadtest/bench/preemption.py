@@ -221,8 +221,8 @@ async def run(opts: Options) -> dict[str, Any]:
         async with bench.backend(SIM, "sim-direct") as be:
             runs["direct"] = await _ttft_phase(opts, p, be.target())
         for name, on in (("off", False), ("on", True)):
-            async with bench.backend(SIM, f"sim-{name}") as be, \
-                    bench.gateway(be, _users(p), f"gateway-{name}", preemption=on) as gw:
+            async with bench.served(SIM, f"sim-{name}", _users(p), f"gateway-{name}",
+                                    preemption=on) as (be, gw):
                 runs[name] = await _ttft_phase(opts, p, gateway_target(gw, be, name))
                 if on:
                     moved = await _metric_values(gw.url, PREEMPT_SERIES)
