@@ -56,6 +56,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 SLOW_TIERS = ("chaos", "bench", "fuzz", "e2e_vllm")
 # run by one worker, one after the other (``pytest_xdist_make_scheduler``)
 ENGINE_BOUND = ("tests/e2e_vllm/", "tests/bench/")
+# ... but for these, which any free worker takes: in-process checks of a few seconds that
+# start no simulator, gateway or server and measure no window (a file, or a test's node id)
+ENGINE_FREE = frozenset({
+    "tests/bench/test_report.py",  # a report written from fixed rows
+    "tests/bench/test_autoscale_smoke.py::test_threshold_rule",  # the rule, pure
+    "tests/bench/test_smoke.py::test_newcomer_one_endpoint",  # option parsing, stubbed phases
+    "tests/bench/test_smoke.py::test_scheduler",  # the Store on the worker's own Redis
+})
+
+
+def engine_bound(nodeid: str) -> bool:
+    """Does this test run on the engines' worker?"""
+    test = nodeid.split("[", 1)[0]
+    return nodeid.startswith(ENGINE_BOUND) and not (
+        test in ENGINE_FREE or test.split("::", 1)[0] in ENGINE_FREE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,13 +88,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     tier and the benchmark smoke tests, which one worker runs one after the other: the
     tier runs whole there (one install, its servers started once), and no benchmark runs
     beside a vLLM engine taking both cores (a quick fairness run beside it completed
-    nothing in its window, CI 2026-12-02). xdist's own ``--dist loadgroup`` would do
+    nothing in its window, CI 2026-12-02). The few in-process checks of ``ENGINE_FREE``
+    go to any free worker. xdist's own ``--dist loadgroup`` would do
     this, but it renames node ids in a way pytest 9 no longer reads."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "engines" if nodeid.startswith(ENGINE_BOUND) else nodeid
+            return "engines" if engine_bound(nodeid) else nodeid
 
     return TierScheduling(config, log)
 

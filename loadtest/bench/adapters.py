@@ -57,18 +57,19 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 
+from gateway.storage.embedded_redis import free_port
 from loadtest.bench import model_shares, report
 from loadtest.bench.client import Result, Spec, Target, new_session, send
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import cancel_all, progress
 from loadtest.bench.lora_router import POLICIES, Router, send_routed
-from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim
+from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim, start_together
 from loadtest.bench.stats import (
     backlogged,
     jain,
@@ -252,22 +253,33 @@ def analyse(results: list[Result], start: float, counted: dict[str, dict[str, in
     }
 
 
+# a gateway's label and start, given the URLs of the simulators it fronts
+GatewayStart = Callable[[list[str]], tuple[str, Coroutine[Any, Any, Proc]]]
+
+
 @contextlib.asynccontextmanager
-async def sims(bench: Bench, p: dict[str, Any], label: str) -> AsyncIterator[list[str]]:
-    """``backends`` fresh simulators, LoRA on, no adapter loaded."""
-    procs: list[Proc] = []
+async def sims(bench: Bench, p: dict[str, Any], label: str,
+               gateway: GatewayStart | None = None) -> AsyncIterator[list[Proc]]:
+    """``backends`` fresh simulators, LoRA on, no adapter loaded, started side by side;
+    with ``gateway`` (its start, given their URLs) the gateway too, its boot beside
+    theirs, as the last process."""
+    ports = [free_port() for _ in range(p["backends"])]
+    starts = {f"{label}-b{i}": start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
+                                         f"{label}-b{i}", port)
+              for i, port in enumerate(ports)}
+    if gateway is not None:
+        starts.update([gateway([f"http://127.0.0.1:{port}" for port in ports])])
+    procs = await start_together(starts)
     try:
-        for i in range(p["backends"]):
-            procs.append(await start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
-                                         f"{label}-b{i}"))
-        yield [proc.url for proc in procs]
+        yield procs
     finally:
         for proc in procs:
             proc.stop()
 
 
 async def _baseline(bench: Bench, p: dict[str, Any], policy: str) -> dict[str, Any]:
-    async with sims(bench, p, f"sim-{policy}") as urls, new_session() as http:
+    async with sims(bench, p, f"sim-{policy}") as procs, new_session() as http:
+        urls = [proc.url for proc in procs]
         router = Router(policy, urls, p["slots"], {a: path(a) for a in adapter_names(p)}, http)
 
         async def sender(session: aiohttp.ClientSession, spec: Spec, sink: list[Result]
@@ -281,7 +293,8 @@ async def _baseline(bench: Bench, p: dict[str, Any], policy: str) -> dict[str, A
 async def _fairgate(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
     async with aioredis.Redis.from_url(bench.redis_url) as client:
         await client.flushdb()
-    async with sims(bench, p, "sim-fairgate") as urls:
+
+    def gateway(urls: list[str]) -> tuple[str, Coroutine[Any, Any, Proc]]:
         config = {
             "redis_url": bench.redis_url,
             "backends": [{"name": f"b{i}", "url": url, "model": MODEL}
@@ -290,7 +303,11 @@ async def _fairgate(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:
                          for a in adapter_names(p)],
             "api_keys": api_keys([(u, "interactive") for u in in_flight(p)]),
         }
-        gw = await start_gateway(config, bench.log_dir, "gateway-fairgate")
+        return "gateway-fairgate", start_gateway(config, bench.log_dir, "gateway-fairgate")
+
+    async with sims(bench, p, "sim-fairgate", gateway) as started:
+        *procs, gw = started
+        urls = [proc.url for proc in procs]
         try:
             async def sender(session: aiohttp.ClientSession, spec: Spec, sink: list[Result]
                              ) -> None:

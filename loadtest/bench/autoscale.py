@@ -332,9 +332,8 @@ async def _run(opts: Options, p: dict[str, Any], bench: Bench, name: str) -> dic
              for i in range(INTERACTIVE_USERS)]
     batch = LoopUser(Spec(BATCH_USER, "batch", p["batch"]["prompt_tokens"],
                           p["batch"]["max_tokens"]), p["batch"]["concurrency"])
-    async with bench.backend(SimSpec(**p["sim"]), f"{name}-b0") as b0, \
-            bench.gateway(b0, _users(), f"gw-{name}", workers=1,
-                          **gateway_settings(p)) as gw, \
+    async with bench.served(SimSpec(**p["sim"]), f"{name}-b0", _users(), f"gw-{name}",
+                            workers=1, **gateway_settings(p)) as (b0, gw), \
             aiohttp.ClientSession() as http:
         fleet = Fleet(bench, http, gw.url, b0, p, name)
         target = Target(name, gw.url, MODEL, via_gateway=True)

@@ -136,8 +136,7 @@ async def run(opts: Options) -> dict[str, Any]:
         async with bench.backend(SIM, "sim-direct") as be:
             runs["direct"] = await _measure(opts, p, be.target(), rate, None)
         for name, deadline in (("gateway_no_deadline", None), ("gateway_deadline", DEADLINE_MS)):
-            async with bench.backend(SIM, f"sim-{name}") as be, \
-                    bench.gateway(be, users, name) as gw:
+            async with bench.served(SIM, f"sim-{name}", users, name) as (be, gw):
                 runs[name] = await _measure(opts, p, gateway_target(gw, be, name), rate,
                                             deadline)
     on = runs["gateway_deadline"]["met_or_refused_fast"]

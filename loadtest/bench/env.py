@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import redis
 
-from gateway.storage.embedded_redis import EmbeddedRedis
+from gateway.storage.embedded_redis import EmbeddedRedis, free_port
 from loadtest.bench.client import Target
 from loadtest.bench.procs import (
     Proc,
@@ -22,6 +22,7 @@ from loadtest.bench.procs import (
     backend_model,
     start_gateway,
     start_sim,
+    start_together,
     wait_idle,
 )
 
@@ -138,30 +139,69 @@ class Bench:
                       workers: int | None = None, **settings: Any) -> AsyncIterator[Proc]:
         """``fairgate serve`` in front of ``backend`` with one key per user, on a clean
         Redis database; ``workers`` processes (default: ``--workers``)."""
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            client.flushdb()
-        finally:
-            client.close()
+        self._flush()
         async with self.replica(backend, users, label, workers, **settings) as proc:
             yield proc
+
+    @contextlib.asynccontextmanager
+    async def served(self, spec: SimSpec, sim_label: str, users: Sequence[tuple[str, str]],
+                     label: str, workers: int | None = None, **settings: Any
+                     ) -> AsyncIterator[tuple[Backend, Proc]]:
+        """:meth:`backend` and :meth:`gateway` in front of it, started side by side: the
+        simulator's port is chosen first, so the gateway's config names its URL before
+        either runs, and the two boots overlap (the gateway's /ready waits for the
+        simulator's first healthy scrape). Stopped as the nested pair would be: the
+        gateway, then the simulator."""
+        if self.opts.backend:  # an external backend: nothing of ours to start beside it
+            async with self.backend(spec, sim_label) as backend, \
+                    self.gateway(backend, users, label, workers, **settings) as proc:
+                yield backend, proc
+            return
+        self._flush()
+        port = free_port()
+        backend = Backend(f"http://127.0.0.1:{port}", MODEL, None)
+        sim, proc = await start_together({
+            sim_label: start_sim(spec, MODEL, self.log_dir, sim_label, port),
+            label: start_gateway(self._config(backend, users, settings), self.log_dir, label,
+                                 workers or self.opts.workers)})
+        backend.proc = sim
+        try:
+            try:
+                yield backend, proc
+            finally:
+                await self._stop_gateway(proc, label)
+        finally:
+            sim.stop()
 
     @contextlib.asynccontextmanager
     async def replica(self, backend: Backend, users: Sequence[tuple[str, str]], label: str,
                       workers: int | None = None, **settings: Any) -> AsyncIterator[Proc]:
         """Like :meth:`gateway`, on the Redis database as it is: one more replica."""
-        config: dict[str, Any] = {
+        proc = await start_gateway(self._config(backend, users, settings), self.log_dir, label,
+                                   workers or self.opts.workers)
+        try:
+            yield proc
+        finally:
+            await self._stop_gateway(proc, label)
+
+    def _flush(self) -> None:
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            client.flushdb()
+        finally:
+            client.close()
+
+    def _config(self, backend: Backend, users: Sequence[tuple[str, str]],
+                settings: dict[str, Any]) -> dict[str, Any]:
+        return {
             "redis_url": self.redis_url,
             "backends": [{"name": "b0", "url": backend.url, "model": backend.model}],
             "api_keys": api_keys(users),
             **settings,
         }
-        proc = await start_gateway(config, self.log_dir, label,
-                                   workers or self.opts.workers)
+
+    async def _stop_gateway(self, proc: Proc, label: str) -> None:
         try:
-            yield proc
+            await save_diagnostics(proc.url, self.opts.out / DIAGNOSTICS, label)
         finally:
-            try:
-                await save_diagnostics(proc.url, self.opts.out / DIAGNOSTICS, label)
-            finally:
-                proc.stop()
+            proc.stop()

@@ -108,8 +108,8 @@ async def run(opts: Options) -> dict[str, Any]:
         async with bench.backend(SIM, "sim-direct") as be:
             runs["direct"] = await _measure(opts, p, be.target())
         for policy in POLICIES:
-            async with bench.backend(SIM, f"sim-{policy}") as be, \
-                    bench.gateway(be, users, f"gateway-{policy}", fairness=policy) as gw:
+            async with bench.served(SIM, f"sim-{policy}", users, f"gateway-{policy}",
+                                    fairness=policy) as (be, gw):
                 runs[policy] = await _measure(opts, p, gateway_target(gw, be, policy))
     d = runs["direct"]
     headline = []
@@ -262,10 +262,9 @@ async def run_tenants(opts: Options) -> dict[str, Any]:
         async with bench.backend(TENANT_SIM, "sim-direct") as be:
             runs["direct"] = await _measure_tenants(opts, p, be.target())
         for phase in ("flat", "tenants"):
-            async with bench.backend(TENANT_SIM, f"sim-{phase}") as be, \
-                    bench.gateway(be, users, f"gateway-{phase}", fairness="vtc",
-                                  api_keys=tenant_keys(p, phase == "tenants"),
-                                  tenants=tenants_cfg) as gw:
+            async with bench.served(TENANT_SIM, f"sim-{phase}", users, f"gateway-{phase}",
+                                    fairness="vtc", api_keys=tenant_keys(p, phase == "tenants"),
+                                    tenants=tenants_cfg) as (be, gw):
                 runs[phase] = await _measure_tenants(opts, p, gateway_target(gw, be, phase))
     d, f, g = runs["direct"], runs["flat"], runs["tenants"]
     weight_sum = sum(p["tenants"].values())

@@ -27,17 +27,18 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from gateway.storage.embedded_redis import free_port
 from loadtest.bench import report
 from loadtest.bench.client import Result, cached_tokens, new_session
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import progress
-from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim
+from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim, start_together
 from loadtest.bench.stats import backlogged, jain, percentile, service_by_user, sliding_windows
 
 WORD = " the"  # one simulator token
@@ -295,13 +296,23 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 1)
 
 
+# a gateway's label and start, given the URLs of the simulators it fronts
+GatewayStart = Callable[[list[str]], tuple[str, Coroutine[Any, Any, Proc]]]
+
+
 @contextlib.asynccontextmanager
-async def sims(bench: Bench, p: dict[str, Any], label: str) -> AsyncIterator[list[Proc]]:
-    procs: list[Proc] = []
+async def sims(bench: Bench, p: dict[str, Any], label: str,
+               gateway: GatewayStart | None = None) -> AsyncIterator[list[Proc]]:
+    """``backends`` fresh simulators, started side by side; with ``gateway`` (its start,
+    given their URLs) the gateway too, its boot beside theirs, as the last process."""
+    ports = [free_port() for _ in range(p["backends"])]
+    starts = {f"{label}-b{i}": start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
+                                         f"{label}-b{i}", port)
+              for i, port in enumerate(ports)}
+    if gateway is not None:
+        starts.update([gateway([f"http://127.0.0.1:{port}" for port in ports])])
+    procs = await start_together(starts)
     try:
-        for i in range(p["backends"]):
-            procs.append(await start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
-                                         f"{label}-b{i}"))
         yield procs
     finally:
         for proc in procs:
@@ -336,15 +347,19 @@ async def _gateway(bench: Bench, p: dict[str, Any], variant: str) -> dict[str, A
         client.close()
     users = sorted({owner(i, p) for i in range(p["sessions"])}
                    | {f"r{r:02d}" for r in range(p["rag_users"])})
-    async with sims(bench, p, f"sim-{variant}") as procs:
+    label = f"gateway-{variant}"
+
+    def gateway(urls: list[str]) -> tuple[str, Coroutine[Any, Any, Proc]]:
         config = {"redis_url": bench.redis_url, "routing": routing, **extra,
-                  "backends": [{"name": f"b{i}", "url": s.url, "model": MODEL,
-                                **backend_options(i, len(procs), pools,
+                  "backends": [{"name": f"b{i}", "url": url, "model": MODEL,
+                                **backend_options(i, len(urls), pools,
                                                   p["pool_split_tokens"])}
-                               for i, s in enumerate(procs)],
+                               for i, url in enumerate(urls)],
                   "api_keys": api_keys([(u, "interactive") for u in users])}
-        gw = await start_gateway(config, bench.log_dir, f"gateway-{variant}",
-                                 bench.opts.workers)
+        return label, start_gateway(config, bench.log_dir, label, bench.opts.workers)
+
+    async with sims(bench, p, f"sim-{variant}", gateway) as started:
+        *procs, gw = started
         try:
             turns = await run_sessions([gw.url], True, p, variant, bench.opts.progress)
             await save_diagnostics(gw.url, bench.opts.out / "gateway_diagnostics.json",

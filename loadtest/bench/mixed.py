@@ -87,8 +87,8 @@ async def run(opts: Options) -> dict[str, Any]:
             runs[endpoint] = {}
             async with bench.backend(SIM, f"sim-direct-{endpoint}") as be:
                 runs[endpoint]["direct"] = await _phase(opts, p, be.target(), be.url, endpoint)
-            async with bench.backend(SIM, f"sim-gateway-{endpoint}") as be, \
-                    bench.gateway(be, users, f"gateway-{endpoint}") as gw:
+            async with bench.served(SIM, f"sim-gateway-{endpoint}", users,
+                                    f"gateway-{endpoint}") as (be, gw):
                 runs[endpoint]["gateway"] = await _phase(opts, p, gateway_target(gw, be),
                                                          be.url, endpoint)
     headline: list[report.Headline] = []

@@ -102,13 +102,12 @@ async def run(opts: Options) -> dict[str, Any]:
                                                        f"direct {rep}")
             for pacing in ("adaptive", "fixed"):
                 label = f"{pacing}_{rep}"
-                async with bench.backend(SIM, f"sim-{label}") as be, \
-                        bench.gateway(be, users, f"gateway-{label}", pacing=pacing,
-                                      **p["scrape"],
-                                      api_keys=[{"key": f"sk-{u}", "user": u,
-                                                 "priority_class": "interactive",
-                                                 "weight": w} for u, w in WEIGHTS.items()]
-                                      ) as gw:
+                async with bench.served(SIM, f"sim-{label}", users, f"gateway-{label}",
+                                        pacing=pacing, **p["scrape"],
+                                        api_keys=[{"key": f"sk-{u}", "user": u,
+                                                   "priority_class": "interactive",
+                                                   "weight": w} for u, w in WEIGHTS.items()]
+                                        ) as (be, gw):
                     cpu = gw.cpu_seconds()
                     runs[label] = await _measure(opts, p, gateway_target(gw, be, label),
                                                  be.url, label)

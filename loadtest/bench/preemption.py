@@ -32,7 +32,7 @@ from loadtest.bench import report
 from loadtest.bench.client import Result, Spec, Target, new_session
 from loadtest.bench.env import MODEL, Backend, Bench, Options, gateway_target
 from loadtest.bench.loadgen import LoopUser, cancel_all, closed_loop, fire, progress
-from loadtest.bench.procs import Proc, SimSpec, start_sim
+from loadtest.bench.procs import Proc, SimSpec, start_sim, start_together
 from loadtest.bench.stats import percentile, ratio, summarize
 
 SIM = SimSpec(max_num_seqs=16, max_num_batched_tokens=2048)
@@ -108,11 +108,12 @@ async def _metric_values(url: str, names: Sequence[str]) -> dict[str, float]:
 
 @asynccontextmanager
 async def _fleet(bench: Bench, label: str, count: int) -> AsyncIterator[list[Proc]]:
-    """``count`` simulators, each its own process (one can be SIGKILLed)."""
-    sims: list[Proc] = []
+    """``count`` simulators, each its own process (one can be SIGKILLed), started side by
+    side."""
+    sims = await start_together({f"{label}-{i}": start_sim(SIM, MODEL, bench.log_dir,
+                                                            f"{label}-{i}")
+                                 for i in range(count)})
     try:
-        for i in range(count):
-            sims.append(await start_sim(SIM, MODEL, bench.log_dir, f"{label}-{i}"))
         yield sims
     finally:
         for sim in sims:
@@ -221,8 +222,8 @@ async def run(opts: Options) -> dict[str, Any]:
         async with bench.backend(SIM, "sim-direct") as be:
             runs["direct"] = await _ttft_phase(opts, p, be.target())
         for name, on in (("off", False), ("on", True)):
-            async with bench.backend(SIM, f"sim-{name}") as be, \
-                    bench.gateway(be, _users(p), f"gateway-{name}", preemption=on) as gw:
+            async with bench.served(SIM, f"sim-{name}", _users(p), f"gateway-{name}",
+                                    preemption=on) as (be, gw):
                 runs[name] = await _ttft_phase(opts, p, gateway_target(gw, be, name))
                 if on:
                     moved = await _metric_values(gw.url, PREEMPT_SERIES)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -141,8 +142,11 @@ class SimSpec:
         return flags
 
 
-async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str) -> Proc:
-    port = free_port()
+async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str,
+                    port: int | None = None) -> Proc:
+    """A simulator on ``port`` (default: a free one); waits for /health. A caller that
+    names the port knows its URL before it runs (to start a gateway beside it)."""
+    port = port or free_port()
     args = ["sim", "--port", str(port), "--model", model, *spec.flags()]
     proc, log = _spawn(label, args, log_dir / f"{label}.log")
     url = f"http://127.0.0.1:{port}"
@@ -197,6 +201,35 @@ async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, worke
         Proc(label, url, proc, log).stop()
         raise
     return Proc(label, url, proc, log)
+
+
+async def start_together(starts: Mapping[str, Coroutine[Any, Any, Proc]]) -> list[Proc]:
+    """Start processes side by side: each coroutine (by its label) spawns one and waits
+    until it serves (:func:`start_sim`, :func:`start_gateway`); their boots overlap. Returns
+    them in the order given. If one fails, the others are stopped (a start still waiting is
+    cancelled, which stops its process) and the error names the one that failed."""
+    tasks = {label: asyncio.ensure_future(start) for label, start in starts.items()}
+    try:
+        await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:  # cancelled while they start
+        await _abandon(tasks.values())
+        raise
+    for label, task in tasks.items():
+        if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+            await _abandon(tasks.values())
+            raise RuntimeError(f"{label} did not start: {exc!r}") from exc
+    return [task.result() for task in tasks.values()]
+
+
+async def _abandon(tasks: Iterable[asyncio.Future[Proc]]) -> None:
+    """Cancel the starts still under way and stop every process that did start."""
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in pending:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            task.result().stop()
 
 
 async def backend_model(url: str) -> str:

@@ -78,9 +78,9 @@ async def run(opts: Options) -> dict[str, Any]:
     spans: dict[str, float] = {}
     async with Bench(opts) as bench:
         for name in RUNS:
-            async with bench.backend(SimSpec(**p["sim"]), f"sim-{name}") as be, \
-                    bench.gateway(be, [(USER, "interactive")], f"gateway-{name}",
-                                  sessions=name == "sessions_on") as gw:
+            async with bench.served(SimSpec(**p["sim"]), f"sim-{name}", [(USER, "interactive")],
+                                    f"gateway-{name}", sessions=name == "sessions_on"
+                                    ) as (be, gw):
                 started = time.perf_counter()
                 runs[name] = await _phase(gateway_target(gw, be, name), p)
                 spans[name] = time.perf_counter() - started

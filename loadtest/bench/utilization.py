@@ -106,20 +106,19 @@ async def run(opts: Options) -> dict[str, Any]:
         pacing: list[dict[str, float]] = []
         for k in p["sweep_max_waiting"]:
             classes = {"interactive": {"max_waiting": k}}
-            async with bench.backend(SIM, f"sim-mw{k}") as be, \
-                    bench.gateway(be, users, f"gateway-mw{k}", classes=classes) as gw:
+            async with bench.served(SIM, f"sim-mw{k}", users, f"gateway-mw{k}",
+                                    classes=classes) as (be, gw):
                 runs[f"gateway_mw{k}"] = await _measure(
                     opts, p, gateway_target(gw, be, f"gateway mw={k}"),
                     pacing if k == DEFAULT_MAX_WAITING else None)
         runs[f"gateway_mw{DEFAULT_MAX_WAITING}"]["pacing_timeline"] = pacing
         classes = {"interactive": {"max_waiting": DEFAULT_MAX_WAITING}}
-        async with bench.backend(SIM, "sim-fixed") as be, \
-                bench.gateway(be, users, "gateway-fixed", classes=classes, pacing="fixed") as gw:
+        async with bench.served(SIM, "sim-fixed", users, "gateway-fixed", classes=classes,
+                                pacing="fixed") as (be, gw):
             runs["gateway_fixed"] = await _measure(opts, p, gateway_target(gw, be, "gateway fixed"))
         classes = {"interactive": {"max_waiting": DEFAULT_MAX_WAITING}}
-        async with bench.backend(SIM, "sim-fast-scrape") as be, \
-                bench.gateway(be, users, "gateway-fast-scrape", classes=classes,
-                              scrape_interval_s=FAST_SCRAPE_S) as gw:
+        async with bench.served(SIM, "sim-fast-scrape", users, "gateway-fast-scrape",
+                                classes=classes, scrape_interval_s=FAST_SCRAPE_S) as (be, gw):
             runs["gateway_fast_scrape"] = await _measure(
                 opts, p, gateway_target(gw, be, "gateway fast scrape"))
     direct = runs["direct"]

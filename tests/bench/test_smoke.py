@@ -5,15 +5,22 @@ Benchmarks are not tests: nothing here asserts a timing or a target being met.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from loadtest.bench import cli, newcomer
 from loadtest.bench.cli import run_scenario
-from loadtest.bench.client import ENDPOINTS
-from loadtest.bench.env import Options
+from loadtest.bench.client import ENDPOINTS, Result, Target
+from loadtest.bench.env import MODEL, Backend, Options
+from loadtest.bench.procs import SimSpec
 
 HEADLINE_KEYS = {"metric", "direct", "gateway", "ratio", "target", "met"}
 
@@ -47,33 +54,80 @@ def test_newcomer(tmp_path: Path, redis_url: str) -> None:
     assert {row["metric"].split(":")[0] for row in report["headline"]} == set(ENDPOINTS)
 
 
-@pytest.mark.timeout(60)
-def test_newcomer_one_endpoint(tmp_path: Path, redis_url: str) -> None:
-    report = _run("newcomer", tmp_path, redis_url, endpoints=("chat",))
-    assert set(report["runs"]) == {"chat"}
+class StubBench:
+    """What ``newcomer.run`` asks of a :class:`~loadtest.bench.env.Bench`, with no process
+    behind it: a backend and a gateway that are URLs only."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+
+    async def __aenter__(self) -> StubBench:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    @contextlib.asynccontextmanager
+    async def backend(self, spec: SimSpec, label: str) -> AsyncIterator[Backend]:
+        yield Backend("http://direct.invalid", MODEL, None)
+
+    @contextlib.asynccontextmanager
+    async def served(self, spec: SimSpec, sim_label: str, users: Any, label: str,
+                     **settings: Any) -> AsyncIterator[tuple[Backend, Any]]:
+        yield (Backend("http://sim.invalid", MODEL, None),
+               SimpleNamespace(url="http://gateway.invalid"))
+
+
+def test_newcomer_one_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fairgate bench newcomer --endpoint chat`` reaches the scenario: its params name
+    chat alone and only chat phases run (direct, then through the gateway), each sending
+    chat requests. The phases are stubbed, no process starts: test_newcomer runs the real
+    ones, on both endpoints."""
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "newcomer", "--quick", "--endpoint", "chat",
+                              "--no-progress", "--out", str(tmp_path / "newcomer")])
+    opts = cli.options(args, "newcomer")
+    assert opts.endpoints == ("chat",), opts
+    phases: list[tuple[str, bool]] = []
+
+    async def phase(opts: Options, p: dict[str, Any], target: Target, backend_url: str,
+                    chat: bool) -> tuple[list[Result], dict[str, Any]]:
+        phases.append((target.name, chat))
+        now = time.perf_counter()
+        return [Result(f"new{i}", "newcomer", p["newcomer_prompt_tokens"], now, end_s=now + 0.2,
+                       status=200, first_token_s=now + 0.1, token_times=[now + 0.1],
+                       output_tokens=1) for i in range(p["newcomers"])], {"samples": 1, "max": 0}
+
+    monkeypatch.setattr(newcomer, "_phase", phase)
+    monkeypatch.setattr(newcomer, "Bench", StubBench)
+    report = cli.run_scenario("newcomer", opts)
     assert report["params"]["endpoints"] == ["chat"]
-
-
-@pytest.mark.timeout(60)
-def test_overhead(tmp_path: Path, redis_url: str) -> None:
-    report = _run("overhead", tmp_path, redis_url)
-    for run in ("direct", "gateway"):
-        for rate in report["params"]["rates"]:
-            stats = report["runs"][run][f"rate_{rate}"]
-            assert stats["errors"] == 0
-            assert stats["completed"] == int(rate * report["params"]["duration_s"])
-        assert report["runs"][run]["max"]["completed"] > 0
-    assert report["runs"]["gateway_wide"]["max"]["completed"] > 0
-    cpu = report["runs"]["gateway"][f"rate_{report['params']['rates'][0]}"]["cpu"]
-    assert cpu["process_cpu_ms_per_req"] > 0
-    assert cpu["redis_commands_per_req"] >= 2  # enqueue (with its dispatch) and settle
-    assert "gateway_workers" not in report["runs"]
+    assert phases == [("direct", True), ("gateway", True)], phases
+    assert set(report["runs"]) == {"chat"}, report["runs"].keys()
+    assert {row["metric"].split(":")[0] for row in report["headline"]} == {"chat"}
 
 
 @pytest.mark.timeout(90)
-def test_overhead_with_two_workers(tmp_path: Path, redis_url: str) -> None:
+def test_overhead(tmp_path: Path, redis_url: str) -> None:
+    """One run with ``--workers 2``: the one-worker phases every run has (direct, gateway,
+    gateway_wide) and the two-worker phase after them."""
     report = _run("overhead", tmp_path, redis_url, workers=2)
-    many = report["runs"]["gateway_workers"]
+    runs = report["runs"]
+    assert set(runs) == {"direct", "gateway", "gateway_wide", "gateway_workers"}, runs.keys()
+    for run in ("direct", "gateway"):
+        for rate in report["params"]["rates"]:
+            stats = runs[run][f"rate_{rate}"]
+            assert stats["errors"] == 0
+            assert stats["completed"] == int(rate * report["params"]["duration_s"])
+        assert runs[run]["max"]["completed"] > 0
+    assert runs["gateway_wide"]["max"]["completed"] > 0
+    cpu = runs["gateway"][f"rate_{report['params']['rates'][0]}"]["cpu"]
+    assert cpu["process_cpu_ms_per_req"] > 0
+    assert cpu["redis_commands_per_req"] >= 2  # enqueue (with its dispatch) and settle
+    # the gateway phase stays one process in a --workers 2 run
+    assert "process_split_cores" not in runs["gateway"]["max"]["cpu"], runs["gateway"]["max"]
+    many = runs["gateway_workers"]
     for rate in report["params"]["rates"]:
         assert many[f"rate_{rate}"]["errors"] == 0
     cpu = many["max"]["cpu"]
@@ -87,7 +141,9 @@ def test_overhead_with_two_workers(tmp_path: Path, redis_url: str) -> None:
 
 @pytest.mark.timeout(90)
 def test_utilization(tmp_path: Path, redis_url: str) -> None:
-    report = _run("utilization", tmp_path, redis_url)
+    # 2 s (a quick run's 3 s less one): after its 1 s warm-up a 1 s window, and a 64-token
+    # answer takes about 0.4 s on the simulator
+    report = _run("utilization", tmp_path, redis_url, duration_s=2.0)
     runs = report["runs"]
     assert set(runs) == {"direct", "gateway_fast_scrape", "gateway_fixed"} | {
         f"gateway_mw{k}" for k in report["params"]["sweep_max_waiting"]}
@@ -119,14 +175,16 @@ def test_deadlines(tmp_path: Path, redis_url: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_mixed(tmp_path: Path, redis_url: str) -> None:
-    report = _run("mixed", tmp_path, redis_url)
-    assert set(report["runs"]) == set(ENDPOINTS)
-    for endpoint in ENDPOINTS:
-        for run in ("direct", "gateway"):
-            stats = report["runs"][endpoint][run]
-            assert stats["interactive"]["requests"] > 0
-            assert stats["batch_idle"]["requests"] > 0
-            assert stats["backend_waiting"]["samples"] > 0
+    # chat only: test_newcomer runs both endpoints through the gateway, and here the
+    # endpoint is only what the requests are sent to
+    report = _run("mixed", tmp_path, redis_url, endpoints=("chat",))
+    assert set(report["runs"]) == {"chat"}
+    assert report["params"]["endpoints"] == ["chat"]
+    for run in ("direct", "gateway"):
+        stats = report["runs"]["chat"][run]
+        assert stats["interactive"]["requests"] > 0
+        assert stats["batch_idle"]["requests"] > 0
+        assert stats["backend_waiting"]["samples"] > 0
 
 
 @pytest.mark.timeout(90)
