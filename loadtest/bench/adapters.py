@@ -57,19 +57,18 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
 
-from gateway.storage.embedded_redis import free_port
 from loadtest.bench import model_shares, report
 from loadtest.bench.client import Result, Spec, Target, new_session, send
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import cancel_all, progress
 from loadtest.bench.lora_router import POLICIES, Router, send_routed
-from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim, start_together
+from loadtest.bench.procs import GatewayStart, Proc, SimSpec, sim_fleet, start_gateway
 from loadtest.bench.stats import (
     backlogged,
     jain,
@@ -253,28 +252,12 @@ def analyse(results: list[Result], start: float, counted: dict[str, dict[str, in
     }
 
 
-# a gateway's label and start, given the URLs of the simulators it fronts
-GatewayStart = Callable[[list[str]], tuple[str, Coroutine[Any, Any, Proc]]]
-
-
-@contextlib.asynccontextmanager
-async def sims(bench: Bench, p: dict[str, Any], label: str,
-               gateway: GatewayStart | None = None) -> AsyncIterator[list[Proc]]:
+def sims(bench: Bench, p: dict[str, Any], label: str, gateway: GatewayStart | None = None
+         ) -> contextlib.AbstractAsyncContextManager[list[Proc]]:
     """``backends`` fresh simulators, LoRA on, no adapter loaded, started side by side;
-    with ``gateway`` (its start, given their URLs) the gateway too, its boot beside
-    theirs, as the last process."""
-    ports = [free_port() for _ in range(p["backends"])]
-    starts = {f"{label}-b{i}": start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
-                                         f"{label}-b{i}", port)
-              for i, port in enumerate(ports)}
-    if gateway is not None:
-        starts.update([gateway([f"http://127.0.0.1:{port}" for port in ports])])
-    procs = await start_together(starts)
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    with ``gateway`` (its start, given their URLs) the gateway after them, as the
+    last process."""
+    return sim_fleet(SimSpec(**p["sim"]), MODEL, bench.log_dir, label, p["backends"], gateway)
 
 
 async def _baseline(bench: Bench, p: dict[str, Any], policy: str) -> dict[str, Any]:

@@ -27,18 +27,17 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from gateway.storage.embedded_redis import free_port
 from loadtest.bench import report
 from loadtest.bench.client import Result, cached_tokens, new_session
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import progress
-from loadtest.bench.procs import Proc, SimSpec, start_gateway, start_sim, start_together
+from loadtest.bench.procs import GatewayStart, Proc, SimSpec, sim_fleet, start_gateway
 from loadtest.bench.stats import backlogged, jain, percentile, service_by_user, sliding_windows
 
 WORD = " the"  # one simulator token
@@ -296,27 +295,11 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1000, 1)
 
 
-# a gateway's label and start, given the URLs of the simulators it fronts
-GatewayStart = Callable[[list[str]], tuple[str, Coroutine[Any, Any, Proc]]]
-
-
-@contextlib.asynccontextmanager
-async def sims(bench: Bench, p: dict[str, Any], label: str,
-               gateway: GatewayStart | None = None) -> AsyncIterator[list[Proc]]:
+def sims(bench: Bench, p: dict[str, Any], label: str, gateway: GatewayStart | None = None
+         ) -> contextlib.AbstractAsyncContextManager[list[Proc]]:
     """``backends`` fresh simulators, started side by side; with ``gateway`` (its start,
-    given their URLs) the gateway too, its boot beside theirs, as the last process."""
-    ports = [free_port() for _ in range(p["backends"])]
-    starts = {f"{label}-b{i}": start_sim(SimSpec(**p["sim"]), MODEL, bench.log_dir,
-                                         f"{label}-b{i}", port)
-              for i, port in enumerate(ports)}
-    if gateway is not None:
-        starts.update([gateway([f"http://127.0.0.1:{port}" for port in ports])])
-    procs = await start_together(starts)
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            proc.stop()
+    given their URLs) the gateway after them, as the last process."""
+    return sim_fleet(SimSpec(**p["sim"]), MODEL, bench.log_dir, label, p["backends"], gateway)
 
 
 async def _direct(bench: Bench, p: dict[str, Any]) -> dict[str, Any]:

@@ -9,12 +9,13 @@ never shares an event loop or a GIL with what it measures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -219,6 +220,31 @@ async def start_together(starts: Mapping[str, Coroutine[Any, Any, Proc]]) -> lis
             await _abandon(tasks.values())
             raise RuntimeError(f"{label} did not start: {exc!r}") from exc
     return [task.result() for task in tasks.values()]
+
+
+# a gateway's label and start, given the URLs of the simulators it fronts
+GatewayStart = Callable[[list[str]], tuple[str, Coroutine[Any, Any, Proc]]]
+
+
+@contextlib.asynccontextmanager
+async def sim_fleet(spec: SimSpec, model: str, log_dir: Path, label: str, count: int,
+                    gateway: GatewayStart | None = None) -> AsyncIterator[list[Proc]]:
+    """``count`` fresh simulators (``label-b0``, …) started side by side; with ``gateway``
+    (its start, given their URLs) the gateway after them, as the last process: its /ready
+    waits for one healthy backend, not all, and a request only another could take (a
+    length pool's, an adapter's) got a 503 while that one still booted. All stopped at
+    the end."""
+    procs = await start_together({f"{label}-b{i}": start_sim(spec, model, log_dir,
+                                                             f"{label}-b{i}")
+                                  for i in range(count)})
+    try:
+        if gateway is not None:
+            _, start = gateway([proc.url for proc in procs])
+            procs.append(await start)
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
 
 
 async def _abandon(tasks: Iterable[asyncio.Future[Proc]]) -> None:
