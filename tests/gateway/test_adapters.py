@@ -24,22 +24,27 @@ from gateway.http.server import GatewayServer
 from loadtest.sim.server import SimServer
 from policies.classes import CLASS_ORDER
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, store_is_idle, until
+from tests.ops.conftest import ADMIN, admin_call
 
 LORA: dict[str, Any] = {"enable_lora": True, "max_loras": 2}
 SUMM = {"name": "summ", "base_model": MODEL, "path": "/adapters/summ", "backends": ["b1"]}
 
 
 async def two_backends(sim: SimFactory, gateway: GatewayFactory,
+                       gateway_options: dict[str, Any] | None = None,
                        **sim_options: Any) -> tuple[SimServer, SimServer, GatewayServer]:
     b0 = await sim(lora_modules=(("sql", "/adapters/sql"),), **LORA, **sim_options)
     b1 = await sim(lora_modules=(("chat", "/adapters/chat"), ("summ", "/adapters/summ")),
                    **LORA, **sim_options)
-    gw = await gateway([b0, b1], adapters=[SUMM])
+    gw = await gateway([b0, b1], adapters=[SUMM], **(gateway_options or {}))
     return b0, b1, gw
 
 
 def client(gw: GatewayServer, key: str = "sk-alice") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    # 80 calls sent at once build their requests on one event loop: on a loaded machine
+    # the SDK's default 5 s connect timeout ran out before the loop got to the connects
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0,
+                              timeout=120.0)
 
 
 def ran(backend: SimServer) -> dict[str | None, int]:
@@ -114,14 +119,33 @@ async def test_one_share_per_user_across_the_base_model_and_its_adapters(
     """alice floods two adapters (one per backend), bob the base model: each gets half
     of what starts while both wait (with a share per model alice would get two thirds)."""
     per_user = 40
-    b0, b1, gw = await two_backends(sim, gateway, max_num_seqs=2, profile="cpu-tiny")
-    async with client(gw, "sk-alice") as alice, client(gw, "sk-bob") as bob:
-        flood = [alice.completions.create(model="sql" if i % 2 else "chat", prompt="a",
-                                          max_tokens=20, extra_body={"ignore_eos": True})
-                 for i in range(per_user)]
-        flood += [bob.completions.create(model=MODEL, prompt="b", max_tokens=21,
-                                         extra_body={"ignore_eos": True})
-                  for _ in range(per_user)]
+    # what is checked is the share, so nothing else closes a gate on a loaded machine (a
+    # stale snapshot, a slow step's TPOT): alice's next request, an adapter one backend
+    # serves, would wait while bob's went to the other backend
+    open_gates = {"snapshot_stale_s": 30.0, "scrape_timeout_s": 10.0, "admin_keys": [ADMIN],
+                  "classes": {c: {"max_tpot_ms": 60_000.0} for c in CLASS_ORDER}}
+    b0, b1, gw = await two_backends(sim, gateway, open_gates, max_num_seqs=2,
+                                    profile="cpu-tiny")
+    async with (aiohttp.ClientSession() as http, client(gw, "sk-alice") as alice,
+                client(gw, "sk-bob") as bob):
+        # both backends drained until all 80 are queued: on a loaded machine requests
+        # still arriving made the window unfair (CI: bob 25 of 40)
+        for name in ("b0", "b1"):
+            assert (await admin_call(http, "POST", f"{gw.url}/admin/backends/{name}/drain")
+                    )[0] == 200
+        flood = [asyncio.ensure_future(alice.completions.create(
+            model="sql" if i % 2 else "chat", prompt="a", max_tokens=20,
+            extra_body={"ignore_eos": True})) for i in range(per_user)]
+        flood += [asyncio.ensure_future(bob.completions.create(
+            model=MODEL, prompt="b", max_tokens=21, extra_body={"ignore_eos": True}))
+            for _ in range(per_user)]
+
+        async def all_queued() -> bool:
+            return sum((await gw.services.store.depths(MODEL)).values()) == 2 * per_user
+
+        await until(all_queued, "all 80 requests queued")
+        for name in ("b0", "b1"):
+            await admin_call(http, "POST", f"{gw.url}/admin/backends/{name}/undrain")
         await asyncio.gather(*flood)
     records = [r for b in (b0, b1) for r in b.engine.records.values()]
     records.sort(key=lambda r: r.first_scheduled_s or float("inf"))

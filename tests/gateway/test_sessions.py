@@ -29,6 +29,13 @@ AGENT_CALLS = 100  # the agent's parallel calls (max_tokens 20), one session
 CHAT_TURNS = (2, 3)  # the other session's calls, one at a time (their max_tokens)
 
 
+def sdk(url: str, key: str) -> openai.AsyncOpenAI:
+    """A client for a flood of calls sent at once: building 100 requests took their one
+    event loop over the SDK's default 5 s connect timeout on a loaded machine (CI)."""
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0,
+                              timeout=120.0)
+
+
 async def ask(client: openai.AsyncOpenAI, max_tokens: int, session: str | None) -> None:
     await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
@@ -42,7 +49,7 @@ async def agent_then_chat(sim: SimFactory, gateway: GatewayFactory,
     "chat" session sends CHAT_TURNS one at a time. The engine's start order."""
     backend = await sim(max_num_seqs=4)
     gw = await gateway([backend], sessions=sessions)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", max_retries=0)
+    client = sdk(gw.url, "sk-alice")
     store = gw.services.store
     try:
         agent = [asyncio.create_task(ask(client, 20, "agent")) for _ in range(AGENT_CALLS)]
@@ -86,8 +93,7 @@ async def test_another_users_share_does_not_depend_on_the_session_count(
     backend = await sim(max_num_seqs=4)
     gw = await gateway([backend], sessions=True)
     store = gw.services.store
-    alice = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice", max_retries=0)
-    bob = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-bob", max_retries=0)
+    alice, bob = sdk(gw.url, "sk-alice"), sdk(gw.url, "sk-bob")
     try:
         calls = [asyncio.create_task(ask(alice, 20, f"s{i % 30}")) for i in range(60)]
 
