@@ -185,8 +185,13 @@ async def test_sentinel_master_killed_under_a_flood(sim: SimFactory,
     counts = tally(outcomes)
     assert counts["ok"] == len(outcomes), (counts, [o for o in outcomes if o.status != 200])
     ran = ran_counts(backend)
-    twice = {t: n for t, n in ran.items() if n > 1}
-    assert not twice, f"run more than once at the backend: {twice}"
+    # a batch line (max_tokens < 200) the backend had at the kill may run once more: its
+    # result, written to the master just before, can be missing on the promoted replica
+    # (replication is asynchronous; a clean run 2026-12-03 ran line 24 twice). Its output
+    # holds it once all the same (checked below); nothing else may run twice, nothing 3 times.
+    twice = {t: n for t, n in ran.items()
+             if n > 2 or (n == 2 and not (t < 200 and t in at_kill))}
+    assert not twice, f"run more than once at the backend: {twice}; at the kill: {at_kill}"
     lost = [o.max_tokens for o in outcomes if o.status == 200 and ran[o.max_tokens] == 0]
     assert not lost, f"answered but never run: {lost}"
     seen = Counter(json.loads(line)["custom_id"] for text in texts
