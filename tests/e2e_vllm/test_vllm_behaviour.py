@@ -39,14 +39,7 @@ async def test_parse_real_metrics(vllm_server: VllmServer) -> None:
         done = await asyncio.gather(*tasks)
         assert all(d.completion_tokens == 512 for d in done)
 
-        async def idle() -> bool:
-            try:
-                m = await scrape(client, vllm_server.url)
-            except httpx.HTTPError:  # the busy CPU API server dropped the scrape: ask again
-                return False
-            return m.running == 0 and m.waiting == 0
-
-        await wait_until(idle, timeout_s=10)
+        await _until_idle(client, vllm_server, timeout_s=10)
         after = await scrape(client, vllm_server.url)
         # The per-request TPOT histogram is the one the gates use: present and grown.
         tpot = "vllm:request_time_per_output_token_seconds"
@@ -144,9 +137,10 @@ async def _flood_then_vip(vllm_server: VllmServer) -> tuple[float, int]:
     return waiting, flood_n - before_vip
 
 
-async def _until_idle(client: httpx.AsyncClient, vllm_server: VllmServer) -> None:
-    """Until vLLM runs and queues nothing (the cancelled flood aborted): the next attempt
-    and the tests after start on an idle server."""
+async def _until_idle(client: httpx.AsyncClient, vllm_server: VllmServer,
+                      timeout_s: float = 300.0) -> None:
+    """Until vLLM runs and queues nothing (a finished or cancelled flood over): what comes
+    next starts on an idle server."""
     async def idle() -> bool:
         try:
             m = await scrape(client, vllm_server.url)
@@ -155,7 +149,7 @@ async def _until_idle(client: httpx.AsyncClient, vllm_server: VllmServer) -> Non
         return m.running == 0 and m.waiting == 0
 
     try:
-        await wait_until(idle, timeout_s=300, interval_s=0.2)
+        await wait_until(idle, timeout_s=timeout_s, interval_s=0.2)
     except TimeoutError:
-        raise AssertionError("vLLM still ran or queued requests 300 s after the flood's "
-                             "clients were cancelled") from None
+        raise AssertionError(f"vLLM still ran or queued requests after {timeout_s:.0f} s "
+                             "(its flood over or cancelled)") from None
