@@ -104,14 +104,16 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
                  stack: contextlib.AsyncExitStack) -> tuple[BoundaryRedis, str]:
     """The client of the configured store (an embedded Valkey when none is) and where it
     is, for the logs."""
-    options: dict[str, Any] = {"socket_connect_timeout": 2, "health_check_interval": 10}
+    options: dict[str, Any] = {"socket_connect_timeout": 2, "health_check_interval": 10,
+                               "socket_timeout": settings.redis_socket_timeout_s}
     if settings.redis_sentinel is not None:
         sentinel = settings.redis_sentinel
         where = f"sentinel:{sentinel.master_name}@{','.join(sentinel.nodes)}"
         return connect_sentinel(sentinel, metrics.redis, **options), where
     if settings.redis_cluster is not None:
         cluster = settings.redis_cluster
-        return (connect_cluster(cluster, metrics.redis, socket_connect_timeout=2),
+        return (connect_cluster(cluster, metrics.redis, socket_connect_timeout=2,
+                                socket_timeout=settings.redis_socket_timeout_s),
                 "cluster:" + ",".join(cluster.nodes))
     redis_url = settings.redis_url
     if redis_url is None:

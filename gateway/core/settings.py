@@ -381,6 +381,11 @@ class Settings(BaseSettings):
     # the cluster-node-timeout, plus the promotion) before they get a 503; 0: at once, as
     # with a single Redis
     store_failover_wait_s: float = Field(10.0, ge=0)
+    # a store that keeps its connections open but answers nothing (a frozen process, a
+    # node cut off without a reset) fails each command after this long instead of holding
+    # it forever: clients get the 503 of a store that is down, loops back off. Above the
+    # dispatcher's 1 s blocking read (STORE_BLOCK_S); a timed-out command is not sent again
+    redis_socket_timeout_s: float = Field(5.0, ge=2.0)
     data_dir: Path = Path(".fairgate")
     replica_id: str | None = None  # None → random per process
     listen: Listen = Listen()

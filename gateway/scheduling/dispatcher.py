@@ -71,6 +71,9 @@ log = structlog.get_logger("fairgate.dispatcher")
 # How often a waiting request checks that it is still queued in Redis.
 LOST_CHECK_S = 5.0
 STORE_RETRY_S = 0.2  # pause of the grant listener while Redis is unreachable
+# the grant listener's blocking read: below the store's socket timeout
+# (redis_socket_timeout_s, at least 2 s), which would take a longer one for a frozen store
+STORE_BLOCK_S = 1.0
 RECONCILE_EVERY = 30  # heartbeats between reconciliations (and after every outage)
 RECONCILE_GRACE_S = 5.0
 # Idle end users forgotten per model per heartbeat, at most (lua/forget.lua): a few
@@ -752,7 +755,7 @@ class Dispatcher(ReadsSettings):
     async def _listen(self, model: str) -> None:
         while True:
             try:
-                item = await self.store.next_order(model, self.replica_id, 1.0)
+                item = await self.store.next_order(model, self.replica_id, STORE_BLOCK_S)
             except StoreUnavailable as exc:
                 self.store_lost(exc)
                 await asyncio.sleep(STORE_RETRY_S)

@@ -37,6 +37,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import (
     CrossSlotTransactionError,
     NoScriptError,
@@ -197,7 +198,11 @@ class BoundaryCluster(CommandBoundary, RedisCluster):  # type: ignore[misc]
 
 
 def _no_backoff_retry() -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), 1)
+    """Once more, at once, after a broken connection only: a command that timed out
+    (``socket_timeout``) may still run (a frozen server runs what it had buffered when it
+    resumes), so it is not sent a second time."""
+    return Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.05), 1,
+                 supported_errors=(RedisConnectionError,))
 
 
 def _boundary(client: aioredis.Redis, metrics: RedisMetrics | None) -> BoundaryRedis:
@@ -211,9 +216,10 @@ def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> Bou
     """A client on ``url`` (``decode_responses`` on: fairgate stores text).
 
     A broken connection is retried once, at once (a server that closed an idle connection);
-    then the error surfaces. redis-py's default (3 retries, exponential backoff up to 10 s)
-    would hide a Redis outage for seconds: queued clients would wait instead of getting a
-    503, and every loop would stall; fairgate's own loops back off instead."""
+    then the error surfaces, as a timed-out command's does at once. redis-py's default (3
+    retries, exponential backoff up to 10 s) would hide a Redis outage for seconds: queued
+    clients would wait instead of getting a 503, and every loop would stall; fairgate's
+    own loops back off instead."""
     kwargs.setdefault("retry", _no_backoff_retry())
     return _boundary(BoundaryRedis.from_url(url, decode_responses=True, **kwargs), metrics)
 

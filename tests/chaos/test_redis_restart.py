@@ -1,4 +1,5 @@
-"""Redis SIGKILLed under a flood, then restarted empty or from its AOF.
+"""Redis SIGKILLed under a flood, then restarted empty or from its AOF; and Redis
+frozen (SIGSTOP) under the same flood, then resumed.
 
 Every request sent is counted: answered OK, answered with a clear error (a status and an
 OpenAI error body), or hung (no answer within its bound: must be none). Queued clients
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -70,11 +72,15 @@ async def stream(session: aiohttp.ClientSession, url: str, key: str, i: int) -> 
 
 
 async def until(predicate: object, what: str) -> None:
-    for _ in range(3000):
-        if await predicate():  # type: ignore[operator]
-            return
+    await until_s(predicate, what, 30.0)
+
+
+async def until_s(predicate: object, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} ({timeout_s:g} s)")
         await asyncio.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.mark.parametrize("restart", ["empty", "aof"])
@@ -146,3 +152,85 @@ async def test_redis_killed_under_a_flood(sim: SimFactory, tmp_path: Path,
           f"duplicated={sum(n - 1 for n in ran.values())} lost=0 "
           f"error_after_s={max(o.answered_at for o in errors) - killed_at:.2f} "
           f"served_after_restart_s={after.answered_at - back_at:.2f}")
+
+
+async def test_redis_frozen_under_a_flood(sim: SimFactory, tmp_path: Path) -> None:
+    """Redis SIGSTOPped under the same flood, then resumed: a store that keeps every
+    connection open and answers nothing (a frozen process, a node cut off without a
+    reset). Each command fails after ``redis_socket_timeout_s`` instead of waiting
+    forever: queued clients and a newcomer get the 503 of a store that is down, running
+    streams finish, and once Redis runs again (executing what it had buffered: commands
+    whose callers already gave up) the gateway serves, nothing runs twice, and the
+    in-flight counters return to zero."""
+    socket_timeout_s = 2.0
+    redis = EmbeddedRedis(data_dir=tmp_path / "redis").start()
+    assert redis.process is not None
+    backend = await sim(max_num_seqs=4)
+    gw = GatewayServer(gateway_settings(redis.url, [backend],
+                                        redis_socket_timeout_s=socket_timeout_s))
+    await gw.start()
+    for handle in gw.services.pool.handles.values():
+        await handle.scraped.wait()
+    dispatcher = gw.services.dispatcher
+    probe = aioredis.Redis.from_url(redis.url, decode_responses=True)
+    frozen = False
+    try:
+        async with aiohttp.ClientSession() as session:
+            flood = [asyncio.create_task(stream(session, gw.url, USERS[i % len(USERS)], i))
+                     for i in range(STREAMS)]
+
+            async def running_and_queued() -> bool:
+                return backend.engine.num_running >= 2 and len(dispatcher.waiters) >= 5
+
+            await until(running_and_queued, "streams running and clients queued")
+            running_at_freeze = sum(r.finished_s is None
+                                    for r in backend.engine.records.values())
+            redis.process.send_signal(signal.SIGSTOP)
+            frozen, frozen_at = True, time.monotonic()
+            newcomer = await stream(session, gw.url, "sk-dflt", STREAMS)
+
+            async def nobody_queued() -> bool:
+                return not dispatcher.waiters
+
+            await until_s(nobody_queued, "queued clients answered", 60.0)
+            answered_s = time.monotonic() - frozen_at
+            redis.process.send_signal(signal.SIGCONT)
+            frozen, back_at = False, time.monotonic()
+            after = await stream(session, gw.url, "sk-dflt", STREAMS + 1)
+            outcomes = await asyncio.gather(*flood)
+
+        k = ModelKeys(MODEL)
+
+        async def drained() -> bool:  # deferred settles retried, or reconciled
+            return not await probe.exists(k.user_inflight, k.backend_inflight("b0"))
+
+        await until_s(drained, "in-flight counters back to zero", 60.0)
+    finally:
+        if frozen:
+            redis.process.send_signal(signal.SIGCONT)
+        await probe.aclose()
+        await gw.stop()
+        redis.stop()
+
+    counts = Counter("hung" if o.status is None else "ok" if o.status == 200 and o.done
+                     else "clear_error" if o.code else "other" for o in outcomes)
+    assert counts["hung"] == 0 and counts["other"] == 0, (counts, outcomes)
+    assert newcomer.status == 503 and newcomer.code == "queue_store_unavailable", newcomer
+    errors = [o for o in outcomes if o.code]
+    assert errors and all(o.status == 503 and o.code == "queue_store_unavailable"
+                          and o.retry_after for o in errors), errors
+    # a bound, not a speed target: each client's command fails after one socket timeout
+    # (2 s here); the old client, with no timeout, never answered
+    assert answered_s < 10 * socket_timeout_s, (answered_s, counts)
+    ok = [o for o in outcomes if o.status == 200]
+    assert len(ok) >= running_at_freeze and all(o.tokens == o.max_tokens for o in ok), ok
+    assert after.status == 200 and after.done, after  # served once Redis runs again
+    ran = Counter(r.max_tokens for r in backend.engine.records.values()
+                  if r.finished_s is not None and not r.aborted)
+    assert all(n == 1 for n in ran.values()), ran  # nothing ran twice
+    print(f"SCENARIO redis_frozen: sent={STREAMS + 2} ok={counts['ok'] + 1} "
+          f"clear_error={counts['clear_error'] + 1} hung={counts['hung']} "
+          f"duplicated={sum(n - 1 for n in ran.values())} "
+          f"queued_answered_after_s={answered_s:.2f} "
+          f"newcomer_answered_after_s={newcomer.answered_at - frozen_at:.2f} "
+          f"served_after_resume_s={after.answered_at - back_at:.2f}")
