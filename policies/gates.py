@@ -27,6 +27,7 @@ both (drained, stale, TPOT, KV).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from policies.classes import DEFAULT_CLASS
@@ -113,6 +114,18 @@ def evaluate_gate(
     if limit <= 0 and max_inflight <= 0:
         return Gate(0, "waiting")
     return Gate(limit, None, policy.free_slots if limit else 0, max_inflight)
+
+
+# closed for these, a backend takes no work until its scrapes succeed again (it died, or
+# its snapshot went stale) or its drain ends; closed for the others, it is busy and
+# reopens as its requests run
+DOWN_REASONS = frozenset(("stale", "drained"))
+
+
+def down(gates: Mapping[str, Gate]) -> bool:
+    """Whether a backend's gates (one per class) are all closed because it is down: then
+    no request is left waiting for it (locality's affinity)."""
+    return bool(gates) and all(g.reason in DOWN_REASONS for g in gates.values())
 
 
 def wider(own: Gate, lent: Gate) -> Gate:

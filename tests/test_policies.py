@@ -8,7 +8,7 @@ from policies.backend_choice import Candidate, by_load
 from policies.classes import effective_class
 from policies.cost import TokenCost, kv_token_seconds
 from policies.fairness import POLICIES, RoundRobin, Vtc, charged_prompt, policy_for, predicted_cost
-from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, wider
+from policies.gates import BackendSnapshot, Gate, GatePolicy, down, evaluate_gate, wider
 from policies.priority import vllm_priority
 from policies.starvation import FloorPolicy, owed_class, service_order
 
@@ -122,6 +122,16 @@ def test_a_starved_class_borrows_the_more_open_gate() -> None:
     assert wider(Gate(0, "tpot"), top) == top  # a closed gate borrows an open one
     assert wider(own, Gate(0, "stale")) == own  # a closed top gate lends nothing
     assert wider(own, Gate(1, None, 0, 0)) == own  # a tie keeps its own
+
+
+def test_a_backend_is_down_only_when_every_gate_is_closed_as_stale_or_drained() -> None:
+    stale, drained, busy = Gate(0, "stale"), Gate(0, "drained"), Gate(0, "waiting")
+    assert down({"interactive": stale, "batch": stale})
+    assert down({"interactive": drained, "batch": drained})
+    # busy (it reopens as its requests run), partly open, or no gates at all: not down
+    assert not down({"interactive": stale, "batch": busy})
+    assert not down({"interactive": Gate(3), "batch": stale})
+    assert not down({})
 
 
 def test_a_start_sent_late_only_makes_the_gate_stricter() -> None:

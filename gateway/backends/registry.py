@@ -41,7 +41,13 @@ import structlog
 from pydantic import ValidationError
 
 from gateway.backends.scrape import BackendPool
-from gateway.core.errors import BackendExists, BackendNotRemovable, Conflict, NotFound
+from gateway.core.errors import (
+    BackendExists,
+    BackendNotRemovable,
+    Conflict,
+    NotFound,
+    StoreUnavailable,
+)
 from gateway.core.settings import Backend, ReadsSettings, SettingsHolder
 from gateway.storage.keys import RUNTIME_BACKENDS
 from gateway.storage.redis_client import BoundaryRedis
@@ -154,7 +160,10 @@ class BackendList(ReadsSettings):
 
     async def run(self) -> None:
         while True:
-            await self.refresh()
+            try:
+                await self.refresh()
+            except StoreUnavailable as exc:  # an outage: the list in force stays as it is
+                log.warning("backends_refresh_failed", error=exc.message)
             await asyncio.sleep(self.settings.backends_refresh_s)
 
     async def refresh(self, now: float | None = None) -> None:

@@ -62,7 +62,7 @@ from policies.adapters import AdapterHost
 from policies.adapters import takes as adapter_takes
 from policies.backend_choice import Candidate, by_load
 from policies.classes import CLASS_ORDER
-from policies.gates import Gate, wider
+from policies.gates import Gate, down, wider
 from policies.locality import routing_for
 from policies.starvation import FloorPolicy, owed_class, service_order
 
@@ -583,7 +583,10 @@ class Dispatcher(ReadsSettings):
         locality = None  # least_loaded: configured, or auto with one backend
         if (self.locality is not None
                 and routing_for(self.settings.routing, len(handles)) == "locality"):
-            locality = dataclasses.replace(self.locality, others=tuple(handles))
+            # a request is never left for a backend that is down (its prefix index would
+            # hold a killed backend's continuations until they time out)
+            locality = dataclasses.replace(self.locality, others=tuple(
+                name for name in handles if not down(gated[name])))
         open_ = [c.name for c in by_load(candidates)]
         return Plan(now, owed, service_order(owed), burst, gated, open_, handles, locality,
                     self._adapter_placement([handles[name] for name in open_]))

@@ -14,6 +14,8 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,14 +57,16 @@ def body_of(i: int) -> dict[str, Any]:
             "temperature": 0}
 
 
-async def reference(session: aiohttp.ClientSession, url: str, i: int) -> str:
+async def reference(session: aiohttp.ClientSession, url: str, i: int,
+                    body: dict[str, Any] | None = None) -> str:
     """The uninterrupted answer, straight from a simulator."""
-    async with session.post(url + "/v1/completions", json=body_of(i)) as resp:
+    async with session.post(url + "/v1/completions", json=body or body_of(i)) as resp:
         return str((await resp.json())["choices"][0]["text"])
 
 
-async def stream(session: aiohttp.ClientSession, url: str, i: int) -> Outcome:
-    body = {**body_of(i), "stream": True}
+async def stream(session: aiohttp.ClientSession, url: str, i: int,
+                 body: dict[str, Any] | None = None) -> Outcome:
+    body = {**(body or body_of(i)), "stream": True}
     key = ("sk-alice", "sk-bob", "sk-carol")[i % 3]
     out = Outcome()
     try:
@@ -89,7 +93,12 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int) -> Outcome:
     return out
 
 
-async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str) -> None:
+@asynccontextmanager
+async def two_backends(redis_url: str
+                       ) -> AsyncIterator[tuple[GatewayServer, list[int],
+                                                list[asyncio.subprocess.Process]]]:
+    """A gateway in front of two simulators, each a process of its own (``b0`` may be
+    SIGKILLed and started again on its port); everything stopped at the end."""
     ports = [free_port(), free_port()]
     sims: list[asyncio.subprocess.Process] = []
     settings = gateway_settings(redis_url, [], scrape_interval_s=0.05)
@@ -99,9 +108,20 @@ async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str
     try:
         sims += [await start_sim(p) for p in ports]
         await gw.start()
-        pool = gw.services.pool
-        for handle in pool.handles.values():
+        for handle in gw.services.pool.handles.values():
             await asyncio.wait_for(handle.scraped.wait(), 30)
+        yield gw, ports, sims
+    finally:
+        await gw.stop()
+        for proc in sims:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str) -> None:
+    async with two_backends(redis_url) as (gw, ports, sims):
+        pool = gw.services.pool
         async with aiohttp.ClientSession() as session:
             flood = [asyncio.create_task(stream(session, gw.url, i)) for i in range(STREAMS)]
 
@@ -142,12 +162,6 @@ async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str
                     f"{b0.gates_at(time.time(), 1.0)}, last snapshot {b0.last}")
                 await asyncio.sleep(0.01)
         await assert_settled(gw)
-    finally:
-        await gw.stop()
-        for proc in sims:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
 
     kinds = Counter("hung" if o.status is None else "ok" if o.done and o.text == want
                     else "clean_error" if o.error_event and not o.done else "other"
@@ -164,3 +178,40 @@ async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str
           f"errored={kinds['clean_error'] + kinds['other']} hung={kinds['hung']} "
           f"continued={continued:.0f} dispatched_twice={dispatched - STREAMS - continued:.0f} "
           f"gate_closed_after_s={closed_after:.3f}")
+
+
+async def test_a_stream_of_a_killed_backend_continues_on_an_idle_one(
+        redis: aioredis.Redis, redis_url: str) -> None:
+    """One stream of a long prompt, its backend killed. That backend's prefix index holds
+    the prompt and, once the stream left it, it is no busier than the survivor: locality
+    would leave the continuation for it (bounded-load affinity,
+    ``locality_max_imbalance``). A backend that is down is never waited for: the
+    continuation runs on the survivor at once (before, it waited out continue_wait_s,
+    60 s, and the stream ended with an error event)."""
+    body = {**body_of(0), "prompt": " ".join(f"word{n}" for n in range(200))}
+    async with two_backends(redis_url) as (gw, ports, sims):
+        pool = gw.services.pool
+        async with aiohttp.ClientSession() as session:
+            one = asyncio.create_task(stream(session, gw.url, 0, body))
+
+            def running_on() -> list[int]:
+                return [i for i, h in enumerate(pool.handles.values())
+                        if h.last is not None and h.last.running]
+
+            deadline = time.monotonic() + 30
+            while not running_on():
+                assert time.monotonic() < deadline, "the stream never ran in 30 s"
+                await asyncio.sleep(0.005)
+            [ran_on] = running_on()
+            sims[ran_on].send_signal(signal.SIGKILL)
+            await sims[ran_on].wait()
+            killed_at = time.monotonic()
+            outcome = await one
+            ended_s = time.monotonic() - killed_at
+            want = await reference(session, f"http://127.0.0.1:{ports[1 - ran_on]}", 0, body)
+        await assert_settled(gw)
+    continued = gw.services.metrics.continuations.labels("failover", "continued")._value.get()
+    assert outcome.done and outcome.text == want, (outcome, want, ended_s)
+    assert continued == 1, (continued, ended_s)
+    print(f"SCENARIO backend_killed_idle_survivor: sent=1 ok=1 continued={continued:.0f} "
+          f"ended_after_kill_s={ended_s:.2f}")

@@ -205,6 +205,12 @@ async def test_redis_frozen_under_a_flood(sim: SimFactory, tmp_path: Path) -> No
             return not await probe.exists(k.user_inflight, k.backend_inflight("b0"))
 
         await until_s(drained, "in-flight counters back to zero", 60.0)
+        # every loop rode the outage out (a StoreUnavailable it let through restarts it,
+        # logged as a crash)
+        registry = gw.services.metrics.registry
+        restarts = {m.labels["loop"]: m.value for metric in registry.collect()
+                    if metric.name == "fairgate_loop_restarts"
+                    for m in metric.samples if m.name.endswith("_total") and m.value}
     finally:
         if frozen:
             redis.process.send_signal(signal.SIGCONT)
@@ -225,6 +231,7 @@ async def test_redis_frozen_under_a_flood(sim: SimFactory, tmp_path: Path) -> No
     ok = [o for o in outcomes if o.status == 200]
     assert len(ok) >= running_at_freeze and all(o.tokens == o.max_tokens for o in ok), ok
     assert after.status == 200 and after.done, after  # served once Redis runs again
+    assert not restarts, f"loops restarted during the freeze: {restarts}"
     ran = Counter(r.max_tokens for r in backend.engine.records.values()
                   if r.finished_s is not None and not r.aborted)
     assert all(n == 1 for n in ran.values()), ran  # nothing ran twice
