@@ -25,5 +25,7 @@ def test_preemption(tmp_path: Path, redis_url: str) -> None:
     for kind in ("failover", "drain"):
         fault = runs["faults"][kind]
         assert fault["streams"] == p["fault_streams"], fault
-        assert fault["completed"] + fault["errored"] == fault["streams"], fault
+        # every stream of the killed or drained backend continues elsewhere (a locality
+        # bug once left 2 of 8 waiting for the dead backend until the bench's bound)
+        assert fault["completed"] == fault["streams"] and fault["errored"] == 0, fault
     assert runs["faults"]["failover"]["action"] == "SIGKILL b0"
