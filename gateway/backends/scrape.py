@@ -56,6 +56,7 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.core.waits import event_set
 from gateway.storage.store import (
     BackendFit,
     BackendState,
@@ -530,8 +531,7 @@ class BackendPool(ReadsSettings):
                 interval = (self.settings.scrape_interval_s if handle.busy
                             else self.idle_interval_s)
                 delay = max(0.0, started + interval - time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(handle.wake.wait(), delay)
+            await event_set(handle.wake, delay)
             handle.wake.clear()
 
     async def scrape_once(self, handle: BackendHandle) -> None:

@@ -20,7 +20,6 @@ the lines under way are aborted, those that finished stay in its files, and its
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -42,6 +41,7 @@ from gateway.core.errors import (
 )
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
+from gateway.core.waits import event_set
 from gateway.proxy.completion_request import CompletionRequest, Limits
 from gateway.proxy.endpoints import BY_PATH
 from gateway.proxy.upstream import Upstream
@@ -89,8 +89,7 @@ class BatchRunner(ReadsSettings):
                 await self._claim_new()
             except StoreUnavailable as exc:
                 log.warning("batch_poll_failed", error=str(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.settings.batch_poll_s)
+            await event_set(self._wake, self.settings.batch_poll_s)
             self._wake.clear()
 
     async def _claim_new(self) -> None:

@@ -45,6 +45,7 @@ from gateway.core.errors import (
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.core.waits import event_set
 from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.preemption import Preemptor
 from gateway.storage.store import (
@@ -245,7 +246,8 @@ class Dispatcher(ReadsSettings):
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
-                return await asyncio.wait_for(asyncio.shield(future), min(left, LOST_CHECK_S))
+                async with asyncio.timeout(min(left, LOST_CHECK_S)):
+                    return await asyncio.shield(future)
             except TimeoutError:
                 if self.local.holds(req.request_id):
                     continue  # queued here while the store is unreachable
@@ -419,8 +421,7 @@ class Dispatcher(ReadsSettings):
     async def _fail_waiters_after(self, outage: int, wait_s: float) -> None:
         """The store is still unreachable ``wait_s`` after the outage began: the queued
         clients get their 503 (a failover takes longer than it may)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._store_back.wait(), wait_s)
+        await event_set(self._store_back, wait_s)
         if self._store_down and outage == self._outages:
             log.warning("store_failover_wait_over", waiting=len(self.waiters), wait_s=wait_s)
             self._fail_waiters()
@@ -434,9 +435,7 @@ class Dispatcher(ReadsSettings):
         left = deadline - time.monotonic()
         if left <= 0:
             return False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._store_back.wait(), left)
-        return self._store_back.is_set()
+        return await event_set(self._store_back, left)
 
     async def _requeue(self, model: str, reqs: list[QueuedRequest]) -> int:
         """Queue again requests the store forgot while their clients wait here (a
@@ -509,11 +508,7 @@ class Dispatcher(ReadsSettings):
             # woken by work, or when a preemption check comes due (a request waits on a
             # full backend: nothing else need happen for it to preempt)
             due_in = self.preemptor.recheck_in(time.monotonic())
-            if due_in is None:
-                await self._wake.wait()
-            else:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), due_in)
+            await event_set(self._wake, due_in)
             self._wake.clear()
             forced, self._maybe_work = self._maybe_work, False
             if self._store_down and self._serves_locally:

@@ -12,6 +12,10 @@ With Redis Sentinel (:func:`connect_sentinel`) the client is the same boundary o
 after a failover the next command reaches the promoted replica; until then every command
 fails as ``StoreUnavailable``.
 
+Each command and pipeline runs in :class:`~gateway.core.waits.KeepCancel`: redis-py sends
+through ``asyncio.wait_for`` once ``socket_timeout`` is set, which on Python 3.11 can
+swallow the task's cancellation; the boundary raises it again.
+
 ``NoScriptError`` is let through on purpose: redis-py's script objects catch it to load
 the script again (a restarted Redis, or a promoted replica, has an empty script cache).
 
@@ -49,6 +53,7 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import RedisMetrics
 from gateway.core.settings import RedisCluster as RedisClusterSettings
 from gateway.core.settings import RedisSentinel, addresses
+from gateway.core.waits import KeepCancel
 
 # Blocking reads wait on purpose: their duration is not Redis latency.
 BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
@@ -95,8 +100,9 @@ class PipelineBoundary:
                 metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
-            result: list[Any] = await super().execute(  # type: ignore[misc]
-                raise_on_error, *rest)
+            with KeepCancel():  # redis-py's send swallows one on Python 3.11
+                result: list[Any] = await super().execute(  # type: ignore[misc]
+                    raise_on_error, *rest)
         except Exception as exc:
             if not unavailable(exc):
                 raise
@@ -131,7 +137,8 @@ class CommandBoundary:
             self.metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
-            result = await super().execute_command(*args, **options)  # type: ignore[misc]
+            with KeepCancel():  # redis-py's send swallows one on Python 3.11
+                result = await super().execute_command(*args, **options)  # type: ignore[misc]
         except NoScriptError:
             raise
         except Exception as exc:
