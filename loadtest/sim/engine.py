@@ -59,6 +59,11 @@ class EngineConfig:
     model_len: int = field(init=False)
 
     def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_blocks", "block_size",
+                     "max_model_len", "max_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # an engine of no size serves nothing
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if isinstance(self.profile, str):
             if self.profile not in PROFILES:
                 raise ValueError(f"unknown profile {self.profile!r}; known: {sorted(PROFILES)}")

@@ -82,6 +82,15 @@ def test_flags_map_to_engine_config() -> None:
         EngineConfig(model="m", lora_modules=STATIC)
 
 
+@pytest.mark.parametrize("flag", ["--max-num-seqs", "--max-num-batched-tokens", "--kv-blocks",
+                                  "--max-model-len", "--max-lora-rank"])
+def test_an_engine_of_no_size_is_refused(flag: str) -> None:
+    args = build_parser().parse_args(["sim", "--model", "m", flag, "0"])
+    name = flag[2:].replace("-", "_")
+    with pytest.raises(ValueError, match=f"{name} must be at least 1, got 0"):
+        config_from_args(args)  # `fairgate sim` prints it as one line and exits 2
+
+
 async def post(server: SimServer, path: str, body: Any) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as http, http.post(server.url + path, json=body) as resp:
         if resp.content_type == "application/json":
