@@ -63,6 +63,9 @@ class Result:
     output_tokens: int = 0
     error: str | None = None
     cached_tokens: int = 0  # of the prompt, from the backend's prefix cache (its usage)
+    # seconds in the gateway's queue (X-Fairgate-Queue-Wait-Ms); None: not via a gateway,
+    # or never dispatched (then it waited until its end)
+    queue_wait_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -180,6 +183,9 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
         async with session.post(target.url + path, json=body_for(spec, target.model),
                                 headers=headers) as resp:
             result.status = resp.status
+            wait_ms = resp.headers.get("X-Fairgate-Queue-Wait-Ms")
+            if wait_ms is not None and wait_ms.isdigit():
+                result.queue_wait_s = int(wait_ms) / 1000
             if resp.status != 200:
                 result.error = (await resp.text())[:300]
                 return result

@@ -5,8 +5,11 @@ One heavy user (many concurrent requests), light users with long prompts and lig
 with short prompts. Weighted token service per user (prompt × 1 when its first token
 arrives, output × 2 per streamed token: VTC's default weights) is measured over sliding
 windows; Jain's index is taken over the users that were backlogged (had a request
-outstanding) for the whole window. The backend is kept saturated (``max_num_seqs`` 64 <
-total demand) so that someone must wait and the order matters.
+outstanding) for the whole window, and, through the gateway, also over those that had a
+request waiting in its queue for the whole window (VTC's backlogged: a user whose every
+request runs already is served to the limit of its own demand). The backend is kept
+saturated (``max_num_seqs`` 64 < total demand) so that someone must wait and the order
+matters.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from loadtest.bench.stats import (
     backlogged,
     jain,
     percentile,
+    queued,
     service_by_user,
     sliding_windows,
     summarize,
@@ -64,14 +68,16 @@ def analyse(results: list[Result], start: float, p: dict[str, Any]) -> dict[str,
     windows = sliding_windows(start + p["warmup_s"], start + p["duration_s"], p["window_s"],
                               p["step_s"])
     indices: list[float] = []
+    waiting: list[float] = []  # among the users waiting in the gateway's queue throughout
     heavy_share: list[float] = []
     for a, b in windows:
-        users = backlogged(results, a, b)
         served = service_by_user(results, a, b, W_IN, W_OUT)
-        values = [served.get(u, 0.0) for u in sorted(users)]
-        index = jain(values)
+        index = jain([served.get(u, 0.0) for u in sorted(backlogged(results, a, b))])
         if index is not None:
             indices.append(index)
+        users = queued(results, a, b)
+        if len(users) >= 2:  # one user alone is not a comparison
+            waiting.append(jain([served.get(u, 0.0) for u in sorted(users)]) or 0.0)
         total = sum(served.values())
         if total:
             heavy_share.append(served.get("u00", 0.0) / total)
@@ -83,6 +89,10 @@ def analyse(results: list[Result], start: float, p: dict[str, Any]) -> dict[str,
         "jain_min": round(min(indices), 4) if indices else None,
         "jain_p10": round(percentile(indices, 10) or 0.0, 4) if indices else None,
         "jain_series": [round(x, 4) for x in indices],
+        # VTC's own measure: only users with a request in the gateway's queue for the whole
+        # window (not direct: no queue there)
+        "jain_queued_mean": round(sum(waiting) / len(waiting), 4) if waiting else None,
+        "jain_queued_windows": len(waiting),
         "heavy_share_mean": round(sum(heavy_share) / len(heavy_share), 4)
         if heavy_share else None,
         "service_by_user": {u: round(v) for u, v in sorted(totals.items())},
@@ -119,6 +129,10 @@ async def run(opts: Options) -> dict[str, Any]:
         met = None if policy != "vtc" or g["jain_mean"] is None else g["jain_mean"] >= 0.95
         headline.append(report.Headline(f"Jain's index, mean over windows ({policy})",
                                         d["jain_mean"], g["jain_mean"], None, target, met))
+        headline.append(report.Headline(
+            f"Jain's index among users waiting in the gateway's queue all window ({policy}; "
+            f"{g['jain_queued_windows']} windows)", None, g["jain_queued_mean"], None, "–",
+            None))
         headline.append(report.Headline(f"Jain's index, worst window ({policy})",
                                         d["jain_min"], g["jain_min"], None, "–", None))
         headline.append(report.Headline(f"heavy user's share of service ({policy})",

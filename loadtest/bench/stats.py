@@ -116,12 +116,31 @@ def service_by_user(results: Iterable[Result], start: float, end: float,
 
 def backlogged(results: Iterable[Result], start: float, end: float) -> set[str]:
     """Users with at least one request outstanding at every moment of [start, end)."""
-    spans: dict[str, list[tuple[float, float]]] = {}
+    return _covered([(r.user, r.sent_s, r.end_s) for r in results], start, end)
+
+
+def queued(results: Iterable[Result], start: float, end: float) -> set[str]:
+    """Users with a request waiting in the gateway's queue at every moment of [start,
+    end): VTC's "backlogged" (its fairness bound holds between such users). A request
+    waited from its sending for its ``X-Fairgate-Queue-Wait-Ms``, or to its end when no
+    answer came (the run ended while it was queued)."""
+    spans = []
     for r in results:
-        if r.sent_s < end and r.end_s > start:
-            spans.setdefault(r.user, []).append((r.sent_s, r.end_s))
+        if r.queue_wait_s is not None:
+            spans.append((r.user, r.sent_s, r.sent_s + r.queue_wait_s))
+        elif r.status == 0:
+            spans.append((r.user, r.sent_s, r.end_s))
+    return _covered(spans, start, end)
+
+
+def _covered(spans: list[tuple[str, float, float]], start: float, end: float) -> set[str]:
+    """The users whose spans leave no gap in [start, end)."""
+    by_user: dict[str, list[tuple[float, float]]] = {}
+    for user, a, b in spans:
+        if a < end and b > start:
+            by_user.setdefault(user, []).append((a, b))
     users = set()
-    for user, items in spans.items():
+    for user, items in by_user.items():
         covered = start
         for a, b in sorted(items):
             if a > covered + 0.05:  # a gap longer than a closed loop's turn-around

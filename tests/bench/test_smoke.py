@@ -194,7 +194,9 @@ def test_fairness(tmp_path: Path, redis_url: str) -> None:
         stats = report["runs"][run]
         assert stats["windows"] > 0
         assert stats["jain_mean"] is None or 0.0 < stats["jain_mean"] <= 1.0
+        assert stats["jain_queued_mean"] is None or 0.0 < stats["jain_queued_mean"] <= 1.0
         assert stats["summary"]["completed"] > 0, f"{run}: {stats['summary']}"
+    assert report["runs"]["direct"]["jain_queued_windows"] == 0  # no queue of the gateway's
 
 
 @pytest.mark.timeout(90)
