@@ -69,6 +69,7 @@ def analyse(results: list[Result], start: float, p: dict[str, Any]) -> dict[str,
                               p["step_s"])
     indices: list[float] = []
     waiting: list[float] = []  # among the users waiting in the gateway's queue throughout
+    waited: dict[str, int] = {}  # user → windows it waited in the queue throughout
     heavy_share: list[float] = []
     for a, b in windows:
         served = service_by_user(results, a, b, W_IN, W_OUT)
@@ -76,6 +77,8 @@ def analyse(results: list[Result], start: float, p: dict[str, Any]) -> dict[str,
         if index is not None:
             indices.append(index)
         users = queued(results, a, b)
+        for user in users:
+            waited[user] = waited.get(user, 0) + 1
         if len(users) >= 2:  # one user alone is not a comparison
             waiting.append(jain([served.get(u, 0.0) for u in sorted(users)]) or 0.0)
         total = sum(served.values())
@@ -93,6 +96,7 @@ def analyse(results: list[Result], start: float, p: dict[str, Any]) -> dict[str,
         # window (not direct: no queue there)
         "jain_queued_mean": round(sum(waiting) / len(waiting), 4) if waiting else None,
         "jain_queued_windows": len(waiting),
+        "queued_windows_by_user": dict(sorted(waited.items())),
         "heavy_share_mean": round(sum(heavy_share) / len(heavy_share), 4)
         if heavy_share else None,
         "service_by_user": {u: round(v) for u, v in sorted(totals.items())},
