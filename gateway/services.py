@@ -197,7 +197,10 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                 task.cancel()
             await runner.stop()
             # bounded: a library that swallows a cancellation must not hang shutdown
-            await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
+            _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
+            if stuck:  # a bug (gateway/core/waits.py): say which loops ran on
+                log.error("loops_not_stopped", loops=sorted(t.get_name() for t in stuck),
+                          waited_s=SHUTDOWN_WAIT_S)
 
 
 SERVICES = web.AppKey("fairgate_services", Services)
