@@ -36,14 +36,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import structlog
 from aiohttp import web
 
 from gateway.core import jsonio
 from gateway.core.edge import sse_frame
-from gateway.core.errors import UpstreamError
+from gateway.core.errors import FairgateError, UpstreamError
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Endpoint, Frames, Usage
 from gateway.proxy.moving import FAILOVER, Mover
+
+log = structlog.get_logger("fairgate.relay")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -273,8 +276,28 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
     frame for this long once it sent its first bytes has failed
     (``stream_idle_timeout_s``)."""
     try:
-        return await _relay(request, resp, listener, wants_usage, endpoint, progress, resume,
-                            started or listener.first_token, mover or Mover(), out, idle_s)
+        if out is None:
+            out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            try:
+                await out.prepare(request)
+            except ConnectionResetError as exc:
+                listener.end(False)
+                raise ClientGone from exc
+        try:
+            return await _relay(request, resp, listener, wants_usage, endpoint, progress,
+                                resume, started or listener.first_token, mover or Mover(),
+                                out, idle_s)
+        except ClientGone:
+            raise
+        except Exception:
+            # a bug (ours or a library's) once the status line went: the error boundary
+            # can no longer answer, so the client gets an error event and the stream's
+            # end here, not a connection left open until it times out
+            log.exception("unhandled_error", path=request.path, mid_stream=True)
+            await _write(out, sse_frame(FairgateError("internal error; see the gateway logs")))
+            with contextlib.suppress(ConnectionError):
+                await out.write_eof()
+            return out
     except ClientGone:
         raise asyncio.CancelledError from None
 
@@ -283,14 +306,7 @@ async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
                  listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
                  progress: Progress | None, resume: Resume | None,
                  started: Callable[[], Awaitable[None]], mover: Mover,
-                 out: web.StreamResponse | None, idle_s: float | None) -> web.StreamResponse:
-    if out is None:
-        out = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        try:
-            await out.prepare(request)
-        except ConnectionResetError as exc:
-            listener.end(False)
-            raise ClientGone from exc
+                 out: web.StreamResponse, idle_s: float | None) -> web.StreamResponse:
     frames = FrameFilter(wants_usage, endpoint.frames, progress)
     mover.attach(resp)
     try:

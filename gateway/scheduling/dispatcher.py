@@ -141,6 +141,7 @@ class Dispatcher(ReadsSettings):
         self._background: set[asyncio.Task[None]] = set()
         self._beating = asyncio.Event()  # this replica's heartbeat is in Redis
         self._listened: dict[str, float] = {}  # model → its grant listener's last turn
+        self._unheard: set[str] = set()  # models whose grant listener failed last
         self._unsettled: deque[Settle] = deque()  # settles Redis missed
         # a tick's requests to enqueue, by model, each with the future of its position
         self._to_enqueue: dict[str, list[tuple[QueuedRequest, asyncio.Future[int]]]] = {}
@@ -414,17 +415,24 @@ class Dispatcher(ReadsSettings):
         await self._requeue_waiters()  # the waiters still queued here
         log.info("store_back", handed_back=len(queued), served_locally=len(served))
 
-    def _fail_waiters(self) -> None:
-        for request_id in list(self.waiters):
-            self.cancel(request_id, StoreUnavailable("connection lost while queued; retry"))
+    def _fail_waiters(self, spared: frozenset[str] = frozenset()) -> None:
+        for request_id, waiter in list(self.waiters.items()):
+            if waiter.model not in spared:
+                self.cancel(request_id, StoreUnavailable("connection lost while queued; retry"))
 
     async def _fail_waiters_after(self, outage: int, wait_s: float) -> None:
         """The store is still unreachable ``wait_s`` after the outage began: the queued
-        clients get their 503 (a failover takes longer than it may)."""
+        clients get their 503 (a failover takes longer than it may). Behind Redis Cluster
+        a model whose grant listener did not fail its last turn (its blocking read fails
+        within ``redis_socket_timeout_s`` and a turn on a shard that is gone) lives on a
+        shard that answers: its clients stay queued, to be dispatched there as before."""
         await event_set(self._store_back, wait_s)
         if self._store_down and outage == self._outages:
-            log.warning("store_failover_wait_over", waiting=len(self.waiters), wait_s=wait_s)
-            self._fail_waiters()
+            spared = frozenset() if self.settings.redis_cluster is None else frozenset(
+                w.model for w in self.waiters.values()) - self._unheard
+            log.warning("store_failover_wait_over", waiting=len(self.waiters), wait_s=wait_s,
+                        models_reachable=sorted(spared), models_unheard=sorted(self._unheard))
+            self._fail_waiters(spared)
 
     async def _store_back_by(self, deadline: float, error: StoreUnavailable) -> bool:
         """A call failed on the store: behind Sentinel, wait until it is back (a
@@ -755,10 +763,12 @@ class Dispatcher(ReadsSettings):
             try:
                 item = await self.store.next_order(model, self.replica_id, STORE_BLOCK_S)
             except StoreUnavailable as exc:
+                self._unheard.add(model)
                 self.store_lost(exc)
                 await asyncio.sleep(STORE_RETRY_S)
                 continue
             self._listened[model] = time.time()  # reported with the heartbeat
+            self._unheard.discard(model)
             if isinstance(item, Preempt):
                 self.preemptor.carry_out(model, item)
             elif item is not None:

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import time
 from importlib import resources
 from typing import Any, cast
 
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
@@ -76,11 +78,25 @@ def unavailable(exc: Exception) -> bool:
     """Whether a redis-py error means "the store cannot answer now" (mapped to
     :class:`StoreUnavailable`): any Redis error, and a cluster client's own (no node
     reachable, a slot no node serves during a failover); keys of several slots in one
-    call are a bug and surface as they are."""
-    if isinstance(exc, RedisError):
+    call are a bug and surface as they are. redis-py's cluster pipeline may also send on
+    a connection another task tore down during a failover (``AttributeError`` on its
+    writer, raised inside redis-py): the store going away too."""
+    if isinstance(exc, RedisError) or _torn_down(exc):
         return True
     return (isinstance(exc, RedisClusterException)
             and not isinstance(exc, CrossSlotTransactionError) and CROSS_SLOT not in str(exc))
+
+
+REDIS_PY = os.path.dirname(redis.__file__) + os.sep
+
+
+def _torn_down(exc: Exception) -> bool:
+    if not isinstance(exc, AttributeError):
+        return False
+    frame = exc.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    return frame is not None and frame.tb_frame.f_code.co_filename.startswith(REDIS_PY)
 
 
 class PipelineBoundary:

@@ -30,7 +30,9 @@ import pytest
 from gateway.core.settings import load_settings
 from gateway.http.server import GatewayServer
 from gateway.storage.keys import ModelKeys
+from loadtest.sim.cli import slowed
 from loadtest.sim.engine import EngineConfig
+from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES
 from loadtest.sim.server import SimServer
 from loadtest.valkey_cluster import ValkeyCluster
 from tests.batch.test_batch_api import wait_status
@@ -38,6 +40,7 @@ from tests.gateway.conftest import KEYS, MODEL, until
 
 OTHER = "mistral"  # another master's slot than MODEL's (tests/gateway/test_cluster_paths.py)
 FLOOD, CONTROL, LINES = 24, 6, 8
+QUEUED_BEHIND = 6  # streams behind one that holds the other model's only slot
 FLOOD_USERS = ("sk-alice", "sk-bob")
 NEWCOMERS = ("sk-carol", "sk-dflt")
 HUNG_AFTER_S = 60.0
@@ -222,3 +225,53 @@ async def test_a_shard_master_killed_under_load(cluster: ValkeyCluster, tmp_path
           f"lost={counts['lost']} batch_lines={sum(results.values())}/{LINES} "
           f"batch={done.status} first_served_after_kill_s={first_served_s:.2f} "
           f"errors={dict(errors)}")
+
+
+@pytest.mark.timeout(300)
+async def test_a_shard_outage_longer_than_the_wait_fails_only_its_models_clients(
+        cluster: ValkeyCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first model's shard is down longer than ``store_failover_wait_s`` (its failover
+    takes ``cluster-node-timeout`` and an election, over a second; the wait here is 0.3 s):
+    the client queued for the other model, whose shard answers throughout, stays queued
+    and is served when its backend's slot frees (it was answered 503 with the others)."""
+    victim = cluster.master_of(ModelKeys(MODEL).depth)
+    slow = slowed(PROFILES[DEFAULT_PROFILE], 0.01)  # a 300-token stream lasts 3 s or more
+    backends = [SimServer(EngineConfig(model=MODEL, max_num_seqs=4)),
+                SimServer(EngineConfig(model=OTHER, profile=slow, max_num_seqs=1))]
+    for server in backends:
+        await server.start()
+    gw = GatewayServer(load_settings(
+        None, redis_cluster={"nodes": cluster.addresses}, api_keys=KEYS,
+        listen={"host": "127.0.0.1", "port": 0}, data_dir=tmp_path / "data",
+        backends=[{"name": f"b-{s.config.model}", "url": s.url, "model": s.config.model}
+                  for s in backends],
+        scrape_interval_s=0.02, replica_heartbeat_s=0.2, store_failover_wait_s=0.3))
+    await gw.start()
+    try:
+        for handle in gw.services.pool.handles.values():
+            await handle.scraped.wait()
+        dispatcher = gw.services.dispatcher
+        async with aiohttp.ClientSession() as http:
+            running = asyncio.create_task(stream(http, gw.url, "sk-alice", OTHER, 300))
+            await until(lambda: backends[1].engine.num_running == 1, "the slot taken")
+            # vLLM's queue takes a few (pacing: waiting < 3), the rest queue in the gateway
+            behind = [asyncio.create_task(stream(http, gw.url, "sk-bob", OTHER, 20 + i))
+                      for i in range(QUEUED_BEHIND)]
+            await until(lambda: len(dispatcher.waiters) >= 2, "clients queued in the gateway")
+            victim.server.kill()
+            killed_at = time.monotonic()
+            first, *rest = await asyncio.gather(running, *behind)
+    finally:
+        await gw.stop()
+        for server in backends:
+            await server.stop()
+    waits_over = [line for line in capsys.readouterr().err.splitlines()
+                  if "store_failover_wait_over" in line]
+    assert (first.status, first.done, first.tokens) == (200, True, 300), first
+    failed = [o for o in rest if (o.status, o.code, o.done) != (200, None, True)
+              or o.tokens != o.max_tokens]
+    assert not failed, (failed, waits_over)
+    # the wait ran out while the shard was down, and spared the other model's clients
+    assert waits_over and all(f'"{OTHER}"' in line for line in waits_over), waits_over
+    last_s = max(o.answered_at for o in rest) - killed_at
+    assert last_s > 0.3, f"the last client was dispatched {last_s:.2f} s after the kill"

@@ -363,3 +363,22 @@ async def test_a_trickling_whole_answer_is_cut_by_the_idle_deadline(
         await store_is_idle(gw)
     finally:
         await backend.stop()
+
+
+async def test_a_bug_after_the_first_token_ends_the_stream_with_an_error_event(
+        sim: SimFactory, gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception once the status line went (as redis-py's cluster pipeline
+    raised one on a connection torn down in a failover): the client gets an error event
+    and the end of the stream at once, not an open connection until its timeout."""
+    gw = await gateway([await sim(profile="instant")])
+
+    async def broken(*_: Any) -> None:
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+    monkeypatch.setattr(gw.services.dispatcher, "started", broken)
+    async with asyncio.timeout(30):  # the test's bound, not the gateway's behaviour
+        status, frames = await streamed(gw, {"model": MODEL, "messages": HI,
+                                             "max_tokens": 4, "stream": True})
+    assert status == 200 and frames, (status, frames)
+    message = assert_error(json.loads(frames[-1][len(b"data: "):]), type_="internal_error")
+    assert "internal error" in message, frames

@@ -2,14 +2,18 @@
 cancellation (Python 3.11's ``asyncio.wait_for`` returns normally when what it waits for
 finishes as the task is cancelled, and redis-py sends every command through it once
 ``socket_timeout`` is set; a gateway whose loops ignored their cancellation never shut
-down: tests/gateway/test_cli_serve.py)."""
+down: tests/gateway/test_cli_serve.py). And a connection redis-py tore down under a
+command is the store gone, not a bug of ours."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+import redis.asyncio as aioredis
+
 from gateway.core.waits import event_set
-from gateway.storage.redis_client import connect
+from gateway.storage.redis_client import connect, unavailable
 
 TRIES = 60
 STEP_S = 0.00005  # cancel 0, 50 µs, 100 µs, … after the command starts: its connect and send
@@ -58,3 +62,18 @@ async def test_a_redis_command_cancelled_at_any_moment_is_cancelled(redis_url: s
         f"commands returned normally although cancelled, at "
         f"{[f'{s * 1e6:.0f} µs' for s in swallowed]} (of {TRIES})")
     assert cancelled > 0, "every command finished before its cancellation: nothing checked"
+
+
+async def test_a_connection_torn_down_under_redis_py_reads_as_the_store_gone() -> None:
+    """redis-py's cluster pipeline sent on a connection another task had closed in a
+    failover: ``AttributeError`` from inside redis-py (its writer is None) is the store
+    going away, a 503 the client may retry; the same error from our own code is a bug and
+    surfaces as one."""
+    connection = aioredis.Connection()  # never connected: no writer, as one torn down
+    with pytest.raises(AttributeError) as inside:
+        await connection._send_packed_command([b"PING"])
+    assert unavailable(inside.value), inside.value
+    try:
+        None.writelines  # type: ignore[attr-defined]  # noqa: B018
+    except AttributeError as ours:
+        assert not unavailable(ours), ours
