@@ -143,7 +143,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         config.on_swap(lambda new: setattr(store, "request_ttl_s", request_ttl_s(new)))
         pool = BackendPool(config, session, store, metrics)
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
-        pool.on_snapshot = dispatcher.wake
+        pool.on_snapshot = dispatcher.wake_freed  # gates may have opened
         quotas = Quotas(client, config)
         usage = UsageLedger(client, settings.usage_retention_days,
                             lambda: config.current.models())

@@ -8,13 +8,15 @@ The decision rides on the calls a request makes anyway: a tick's enqueues go in 
 that also dispatches to the least loaded open backend, and a started or settled request
 whose slot frees grants its backend's next requests in the same call (``lua/lib/
 dispatch.lua``). The dispatch loop runs the decision on its own only for what those did
-not serve: a new snapshot, a backlog left after them, the heartbeat's safety net.
+not serve: a new snapshot while requests are known to be queued, a backlog left after
+them, the heartbeat's safety net. Its pass is one call per model, whatever the number of
+backends: the open ones in load order until nothing is queued (``lua/dispatch.lua``).
 
 A first token matters to the decision only when something is queued that the slot it
 frees could take. While the latest decision left nothing queued for the model (on any
 replica: its depth is the model's), the start is held here and rides on the next call
 that goes to Redis for the model anyway: the next enqueue, a settle (its own, at the
-latest), a start sent at once, the dispatch loop's next decision (after each snapshot).
+latest), a start sent at once, the dispatch loop's next pass (after each snapshot).
 Until then the request counts as in transit, which only makes the gate stricter
 (``policies/gates.py`` Gate.admits), and a snapshot taken after the first token shows it
 running anyway; a replica that dies holding starts is reaped as if its requests never
@@ -185,7 +187,11 @@ class Dispatcher(ReadsSettings):
         self._wake.set()
 
     def wake_freed(self) -> None:
-        """A backend slot freed: dispatch only if requests are known to be queued."""
+        """Room may have appeared (a backend slot freed, a new snapshot): dispatch only
+        where requests are known to be queued. Of the replicas, the one that queued a
+        request still waiting saw it queued at its latest call (every call returns the
+        model's depth), so it is woken; the others need not decide (the heartbeat's
+        forced pass is the safety net)."""
         self._wake.set()
 
     async def acquire(self, model: str, req: QueuedRequest, timeout_s: float) -> Grant:
@@ -523,14 +529,19 @@ class Dispatcher(ReadsSettings):
                 self._dispatch_locally()
                 continue
             for model in models:
-                # a slot freed but nothing is queued: no Redis round trip
-                idle = not forced and self._queued.get(model, 1) == 0
-                if idle and not self.preemptor.due(model, time.monotonic()):
+                # room appeared (a slot freed, a snapshot): a decision only where requests
+                # are known to be queued
+                queued = forced or self._queued.get(model, 1) > 0
+                due = self.preemptor.due(model, time.monotonic())
+                if not (queued or due or self._starts.get(model)):
                     continue
                 try:
-                    while not idle and await self.dispatch_once(model):
+                    while queued and await self.dispatch_once(model):
                         pass
-                    await self._preempt(model)
+                    if queued or due:
+                        await self._preempt(model)
+                    else:  # the starts held go, so that the others' gates see what runs
+                        await self._send_held_starts(model)
                 except StoreUnavailable as exc:
                     log.warning("dispatch_failed", model=model, error=str(exc))
                     self._maybe_work = True  # try again on the next wake-up
@@ -549,20 +560,26 @@ class Dispatcher(ReadsSettings):
         Gates come from this replica's own latest scrape of each backend; the Lua script
         re-checks the shared sent-since-snapshot count, so replicas never overshoot."""
         plan = await self.plan(model, time.time())
-        for backend in plan.open:
-            starts = self._take_starts(model)
-            try:
-                with self._decision(model, backend):
-                    done = await self.store.dispatch_with(
-                        model, self._dispatch_args(model, plan, backend), starts)
-            except StoreUnavailable:
-                self._hold(model, starts)
-                raise
-            if self._granted(model, plan, done):
-                return True  # decide again who is owed after each such dispatch
-            if done.depth == 0:
-                break
-        return False
+        if not plan.open:
+            return False
+        starts = self._take_starts(model)
+        try:
+            with contextlib.ExitStack() as deciding:
+                for backend in plan.open:
+                    deciding.enter_context(self._decision(model, backend))
+                # one call tries the open backends in order, until nothing is queued (or
+                # after the first grant while a class is owed its floor)
+                decided = await self.store.dispatch_with(
+                    model, [self._dispatch_args(model, plan, b) for b in plan.open], starts,
+                    until_grant=plan.owed is not None)
+        except StoreUnavailable:
+            self._hold(model, starts)
+            raise
+        again = False
+        for done in decided:
+            # decide again who is owed after each such dispatch
+            again = self._granted(model, plan, done) or again
+        return again
 
     async def plan(self, model: str, now: float) -> Plan:
         """The inputs of the model's dispatch decisions at ``now`` (``policies/``: the

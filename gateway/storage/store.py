@@ -334,14 +334,21 @@ def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
             + [k.active(c) for c in order] + [k.saved(c) for c in order])
 
 
+def _grants(backend: str, found: Sequence[Any], decisions: Sequence[Any]) -> list[Grant]:
+    return [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at),
+                  int(held), int(blocks), reason, charged_prompt=int(charged))
+            for (rid, klass, user, rank, owner, enqueued_at, charged), (held, blocks, reason)
+            in zip(found, decisions, strict=True)]
+
+
+def _backlogged(since: Sequence[Any]) -> dict[str, float]:
+    return {str(since[i]): float(since[i + 1]) for i in range(0, len(since), 2)}
+
+
 def _dispatched(backend: str, raw: Sequence[Any]) -> Dispatched:
     found, depth, decisions, since, recent = raw
-    grants = [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at),
-                    int(held), int(blocks), reason, charged_prompt=int(charged))
-              for (rid, klass, user, rank, owner, enqueued_at, charged), (held, blocks, reason)
-              in zip(found, decisions, strict=True)]
-    backlogged = {str(since[i]): float(since[i + 1]) for i in range(0, len(since), 2)}
-    return Dispatched(grants, int(depth), backlogged, [str(c) for c in recent])
+    return Dispatched(_grants(backend, found, decisions), int(depth), _backlogged(since),
+                      [str(c) for c in recent])
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,21 +494,33 @@ class Store:
         ``limits`` holds each class's gate (``policies/gates.py`` Gate.admits), or just
         its burst limit.
         Returns the grants and how many requests are still queued for the model."""
-        done = await self.dispatch_with(model, dispatch_args(
+        [done] = await self.dispatch_with(model, [dispatch_args(
             model, backend, limits, replica, now, replica_ttl_s, order, recent_window,
-            max_grants, grant_pickup_s, locality, fit, sessions))
+            max_grants, grant_pickup_s, locality, fit, sessions)])
         return done.grants, done.depth
 
-    async def dispatch_with(self, model: str, args: Mapping[str, Any],
-                            starts: Sequence[Start] = ()) -> Dispatched:
-        """:meth:`dispatch` from its arguments (:func:`dispatch_args`); ``starts`` are
-        marked first."""
-        keys = start_keys(model, starts) + dispatch_keys(model, args)
-        args = self._spread(model, args) or args
+    async def dispatch_with(self, model: str, each: Sequence[Mapping[str, Any]],
+                            starts: Sequence[Start] = (), until_grant: bool = False
+                            ) -> list[Dispatched]:
+        """:meth:`dispatch` for several backends in one call, from each one's arguments
+        (:func:`dispatch_args`) in the order given, until nothing is queued for the model
+        (with ``until_grant``: or after the first backend that granted); ``starts`` are
+        marked first. One :class:`Dispatched` per backend tried, in order (each with the
+        depth and class service picture after the last decision)."""
+        keys = start_keys(model, starts)
+        for args in each:
+            keys += dispatch_keys(model, args)
+        call: dict[str, Any] = {"prefix": ModelKeys(model).prefix,
+                                "each": [self._spread(model, args) or args for args in each],
+                                "until_grant": until_grant}
         if starts:
-            args = {**args, "starts": _starts(starts)}
-        raw = await self._run("dispatch", list(dict.fromkeys(keys)), [json.dumps(args)])
-        return _dispatched(args["backend"], raw)
+            call["starts"] = _starts(starts)
+        decided, depth, since, recent = await self._run(
+            "dispatch", list(dict.fromkeys(keys)), [json.dumps(call)])
+        backlogged, classes = _backlogged(since), [str(c) for c in recent]
+        return [Dispatched(_grants(args["backend"], found, decisions), int(depth), backlogged,
+                           classes)
+                for args, (found, decisions) in zip(each, decided, strict=False)]
 
     async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
         """(class → backlogged since, classes of the latest dispatches, newest first)."""

@@ -16,7 +16,9 @@ generator in this one. For each replica count:
   ``fairgate_dispatches_total``), and the published snapshots' age (now - ``taken_at`` of
   every ``bk:<backend>:snap`` in Redis, sampled every 50 ms) at p50/p99;
 - in both: the simulators' CPU and the machine's busy share (``/proc/stat``): where the
-  machine is saturated, the latencies are not the gateway's alone.
+  machine is saturated, the latencies are not the gateway's alone; Redis's script calls
+  (every replica's decisions, settles, heartbeats, lease ticks) and command time
+  (``INFO commandstats``), per second and, under load, per request.
 
 Targets (issue "the gateway's own cost at fleet size"): idle CPU ≤ 1 % of a core per
 backend per gateway process; scrapes per backend per second ≤ 1.2 / ``scrape_interval_s``
@@ -92,6 +94,15 @@ async def snapshot_ages(client: aioredis.Redis, backends: int, stop: asyncio.Eve
             await asyncio.wait_for(stop.wait(), 0.05)
 
 
+async def redis_work(client: aioredis.Redis) -> tuple[int, int]:
+    """Script calls (EVAL, EVALSHA) and microseconds of command time Redis has counted
+    (``INFO commandstats``)."""
+    stats = await client.info("commandstats")
+    scripts = sum(int(v["calls"]) for k, v in stats.items()
+                  if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    return scripts, sum(int(v["usec"]) for v in stats.values())
+
+
 def machine_ticks() -> tuple[int, int]:
     """All CPU ticks of the machine so far, and the idle ones (``/proc/stat``)."""
     with open("/proc/stat") as handle:
@@ -99,19 +110,21 @@ def machine_ticks() -> tuple[int, int]:
     return sum(ticks), ticks[3] + ticks[4]
 
 
-async def _measured(http: aiohttp.ClientSession, gateways: list[Proc], sims: Proc,
-                    urls: list[str], window: Callable[[], Awaitable[dict[str, Any]]]
-                    ) -> dict[str, Any]:
-    """Run ``window()``; the gateway CPU, scrapes and dispatches over it."""
+async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
+                    gateways: list[Proc], sims: Proc, urls: list[str],
+                    window: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``window()``; the gateway CPU, scrapes, dispatches and Redis work over it."""
     cpu0, sims0, (all0, idle0) = [g.cpu_seconds() for g in gateways], sims.cpu_seconds(), \
         machine_ticks()
     s0, d0 = await scrapes(http, urls), await dispatches(http, gateways)
+    (scripts0, usec0) = await redis_work(client)
     start = time.perf_counter()
     out: dict[str, Any] = await window()
     wall = time.perf_counter() - start
     cpu = [g.cpu_seconds() - c for g, c in zip(gateways, cpu0, strict=True)]
     sims_s, (all1, idle1) = sims.cpu_seconds() - sims0, machine_ticks()
     s1, d1 = await scrapes(http, urls), await dispatches(http, gateways)
+    scripts1, usec1 = await redis_work(client)
     per_backend = [(b - a) / wall for a, b in zip(s0, s1, strict=True)]
     return {**out, "wall_s": round(wall, 3),
             "gateway_cores": [round(c / wall, 4) for c in cpu],
@@ -119,6 +132,8 @@ async def _measured(http: aiohttp.ClientSession, gateways: list[Proc], sims: Pro
             "scrapes_per_backend_s": {"mean": round(sum(per_backend) / len(per_backend), 3),
                                       "max": round(max(per_backend), 3)},
             "dispatches_per_s": round((d1 - d0) / wall, 2),
+            "redis_scripts_per_s": round((scripts1 - scripts0) / wall, 1),
+            "redis_busy": round((usec1 - usec0) / 1e6 / wall, 4),
             "simulator_cores": round(sims_s / wall, 3),
             "machine_busy": round(1 - (idle1 - idle0) / max(1, all1 - all0), 3)}
 
@@ -142,13 +157,15 @@ async def _phase(opts: Options, p: dict[str, Any], bench: Bench, sims: Proc,
                     return {}
 
                 await asyncio.sleep(min(2.0, p["idle_s"]))  # settle: leases, first scrapes
-                quiet = await _measured(http, gateways, sims, urls, idle)
+                quiet = await _measured(http, client, gateways, sims, urls, idle)
                 quiet["cpu_pct_per_backend_per_process"] = [
                     round(100 * c / n, 3) for c in quiet["gateway_cores"]]
-                busy = await _measured(http, gateways, sims, urls,
+                busy = await _measured(http, client, gateways, sims, urls,
                                        lambda: _load(opts, p, client, gateways))
-                busy["cpu_ms_per_req"] = round(
-                    busy["cpu_s"] * 1000 / max(1, busy["requests"]["sent"]), 3)
+                sent = max(1, busy["requests"]["sent"])
+                busy["cpu_ms_per_req"] = round(busy["cpu_s"] * 1000 / sent, 3)
+                busy["redis_scripts_per_req"] = round(
+                    busy["redis_scripts_per_s"] * busy["wall_s"] / sent, 2)
         finally:
             for gw in gateways:
                 gw.stop()
@@ -200,6 +217,12 @@ def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
         rows.append(report.Headline(
             f"{replicas} replica(s): gateway CPU per request at {p['rate']} req/s (ms, all "
             "replicas)", None, load["cpu_ms_per_req"], None, "–", None))
+        rows.append(report.Headline(
+            f"{replicas} replica(s): Redis script calls per request at {p['rate']} req/s",
+            None, load["redis_scripts_per_req"], None, "–", None))
+        rows.append(report.Headline(
+            f"{replicas} replica(s): Redis script calls per second, idle", None,
+            r["idle"]["redis_scripts_per_s"], None, "–", None))
         rows.append(report.Headline(
             f"{replicas} replica(s): snapshot age p99 under load (ms)", None,
             load["snapshot_age_ms"]["p99"], None, "–", None))

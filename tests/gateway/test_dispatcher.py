@@ -189,6 +189,34 @@ async def test_a_full_gate_passes_the_rest_to_the_next_backend(rig: Rig) -> None
     assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
 
 
+async def test_a_pass_over_many_open_backends_is_one_call(
+        redis: aioredis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet's pass costs one Redis call, not one per open backend: at 32 backends and
+    a backlog, a pass of one call per backend (until nothing was queued) made the
+    dispatch work grow with snapshots × backends × replicas (the fleet bench)."""
+    async with aiohttp.ClientSession() as session:
+        rig = make_rig(redis_url, session, backends=[
+            {"name": f"b{i}", "url": f"http://127.0.0.1:9/b{i}", "model": MODEL}
+            for i in range(6)])
+        await rig.store.heartbeat([MODEL], REPLICA, time.time())
+        try:
+            for i in range(6):  # each has room for one request in transit; b5 the least loaded
+                await set_backend(rig, f"b{i}", waiting=2, running=10 - i)
+            pending = [await queue(rig, f"r{i}", user=f"u{i}") for i in range(4)]
+            calls = Calls(rig.store, monkeypatch, "dispatch_with")
+            assert await rig.dispatcher.dispatch_once(MODEL) is False
+            backends = [(await p.grant()).backend for p in pending]
+            assert calls.counts == {"dispatch_with": 1}, (
+                f"a pass over 6 open backends for 4 requests made {calls.counts} calls")
+            # one each, least loaded first, and the two backends after the queue emptied
+            # were not tried
+            assert sorted(backends) == ["b2", "b3", "b4", "b5"], backends
+            assert rig.dispatcher._queued[MODEL] == 0
+            assert (dispatches(rig, "b0"), dispatches(rig, "b1")) == (0.0, 0.0)
+        finally:
+            await rig.close()
+
+
 async def test_a_closed_gate_dispatches_nothing(rig: Rig) -> None:
     max_waiting = rig.settings.classes["interactive"].max_waiting
     await set_backend(rig, "b0", waiting=max_waiting, running=1)

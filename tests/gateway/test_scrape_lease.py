@@ -185,6 +185,51 @@ async def test_an_idle_backend_is_scraped_slowly_and_fast_again_once_work_comes(
         f"than the idle interval {idle}s")
 
 
+async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Every replica adopts every published snapshot. A snapshot used to force a dispatch
+    pass on each of them, a Redis call each even with nothing queued: dispatch work grew
+    with snapshots × replicas (the fleet bench: 11.5 dispatch calls a request at four
+    replicas). A snapshot now wakes a decision only where requests are known to be
+    queued; the heartbeat's forced pass stays the safety net."""
+    backends = [await sim(profile="instant"), await sim(profile="instant")]
+    interval, heartbeat = 0.05, 0.5
+    replicas = [await gateway(backends, scrape_interval_s=interval,
+                              idle_scrape_interval_s=interval, replica_heartbeat_s=heartbeat)
+                for _ in range(3)]
+    adopted = [0] * len(replicas)
+    calls = [0] * len(replicas)
+    for i, gw in enumerate(replicas):
+        pool, store = gw.services.pool, gw.services.store
+        woken, dispatch_with = pool.on_snapshot, store.dispatch_with
+
+        def snapshot(i: int = i, woken: Any = woken) -> None:
+            adopted[i] += 1
+            woken()
+
+        async def counted(*args: Any, i: int = i, real: Any = dispatch_with,
+                          **kwargs: Any) -> Any:
+            calls[i] += 1
+            return await real(*args, **kwargs)
+
+        pool.on_snapshot = snapshot
+        store.dispatch_with = counted  # type: ignore[method-assign]
+    await asyncio.sleep(WINDOW_S)  # a measuring window, not a wait for an event
+    most = WINDOW_S / heartbeat + 2  # the heartbeat's passes
+    print(f"\nidle {WINDOW_S}s, 3 replicas: snapshots adopted {adopted}, dispatch calls "
+          f"{calls} (at most {most:.0f} each)")
+    assert min(adopted) >= 10, f"too few snapshots to tell: {adopted}"
+    assert max(calls) <= most, (
+        f"idle replicas made {calls} dispatch calls for {adopted} snapshots adopted in "
+        f"{WINDOW_S}s: more than the heartbeat's {most:.0f}")
+    # and requests through every replica are still served
+    async with aiohttp.ClientSession() as session:
+        done = await asyncio.wait_for(asyncio.gather(*(
+            complete(session, replicas[i % 3].url, f"sk-{user}", 4)
+            for i, user in enumerate(("alice", "bob", "alice", "bob") * 3))), 60)
+    assert len(done) == 12
+
+
 async def test_a_wake_up_left_set_after_the_lease_is_gone_does_not_spin_the_event_loop(
         sim: SimFactory, gateway: GatewayFactory) -> None:
     """Under load a process gives its lease up (or a Redis outage ends) while a wake-up
