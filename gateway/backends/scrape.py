@@ -682,17 +682,16 @@ class BackendPool(ReadsSettings):
 
     def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
         m, name = self.metrics, handle.name
-        m.backend_waiting.labels(name).set(snap.waiting)
-        m.backend_waiting_queued.labels(name).set(
-            queued_for_a_slot(snap, handle.peak_running))
-        m.backend_running.labels(name).set(snap.running)
-        m.backend_kv.labels(name).set(snap.kv_usage)
-        m.backend_tpot.labels(name).set(snap.tpot_s or 0.0)
+        m.child(m.backend_waiting, name).set(snap.waiting)
+        m.child(m.backend_waiting_queued, name).set(queued_for_a_slot(snap, handle.peak_running))
+        m.child(m.backend_running, name).set(snap.running)
+        m.child(m.backend_kv, name).set(snap.kv_usage)
+        m.child(m.backend_tpot, name).set(snap.tpot_s or 0.0)
         ratio = handle.prefix_hit_ratio
-        m.backend_prefix_hit_ratio.labels(name).set(math.nan if ratio is None else ratio)
-        m.backend_healthy.labels(name).set(1)
-        m.backend_drained.labels(name).set(1 if handle.drained else 0)
-        m.backend_pending_prefill.labels(name).set(handle.pending_prefill_tokens)
+        m.child(m.backend_prefix_hit_ratio, name).set(math.nan if ratio is None else ratio)
+        m.child(m.backend_healthy, name).set(1)
+        m.child(m.backend_drained, name).set(1 if handle.drained else 0)
+        m.child(m.backend_pending_prefill, name).set(handle.pending_prefill_tokens)
         lora = handle.lora
         m.record_adapters(name, self.adapters_on(handle), lora.active if lora else (),
                           lora.max_lora if lora else None)

@@ -101,8 +101,9 @@ class GatewayMetrics:
         self._gate_state: dict[str, tuple[float, dict[str, str | None]]] = {}
         self._adapters: dict[str, set[str]] = {}  # adapter series shown per backend
         self._user_series: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
-        # the request path's children by (metric, label values): labels() costs more than
-        # inc() or observe(); a removed label set leaves here too (_remove)
+        # the request path's and the snapshots' children by (metric, label values):
+        # labels() costs more than inc() or set(); a removed label set leaves here too
+        # (_remove)
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._redis: RedisMetrics | None = None
         self.queue_depth = Gauge(
@@ -546,10 +547,10 @@ class GatewayMetrics:
                       changed_for: str | None) -> None:
         """The allowance and free slots now, and the reason the allowance just changed
         (None: unchanged)."""
-        self.pacing_allowance.labels(backend, cls).set(allowance)
-        self.pacing_free_slots.labels(backend, cls).set(free_slots)
+        self.child(self.pacing_allowance, backend, cls).set(allowance)
+        self.child(self.pacing_free_slots, backend, cls).set(free_slots)
         if changed_for is not None:
-            self.pacing_changes.labels(backend, cls, changed_for).inc()
+            self.child(self.pacing_changes, backend, cls, changed_for).inc()
 
     def record_adapters(self, backend: str, loaded: frozenset[str],
                         active: tuple[str, ...], slots: int | None) -> None:
@@ -557,13 +558,13 @@ class GatewayMetrics:
         (None: no LoRA gauge). An adapter shown before and gone now drops to 0."""
         shown = self._adapters.setdefault(backend, set())
         for adapter in shown | loaded | set(active):
-            self.backend_adapter_loaded.labels(backend, adapter).set(
+            self.child(self.backend_adapter_loaded, backend, adapter).set(
                 1 if adapter in loaded else 0)
-            self.backend_adapter_active.labels(backend, adapter).set(
+            self.child(self.backend_adapter_active, backend, adapter).set(
                 1 if adapter in active else 0)
         shown |= loaded | set(active)
         if slots is not None:
-            self.backend_lora_slots.labels(backend).set(slots)
+            self.child(self.backend_lora_slots, backend).set(slots)
 
     def record_gates(self, backend: str, reasons: Mapping[str, str | None], now: float) -> None:
         """Record each class's gate state; the time since the last call is charged to the
@@ -573,14 +574,14 @@ class GatewayMetrics:
             elapsed = max(0.0, now - previous[0])
             for klass, reason in previous[1].items():
                 if reason is not None:
-                    self.gate_closed_time.labels(backend, klass, reason).inc(elapsed)
+                    self.child(self.gate_closed_time, backend, klass, reason).inc(elapsed)
         self._gate_state[backend] = (now, dict(reasons))
         for klass, reason in reasons.items():
-            self.gate_open.labels(backend, klass).set(1 if reason is None else 0)
+            self.child(self.gate_open, backend, klass).set(1 if reason is None else 0)
             for r in GATE_REASONS:
-                self.gate_reason.labels(backend, klass, r).set(1 if r == reason else 0)
+                self.child(self.gate_reason, backend, klass, r).set(1 if r == reason else 0)
             if reason is not None:
-                self.gate_closed.labels(backend, klass, reason).inc()
+                self.child(self.gate_closed, backend, klass, reason).inc()
 
 
 class StreamTiming:
