@@ -33,6 +33,17 @@ which exceeds the replicas there are (at least one) only when the window is at r
 The pool needs the largest of these, and never less than one backend while anything is
 queued or running there (a pool at zero reports 1: scale from zero).
 
+**Room for a burst over the usual load** (:func:`with_burst_baseline`, optional:
+``autoscale.burst_baseline_s`` > 0). Sized on the load now, the room of ρ < 1 grows with
+the burst itself: at a 4× peak, ρ = 0.25 asks for room for another 4× on top of it. With
+a baseline window ``W`` the room is kept over the pool's *usual* targeted load instead,
+``λ_base``: the :data:`BASELINE_QUANTILE` quantile of its targeted load over the last
+``W`` seconds, which a burst shorter than about three quarters of ``W`` does not move.
+The targeted classes' load terms then take the load now at ρ = 1, and one more need
+joins them::
+
+    need_burst = λ_base / ρ / μ
+
 **The decision** (:func:`decide`): up at once to ``ceil(need)``; down only when even
 ``need × (1 + headroom)`` fits in fewer replicas (hysteresis), and only after that held
 for ``scale_down_delay_s`` without a break, to the largest count seen meanwhile — so the
@@ -41,10 +52,14 @@ answer never drops twice within one delay, and never drops within a delay of ris
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+BASELINE_QUANTILE = 0.25
+"""The burst baseline: this quantile of the targeted load over ``burst_baseline_s``."""
+BURST = "burst room"  # the burst baseline's need, beside the classes' in class_needs
 WINDOW_MARGIN = 0.8
 """A batch backlog is planned to finish within this share of its completion window."""
 EPSILON = 1e-9  # a need of 2.0000000001 replicas (float noise) is 2
@@ -72,10 +87,19 @@ class PoolDemand:
     running: int = 0  # requests running at its backends
     window_left_s: float | None = None  # the earliest untargeted (batch) deadline left
     utilization: float = 1.0  # ρ: the share of μ the targeted classes' load may use
+    # λ_base (tokens/s): the usual targeted load the burst room is kept over; None: the
+    # load now (ρ applies to it)
+    burst_load: float | None = None
 
     @property
     def queued(self) -> float:
         return sum(c.queued_requests for c in self.classes)
+
+    @property
+    def targeted_load(self) -> float:
+        """What the classes with a target are served now (tokens/s)."""
+        return sum(max(0.0, c.served_tokens_per_s) for c in self.classes
+                   if c.target_s is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +108,7 @@ class ScaleRules:
     scale_down_delay_s: float = 300.0
     min_replicas: int = 0
     max_replicas: int | None = None
+    burst_baseline_s: float = 0.0  # W; 0: the burst room is sized on the load now
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +128,15 @@ def class_needs(pool: PoolDemand) -> dict[str, float]:
         return {}
     needs: dict[str, float] = {}
     load = backlog = 0.0
+    rho = max(pool.utilization, EPSILON)
     for c in pool.classes:
         backlog += max(0.0, c.queued_tokens)
         if c.target_s is None:
             continue
-        load += max(0.0, c.served_tokens_per_s) / max(pool.utilization, EPSILON)
+        load += max(0.0, c.served_tokens_per_s) / (1.0 if pool.burst_load is not None else rho)
         needs[c.klass] = (load + backlog / max(c.target_s, EPSILON)) / mu
+    if pool.burst_load is not None:
+        needs[BURST] = pool.burst_load / rho / mu
     window = pool.window_left_s
     untargeted = [c for c in pool.classes if c.target_s is None and c.queued_tokens > 0]
     if untargeted:
@@ -126,6 +154,20 @@ def replicas_needed(pool: PoolDemand) -> float:
     if pool.backend_tokens_per_s is None or pool.backend_tokens_per_s <= 0:
         return max(float(pool.ready), floor) if floor else 0.0
     return max([floor, *needs.values()])
+
+
+def with_burst_baseline(pool: PoolDemand, rules: ScaleRules,
+                        loads: tuple[tuple[float, float], ...], now_s: float
+                        ) -> tuple[PoolDemand, tuple[tuple[float, float], ...]]:
+    """``pool`` with its burst baseline (see the module), and the (time, targeted load)
+    samples of the window to pass to the next call; ``pool`` unchanged without a window."""
+    window = rules.burst_baseline_s
+    if window <= 0:
+        return pool, ()
+    kept = (*((t, x) for t, x in loads if now_s - t < window), (now_s, pool.targeted_load))
+    ordered = sorted(x for _, x in kept)
+    base = ordered[int(BASELINE_QUANTILE * (len(ordered) - 1))]
+    return dataclasses.replace(pool, burst_load=base), kept
 
 
 def window_at_risk(pool: PoolDemand, klass: str) -> bool:

@@ -18,6 +18,7 @@ from policies.autoscale import (
     decide,
     replicas_needed,
     window_at_risk,
+    with_burst_baseline,
 )
 
 MU = 1000.0  # one backend serves 1,000 tokens/s
@@ -56,6 +57,34 @@ def test_a_target_utilization_keeps_room_for_a_burst_of_its_inverse() -> None:
     # and after the 4x step, served at ρ = 1 what it was sized for at 0.25
     stepped = replicas_needed(pool(served=(6000, 0)))
     assert stepped == pytest.approx(replicas_needed(pool(served=(1500, 0), utilization=0.25)))
+
+
+def test_a_burst_baseline_keeps_the_room_over_the_usual_load_not_over_the_burst() -> None:
+    """ρ = 0.25 on the load now asks, at a 4x peak, for room for another 4x on top of it
+    (the autoscale bench's fleet at 5 backends through the peak); over a baseline window
+    the room stays sized on the usual load, and the peak is served at ρ = 1."""
+    rules, rho = ScaleRules(burst_baseline_s=120.0), 0.25
+    loads: tuple[tuple[float, float], ...] = ()
+    needs = []
+    # 40 s at 1,500 tokens/s, then 60 s of a 4x step, one sample each 2 s
+    for t in range(0, 100, 2):
+        served = 1500.0 if t < 40 else 6000.0
+        demand, loads = with_burst_baseline(pool(served=(served, 0), utilization=rho),
+                                            rules, loads, float(t))
+        needs.append(replicas_needed(demand))
+    assert needs[10] == pytest.approx(6.0), needs[:20]  # room for the 4x before it comes
+    # through the peak: the 4x load at ρ = 1, not 4 x that (24 backends)
+    assert max(needs) == pytest.approx(6.0), needs
+    assert replicas_needed(pool(served=(6000, 0), utilization=rho)) == pytest.approx(24.0)
+    # the window forgets: a load that stays 4x for a whole window becomes the usual one
+    for t in range(100, 260, 2):
+        demand, loads = with_burst_baseline(pool(served=(6000, 0), utilization=rho),
+                                            rules, loads, float(t))
+    assert replicas_needed(demand) == pytest.approx(24.0)
+    assert min(t for t, _ in loads) > 258.0 - 120.0, loads[:3]  # the older ones left
+    # no window: unchanged, and no samples kept
+    assert with_burst_baseline(pool(served=(1500, 0)), ScaleRules(), loads, 0.0) == \
+        (pool(served=(1500, 0)), ())
 
 
 def test_a_lower_class_waits_behind_the_higher_ones() -> None:

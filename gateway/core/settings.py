@@ -194,6 +194,10 @@ class Autoscale(BaseModel):
     # the share of a backend's measured rate the targeted classes' load may use: below 1,
     # spare capacity for a burst of 1/this × the load while new backends start
     target_utilization: float = Field(default=1.0, gt=0, le=1)
+    # > 0: that room is kept over the pool's usual load (a low quantile of its load over
+    # this many seconds) instead of over the load now, so a burst does not ask for room
+    # for another burst on top of itself; 0: over the load now
+    burst_baseline_s: float = Field(default=0.0, ge=0)
     scale_down_delay_s: float = Field(default=300.0, ge=0)
     min_replicas: int = Field(default=0, ge=0)  # per pool
     max_replicas: int | None = Field(default=None, ge=0)  # per pool; None: no bound

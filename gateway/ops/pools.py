@@ -51,6 +51,7 @@ from policies.autoscale import (
     decide,
     replicas_needed,
     window_at_risk,
+    with_burst_baseline,
 )
 from policies.classes import CLASS_ORDER
 from policies.wait_estimate import fits_deadline
@@ -95,7 +96,8 @@ class _Queue:
 
 def rules_of(settings: Settings) -> ScaleRules:
     a = settings.autoscale
-    return ScaleRules(a.headroom, a.scale_down_delay_s, a.min_replicas, a.max_replicas)
+    return ScaleRules(a.headroom, a.scale_down_delay_s, a.min_replicas, a.max_replicas,
+                      a.burst_baseline_s)
 
 
 def class_target_s(settings: Settings, klass: str) -> float | None:
@@ -120,6 +122,8 @@ class PoolWatch(ReadsSettings):
         self.waits = waits
         self.metrics = metrics
         self.states: dict[str, ScaleState] = {}
+        # per pool: (time, targeted load) over autoscale.burst_baseline_s
+        self.loads: dict[str, tuple[tuple[float, float], ...]] = {}
         self.capacity: dict[str, _Capacity] = {}
         self.views: dict[str, dict[str, Any]] = {}
         self.computed_at: float | None = None  # unix s of the views
@@ -252,7 +256,10 @@ class PoolWatch(ReadsSettings):
                             sum(h.last.running + h.last.waiting for h in ready
                                 if h.last is not None), window,
                             s.autoscale.target_utilization)
-        state = self.states[name] = decide(demand, rules_of(s),
+        rules = rules_of(s)
+        demand, self.loads[name] = with_burst_baseline(demand, rules,
+                                                       self.loads.get(name, ()), mono)
+        state = self.states[name] = decide(demand, rules,
                                            self.states.get(name, ScaleState(len(ready))),
                                            mono)
         self.metrics.pool_ready.labels(name).set(len(ready))

@@ -13,7 +13,8 @@ Two policies in one run, each on a fresh gateway, Redis database and backend ``b
 - **fairgate**: ``desired_replicas`` of ``GET /admin/pools`` (``policies/autoscale.py``),
   followed as it is, with ``autoscale.target_utilization`` 1 / ``step_factor``: the room
   ``docs/autoscaling.md`` prescribes for a pool that must absorb bursts of that factor
-  within a cold start;
+  within a cold start, kept over the usual load (``autoscale.burst_baseline_s``: twice
+  the step's length, so the step itself does not move the baseline);
 - **threshold**: the rule of the KEDA guides, tenant-blind: requests waiting (the gateway's
   queue, every class, plus vLLM's ``num_requests_waiting`` summed over the backends) above
   ``threshold`` adds a backend per poll; below it for ``cooldown_s`` (and that long after
@@ -74,6 +75,7 @@ def params(opts: Options) -> dict[str, Any]:
         "batch": {"concurrency": opts.pick(6, 3), "prompt_tokens": 256, "max_tokens": 64},
         "poll_s": opts.pick(2.0, 0.5), "cold_start_s": opts.pick(8.0, 1.0),
         "cooldown_s": opts.pick(20.0, 3.0), "threshold": 3,
+        "burst_baseline_s": round(2 * step_s, 1),
         "min_replicas": 1, "max_replicas": opts.size or opts.pick(5, 3),
         "ttft_slo_ms": 2000, "autoscale_interval_s": opts.pick(1.0, 0.5),
         "drain_s": opts.pick(30.0, 10.0), "sim": SIM.__dict__,
@@ -89,6 +91,7 @@ def gateway_settings(p: dict[str, Any]) -> dict[str, Any]:
             "autoscale": {"interval_s": p["autoscale_interval_s"],
                           # room for the step the workload has: 1 / step_factor
                           "target_utilization": 1 / p["step_factor"],
+                          "burst_baseline_s": p["burst_baseline_s"],
                           "scale_down_delay_s": p["cooldown_s"],
                           "min_replicas": p["min_replicas"], "max_replicas": p["max_replicas"]}}
 
