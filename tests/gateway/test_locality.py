@@ -20,7 +20,8 @@ TURNS = 4
 # Blind routing finds a session's prefix where an earlier turn left it by chance: with
 # two backends its turns hit 0, 1/2, 3/4, 7/8 of the time, so its hits came within 1.2×
 # of locality's on a loaded run (67,616 against 78,768). With three: 0, 1/3, 5/9, 19/27
-# (locality: 0, 1, 1, 1): hit rates 0.37–0.39 against 0.74 on three loaded runs.
+# (locality: 0, 1, 1, 1): hit rates 0.37–0.39 against 0.74 on three loaded runs, but
+# up to 0.55 on others (see the test).
 BACKENDS = 3
 
 
@@ -88,7 +89,13 @@ async def test_locality_keeps_sessions_on_their_cached_prefix(
     # computed prompt tokens (queries − hits) clearly lower with locality
     seen = (f"hits/queries: least_loaded {blind_hits:.0f}/{blind_queries:.0f}, "
             f"locality {local_hits:.0f}/{local_queries:.0f}")
-    assert local_hits > 1.5 * blind_hits, seen
+    # every turn after a session's first finds its prefix (at most (TURNS-1)/TURNS of the
+    # tokens hit: 0.74 in every run). Blind routing's hits are luck, and more than the
+    # chance above: a turn follows its previous one at once, into the slot that one just
+    # freed, often on the same backend (0.35-0.55 over seven runs): compared to it, only
+    # the computed tokens are asserted, with room for that luck
+    assert local_rate >= 0.9 * (TURNS - 1) / TURNS, seen
+    assert local_hits > blind_hits, seen
     assert local_queries - local_hits < 0.75 * (blind_queries - blind_hits), seen
 
 

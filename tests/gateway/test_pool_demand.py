@@ -119,6 +119,26 @@ async def test_queued_demand_service_rate_and_desired_replicas(
         assert [r[0] for r in results] == [200] * 4, results
 
 
+async def test_a_burst_baseline_window_adds_its_need_to_the_pools_view(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """``autoscale.burst_baseline_s`` reaches the policy: the pool's needs show the room
+    kept over the usual load (``burst room``, policies/autoscale.py with_burst_baseline),
+    and the desired replicas cover it."""
+    backend = await sim()
+    gw = await gateway([backend], admin_keys=[ADMIN], autoscale={
+        "interval_s": 0.05, "target_utilization": 0.25, "burst_baseline_s": 60.0,
+        "backend_tokens_per_s": 1000.0})
+    async with aiohttp.ClientSession() as http:
+        async def shown() -> bool:
+            return "burst room" in (await pools(http, gw.url))[MODEL]["class_needs"]
+
+        await until(shown, "the burst room among the pool's needs")
+        view = (await pools(http, gw.url))[MODEL]
+        room = view["class_needs"]["burst room"]
+        assert room >= 0 and view["needed_replicas"] >= room, view
+        assert view["desired_replicas"] >= math.ceil(room - 1e-9), view
+
+
 # b0 the short-context pool (named after the model), b1 the long_context one
 SHORT_MAX = 600
 RANGES: dict[str, dict[str, Any]] = {

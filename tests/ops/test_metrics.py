@@ -121,9 +121,14 @@ async def test_queue_gauges_and_drained_gate_while_held(sim: SimFactory,
                        priority_class="interactive")
         assert oldest is not None and oldest > 0
         assert value(m, "fairgate_gate_open", backend="b0", priority_class="interactive") == 0
-        drained_s = value(m, "fairgate_gate_closed_seconds_total", backend="b0",
-                          priority_class="interactive", reason="drained")
-        assert drained_s is not None and drained_s > 0
+
+        async def drained_time() -> bool:
+            # charged when the next snapshot is recorded (the one after the drain's)
+            drained_s = value(samples(await scrape(http, gw.url)),
+                              "fairgate_gate_closed_seconds_total", backend="b0",
+                              priority_class="interactive", reason="drained")
+            return drained_s is not None and drained_s > 0
+        await until(drained_time, what="the drained gate's closed time in /metrics")
         assert not any(t.done() for t in held)
 
         status, _ = await admin_call(http, "POST", gw.url + "/admin/backends/b0/undrain")
