@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.storage.keys import ModelKeys
+from policies.autoscale import BURST
 from tests.gateway.conftest import (
     CHAT,
     MODEL,
@@ -122,7 +123,7 @@ async def test_queued_demand_service_rate_and_desired_replicas(
 async def test_a_burst_baseline_window_adds_its_need_to_the_pools_view(
         sim: SimFactory, gateway: GatewayFactory) -> None:
     """``autoscale.burst_baseline_s`` reaches the policy: the pool's needs show the room
-    kept over the usual load (``burst room``, policies/autoscale.py with_burst_baseline),
+    kept over the usual load (BURST, policies/autoscale.py with_burst_baseline),
     and the desired replicas cover it."""
     backend = await sim()
     gw = await gateway([backend], admin_keys=[ADMIN], autoscale={
@@ -130,11 +131,11 @@ async def test_a_burst_baseline_window_adds_its_need_to_the_pools_view(
         "backend_tokens_per_s": 1000.0})
     async with aiohttp.ClientSession() as http:
         async def shown() -> bool:
-            return "burst room" in (await pools(http, gw.url))[MODEL]["class_needs"]
+            return BURST in (await pools(http, gw.url))[MODEL]["class_needs"]
 
         await until(shown, "the burst room among the pool's needs")
         view = (await pools(http, gw.url))[MODEL]
-        room = view["class_needs"]["burst room"]
+        room = view["class_needs"][BURST]
         assert room >= 0 and view["needed_replicas"] >= room, view
         assert view["desired_replicas"] >= math.ceil(room - 1e-9), view
 
