@@ -261,14 +261,17 @@ def charted_history(driver: webdriver.Chrome, url: str) -> dict[float, dict[str,
     field.submit()
 
     def values(d: webdriver.Chrome) -> dict[float, dict[str, Any]] | None:
-        charts = {}
-        for chart in (f"queue-depth:{MODEL}", "dispatch-rate"):
-            raw = d.execute_script(
-                "const c = document.querySelector(`[data-chart=\"${arguments[0]}\"]`);"
-                "return c ? c.dataset.values : null;", chart)
-            if raw is None:
-                return None
-            charts[chart] = json.loads(raw)[0][1]  # the first series: [[t, value], …]
+        # both charts in one script call: the page redraws every few seconds, and two
+        # calls could read the charts of two different draws (a newer sample in one only)
+        names = [f"queue-depth:{MODEL}", "dispatch-rate"]
+        raws = d.execute_script(
+            "return arguments[0].map((name) => {"
+            "  const c = document.querySelector(`[data-chart=\"${name}\"]`);"
+            "  return c ? c.dataset.values : null; });", names)
+        if any(raw is None for raw in raws):
+            return None
+        # the first series of each: [[t, value], …]
+        charts = {chart: json.loads(raw)[0][1] for chart, raw in zip(names, raws, strict=True)}
         by_t: dict[float, dict[str, Any]] = {}
         for chart, points in charts.items():
             for t, value in points:
