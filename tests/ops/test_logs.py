@@ -14,7 +14,6 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gateway.storage.embedded_redis import free_port
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
 from tests.ops.conftest import ADMIN
 
@@ -32,10 +31,11 @@ async def post(http: aiohttp.ClientSession, url: str, key: str, body: dict[str, 
 async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_url: str,
                                                         tmp_path: Path) -> None:
     backend = await sim(profile="instant")
-    port = free_port()
     path = tmp_path / "fairgate.yaml"
     path.write_text(yaml.safe_dump({
-        "redis_url": redis_url, "listen": {"host": "127.0.0.1", "port": port},
+        # port 0: the kernel's free port, read from the banner (a port picked here before
+        # the gateway binds can be taken by another test's server meanwhile: exit 2)
+        "redis_url": redis_url, "listen": {"host": "127.0.0.1", "port": 0},
         "backends": [{"name": "b1", "url": backend.url, "model": MODEL}],
         "api_keys": KEYS, "admin_keys": [ADMIN], "data_dir": str(tmp_path)}))
     proc = await asyncio.create_subprocess_exec(
@@ -47,8 +47,12 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
     outputs: list[bytes] = []
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
-        assert line.startswith(b"fairgate listening on")
-        base = f"http://127.0.0.1:{port}"
+        if not line.startswith(b"fairgate listening on"):
+            await asyncio.wait_for(proc.wait(), 30)
+            error = await proc.stderr.read()
+            raise AssertionError(f"the gateway did not start (exit {proc.returncode}): "
+                                 f"{line!r} {error[-2000:]!r}")
+        base = line.split()[-1].decode()
         async with aiohttp.ClientSession() as http:
             for _ in range(300):  # until the first scrape made the backend healthy
                 async with http.get(base + "/ready") as resp:
@@ -69,7 +73,8 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
                                 headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
                 assert resp.status == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.returncode is None:  # (one that did not start has exited already)
+            proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     raw = (await proc.stderr.read()).decode()
     lines = [x for x in raw.splitlines() if x.strip()]
