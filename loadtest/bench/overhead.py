@@ -11,6 +11,11 @@ processes ÷ requests sent), how that CPU splits over its processes, and the Red
 commands and round trips per request (from its ``/metrics``, background loops included).
 The gateway phases run one worker (``fairgate serve --workers 1``); with ``--workers N``
 (N > 1) a last phase runs N workers with the gate wide open, for the max req/s of a host.
+
+The floor under those numbers is measured in the same run: the backend's own CPU per
+request (direct), and a bare aiohttp reverse proxy (:mod:`loadtest.bench.bare_proxy`: the
+client's request relayed to the backend and its stream back, nothing else) at the same
+rates and wide open. fairgate's own cost is what it costs above the bare proxy.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from loadtest.bench import report
 from loadtest.bench.client import Result, Spec, Target, new_session
 from loadtest.bench.env import Bench, Options, gateway_target
 from loadtest.bench.loadgen import LoopUser, closed_loop, open_loop, progress
-from loadtest.bench.procs import Proc, SimSpec
+from loadtest.bench.procs import Proc, SimSpec, start_bare_proxy
 from loadtest.bench.stats import ratio, summarize
 
 SIM = SimSpec(profile="instant", max_num_seqs=1024, max_num_batched_tokens=8192)
@@ -162,6 +167,7 @@ def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
                                 d["max"]["req_s"], w["max"]["req_s"],
                                 ratio(w["max"]["req_s"], d["max"]["req_s"]),
                                 "≥ 0.5 of direct", best >= 0.5 * d["max"]["req_s"]))
+    rows += _floor_rows(p, runs)
     cores = w["max"]["cpu"].get("process_cores") or 0.0
     per_core = round(w["max"]["req_s"] / cores, 1) if cores else None
     rows.append(report.Headline("gateway req/s per busy core (wide-open run)", None, per_core,
@@ -186,11 +192,41 @@ def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
     return rows
 
 
+def _floor_rows(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
+    """The floor under the targets: what the backend itself and a bare aiohttp proxy
+    (:mod:`loadtest.bench.bare_proxy`) cost on this machine in the same run."""
+    d, b, w = runs["direct"], runs.get("bare_proxy"), runs["gateway_wide"]
+    if b is None:
+        return []
+    rows = []
+    for rate in p["rates"]:
+        key = f"rate_{rate}"
+        sim_ms = d[key]["cpu"].get("process_cpu_ms_per_req")
+        bare_ms = b[key]["cpu"].get("process_cpu_ms_per_req")
+        gw_ms = runs["gateway"][key]["cpu"].get("process_cpu_ms_per_req")
+        rows.append(report.Headline(
+            f"floor: CPU per request at {rate} req/s (ms), backend alone (direct column) / bare "
+            "aiohttp proxy (fairgate column); ratio column = fairgate ÷ bare proxy",
+            sim_ms, bare_ms, ratio(gw_ms, bare_ms), "–", None))
+    rows.append(report.Headline(
+        "floor: max req/s, closed loop, bare aiohttp proxy; ratio column = fairgate one "
+        "worker (wide open) ÷ bare proxy", d["max"]["req_s"], b["max"]["req_s"],
+        ratio(w["max"]["req_s"], b["max"]["req_s"]), "–", None))
+    return rows
+
+
 async def run(opts: Options) -> dict[str, Any]:
     p = params(opts)
     runs: dict[str, Any] = {}
     async with Bench(opts) as bench, bench.backend(SIM, "sim") as be:
         runs["direct"] = await _suite(opts, p, be.target(), be.proc, p["rates"])  # sim's CPU
+        bare = await start_bare_proxy(be.url, bench.log_dir, "bare-proxy")
+        try:
+            runs["bare_proxy"] = await _suite(
+                opts, p, Target("bare proxy", bare.url, be.model, via_gateway=False), bare,
+                p["rates"], be.proc)
+        finally:
+            bare.stop()
         users = [(f"u{i:02d}", "interactive") for i in range(p["users"])]
         async with bench.gateway(be, users, "gateway", 1) as gw:
             runs["gateway"] = await _suite(opts, p, gateway_target(gw, be), gw, p["rates"],

@@ -86,11 +86,11 @@ def _tree(pid: int) -> list[int]:
     return found
 
 
-def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
-           ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+           module: str = "loadtest") -> tuple[subprocess.Popen[bytes], IO[bytes]]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "loadtest", *args],
+    proc = subprocess.Popen([sys.executable, "-m", module, *args],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             env={**os.environ, **(env or {})})
     return proc, log
@@ -198,6 +198,21 @@ async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, worke
     url = f"http://127.0.0.1:{port}"
     try:
         await wait_http(url, "/ready", proc)
+    except BaseException:
+        Proc(label, url, proc, log).stop()
+        raise
+    return Proc(label, url, proc, log)
+
+
+async def start_bare_proxy(backend_url: str, log_dir: Path, label: str) -> Proc:
+    """A bare aiohttp reverse proxy in front of ``backend_url``
+    (:mod:`loadtest.bench.bare_proxy`: the HTTP floor under fairgate); waits for /health."""
+    port = free_port()
+    proc, log = _spawn(label, ["--port", str(port), "--backend", backend_url],
+                       log_dir / f"{label}.log", module="loadtest.bench.bare_proxy")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_http(url, "/health", proc)
     except BaseException:
         Proc(label, url, proc, log).stop()
         raise

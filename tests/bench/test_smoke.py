@@ -110,18 +110,24 @@ def test_newcomer_one_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.timeout(90)
 def test_overhead(tmp_path: Path, redis_url: str) -> None:
-    """One run with ``--workers 2``: the one-worker phases every run has (direct, gateway,
-    gateway_wide) and the two-worker phase after them."""
+    """One run with ``--workers 2``: the one-worker phases every run has (direct, the bare
+    proxy, gateway, gateway_wide) and the two-worker phase after them."""
     report = _run("overhead", tmp_path, redis_url, workers=2)
     runs = report["runs"]
-    assert set(runs) == {"direct", "gateway", "gateway_wide", "gateway_workers"}, runs.keys()
-    for run in ("direct", "gateway"):
+    assert set(runs) == {"direct", "bare_proxy", "gateway", "gateway_wide",
+                         "gateway_workers"}, runs.keys()
+    for run in ("direct", "bare_proxy", "gateway"):
         for rate in report["params"]["rates"]:
             stats = runs[run][f"rate_{rate}"]
             assert stats["errors"] == 0
             assert stats["completed"] == int(rate * report["params"]["duration_s"])
         assert runs[run]["max"]["completed"] > 0
     assert runs["gateway_wide"]["max"]["completed"] > 0
+    # the floor is measured on the bare proxy's own process and shown beside fairgate's
+    assert runs["bare_proxy"][f"rate_{report['params']['rates'][0]}"]["cpu"][
+        "process_cpu_ms_per_req"] > 0
+    floor = [row for row in report["headline"] if row["metric"].startswith("floor:")]
+    assert len(floor) == len(report["params"]["rates"]) + 1, floor
     cpu = runs["gateway"][f"rate_{report['params']['rates'][0]}"]["cpu"]
     assert cpu["process_cpu_ms_per_req"] > 0
     assert cpu["redis_commands_per_req"] >= 2  # enqueue (with its dispatch) and settle
