@@ -5,9 +5,12 @@ A lease in Redis per backend (``lua/scrapers.lua``) names the process that scrap
 holder scrapes, works out each class's gate and pacing, and publishes them with the
 snapshot (``gateway/backends/published.py``, ``lua/snapshot.lua``); every process, the
 holder too, renews or takes its leases and reads what was published since its last look
-in one call per model and tick (every ``scrape_interval_s``). A process dies: its leases
-expire (``lease_s``: three intervals, at least :data:`LEASE_FLOOR_S`) and the next tick of
-another takes them. A holder that stops publishing (its scrapes hang) gives its lease up.
+in one call per model and tick (every ``scrape_interval_s``). The leases are spread over
+the processes: each holds at most ceil(backends / processes that ticked within a lease
+length), so no replica scrapes for all while the others only read. A process dies: its
+leases expire (``lease_s``: three intervals, at least :data:`LEASE_FLOOR_S`) and the next
+tick of another takes them. A holder that stops publishing (its scrapes hang) gives its
+lease up.
 
 The holder scrapes every ``scrape_interval_s`` while the backend is busy (requests run,
 wait or are in flight there, were dispatched to it by any replica, or are queued for its

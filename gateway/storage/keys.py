@@ -43,6 +43,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "migrate": "migrate",                 # hash: drained backend -> when its answers move
     "user_inflight": "inflight",          # hash: user -> dispatched, unsettled requests
     "replicas": "replicas",               # zset: replica -> last heartbeat (unix s)
+    "scrapers": "scrapers",               # zset: scraping process -> its last lease tick (ms)
     "listened": "listened",               # hash: replica -> its grant listener's last turn
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
@@ -182,6 +183,10 @@ class ModelKeys:
     @property
     def replicas(self) -> str:
         return self._key("replicas")
+
+    @property
+    def scrapers(self) -> str:
+        return self._key("scrapers")
 
     @property
     def listened(self) -> str:

@@ -684,7 +684,7 @@ class Store:
             k.backend_dispatches(w.backend))]
         arg = {"holder": holder, "ttl_ms": int(ttl_s * 1000), "backends": [
             {"name": w.backend, "want": w.want, "seen": w.seen} for w in wishes]}
-        queued, rows = await self._run("scrapers", [*keys, k.depth, k.drained],
+        queued, rows = await self._run("scrapers", [*keys, k.depth, k.drained, k.scrapers],
                                        [json.dumps(arg)])
         return int(queued), {w.backend: ScrapeView(
             bool(held), bool(drained), int(inflight), int(pending),

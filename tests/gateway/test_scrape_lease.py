@@ -89,6 +89,48 @@ async def test_three_replicas_scrape_each_backend_once_per_interval_between_them
             await complete(session, gw.url, "sk-alice", 2)
 
 
+async def test_the_leases_are_spread_evenly_over_the_replicas(
+        sim: SimFactory, gateway: GatewayFactory, redis: aioredis.Redis) -> None:
+    """Six backends, three replicas started one after the other: the first takes every
+    lease, then each one that joins takes its share, ceil(6 / 3) = 2, from the free ones
+    the others give up above theirs; every backend keeps exactly one scraper."""
+    backends = [await sim(profile="instant") for _ in range(6)]
+    names = [f"b{i}" for i in range(6)]
+    replicas = [await gateway(backends, scrape_interval_s=0.05)]
+    await until(lambda: all(len(holders(replicas, n)) == 1 for n in names),
+                "the first replica holding every lease")
+
+    def held_by(gw: GatewayServer) -> int:
+        return sum(h.held for h in gw.services.pool.handles.values())
+
+    assert held_by(replicas[0]) == 6, held_by(replicas[0])
+    replicas += [await gateway(backends, scrape_interval_s=0.05) for _ in range(2)]
+
+    seen: list[object] = []
+
+    async def spread() -> bool:
+        leases = [await redis.get(K.backend_scraper(n)) for n in names]
+        seen[:] = [[held_by(gw) for gw in replicas], leases]
+        return (sorted(held_by(gw) for gw in replicas) == [2, 2, 2]
+                and all(len(holders(replicas, n)) == 1 for n in names)
+                and sorted(leases) == sorted(h for n in names for h in holders(replicas, n)))
+    try:
+        await until(spread, "two leases held by each of the three replicas")
+    except pytest.fail.Exception:
+        pytest.fail(f"leases not spread: held per replica, then each backend's lease: {seen}")
+    print(f"\nleases per replica: {[held_by(gw) for gw in replicas]}")
+    # every replica still reads every backend's fresh snapshot and serves
+    now = time.time()
+    for gw in replicas:
+        for h in gw.services.pool.handles.values():
+            assert h.healthy and h.last is not None and (
+                now - h.last.taken_at_s < gw.services.settings.snapshot_stale_s), (
+                gw.services.pool.scraper_id, h.name, h.failures, h.last)
+    async with aiohttp.ClientSession() as session:
+        for gw in replicas:
+            await complete(session, gw.url, "sk-alice", 1)
+
+
 def published(taken_at: float) -> tuple[BackendSnapshot, str]:
     """An idle backend's snapshot with open gates, as a scraper publishes it."""
     snap = BackendSnapshot(0, 0, 0.0, None, taken_at)

@@ -33,6 +33,34 @@ async def test_a_lease_is_taken_when_free_renewed_by_its_holder_only_and_given_u
     assert await redis.get(K.backend_scraper("b1")) == "B"
 
 
+async def test_the_leases_are_shared_by_the_processes_that_tick(
+        redis: aioredis.Redis) -> None:
+    """A holds both leases; B ticks: A's share is now ceil(2 / 2) = 1, so A gives one
+    up at its next tick and B takes it at its own. Once B stops ticking for a lease
+    length it no longer counts, and A takes the lease B's expiry freed."""
+    store = Store(redis, 600)
+    wish = {M: [LeaseWish("b1", True), LeaseWish("b2", True)]}
+
+    def held(got: dict) -> list[bool]:  # type: ignore[type-arg]
+        return [v.held for v in got[M][1].values()]
+
+    assert held(await store.scrape_leases("A", 5.0, wish)) == [True, True]
+    assert held(await store.scrape_leases("B", 0.2, wish)) == [False, False]
+    a = held(await store.scrape_leases("A", 5.0, wish))
+    assert sorted(a) == [False, True], f"A above its share of 1 still holds {a}"
+    b = held(await store.scrape_leases("B", 0.2, wish))
+    assert b == [not x for x in a], f"B took {b} of what A gave up ({a})"
+    assert sorted(held(await store.scrape_leases("A", 5.0, wish))) == [False, True]
+    assert await redis.zcard(K.scrapers) == 2
+    for _ in range(100):  # B silent: its lease (PX 0.2 s) expires, and a lease length
+        a = held(await store.scrape_leases("A", 0.2, wish))  # after its last tick its entry
+        if a == [True, True]:  # leaves the processes counted: bounded wait for both
+            break
+        await asyncio.sleep(0.01)
+    assert a == [True, True], f"A alone again holds {a}"
+    assert await redis.zrange(K.scrapers, 0, -1) == ["A"]
+
+
 async def test_an_expired_lease_goes_to_the_next_taker(redis: aioredis.Redis) -> None:
     store = Store(redis, 600)
     await store.scrape_leases("A", 0.05, {M: [LeaseWish("b1", True)]})

@@ -2,9 +2,18 @@
 -- what each backend's scraper published since this process last read it: one call per
 -- model and tick (gateway/backends/scrape.py). A lease is a string naming the process
 -- that scrapes the backend, with a PX expiry; only its holder renews it.
+-- The leases are spread over the processes that scrape the model: each call registers its
+-- process (a zset of processes by their last call, a process gone for a lease length
+-- leaves it), and a process holds at most its share, ceil(backends / processes). It
+-- takes a free lease only below its share and gives up what it holds above it, which a
+-- process below its share takes at its next call: a
+-- process that starts takes its share within a few calls, and the leases of one that
+-- died go to the others once its leases and its entry expire. The shares add up to at
+-- least the backends, so every backend keeps a scraper.
 -- KEYS, per backend i (from 1) of `backends`: [5i-4] its lease, [5i-3] its snapshot hash,
 --   [5i-2] its in-flight count, [5i-1] its pending prefill hash, [5i] its dispatch
---   counter; then the model's depth hash and its drained set (the last two)
+--   counter; then the model's depth hash, its drained set and its scraping processes'
+--   zset (the last three)
 -- ARGV[1] JSON {holder (this process), ttl_ms, backends: [{name, want (false: give the
 --   lease up if this process holds it), seen (the snapshot hash's "v" this process
 --   read last; "": none)}]}
@@ -18,18 +27,32 @@ local queued = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[5 * n + 1])) do
   queued = queued + (tonumber(v) or 0)
 end
+local scrapers = KEYS[5 * n + 3]
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('ZADD', scrapers, now_ms, p.holder)
+redis.call('ZREMRANGEBYSCORE', scrapers, '-inf', now_ms - p.ttl_ms)
+redis.call('PEXPIRE', scrapers, math.floor(4 * p.ttl_ms))
+local share = math.ceil(n / redis.call('ZCARD', scrapers))
+local holders, mine = {}, 0
+for i = 1, n do
+  holders[i] = redis.call('GET', KEYS[5 * i - 4])
+  if holders[i] == p.holder then mine = mine + 1 end
+end
 local rows = {}
 for i, b in ipairs(p.backends) do
   local lease, snapshot = KEYS[5 * i - 4], KEYS[5 * i - 3]
-  local holder = redis.call('GET', lease)
+  local holder = holders[i]
   local held = 0
-  if b.want then
-    if not holder or holder == p.holder then
-      redis.call('SET', lease, p.holder, 'PX', math.floor(p.ttl_ms))
-      held = 1
-    end
-  elseif holder == p.holder then
+  if b.want and holder == p.holder and mine <= share then
+    redis.call('SET', lease, p.holder, 'PX', math.floor(p.ttl_ms))
+    held = 1
+  elseif b.want and not holder and mine < share then
+    redis.call('SET', lease, p.holder, 'PX', math.floor(p.ttl_ms))
+    held, mine = 1, mine + 1
+  elseif holder == p.holder then  -- not wanted, or above the share: given up
     redis.call('DEL', lease)
+    mine = mine - 1
   end
   local version = redis.call('HGET', snapshot, 'v')
   local published = 0
