@@ -59,6 +59,11 @@ async def test_the_leases_are_shared_by_the_processes_that_tick(
         await asyncio.sleep(0.01)
     assert a == [True, True], f"A alone again holds {a}"
     assert await redis.zrange(K.scrapers, 0, -1) == ["A"]
+    # a process giving every lease up (its shutdown) stops counting at once: B alone
+    await store.scrape_leases("A", 5.0, {M: [LeaseWish("b1", False), LeaseWish("b2", False)]})
+    assert await redis.zcard(K.scrapers) == 0
+    assert held(await store.scrape_leases("B", 5.0, wish)) == [True, True]
+    assert await redis.zrange(K.scrapers, 0, -1) == ["B"]
 
 
 async def test_an_expired_lease_goes_to_the_next_taker(redis: aioredis.Redis) -> None:

@@ -3,8 +3,8 @@
 -- model and tick (gateway/backends/scrape.py). A lease is a string naming the process
 -- that scrapes the backend, with a PX expiry; only its holder renews it.
 -- The leases are spread over the processes that scrape the model: each call registers its
--- process (a zset of processes by their last call, a process gone for a lease length
--- leaves it), and a process holds at most its share, ceil(backends / processes). It
+-- process (a zset of processes by their last call; a process gone for a lease length
+-- leaves it, and so does one that gives every lease up), and a process holds at most its share, ceil(backends / processes). It
 -- takes a free lease only below its share and gives up what it holds above it, which a
 -- process below its share takes at its next call: a
 -- process that starts takes its share within a few calls, and the leases of one that
@@ -30,10 +30,16 @@ end
 local scrapers = KEYS[5 * n + 3]
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-redis.call('ZADD', scrapers, now_ms, p.holder)
+local wants = false
+for _, b in ipairs(p.backends) do wants = wants or b.want end
+if wants then
+  redis.call('ZADD', scrapers, now_ms, p.holder)
+else  -- giving every lease up (its shutdown): no longer one of the processes sharing
+  redis.call('ZREM', scrapers, p.holder)
+end
 redis.call('ZREMRANGEBYSCORE', scrapers, '-inf', now_ms - p.ttl_ms)
 redis.call('PEXPIRE', scrapers, math.floor(4 * p.ttl_ms))
-local share = math.ceil(n / redis.call('ZCARD', scrapers))
+local share = math.ceil(n / math.max(1, redis.call('ZCARD', scrapers)))
 local holders, mine = {}, 0
 for i = 1, n do
   holders[i] = redis.call('GET', KEYS[5 * i - 4])
