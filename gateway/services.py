@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
 from gateway.batch.runner import BatchRunner
+from gateway.core import loop_lag
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings, SettingsHolder
@@ -189,7 +191,9 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("backends", backends.run, restarts),
                                      name="backends"),
                  asyncio.create_task(supervise("discovery", DnsDiscovery(
-                     config, backends).run, restarts), name="discovery")]
+                     config, backends).run, restarts), name="discovery"),
+                 asyncio.create_task(supervise("loop_lag", functools.partial(
+                     loop_lag.watch, metrics.loop_lag), restarts), name="loop_lag")]
         try:
             yield services
         finally:

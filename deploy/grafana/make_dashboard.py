@@ -248,6 +248,11 @@ def build() -> dict[str, Any]:
     lay.add(timeseries("Redis latency and errors", [
         *quantiles("fairgate_redis_command_duration_seconds", "command", (0.99,)),
         (f"sum(rate(fairgate_redis_errors_total[{RI}]))", "errors/s")], unit="s"))
+    lay.add(timeseries("Event loop lag (p99, the busiest process)", [
+        (f"max(histogram_quantile(0.99, sum by (instance, le) "
+         f"(rate(fairgate_event_loop_lag_seconds_bucket[{RI}]))))", "p99")], unit="s",
+        description="How late a gateway process's event loop ran a timer: a busy loop "
+                    "delays every request that process serves by as much"))
 
     return {
         "uid": "fairgate-overview", "title": "fairgate", "tags": ["fairgate", "vllm"],

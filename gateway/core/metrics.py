@@ -32,6 +32,7 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 RANK_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100, 500)
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 DISPATCH_RATE_WINDOW_S = 10.0
 MAX_RECENT_TTFT = 100_000  # first-token times kept for the history's next interval
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -277,6 +278,11 @@ class GatewayMetrics:
         self.redis_latency = Histogram(
             "fairgate_redis_command_duration_seconds", "Redis command round trips (non-blocking)",
             ["command"], buckets=REDIS_BUCKETS, registry=r)
+        self.loop_lag = Histogram(
+            "fairgate_event_loop_lag_seconds",
+            "How late this process's event loop ran a timer (gateway/core/loop_lag.py): a "
+            "busy loop delays every request it serves by as much",
+            buckets=LOOP_LAG_BUCKETS, registry=r)
         self.redis_errors = Counter(
             "fairgate_redis_errors_total", "Redis commands that failed", ["command"], registry=r)
         self.redis_commands = Counter(

@@ -70,15 +70,41 @@ async def scrapes(http: aiohttp.ClientSession, urls: list[str]) -> list[int]:
     return list(await asyncio.gather(*(one(u) for u in urls)))
 
 
-async def dispatches(http: aiohttp.ClientSession, gateways: list[Proc]) -> float:
-    total = 0.0
+LAG = "fairgate_event_loop_lag_seconds"
+
+
+async def gateway_counts(http: aiohttp.ClientSession, gateways: list[Proc]
+                         ) -> list[dict[str, float]]:
+    """Per replica, from its /metrics: dispatches so far, and its event-loop lag histogram
+    (``count``, ``sum``, and each bucket's cumulative count by its upper bound)."""
+    out = []
     for gw in gateways:
         async with http.get(gw.url + "/metrics") as resp:
             text = await resp.text()
+        got: dict[str, float] = {"dispatches": 0.0}
         for family in text_string_to_metric_families(text):
-            total += sum(s.value for s in family.samples
-                         if s.name == "fairgate_dispatches_total")
-    return total
+            for sample in family.samples:
+                if sample.name == "fairgate_dispatches_total":
+                    got["dispatches"] += sample.value
+                elif sample.name == LAG + "_bucket":
+                    got[sample.labels["le"]] = sample.value
+                elif sample.name in (LAG + "_count", LAG + "_sum"):
+                    got[sample.name.rsplit("_", 1)[1]] = sample.value
+        out.append(got)
+    return out
+
+
+def loop_lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """One replica's event-loop lag over a window: the mean and the p99 (the upper bound
+    of the bucket that holds it), in ms."""
+    probes = after.get("count", 0.0) - before.get("count", 0.0)
+    if probes <= 0:
+        return {"mean_ms": None, "p99_ms": None}
+    bounds = sorted((float(le), le) for le in after if le[0].isdigit() or le == "+Inf")
+    p99 = next((bound for bound, le in bounds
+                if after[le] - before.get(le, 0.0) >= 0.99 * probes), None)
+    return {"mean_ms": round((after["sum"] - before.get("sum", 0.0)) / probes * 1000, 2),
+            "p99_ms": None if p99 is None or p99 == float("inf") else round(p99 * 1000, 1)}
 
 
 async def snapshot_ages(client: aioredis.Redis, backends: int, stop: asyncio.Event,
@@ -116,14 +142,15 @@ async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
     """Run ``window()``; the gateway CPU, scrapes, dispatches and Redis work over it."""
     cpu0, sims0, (all0, idle0) = [g.cpu_seconds() for g in gateways], sims.cpu_seconds(), \
         machine_ticks()
-    s0, d0 = await scrapes(http, urls), await dispatches(http, gateways)
+    s0, g0 = await scrapes(http, urls), await gateway_counts(http, gateways)
     (scripts0, usec0) = await redis_work(client)
     start = time.perf_counter()
     out: dict[str, Any] = await window()
     wall = time.perf_counter() - start
     cpu = [g.cpu_seconds() - c for g, c in zip(gateways, cpu0, strict=True)]
     sims_s, (all1, idle1) = sims.cpu_seconds() - sims0, machine_ticks()
-    s1, d1 = await scrapes(http, urls), await dispatches(http, gateways)
+    s1, g1 = await scrapes(http, urls), await gateway_counts(http, gateways)
+    d0, d1 = sum(g["dispatches"] for g in g0), sum(g["dispatches"] for g in g1)
     scripts1, usec1 = await redis_work(client)
     per_backend = [(b - a) / wall for a, b in zip(s0, s1, strict=True)]
     return {**out, "wall_s": round(wall, 3),
@@ -132,6 +159,7 @@ async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
             "scrapes_per_backend_s": {"mean": round(sum(per_backend) / len(per_backend), 3),
                                       "max": round(max(per_backend), 3)},
             "dispatches_per_s": round((d1 - d0) / wall, 2),
+            "loop_lag": [loop_lag(a, b) for a, b in zip(g0, g1, strict=True)],
             "redis_scripts_per_s": round((scripts1 - scripts0) / wall, 1),
             "redis_busy": round((usec1 - usec0) / 1e6 / wall, 4),
             "simulator_cores": round(sims_s / wall, 3),
@@ -229,6 +257,11 @@ def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
         rows.append(report.Headline(
             f"{replicas} replica(s): dispatch decisions per second under load", None,
             load["dispatches_per_s"], None, "–", None))
+        lags = [lag["p99_ms"] for lag in load["loop_lag"]]
+        rows.append(report.Headline(
+            f"{replicas} replica(s): event-loop lag p99 under load, each replica (ms, bucket "
+            f"bound): {', '.join('–' if v is None else f'{v:g}' for v in lags)}", None,
+            max((v for v in lags if v is not None), default=None), None, "–", None))
     return rows
 
 
