@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -76,29 +77,32 @@ async def test_fixture_gives_clean_database(redis) -> None:  # type: ignore[no-u
     await redis.set("leftover", 1)
 
 
-def test_free_port_never_hands_out_a_port_twice_when_the_kernel_does(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel gave two binds in a row one ephemeral port: a cluster node's bus port
-    was its own port, and the node exited (``Address already in use``)."""
-    offered = iter([41000, 41000, 41000, 41001])
-
-    class Socket:
-        def __init__(self, *args: object) -> None:
-            self.port = 0
-
-        def __enter__(self) -> Socket:
-            return self
-
-        def __exit__(self, *args: object) -> None:
-            pass
-
-        def bind(self, address: tuple[str, int]) -> None:
-            self.port = next(offered)
-
-        def getsockname(self) -> tuple[str, int]:
-            return "127.0.0.1", self.port
-
-    monkeypatch.setattr(embedded_redis.socket, "socket", Socket)
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two picks drew one port: the second is drawn again (a cluster node once got its
+    own port as its bus port and exited with ``Address already in use``)."""
+    draws = iter([5, 5, 6])
+    monkeypatch.setattr(embedded_redis.secrets, "randbelow", lambda n: next(draws))
+    monkeypatch.setattr(embedded_redis, "_bindable", lambda host, port: True)
     monkeypatch.setattr(embedded_redis, "_handed_out", deque(maxlen=8))  # this test's own
     ports = [embedded_redis.free_port(), embedded_redis.free_port()]
-    assert ports == [41000, 41001], ports
+    low = embedded_redis.PICK_FROM
+    assert ports == [low + 5, low + 6], ports
+
+
+def test_free_port_skips_a_bound_port_and_stays_below_the_ephemeral_range(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port another socket holds is drawn again; every port comes from below the range
+    the kernel gives outgoing connections their local ports from (one of those took a
+    port picked for a gateway before it bound it)."""
+    taken, spare = embedded_redis.free_port(), embedded_redis.free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen()
+        low = embedded_redis.PICK_FROM
+        draws = iter([taken - low, spare - low])
+        monkeypatch.setattr(embedded_redis.secrets, "randbelow", lambda n: next(draws))
+        monkeypatch.setattr(embedded_redis, "_handed_out", deque(maxlen=8))
+        port = embedded_redis.free_port()
+    assert port == spare, (taken, spare, port)
+    ephemeral = embedded_redis._ephemeral_start()
+    assert low <= taken < ephemeral, (taken, ephemeral)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -47,18 +48,50 @@ def server_binary() -> str:
 _handed_out: deque[int] = deque(maxlen=1024)
 
 
+# ports picked below the kernel's ephemeral range start here (above the well-known ones)
+PICK_FROM = 10_000
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing is bound to now, and not one this process was given lately. The
-    kernel may give two binds in a row the same ephemeral port while the first caller has
-    not bound it yet: a cluster node got its own port as its bus port and exited."""
+    """A port nothing is bound to now, and not one this process was given lately.
+
+    Picked at random below the kernel's ephemeral range when there is room there: a port
+    from that range (what binding port 0 gives) can be taken, before the caller binds it,
+    as the local port of any outgoing connection or by another process's bind of port 0
+    (a gateway of one test exited with "address in use" while the other test worker ran).
+    The kernel may also give two binds of port 0 in a row the same port while the first
+    caller has not bound it yet: a cluster node got its own port as its bus port."""
+    low, high = PICK_FROM, _ephemeral_start() - 1
     for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _handed_out:
+        port = secrets.randbelow(high - low + 1) + low if high > low else _kernel_port(host)
+        if port not in _handed_out and _bindable(host, port):
             _handed_out.append(port)
             return port
     raise EmbeddedRedisError("no free port that was not handed out lately")
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 when unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _kernel_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the child
