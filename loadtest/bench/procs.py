@@ -143,6 +143,19 @@ class SimSpec:
         return flags
 
 
+async def _serving(label: str, port: int, proc: subprocess.Popen[bytes], log: IO[bytes],
+                   path: str) -> Proc:
+    """The process spawned to serve on ``port``, once ``path`` answers 200 (stopped if it
+    does not)."""
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_http(url, path, proc)
+    except BaseException:
+        Proc(label, url, proc, log).stop()
+        raise
+    return Proc(label, url, proc, log)
+
+
 async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str,
                     port: int | None = None) -> Proc:
     """A simulator on ``port`` (default: a free one); waits for /health. A caller that
@@ -150,13 +163,7 @@ async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str,
     port = port or free_port()
     args = ["sim", "--port", str(port), "--model", model, *spec.flags()]
     proc, log = _spawn(label, args, log_dir / f"{label}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_http(url, "/health", proc)
-    except BaseException:
-        Proc(label, url, proc, log).stop()
-        raise
-    return Proc(label, url, proc, log)
+    return await _serving(label, port, proc, log, "/health")
 
 
 async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label: str
@@ -195,13 +202,7 @@ async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, worke
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     proc, log = _spawn(label, ["serve", "--config", str(path), "--workers", str(workers)],
                        log_dir / f"{label}.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_http(url, "/ready", proc)
-    except BaseException:
-        Proc(label, url, proc, log).stop()
-        raise
-    return Proc(label, url, proc, log)
+    return await _serving(label, port, proc, log, "/ready")
 
 
 async def start_bare_proxy(backend_url: str, log_dir: Path, label: str) -> Proc:
@@ -210,13 +211,7 @@ async def start_bare_proxy(backend_url: str, log_dir: Path, label: str) -> Proc:
     port = free_port()
     proc, log = _spawn(label, ["--port", str(port), "--backend", backend_url],
                        log_dir / f"{label}.log", module="loadtest.bench.bare_proxy")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_http(url, "/health", proc)
-    except BaseException:
-        Proc(label, url, proc, log).stop()
-        raise
-    return Proc(label, url, proc, log)
+    return await _serving(label, port, proc, log, "/health")
 
 
 async def start_together(starts: Mapping[str, Coroutine[Any, Any, Proc]]) -> list[Proc]:
