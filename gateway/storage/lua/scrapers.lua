@@ -2,14 +2,14 @@
 -- what each backend's scraper published since this process last read it: one call per
 -- model and tick (gateway/backends/scrape.py). A lease is a string naming the process
 -- that scrapes the backend, with a PX expiry; only its holder renews it.
--- The leases are spread over the processes that scrape the model: each call registers its
+-- The leases are spread over the processes that scrape the model. Each call registers its
 -- process (a zset of processes by their last call; a process gone for a lease length
--- leaves it, and so does one that gives every lease up), and a process holds at most its share, ceil(backends / processes). It
--- takes a free lease only below its share and gives up what it holds above it, which a
--- process below its share takes at its next call: a
--- process that starts takes its share within a few calls, and the leases of one that
--- died go to the others once its leases and its entry expire. The shares add up to at
--- least the backends, so every backend keeps a scraper.
+-- leaves it, and so does one that gives every lease up), and a process holds at most its
+-- share, ceil(backends / processes): it takes a free lease only below its share and gives
+-- up what it holds above it, which a process below its share takes at its next call. A
+-- process that starts takes its share within a few calls; the leases of one that died go
+-- to the others once its leases and its entry expire. The shares add up to at least the
+-- backends, so every backend keeps a scraper.
 -- KEYS, per backend i (from 1) of `backends`: [5i-4] its lease, [5i-3] its snapshot hash,
 --   [5i-2] its in-flight count, [5i-1] its pending prefill hash, [5i] its dispatch
 --   counter; then the model's depth hash, its drained set and its scraping processes'
