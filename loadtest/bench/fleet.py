@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -73,37 +74,47 @@ async def scrapes(http: aiohttp.ClientSession, urls: list[str]) -> list[int]:
 LAG = "fairgate_event_loop_lag_seconds"
 
 
+@dataclass
+class GatewayCounts:
+    """One replica's counts so far, from its /metrics: dispatches, and its event-loop lag
+    histogram (probes, their summed lag, and each bucket's cumulative count by bound)."""
+
+    dispatches: float = 0.0
+    probes: float = 0.0
+    lag_s: float = 0.0
+    buckets: dict[float, float] = field(default_factory=dict)
+
+
 async def gateway_counts(http: aiohttp.ClientSession, gateways: list[Proc]
-                         ) -> list[dict[str, float]]:
-    """Per replica, from its /metrics: dispatches so far, and its event-loop lag histogram
-    (``count``, ``sum``, and each bucket's cumulative count by its upper bound)."""
+                         ) -> list[GatewayCounts]:
     out = []
     for gw in gateways:
         async with http.get(gw.url + "/metrics") as resp:
             text = await resp.text()
-        got: dict[str, float] = {"dispatches": 0.0}
+        got = GatewayCounts()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "fairgate_dispatches_total":
-                    got["dispatches"] += sample.value
+                    got.dispatches += sample.value
                 elif sample.name == LAG + "_bucket":
-                    got[sample.labels["le"]] = sample.value
-                elif sample.name in (LAG + "_count", LAG + "_sum"):
-                    got[sample.name.rsplit("_", 1)[1]] = sample.value
+                    got.buckets[float(sample.labels["le"])] = sample.value
+                elif sample.name == LAG + "_count":
+                    got.probes = sample.value
+                elif sample.name == LAG + "_sum":
+                    got.lag_s = sample.value
         out.append(got)
     return out
 
 
-def loop_lag(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+def loop_lag(before: GatewayCounts, after: GatewayCounts) -> dict[str, float | None]:
     """One replica's event-loop lag over a window: the mean and the p99 (the upper bound
     of the bucket that holds it), in ms."""
-    probes = after.get("count", 0.0) - before.get("count", 0.0)
+    probes = after.probes - before.probes
     if probes <= 0:
         return {"mean_ms": None, "p99_ms": None}
-    bounds = sorted((float(le), le) for le in after if le[0].isdigit() or le == "+Inf")
-    p99 = next((bound for bound, le in bounds
-                if after[le] - before.get(le, 0.0) >= 0.99 * probes), None)
-    return {"mean_ms": round((after["sum"] - before.get("sum", 0.0)) / probes * 1000, 2),
+    p99 = next((bound for bound, count in sorted(after.buckets.items())
+                if count - before.buckets.get(bound, 0.0) >= 0.99 * probes), None)
+    return {"mean_ms": round((after.lag_s - before.lag_s) / probes * 1000, 2),
             "p99_ms": None if p99 is None or p99 == float("inf") else round(p99 * 1000, 1)}
 
 
@@ -150,7 +161,7 @@ async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
     cpu = [g.cpu_seconds() - c for g, c in zip(gateways, cpu0, strict=True)]
     sims_s, (all1, idle1) = sims.cpu_seconds() - sims0, machine_ticks()
     s1, g1 = await scrapes(http, urls), await gateway_counts(http, gateways)
-    d0, d1 = sum(g["dispatches"] for g in g0), sum(g["dispatches"] for g in g1)
+    d0, d1 = sum(g.dispatches for g in g0), sum(g.dispatches for g in g1)
     scripts1, usec1 = await redis_work(client)
     per_backend = [(b - a) / wall for a, b in zip(s0, s1, strict=True)]
     return {**out, "wall_s": round(wall, 3),
