@@ -43,17 +43,25 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "FAIRGATE_SCRAPE_INTERVAL_S": "0.02"})
     assert proc.stdout is not None and proc.stderr is not None
+    logged = bytearray()
+
+    async def drain(stream: asyncio.StreamReader) -> None:
+        # the log lines read as they come: a full pipe (64 KiB) would block the gateway's
+        # writes, its event loop with them, and every request until the test timed out
+        while chunk := await stream.read(65536):
+            logged.extend(chunk)
+    draining = asyncio.create_task(drain(proc.stderr))
     messages = [{"role": "user", "content": PROMPT}]
     outputs: list[bytes] = []
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 30)
         if not line.startswith(b"fairgate listening on"):
             await asyncio.wait_for(proc.wait(), 30)
-            error = await proc.stderr.read()
+            await draining
             raise AssertionError(f"the gateway did not start (exit {proc.returncode}): "
-                                 f"{line!r} {error[-2000:]!r}")
+                                 f"{line!r} {bytes(logged[-2000:])!r}")
         base = line.split()[-1].decode()
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             for _ in range(300):  # until the first scrape made the backend healthy
                 async with http.get(base + "/ready") as resp:
                     if resp.status == 200:
@@ -72,11 +80,15 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
             async with http.get(base + "/admin/state",
                                 headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
                 assert resp.status == 200
+    except Exception as exc:  # (a request that timed out, a status): what the gateway said
+        exc.add_note(f"the gateway's log so far: {bytes(logged[-3000:])!r}")
+        raise
     finally:
         if proc.returncode is None:  # (one that did not start has exited already)
             proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
-    raw = (await proc.stderr.read()).decode()
+        await asyncio.wait_for(draining, 30)
+    raw = logged.decode()
     lines = [x for x in raw.splitlines() if x.strip()]
     events = [json.loads(x) for x in lines]  # every line is one JSON object
 
