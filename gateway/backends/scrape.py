@@ -113,9 +113,12 @@ class BackendHandle:
     cards_read_at: float = 0.0  # monotonic s of the scraper's last /v1/models read
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
     judged: asyncio.Event = field(default_factory=asyncio.Event)  # scraped, or failed, once
-    # each class's gate by the latest snapshot, computed once when it arrives
+    # each class's gate by the latest snapshot, computed once when it arrives, and that
+    # snapshot's taken_at (unix s; None: none yet): a decision by them counts what was sent
+    # since it (gate_counts in gateway/storage/lua/_lib.lua)
     gates: dict[str, Gate] = field(default_factory=lambda: dict.fromkeys(
         CLASS_ORDER, Gate(0, "stale")))
+    gates_seen: float | None = None
     fit: BackendFit = field(default_factory=BackendFit)  # its prompt range, prefill limits
     held: bool = False  # this process holds its scrape lease: scrapes it and publishes
     held_since: float = 0.0  # monotonic s
@@ -621,7 +624,7 @@ class BackendPool(ReadsSettings):
         handle.peak_running, handle.prefix_hit_ratio = shared.peak_running, shared.prefix_hit_ratio
         handle.max_model_len, handle.model_card_read = shared.max_model_len, shared.model_card_read
         handle.adapters, handle.lora = shared.adapters, shared.lora
-        handle.gates = dict(shared.gates)
+        handle.gates, handle.gates_seen = dict(shared.gates), snap.taken_at_s
         if self.pacing_targets is not None:
             handle.pacing = {c: shared.pacing.get(c, p) for c, p in before.items()}
             for cls, after in handle.pacing.items():

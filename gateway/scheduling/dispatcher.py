@@ -109,6 +109,8 @@ class Plan:
     # the LoRA adapters each open backend takes in this pass (policies/adapters.py);
     # None: the model has no adapters
     adapters: Mapping[str, frozenset[str]] | None = None
+    # the snapshot each backend's gates come from (taken_at, unix s; None: none yet)
+    seen: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -587,11 +589,13 @@ class Dispatcher(ReadsSettings):
         since, recent = await self._class_service(model, now)
         owed = owed_class(self.floors, since, recent, now)
         gated: dict[str, dict[str, Gate]] = {}
+        seen: dict[str, float | None] = {}
         candidates = []
         handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
         for h in handles.values():
             snap = h.last if h.healthy else None
             gates = gated[h.name] = dict(h.gates_at(now, self.settings.snapshot_stale_s))
+            seen[h.name] = h.gates_seen
             if owed is not None:  # a starved class borrows the top class's gate
                 gates[owed] = wider(gates[owed], gates[CLASS_ORDER[0]])
             waiting, running = (snap.waiting, snap.running) if snap else (0, 0)
@@ -609,7 +613,7 @@ class Dispatcher(ReadsSettings):
                 name for name in handles if not down(gated[name])))
         open_ = [c.name for c in by_load(candidates)]
         return Plan(now, owed, service_order(owed), burst, gated, open_, handles, locality,
-                    self._adapter_placement([handles[name] for name in open_]))
+                    self._adapter_placement([handles[name] for name in open_]), seen)
 
     def _adapter_placement(self, open_: list[BackendHandle]
                            ) -> Mapping[str, frozenset[str]] | None:
@@ -629,7 +633,7 @@ class Dispatcher(ReadsSettings):
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
                              locality=plan.locality, fit=fit,
-                             sessions=self.settings.sessions)
+                             sessions=self.settings.sessions, seen=plan.seen.get(backend))
 
     async def _fold(self, model: str, backend: str
                     ) -> tuple[Plan | None, dict[str, Any] | None]:

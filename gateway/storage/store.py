@@ -284,12 +284,14 @@ def dispatch_args(
     replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER, recent_window: int = 100,
     max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
     locality: Locality | None = None, fit: BackendFit | None = None,
-    sessions: bool = False,
+    sessions: bool = False, seen: float | None = None,
 ) -> dict[str, Any]:
     """The named arguments of one dispatch decision for ``backend`` (see
     :meth:`Store.dispatch`), as ``dispatch_for`` in ``lua/lib/dispatch.lua`` reads them.
     ``sessions``: each user's requests come from its least-served session (the third
-    level, ``policies/fairness.py``)."""
+    level, ``policies/fairness.py``). ``seen``: the taken_at of the snapshot ``limits``
+    come from (None: the stored one), so that they count what was sent since it
+    (``gate_counts`` in ``lua/_lib.lua``)."""
     fit = fit or BackendFit()
     loc = locality or Locality(0.0, 0, 0, 0.0)
     span = fit.prompt_range
@@ -310,6 +312,7 @@ def dispatch_args(
         "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
         "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
         **({"sessions": True} if sessions else {}),
+        **({} if seen is None else {"seen": seen}),
         **({} if fit.adapters is None else {"adapters": sorted(fit.adapters)}),
     }
 
@@ -850,19 +853,23 @@ class Store:
         pipe = self.client.pipeline(transaction=False)
         for name in backends:
             pipe.hgetall(k.backend_snapshot(name))
-            pipe.zcard(k.backend_sent(name))
+            pipe.zrange(k.backend_sent(name), 0, -1, withscores=True)
             pipe.get(k.backend_inflight(name))
             pipe.hvals(k.backend_prefill(name))
-            pipe.zcard(k.backend_started(name))
+            pipe.zrange(k.backend_started(name), 0, -1, withscores=True)
         raw = await pipe.execute()
         states = {}
         for i, name in enumerate(backends):
             snap, sent, inflight, prefill, started = raw[5 * i: 5 * i + 5]
-            states[name] = BackendState(snapshot_from(snap), int(sent), int(inflight or 0),
+            # the sets also keep what came since the snapshot before (snapshot.lua)
+            taken_at = float(snap.get("taken_at") or 0)
+            states[name] = BackendState(snapshot_from(snap),
+                                        sum(1 for _, at in sent if at > taken_at),
+                                        int(inflight or 0),
                                         int(float(snap.get("unseen") or 0)),
                                         sum(int(float(PREFILL.decode(v)["tokens"]))
                                             for v in prefill),
-                                        int(started))
+                                        sum(1 for _, at in started if at > taken_at))
         return states
 
     async def heartbeat(self, models: Sequence[str], replica: str, now: float,

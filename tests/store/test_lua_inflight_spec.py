@@ -28,7 +28,7 @@ local prefix, backend = a.prefix, a.backend
 local k = {user_inflight = key_user_inflight(prefix), sent = key_backend_sent(prefix, backend),
   backend_inflight = key_backend_inflight(prefix, backend), recent = key_recent(prefix),
   prefill = key_backend_prefill(prefix, backend)}
-local I = inflight_for(prefix, backend, 'r1', k, a.kept, 1000, '1000.000000')
+local I = inflight_for(prefix, backend, 'r1', k, a.kept, 1000, '1000.000000', 1000)
 local out = {}
 for i, op in ipairs(a.ops) do
   if op.op == 'grant' then

@@ -13,6 +13,45 @@ local function take_unseen(snapshot)
   return 0
 end
 
+-- Request `id` leaves `backend`'s sent set (zset: id -> when it was sent). Returns 1 when it
+-- was sent after the stored snapshot, taken at `taken_at` (unix s): the snapshot did not
+-- see it. The set also keeps what was sent since the snapshot before (snapshot.lua).
+local function leave_sent(prefix, backend, id, taken_at)
+  local sent = key_backend_sent(prefix, backend)
+  local at = tonumber(redis.call('ZSCORE', sent, id))
+  if not at then return 0 end
+  redis.call('ZREM', sent, id)
+  if at > taken_at then return 1 end
+  return 0
+end
+
+-- What counts against `backend`'s gates (policies/gates.py Gate.used) for a decision made
+-- by the snapshot taken at `seen` (unix s; nil: by the stored one): the requests on their
+-- way (sent since that snapshot, plus those its scrape had not seen, its "unseen") and
+-- those started since it. The snapshot store keeps the counts of the stored snapshot and
+-- of the one before (snapshot.lua): a process may decide by a snapshot that another
+-- stored a newer one after (read before that store, or its store still on the way back
+-- to it), and its gate's burst then counts what was sent since the snapshot it came
+-- from. Counted since the newer one, a burst computed from an older queue would be spent
+-- again (vLLM's queue then grew past the gate). A decision by an older snapshot returns
+-- nil: nothing Redis keeps matches its gates. Also returns the stored snapshot's
+-- taken_at (0 without one): a grant is sent after it.
+local function gate_counts(prefix, backend, seen)
+  local f = redis.call('HMGET', key_backend_snapshot(prefix, backend), 'taken_at', 'unseen',
+    'prev_at', 'prev_unseen')
+  local taken_at = tonumber(f[1]) or 0
+  local since, unseen = f[1], f[2]
+  if seen and seen < taken_at then
+    if not (f[3] and f[3] ~= '' and seen >= tonumber(f[3])) then return nil, nil, taken_at end
+    since, unseen = f[3], f[4]
+  end
+  local from = since and ('(' .. since) or '-inf'
+  local sent = redis.call('ZCOUNT', key_backend_sent(prefix, backend), from, '+inf')
+    + (tonumber(unseen) or 0)
+  return sent, redis.call('ZCOUNT', key_backend_started(prefix, backend), from, '+inf'),
+    taken_at
+end
+
 -- A backend's pending prefill (hash id -> gateway/storage/values.py PREFILL entry): the sum of
 -- its tokens (policies/prefill.py).
 local function pending_prefill(hash)

@@ -14,6 +14,7 @@
 -- `a`, one JSON object (gateway/storage/store.py dispatch_args):
 --   now (s), replica_ttl (s), prefix (the model's key prefix), replica (this one),
 --   sessions (optional: true with sessions on, the third level),
+--   seen (optional: taken_at of the snapshot the gates come from; gate_counts in _lib.lua),
 --   backend (its name), recent_kept (recent-list length), want (most grants to return),
 --   pickup (grant pickup limit, s: see replica_alive in replicas.lua),
 --   classes: in service order, each {name, limit (the snapshot's burst: max allowed in
@@ -48,11 +49,11 @@ local function dispatch_for(a)
   if redis.call('SISMEMBER', key_drained(prefix), backend) == 1 then want = 0 end
 
   -- what counts against the gates (policies/gates.py Gate.admits): dispatched since the
-  -- snapshot + still on the way at it; started since it (in a slot it may have counted
-  -- free); all requests in flight at the backend (occupancy)
-  local sent = redis.call('ZCARD', key_backend_sent(prefix, backend))
-    + (tonumber(redis.call('HGET', key_backend_snapshot(prefix, backend), 'unseen')) or 0)
-  local started = redis.call('ZCARD', key_backend_started(prefix, backend))
+  -- snapshot they come from + still on the way at it; started since it (in a slot it may
+  -- have counted free); all requests in flight at the backend (occupancy). Gates from a
+  -- snapshot older than the one before the stored one admit nothing.
+  local sent, started, taken_at = gate_counts(prefix, backend, a.seen)
+  if not sent then sent, started, want = 0, 0, 0 end
   local inflight = tonumber(redis.call('GET', key_backend_inflight(prefix, backend))) or 0
   -- uncached prompt tokens dispatched and maybe not yet scheduled (policies/prefill.py)
   local pending = pending_prefill(key_backend_prefill(prefix, backend))
@@ -63,7 +64,8 @@ local function dispatch_for(a)
   local granted = inflight_for(prefix, backend, a.replica,
     {user_inflight = key_user_inflight(prefix), sent = key_backend_sent(prefix, backend),
      backend_inflight = key_backend_inflight(prefix, backend), recent = key_recent(prefix),
-     prefill = key_backend_prefill(prefix, backend)}, a.recent_kept, now, stamp)
+     prefill = key_backend_prefill(prefix, backend)}, a.recent_kept, now, stamp,
+    math.max(now, taken_at + 1e-6))
 
   -- a candidate (request nil: the head of the user's queue): its queue, id, hash, fields,
   -- whether its owner lives, and its uncached prompt tokens on this backend

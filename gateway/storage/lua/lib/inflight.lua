@@ -2,9 +2,10 @@
 -- there), start (its first token streamed) and the one release every path that frees a
 -- request takes (settle.lua, reap.lua, cancel.lua).
 
--- inflight_for(prefix, backend, replica, k, recent_kept, now, stamp), k = the key names
--- {user_inflight, sent, backend_inflight, recent, prefill}.
-local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp)
+-- inflight_for(prefix, backend, replica, k, recent_kept, now, stamp, sent_at), k = the key
+-- names {user_inflight, sent, backend_inflight, recent, prefill}; `sent_at` the score of a
+-- grant in the sent set (after the stored snapshot: gate_counts).
+local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp, sent_at)
   local I = {}
 
   -- grant request `id` (hash `req`) of `user` in `class`, whose client `owner` holds,
@@ -16,7 +17,7 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
   -- requests in flight.
   function I.grant(id, req, class, user, owner, tokens)
     local rank = redis.call('HINCRBY', k.user_inflight, user, 1) - 1
-    redis.call('ZADD', k.sent, now, id)
+    redis.call('ZADD', k.sent, sent_at, id)
     local inflight = redis.call('INCR', k.backend_inflight)
     -- the backend's scraper reads it to see work came (a short request can end between
     -- two of its looks and leave no other trace)
@@ -51,10 +52,15 @@ local function start_inflight(prefix, backend, id, at)
   if redis.call('HEXISTS', req, 'left') == 1 then return 0 end  -- it left the backend
   if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
-  local sent = redis.call('ZREM', key_backend_sent(prefix, backend), id)
   local snapshot = key_backend_snapshot(prefix, backend)
-  if at <= (tonumber(redis.call('HGET', snapshot, 'taken_at')) or 0) then return sent end
-  redis.call('ZADD', key_backend_started(prefix, backend), at, id)
+  local taken = redis.call('HMGET', snapshot, 'taken_at', 'prev_at')
+  local taken_at = tonumber(taken[1]) or 0
+  local sent = leave_sent(prefix, backend, id, taken_at)
+  -- a decision still made by the snapshot before the stored one counts it too (gate_counts)
+  if at > (tonumber(taken[2]) or taken_at) then
+    redis.call('ZADD', key_backend_started(prefix, backend), at, id)
+  end
+  if at <= taken_at then return sent end
   if sent == 1 then return 1 end
   return take_unseen(snapshot)
 end
@@ -86,8 +92,8 @@ local function unqueue(prefix, class, queue, id, head)
 end
 
 -- Out of `backend`'s in-flight state: its in-flight count, pending prefill, started and
--- sent-since-snapshot sets, the user's in-flight count and the owner's running set. True
--- when it was still in the sent-since-snapshot set.
+-- sent sets, the user's in-flight count and the owner's running set. True when it was
+-- sent after the stored snapshot (so not among its "unseen").
 local function release_inflight(prefix, id, user, backend, owner)
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
   redis.call('ZREM', key_backend_started(prefix, backend), id)
@@ -96,7 +102,8 @@ local function release_inflight(prefix, id, user, backend, owner)
   if redis.call('HINCRBY', users, user, -1) <= 0 then redis.call('HDEL', users, user) end
   local inflight = key_backend_inflight(prefix, backend)
   if redis.call('DECR', inflight) <= 0 then redis.call('DEL', inflight) end
-  return redis.call('ZREM', key_backend_sent(prefix, backend), id) == 1
+  local taken_at = redis.call('HGET', key_backend_snapshot(prefix, backend), 'taken_at')
+  return leave_sent(prefix, backend, id, tonumber(taken_at) or 0) == 1
 end
 
 -- The one release: request `id` leaves wherever it is. `f`: its {state, user, class,
