@@ -114,6 +114,13 @@ class Model:
     targets: PacingTargets
     count_started: bool = True  # False: the rule before the fix (started ones ignored)
     occupancy: bool = True  # False: the snapshot's burst alone
+    # the gateway sees a first token only in the round after vLLM scheduled it (the relay's
+    # latency), so a scrape can show a request running before its start is marked
+    late_starts: bool = False
+    # a start of a request sent before the snapshot takes one of its "unseen": the rule
+    # before 2026-12-04, wrong for a request that snapshot already showed running
+    start_takes_unseen: bool = False
+    unmarked: list[Req] = field(default_factory=list)  # scheduled, start not yet marked
     reqs: dict[int, Req] = field(default_factory=dict)
     unseen: int = 0
     pacing: Pacing | None = None
@@ -162,18 +169,32 @@ class Model:
     def step(self) -> None:
         for r in self.reqs.values():
             if r.where == "wait" and self.count("run") < self.max_num_seqs:
-                r.where = "run"  # started.lua: out of "sent", else one "unseen" less
-                if r.in_sent:
-                    r.in_sent = False
-                elif self.unseen > 0:
-                    self.unseen -= 1
-                r.started = True
+                r.where = "run"
+                if self.late_starts:
+                    self.unmarked.append(r)
+                else:
+                    self.mark_started(r)
         if self.count("run") == self.max_num_seqs:
             self.most_waiting_full = max(self.most_waiting_full, self.count("wait"))
 
+    def mark_started(self, r: Req) -> None:
+        """started.lua: out of "sent" and into "started"; a request sent before the
+        snapshot counts on as its "unseen" (or its waiting, or its running) until the
+        next snapshot."""
+        if r.in_sent:
+            r.in_sent = False
+        elif self.start_takes_unseen and self.unseen > 0:
+            self.unseen -= 1
+        r.started = True
+
+    def mark_late_starts(self) -> None:
+        for r in self.unmarked:
+            self.mark_started(r)
+        self.unmarked.clear()
+
     def finish(self) -> None:
         for rid, r in self.reqs.items():
-            if r.where == "run":
+            if r.where == "run" and r not in self.unmarked:
                 del self.reqs[rid]  # settle.lua: out of the started set too
                 return
 
@@ -190,6 +211,7 @@ def play(m: Model, rounds: list[tuple[int, bool, int]]) -> None:
             m.finish()
         if scraped:
             m.snapshot()
+        m.mark_late_starts()
         m.dispatch()
         for _ in range(arrived):
             m.arrive()
@@ -210,6 +232,39 @@ def test_with_a_full_batch_requests_the_gate_sent_never_wait_past_the_allowance(
     assert m.most_waiting_full <= ceiling, (
         f"vLLM's queue reached {m.most_waiting_full} with a full batch of {max_num_seqs}, "
         f"allowance {ceiling}; rounds {rounds}")
+
+
+@settings(max_examples=300)
+@given(ROUNDS, st.integers(1, 16), st.integers(1, 6))
+def test_a_start_seen_after_the_scrape_that_showed_it_running_loosens_nothing(
+    rounds: list[tuple[int, bool, int]], max_num_seqs: int, ceiling: int
+) -> None:
+    """The gateway marks a start when the first token reaches it, which on a loaded
+    machine is after a scrape that already showed the request running. That start must
+    not take one of the snapshot's "unseen" (the requests still on their way): it was
+    not one of them, and the gate would let one more request wait."""
+    m = Model(max_num_seqs, PacingTargets(ceiling=ceiling, max_tpot_s=0.15),
+              late_starts=True)
+    m.full_batch_seen()
+    play(m, rounds)
+    assert m.most_waiting_full <= ceiling, (
+        f"vLLM's queue reached {m.most_waiting_full} with a full batch of {max_num_seqs}, "
+        f"allowance {ceiling}; rounds {rounds}")
+
+
+def test_the_old_rule_let_late_starts_loosen_the_gate() -> None:
+    """The same with the rule before 2026-12-04 (a start took an "unseen"): a batch of
+    2, allowance 1; the scrape shows the two sent requests running whose first tokens
+    the gateway has not seen, so each reads as still on its way; when the starts arrive
+    they take two unseen away, and two more requests wait behind the full batch."""
+    def run(takes: bool) -> int:
+        m = Model(2, PacingTargets(ceiling=1, max_tpot_s=0.15), late_starts=True,
+                  start_takes_unseen=takes)
+        m.full_batch_seen()
+        play(m, [(2, True, 0), (0, False, 2), (0, True, 0), (0, False, 4)])
+        return m.most_waiting_full
+    assert run(takes=False) <= 1
+    assert run(takes=True) > 1, run(takes=True)
 
 
 def flood(count_started: bool) -> int:

@@ -264,7 +264,7 @@ async def test_dispatch_returns_several_grants_up_to_the_gate(redis: aioredis.Re
     assert [g.request_id for g in again] == ["a2"] and left == 1
 
 
-async def test_settle_and_start_free_unseen_slots(redis: aioredis.Redis) -> None:
+async def test_a_settle_before_any_start_frees_an_unseen_slot(redis: aioredis.Redis) -> None:
     store = Store(redis, 600)
     await alive(store, "r1")
     for i in range(3):
@@ -275,12 +275,16 @@ async def test_settle_and_start_free_unseen_slots(redis: aioredis.Redis) -> None
     # a snapshot that sees neither: both are on their way
     await store.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1001.0))
     assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "2"
+    # g0 starts: it counts on as unseen until the next snapshot (a start seen after the
+    # scrape may be one the scrape showed running: tests/test_pacing.py, late starts)
     await store.mark_started(M, g0)
-    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "2"
+    # g1 ends without a first token: it is no longer on its way, nor in vLLM's queue
     await store.settle(M, g1, 0.0)
-    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "0"
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"
     await store.mark_started(M, g0)  # marked once only
-    await store.settle(M, g0, 0.0)  # its slot was freed when it started
+    await store.settle(M, g0, 0.0)  # it started: its settle takes no unseen
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "1"
     await store.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1002.0))
     await store.enqueue(M, req("b0", "b"), 10)
     await store.enqueue(M, req("b1", "b"), 10)

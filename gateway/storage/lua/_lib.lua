@@ -2,8 +2,9 @@
 
 -- "unseen" (a field of a backend's snapshot hash): requests dispatched before the
 -- snapshot and not yet registered by the server (running + waiting). snapshot.lua sets
--- it; a request seen starting (started.lua) or settled first (settle.lua) takes itself
--- out once. Returns 1 when one was taken.
+-- it; a request sent before the snapshot that settles (or leaves its backend) without
+-- having started takes one out (a start does not: start_inflight in lib/inflight.lua).
+-- Returns 1 when one was taken.
 local function take_unseen(snapshot)
   local unseen = tonumber(redis.call('HGET', snapshot, 'unseen')) or 0
   if unseen > 0 then

@@ -39,13 +39,16 @@ local function inflight_for(prefix, backend, replica, k, recent_kept, now, stamp
 end
 
 -- Request `id` streams its first token on `backend` since `at`: it runs there, so it no
--- longer counts against the gate as dispatched-since-snapshot or as on its way ("unseen");
--- its prefill is done; it took a batch slot the snapshot may have seen free, so it joins
--- the started-since-snapshot set (policies/gates.py Gate.used). A start the stored
--- snapshot already shows (its scrape began after `at`: a start sent late, see
--- start_each) only leaves the sent set: the snapshot counts it running, not unseen, and
--- its started set is trimmed to after it. Returns 1 when a gate slot was freed, 0
--- otherwise (marked already, or released).
+-- longer counts against the gate as dispatched since the snapshot; its prefill is done;
+-- it took a batch slot the snapshot may have seen free, so it joins the
+-- started-since-snapshot set (policies/gates.py Gate.used). One sent before the stored
+-- snapshot counts on as that snapshot counted it (running, waiting or "unseen") until
+-- the next: the gateway sees a first token after vLLM scheduled it, often after a scrape
+-- that showed it running, so its start says nothing of what that snapshot saw (taking
+-- one "unseen" for it let one more request wait: tests/test_pacing.py). A start the
+-- stored snapshot already shows (its scrape began after `at`: a start sent late, see
+-- start_each) does not join the started set of a decision by it. Returns 1 when a gate
+-- slot was freed (it was sent since the stored snapshot), 0 otherwise.
 local function start_inflight(prefix, backend, id, at)
   local req = key_request(prefix, id)
   if redis.call('EXISTS', req) == 0 then return 0 end  -- settled (or reaped) already
@@ -60,9 +63,7 @@ local function start_inflight(prefix, backend, id, at)
   if at > (tonumber(taken[2]) or taken_at) then
     redis.call('ZADD', key_backend_started(prefix, backend), at, id)
   end
-  if at <= taken_at then return sent end
-  if sent == 1 then return 1 end
-  return take_unseen(snapshot)
+  return sent
 end
 
 -- The starts a call carries (started.lua, and those a replica held back while nothing
