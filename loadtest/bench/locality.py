@@ -17,7 +17,9 @@ per token, VTC's weights) over sliding windows among the users backlogged for th
 window, as ``fairgate bench fairness`` measures it: in the unit fairgate charges (the
 prompt tokens the backend computed, its usage's ``cached_tokens`` left out; the
 simulators report them as ``deploy/`` runs vLLM, ``--enable-prompt-tokens-details``), and,
-for comparison, counting every prompt token.
+for comparison, counting every prompt token; and, through the gateway, among the users
+with a request waiting in its queue for the whole window (VTC's "backlogged": a user
+served at once on every arrival asks for less than a fair share and gets all of it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +40,14 @@ from loadtest.bench.client import Result, cached_tokens, new_session
 from loadtest.bench.env import MODEL, Bench, Options, api_keys, save_diagnostics
 from loadtest.bench.loadgen import progress
 from loadtest.bench.procs import GatewayStart, Proc, SimSpec, sim_fleet, start_gateway
-from loadtest.bench.stats import backlogged, jain, percentile, service_by_user, sliding_windows
+from loadtest.bench.stats import (
+    backlogged,
+    jain,
+    percentile,
+    queued,
+    service_by_user,
+    sliding_windows,
+)
 
 WORD = " the"  # one simulator token
 # name -> (routing, more gateway settings, whether the last backend is a long_context pool)
@@ -83,6 +92,7 @@ class Turn:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of the prompt, from the backend's prefix cache (its usage)
+    queue_wait_s: float | None = None  # in the gateway's queue (X-Fairgate-Queue-Wait-Ms)
     error: str | None = None
     text: list[str] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
@@ -111,6 +121,9 @@ async def chat_turn(http: aiohttp.ClientSession, url: str, headers: dict[str, st
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     try:
         async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+            wait_ms = resp.headers.get("X-Fairgate-Queue-Wait-Ms")
+            if wait_ms is not None and wait_ms.isdigit():
+                turn.queue_wait_s = int(wait_ms) / 1000
             if resp.status != 200:
                 turn.error = (await resp.text())[:300]
                 return
@@ -229,19 +242,23 @@ def tpot_during_rag_prefill(turns: list[Turn]) -> list[float]:
 
 
 def weighted_jain(turns: list[Turn], p: dict[str, Any], uncached: bool = True,
-                  key: str = "jain") -> dict[str, Any]:
-    """Jain's index of weighted service over sliding windows (backlogged users only);
-    ``uncached``: in the unit fairgate charges (the prompt tokens vLLM computed), else
-    counting every prompt token."""
+                  key: str = "jain", among: Callable[..., set[str]] = backlogged
+                  ) -> dict[str, Any]:
+    """Jain's index of weighted service over sliding windows, among the users ``among``
+    picks for each window: ``backlogged`` (a request outstanding throughout: the issue's
+    measure) or ``queued`` (a request waiting in the gateway's queue throughout: VTC's
+    "backlogged", the users its bound is about; through the gateway only). ``uncached``:
+    in the unit fairgate charges (the prompt tokens vLLM computed), else counting every
+    prompt token."""
     results = [Result(t.user, t.kind, t.prompt_tokens, t.sent_s, t.end_s, 200,
                       t.first_token_s, t.token_times, t.output_tokens, t.error,
-                      t.cached_tokens)
+                      t.cached_tokens, t.queue_wait_s)
                for t in turns]
     start = min(t.sent_s for t in turns)
     end = max(t.end_s for t in turns)
     indices = []
     for a, b in sliding_windows(start, end, p["jain_window_s"], p["jain_step_s"]):
-        users = backlogged(results, a, b)
+        users = among(results, a, b)
         served = service_by_user(results, a, b, W_IN, W_OUT, uncached)
         index = jain([served.get(u, 0.0) for u in sorted(users)]) if len(users) > 1 else None
         if index is not None:
@@ -276,8 +293,12 @@ def analyse(all_turns: list[Turn], counters: dict[str, float], p: dict[str, Any]
         "tpot_p99_ms": _ms(percentile([v for t in ok if (v := tpot(t)) is not None], 99)),
         **weighted_jain(all_turns, p),
         **weighted_jain(all_turns, p, uncached=False, key="jain_all_prompt"),
+        **weighted_jain(all_turns, p, key="jain_queued", among=queued),
         "cached_tokens": sum(t.cached_tokens for t in served),
         "ttft_p50_ms": _ms(percentile(ttfts, 50)), "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        # the part of a chat turn's TTFT spent in the gateway's queue (none direct)
+        "queue_wait_p50_ms": _ms(percentile(
+            [t.queue_wait_s for t in ok if t.queue_wait_s is not None], 50)),
         "ttft_later_turns_p50_ms": _ms(percentile(later, 50)),
         "ttft_later_turns_p99_ms": _ms(percentile(later, 99)),
         "prefix_queries": queries, "prefix_hits": hits,
@@ -356,7 +377,7 @@ COMPARED = (("prompt tokens computed", "prompt_tokens_computed"),
             ("chat TTFT p50 ms", "ttft_p50_ms"), ("chat TTFT p99 ms", "ttft_p99_ms"),
             ("output tok/s", "output_tok_s"),
             ("TPOT p99 during RAG ms", "tpot_p99_during_rag_prefill_ms"),
-            ("Jain mean", "jain_mean"))
+            ("Jain mean", "jain_mean"), ("Jain, waiting in the queue", "jain_queued_mean"))
 
 
 def variants_table(runs: dict[str, Any]) -> str:
@@ -407,12 +428,15 @@ async def run(opts: Options) -> dict[str, Any]:
         row("of which chat turns (computed − RAG prompts)", "chat_prompt_tokens_computed"),
         row("TTFT p50 of chat turns (ms)", "ttft_p50_ms", "≥ 2× lower", "lower", 0.5),
         row("TTFT p99 of chat turns (ms)", "ttft_p99_ms"),
+        row("of the TTFT, in the gateway's queue: p50 (ms)", "queue_wait_p50_ms"),
         row("output tok/s", "output_tok_s", "≥ least_loaded", "higher", 1.0),
         row("TPOT p99 of chat streams while RAG prompts prefill (ms)",
             "tpot_p99_during_rag_prefill_ms"),
         row("Jain's index of charged service (window mean)", "jain_mean"),
         row("Jain's index counting cached prompt tokens too (window mean)",
             "jain_all_prompt_mean"),
+        row("Jain's index of charged service among users waiting in the gateway's queue "
+            "(VTC's backlogged; window mean)", "jain_queued_mean"),
         report.Headline("TPOT p99 while RAG prompts prefill, locality (ms)",
                         None, local["tpot_p99_during_rag_prefill_ms"], None, "≤ 150",
                         None if local["tpot_p99_during_rag_prefill_ms"] is None

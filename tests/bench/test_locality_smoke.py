@@ -30,3 +30,9 @@ def test_locality(tmp_path: Path, redis_url: str) -> None:
         assert stats["tpot_p99_during_rag_prefill_ms"] is not None
         # quick runs may be shorter than one window: then no index
         assert stats["jain_windows"] == 0 or 0 < stats["jain_mean"] <= 1
+        assert stats["jain_queued_windows"] == 0 or 0 < stats["jain_queued_mean"] <= 1
+    # each answer through the gateway said how long it queued there; direct: no queue
+    assert runs["direct_round_robin"]["queue_wait_p50_ms"] is None
+    assert runs["direct_round_robin"]["jain_queued_windows"] == 0
+    for name in ("least_loaded", "locality"):
+        assert runs[name]["queue_wait_p50_ms"] is not None, runs[name]
