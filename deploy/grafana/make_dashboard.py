@@ -253,6 +253,13 @@ def build() -> dict[str, Any]:
          f"(rate(fairgate_event_loop_lag_seconds_bucket[{RI}]))))", "p99")], unit="s",
         description="How late a gateway process's event loop ran a timer: a busy loop "
                     "delays every request that process serves by as much"))
+    lay.add(timeseries("Dispatch decisions on a stale snapshot/s", [
+        (f"sum by (backend) (rate(fairgate_dispatch_stale_view_total{{{M}}}[{RI}]))",
+         "{{backend}}")], unit="reqps",
+        description="Decisions that admitted nothing because the deciding process's gates "
+                    "came from a snapshot older than the one before the backend's stored "
+                    "one: a replica behind its backends' snapshots (a slow loop, a slow "
+                    "Redis). Each such process decides again at its next snapshot."))
 
     return {
         "uid": "fairgate-overview", "title": "fairgate", "tags": ["fairgate", "vllm"],

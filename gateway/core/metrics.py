@@ -223,6 +223,12 @@ class GatewayMetrics:
             "the backend holding its prefix was too busy), fairness_order (locality, nothing "
             "cached anywhere: the fairness order's next)", ["model", "backend", "reason"],
             registry=r)
+        self.dispatch_stale_view = Counter(
+            "fairgate_dispatch_stale_view_total",
+            "Dispatch decisions that admitted nothing because the deciding process's gates "
+            "came from a snapshot older than the one before the backend's stored one (the "
+            "process is behind the backend's snapshots; its next snapshot decides again)",
+            ["model", "backend"], registry=r)
         self.backend_healthy = Gauge(
             "fairgate_backend_healthy", "1 when the last scrapes succeeded", ["backend"],
             registry=r, multiprocess_mode=SHARED)

@@ -671,6 +671,8 @@ class Dispatcher(ReadsSettings):
         again at once (a starved class is served one request at a time)."""
         self._queued[model] = done.depth
         self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
+        if done.stale_view:
+            self.metrics.child(self.metrics.dispatch_stale_view, model, done.backend).inc()
         if done.grants and self.preemptor.soon(model, time.monotonic()):
             self._wake.set()  # a grant may wait on a full backend: check it (no forced pass)
         for grant in done.grants:

@@ -277,6 +277,10 @@ class Dispatched:
     depth: int
     backlogged_since: dict[str, float]
     recent: list[str]
+    backend: str = ""  # the backend decided for
+    # the decision's gates came from a snapshot older than the one before the stored one:
+    # it admitted nothing (its process is behind the backend's snapshots)
+    stale_view: bool = False
 
 
 def dispatch_args(
@@ -349,9 +353,9 @@ def _backlogged(since: Sequence[Any]) -> dict[str, float]:
 
 
 def _dispatched(backend: str, raw: Sequence[Any]) -> Dispatched:
-    found, depth, decisions, since, recent = raw
+    found, depth, decisions, since, recent, stale = raw
     return Dispatched(_grants(backend, found, decisions), int(depth), _backlogged(since),
-                      [str(c) for c in recent])
+                      [str(c) for c in recent], backend, bool(stale))
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,8 +526,8 @@ class Store:
             "dispatch", list(dict.fromkeys(keys)), [json.dumps(call)])
         backlogged, classes = _backlogged(since), [str(c) for c in recent]
         return [Dispatched(_grants(args["backend"], found, decisions), int(depth), backlogged,
-                           classes)
-                for args, (found, decisions) in zip(each, decided, strict=False)]
+                           classes, args["backend"], bool(stale))
+                for args, (found, decisions, stale) in zip(each, decided, strict=False)]
 
     async def class_service(self, model: str) -> tuple[dict[str, float], list[str]]:
         """(class → backlogged since, classes of the latest dispatches, newest first)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Store, dispatch_args
+from gateway.storage.store import Dispatched, Store, dispatch_args
 from policies.gates import BackendSnapshot, Gate
 from tests.store.test_scripts import alive, req
 
@@ -16,10 +16,15 @@ K = ModelKeys(M)
 BURST = Gate(3)  # what a snapshot with an empty queue admits: max_waiting 3
 
 
-async def decide(store: Store, now: float, seen: float | None, gate: Gate = BURST) -> list[str]:
+async def decision(store: Store, now: float, seen: float | None, gate: Gate = BURST
+                   ) -> Dispatched:
     [done] = await store.dispatch_with(M, [dispatch_args(
         M, "b1", {"default": gate}, "r1", now, 10.0, max_grants=10, seen=seen)])
-    return [g.request_id for g in done.grants]
+    return done
+
+
+async def decide(store: Store, now: float, seen: float | None, gate: Gate = BURST) -> list[str]:
+    return [g.request_id for g in (await decision(store, now, seen, gate)).grants]
 
 
 async def snapshot(store: Store, taken_at: float, waiting: int, running: int) -> None:
@@ -46,15 +51,18 @@ async def test_a_decision_by_the_snapshot_before_counts_what_was_sent_since_it(
     # a process that has not applied that snapshot yet still decides by the first one:
     # its burst was spent by the three (counted since the newer snapshot, it admitted 3
     # more, and vLLM's queue grew to 6 behind a gate of 3)
-    again = await decide(store, 1000.35, seen=1000.1)
-    assert again == [], f"the first snapshot's burst was spent again: {again}"
+    again = await decision(store, 1000.35, seen=1000.1)
+    assert again.grants == [], f"the first snapshot's burst was spent again: {again.grants}"
+    assert not again.stale_view, "refused by its counts, yet reported as a stale view"
     # decided by the stored one, the same gate counts from it (what it shows waiting is
     # in its own limit, which the scraper computes)
     assert len(await decide(store, 1000.36, seen=1000.3, gate=Gate(1))) == 1
     # two snapshots later, gates of the first one match nothing Redis counts: none
     await snapshot(store, 1000.5, waiting=0, running=4)
-    stale = await decide(store, 1000.6, seen=1000.1)
-    assert stale == [], f"gates two snapshots old admitted {stale}"
+    stale = await decision(store, 1000.6, seen=1000.1)
+    assert stale.grants == [], f"gates two snapshots old admitted {stale.grants}"
+    # and the decision says why (fairgate_dispatch_stale_view_total counts it)
+    assert stale.stale_view and stale.backend == "b1", stale
     assert len(await decide(store, 1000.6, seen=1000.5)) == 3
 
 

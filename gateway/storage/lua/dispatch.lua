@@ -11,7 +11,7 @@
 -- arguments, gateway/storage/store.py dispatch_args), until_grant (optional), and starts
 -- (optional: a list of {id, backend, at} its replica held back, marked first: start_each
 -- in lib/inflight.lua)
--- Returns {decided, depth, backlogged, recent}: decided one {grants, decisions} per
+-- Returns {decided, depth, backlogged, recent}: decided one {grants, decisions, stale} per
 -- backend tried, in order; depth, backlogged and recent as the last decision returned
 -- them (see dispatch_for).
 local a = cjson.decode(ARGV[1])
@@ -19,7 +19,7 @@ start_each(a.prefix, a.starts)
 local decided, last = {}, nil
 for _, args in ipairs(a.each) do
   last = dispatch_for(args)
-  decided[#decided + 1] = {last[1], last[3]}
+  decided[#decided + 1] = {last[1], last[3], last[6]}
   if last[2] == 0 or (a.until_grant and #last[1] > 0) then break end
 end
 return {decided, last[2], last[4], last[5]}

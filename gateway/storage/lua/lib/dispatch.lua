@@ -33,13 +33,14 @@
 --   waits for a backend that has it),
 --   fleet (optional, fairness_scope fleet: the other models' key prefixes, where each
 --   dispatch cost counts too: spread in _lib.lua).
--- Returns {grants, depth, decisions, backlogged, recent}: grants a list of {id, class,
+-- Returns {grants, depth, decisions, backlogged, recent, stale}: grants a list of {id, class,
 -- user, rank, owner, enqueued_at, charged (the prompt tokens its dispatch cost charged:
 -- those predicted uncached here)} (a grant for a request another replica holds is also
 -- pushed to its grant list), depth the requests still queued for the model (all
 -- classes), decisions one {held blocks, chain blocks, reason} per grant (locality.lua
 -- record), backlogged the class -> backlogged-since hash (flat), recent the classes of
--- the latest dispatches, newest first (policies/starvation.py reads both).
+-- the latest dispatches, newest first (policies/starvation.py reads both), stale 1 when the
+-- gates came from a snapshot older than the one before the stored one (nothing admitted).
 local function dispatch_for(a)
   local now, prefix, backend, want = a.now, a.prefix, a.backend, a.want
   local stamp = string.format('%.6f', now)  -- as written into grant and prefill entries
@@ -53,7 +54,8 @@ local function dispatch_for(a)
   -- have counted free); all requests in flight at the backend (occupancy). Gates from a
   -- snapshot older than the one before the stored one admit nothing.
   local sent, started, taken_at = gate_counts(prefix, backend, a.seen)
-  if not sent then sent, started, want = 0, 0, 0 end
+  local stale = not sent
+  if stale then sent, started, want = 0, 0, 0 end
   local inflight = tonumber(redis.call('GET', key_backend_inflight(prefix, backend))) or 0
   -- uncached prompt tokens dispatched and maybe not yet scheduled (policies/prefill.py)
   local pending = pending_prefill(key_backend_prefill(prefix, backend))
@@ -145,5 +147,5 @@ local function dispatch_for(a)
   local depth = 0
   for _, queued in ipairs(redis.call('HVALS', depth_key)) do depth = depth + tonumber(queued) end
   return {grants, depth, decisions, redis.call('HGETALL', key_backlogged_since(prefix)),
-          redis.call('LRANGE', key_recent(prefix), 0, -1)}
+          redis.call('LRANGE', key_recent(prefix), 0, -1), stale and 1 or 0}
 end
