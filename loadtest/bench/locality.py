@@ -204,11 +204,18 @@ async def run_sessions(urls: list[str], via_gateway: bool, p: dict[str, Any],
 
 
 async def prefix_counters(urls: list[str]) -> dict[str, float]:
+    """The backends' own counters, summed: prefix cache queries and hits, prompt tokens,
+    and the sums and counts of vLLM's queue-time and prefill-time histograms."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    totals = {"queries": 0.0, "hits": 0.0, "prompt_tokens": 0.0}
     names = {"vllm:prefix_cache_queries_total": "queries",
-             "vllm:prefix_cache_hits_total": "hits", "vllm:prompt_tokens_total": "prompt_tokens"}
+             "vllm:prefix_cache_hits_total": "hits", "vllm:prompt_tokens_total": "prompt_tokens",
+             # where a request's time to first token went at the engine (every request)
+             "vllm:request_queue_time_seconds_sum": "queue_s",
+             "vllm:request_queue_time_seconds_count": "queued",
+             "vllm:request_prefill_time_seconds_sum": "prefill_s",
+             "vllm:request_prefill_time_seconds_count": "prefilled"}
+    totals = dict.fromkeys(names.values(), 0.0)
     async with aiohttp.ClientSession() as http:
         for url in urls:
             async with http.get(url + "/metrics") as resp:
@@ -301,6 +308,12 @@ def analyse(all_turns: list[Turn], counters: dict[str, float], p: dict[str, Any]
             [t.queue_wait_s for t in ok if t.queue_wait_s is not None], 50)),
         "ttft_later_turns_p50_ms": _ms(percentile(later, 50)),
         "ttft_later_turns_p99_ms": _ms(percentile(later, 99)),
+        # vLLM's own split of a request's wait for its first token (chat and RAG alike):
+        # waiting for a slot, then its prefill
+        "vllm_queue_time_mean_ms": _ms(counters["queue_s"] / counters["queued"])
+        if counters["queued"] else None,
+        "vllm_prefill_time_mean_ms": _ms(counters["prefill_s"] / counters["prefilled"])
+        if counters["prefilled"] else None,
         "prefix_queries": queries, "prefix_hits": hits,
         "prefix_hit_rate": round(hits / queries, 4) if queries else None,
         "prompt_tokens_computed": queries - hits,
@@ -429,6 +442,9 @@ async def run(opts: Options) -> dict[str, Any]:
         row("TTFT p50 of chat turns (ms)", "ttft_p50_ms", "≥ 2× lower", "lower", 0.5),
         row("TTFT p99 of chat turns (ms)", "ttft_p99_ms"),
         row("of the TTFT, in the gateway's queue: p50 (ms)", "queue_wait_p50_ms"),
+        row("at vLLM, waiting for a slot: mean of every request (ms)",
+            "vllm_queue_time_mean_ms"),
+        row("at vLLM, prefill: mean of every request (ms)", "vllm_prefill_time_mean_ms"),
         row("output tok/s", "output_tok_s", "≥ least_loaded", "higher", 1.0),
         row("TPOT p99 of chat streams while RAG prompts prefill (ms)",
             "tpot_p99_during_rag_prefill_ms"),

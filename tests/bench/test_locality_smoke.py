@@ -28,6 +28,9 @@ def test_locality(tmp_path: Path, redis_url: str) -> None:
         assert stats["rag_requests"] >= p["rag_users"] and stats["rag_errors"] == 0
         assert stats["streams_during_rag_prefill"] > 0
         assert stats["tpot_p99_during_rag_prefill_ms"] is not None
+        # vLLM's own split of the wait for a first token, from the backends' histograms
+        assert stats["vllm_queue_time_mean_ms"] is not None, stats
+        assert stats["vllm_prefill_time_mean_ms"] > 0, stats
         # quick runs may be shorter than one window: then no index
         assert stats["jain_windows"] == 0 or 0 < stats["jain_mean"] <= 1
         assert stats["jain_queued_windows"] == 0 or 0 < stats["jain_queued_mean"] <= 1
