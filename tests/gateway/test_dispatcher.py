@@ -249,6 +249,32 @@ async def test_unhealthy_or_stale_backends_get_nothing(rig: Rig) -> None:
     assert (await pending.grant()).backend == "b1"
 
 
+async def test_gates_two_snapshots_old_admit_nothing_and_are_counted(rig: Rig) -> None:
+    """A process whose gates come from a snapshot older than the one before the stored
+    one (it fell behind its backend's scrapes) admits nothing there, and
+    ``fairgate_dispatch_stale_view_total`` says so; its next snapshot dispatches."""
+    await set_backend(rig, "b0", waiting=0, running=0)
+    rig.pool.handles["b1"].healthy = False
+    handle = rig.pool.handles["b0"]
+    assert handle.last is not None
+    handle.gates_seen = handle.last.taken_at_s
+    for later in (1.0, 2.0):  # another process's scrapes, not applied here
+        stored, _, _, _ = await rig.store.store_snapshot(MODEL, "b0", BackendSnapshot(
+            0, 0, 0.2, 0.02, handle.last.taken_at_s + later))
+        assert stored
+    pending = await queue(rig, "r1")
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert not pending.delivered
+    counted = rig.metrics.registry.get_sample_value(
+        "fairgate_dispatch_stale_view_total", {"model": MODEL, "backend": "b0"})
+    assert counted is not None and counted >= 1, counted
+    handle.gates_seen = handle.last.taken_at_s + 2.0  # it applied the stored snapshot
+    await rig.dispatcher.dispatch_once(MODEL)
+    assert (await pending.grant()).backend == "b0"
+    assert rig.metrics.registry.get_sample_value(
+        "fairgate_dispatch_stale_view_total", {"model": MODEL, "backend": "b0"}) == counted
+
+
 async def test_a_drained_handle_gets_nothing(rig: Rig) -> None:
     await set_backend(rig, "b0", waiting=0, running=0)  # the least loaded, but drained
     await set_backend(rig, "b1", waiting=0, running=5)
