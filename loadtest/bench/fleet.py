@@ -76,10 +76,12 @@ LAG = "fairgate_event_loop_lag_seconds"
 
 @dataclass
 class GatewayCounts:
-    """One replica's counts so far, from its /metrics: dispatches, and its event-loop lag
-    histogram (probes, their summed lag, and each bucket's cumulative count by bound)."""
+    """One replica's counts so far, from its /metrics: dispatches, decisions on a stale
+    snapshot, and its event-loop lag histogram (probes, their summed lag, and each bucket's
+    cumulative count by bound)."""
 
     dispatches: float = 0.0
+    stale_views: float = 0.0  # decisions made on gates two snapshots old (admitted nothing)
     probes: float = 0.0
     lag_s: float = 0.0
     buckets: dict[float, float] = field(default_factory=dict)
@@ -96,6 +98,8 @@ async def gateway_counts(http: aiohttp.ClientSession, gateways: list[Proc]
             for sample in family.samples:
                 if sample.name == "fairgate_dispatches_total":
                     got.dispatches += sample.value
+                elif sample.name == "fairgate_dispatch_stale_view_total":
+                    got.stale_views += sample.value
                 elif sample.name == LAG + "_bucket":
                     got.buckets[float(sample.labels["le"])] = sample.value
                 elif sample.name == LAG + "_count":
@@ -170,6 +174,8 @@ async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
             "scrapes_per_backend_s": {"mean": round(sum(per_backend) / len(per_backend), 3),
                                       "max": round(max(per_backend), 3)},
             "dispatches_per_s": round((d1 - d0) / wall, 2),
+            "stale_views_per_s": round((sum(g.stale_views for g in g1)
+                                        - sum(g.stale_views for g in g0)) / wall, 2),
             "loop_lag": [loop_lag(a, b) for a, b in zip(g0, g1, strict=True)],
             "redis_scripts_per_s": round((scripts1 - scripts0) / wall, 1),
             "redis_busy": round((usec1 - usec0) / 1e6 / wall, 4),
@@ -268,6 +274,10 @@ def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
         rows.append(report.Headline(
             f"{replicas} replica(s): dispatch decisions per second under load", None,
             load["dispatches_per_s"], None, "–", None))
+        rows.append(report.Headline(
+            f"{replicas} replica(s): decisions on a stale snapshot per second under load "
+            "(gates two snapshots old: none admitted)", None,
+            load["stale_views_per_s"], None, "–", None))
         lags = [lag["p99_ms"] for lag in load["loop_lag"]]
         rows.append(report.Headline(
             f"{replicas} replica(s): event-loop lag p99 under load, each replica (ms, bucket "

@@ -265,6 +265,7 @@ def test_fleet(tmp_path: Path, redis_url: str) -> None:
         load = run["load"]
         assert load["requests"]["ok"] == load["requests"]["sent"] > 0, load["requests"]
         assert load["dispatches_per_s"] > 0 and load["snapshot_age_ms"]["p99"] is not None, load
+        assert load["stale_views_per_s"] >= 0, load  # read from every replica's /metrics
         # every replica's event-loop lag over the window, from its probes (4 a second)
         assert len(load["loop_lag"]) == n and all(
             lag["mean_ms"] is not None and lag["mean_ms"] >= 0 for lag in load["loop_lag"]), load
