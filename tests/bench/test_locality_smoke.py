@@ -17,7 +17,8 @@ def test_locality(tmp_path: Path, redis_url: str) -> None:
     report = _run("locality", tmp_path, redis_url)
     runs = report["runs"]
     assert set(runs) == {"direct_round_robin", "least_loaded", "locality",
-                         "locality_no_prefill_gate", "locality_pools"}
+                         "locality_no_prefill_gate", "locality_pools",
+                         "least_loaded_waiting_1", "locality_waiting_1"}
     p = report["params"]
     for stats in runs.values():
         assert stats["errors"] == 0, stats["error_sample"]
