@@ -111,8 +111,11 @@ async def test_the_leases_are_spread_evenly_over_the_replicas(
     async def spread() -> bool:
         leases = [await redis.get(K.backend_scraper(n)) for n in names]
         seen[:] = [[held_by(gw) for gw in replicas], leases]
+        # (a lease may be free in Redis for a moment while it changes hands, before the
+        # giver's handle has its tick's reply: seen in CI; not spread yet)
         return (sorted(held_by(gw) for gw in replicas) == [2, 2, 2]
                 and all(len(holders(replicas, n)) == 1 for n in names)
+                and None not in leases
                 and sorted(leases) == sorted(h for n in names for h in holders(replicas, n)))
     try:
         await until(spread, "two leases held by each of the three replicas")
