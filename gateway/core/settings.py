@@ -29,6 +29,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from gateway.core.backend_names import BackendUrl
 from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, default_floors
 from policies.fairness import POLICIES
 from policies.fleet import factor_of
@@ -142,8 +143,10 @@ class PoolFields(BaseModel):
 
 
 class Backend(PoolFields):
+    # a configured one's is checked by Settings, a runtime one's by the admin API
+    # (gateway/core/backend_names.py); DNS discovery names its own (name@address:port)
     name: str
-    url: str
+    url: BackendUrl
     model: str
 
     def label(self) -> str:
