@@ -52,6 +52,7 @@ from gateway.storage.redis_client import (
     connect_sentinel,
 )
 from gateway.storage.store import Store
+from gateway.storage.store_version import check_store_version
 from policies.cost import TokenCost
 from policies.fairness import FairnessPolicy, policy_for
 
@@ -132,6 +133,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
     async with contextlib.AsyncExitStack() as stack:
         client, redis_url = store_client(settings, metrics, stack)
         stack.push_async_callback(client.aclose)
+        await check_store_version(client, redis_url)  # StoreTooOld: `fairgate serve` exits 2
         # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
         # that moment fails a request, so ours expire first
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(

@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from gateway.core.settings import RedisCluster, RedisSentinel, addresses, load_settings
+from gateway.core.backend_names import check_backend_name, check_backend_url
+from gateway.core.config_file import ConfigFileInvalid, read_config_file
+from gateway.core.settings import (
+    RedisCluster,
+    RedisSentinel,
+    Settings,
+    addresses,
+    load_settings,
+)
 
 YAML = """
 redis_url: redis://127.0.0.1:6399/0
@@ -130,8 +140,8 @@ def test_fairness_scope_and_cost_factors_are_checked_clearly(tmp_path: Path) -> 
     assert per_model.fairness_scope == "model" and per_model.cost_factor("llama-3.1-8b") == 1.0
     assert per_model.fleet_models() == []
     for extra, words in (
-            ("fairness_scope: all\n", "fairness_scope Input should be 'model' or 'fleet'"),
-            ("cost_factors: {llama-3.1-8b: 0}\n", "cost_factors.`llama-3.1-8b` Input should "
+            ("fairness_scope: all\n", "fairness_scope: Input should be 'model' or 'fleet'"),
+            ("cost_factors: {llama-3.1-8b: 0}\n", "cost_factors.llama-3.1-8b: Input should "
              "be greater than 0"),
             ("cost_factors: {llama-3.1-8b: .inf}\n", "Input should be a finite number"),
             ("cost_factors: {llama-3.1-8b: cheap}\n", "Input should be a valid number"),
@@ -148,3 +158,119 @@ def test_fairness_scope_and_cost_factors_are_checked_clearly(tmp_path: Path) -> 
         with pytest.raises(ConfigFileInvalid) as bad:
             read_config_file(path)
         assert words in str(bad.value), (extra, str(bad.value))
+
+
+def _models(kind: Any, seen: set[type[BaseModel]]) -> None:
+    """Every pydantic model reachable from ``kind`` (through lists, dicts, unions)."""
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        if kind in seen:
+            return
+        seen.add(kind)
+        for field in kind.model_fields.values():
+            _models(field.annotation, seen)
+        return
+    for arg in typing.get_args(kind):
+        _models(arg, seen)
+
+
+def test_every_config_model_refuses_unknown_keys() -> None:
+    """issue 43: a typo in a backend, key or class entry was dropped without a word."""
+    models: set[type[BaseModel]] = set()
+    _models(Settings, models)
+    names = {m.__name__ for m in models}
+    assert {"Backend", "ApiKey", "ClassConfig", "Listen", "Tenant", "Adapter", "Discovery",
+            "Autoscale", "UsageLimits", "RedisSentinel", "RedisCluster"} <= names, names
+    lax = sorted(m.__name__ for m in models if m.model_config.get("extra") != "forbid")
+    assert lax == [], f"config models that ignore unknown keys: {lax}"
+
+
+@pytest.mark.parametrize(("entry", "words"), [
+    ("backends:\n  - {name: b1, url: http://127.0.0.1:8100, model: m}\n"
+     "  - {name: b2, url: http://127.0.0.1:8101, model: m, role: prefill}\n",
+     "backends.1.role: unknown key"),
+    ("backends:\n  - {name: b1, url: http://127.0.0.1:8100, model: m, "
+     "max_promt_tokens: 10}\n",
+     "backends.0.max_promt_tokens: unknown key (did you mean max_prompt_tokens?)"),
+    ("api_keys:\n  - {key: sk-a, user: a, tenent: t}\n",
+     "api_keys.0.tenent: unknown key (did you mean tenant?)"),
+    ("classes:\n  batch: {max_waitng: 2}\n",
+     "classes.batch.max_waitng: unknown key (did you mean max_waiting?)"),
+    ("listen: {hots: 0.0.0.0}\n", "listen.hots: unknown key (did you mean host?)"),
+    ("tenants: {t: {wieght: 2}}\n", "tenants.t.wieght: unknown key (did you mean weight?)"),
+    ("tenants: {t: {limits: {rmp: 2}}}\n",
+     "tenants.t.limits.rmp: unknown key (did you mean rpm?)"),
+    ("adapters: [{name: sql, base_model: m, runtme: true}]\n",
+     "adapters.0.runtme: unknown key (did you mean runtime?)"),
+    ("discovery: [{dns_name: vllm, port: 8000, model: m, refresh: 1}]\n",
+     "discovery.0.refresh: unknown key (did you mean refresh_s?)"),
+    ("autoscale: {min_replica: 1}\n",
+     "autoscale.min_replica: unknown key (did you mean min_replicas?)"),
+])
+def test_an_unknown_key_is_named_with_its_place(entry: str, words: str, tmp_path: Path) -> None:
+    path = tmp_path / "fairgate.yaml"
+    base = "backends: [{name: b0, url: 'http://127.0.0.1:9', model: m}]\n"
+    path.write_text(entry if entry.startswith("backends") else base + entry)
+    with pytest.raises(ConfigFileInvalid) as bad:
+        read_config_file(path)
+    message = str(bad.value)
+    assert words in message, message
+    assert "\n" not in message and "Extra inputs" not in message, message
+
+
+ONE_BACKEND = "backends: [{name: b0, url: 'http://127.0.0.1:9', model: m}]\n"
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    # every request of the class would wait past a deadline already gone: 504s
+    (ONE_BACKEND + "classes: {batch: {max_waiting: -5}}\n",
+     "classes.batch.max_waiting: Input should be greater than or equal to 0"),
+    (ONE_BACKEND + "classes: {default: {max_queue_wait_s: -1}}\n",
+     "classes.default.max_queue_wait_s: Input should be greater than 0"),
+    (ONE_BACKEND + "classes: {default: {max_tpot_ms: 0}}\n",
+     "classes.default.max_tpot_ms: Input should be greater than 0"),
+    (ONE_BACKEND + "classes: {default: {max_kv_usage: 0}}\n",
+     "classes.default.max_kv_usage: Input should be greater than 0"),
+    ("backends: [{name: b0, url: 'ftp://127.0.0.1:9', model: m}]\n",
+     "backends.0.url: must be an http:// or https:// URL with a host"),
+    ("backends: [{name: b0, url: \"http://127.0.0.1:9/a\\r\\nX-Evil: 1\", model: m}]\n",
+     "backends.0.url: must not hold a space or a control character"),
+    ("backends: [{name: b0, url: 'http://127.0.0.1:9/a b', model: m}]\n",
+     "backends.0.url: must not hold a space or a control character"),
+    ("backends: [{name: b0, url: 'http://u:secret@127.0.0.1:9', model: m}]\n",
+     "backends.0.url: must not carry credentials"),
+    # one of the two was dropped without a word
+    ("backends:\n  - {name: b0, url: 'http://127.0.0.1:9', model: m}\n"
+     "  - {name: b0, url: 'http://127.0.0.1:10', model: m}\n",
+     "backends.1.name: 'b0' is also the name of backends.0"),
+    ("backends: [{name: '..', url: 'http://127.0.0.1:9', model: m}]\n",
+     "backends.0.name: '..' is not a backend name"),
+    # one secret for two users: the second was served as the first
+    (ONE_BACKEND + "api_keys: [{key: sk-a, user: a}, {key: sk-a, user: b}]\n",
+     "api_keys.1.key: the same secret as api_keys.0"),
+    (ONE_BACKEND + "api_keys: [{key: sk-a, user: a, id: k1}, {key: sk-b, user: b, id: k1}]\n",
+     "api_keys.1.id: 'k1' is also the id of api_keys.0"),
+])
+def test_settings_that_break_service_are_refused(text: str, words: str, tmp_path: Path) -> None:
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileInvalid) as bad:
+        read_config_file(path)
+    assert words in str(bad.value), str(bad.value)
+    assert "secret@" not in str(bad.value) and "sk-a" not in str(bad.value), str(bad.value)
+
+
+def test_the_config_and_the_admin_api_share_one_backend_check() -> None:
+    for name in ("b0", "gpu-1.pool_a", "A" * 64):
+        assert check_backend_name(name) == name
+    for name in ("", ".", "..", "-a", "a/b", "a b", "a\r\n", "é", "a:b", "A" * 65):
+        with pytest.raises(ValueError, match="is not a backend name"):
+            check_backend_name(name)
+    assert check_backend_url("https://vllm-0.vllm:8000/") == "https://vllm-0.vllm:8000"
+    assert check_backend_url("http://[::1]:8000/prefix") == "http://[::1]:8000/prefix"
+    for url in ("ftp://h:1", "http://", "h:1", "http://h:99999", "http://h:1/?q=1",
+                "http://h:1/#f", "http://h:1/a\tb", "http://h:1\n", "http://h:1/\x7f"):
+        with pytest.raises(ValueError):
+            check_backend_url(url)
+    # a configured backend's URL is what the admin API would keep (no trailing '/')
+    s = load_settings(None, backends=[{"name": "b0", "url": "http://h:1/", "model": "m"}])
+    assert s.backends[0].url == "http://h:1", s.backends[0].url

@@ -9,12 +9,15 @@ setting names, a string that is not text, invalid settings) is one
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import difflib
+import types
+import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway.core.settings import Settings, load_settings
 
@@ -47,7 +50,65 @@ def read_config_file(path: Path) -> Settings:
 
 def _invalid(exc: Exception) -> ConfigFileInvalid:
     """The parser's or validator's words on one line."""
+    if isinstance(exc, ValidationError):
+        return ConfigFileInvalid("is invalid: " + describe(exc, Settings))
     return ConfigFileInvalid("is invalid: " + " ".join(str(exc).split()))
+
+
+def describe(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """Each problem of a validation on one line, as "<where>: <what>" with where the
+    setting's path (``backends.1.url``): ``backends.0.max_promt_tokens: unknown key (did
+    you mean max_prompt_tokens?)``. ``model`` (the validated one) names the known keys."""
+    return "; ".join(_problem(error, model) for error in exc.errors(include_url=False))
+
+
+def _problem(error: Any, model: type[BaseModel] | None) -> str:
+    where = ".".join(map(str, error["loc"]))
+    if error["type"] == "extra_forbidden":
+        what = "unknown key" + _did_you_mean(model, error["loc"])
+    elif error["type"] in ("value_error", "assertion_error") and "error" in error.get("ctx", {}):
+        what = str(error["ctx"]["error"])  # a validator's own words, without "Value error, "
+    else:
+        what = error["msg"]
+    return " ".join(f"{where}: {what}".split()) if where else " ".join(what.split())
+
+
+def _did_you_mean(model: type[BaseModel] | None, loc: Sequence[int | str]) -> str:
+    """" (did you mean <known key>?)" for a key close to one ``model`` knows at ``loc``."""
+    known = _keys_at(model, loc[:-1]) if model is not None else []
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _keys_at(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+    """The keys of the model at ``loc`` inside ``model`` (through lists, dicts and
+    optional values), or [] where none is found."""
+    kind: Any = model
+    for part in loc:
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            field = kind.model_fields.get(str(part))
+            if field is None:
+                return []
+            kind = _unwrap(field.annotation)
+        else:
+            args = typing.get_args(kind)
+            if typing.get_origin(kind) not in (list, dict) or not args:
+                return []
+            kind = _unwrap(args[-1])  # a list's items, a dict's values
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        return list(kind.model_fields)
+    return []
+
+
+def _unwrap(kind: Any) -> Any:
+    """``X`` of ``X | None`` and of ``Annotated[X, …]``."""
+    while typing.get_origin(kind) is typing.Annotated:
+        kind = typing.get_args(kind)[0]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        present = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(present) == 1:
+            return _unwrap(present[0])
+    return kind
 
 
 def _check_shape(parsed: object) -> None:

@@ -29,6 +29,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from gateway.core.backend_names import BackendUrl, check_backend_name
 from policies.classes import CLASS_ORDER, CLASSES, DEFAULT_CLASS, ClassSpec, default_floors
 from policies.fairness import POLICIES
 from policies.fleet import factor_of
@@ -39,6 +40,8 @@ from policies.prefill import PromptRange
 
 
 class Listen(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -118,6 +121,8 @@ class RedisSentinel(BaseModel):
 class PoolFields(BaseModel):
     """What a backend's pool takes, for a configured backend and a discovered one alike."""
 
+    model_config = ConfigDict(extra="forbid")
+
     # the estimated prompt lengths it takes (policies/prefill.py): a short-context pool
     # and a long_context pool of one model, say; a request goes only where it fits, and
     # one that fits no backend of its model is refused with a 400
@@ -142,8 +147,10 @@ class PoolFields(BaseModel):
 
 
 class Backend(PoolFields):
+    # a configured one's is checked by Settings, a runtime one's by the admin API
+    # (gateway/core/backend_names.py); DNS discovery names its own (name@address:port)
     name: str
-    url: str
+    url: BackendUrl
     model: str
 
     def label(self) -> str:
@@ -305,6 +312,8 @@ def check_name(value: str) -> str:
 
 
 class ApiKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     key: str
     user: str
     tenant: str | None = None  # None: a tenant named after the user
@@ -332,10 +341,14 @@ class ClassConfig(BaseModel):
     """A class's settings; a class named in the config starts from its row of the class
     table (``policies/classes.py``), the only place defaults are written."""
 
-    max_waiting: int
-    max_tpot_ms: float
-    max_kv_usage: float | None
-    max_queue_wait_s: float
+    model_config = ConfigDict(extra="forbid")
+
+    # each bound below keeps the class servable: a negative max_waiting or queue wait,
+    # or a TPOT or KV bound of 0, would leave every request of the class to time out
+    max_waiting: int = Field(ge=0)
+    max_tpot_ms: float = Field(gt=0)
+    max_kv_usage: float | None = Field(gt=0, le=1)
+    max_queue_wait_s: float = Field(gt=0)
     priority_base: int
     # default first-token deadline of the class's requests (X-Fairgate-Deadline-Ms wins)
     ttft_slo_ms: int | None = Field(gt=0)
@@ -606,6 +619,41 @@ class Settings(BaseSettings):
                     check_name(name)
                 except ValueError as exc:
                     raise ValueError(f"{where}: {name!r} {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _backends_named_once(self) -> Settings:
+        """Each configured backend by a safe name of its own (a second of one name was
+        dropped, unsaid)."""
+        first: dict[str, int] = {}
+        for i, backend in enumerate(self.backends):
+            where = f"backends.{i}.name"
+            try:
+                check_backend_name(backend.name)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            if backend.name in first:
+                raise ValueError(f"{where}: {backend.name!r} is also the name of "
+                                 f"backends.{first[backend.name]}: a name is one backend")
+            first[backend.name] = i
+        return self
+
+    @model_validator(mode="after")
+    def _one_key_per_secret(self) -> Settings:
+        """A secret (and a key's id) names one key: a second of the same was kept in
+        place of the first, so one of the two users was served as the other."""
+        secrets: dict[str, int] = {}
+        ids: dict[str, int] = {}
+        for i, key in enumerate(self.api_keys):
+            if key.key in secrets:
+                raise ValueError(f"api_keys.{i}.key: the same secret as "
+                                 f"api_keys.{secrets[key.key]}: one secret is one key")
+            secrets[key.key] = i
+            if key.id is not None and key.id in ids:
+                raise ValueError(f"api_keys.{i}.id: {key.id!r} is also the id of "
+                                 f"api_keys.{ids[key.id]}")
+            if key.id is not None:
+                ids[key.id] = i
         return self
 
     @model_validator(mode="after")

@@ -13,10 +13,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from gateway.core import event_loop
-from gateway.core.config_file import ConfigFileInvalid, read_config_file
+from gateway.core.config_file import ConfigFileInvalid, describe, read_config_file
 from gateway.core.logs import configure_logging
-from gateway.core.settings import load_settings
+from gateway.core.settings import Settings, load_settings
 from gateway.runtime.serve import (
     SERVE_PORT_CHANGE,
     fail,
@@ -40,6 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = read_config_file(Path(path)) if path else load_settings()
     except ConfigFileInvalid as exc:
         return fail(f"config file {path!r} {exc}")
+    except ValidationError as exc:  # FAIRGATE_* variables without a config file
+        return fail(f"invalid settings: {describe(exc, Settings)}")
     problem = missing_setup(settings)
     if problem is not None:
         return fail(problem)

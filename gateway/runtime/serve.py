@@ -22,6 +22,7 @@ from gateway.core.settings import Settings
 from gateway.core.worker_signals import RELOAD_SIGNAL
 from gateway.http.admin.reload import reload_settings
 from gateway.http.server import GatewayServer
+from gateway.storage.store_version import StoreTooOld
 
 log = structlog.get_logger("fairgate.cli")
 
@@ -84,13 +85,17 @@ SERVE_PORT_CHANGE = "choose another with listen.port in the config or FAIRGATE_L
 
 async def run_gateway(settings: Settings, server: GatewayServer | None = None,
                       ready: Callable[[GatewayServer], None] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (0); a port taken at bind time → one line, 2.
+    """Serve until SIGINT/SIGTERM (0); a port taken at bind time, or a store older than
+    fairgate needs (``gateway/storage/store_version.py``) → one line, 2.
 
     ``ready`` is called once the server listens (default: print where); a worker of
     ``gateway/runtime/workers.py`` passes its own ``server`` and ``ready``."""
     server = server or GatewayServer(settings)
     try:
         await server.start()
+    except StoreTooOld as exc:
+        await server.stop()
+        return fail(str(exc))
     except OSError as exc:
         await server.stop()  # the embedded Redis and the loops started before the bind
         if not port_in_use(exc):

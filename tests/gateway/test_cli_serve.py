@@ -143,6 +143,43 @@ async def test_serve_without_backends_or_keys_refuses_to_start(
     assert (str(tmp_path / "fairgate.yaml") if config is not None else "--config") in line
 
 
+@pytest.mark.parametrize(("change", "problem"), [
+    ({"backends": [{"name": "b1", "url": "http://127.0.0.1:9", "model": MODEL},
+                   {"name": "b2", "url": "http://127.0.0.1:10", "model": MODEL,
+                    "role": "prefill"}]}, "backends.1.role: unknown key"),
+    ({"classes": {"batch": {"max_waiting": -5}}},
+     "classes.batch.max_waiting: Input should be greater than or equal to 0"),
+    ({"backends": [{"name": "..", "url": "ftp://127.0.0.1:9", "model": MODEL}]},
+     "backends.0.url: must be an http:// or https:// URL with a host"),
+])
+async def test_serve_with_an_invalid_config_names_the_setting_in_one_line(
+        tmp_path: Path, change: dict[str, object], problem: str) -> None:
+    """issue 43: the key and its place on one line, exit status 2, no traceback."""
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(yaml.safe_dump({
+        "backends": [{"name": "b1", "url": "http://127.0.0.1:9", "model": MODEL}],
+        "api_keys": KEYS, "data_dir": str(tmp_path), **change}))
+    code, out, err = await _run(sys.executable, "-m", "gateway.runtime.cli", "serve",
+                                "--config", str(path))
+    assert (code, out) == (2, ""), (code, out, err)
+    line = _one_line(err)
+    assert line.startswith(f"fairgate: config file {str(path)!r} is invalid: "), line
+    assert problem in line, line
+
+
+async def test_serve_with_invalid_settings_from_the_environment_says_so(
+        tmp_path: Path) -> None:
+    """Without a config file, a FAIRGATE_* variable at fault is one line too (a
+    traceback before)."""
+    env = _env(FAIRGATE_CLASSES='{"default": {"max_queue_wait_s": -1}}',
+               FAIRGATE_DATA_DIR=str(tmp_path))
+    code, out, err = await _run(sys.executable, "-m", "gateway.runtime.cli", "serve", env=env)
+    assert (code, out) == (2, ""), (code, out, err)
+    line = _one_line(err)
+    assert line == ("fairgate: invalid settings: classes.default.max_queue_wait_s: Input "
+                    "should be greater than 0"), line
+
+
 async def test_serve_with_a_missing_config_file_says_so(tmp_path: Path) -> None:
     code, _, err = await _run(sys.executable, "-m", "gateway.runtime.cli", "serve", "--config",
                               str(tmp_path / "nope.yaml"))

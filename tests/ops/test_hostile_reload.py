@@ -16,7 +16,7 @@ import yaml
 
 from gateway.core.errors import BadRequest
 from gateway.http.admin.reload import reload_settings
-from tests.gateway.conftest import GatewayFactory, SimFactory, complete
+from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, complete
 from tests.gateway.test_workers import answered_by, serve
 from tests.ops.conftest import ADMIN, admin_call
 from tests.ops.test_reload import config
@@ -85,6 +85,26 @@ async def test_a_config_that_would_break_the_gateway_is_refused(
      "holds a string that is not text (a lone surrogate escape) at admin_keys.1"),
     ({"backends": [{"name": "b0", "url": "http://127.0.0.1:9", "model": "m\ud800"}]},
      "(a lone surrogate escape) at backends.0.model"),
+    # issue 43: an unknown key anywhere, named with its place (it was dropped unsaid)
+    ({"backends": [{"name": "b0", "url": "http://127.0.0.1:9", "model": MODEL,
+                    "max_promt_tokens": 10}]},
+     "backends.0.max_promt_tokens: unknown key (did you mean max_prompt_tokens?)"),
+    ({"api_keys": [{**KEYS[0], "role": "admin"}]}, "api_keys.0.role: unknown key"),
+    # settings under which every request of a class, or every client, would fail
+    ({"classes": {"batch": {"max_waiting": -5}}},
+     "classes.batch.max_waiting: Input should be greater than or equal to 0"),
+    ({"classes": {"default": {"max_queue_wait_s": -1}}},
+     "classes.default.max_queue_wait_s: Input should be greater than 0"),
+    ({"backends": [{"name": "b0", "url": "ftp://127.0.0.1:9", "model": MODEL}]},
+     "backends.0.url: must be an http:// or https:// URL with a host"),
+    ({"backends": [{"name": "b0", "url": "http://127.0.0.1:9\r\n", "model": MODEL}]},
+     "backends.0.url: must not hold a space or a control character"),
+    ({"backends": [{"name": "b0", "url": "http://127.0.0.1:9", "model": MODEL},
+                   {"name": "b0", "url": "http://127.0.0.1:10", "model": MODEL}]},
+     "backends.1.name: 'b0' is also the name of backends.0"),
+    ({"api_keys": [*KEYS, {**KEYS[0], "user": "mallory"}]},
+     f"api_keys.{len(KEYS)}.key: the same secret as api_keys.0"),
+    ({"api_keys": []}, f"names no API keys where {len(KEYS)} are in force"),
 ])
 async def test_a_config_without_backends_or_keys_is_refused(
         change: dict[str, list[object]], problem: str, tmp_path: Path, sim: SimFactory,
@@ -94,9 +114,14 @@ async def test_a_config_without_backends_or_keys_is_refused(
     path.write_text(yaml.safe_dump(config(redis_url, [backend])))
     gw = await gateway([backend], admin_keys=[ADMIN], config_file=path)
     path.write_text(yaml.safe_dump({**config(redis_url, [backend]), **change}))
+    before = gw.services.settings
     async with aiohttp.ClientSession() as http:
         status, answer = await admin_call(http, "POST", gw.url + "/admin/reload")
         assert status == 400 and problem in answer["error"]["message"], (status, answer)
+        with pytest.raises(BadRequest) as refused:  # SIGHUP's path: the same refusal
+            reload_settings(gw.services)
+        assert refused.value.message == answer["error"]["message"], refused.value.message
+        assert gw.services.settings is before, "a refused reload changed the settings"
         await complete(http, gw.url, "sk-alice", 2)
 
 

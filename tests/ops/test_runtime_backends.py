@@ -141,6 +141,16 @@ BAD_BODIES: list[tuple[Any, int, str | None, str | None]] = [
     ({"name": "x", "url": "http://", "model": MODEL}, 400, "url", None),
     ({"name": "x", "url": "http://127.0.0.1:99999", "model": MODEL}, 400, "url", None),
     ({"name": "x", "url": "http://u:p@127.0.0.1:9", "model": MODEL}, 400, "url", None),
+    # issue 43: a URL that would split a request line or a header, and names that a
+    # client normalising paths could not remove again (DELETE /admin/backends/..)
+    ({"name": "x", "url": "http://127.0.0.1:9/\r\nX-Evil: 1", "model": MODEL}, 400, "url",
+     None),
+    ({"name": "x", "url": "http://127.0.0.1:9/a b", "model": MODEL}, 400, "url", None),
+    ({"name": "x", "url": " http://127.0.0.1:9", "model": MODEL}, 400, "url", None),
+    ({"name": "..", "url": "http://127.0.0.1:9", "model": MODEL}, 400, "name", None),
+    ({"name": ".", "url": "http://127.0.0.1:9", "model": MODEL}, 400, "name", None),
+    ({"name": "a" * 65, "url": "http://127.0.0.1:9", "model": MODEL}, 400, "name", None),
+    ({"name": "a:b", "url": "http://127.0.0.1:9", "model": MODEL}, 400, "name", None),
     ({"name": "x", "url": "http://127.0.0.1:9", "model": "nope"}, 400, "model", None),
     ({"name": "x", "url": "http://127.0.0.1:9", "model": MODEL, "weight": 2}, 400,
      "weight", None),

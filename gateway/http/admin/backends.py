@@ -12,53 +12,27 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import yarl
 from aiohttp import web
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import Field
 
 from gateway.backends.registry import ADMIN
+from gateway.core.backend_names import BackendName
 from gateway.core.errors import BadRequest
-from gateway.core.settings import Backend, PoolFields
+from gateway.core.settings import Backend
 from gateway.http.admin.access import admin_services
 from gateway.http.admin.keys import read_body
 from gateway.http.admin.ops import MAX_GRACE_S
 from gateway.proxy.completion_request import read_json_object
 
-MAX_NAME_CHARS = 200
 MAX_REMOVE_BODY_BYTES = 4096
 
 
-class NewBackend(PoolFields):
-    model_config = ConfigDict(extra="forbid")
+class NewBackend(Backend):
+    """A backend as ``POST /admin/backends`` takes it: its name and URL checked as the
+    config file's are (``gateway/core/backend_names.py``)."""
 
-    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
-    url: str = Field(min_length=1, max_length=2048)
+    name: BackendName
     model: str = Field(min_length=1)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        # shown in URLs (/admin/backends/{name}/drain), Redis key names and metric labels
-        if not value.isprintable() or any(c.isspace() or c == "/" for c in value):
-            raise ValueError("must be printable text without spaces or '/'")
-        return value
-
-    @field_validator("url")
-    @classmethod
-    def _url(cls, value: str) -> str:
-        try:
-            url = yarl.URL(value)
-        except (ValueError, TypeError):
-            raise ValueError("must be an http:// or https:// URL") from None
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if url.query_string or url.fragment or url.user is not None:
-            raise ValueError("must not carry credentials, a query or a fragment")
-        try:
-            url.port  # noqa: B018 -- an out-of-range port raises here
-        except ValueError:
-            raise ValueError("has an invalid port") from None
-        return value.rstrip("/")
 
 
 def _grace_s(body: dict[str, Any]) -> float:

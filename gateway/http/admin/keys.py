@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway.core.config_file import describe
 from gateway.core.errors import BadRequest, KeyInConfig, NotFound
 from gateway.core.settings import ApiKey, UsageLimits, check_name
 from gateway.http.admin.access import admin_services
@@ -63,9 +64,8 @@ async def read_body(request: web.Request, model: type[BaseModel], empty_ok: bool
         return model.model_validate(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
-        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
         param = ".".join(map(str, errors[0]["loc"])) if errors else None
-        raise BadRequest(f"invalid request body: {detail}", param=param) from None
+        raise BadRequest(f"invalid request body: {describe(exc, model)}", param=param) from None
 
 
 def _config_key(svc: Services, key_id: str) -> ApiKey | None:

@@ -62,7 +62,8 @@ async def reload_config(request: web.Request) -> web.Response:
 def _read_config(path: Path, current: Settings) -> Settings:
     """The whole new config, validated (``gateway/core/config_file.py``); ``BadRequest``
     naming the problem otherwise, also when it names no backends or no keys at all, or no
-    admin key where ``current`` has some (a reload must never lock the operators out)."""
+    API key or no admin key where ``current`` has some (a reload must never lock the
+    users or the operators out)."""
     def refuse(problem: str) -> BadRequest:
         return BadRequest(f"config file {str(path)!r} {problem}; nothing reloaded, the "
                           "current config stays")
@@ -75,6 +76,9 @@ def _read_config(path: Path, current: Settings) -> Settings:
         raise refuse("names no backends and no discovery")
     if not new.api_keys and not new.admin_keys:
         raise refuse("names no API keys and no admin keys")
+    if current.api_keys and not new.api_keys:
+        raise refuse(f"names no API keys where {len(current.api_keys)} are in force: every "
+                     "client of the config's keys would get a 401")
     if current.admin_keys and not new.admin_keys:
         raise refuse("names no admin keys: no operator could reload, drain or cancel again "
                      "(a restart turns the admin API off)")
