@@ -474,7 +474,9 @@ def vllm_server(
         _stop(server.proc)
 
 
-# The 4-slot server: test_gateway_vllm's pacing tests (a batch a flood fills on 2 cores)
+# The 4-slot server, on one CPU of its own (``server_cpus``: the pacing tests judge samples
+# of its queue, which an engine on both cores starves): test_gateway_vllm's pacing tests
+# (a batch a flood fills)
 # and test_locality_vllm's second server (the cached prompt tokens of the usage records:
 # --enable-prompt-tokens-details) are one server, started once for both modules (they run
 # one after the other). Neither depends on what the other left: every check there is on its
