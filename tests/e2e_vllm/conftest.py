@@ -262,6 +262,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The CPUs this process was given at start (a test may keep its own thread off some later)
+ALLOWED_CPUS = frozenset(os.sched_getaffinity(0))
+
+
+def server_cpus() -> frozenset[int] | None:
+    """One CPU of its own for a measured server (the last this process was given, when it
+    was given two or more): vLLM's CPU engine binds its threads to the CPUs it may use,
+    and on all of them it shuts the test's process (gateway, clients, samplers) out for
+    seconds at a time (loadtest/RESULTS.md, the preemption test)."""
+    allowed = sorted(ALLOWED_CPUS)
+    return frozenset(allowed[-1:]) if len(allowed) >= 2 else None
+
+
+@contextlib.contextmanager
+def off_cpus(cpus: frozenset[int] | None) -> Iterator[None]:
+    """This thread (the test's event loop: the gateway, the clients, the samplers) and the
+    threads it starts meanwhile kept off ``cpus`` (a measured server's own) while inside."""
+    before = os.sched_getaffinity(0)
+    rest = before - (cpus or frozenset())
+    if not cpus or not rest:
+        yield
+        return
+    os.sched_setaffinity(0, rest)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 @dataclass(frozen=True)
 class VllmServer:
     url: str  # http://127.0.0.1:PORT (no /v1)
@@ -445,7 +474,9 @@ def vllm_server(
         _stop(server.proc)
 
 
-# The 4-slot server: test_gateway_vllm's pacing tests (a batch a flood fills on 2 cores)
+# The 4-slot server, on one CPU of its own (``server_cpus``: the pacing tests judge samples
+# of its queue, which an engine on both cores starves): test_gateway_vllm's pacing tests
+# (a batch a flood fills)
 # and test_locality_vllm's second server (the cached prompt tokens of the usage records:
 # --enable-prompt-tokens-details) are one server, started once for both modules (they run
 # one after the other). Neither depends on what the other left: every check there is on its
@@ -507,7 +538,8 @@ def four_slots(request: pytest.FixtureRequest,
     python: Path = request.getfixturevalue("vllm_python")
     model_dir: Path = request.getfixturevalue("tiny_model_dir")
     shared = SharedServer("four_slots", lambda: launch(
-        python, model_dir, tmp_path_factory, FOUR_SLOTS, FOUR_SLOTS_ARGS))
+        python, model_dir, tmp_path_factory, FOUR_SLOTS, FOUR_SLOTS_ARGS,
+        cpus=server_cpus()))
     try:
         yield shared
     finally:

@@ -45,6 +45,7 @@ from tests.e2e_vllm.conftest import (
     VllmServer,
     _stop,
     launch,
+    server_cpus,
     skip_requested,
     wait_healthy,
 )
@@ -83,12 +84,6 @@ def server_options() -> tuple[tuple[str, ...], int, frozenset[int] | None]:
     if not preemption_measured():
         return (), SERVER_NICE, None
     return SERVER_ARGS, SERVER_NICE, server_cpus()
-
-
-def server_cpus() -> frozenset[int] | None:
-    """The last CPU this process may use, when it may use two or more."""
-    allowed = sorted(os.sched_getaffinity(0))
-    return frozenset(allowed[-1:]) if len(allowed) >= 2 else None
 
 
 STREAMS = 12
