@@ -38,14 +38,16 @@ test: test-deps $(STAMP)
 test-fast: test-deps $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
+# lint-imports: the layering of docs/architecture.md ([tool.importlinter] in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check gateway policies loadtest tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/fairgate bench $(SCENARIO) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .fairgate test-artifacts results build *.egg-info \
-		.pytest_cache .mypy_cache .ruff_cache .hypothesis .schemathesis
+		.pytest_cache .mypy_cache .ruff_cache .import_linter_cache .hypothesis .schemathesis
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -25,7 +25,6 @@ from gateway.access.auth import KeyRing
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
 from gateway.backends.discovery import DnsDiscovery
-from gateway.backends.migrate import Migrations
 from gateway.backends.registry import BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
@@ -41,6 +40,7 @@ from gateway.ops.read_model import Inspector
 from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
 from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.migrate import Migrations
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.usage import UsageLedger

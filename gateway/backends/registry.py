@@ -20,7 +20,7 @@ origins: adding a name or a URL already in the list is refused.
 
 Removal drains first. The entry is marked leaving (when, and the grace), its backend is
 drained in Redis with its running answers moving at leaving time + grace (the drain every
-replica honours; ``gateway/backends/migrate.py`` moves each process's answers, which
+replica honours; ``gateway/scheduling/migrate.py`` moves each process's answers, which
 continue on another backend); once no request of any replica is in flight there, any
 process forgets the entry, and every process drops the backend at its next read. A
 leaving backend still holding requests after ``max_request_s`` past its grace is

@@ -4,7 +4,7 @@ One :class:`RunningStreams` per process, built in the composition root
 (``gateway/services.py``). :class:`~gateway.scheduling.admission.Admission` registers
 each dispatched request (streamed or not, from the OpenAI routes and the Batch API) for
 as long as it holds its grant, and updates its backend when a continuation takes it
-elsewhere. A drain (``gateway/backends/migrate.py``) or preemption asks it to move a
+elsewhere. A drain (``gateway/scheduling/migrate.py``) or preemption asks it to move a
 request: its current upstream response closes and the relay continues the answer on
 another backend (``gateway/proxy/moving.py``) with the move's reason.
 

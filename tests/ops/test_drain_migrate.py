@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from gateway.backends.migrate import Migrations
 from gateway.core.errors import BadRequest
 from gateway.http.admin.ops import MAX_GRACE_S, drain_grace_s
 from gateway.http.server import GatewayServer
+from gateway.scheduling.migrate import Migrations
 from tests.chaos.test_continuation import CUT_AFTER, MAX_TOKENS, reference, sdk_args
 from tests.conftest import OpenAIClients
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory

@@ -4,7 +4,7 @@ State comes from the read model (``gateway/ops/read_model.py``). One replica's v
 - drain is global: the flag lives in Redis, the dispatch script honours it at once and
   every replica's scraper picks it up within a scrape interval; a drain with
   ``{"migrate": true, "grace_s": N}`` also stores when the backend's running answers move
-  elsewhere, and every process moves its own then (``gateway/backends/migrate.py``);
+  elsewhere, and every process moves its own then (``gateway/scheduling/migrate.py``);
 - cancelling a request held by another replica removes it from the queue, but that
   replica's client only learns at its queue timeout (504).
 """
