@@ -161,6 +161,9 @@ QUEUE_TIME = "vllm:request_queue_time_seconds"
 # The longest a run's vLLM queue may go unsampled for its p90 and max to count (seen with
 # the server on a CPU of its own: 0.09-0.13 s idle, 0.51 s beside 3 busy loops at load 6)
 MAX_SAMPLE_GAP_S = 1.0
+# a run whose sampler was starved all the same (a loaded machine) measured nothing either
+# way: it runs again, this many runs at most, and the last one is judged
+PACED_RUNS = 3
 
 
 @dataclass
@@ -192,6 +195,11 @@ class QueueLength:
         elapsed = self.ended_s - self.started_s
         after = (await histogram_totals(self.sampler.base_url, (QUEUE_TIME,)))[QUEUE_TIME]
         self.mean = (after[0] - self.queued_before[0]) / elapsed if elapsed > 0 else None
+
+    def fed(self) -> bool:
+        """Whether the samples cover the run (no stretch over ``MAX_SAMPLE_GAP_S`` without
+        one): only then do their p90 and max measure it."""
+        return bool(self.sampler.waiting) and self.largest_gap() <= MAX_SAMPLE_GAP_S
 
     def largest_gap(self) -> float:
         """The longest stretch of the run without a sample (its start and end included)."""
