@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import structlog
 
+from gateway.backends import adapters
 from gateway.backends.scrape import BackendHandle, BackendPool
 from gateway.core.errors import (
     AdapterGone,
@@ -534,7 +535,7 @@ class Admission(ReadsSettings):
             await self.adapter_loads.ensure(model, adapter)
         if adapter is not None and not any(adapter in self.pool.adapters_on(h)
                                            for h in self.pool.for_model(model)):
-            raise Unavailable(f"no backend of {model!r} has the adapter {adapter!r} loaded",
+            raise Unavailable(adapters.loaded_nowhere(self.settings, model, adapter),
                               retry_after_s=await self.waits.drain_retry_after(model, klass))
         taking = self.pool.taking(model, prompt_tokens, adapter)
         if taking is not None and not taking:
