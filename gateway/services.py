@@ -164,6 +164,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         runtime_keys = RuntimeKeys(client, config)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
         backends = BackendList(client, config, pool, store)
+        admission.learn_backend = backends.learn  # a grant for one added elsewhere
         with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
             await backends.refresh()  # the runtime backends, before the first request
         with contextlib.suppress(StoreUnavailable):  # else at the first key lookup

@@ -23,11 +23,12 @@ other, users may not); the request whose chain has the longest prefix in the bac
 index is served, ties to the fairness order (then to the user's oldest). A request with
 nothing cached here whose first block another backend holds is left to that backend
 unless it is busier than this one by more than ``locality_max_imbalance`` in-flight
-requests (bounded-load affinity); when every request within the slack is left so, the
-backend takes none of that class now. ``slack`` 0 is the strict fairness order (each
-user's oldest request first). A user more than ``slack`` above the smallest score is never
-served before the least-served user, so the fairness bound of the policy grows by
-``slack`` at most (``policies/fairness.py``).
+requests (bounded-load affinity); a backend that does not take the request (its prompt
+range in another length pool, an adapter it lacks) is never waited for. When every
+request within the slack is left so, the backend takes none of that class now.
+``slack`` 0 is the strict fairness order (each user's oldest request first). A user more
+than ``slack`` above the smallest score is never served before the least-served user, so
+the fairness bound of the policy grows by ``slack`` at most (``policies/fairness.py``).
 """
 
 from __future__ import annotations
@@ -224,16 +225,22 @@ class LocalityView:
     others: Sequence[tuple[Container[str], int]] = ()
     load: int = 0
     max_imbalance: int = 0
+    # whether the other backend at an index of ``others`` takes a request (its prompt
+    # range, its adapters; None: each takes any): one that does not is never waited for
+    other_takes: Callable[[int, str], bool] | None = None
 
     def matched(self, request_id: str) -> tuple[int, bool]:
         """(leading blocks of the request's chain the index holds, whether it is left to
-        another backend: nothing held here, its first block there, see
+        another backend that takes it: nothing held here, its first block there, see
         :func:`held_elsewhere`)."""
         hashes = self.chains.get(request_id, ())
         length = matched(hashes, self.index)
         if length > 0:
             return length, False
-        return 0, held_elsewhere(hashes, self.others, self.load, self.max_imbalance)
+        takes = self.other_takes
+        others = self.others if takes is None else [
+            other for i, other in enumerate(self.others) if takes(i, request_id)]
+        return 0, held_elsewhere(hashes, others, self.load, self.max_imbalance)
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ from policies.fairness import Vtc
 from policies.locality import (
     BLOCK_CHARS,
     MAX_BLOCKS,
+    LocalityView,
     chain,
     choose,
     held_elsewhere,
@@ -14,6 +15,7 @@ from policies.locality import (
     prompt_text,
     routing_for,
 )
+from policies.prefill import PromptRange
 
 SYSTEM_A = "You are the billing assistant. " * 40
 SYSTEM_B = "You are the travel assistant!! " * 40
@@ -138,3 +140,15 @@ def test_auto_routes_by_locality_where_there_is_a_choice() -> None:
     assert routing_for("auto", 2) == routing_for("auto", 5) == "locality"
     for configured in ("least_loaded", "locality"):  # as configured, whatever the count
         assert {routing_for(configured, n) for n in (1, 2, 3)} == {configured}
+
+
+def test_a_head_is_never_left_to_a_backend_that_does_not_take_it() -> None:
+    """Length pools: the long pool holds the shared system prompt's first block, but a
+    short request is the short pool's; a backend outside its range is never waited for."""
+    long_range = PromptRange(8193, None)
+    tokens = {"short-q": 300, "long-q": 9000}
+    view = LocalityView(slack=10.0, compared=4, chains={"short-q": ("sys",), "long-q": ("sys",)},
+                        others=[({"sys"}, 0)], load=0, max_imbalance=2,
+                        other_takes=lambda _, rid: long_range.admits(tokens[rid]))
+    assert view.matched("short-q") == (0, False), view.matched("short-q")
+    assert view.matched("long-q") == (0, True), view.matched("long-q")

@@ -86,3 +86,17 @@ def runtime_on(settings: Settings, backend: Backend) -> dict[str, str]:
 def runtime_adapter(settings: Settings, name: str) -> bool:
     """Whether the gateway loads ``name`` at runtime."""
     return any(a.runtime and a.name == name for a in settings.adapters)
+
+
+def loaded_nowhere(settings: Settings, model: str, adapter: str) -> str:
+    """The 503's text for an adapter no backend of ``model`` has loaded, with the ways to
+    have it there (a runtime adapter is loaded by the gateway instead: not this one)."""
+    declared = next((a for a in settings.adapters if a.name == adapter), None)
+    if declared is not None and declared.runtime:  # unloaded again since its load
+        return f"the adapter {adapter!r} is loaded on no backend of {model!r} now; retry"
+    path = declared.path if declared is not None and declared.path else "PATH"
+    where = ("its backends " + ", ".join(declared.backends)
+             if declared is not None and declared.backends else f"the backends of {model!r}")
+    return (f"the adapter {adapter!r} is loaded on no backend of {model!r}: declare it with "
+            f"`runtime: true` (and its `path`) in `adapters` so fairgate loads it, or start "
+            f"{where} with `--lora-modules {adapter}={path}`")

@@ -9,7 +9,9 @@ Runtime backends (admin, dns) are entries of one hash in Redis (``fg:{backends}:
 so every process of every replica, workers too, applies them without a restart: each
 reads the hash every ``backends_refresh_s`` (the process that changed it at once) and
 hands the merged list to :meth:`BackendPool.reconcile` — the path a config reload takes
-too (``gateway/http/admin/reload.py`` calls :meth:`BackendList.apply`).
+too (``gateway/http/admin/reload.py`` calls :meth:`BackendList.apply`). A process that
+gets a grant for a backend it does not know yet (another process added it and dispatched
+to it first) reads the hash at once (:meth:`BackendList.learn`) and serves the request.
 
 The merge (:func:`in_force`): the configured backends, then each runtime one whose name
 the config does not hold and whose model the config serves. A reload that names a
@@ -141,6 +143,7 @@ class BackendList(ReadsSettings):
         self.store = store
         self._swap = client.register_script(load_script("backend_swap"))
         self.runtime: dict[str, tuple[Entry, str]] = {}  # name -> (entry, its raw JSON)
+        self._reading: asyncio.Future[None] | None = None  # a read for learn(), shared
 
     def entries(self) -> dict[str, Entry]:
         return {name: entry for name, (entry, _) in self.runtime.items()}
@@ -178,6 +181,21 @@ class BackendList(ReadsSettings):
         self.runtime = runtime
         self.apply()
         await self._finish_leaving(time.time() if now is None else now)
+
+    async def learn(self, name: str) -> bool:
+        """Whether the backend ``name`` is in force here, after reading the runtime
+        entries again if it was not: a grant for a backend another process just added
+        can come before this process's next :meth:`refresh` (the calls of a flood
+        share one read)."""
+        if name in self.pool.handles:
+            return True
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self.refresh())
+        try:
+            await asyncio.shield(self._reading)
+        except StoreUnavailable as exc:
+            log.warning("backends_refresh_failed", error=exc.message)
+        return name in self.pool.handles
 
     async def _swapped(self, name: str, expected: str, wanted: str) -> tuple[bool, str | None]:
         done, found = await self._swap(keys=[RUNTIME_BACKENDS], args=[name, expected, wanted])

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 import structlog
 
+from gateway.backends import adapters
 from gateway.backends.scrape import BackendHandle, BackendPool
 from gateway.core.errors import (
     AdapterGone,
@@ -151,6 +152,10 @@ class Admission(ReadsSettings):
         # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
         self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
         self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
+        # reads the backend list in force again for a backend a grant names that this
+        # process does not know yet (whether it knows it then): another process added it
+        # and dispatched to it before this one's next read (services.py sets it)
+        self.learn_backend: Callable[[str], Awaitable[bool]] | None = None
 
     @asynccontextmanager
     async def forwarded(self, account: ApiKey) -> AsyncIterator[dict[str, str]]:
@@ -368,7 +373,7 @@ class Admission(ReadsSettings):
                                  self.settings.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
                  wait_s=round(waited, 4), vllm_priority=priority)
-        backend = self.pool.handles.get(grant.backend)
+        backend = await self._granted_backend(grant.backend)
         if backend is None:  # removed by a config reload since the dispatch
             await self.dispatcher.release(model, grant, 0.0)
             raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
@@ -464,7 +469,7 @@ class Admission(ReadsSettings):
         cls_cfg = self.settings.classes[queued.klass]
         grant = await self.dispatcher.acquire(
             model, cont, min(cls_cfg.max_queue_wait_s, self.settings.continue_wait_s))
-        backend = self.pool.handles.get(grant.backend)
+        backend = await self._granted_backend(grant.backend)
         if backend is None:  # removed by a config reload since the dispatch
             await self.dispatcher.release(model, grant, 0.0, 0.0)
             raise BackendRemoved(f"backend {grant.backend} was just removed")
@@ -482,6 +487,17 @@ class Admission(ReadsSettings):
             yield ticket
         finally:
             await asyncio.shield(self.dispatcher.release(model, grant, 0.0, 0.0))
+
+    async def _granted_backend(self, name: str) -> BackendHandle | None:
+        """The backend a grant names: one this process does not know yet (added at
+        runtime by another process, which dispatched to it before this one's next read of
+        the list) is learned from the shared list first; None when it is in force
+        nowhere (removed since the dispatch)."""
+        backend = self.pool.handles.get(name)
+        if backend is None and self.learn_backend is not None and await self.learn_backend(name):
+            backend = self.pool.handles.get(name)
+            log.info("backend_learned_from_grant", backend=name)
+        return backend
 
     async def _acquire_adapter(self, model: str, adapter: str | None, queued: QueuedRequest,
                                timeout_s: float, cold: bool, admitted_s: float) -> Grant:
@@ -519,7 +535,7 @@ class Admission(ReadsSettings):
             await self.adapter_loads.ensure(model, adapter)
         if adapter is not None and not any(adapter in self.pool.adapters_on(h)
                                            for h in self.pool.for_model(model)):
-            raise Unavailable(f"no backend of {model!r} has the adapter {adapter!r} loaded",
+            raise Unavailable(adapters.loaded_nowhere(self.settings, model, adapter),
                               retry_after_s=await self.waits.drain_retry_after(model, klass))
         taking = self.pool.taking(model, prompt_tokens, adapter)
         if taking is not None and not taking:

@@ -51,6 +51,7 @@ from gateway.core.waits import event_set
 from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.preemption import Preemptor
 from gateway.storage.store import (
+    BackendFit,
     Dispatched,
     Grant,
     Locality,
@@ -604,16 +605,19 @@ class Dispatcher(ReadsSettings):
         # one grant at a time while a starved class is owed its floor, so it gets no more
         burst = 1 if owed is not None else max(self.settings.classes[c].max_waiting
                                                 for c in CLASS_ORDER)
+        open_ = [c.name for c in by_load(candidates)]
+        adapters = self._adapter_placement([handles[name] for name in open_])
         locality = None  # least_loaded: configured, or auto with one backend
         if (self.locality is not None
                 and routing_for(self.settings.routing, len(handles)) == "locality"):
             # a request is never left for a backend that is down (its prefix index would
-            # hold a killed backend's continuations until they time out)
-            locality = dataclasses.replace(self.locality, others=tuple(
-                name for name in handles if not down(gated[name])))
-        open_ = [c.name for c in by_load(candidates)]
+            # hold a killed backend's continuations until they time out), nor for one
+            # that does not take it (another length pool, an adapter it lacks)
+            others = tuple(name for name in handles if not down(gated[name]))
+            locality = dataclasses.replace(self.locality, others=others, fits={
+                name: self._fit(handles[name], adapters) for name in others})
         return Plan(now, owed, service_order(owed), burst, gated, open_, handles, locality,
-                    self._adapter_placement([handles[name] for name in open_]), seen)
+                    adapters, seen)
 
     def _adapter_placement(self, open_: list[BackendHandle]
                            ) -> Mapping[str, frozenset[str]] | None:
@@ -626,10 +630,17 @@ class Dispatcher(ReadsSettings):
             frozenset(h.lora.active) if h.lora else frozenset(),
             h.lora.max_lora if h.lora else None) for h in open_])
 
+    def _fit(self, handle: BackendHandle, adapters: Mapping[str, frozenset[str]] | None
+             ) -> BackendFit:
+        """What a backend takes: its prompt range, and the adapters the placement gives
+        it (``adapters``, :meth:`_adapter_placement`; those it has when not placed)."""
+        fit = self.pool.fit(handle)
+        if fit.adapters is not None and adapters is not None and handle.name in adapters:
+            fit = dataclasses.replace(fit, adapters=adapters[handle.name])
+        return fit
+
     def _dispatch_args(self, model: str, plan: Plan, backend: str) -> dict[str, Any]:
-        fit = self.pool.fit(plan.handles[backend])
-        if fit.adapters is not None and plan.adapters is not None and backend in plan.adapters:
-            fit = dataclasses.replace(fit, adapters=plan.adapters[backend])
+        fit = self._fit(plan.handles[backend], plan.adapters)
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
                              locality=plan.locality, fit=fit,

@@ -159,6 +159,9 @@ class Locality:
     max_imbalance: int = 0  # a head whose prefix another backend holds waits for it unless
     others: tuple[str, ...] = ()  # that one has more in flight than this one + this
     lookahead: int = 4  # requests of each user's queue compared (its oldest first)
+    # what each of the others takes (its prompt range, its adapters): a request is never
+    # left to one that does not take it (one not listed takes any)
+    fits: Mapping[str, BackendFit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +286,13 @@ class Dispatched:
     stale_view: bool = False
 
 
+def _takes(fit: BackendFit) -> dict[str, Any]:
+    """What a backend takes, as ``range_takes`` in ``lua/lib/pools.lua`` reads it."""
+    span = fit.prompt_range
+    return {"min": span.min_tokens, "max": span.max_tokens or 0,
+            **({} if fit.adapters is None else {"adapters": sorted(fit.adapters)})}
+
+
 def dispatch_args(
     model: str, backend: str, limits: Mapping[str, int | Gate], replica: str, now: float,
     replica_ttl_s: float, order: Sequence[str] = CLASS_ORDER, recent_window: int = 100,
@@ -312,7 +322,8 @@ def dispatch_args(
         "locality": {"slack": loc.slack, "compared": loc.candidates,
                      "index_size": loc.index_size, "index_ttl": int(loc.index_ttl_s),
                      "max_imbalance": loc.max_imbalance, "lookahead": loc.lookahead,
-                     "others": [b for b in loc.others if b != backend]},
+                     "others": [b for b in loc.others if b != backend],
+                     "fits": {b: _takes(f) for b, f in loc.fits.items() if b != backend}},
         "range": {"min": span.min_tokens, "max": span.max_tokens or 0},
         "block_tokens": TOKENS_PER_BLOCK, "backfill_s": fit.backfill_s,
         **({"sessions": True} if sessions else {}),

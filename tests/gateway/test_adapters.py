@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.http.server import GatewayServer
 from loadtest.sim.server import SimServer
 from policies.classes import CLASS_ORDER
-from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, store_is_idle, until
+from tests.gateway.conftest import HI, MODEL, GatewayFactory, SimFactory, store_is_idle, until
 from tests.ops.conftest import ADMIN, admin_call
 
 LORA: dict[str, Any] = {"enable_lora": True, "max_loras": 2}
@@ -190,3 +190,25 @@ async def test_requests_prefer_the_backend_where_their_adapter_is_resident(
         long.close()
     assert (ran(home), ran(other)) == ({"sql": 5}, {"chat": 1}), (ran(home), ran(other))
     await store_is_idle(gw)
+
+
+async def test_a_declared_adapter_no_backend_loaded_says_how_to_fix_it(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """``summ`` is declared (not ``runtime``) for b1, but b1 was started without it: the
+    request is answered 503 once b1 proved it lacks it, with a message that says the
+    adapter is loaded on no backend and the two ways to have it."""
+    b0 = await sim(**LORA)
+    b1 = await sim(lora_modules=(("chat", "/adapters/chat"),), **LORA)
+    gw = await gateway([b0, b1], adapters=[SUMM])
+    async with client(gw) as c:
+        with pytest.raises(openai.APIStatusError) as err:
+            await c.chat.completions.create(model="summ", messages=HI, max_tokens=2)
+    body = err.value.body
+    assert isinstance(body, dict), body
+    message = body["message"]
+    assert err.value.status_code == 503 and err.value.code == "no_healthy_backend", \
+        (err.value.status_code, err.value.code, message)
+    for said in ("'summ' is loaded on no backend", "runtime: true",
+                 "--lora-modules summ=/adapters/summ"):
+        assert said in message, f"{said!r} not in {message!r}"
+    assert not b0.engine.records and not b1.engine.records, "the request ran"

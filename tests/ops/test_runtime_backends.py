@@ -10,6 +10,7 @@ change nothing. Backends found by a DNS name (``localhost``) come and go with it
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,41 @@ async def test_an_added_backend_serves_the_next_request_on_every_replica(
         status, body = await admin(http, "DELETE", gw1.url + "/admin/backends/rt0")
         assert status == 404 and body["error"]["param"] == "name", (status, body)
         await admin(http, "POST", gw1.url + "/admin/backends/b0/undrain")
+
+
+async def test_a_grant_for_a_backend_added_elsewhere_is_served_not_refused(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """The second replica reads the runtime backends only at start (a refresh an hour
+    away): it learns the backend the first one added from the grants for it, and serves
+    every request queued with it, none 503 ``backend_removed``."""
+    s0, s1 = await sim(), await sim()
+    # started first, the second replica holds b0's scrape lease: the first one, below its
+    # share of the leases, takes the added backend's
+    gw2 = await gateway([s0], admin_keys=[ADMIN], backends_refresh_s=3600.0)
+    gw1 = await gateway([s0], **FAST)
+    flood = 12
+    async with aiohttp.ClientSession() as http:
+        assert (await admin(http, "POST", gw1.url + "/admin/backends/b0/drain"))[0] == 200
+        async with AsyncOpenAI(base_url=gw2.url + "/v1", api_key="sk-alice",
+                               max_retries=0) as oai:
+            calls = [asyncio.ensure_future(oai.chat.completions.create(
+                model=MODEL, messages=HI, max_tokens=2, user=f"u{i}",
+                extra_body={"ignore_eos": True})) for i in range(flood)]
+            store = gw2.services.store
+
+            async def all_queued() -> bool:
+                return sum((await store.depths(MODEL)).values()) == flood
+            await until(all_queued, f"{flood} requests queued on the second replica")
+            assert "rt0" not in gw2.services.pool.handles
+            status, row = await admin(http, "POST", gw1.url + "/admin/backends",
+                                      {"name": "rt0", "url": s1.url, "model": MODEL})
+            assert status == 201, row
+            done = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 15)
+        failed = [repr(r) for r in done if isinstance(r, BaseException)]
+        assert not failed, f"{len(failed)} of {flood} failed: {failed[:3]}"
+        assert len(s1.engine.records) == flood, len(s1.engine.records)
+        assert "rt0" in gw2.services.pool.handles  # learned from a grant, not the refresh
+        assert (await admin(http, "POST", gw1.url + "/admin/backends/b0/undrain"))[0] == 200
 
 
 async def test_a_backend_removed_under_a_stream_drains_and_the_stream_ends_whole(

@@ -5,9 +5,10 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Locality, QueuedRequest, Store
+from gateway.storage.store import BackendFit, Locality, QueuedRequest, Store
 from policies.fairness import Vtc, with_locality
 from policies.locality import choose
+from policies.prefill import PromptRange
 
 M = "m"
 K = ModelKeys(M)
@@ -149,3 +150,62 @@ async def test_a_users_cached_later_request_passes_its_older_one(
     assert await redis.lrange(K.queue("default", "alice"), 0, -1) == ["a1"]
     grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=LOCAL)
     assert [g.request_id for g in grants] == ["a1"]
+
+
+SHORT = BackendFit(PromptRange(0, 8192))
+LONG = BackendFit(PromptRange(8193, None))
+POOLED = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0,
+                  max_imbalance=2, others=("short", "long"), fits={"short": SHORT, "long": LONG})
+
+
+def sized(rid: str, user: str, prefix: tuple[str, ...], tokens: int) -> QueuedRequest:
+    return QueuedRequest(rid, user, "default", "r1", 10.0, 1000.0, prefix,
+                         prompt_tokens=tokens)
+
+
+async def pooled_grants(store: Store, backend: str, fit: BackendFit) -> list[str]:
+    grants, _ = await store.dispatch(M, backend, OPEN, "r1", 1000.0, 10.0, locality=POOLED,
+                                     fit=fit)
+    return [g.request_id for g in grants]
+
+
+async def test_a_conversation_grown_past_the_short_pool_is_not_left_to_it(
+        redis: aioredis.Redis) -> None:
+    """The short pool holds the conversation's earlier turns; grown past its range, the
+    next turn is the long pool's, which must not leave it to the short one."""
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("short"), {"s1": 1000.0, "s2": 1000.0})
+    await store.enqueue(M, sized("turn9", "alice", ("s1", "s2", "s3"), 9000), 10)
+    assert await pooled_grants(store, "short", SHORT) == []  # out of its range
+    served = await pooled_grants(store, "long", LONG)
+    assert served == ["turn9"], f"the long pool granted {served}"
+
+
+async def test_short_prompts_are_not_left_to_the_long_pool_holding_their_prefix(
+        redis: aioredis.Redis) -> None:
+    """A long request sharing a system prompt went to the long pool; short requests of
+    other users with that system prompt are the short pool's."""
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    await redis.zadd(K.backend_prefixes("long"), {"sys": 1000.0})
+    for user in ("bob", "carol", "dave"):
+        await store.enqueue(M, sized(f"{user}-1", user, ("sys", f"{user}-q"), 300), 10)
+    assert await pooled_grants(store, "long", LONG) == []  # out of its range
+    served = [rid for _ in range(3) for rid in await pooled_grants(store, "short", SHORT)]
+    assert sorted(served) == ["bob-1", "carol-1", "dave-1"], f"the short pool granted {served}"
+
+
+async def test_a_request_is_still_left_to_the_backend_of_its_pool_holding_its_prefix(
+        redis: aioredis.Redis) -> None:
+    """Within one pool the bounded-load affinity is unchanged: a short prompt whose prefix
+    another short backend holds waits for it."""
+    store = Store(redis, 600)
+    await store.heartbeat([M], "r1", 1000.0)
+    affinity = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0,
+                        max_imbalance=2, others=("s0", "s1"), fits={"s0": SHORT, "s1": SHORT})
+    await redis.zadd(K.backend_prefixes("s1"), {"sys": 1000.0})
+    await store.enqueue(M, sized("a1", "alice", ("sys", "q"), 300), 10)
+    grants, depth = await store.dispatch(M, "s0", OPEN, "r1", 1000.0, 10.0, locality=affinity,
+                                         fit=SHORT)
+    assert grants == [] and depth == 1, f"s0 granted {grants}"

@@ -25,7 +25,9 @@
 --   locality: {slack (score units; 0: strict fairness order), compared (users compared
 --     within it), index_size (hashes; 0: no index), index_ttl (s), max_imbalance,
 --     lookahead (requests looked at in each user's queue), others (the model's other
---     backends)},
+--     backends), fits (optional: what each of them takes, {min, max, adapters} as
+--     `range` and `adapters` below: a request is never left to one that does not take
+--     it)},
 --   range: {min, max}: the estimated prompt tokens this backend takes (0: no bound),
 --   block_tokens (estimated tokens of one prefix block), backfill_s (how long smaller
 --   requests may pass one the prefill gate holds; policies/prefill.py may_backfill),
@@ -79,7 +81,7 @@ local function dispatch_for(a)
     local id = chosen or redis.call('LINDEX', queue, 0)
     local req = id and key_request(prefix, id)
     local fields = req and redis.call('HMGET', req, 'owner', 'cost', 'enqueued_at', 'prefix',
-      'tcost', 'ptok', 'state', 'hit', 'thit')
+      'tcost', 'ptok', 'state', 'hit', 'thit', 'adapter')
     if fields and fields[7] and fields[7] ~= 'queued' then req, fields = nil, nil end
     local valid = fields and fields[1]
       and replica_alive(replicas, prefix, fields[1], now, a.replica_ttl, a.pickup)
@@ -135,7 +137,7 @@ local function dispatch_for(a)
         rank, inflight = granted.grant(id, req, class, user, fields[1], tokens)
         sent = sent + 1
         pending = pending + tokens
-        decisions[#decisions + 1] = locality.record(fields[4])
+        decisions[#decisions + 1] = locality.record(fields[4], fields[6], fields[10])
         grants[#grants + 1] = {id, class, user, rank, fields[1], fields[3], tokens}
       else
         if req then redis.call('DEL', req) end  -- expired, or its replica died

@@ -1,7 +1,9 @@
 -- The prefix index of one backend: read (how much of a prompt it holds, whether another
 -- backend should take it), record what was sent, trim (policies/locality.py).
 -- locality_for(prefix, backend, loc, load, now): loc = {slack, compared, index_size,
--- index_ttl, max_imbalance, lookahead, others}; load = the backend's requests in flight.
+-- index_ttl, max_imbalance, lookahead, others, fits}; load = the backend's requests in
+-- flight; fits (optional) = what each of the others takes, {min, max, adapters} as `range`
+-- and `adapters` of dispatch_for (one not listed takes any request).
 -- The index (key_backend_prefixes) holds the block hashes of the prompts sent to a
 -- backend, scored by last use; the choice mirrors choose() and held_elsewhere() over the
 -- candidates of within_slack().
@@ -9,10 +11,22 @@ local function locality_for(prefix, backend, loc, load, now)
   local L = {slack = loc.slack, compared = loc.compared, lookahead = loc.lookahead,
              index_size = loc.index_size}
   local index = key_backend_prefixes(prefix, backend)
+  local fits = {}
+  for name, fit in pairs(loc.fits or {}) do
+    fits[name] = {range = fit, has = adapter_set(fit.adapters)}
+  end
 
-  local function held_by_other(first)
+  -- whether another backend takes a request (its prompt range, its adapters): one that
+  -- does not is never waited for, it would hold the request forever
+  local function other_takes(other, tokens, adapter)
+    local fit = fits[other]
+    return not fit or not tokens or range_takes(fit.range, fit.has, tokens, adapter)
+  end
+
+  local function held_by_other(first, tokens, adapter)
     for _, other in ipairs(loc.others) do
-      if redis.call('ZSCORE', key_backend_prefixes(prefix, other), first) then
+      if other_takes(other, tokens, adapter)
+          and redis.call('ZSCORE', key_backend_prefixes(prefix, other), first) then
         return other
       end
     end
@@ -31,16 +45,19 @@ local function locality_for(prefix, backend, loc, load, now)
   end
 
   -- leading block hashes of a queued request's prompt found in this backend's index, and
-  -- whether another backend, not busier than this one by more than max_imbalance, holds
-  -- its first block (then it is left for that one)
+  -- whether another backend that takes the request, not busier than this one by more
+  -- than max_imbalance, holds its first block (then it is left for that one)
   function L.matched(id)
-    local chain = redis.call('HGET', key_request(prefix, id), 'prefix')
+    local fields = redis.call('HMGET', key_request(prefix, id), 'prefix', 'ptok', 'adapter')
+    local chain = fields[1]
     local m = L.held_blocks(chain)
     if m > 0 or not chain then return m, false end
     local first = string.match(chain, '%S+')
     if not first then return m, false end
+    local tokens = tonumber(fields[2])
     for _, other in ipairs(loc.others) do
-      if redis.call('ZSCORE', key_backend_prefixes(prefix, other), first) then
+      if other_takes(other, tokens, fields[3])
+          and redis.call('ZSCORE', key_backend_prefixes(prefix, other), first) then
         local busy = tonumber(redis.call('GET', key_backend_inflight(prefix, other))) or 0
         if busy <= load + loc.max_imbalance then return 0, true end
       end
@@ -48,11 +65,12 @@ local function locality_for(prefix, backend, loc, load, now)
     return 0, false
   end
 
-  -- the index records a granted prompt's chain; returns what it held before, for
-  -- fairgate_dispatch_decisions_total and the predicted hit rate: {leading blocks it held,
-  -- blocks of the chain, reason} (reason: cache_hit; load under least_loaded or when a
-  -- busier backend holds the first block; fairness_order when none holds it)
-  function L.record(chain)
+  -- the index records a granted prompt's chain (`tokens`, `adapter`: the request's);
+  -- returns what it held before, for fairgate_dispatch_decisions_total and the predicted
+  -- hit rate: {leading blocks it held, blocks of the chain, reason} (reason: cache_hit;
+  -- load under least_loaded or when a busier backend that takes it holds the first
+  -- block; fairness_order when none holds it)
+  function L.record(chain, tokens, adapter)
     if loc.index_size <= 0 or not chain then return {0, 0, 'load'} end
     local held, blocks, first = 0, 0, nil
     for h in string.gmatch(chain, '%S+') do
@@ -61,7 +79,7 @@ local function locality_for(prefix, backend, loc, load, now)
       blocks = blocks + 1
     end
     if held > 0 then return {held, blocks, 'cache_hit'} end
-    if loc.slack > 0 and first and held_by_other(first) then return {0, blocks, 'load'} end
+    if loc.slack > 0 and first and held_by_other(first, tonumber(tokens), adapter) then return {0, blocks, 'load'} end
     return {0, blocks, loc.slack > 0 and 'fairness_order' or 'load'}
   end
 

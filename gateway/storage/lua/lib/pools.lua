@@ -3,12 +3,24 @@
 -- pools_for(prefix, range, block_tokens, adapters): range = {min, max} estimated prompt
 -- tokens the backend takes (0: no bound); adapters = the LoRA adapters it has (nil: its
 -- model has none, no request names one).
+-- the set of a backend's adapter names (nil: its model has none)
+local function adapter_set(adapters)
+  if not adapters then return nil end
+  local has = {}
+  for _, name in ipairs(adapters) do has[name] = true end
+  return has
+end
+
+-- whether a backend of prompt range `range` having the adapters `has` (adapter_set)
+-- takes a request of `tokens` estimated prompt tokens naming `adapter` (nil: none)
+-- (PromptRange.admits)
+local function range_takes(range, has, tokens, adapter)
+  if adapter and has and not has[adapter] then return false end
+  return tokens >= range.min and (range.max <= 0 or tokens <= range.max)
+end
+
 local function pools_for(prefix, range, block_tokens, adapters)
-  local has = nil
-  if adapters then
-    has = {}
-    for _, name in ipairs(adapters) do has[name] = true end
-  end
+  local has = adapter_set(adapters)
   local P = {ranged = range.min > 0 or range.max > 0 or has ~= nil, block_tokens = block_tokens}
 
   -- whether the backend's prompt range takes a queued request (PromptRange.admits) and
@@ -20,9 +32,8 @@ local function pools_for(prefix, range, block_tokens, adapters)
     local fields = redis.call('HMGET', key_request(prefix, id), 'ptok', 'adapter')
     local tokens = tonumber(fields[1])
     if not tokens then return true end
-    if fields[2] and has and not has[fields[2]] then return false end
     if room and math.max(0, tokens - (cached or 0)) > room then return false end
-    return tokens >= range.min and (range.max <= 0 or tokens <= range.max)
+    return range_takes(range, has, tokens, fields[2])
   end
 
   -- over the class's prefill-token limit (prefill_fits) the fair choice waits for a
