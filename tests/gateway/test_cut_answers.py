@@ -134,3 +134,44 @@ async def test_a_whole_answer_cut_by_upstream_timeout_is_charged_its_bound(
             assert exc.code == "rate_limit_exceeded", exc
     finally:
         await client.close()
+
+
+async def test_an_unbounded_request_overdraws_tpm_by_itself_alone(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """A request without ``max_tokens`` reserves the model's context (here 400 tokens; vLLM
+    generates at most that) plus its prompt's bound, which exceeds the 300-token tpm
+    bucket: it is admitted only with a full bucket, and while it runs the bucket is
+    below zero, so no other request of the key joins it. It may overdraw the minute by
+    what it alone generates; that debt stays in the bucket (the next request waits for
+    it): tokens spent never exceed tpm per minute plus one request."""
+    backend = await sim(max_model_len=400)  # H100 pace: about 2 s for the whole context
+    gw = await gateway([backend], api_keys=[*KEYS, {"key": "sk-tpm", "user": "tpm",
+                                                    "limits": {"tpm": 300}}])
+    client = sdk(gw, "sk-tpm")
+    try:
+        await until(lambda: gw.services.pool.max_model_len(MODEL) == 400,
+                    "the backend's context length read")
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "go on"}], stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = stream.__aiter__()
+        await chunks.__anext__()  # running
+        try:
+            other = await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+            raise AssertionError(f"admitted beside the unbounded request: {other.usage}")
+        except openai.RateLimitError as exc:
+            assert exc.code == "rate_limit_exceeded", exc
+        total = 0
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                total = chunk.usage.total_tokens
+        assert total > 300, f"the unbounded request used {total}, not more than the tpm"
+        await store_is_idle(gw)  # settled: its reservation corrected to what it used
+        scope = await limits_of(gw, "sk-tpm")
+        # the debt is kept: the bucket is empty and refills past a minute from now
+        assert scope["tokens_remaining"] == 0 and scope["tokens_reset_s"] > 60, scope
+        # and it is one request's: the level is what refilled since, less its overdraw
+        owed = (scope["tokens_reset_s"] - 60) * 300 / 60
+        assert owed <= total - 300 + 1, f"owes {owed} after one request of {total}"
+    finally:
+        await client.close()
