@@ -223,12 +223,22 @@ def max_cost_tokens(body: dict[str, Any], prompt_field: str | None,
     :func:`sequences` (``n``/``best_of``, for each prompt). An endpoint without output
     (``output_fields`` empty: embeddings) costs its prompt.
     """
-    prompt = prompt_token_bound(body, prompt_field)
+    return (prompt_token_bound(body, prompt_field)
+            + output_token_bound(body, prompt_field, output_fields, context_tokens))
+
+
+def output_token_bound(body: dict[str, Any], prompt_field: str | None,
+                       output_fields: tuple[str, ...], context_tokens: int) -> int:
+    """The most output tokens a request can generate: :func:`max_cost_tokens`' output
+    part — its :func:`output_bound` (else ``context_tokens``, never more than that) times
+    its :func:`sequences`; 0 for an endpoint without output. What a whole (non-streamed)
+    answer cut before its usage came is charged as its output: the backend may have
+    generated up to this much before it was aborted."""
     if not output_fields:
-        return prompt
+        return 0
     bound = output_bound(body, output_fields)
     output = context_tokens if bound is None else min(bound, context_tokens)
-    return prompt + max(0, output) * sequences(body, prompt_field)
+    return max(0, output) * sequences(body, prompt_field)
 
 
 def _count(value: Any, absent: int) -> int:

@@ -9,7 +9,10 @@ one Lua script, ``gateway/storage/lua/quota_admit.lua``, which mirrors :func:`bu
   capacity) — the most it can cost, ``policies/cost.max_cost_tokens``: the prompt's
   bound plus its output bound (the model's context when it sets none) times ``n``. The end
   of the request corrects the reservation to the tokens vLLM reported (the bucket may go
-  below zero: the next request waits until it refilled).
+  below zero: the next request waits until it refilled, so a key overdraws a minute by
+  one request at most). A whole (non-streamed) answer cut before vLLM reported anything
+  (its client gone, the upstream timeout) keeps its reservation: it may have generated
+  up to its bound (``Ticket.cut`` in ``gateway/scheduling/admission.py``).
 - ``max_concurrent``: requests admitted and not yet finished (slots with a lease).
 - ``daily_tokens`` and ``monthly_tokens``: budgets per UTC day and calendar month. The
   reservation is charged at admission, so concurrent requests cannot spend the same

@@ -17,6 +17,7 @@ from policies.cost import (
     estimate_prompt_tokens,
     max_cost_tokens,
     output_bound,
+    output_token_bound,
     prompt_token_bound,
     sequences,
     with_output_bound,
@@ -171,3 +172,18 @@ def test_the_reservation_bounds_the_real_cost_of_any_request(
     assert reserved >= real, f"reserved {reserved} < real {real} for {body}"
     # for text, the estimate (pools, fairness) never exceeds the bound
     assert estimate_prompt_tokens(body, field) <= prompt_token_bound(body, field)
+
+
+def test_the_output_bound_is_the_reservations_output_part() -> None:
+    """``output_token_bound`` (what a cut whole answer is charged as output) is exactly
+    what ``max_cost_tokens`` adds to the prompt's bound."""
+    fields = ("max_tokens", "max_completion_tokens")
+    for body, expected in (({"prompt": "hi", "max_tokens": 7}, 7),
+                           ({"prompt": ["a", "b"], "max_tokens": 5, "n": 3}, 30),
+                           ({"messages": [{"role": "user", "content": "x"}]}, 4096),
+                           ({"prompt": "hi", "max_tokens": 9000}, 4096)):
+        out = output_token_bound(body, None, fields, 4096)
+        assert out == expected, f"{body}: {out}"
+        total = max_cost_tokens(body, None, fields, 4096)
+        assert total == prompt_token_bound(body) + out, f"{body}: {total}"
+    assert output_token_bound({"input": "x"}, "input", (), 4096) == 0  # embeddings

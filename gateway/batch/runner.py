@@ -12,6 +12,12 @@ was aborted there (the connection closed) and runs again; only a line whose answ
 arrived but was not yet recorded at the moment of the crash (a window of one Redis
 round trip) can have been executed twice — at-least-once there, exactly once elsewhere.
 
+A line whose reservation does not fit what is left of its owner's budget fails alone
+(``insufficient_quota`` in the error file); the others still run within the budget. While
+other lines of the batch are in admission (their reservations may be refunded down to
+what they used), a refused line waits for one to settle and tries again
+(:class:`Reservations`).
+
 A batch whose key is revoked (or taken out of the config) is cancelled at its next line:
 the lines under way are aborted, those that finished stay in its files, and its
 ``errors`` say ``api_key_revoked``.
@@ -20,11 +26,12 @@ the lines under way are aborted, those that finished stay in its files, and its
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import structlog
@@ -36,6 +43,7 @@ from gateway.core.errors import (
     FairgateError,
     InsufficientQuota,
     RateLimited,
+    RateLimitExceeded,
     StoreUnavailable,
     Unavailable,
 )
@@ -52,6 +60,41 @@ log = structlog.get_logger("fairgate.batch")
 RETRY_PAUSE_S = 1.0
 QUEUE_FULL_PAUSE_S = 0.25  # one enqueue attempt per line this often while the queue is full
 MAX_ATTEMPTS = 5
+
+
+class Reservations:
+    """One batch's lines in admission, whose reservations against the owner's limits may
+    be refunded when they settle: a line refused ``insufficient_quota`` tries again once
+    one of them settled (the refund may make room), and fails alone when none is left
+    that could."""
+
+    def __init__(self) -> None:
+        self.inside = 0  # lines in admission (queued, running, or being checked)
+        self.settles = 0  # lines that left admission having held a reservation
+        self._left = asyncio.Event()  # set (and replaced) when a line leaves admission
+
+    @contextlib.contextmanager
+    def entering(self) -> Iterator[None]:
+        """A line in admission; one refused by a limit held no reservation."""
+        self.inside += 1
+        held = True
+        try:
+            yield
+        except RateLimitExceeded:  # refused by a limit (a budget too): nothing held
+            held = False
+            raise
+        finally:
+            self.inside -= 1
+            self.settles += held
+            self._left.set()
+            self._left = asyncio.Event()
+
+    async def settled_since(self, seen: int) -> bool:
+        """Whether a line settled its reservation since ``self.settles`` was ``seen``,
+        waiting for it while other lines are still in admission."""
+        while self.settles == seen and self.inside > 0:
+            await self._left.wait()
+        return self.settles != seen
 
 
 def output_line(custom_id: str, status: int | None, body: Any,
@@ -78,7 +121,6 @@ class BatchRunner(ReadsSettings):
         self._wake = asyncio.Event()
         # the owner's key by id, for its limits and budgets (set by gateway/services.py)
         self.account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None
-        self._out_of_quota: dict[str, InsufficientQuota] = {}  # batch id -> the refusal
 
     def wake(self) -> None:
         self._wake.set()
@@ -180,22 +222,14 @@ class BatchRunner(ReadsSettings):
         tasks: set[asyncio.Task[None]] = set()
         outcome = "completed"
         account = await self._account(doc)
+        reservations = Reservations()
         for line in pending:
             outcome = await self._interruption(batch_id)
             if outcome != "completed":
                 break
-            exhausted = self._out_of_quota.get(batch_id)
-            if exhausted is not None:  # the owner's budget ran out: no more lines fed
-                await self._record_error(batch_id, line, "insufficient_quota",
-                                         exhausted.message)
-                continue
             await slots.acquire()
-            if batch_id in self._out_of_quota:  # ran out while this line waited for a slot
-                slots.release()
-                await self._record_error(batch_id, line, "insufficient_quota",
-                                         self._out_of_quota[batch_id].message)
-                continue
-            task = asyncio.create_task(self._execute_line(batch_id, doc, line, account))
+            task = asyncio.create_task(self._execute_line(batch_id, doc, line, account,
+                                                          reservations))
             tasks.add(task)
 
             def finished(t: asyncio.Task[None]) -> None:
@@ -215,7 +249,6 @@ class BatchRunner(ReadsSettings):
             for task in tasks:
                 task.cancel()  # cancel or expiry: queued lines leave the queue, running abort
             await asyncio.gather(*tasks, return_exceptions=True)
-            self._out_of_quota.pop(batch_id, None)
         return outcome
 
     async def _account(self, doc: dict[str, Any]) -> ApiKey:
@@ -260,33 +293,40 @@ class BatchRunner(ReadsSettings):
             return False  # cannot tell while Redis is down: go on, ask again later
 
     async def _execute_line(self, batch_id: str, doc: dict[str, Any], line: BatchLine,
-                            account: ApiKey | None = None) -> None:
+                            account: ApiKey | None = None,
+                            reservations: Reservations | None = None) -> None:
         """Run one line until it has a result in the output or the error file."""
         creq = CompletionRequest(BY_PATH[line.url], line.body)
+        reservations = reservations or Reservations()
         attempt = 0
         answer: tuple[int, bytes] | None = None  # received: recorded, never run again
         while True:
             attempt += 1
+            seen = reservations.settles
             try:
                 if answer is not None:
                     await self._record_answer(batch_id, line, *answer)
                     return
-                async with self.admission.admitted(line.model, doc["user"], "batch",
-                                                   doc.get("weight", 1.0), creq,
-                                                   account=account) as ticket:
-                    # a whole answer nobody saw yet: moved (drain, preemption) or failing
-                    # it is sent again elsewhere, recorded once below
-                    answer = await self.upstream.fetch(ticket.backend, creq,
-                                                       ticket.priority, ticket,
-                                                       ticket.continuation, ticket.mover)
-                    # record before releasing: the crash window that would run the line
-                    # again (answer received, not yet recorded) stays as short as it can
-                    await self._record_answer(batch_id, line, *answer)
+                with reservations.entering():
+                    async with self.admission.admitted(line.model, doc["user"], "batch",
+                                                       doc.get("weight", 1.0), creq,
+                                                       account=account) as ticket:
+                        # a whole answer nobody saw yet: moved (drain, preemption) or
+                        # failing it is sent again elsewhere, recorded once below
+                        answer = await self.upstream.fetch(ticket.backend, creq,
+                                                           ticket.priority, ticket,
+                                                           ticket.continuation, ticket.mover)
+                        # record before releasing: the crash window that would run the
+                        # line again (answer received, not yet recorded) stays short
+                        await self._record_answer(batch_id, line, *answer)
                 return
             except StoreUnavailable:
                 pass  # Redis is down: no result can be recorded either; wait for it
-            except InsufficientQuota as exc:  # this line and every one not yet fed
-                self._out_of_quota.setdefault(batch_id, exc)
+            except InsufficientQuota as exc:
+                if await reservations.settled_since(seen):  # a refund may make room
+                    attempt -= 1
+                    continue
+                # its reservation does not fit what is left: this line fails, alone
                 await self._record_error(batch_id, line, "insufficient_quota", exc.message)
                 return
             except RateLimited as exc:

@@ -200,6 +200,12 @@ class UpstreamError(FairgateError):
     status, type, code = 502, "server_error", "upstream_error"
 
 
+class UpstreamTimeout(UpstreamError):
+    """No status line within ``upstream_timeout_s`` of silence (or ``max_request_s``): a
+    whole (non-streamed) answer, which vLLM sends at once when it is done, was cut while
+    its backend may have been generating all along."""
+
+
 class BackendUnreachable(UpstreamError):
     """The connection to the backend failed before anything was sent: safe to retry."""
 

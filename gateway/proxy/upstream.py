@@ -45,6 +45,7 @@ from gateway.core.errors import (
     BadRequest,
     FairgateError,
     UpstreamError,
+    UpstreamTimeout,
 )
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.continuation import Progress
@@ -151,6 +152,11 @@ class Upstream:
         except BackendUnreachable:  # nothing was sent: queued again (admission)
             raise
         except UpstreamError as exc:  # it broke off (or was moved) before its status line
+            if not stream and isinstance(exc, UpstreamTimeout):
+                # a whole answer that outlasts the timeout: sent again elsewhere it would
+                # be cut the same, after generating as much once more (what its client is
+                # charged for the cut: gateway/scheduling/admission.py)
+                raise
             segment = None if resume is None else await next_segment(
                 stack, resume, mover.take() or FAILOVER, str(exc))
             if segment is None:
@@ -220,6 +226,8 @@ class Upstream:
             try:
                 resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
             except UpstreamError as exc:  # BackendUnreachable too
+                if not creq.stream and isinstance(exc, UpstreamTimeout):
+                    raise  # a whole answer cut by the timeout: final, as in _open
                 raise StreamBroke(str(exc)) from exc
             stack.callback(resp.release)
             if resp.status != 200:
@@ -318,7 +326,10 @@ class Upstream:
                                            headers=JSON_HEADERS, timeout=self.timeout)
         except aiohttp.ClientConnectorError as exc:
             raise BackendUnreachable(f"backend {handle.name} unreachable: {exc}") from exc
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
+            raise UpstreamTimeout(f"backend {handle.name} sent no answer in time "
+                                  f"(upstream_timeout_s / max_request_s): {exc!r}") from exc
+        except aiohttp.ClientError as exc:
             raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
 
 

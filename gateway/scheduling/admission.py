@@ -39,6 +39,7 @@ from gateway.core.errors import (
     RateLimitExceeded,
     StoreUnavailable,
     Unavailable,
+    UpstreamTimeout,
 )
 from gateway.core.metrics import GatewayMetrics, StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
@@ -54,7 +55,12 @@ from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.store import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
-from policies.cost import estimate_prompt_tokens, kv_token_seconds, max_cost_tokens
+from policies.cost import (
+    estimate_prompt_tokens,
+    kv_token_seconds,
+    output_token_bound,
+    prompt_token_bound,
+)
 from policies.fairness import FairnessPolicy, charged_prompt, tenant_of
 from policies.fleet import fleet_weight
 from policies.locality import prefix_chain, routing_for
@@ -86,6 +92,11 @@ class Ticket:
     completed: bool = False
     cancelled: bool = False  # its caller ended it (a client that hung up, a batch cancelled)
     unsent: bool = False  # nothing reached the backend: the dispatch cost is refunded
+    # a whole (non-streamed) answer: nothing of it is counted until all of it came
+    whole: bool = False
+    timed_out: bool = False  # cut by upstream_timeout_s / max_request_s before its answer
+    # (prompt, output) tokens it can cost at most: what a whole answer cut short is charged
+    bound: tuple[int, int] = (0, 0)
     limit_headers: dict[str, str] = field(default_factory=dict)  # x-ratelimit-*
     usage_recorded: bool = False  # its usage counts rode on its settle
     # continuing the answer elsewhere: (reason, tokens to resend, the failed backend) → a
@@ -125,6 +136,32 @@ class Ticket:
 
     def end(self, completed: bool) -> None:
         self.completed = completed
+
+    def ended_by(self, exc: BaseException) -> None:
+        """Its caller's code raised ``exc``: cancelled (a client that hung up, a batch
+        cancelled), or the timeout cut its answer."""
+        self.cancelled = self.cancelled or isinstance(exc, asyncio.CancelledError)
+        self.timed_out = self.timed_out or isinstance(exc, UpstreamTimeout)
+
+    @property
+    def cut(self) -> bool:
+        """A whole answer sent to its backend and cut before it came (its client left, a
+        batch was cancelled, or the timeout fired): vLLM reports nothing of it, yet may
+        have generated up to its output bound before it aborted it."""
+        return (self.whole and not self.unsent and not self.completed
+                and self.prompt_tokens is None and not self.completion_tokens  # no usage
+                and (self.cancelled or self.timed_out))
+
+    def charged(self, prompt_est: int) -> tuple[int, int]:
+        """The (prompt, output) tokens it is charged: what the backend reported (the
+        prompt's estimate when it said nothing); a :attr:`cut` whole answer its
+        :attr:`bound`, so no one can generate for free by hanging up (docs/
+        tenants-and-limits.md); nothing when nothing reached the backend."""
+        if self.unsent:
+            return 0, 0
+        if self.cut:
+            return self.bound
+        return self.prompt_tokens or prompt_est, self.completion_tokens
 
 
 def estimate(creq: CompletionRequest) -> int:
@@ -229,14 +266,15 @@ class Admission(ReadsSettings):
                        session: str = "") -> AsyncIterator[Ticket]:
         """:meth:`_admitted` within the limits and budgets of ``account`` (its key and
         tenant, ``gateway/scheduling/quotas.py``): charged before queueing the most it can
-        cost (:meth:`max_cost`), corrected at the end to what the backend reported, and its
+        cost (:meth:`bound`), corrected at the end to what the backend reported, and its
         usage recorded (``gateway/scheduling/usage.py``)."""
         request_id = request_id or uuid.uuid4().hex
         held: Held | None = None
         prompt_est = estimate(creq)
+        bound = self.bound(model, creq)
         if account is not None and self.quotas is not None:
             try:
-                held = await self.quotas.admit(account, request_id, self.max_cost(model, creq))
+                held = await self.quotas.admit(account, request_id, sum(bound))
             except RateLimitExceeded as exc:
                 self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
                 await self._record_usage(account, model, klass, 0, 0, error=True)
@@ -247,7 +285,7 @@ class Admission(ReadsSettings):
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
                                       account=account, refuse_unready=refuse_unready,
-                                      session=session) as ticket:
+                                      session=session, bound=bound) as ticket:
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
@@ -255,9 +293,7 @@ class Admission(ReadsSettings):
             cancelled = True
             raise
         finally:
-            sent = ticket is not None and not ticket.unsent
-            prompt = (ticket.prompt_tokens or prompt_est) if ticket is not None and sent else 0
-            output = ticket.completion_tokens if ticket is not None and sent else 0
+            prompt, output = (0, 0) if ticket is None else ticket.charged(prompt_est)
             if held is not None and self.quotas is not None:
                 with contextlib.suppress(StoreUnavailable):
                     await asyncio.shield(self.quotas.settle(held, prompt + output))
@@ -272,13 +308,15 @@ class Admission(ReadsSettings):
         return routing_for(self.settings.routing,
                            len(self.pool.for_model(model))) == "locality"
 
-    def max_cost(self, model: str, creq: CompletionRequest) -> int:
-        """What the request can cost at most (``policies/cost.max_cost_tokens``): the
-        model's context length bounds a request that sets no output limit (the
+    def bound(self, model: str, creq: CompletionRequest) -> tuple[int, int]:
+        """The (prompt, output) tokens the request can cost at most; their sum is
+        ``policies/cost.max_cost_tokens``, what limits and budgets reserve: the model's
+        context length bounds a request that sets no output limit (the
         ``max_output_tokens`` setting until a backend reported it)."""
         context = self.pool.max_model_len(model) or self.settings.max_output_tokens
-        return max_cost_tokens(creq.body, creq.endpoint.prompt_field,
-                               creq.endpoint.output_token_fields, context)
+        field, outputs = creq.endpoint.prompt_field, creq.endpoint.output_token_fields
+        return (prompt_token_bound(creq.body, field),
+                output_token_bound(creq.body, field, outputs, context))
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False,
@@ -294,7 +332,8 @@ class Admission(ReadsSettings):
                         creq: CompletionRequest, request_id: str,
                         arrived_s: float | None = None, *, deadline_ms: int | None = None,
                         account: ApiKey | None = None, refuse_unready: bool = False,
-                        session: str = "") -> AsyncIterator[Ticket]:
+                        session: str = "", bound: tuple[int, int] = (0, 0)
+                        ) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
         ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
         the key's usage recorded with the release (one Redis call).
@@ -310,7 +349,9 @@ class Admission(ReadsSettings):
         queue like any other (a length-aware pool's is always checked).
 
         ``session``: with sessions on, the session it is queued in within its user's
-        share ("": the user's default session); ignored with sessions off."""
+        share ("": the user's default session); ignored with sessions off. ``bound``:
+        the (prompt, output) tokens it can cost at most, what a whole answer cut short is
+        charged (:attr:`Ticket.cut`)."""
         prompt_est = estimate(creq)
         # a request naming a LoRA adapter is queued on its base model (docs/adapters.md)
         adapter = creq.model if creq.model != model else None
@@ -379,7 +420,8 @@ class Admission(ReadsSettings):
             raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
                                  retry_after_s=self.waits.retry_after(None))
         timing = StreamTiming(arrived_s) if arrived_s is not None else None
-        ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits)
+        ticket = Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits,
+                        whole=not creq.stream, bound=bound)
         running = Running(queued.request_id, model, user, tenant, klass, grant.backend,
                           ticket.dispatched_s, ticket.mover)
         ticket.resumer = partial(self._continued, model, queued, ticket, running)
@@ -387,13 +429,13 @@ class Admission(ReadsSettings):
         self.running.add(running)
         try:
             yield ticket
-        except asyncio.CancelledError:
-            ticket.cancelled = True
+        except BaseException as exc:
+            ticket.ended_by(exc)
             raise
         finally:
             self.running.remove(running)
-            prompt = ticket.prompt_tokens or prompt_est
-            output = ticket.completion_tokens
+            # a whole answer cut short: its bound (Ticket.charged)
+            prompt, output = ticket.charged(prompt_est)
             # what the GPU computed: the prompt tokens its prefix cache lacked (dispatch
             # charged those the backend's prefix index predicted uncached; the settle
             # corrects that to what the backend reports)
@@ -407,13 +449,15 @@ class Admission(ReadsSettings):
                       else self.policy.settle_charge(computed, charged, output, cw, kv))
             tenant_charge = (-tenant_dispatched if ticket.unsent else
                              self.policy.settle_charge(computed, charged, output, ctw, kv))
-            self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, output,
+            reported = ticket.completion_tokens  # the metrics count what vLLM reported
+            self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, reported,
                                    self.policy.service(
                                        (ticket.prompt_tokens or 0) - ticket.cached_tokens,
-                                       output, weight, kv), timing, ticket.cached_tokens)
+                                       reported, weight, kv), timing, ticket.cached_tokens)
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
-                     output_tokens=output, completed=ticket.completed)
+                     output_tokens=reported, completed=ticket.completed,
+                     **({"charged_bound": ticket.bound} if ticket.cut else {}))
             usage = None
             if account is not None and self.usage is not None:
                 sent = not ticket.unsent

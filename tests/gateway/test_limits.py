@@ -29,7 +29,9 @@ LIMITED = [*KEYS,
            {"key": "sk-t1", "user": "tim", "tenant": "team"},
            {"key": "sk-t2", "user": "tom", "tenant": "team"},
            {"key": "sk-bbatch", "user": "bea", "priority_class": "batch",
-            "limits": {"daily_tokens": 100}}]
+            "limits": {"daily_tokens": 100}},
+           {"key": "sk-bbig", "user": "bo", "priority_class": "batch",
+            "limits": {"daily_tokens": 2000}}]
 TENANTS = {"team": {"weight": 1, "limits": {"max_concurrent": 1}}}
 
 
@@ -312,5 +314,35 @@ async def test_batch_stops_at_the_owners_budget(sim: SimFactory, gateway: Gatewa
         assert used <= 100
         ids = {x["custom_id"] for x in out} | {e["custom_id"] for e in errors}
         assert ids == {f"req-{i}" for i in range(30)}  # nothing silently dropped
+    finally:
+        await c.close()
+
+
+async def test_a_batch_line_over_the_budget_fails_alone(sim: SimFactory, gateway: GatewayFactory,
+                                                        tmp_path: Any) -> None:
+    """A line whose reservation (5,000 output tokens) exceeds the whole 2,000-token day
+    fails ``insufficient_quota`` on its own; the 30 small lines after it all run within
+    the budget. Before: its refusal failed every line not yet fed (30 of 31)."""
+    gw = await limited_gateway(sim, gateway, data_dir=tmp_path, batch_poll_s=0.05,
+                               batch_max_in_flight=2)
+    big = json.dumps({"custom_id": "big", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": MODEL, "max_tokens": 5000,
+                               "messages": [{"role": "user", "content": "everything"}]}})
+    c = sdk(gw, "sk-bbig")
+    try:
+        f = await c.files.create(file=("in.jsonl", big.encode() + b"\n" + jsonl(30)),
+                                 purpose="batch")
+        batch = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                       completion_window="24h")
+        done = await wait_status(c, batch.id, {"completed", "failed", "expired"})
+        assert done.status == "completed", done
+        errors = [json.loads(x) for x in (await c.files.content(done.error_file_id or "")
+                                          ).text.splitlines()]
+        failed = {e["custom_id"]: e["error"]["code"] for e in errors}
+        assert failed == {"big": "insufficient_quota"}, f"failed lines: {failed}"
+        out = [json.loads(x) for x in
+               (await c.files.content(done.output_file_id or "")).text.splitlines()]
+        used = sum(x["response"]["body"]["usage"]["total_tokens"] for x in out)
+        assert len(out) == 30 and used <= 2000, f"{len(out)} lines answered, {used} used"
     finally:
         await c.close()
