@@ -185,20 +185,22 @@ def with_locality(bound: float, slack: float) -> float:
     return bound + slack
 
 
-def tenant_of(user: str, key_tenant: str | None, key_weight: float,
+def tenant_of(key_user: str, key_tenant: str | None, key_weight: float,
               tenants: Mapping[str, float]) -> tuple[str, float]:
-    """(tenant, weight at the tenant level) of a request of ``user`` (the scheduler's user:
-    the key's user, or ``user/end_user`` for a key with trusted end users) sent with a key
-    of ``key_weight`` naming ``key_tenant``, given the configured tenant weights.
+    """(tenant, weight at the tenant level) of a request sent with a key of ``key_user``
+    and ``key_weight`` naming ``key_tenant``, given the configured tenant weights; the
+    request's user is the key's, or one of its trusted end users (``user/end_user``).
 
     A key naming a tenant: that tenant at its configured weight (1 when it is not
-    listed); its trusted end users are users of that tenant. A key naming none: the tenant
-    named after ``user``, at its configured weight if listed, else the key's weight, so
-    without tenants every user (and every trusted end user) is a tenant of one user
-    weighing what it weighed before."""
+    listed). A key naming none: the tenant named after the key's user, at its configured
+    weight if listed, else the key's weight, so without tenants every key's user is a
+    tenant of one user weighing what it weighed before. A key's trusted end users are
+    users of the key's tenant either way: an app minting a new end user per request
+    shares its tenant's service among them, it does not take a tenant's share for each
+    (a key's owner vouches for its end users, it cannot multiply its own share)."""
     if key_tenant:
         return key_tenant, tenants.get(key_tenant, 1.0)
-    return user, tenants.get(user, key_weight)
+    return key_user, tenants.get(key_user, key_weight)
 
 
 def level_bounds(policy: FairnessPolicy, max_tenant_request: float, max_user_request: float,

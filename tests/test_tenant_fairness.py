@@ -18,9 +18,10 @@ def test_a_request_belongs_to_its_keys_tenant_or_to_one_named_after_its_user() -
     # no tenant on the key: its own tenant, weighing the key's weight unless listed
     assert tenant_of("dave", None, 4.0, tenants) == ("dave", 4.0)
     assert tenant_of("carol", None, 4.0, tenants) == ("carol", 3.0)
-    # a trusted app's end users: users of the app's tenant, or each its own tenant
-    assert tenant_of("app/u1", "research", 1.0, tenants) == ("research", 2.0)
-    assert tenant_of("app/u1", None, 1.0, tenants) == ("app/u1", 1.0)
+    # a trusted app's end users: users of the app key's tenant, named or its own (never
+    # a tenant each: the tenant follows the key, not the end user)
+    assert tenant_of("app", "research", 1.0, tenants) == ("research", 2.0)
+    assert tenant_of("app", None, 1.0, tenants) == ("app", 1.0)
 
 
 def shares(users: dict[str, str], weights: dict[str, float], dispatches: int,

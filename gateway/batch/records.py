@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import redis.asyncio as aioredis
 
 from gateway.core.errors import NotFound
+from gateway.core.settings import OWNER_SEPARATOR, owner_id
 from gateway.storage.keys import ACTIVE_BATCHES, BatchKeys, user_batches
 from gateway.storage.store import load_script
 
@@ -53,10 +54,11 @@ class BatchStore:
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(BatchKeys(batch_id).hash,
                   mapping={"doc": json.dumps(doc), "status": "validating", "total": total})
-        pipe.zadd(user_batches(user), {batch_id: time.time()})  # ties: sub-second order
+        pipe.zadd(user_batches(owner_id(user, tenant)),
+                  {batch_id: time.time()})  # ties: sub-second order
         pipe.sadd(ACTIVE_BATCHES, batch_id)
         await pipe.execute()
-        return await self.get(user, batch_id)
+        return await self.get(owner_id(user, tenant), batch_id)
 
     async def raw(self, batch_id: str) -> dict[str, str] | None:
         keys = BatchKeys(batch_id)
@@ -69,20 +71,42 @@ class BatchStore:
             return None  # none, or a remnant of one Redis lost (a result written after)
         return {**fields, "completed": str(done), "failed": str(failed)}
 
-    async def get(self, user: str, batch_id: str) -> dict[str, Any]:
+    async def get(self, owner: str, batch_id: str) -> dict[str, Any]:
+        """``owner``'s batch (``ApiKey.owner``); anyone else's is a 404."""
         raw = await self.raw(batch_id)
-        if raw is None or json.loads(raw["doc"])["user"] != user:
+        if raw is None or batch_owner(json.loads(raw["doc"])) != owner:
             raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
         return to_openai(raw)
 
-    async def page(self, user: str, limit: int,
+    async def page(self, owner: str, limit: int,
                    after: str | None) -> tuple[list[dict[str, Any]], bool]:
-        ids: list[str] = await self.client.zrevrange(user_batches(user), 0, -1)
+        """``owner``'s batches, newest first. A named tenant's user's batches created
+        before owners named their tenant are listed under the bare user: read from there
+        too, and only its own kept (the user of the same name in another tenant, or of
+        its own, shared that list)."""
+        lists = [owner]
+        _, _, bare = owner.rpartition(OWNER_SEPARATOR)
+        if bare != owner:
+            lists.append(bare)
+        scored: dict[str, float] = {}
+        for name in lists:
+            for batch_id, score in await self.client.zrevrange(user_batches(name), 0, -1,
+                                                               withscores=True):
+                scored[batch_id] = score
+        ids = sorted(scored, key=lambda i: scored[i], reverse=True)
         if after is not None:
             ids = ids[ids.index(after) + 1:] if after in ids else []
-        page = ids[:limit]
-        batches = [to_openai(r) for r in [await self.raw(i) for i in page] if r]
-        return batches, len(ids) > limit
+        batches: list[dict[str, Any]] = []
+        more = False
+        for batch_id in ids:
+            raw = await self.raw(batch_id)
+            if raw is None or batch_owner(json.loads(raw["doc"])) != owner:
+                continue
+            if len(batches) == limit:
+                more = True
+                break
+            batches.append(to_openai(raw))
+        return batches, more
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str,
                          stamp: str | None = None) -> bool:
@@ -157,6 +181,12 @@ class BatchStore:
         pipe.delete(keys.hash, keys.out, keys.err, keys.lease)
         pipe.srem(ACTIVE_BATCHES, batch_id)
         await pipe.execute()
+
+
+def batch_owner(doc: dict[str, Any]) -> str:
+    """The owner of a batch record: its user in its tenant (records made before owners
+    named their tenant hold both, so they are read the same way)."""
+    return owner_id(str(doc["user"]), doc.get("tenant"))
 
 
 def to_openai(raw: dict[str, str]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import structlog
 
 from gateway.batch.files import FileStore
 from gateway.batch.input import BatchLine, load_file
-from gateway.batch.records import FINAL, BatchStore
+from gateway.batch.records import FINAL, BatchStore, batch_owner
 from gateway.core.errors import (
     FairgateError,
     InsufficientQuota,
@@ -388,7 +388,7 @@ class BatchRunner(ReadsSettings):
             if results:
                 data = "".join(results[line.custom_id] + "\n" for line in lines
                                if line.custom_id in results).encode()
-                meta = await self.files.create(doc["user"], f"{batch_id}_{suffix}.jsonl",
+                meta = await self.files.create(batch_owner(doc), f"{batch_id}_{suffix}.jsonl",
                                                "batch_output", data)
                 fields[name] = meta.id
         if outcome == "revoked":

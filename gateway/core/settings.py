@@ -284,11 +284,24 @@ class Tenant(BaseModel):
 # one queue, and a key of user "app/alice" would be an end user of the trusted key "app".
 NAME_SEPARATORS = (":", "/")
 END_USER_SEPARATOR = "/"
+OWNER_SEPARATOR = "/"  # a named tenant's user as an owner: "research/alice"
 
 
 def end_user_name(key_user: str, end_user: str) -> str:
     """The scheduler's user for ``end_user`` of a trusted key of ``key_user``."""
     return f"{key_user}{END_USER_SEPARATOR}{end_user}"
+
+
+def owner_id(user: str, tenant: str | None) -> str:
+    """Who owns what a key of ``user`` in ``tenant`` stores (files, batches): the user
+    qualified by its tenant, ``tenant/user``, so the same user name in two tenants owns
+    two things. A key of the default tenant (none, or the one named after its user) owns
+    as ``user``, the name every record was stored under before tenants qualified it, so
+    single-tenant data stays its own. Neither part holds '/' (``check_name``): an owner
+    with one is a named tenant's user, one without the user of its own tenant."""
+    if not tenant or tenant == user:
+        return user
+    return f"{tenant}{OWNER_SEPARATOR}{user}"
 
 
 def is_end_user(user: str) -> bool:
@@ -328,6 +341,11 @@ class ApiKey(BaseModel):
     @property
     def tenant_name(self) -> str:
         return self.tenant or self.user
+
+    @property
+    def owner(self) -> str:
+        """What this key's files and batches are stored under (:func:`owner_id`)."""
+        return owner_id(self.user, self.tenant)
 
     @field_validator("priority_class")
     @classmethod

@@ -1,6 +1,8 @@
 """OpenAI Files (``/v1/files``) and Batches (``/v1/batches``) routes.
 
-A user sees only their own files and batches: any other id answers 404.
+A user sees only their own files and batches, those of its owner id (``ApiKey.owner``:
+the user in its tenant, so a user of the same name in another tenant is someone else):
+any other id answers 404.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ MAX_METADATA_VALUE_CHARS = 512
 
 
 async def _user(request: web.Request) -> str:
+    """The calling key's owner id: what its files and batches are stored under."""
     key = await request.app[SERVICES].keys.identify(request.headers.get("Authorization"))
-    return key.user
+    return key.owner
 
 
 async def _chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
@@ -79,7 +82,8 @@ async def _receive(request: web.Request, svc: Services, user: str) -> FileMeta:
                     raise BadRequest("send one 'file' per upload", param="file")
                 meta = await svc.files.save(user, part.filename or "upload.jsonl", purpose,
                                             _chunks(part),
-                                            quota=svc.settings.max_files_bytes_per_user)
+                                            quota=svc.settings.max_files_bytes_per_user,
+                                            expected=request.content_length)
     except (ValueError, HttpProcessingError) as exc:
         if meta is not None:
             await svc.files.delete(user, meta.id)
@@ -150,7 +154,7 @@ async def create_batch(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
     key = await svc.keys.identify(request.headers.get("Authorization"))
     file_id, endpoint, window, metadata = _check_create(await _json_body(request))
-    meta = await svc.files.get(key.user, file_id)
+    meta = await svc.files.get(key.owner, file_id)
     if meta.purpose != "batch":
         raise BadRequest(f"file {file_id} was not uploaded with purpose \"batch\"",
                          param="input_file_id")

@@ -218,7 +218,7 @@ async def request_status(request: web.Request) -> web.Response:
     status = None
     if REQUEST_ID.fullmatch(request_id):
         status = await svc.admission.waits.status(svc.settings.models(), request_id)
-    if status is None or (owner is not None and not _owns(owner, status.user)):
+    if status is None or (owner is not None and not _owns(owner, status.user, status.tenant)):
         raise NotFound(f"no queued request {request_id!r} for this key: it was dispatched, "
                        "has finished, or is unknown")
     place = status.place
@@ -230,9 +230,13 @@ async def request_status(request: web.Request) -> web.Response:
         "estimated_wait_ms": None if place.wait_s is None else round(place.wait_s * 1000)})
 
 
-def _owns(key: ApiKey, user: str) -> bool:
-    return user == key.user or (key.trusted_end_users
-                                and user.startswith(end_user_name(key.user, "")))
+def _owns(key: ApiKey, user: str, tenant: str) -> bool:
+    """Was a request of ``user`` queued in ``tenant`` sent with ``key``: its user, or one
+    of its trusted end users, in its tenant (the same user name in another tenant is
+    someone else)."""
+    return tenant == key.tenant_name and (
+        user == key.user or (key.trusted_end_users
+                             and user.startswith(end_user_name(key.user, ""))))
 
 
 async def own_usage(request: web.Request) -> web.Response:

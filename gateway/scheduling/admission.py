@@ -357,8 +357,9 @@ class Admission(ReadsSettings):
         adapter = creq.model if creq.model != model else None
         admitted_s = time.monotonic()
         cold = await self._check_fit(model, klass, creq, prompt_est, refuse_unready, adapter)
-        tenant, tenant_weight = tenant_of(user, account.tenant if account else None, weight, {
-            name: t.weight for name, t in self.settings.tenants.items()})
+        tenant, tenant_weight = tenant_of(
+            account.user if account else user, account.tenant if account else None, weight,
+            {name: t.weight for name, t in self.settings.tenants.items()})
         self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
                                tenant_weight)
         # the weights its charges are divided by: fleet scope multiplies the model's

@@ -51,6 +51,7 @@ class QueuedStatus:
     klass: str
     enqueued_at: float
     place: Place
+    tenant: str = ""  # the tenant it is queued in ("": the one named after its user)
 
 
 class Waits(ReadsSettings):
@@ -142,7 +143,8 @@ class Waits(ReadsSettings):
             place = await self.place(model, klass, user, float(fields.get("cost") or 0.0),
                                      request_id)
             return QueuedStatus(request_id, model, user, klass,
-                                float(fields.get("enqueued_at") or 0.0), place)
+                                float(fields.get("enqueued_at") or 0.0), place,
+                                fields.get("tenant") or user)
         return None
 
     def retry_after(self, wait_s: float | None) -> int:

@@ -77,7 +77,8 @@ ACTIVE_BATCHES = BATCHES_TAG + "active"   # set: unfinished batch ids
 # File records and their per-user index, likewise one hash tag.
 FILES_TAG = f"{ROOT}:{{files}}:"
 FILE_PREFIX = FILES_TAG + "file:"         # string …file:<id>: JSON metadata
-USER_FILES_PREFIX = FILES_TAG + "user:"   # zset …user:<user>: file id -> created
+USER_FILES_PREFIX = FILES_TAG + "user:"   # zset …user:<owner>: file id -> created
+USER_FILE_BYTES_PREFIX = FILES_TAG + "bytes:"  # string …bytes:<owner>: bytes stored + reserved
 SESSION_PREFIX = f"{ROOT}:session:"       # string fg:session:{sha256(token)}: admin key id
 # The dashboard's last 15 minutes, one hash per interval, added to by every process
 # (gateway/ops/history.py); one hash tag: small, written once per interval per process.
@@ -293,8 +294,12 @@ def file_meta(file_id: str) -> str:
     return FILE_PREFIX + file_id
 
 
-def user_files(user: str) -> str:
-    return USER_FILES_PREFIX + user
+def user_files(owner: str) -> str:
+    return USER_FILES_PREFIX + owner
+
+
+def user_file_bytes(owner: str) -> str:
+    return USER_FILE_BYTES_PREFIX + owner
 
 
 def session(token_hash: str) -> str:

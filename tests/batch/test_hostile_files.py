@@ -17,6 +17,7 @@ import pytest
 import gateway.batch.input
 from gateway.http.server import GatewayServer
 from gateway.proxy.completion_request import parse_json
+from gateway.storage.keys import user_file_bytes
 from tests.batch.test_batch_api import CHAT, client, jsonl, wait_status
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory, assert_error, auth
 
@@ -131,6 +132,45 @@ async def test_per_user_file_quota(sim: SimFactory, gateway: GatewayFactory,
         await other.close()
     assert sorted(p.name.startswith(".") for p in (tmp_path / "files").iterdir()) == [
         False, False, False]  # no partial file left behind
+
+
+async def test_parallel_uploads_never_store_more_than_the_quota(
+        sim: SimFactory, gateway: GatewayFactory, tmp_path: Path) -> None:
+    """Ten uploads of about 40 KB at once against a 100,000-byte quota (issue 43, item 2:
+    all ten were stored, 4x the quota): each chunk is reserved before it is written, so
+    at most two are stored and the others are 413s naming the quota."""
+    quota = 100_000
+    lines = max(n for n in range(1, 400) if len(jsonl(n)) <= 40_000)
+    body = jsonl(lines)
+    gw = await gateway([await sim(profile="instant")], data_dir=tmp_path,
+                       max_files_bytes_per_user=quota)
+    c = client(gw)
+    try:
+        outcomes = await asyncio.gather(*(
+            c.files.create(file=(f"f{i}.jsonl", body), purpose="batch") for i in range(10)),
+            return_exceptions=True)
+        refused = [o for o in outcomes if isinstance(o, BaseException)]
+        for exc in refused:
+            assert isinstance(exc, openai.APIStatusError) and exc.status_code == 413, exc
+            assert exc.code == "file_quota_exceeded" and exc.param == "file", exc
+            assert f"quota of {quota} bytes" in exc.message, exc.message
+        stored = (await c.files.list()).data
+        total = sum(f.bytes for f in stored)
+        assert total <= quota, f"{len(stored)} files of {len(body)} B stored: {total} B"
+        assert len(stored) == quota // len(body), f"{len(stored)} stored, {len(refused)} refused"
+        on_disk = sorted(p.stat().st_size for p in (tmp_path / "files").iterdir())
+        assert on_disk == [len(body)] * len(stored), on_disk  # nothing partial left
+        counted = await gw.services.store.client.get(user_file_bytes("bert"))
+        assert int(counted) == total, f"the counter holds {counted}, the files {total}"
+        for f in stored:  # deleting gives the bytes back: room for as many again
+            await c.files.delete(f.id)
+        again = await asyncio.gather(*(
+            c.files.create(file=(f"g{i}.jsonl", body), purpose="batch") for i in range(10)),
+            return_exceptions=True)
+        kept = [o for o in again if not isinstance(o, BaseException)]
+        assert len(kept) == len(stored), f"{len(kept)} stored after the deletes"
+    finally:
+        await c.close()
 
 
 class WhereJsonRuns:

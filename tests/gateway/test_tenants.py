@@ -96,3 +96,24 @@ async def test_trusted_end_users_are_users_of_their_keys_tenant(
     window = order[:PER_USER]
     assert abs(window.count(20) - PER_USER / 2) <= SLACK / 2, window
     assert abs(window.count(21) - window.count(22)) <= SLACK / 2, window
+
+
+async def test_a_trusted_key_minting_an_end_user_per_request_gets_one_tenants_share(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Issue 43, item 3: a trusted key naming no tenant sends every request as a new end
+    user while bob floods too. Its end users are users of its own tenant (named after the
+    key's user), so it gets half the starts while both are backlogged, not a share per end
+    user (84 of the first 100 before)."""
+    backend = await sim(max_num_seqs=2)
+    gw = await gateway([backend], classes={"interactive": {"max_waiting": 1}})
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(complete(session, gw.url, key, tag, **extra))
+                 for i in range(PER_USER)
+                 for key, tag, extra in (("sk-bob", 20, {}),
+                                         ("sk-app", 21, {"user": f"minted-{i}"}))]
+        await asyncio.gather(*tasks)
+    records = sorted(backend.engine.records.values(),
+                     key=lambda r: r.first_scheduled_s or float("inf"))
+    window = [r.max_tokens for r in records][:PER_USER]
+    app = window.count(21)
+    assert abs(app - PER_USER / 2) <= SLACK / 2, f"the app took {app} of {PER_USER}: {window}"
