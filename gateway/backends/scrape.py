@@ -493,7 +493,7 @@ class BackendPool(ReadsSettings):
         """Apply the backend list in force (``gateway/backends/registry.py`` owns it):
         start, stop and re-point scrape loops; ``origins``: where each comes from (default
         "config"). Requests already at a removed backend finish there; queues are
-        untouched."""
+        untouched; a removed backend's series leave ``/metrics``."""
         wanted = {b.name: b for b in backends}
         origins = origins or {}
         for name, current in self.handles.items():
@@ -504,6 +504,7 @@ class BackendPool(ReadsSettings):
             loop = self._loops.pop(name, None)
             if loop is not None:
                 loop.cancel()
+            self.metrics.forget_backend(name)
             report["removed"].append(name)
         for name, config in wanted.items():
             handle = self.handles.get(name)

@@ -23,7 +23,8 @@
     │   ├── DeadlineUnmeetable (429)   its first-token deadline cannot be met (or passed
     │   │                              while queued); Retry-After from the wait estimate
     │   ├── RateLimitExceeded (429)    a key's or tenant's rpm, tpm or max_concurrent
-    │   └── InsufficientQuota (429)    a key's or tenant's daily or monthly token budget
+    │   ├── InsufficientQuota (429)    a key's or tenant's daily or monthly token budget
+    │   └── LoginThrottled (429)       a client address failed too many dashboard logins
     ├── Unavailable (503)              no healthy backend (of the prompt's length range);
     │                                  carries Retry-After
     │   ├── StoreUnavailable (503)     Redis unreachable (mapped in gateway/storage/redis_client.py)
@@ -163,6 +164,12 @@ class InsufficientQuota(RateLimitExceeded):
     """Over a token budget: OpenAI's ``insufficient_quota`` (same status, other code)."""
 
     type = code = "insufficient_quota"
+
+
+class LoginThrottled(RateLimited):
+    """Too many failed dashboard logins from one address (``policies/login_throttle.py``)."""
+
+    code = "too_many_login_failures"
 
 
 class Unavailable(FairgateError):

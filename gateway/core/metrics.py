@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.core.user_series import MAX_SHARE_USERS, OTHER_USERS, ServiceShares, UserLabels
@@ -320,8 +321,9 @@ class GatewayMetrics:
         # Continued answers (gateway/proxy/continuation.py): why, and what they cost.
         self.continuations = Counter(
             "fairgate_continuations_total",
-            "Answers continued on another backend, by reason (failover; drain, preempt: "
-            "moved on purpose) and outcome "
+            "Answers continued on another backend, by reason (failover; retry: a whole "
+            "answer sent again once after a 5xx answer; drain, preempt: moved on purpose) "
+            "and outcome "
             "(continued: a backend took the rest; failed: none could, the stream ended with "
             "an error)", ["reason", "outcome"], registry=r)
         self.continuation_recomputed_tokens = Counter(
@@ -506,6 +508,28 @@ class GatewayMetrics:
     def _remove(self, metric: Any, labels: tuple[str, ...]) -> None:
         self._children.pop((metric, labels), None)
         metric.remove(*labels)
+
+    def forget_backend(self, backend: str) -> int:
+        """``backend`` left the list in force (``BackendPool.reconcile``): remove every
+        series labelled with it, so a removed backend neither exports its last values
+        forever nor keeps an alert on its last health firing, and what this process kept
+        of it. The number of series removed (in multiprocess mode the workers' files keep
+        theirs until the workers restart, as for idle users)."""
+        removed = 0
+        for metric in vars(self).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            names: tuple[str, ...] = metric._labelnames  # prometheus_client: no public getter
+            if "backend" not in names:
+                continue
+            at = names.index("backend")
+            for labels in [k for k in list(metric._metrics) if k[at] == backend]:
+                self._remove(metric, tuple(labels))
+                removed += 1
+        for per_backend in (self.recent_dispatches, self.recent_predictions,
+                            self.decision_counts, self._gate_state, self._adapters):
+            per_backend.pop(backend, None)
+        return removed
 
     def on_dispatch_decision(self, model: str, backend: str, reason: str,
                              matched_blocks: int, prompt_blocks: int) -> None:

@@ -546,6 +546,10 @@ class Settings(BaseSettings):
     # connections on which no request authenticated yet; None: half the cap
     max_unauthenticated_connections: int | None = Field(None, ge=1)
     session_ttl_s: float = Field(12 * 3600, gt=0)  # a dashboard login lasts this long
+    # a client address that failed this many dashboard logins within the window (opened
+    # at its first failure) gets 429 too_many_login_failures until the window ends
+    login_max_failures: int = Field(10, ge=1)
+    login_failure_window_s: float = Field(60.0, gt=0)
     metrics_auth: bool = False  # true: GET /metrics needs an admin key (Bearer)
     # the Grafana dashboard (deploy/grafana/dashboards/fairgate.json) as operators reach
     # it: the live dashboard links to it (None: no link)

@@ -12,7 +12,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings
 from gateway.http.admin.routes import add_admin_routes
 from gateway.http.batch_routes import add_batch_routes
-from gateway.http.client_guard import AUTHENTICATED, client_guard
+from gateway.http.client_guard import AUTHENTICATED, REQUESTED, client_guard
 from gateway.http.dashboard import add_dashboard_routes
 from gateway.http.routes import add_routes
 from gateway.services import SERVICES, running_services
@@ -27,6 +27,7 @@ def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web
                                        error_boundary(metrics, _retry_after)],
                           client_max_size=settings.max_body_bytes)
     app[AUTHENTICATED] = set()
+    app[REQUESTED] = set()
     app.cleanup_ctx.append(_services(settings, metrics))
     add_routes(app)
     add_batch_routes(app)

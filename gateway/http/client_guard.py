@@ -6,9 +6,10 @@ arriving, and proof of who it is before it holds a connection for long.
   slower than ``min_body_bytes_per_s`` on average (a trickle of a byte every few seconds
   never goes idle); either answers 408 and closes the connection. The reader of the body
   (JSON, a form, a multipart upload) sees :class:`~gateway.core.errors.RequestTimeout`.
-- **Authenticated connections**: each request marks its connection once a key check
-  passes (``gateway/core/connections.py``); the server (``gateway/http/server.py``) reads
-  the set to keep connections that never authenticated within their own allowance.
+- **Authenticated connections**: each request marks its connection as having sent a
+  request, and again once a key check passes (``gateway/core/connections.py``); the
+  server (``gateway/http/server.py``) reads both sets to keep connections that never
+  authenticated within their own allowance without closing ones just opened.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from gateway.core.errors import RequestTimeout
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # the connections (their protocol objects) on which a request authenticated
 AUTHENTICATED = web.AppKey("fairgate_authenticated_connections", set)
+# ... and those on which a request arrived (authenticated or not)
+REQUESTED = web.AppKey("fairgate_requested_connections", set)
 TICKS_PER_WINDOW = 4  # a stalled body is cut within 1.25 × the idle timeout
 
 
@@ -33,6 +36,7 @@ def client_guard(idle_timeout_s: float, min_bytes_per_s: int) -> Middleware:
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         protocol = request.protocol
         authenticated: set[object] = request.app[AUTHENTICATED]
+        request.app[REQUESTED].add(protocol)
         with marking(lambda: authenticated.add(protocol)):
             content = request.content
             if not request.body_exists or content.is_eof():

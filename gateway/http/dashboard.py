@@ -12,13 +12,16 @@ and cancels, after a confirmation, with the cookie plus the session's CSRF token
 from __future__ import annotations
 
 import ipaddress
+import time
 from importlib import resources
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.access.auth import SESSION_COOKIE
-from gateway.core.errors import FairgateError
+from gateway.core.errors import BadRequest, FairgateError, LoginThrottled
 from gateway.services import SERVICES
+from policies.login_throttle import LoginFailures
 
 ASSETS = {"dashboard.js": "application/javascript", "dashboard.css": "text/css"}
 SECURITY_HEADERS = {
@@ -28,6 +31,8 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
+# failed logins by client address (policies/login_throttle.py)
+LOGIN_FAILURES = web.AppKey("fairgate_login_failures", LoginFailures)
 
 
 def _static(name: str) -> str:
@@ -87,11 +92,30 @@ async def dashboard(request: web.Request) -> web.StreamResponse:
 
 
 async def login(request: web.Request) -> web.StreamResponse:
-    form = await request.post()
-    key = str(form.get("key", ""))
+    """The login form: a wrong key counts against the client's address; too many within
+    ``login_failure_window_s`` and the address waits (429) before its form is read."""
+    settings = request.app[SERVICES].settings
+    failures, client, now = request.app[LOGIN_FAILURES], request.remote or "", time.monotonic()
+    wait_s = failures.retry_after_s(client, now, settings.login_max_failures,
+                                    settings.login_failure_window_s)
+    if wait_s is not None:
+        raise LoginThrottled(f"too many failed logins from this address; retry in {wait_s}s",
+                             retry_after_s=wait_s)
+    key = await _form_key(request)
     if key and (key_id := _admin_key_id(request, key)) is not None:
         return await _logged_in(request, key_id)
+    failures.failed(client, now, settings.login_failure_window_s)
     return _login_page(401, "That is not an admin key.")
+
+
+async def _form_key(request: web.Request) -> str:
+    """The form's ``key``; a form that does not parse (not UTF-8, an unknown charset, a
+    multipart body without its boundary) is a 400."""
+    try:
+        form = await request.post()
+    except (ValueError, LookupError, HttpProcessingError) as exc:
+        raise BadRequest(f"malformed login form: {exc}") from None
+    return str(form.get("key", ""))
 
 
 async def logout(request: web.Request) -> web.StreamResponse:
@@ -110,6 +134,7 @@ async def asset(request: web.Request) -> web.Response:
 
 
 def add_dashboard_routes(app: web.Application) -> None:
+    app[LOGIN_FAILURES] = LoginFailures()
     app.router.add_get("/dashboard", dashboard)
     app.router.add_post("/dashboard/login", login)
     app.router.add_post("/dashboard/logout", logout)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import resource
+from typing import cast
 
 import structlog
 from aiohttp import web
@@ -28,12 +29,14 @@ from gateway.core.errors import TooManyConnections
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings
 from gateway.http.app import create_app
-from gateway.http.client_guard import AUTHENTICATED
+from gateway.http.client_guard import AUTHENTICATED, REQUESTED
 from gateway.services import SERVICES, Services
 
 log = structlog.get_logger("fairgate.server")
 
 FD_HEADROOM = 512  # files kept free for backends, Redis, logs and the batch files
+# a new connection's time to send its first request before it may be closed for room
+FIRST_REQUEST_GRACE_S = 1.0
 
 
 def raise_open_file_limit() -> int:
@@ -56,11 +59,13 @@ class _Refuse(asyncio.Protocol):
         self.retry_after_s = retry_after_s
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(raw_answer(TooManyConnections(
+        # a stream server's transport writes, but uvloop's subclasses none of asyncio's
+        # transport classes: an isinstance check refused every connection with a reset
+        stream = cast(asyncio.WriteTransport, transport)
+        stream.write(raw_answer(TooManyConnections(
             "too many open connections to the gateway; retry",
             retry_after_s=self.retry_after_s)))
-        transport.close()
+        stream.close()
 
 
 class GatewayServer:
@@ -78,6 +83,7 @@ class GatewayServer:
         self.refused = 0
         self.evicted = 0  # unauthenticated connections closed to make room
         self._listener: asyncio.Server | None = None
+        self._opened: dict[web.RequestHandler, float] = {}  # when each was accepted
 
     @property
     def url(self) -> str:
@@ -100,45 +106,69 @@ class GatewayServer:
         if self.reuse_port:
             await self._first_scrapes()
         server = self.runner.server
-        assert server is not None
+        if server is None:
+            raise RuntimeError("the aiohttp runner set up no server")
         cap = self.max_connections()
         allowance = self.max_unauthenticated(cap)
-        authenticated: set[object] = self.app[AUTHENTICATED]
+        loop = asyncio.get_running_loop()
 
         def protocol() -> asyncio.BaseProtocol:
+            now = loop.time()
             open_ = [h for h in server.connections if h.transport is not None]  # not closing
+            self._forget_closed(open_)
             if len(open_) >= allowance:
-                open_ = self._within_allowance(open_, authenticated, allowance)
+                open_ = self._within_allowance(open_, now, allowance)
             if len(open_) >= cap:
                 self.refused += 1
                 if self.refused % 1000 == 1:  # a flood must not flood the log too
                     log.warning("connection_refused", open=len(server.connections), cap=cap,
                                 refused=self.refused)
                 return _Refuse(self.services.admission.waits.retry_after(None))
-            return server()
+            handler = server()
+            self._opened[handler] = now
+            return handler
 
-        loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(
             protocol, self.settings.listen.host, self.settings.listen.port,
             reuse_address=True, reuse_port=self.reuse_port or None, backlog=1024)
         self.port = int(self._listener.sockets[0].getsockname()[1])
 
-    def _within_allowance(self, open_: list[web.RequestHandler], authenticated: set[object],
+    def _forget_closed(self, open_: list[web.RequestHandler]) -> None:
+        """Drop the marks of connections long closed (amortized: when they outnumber the
+        open ones twice over)."""
+        if len(self._opened) > 2 * len(open_) + 64:
+            still = set(open_)
+            self._opened = {h: at for h, at in self._opened.items() if h in still}
+        for marks in (self.app[AUTHENTICATED], self.app[REQUESTED]):
+            if len(marks) > 2 * len(open_) + 64:
+                marks.intersection_update(open_)
+
+    def _within_allowance(self, open_: list[web.RequestHandler], now: float,
                           allowance: int) -> list[web.RequestHandler]:
-        """Close the oldest unauthenticated connection when they fill their allowance;
-        the connections left open."""
-        if len(authenticated) > 2 * len(open_):  # forget connections long closed
-            authenticated.intersection_update(open_)
+        """Close the oldest stalled unauthenticated connection when the unauthenticated
+        ones fill their allowance; the connections left open.
+
+        Stalled: a request arrived on it and authenticated nothing (a login that never
+        ends its body), or it sent none for ``FIRST_REQUEST_GRACE_S``. A connection just
+        opened is never closed for room: a burst of new clients is all unauthenticated
+        for a moment (uvloop accepts the whole backlog before reading any of it), and
+        closing the first of them served nobody; over the cap the newest gets a 503."""
+        authenticated, requested = self.app[AUTHENTICATED], self.app[REQUESTED]
         unauthenticated = [h for h in open_ if h not in authenticated]
-        if len(unauthenticated) >= allowance:
-            self.evicted += 1
-            if self.evicted % 1000 == 1:
-                log.warning("unauthenticated_connection_closed", open=len(open_),
-                            unauthenticated=len(unauthenticated), allowance=allowance,
-                            evicted=self.evicted)
-            unauthenticated[0].force_close()
-            return [h for h in open_ if h is not unauthenticated[0]]
-        return open_
+        if len(unauthenticated) < allowance:
+            return open_
+        stalled = next((h for h in unauthenticated if h in requested
+                        or now - self._opened.setdefault(h, now) >= FIRST_REQUEST_GRACE_S),
+                       None)
+        if stalled is None:
+            return open_
+        self.evicted += 1
+        if self.evicted % 1000 == 1:
+            log.warning("unauthenticated_connection_closed", open=len(open_),
+                        unauthenticated=len(unauthenticated), allowance=allowance,
+                        evicted=self.evicted)
+        stalled.force_close()
+        return [h for h in open_ if h is not stalled]
 
     async def _first_scrapes(self) -> None:
         """A worker joining a shared port (its siblings serve already) takes connections

@@ -131,17 +131,62 @@ def _finite(text: str) -> float:
     return value
 
 
+class _LoneSurrogate(ValueError):
+    """A ``\\ud800``-style escape with no partner: no UTF-8 text holds it (vLLM's
+    tokenizer fails on it with a 500), so it is refused where it is read."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
 def _strict_loads(raw: bytes | str) -> Any:
-    return json.loads(raw, parse_constant=_constant, parse_float=_finite)
+    value = json.loads(raw, parse_constant=_constant, parse_float=_finite)
+    # orjson refuses a lone surrogate, so a body holding one is read here, and only here
+    where = _lone_surrogate(value)
+    if where is not None:
+        raise _LoneSurrogate(where)
+    return value
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where in ``value`` a string (or an object's key) holds a lone surrogate, as
+    ``messages[0].content``; None: nowhere."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and not _utf8(item):
+                return path or "(the body)"
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                at = f"{path}.{key}" if path else str(key)
+                if not _utf8(key):
+                    return path or "(the body)"
+                stack.append((at, child))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in enumerate(item)
+                         if isinstance(child, (str, dict, list)))
+    return None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_json(raw: bytes | str, what: str = "request body") -> Any:
     """``raw`` decoded, or :class:`BadRequest` saying why not: not JSON, not UTF-8, nested
-    deeper than the decoder goes, a number that is not one (``NaN``, ``Infinity``: Python
-    reads them, JSON has none) or does not fit (a float beyond ±1.8e308, an integer longer
-    than Python converts: ``sys.get_int_max_str_digits()``, 4,300 digits). Every JSON a
-    client sends (bodies, batch input lines) is read here: what the gateway computes with
-    is a number, and what it forwards to vLLM standard JSON."""
+    deeper than the decoder goes, a string holding a lone surrogate escape (``"\\ud800"``:
+    no UTF-8 text holds it, and vLLM answers it 500), a number that is not one (``NaN``,
+    ``Infinity``: Python reads them, JSON has none) or does not fit (a float beyond
+    ±1.8e308, an integer longer than Python converts: ``sys.get_int_max_str_digits()``,
+    4,300 digits). Every JSON a client sends (bodies, batch input lines) is read here:
+    what the gateway computes with is a number, and what it forwards to vLLM standard
+    JSON."""
     try:
         if isinstance(raw, bytes):  # orjson reads none of those (``gateway/core/jsonio.py``)
             return jsonio.loads(raw, _strict_loads)
@@ -152,6 +197,11 @@ def parse_json(raw: bytes | str, what: str = "request body") -> Any:
         raise BadRequest(f"{what} is not valid JSON: nested too deeply") from None
     except _NotANumber as exc:
         raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+    except _LoneSurrogate as exc:
+        top = exc.where.split(".", 1)[0].split("[", 1)[0]
+        raise BadRequest(f"{what} is not valid UTF-8 text: '{exc.where}' holds a lone "
+                         "surrogate escape (\\ud800-\\udfff without its pair)",
+                         param=top if top != "(the body)" else None) from None
     except ValueError as exc:  # "Exceeds the limit (4300 digits) for integer string …", 1e400
         raise BadRequest(f"{what} holds a number too large: {exc}") from None
 

@@ -26,6 +26,9 @@ from gateway.proxy.continuation import Progress
 
 # why an answer continues elsewhere: its backend failed, or it was moved on purpose
 FAILOVER, DRAIN, PREEMPT = "failover", "drain", "preempt"
+# ... or its backend answered a whole request with a 5xx: sent once more, the backend not
+# taken for failing (it answered; the error may be the request's)
+RETRY = "retry"
 
 
 class Moved(aiohttp.ClientPayloadError):

@@ -455,6 +455,19 @@ async def next_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason:
     return None
 
 
+async def one_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason: str,
+                      failure: str) -> Segment | None:
+    """One continuation attempt (of ``reason``'s budget); ``None`` when it is not allowed
+    or does not start."""
+    attempt = resume(reason, failure)
+    if attempt is None:
+        return None
+    try:
+        return await stack.enter_async_context(attempt)
+    except StreamBroke:
+        return None
+
+
 async def _close(out: web.StreamResponse, frames: FrameFilter, progress: Progress) -> None:
     """End an answer whose last token was relayed: its usage (as asked) and ``[DONE]``."""
     for event in progress.closing(frames.wants_usage):

@@ -17,10 +17,11 @@ format (type and code ``upstream_error``), keeping the upstream status as the st
 When the backend fails mid-answer, ``forward`` continues the answer on another backend
 (``continuation``: the caller's way to get one, ``gateway/scheduling/admission.py``): a
 continuable stream from its token ids (``gateway/proxy/continuation.py``), a whole answer
-(nothing reached the client yet) by sending the request again; a backend that answers a
-whole request with a 5xx counts as failed too. A 404 for the LoRA adapter a request
-names (unloaded while the request was on its way) is ``AdapterGone``: nothing ran, and
-admission queues the request again.
+(nothing reached the client yet) by sending the request again. A backend that answers
+a whole request with a 5xx is not taken for failing (it answered; the error may be the
+request's): the request is sent once more, and a second 5xx reaches the client. A 404
+for the LoRA adapter a request names (unloaded while the request was on its way) is
+``AdapterGone``: nothing ran, and admission queues the request again.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ from gateway.core.errors import (
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import CHOICES_USAGE, COMPLETIONS, Usage
-from gateway.proxy.moving import FAILOVER, Mover
+from gateway.proxy.moving import FAILOVER, RETRY, Mover
 from gateway.proxy.relay import (
     RelayListener,
     Resume,
     Segment,
     StreamBroke,
     next_segment,
+    one_segment,
     relay_stream,
     report_usage,
 )
@@ -237,31 +239,36 @@ class Upstream:
     async def _whole(self, handle: BackendHandle, resp: aiohttp.ClientResponse,
                      listener: RelayListener, usage: Usage,
                      resume: Resume | None, mover: Mover) -> web.Response:
-        """A whole answer; when its backend fails (a 5xx, or the body breaks off) or it is
-        moved, the request goes again to another backend: nothing reached the client yet."""
+        """A whole answer; when its backend fails (the body breaks off) or it is moved,
+        the request goes again to another backend: nothing reached the client yet. An
+        answer of status 5xx is sent again once (``RETRY``: the backend answered, so its
+        gates stay open); a second 5xx is the request's own, and the client gets the
+        first: a request vLLM cannot serve (a prompt its tokenizer fails on) no longer
+        goes round every backend closing each one's gates."""
+        retried = False
         async with contextlib.AsyncExitStack() as stack:
             while True:
-                failure, reason = None, FAILOVER
-                if resp.status >= 500 and resume is not None:
-                    failure = f"backend {handle.name} answered HTTP {resp.status}"
-                else:
-                    mover.attach(resp)
-                    try:
-                        status, data, content_type = await _read(
-                            handle, resp, listener, usage, self.stream_idle_s)
-                        return web.Response(body=data, status=status,
-                                            content_type=content_type)
-                    except UpstreamError as exc:
-                        if resume is None:
-                            raise
-                        failure, reason = str(exc), mover.take() or FAILOVER
-                    finally:
-                        mover.detach()
+                if resp.status >= 500 and resume is not None and not retried:
+                    retried = True
+                    segment = await one_segment(
+                        stack, resume, RETRY,
+                        f"backend {handle.name} answered HTTP {resp.status}")
+                    if segment is not None:
+                        resp = segment.resp
+                    continue
+                mover.attach(resp)
+                try:
+                    status, data, content_type = await _read(
+                        handle, resp, listener, usage, self.stream_idle_s)
+                    return web.Response(body=data, status=status, content_type=content_type)
+                except UpstreamError as exc:
+                    if resume is None:
+                        raise
+                    failure, reason = str(exc), mover.take() or FAILOVER
+                finally:
+                    mover.detach()
                 segment = await next_segment(stack, resume, reason, failure)
                 if segment is None:
-                    if resp.status >= 500:  # today's answer: the backend's error
-                        resume = None
-                        continue
                     raise UpstreamError(failure)
                 resp = segment.resp
 

@@ -45,7 +45,7 @@ from gateway.core.metrics import GatewayMetrics, StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
-from gateway.proxy.moving import FAILOVER, Mover
+from gateway.proxy.moving import FAILOVER, RETRY, Mover
 from gateway.proxy.moving import PREEMPT as PREEMPT
 from gateway.scheduling.adapter_loads import AdapterLoads
 from gateway.scheduling.dispatcher import Dispatcher
@@ -477,7 +477,7 @@ class Admission(ReadsSettings):
         """The next continuation attempt within its budget: a failure's
         (``continue_attempts``) or a move's (``max_moves``, apart: moves on purpose
         never use up what failures may need)."""
-        if reason == FAILOVER:
+        if reason in (FAILOVER, RETRY):
             allowed = original.continuations < self.settings.continue_attempts
             if allowed:
                 original.continuations += 1

@@ -83,8 +83,13 @@ class SimServer:
         embedding_dimensions: int = DEFAULT_DIMENSIONS,
         allow_runtime_lora_updating: bool = False,
         metrics_only: frozenset[str] | None = None,
+        fail_on: str | None = None,
     ) -> None:
         self.config = config
+        # a request whose body holds this text is answered 500, as vLLM answers one its
+        # tokenizer or engine fails on (the request's fault, not the server's)
+        self.fail_on = fail_on
+        self.failed = 0  # requests answered 500 for it
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
         self.loras = LoraRegistry(config.model, config.lora_modules, config.lora_load_s)
         self.host = host
@@ -233,7 +238,11 @@ class SimServer:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         """The JSON body, its ``model`` (if given) the one served here or a loaded adapter."""
-        body = parse_json(await request.read())
+        raw = await request.read()
+        if self.fail_on is not None and self.fail_on.encode() in raw:
+            self.failed += 1
+            raise SimError(500, "Internal Server Error")
+        body = parse_json(raw)
         model = body.get("model")
         if model and model != self.config.model and model not in self.loras:
             raise SimError(

@@ -39,9 +39,10 @@ async def sim() -> AsyncIterator[SimFactory]:
     async def make(**overrides: Any) -> SimServer:
         reject = overrides.pop("reject_priority", False)
         runtime_lora = overrides.pop("allow_runtime_lora_updating", False)
+        fail_on = overrides.pop("fail_on", None)
         config = EngineConfig(model=MODEL, **{"scheduling_policy": "priority", **overrides})
         server = SimServer(config, reject_priority=reject,
-                           allow_runtime_lora_updating=runtime_lora)
+                           allow_runtime_lora_updating=runtime_lora, fail_on=fail_on)
         await server.start()
         started.append(server)
         return server

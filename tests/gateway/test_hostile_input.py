@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from structlog.testing import capture_logs
 
 from gateway.core.user_series import MAX_LABEL_CHARS, OTHER_USERS, UserLabels
 from gateway.http.server import GatewayServer
@@ -255,3 +256,62 @@ async def test_output_beyond_the_models_context_is_refused_before_the_queue(
         status, data, _ = await call(http, "POST", gw.url + path, json=body)
         assert status == 200, data
     assert len(backend.engine.records) == 1  # the refused one never reached the backend
+
+
+LONE = {  # a lone surrogate escape, where a client may put one (raw JSON: json.dumps escapes)
+    "messages[0].content": (CHAT, b'{"model": "%s", "max_tokens": 2, "messages": '
+                                  b'[{"role": "user", "content": "hi \\ud800"}]}'),
+    "prompt[1]": (COMPLETIONS, b'{"model": "%s", "max_tokens": 2, "prompt": ["a", "\\udfff b"]}'),
+    "messages[0].content[0].text": (CHAT, b'{"model": "%s", "max_tokens": 2, "messages": '
+                                          b'[{"role": "user", "content": [{"type": "text", '
+                                          b'"text": "\\ud83d"}]}]}'),
+    "/tokenize prompt": ("/tokenize", b'{"model": "%s", "prompt": "\\udbff"}'),
+}
+
+
+@pytest.mark.parametrize("where", list(LONE))
+async def test_a_lone_surrogate_is_a_400_naming_the_field(
+        where: str, sim: SimFactory, gateway: GatewayFactory) -> None:
+    """vLLM answers a lone surrogate 500 (its tokenizer cannot encode it), and each such
+    request went round every backend: refused where the body is read, naming the field."""
+    backend = await sim(profile="instant")
+    gw = await gateway([backend])
+    path, template = LONE[where]
+    status, body = await raw_post(gw, path, template % MODEL.encode())
+    assert status == 400, f"{where}: {status} {body}"
+    message = assert_error(body, type_="invalid_request_error",
+                           param=where.split()[-1].split("[")[0])
+    assert "lone surrogate" in message and where.split()[-1] in message, message
+    assert backend.engine.records == {}, "the request reached the backend"
+    status, _ = await raw_post(gw, CHAT, (b'{"model": "%s", "max_tokens": 2, "messages": '
+                                          b'[{"role": "user", "content": "\\ud83d\\ude00"}]}')
+                               % MODEL.encode())  # a whole pair is text
+    assert status == 200, status
+
+
+async def test_a_backend_500_caused_by_the_request_marks_no_backend_unhealthy(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Three backends that answer 500 to one prompt (as vLLM answers one its tokenizer
+    fails on): each such request is sent again once, then its 500 reaches the client;
+    no backend is taken for failing, and the others' requests are served meanwhile."""
+    backends = [await sim(profile="instant", fail_on="poison") for _ in range(3)]
+    gw = await gateway(backends)
+    pool = gw.services.pool
+    with capture_logs() as logs:
+        for _ in range(20):
+            status, body = await raw_post(gw, CHAT, json.dumps(
+                {"model": MODEL, "max_tokens": 2,
+                 "messages": [{"role": "user", "content": "poison"}]}).encode())
+            assert status == 500, body
+            assert "error" in body, body
+            closed = [h.name for h in pool.handles.values() if not h.healthy or h.failures]
+            assert closed == [], f"taken for failing: {closed}"
+        status, body = await raw_post(gw, CHAT, json.dumps(
+            {"model": MODEL, "max_tokens": 2, "messages": HI}).encode())
+        assert status == 200, body
+    unhealthy = [e for e in logs if e["event"] == "backend_unhealthy"]
+    assert unhealthy == [], unhealthy
+    tries = sum(b.failed for b in backends)
+    assert tries == 40, f"{tries} tries for 20 requests: each is sent again at most once"
+    retried = gw.services.metrics.continuations.labels("retry", "continued")._value.get()
+    assert retried == 20, retried

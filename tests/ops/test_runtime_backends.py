@@ -24,7 +24,7 @@ from gateway.storage.keys import RUNTIME_BACKENDS
 from tests.chaos.test_continuation import MAX_TOKENS, reference
 from tests.conftest import OpenAIClients
 from tests.gateway.conftest import HI, MODEL, GatewayFactory, SimFactory, until
-from tests.ops.conftest import ADMIN, admin_headers
+from tests.ops.conftest import ADMIN, admin_headers, samples
 from tests.ops.test_drain_migrate import rest, running_stream
 from tests.ops.test_reload import config
 
@@ -324,3 +324,62 @@ async def test_a_reload_keeps_the_runtime_backends_and_the_file_wins_a_name(
         assert pool.handles["rt0"].config.url == s1.url
         status, gone = await admin(http, "DELETE", gw.url + "/admin/backends/rt0")
         assert status == 200 and gone["removed"], gone
+
+
+async def series_of(http: aiohttp.ClientSession, gw: GatewayServer, backend: str) -> list[str]:
+    """The series on the gateway's ``/metrics`` labelled ``backend=<backend>``."""
+    async with http.get(gw.url + "/metrics") as resp:
+        assert resp.status == 200, resp.status
+        parsed = samples(await resp.text())
+    return sorted(name for name, labels in parsed if ("backend", backend) in labels)
+
+
+async def test_a_removed_backend_leaves_metrics(sim: SimFactory, gateway: GatewayFactory) -> None:
+    """Added, used, seen unhealthy, removed by the admin API: none of its series stays on
+    /metrics (they did, forever, and an alert on its last health with them)."""
+    s0, s1 = await sim(), await sim()
+    gw = await gateway([s0], **FAST)
+    async with aiohttp.ClientSession() as http:
+        assert (await admin(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
+        status, row = await admin(http, "POST", gw.url + "/admin/backends",
+                                  {"name": "rt0", "url": s1.url, "model": MODEL})
+        assert status == 201, row
+        await scraped(gw, "rt0")
+        async with AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice",
+                               max_retries=0) as oai:
+            answer = await oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+        assert answer.usage is not None and answer.usage.completion_tokens == 3, answer
+        await s1.stop()  # unhealthy now, as the probe's removed backends were
+        handle = gw.services.pool.handles["rt0"]
+        await until(lambda: not handle.healthy, "rt0 seen unhealthy")
+        before = await series_of(http, gw, "rt0")
+        assert "fairgate_backend_healthy" in before and "fairgate_dispatches_total" in before, \
+            before
+
+        status, gone = await admin(http, "DELETE", gw.url + "/admin/backends/rt0")
+        assert status == 200 and gone["removed"], (status, gone)
+        await until(lambda: "rt0" not in gw.services.pool.handles, "rt0 removed")
+        after = await series_of(http, gw, "rt0")
+        assert after == [], f"{len(after)} series of the removed rt0 left: {after}"
+        assert "fairgate_backend_healthy" in await series_of(http, gw, "b0")  # others stay
+        await admin(http, "POST", gw.url + "/admin/backends/b0/undrain")
+
+
+async def test_a_backend_a_reload_removes_leaves_metrics(
+        sim: SimFactory, gateway: GatewayFactory, redis_url: str, tmp_path: Path) -> None:
+    s0, s1 = await sim(), await sim()
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(yaml.safe_dump(config(redis_url, [s0, s1])))
+    gw = await gateway([s0, s1], **FAST, config_file=path)
+    async with aiohttp.ClientSession() as http:
+        assert (await admin(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
+        async with AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice",
+                               max_retries=0) as oai:
+            await oai.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+        assert "fairgate_dispatches_total" in await series_of(http, gw, "b1")
+        path.write_text(yaml.safe_dump(config(redis_url, [s0])))
+        status, report = await admin(http, "POST", gw.url + "/admin/reload")
+        assert status == 200 and report["backends"]["removed"] == ["b1"], report
+        after = await series_of(http, gw, "b1")
+        assert after == [], f"{len(after)} series of the removed b1 left: {after}"
+        await admin(http, "POST", gw.url + "/admin/backends/b0/undrain")

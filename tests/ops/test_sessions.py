@@ -4,15 +4,17 @@ only as keyed hashes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
 import yaml
+from structlog.testing import capture_logs
 
 from gateway.access.auth import SESSION_COOKIE, KeyRing
 from gateway.core.settings import ApiKey
 from gateway.storage.keys import SESSION_PREFIX
-from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory
+from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory, assert_error
 
 ADMIN, OTHER_ADMIN = "sk-admin", "sk-admin-2"
 
@@ -94,3 +96,57 @@ async def test_metrics_can_require_an_admin_key(sim: SimFactory,
         async with http.get(gw.url + "/metrics",
                             headers={"Authorization": f"Bearer {ADMIN}"}) as resp:
             assert resp.status == 200 and "fairgate_requests_total" in await resp.text()
+
+
+MALFORMED_LOGINS = {  # (content type, body): forms that do not parse
+    "urlencoded, not UTF-8": ("application/x-www-form-urlencoded", b"key=\xff\xfe"),
+    "unknown charset": ("application/x-www-form-urlencoded; charset=nonsense", b"key=a"),
+    "multipart without a boundary": ("multipart/form-data", b"--x\r\nkey\r\n--x--\r\n"),
+    "multipart, boundary absent": ("multipart/form-data; boundary=B", b"garbage"),
+    "multipart part not UTF-8": (
+        "multipart/form-data; boundary=B",
+        b'--B\r\nContent-Disposition: form-data; name="key"\r\n'
+        b"Content-Type: text/plain; charset=utf-8\r\n\r\n\xff\r\n--B--\r\n"),
+}
+
+
+async def test_a_malformed_login_form_is_a_400_without_a_traceback(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], admin_keys=[ADMIN])
+    async with aiohttp.ClientSession() as http:
+        with capture_logs() as logs:
+            for name, (content_type, body) in MALFORMED_LOGINS.items():
+                async with http.post(gw.url + "/dashboard/login", data=body,
+                                     headers={"Content-Type": content_type}) as resp:
+                    answer = await resp.json(content_type=None)
+                    assert resp.status == 400, (name, resp.status, answer)
+                message = assert_error(answer, type_="invalid_request_error")
+                assert message.startswith("malformed login form"), (name, message)
+        crashed = [e for e in logs if e["log_level"] == "error"]
+        assert crashed == [], crashed
+        assert await login(http, gw.url, ADMIN)  # the form still works
+
+
+async def test_failed_logins_from_one_address_are_throttled(
+        sim: SimFactory, gateway: GatewayFactory) -> None:
+    backend = await sim(profile="instant")
+    gw = await gateway([backend], admin_keys=[ADMIN], login_max_failures=5,
+                       login_failure_window_s=30)
+    async with aiohttp.ClientSession() as http:
+        statuses = []
+        for i in range(8):
+            async with http.post(gw.url + "/dashboard/login", data={"key": f"sk-guess-{i}"},
+                                 allow_redirects=False) as resp:
+                statuses.append(resp.status)
+                retry_after = resp.headers.get("Retry-After")
+                body = await resp.read()
+        assert statuses == [401] * 5 + [429] * 3, statuses
+        assert retry_after is not None and 1 <= int(retry_after) <= 30, retry_after
+        error = assert_error(json.loads(body), type_="rate_limit_error",
+                             code="too_many_login_failures")
+        assert "too many failed logins" in error, error
+        # the right key waits too while the window lasts: guessing costs the wait
+        async with http.post(gw.url + "/dashboard/login", data={"key": ADMIN},
+                             allow_redirects=False) as resp:
+            assert resp.status == 429, resp.status
