@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class Services:
     replica_id: str
     redis_url: str  # where the store is (a URL, or the Sentinel master's name and nodes)
     pools: PoolWatch  # each pool's demand, capacity and desired replicas
+    started_at: int  # unix seconds: the ``created`` of the models this gateway lists
 
     @property
     def settings(self) -> Settings:
@@ -175,7 +177,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog))
+            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog),
+            started_at=int(time.time()))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
         restarts = metrics.loop_restarts

@@ -1,9 +1,17 @@
-"""``fairgate demo``: embedded Redis + two simulated H100 backends + the gateway."""
+"""``fairgate demo``: embedded Redis + two simulated H100 backends + the gateway.
+
+Quiet by design: the banner is what a newcomer reads, so the log shows warnings only
+(``FAIRGATE_LOG_LEVEL=info`` brings back the per-request lines), and the key pepper is
+drawn per start (the demo's store lives only as long as the demo), so ``fairgate serve``'s
+warning about a missing ``key_pepper`` does not apply.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import secrets
 import signal
 import tempfile
 from pathlib import Path
@@ -11,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from gateway.core.logs import configure_logging
 from gateway.core.settings import load_settings
 from gateway.http.server import GatewayServer
 from gateway.runtime.serve import fail, port_in_use, port_taken, port_taken_message
@@ -33,16 +42,24 @@ keys: sk-alice, sk-bob (interactive), sk-app (default, end users via "user"), sk
 dashboard: {url}/dashboard?key={admin}  (admin key {admin})
 try it from another terminal: make try{port_arg}  (one chat request with the openai SDK)
 metrics: {url}/metrics   ready: {url}/ready   stop: Ctrl-C
+logs: {level} and above (FAIRGATE_LOG_LEVEL=info: a line per request step)
 """
 
 
 PORT_CHANGE = "pick another with --port (make run PORT=...)"
+DEMO_LOG_LEVEL = "warning"
+
+
+def log_level() -> str:
+    """The demo's log level: ``FAIRGATE_LOG_LEVEL`` when set, else warnings only."""
+    return os.environ.get("FAIRGATE_LOG_LEVEL") or DEMO_LOG_LEVEL
 
 
 def banner(url: str, port: int, sims: list[SimServer]) -> str:
     return BANNER.format(url=url, model=DEMO_MODEL, admin=DEMO_ADMIN_KEY,
                          backends=", ".join(s.url for s in sims),
-                         port_arg="" if port == 8000 else f" PORT={port}")
+                         port_arg="" if port == 8000 else f" PORT={port}",
+                         level=log_level())
 
 
 async def run_demo(host: str, port: int, workers: int = 1) -> int:
@@ -52,6 +69,7 @@ async def run_demo(host: str, port: int, workers: int = 1) -> int:
     simulated backends, which stay in this process."""
     if port_taken(host, port):
         return fail(port_taken_message(host, port, PORT_CHANGE))
+    configure_logging(log_level())
     sims = [SimServer(EngineConfig(model=DEMO_MODEL, scheduling_policy="priority"))
             for _ in range(2)]
     gateway: GatewayServer | None = None
@@ -64,6 +82,9 @@ async def run_demo(host: str, port: int, workers: int = 1) -> int:
                          for i, s in enumerate(sims)],
             "api_keys": DEMO_KEYS,
             "admin_keys": [DEMO_ADMIN_KEY],
+            "log_level": log_level(),
+            # the demo's store is new at each start: so may the pepper of its keys be
+            "key_pepper": os.environ.get("FAIRGATE_KEY_PEPPER") or secrets.token_hex(32),
         }
         if workers > 1:
             with tempfile.TemporaryDirectory(prefix="fairgate-demo-") as tmp:

@@ -252,9 +252,9 @@ async def key_usage(svc: Services, key: ApiKey) -> dict[str, object]:
             "tenant": key.tenant_name, "limits": await svc.quotas.view(key)}
 
 
-def _model(model: str, parent: str | None = None, root: str | None = None
+def _model(model: str, created: int, parent: str | None = None, root: str | None = None
            ) -> dict[str, object]:
-    card: dict[str, object] = {"id": model, "object": "model", "created": 0,
+    card: dict[str, object] = {"id": model, "object": "model", "created": created,
                                "owned_by": "fairgate"}
     if parent is not None:  # a LoRA adapter, shown as vLLM shows it
         card.update(root=root, parent=parent)
@@ -262,9 +262,11 @@ def _model(model: str, parent: str | None = None, root: str | None = None
 
 
 def _cards(svc: Services) -> list[dict[str, object]]:
-    """The models served, then the LoRA adapters on them."""
-    return ([_model(m) for m in svc.settings.models()]
-            + [_model(a.name, a.base_model, a.path)
+    """The models served, then the LoRA adapters on them (``created``: when this gateway
+    started, as vLLM's cards carry a time)."""
+    created = svc.started_at
+    return ([_model(m, created) for m in svc.settings.models()]
+            + [_model(a.name, created, a.base_model, a.path)
                for a in adapters.listing(svc.settings, svc.pool.discovered())])
 
 
@@ -279,7 +281,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
     await svc.keys.identify(request.headers.get("Authorization"))
     model = request.match_info["model"]
     _known_model(svc, model)
-    return web.json_response(next((c for c in _cards(svc) if c["id"] == model), _model(model)))
+    return web.json_response(next((c for c in _cards(svc) if c["id"] == model),
+                                  _model(model, svc.started_at)))
 
 
 async def openapi(request: web.Request) -> web.Response:

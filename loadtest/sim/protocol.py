@@ -35,16 +35,21 @@ Token counts (no tokenizer; deterministic and documented):
   with a word token continues that answer: the next words, stopping where the
   uninterrupted answer would have stopped (or at ``max_tokens``). This is what makes a
   continuation exact (``return_token_ids`` returns the prompt's and the generated ids).
+- ``stop`` strings and ``stop_token_ids`` end an answer earlier, as vLLM ends it
+  (``loadtest/sim/stops.py``): the choice's token count is cut at the stopping token.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from loadtest.sim import tokenizer
+from loadtest.sim.stops import NO_STOPS, StopHit, Stops, find_stop
 
 PRIORITY_HEADER = "X-Vllm-Priority"
 CHARS_PER_TOKEN = 4
@@ -129,6 +134,24 @@ class SimRequest:
     naturals: tuple[int, ...] = ()  # per choice: where the answer stops by itself
     start: int = 0  # position of the first generated token (a continued answer's)
     return_token_ids: bool = False
+    stops: Stops = NO_STOPS
+    hits: tuple[StopHit | None, ...] = ()  # per choice: where a stop ended it (None: none)
+
+    def hit(self, choice: int) -> StopHit | None:
+        """Where ``stop``/``stop_token_ids`` ended ``choice`` (None: they did not)."""
+        return self.hits[choice] if self.hits else None
+
+    def finish(self, choice: int, reason: str) -> tuple[str, str | int | None]:
+        """``finish_reason`` and ``stop_reason`` of a finished ``choice`` whose engine
+        reason was ``reason`` (a stop string or token id wins over the length cap)."""
+        hit = self.hit(choice)
+        return (reason, None) if hit is None else ("stop", hit.reason)
+
+    def answer(self, count: int, choice: int = 0) -> str:
+        """The text of ``choice`` after ``count`` tokens, cut where a stop ended it."""
+        text = self.text(count, choice)
+        hit = self.hit(choice)
+        return text if hit is None or count < hit.tokens else text[: hit.chars]
 
     def prompt_ids(self) -> tuple[int, ...]:
         """The prompt's token ids (derived on demand: only the prefix cache needs them)."""
@@ -404,7 +427,7 @@ def parse_request(
         outputs = tuple(min(max(1, natural - start), max_tokens) for natural in naturals)
     include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
     continuous = include_usage and bool(options and options.get("continuous_usage_stats"))
-    return SimRequest(
+    req = SimRequest(
         chat=chat,
         prompt_key=key,
         prompt_tokens=prompt_tokens,
@@ -420,7 +443,44 @@ def parse_request(
         naturals=naturals,
         start=start,
         return_token_ids=bool(body.get("return_token_ids")),
+        stops=parse_stops(body),
     )
+    return _stopped(req) if req.stops else req
+
+
+def _stopped(req: SimRequest) -> SimRequest:
+    """``req`` with each choice cut where its stop strings or stop token ids end it."""
+    hits = tuple(
+        find_stop(req.stops, count, functools.partial(req.word, choice=i),
+                  functools.partial(req.token_id, choice=i))
+        for i, count in enumerate(req.output_tokens)
+    )  # fmt: skip
+    outputs = tuple(
+        c if h is None else h.tokens for c, h in zip(req.output_tokens, hits, strict=True)
+    )
+    return dataclasses.replace(req, output_tokens=outputs, hits=hits)
+
+
+def parse_stops(body: dict[str, Any]) -> Stops:
+    """``stop``, ``stop_token_ids`` and ``include_stop_str_in_output`` of a request body
+    (``loadtest/sim/stops.py``), checked as vLLM checks them."""
+    stop = body.get("stop")
+    if stop is None:
+        strings: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        strings = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        strings = tuple(stop)
+    else:
+        raise body_error("stop", "list_type", "Input should be a valid list", stop)
+    if any(not s for s in strings):
+        raise SimError(400, "stop cannot contain an empty string.")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise body_error("stop_token_ids", "list_type", "Input should be a valid list", ids)
+    return Stops(strings, frozenset(ids), bool(body.get("include_stop_str_in_output")))
 
 
 def _continued(prompt: Prompt) -> tuple[int, int, int] | None:

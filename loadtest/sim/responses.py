@@ -10,6 +10,8 @@ Field sets and their order follow vLLM (``chat_completion/serving.py`` and
 - each token frame carries its choice's delta; a choice's last token frame also carries
   ``finish_reason`` and ``stop_reason`` (there is no separate finish frame), plus
   ``system_fingerprint`` when no usage frame follows;
+- with ``stop`` strings a token frame carries only the text that cannot start one (it
+  may be empty), the last frame the rest, cut before the stop (``loadtest/sim/stops.py``);
 - ``stream_options.include_usage`` adds a final ``choices: []`` frame with the usage;
   ``continuous_usage_stats`` adds the running usage to every frame;
 - the stream ends with ``data: [DONE]``, except when the request was aborted;
@@ -30,6 +32,7 @@ from typing import Any
 
 from loadtest.sim.protocol import SimRequest
 from loadtest.sim.records import Token
+from loadtest.sim.stops import HeldText
 
 DONE_FRAME = b"data: [DONE]\n\n"
 VLLM_VERSION = "0.32.0"
@@ -76,13 +79,14 @@ def full_body(
     fingerprint = system_fingerprint(model)
     ids = req.return_token_ids
     prompt_ids = list(req.prompt_ids()) if ids else None
+    finishes = [req.finish(i, reason) for i, reason in enumerate(finish_reasons)]
     if req.chat:
         choices: list[dict[str, Any]] = [
             {
                 "index": i,
                 "message": {
                     "role": "assistant",
-                    "content": req.text(count, i),
+                    "content": req.answer(count, i),
                     "refusal": None,
                     "annotations": None,
                     "audio": None,
@@ -91,11 +95,11 @@ def full_body(
                 },
                 "logprobs": None,
                 "finish_reason": reason,
-                "stop_reason": None,
+                "stop_reason": stop_reason,
                 "token_ids": req.token_ids(count, i) if ids else None,
                 "routed_experts": None,
             }
-            for i, (count, reason) in enumerate(zip(counts, finish_reasons, strict=True))
+            for i, (count, (reason, stop_reason)) in enumerate(zip(counts, finishes, strict=True))
         ]
         return {
             **head,
@@ -116,16 +120,16 @@ def full_body(
     choices = [
         {
             "index": i,
-            "text": req.text(count, i),
+            "text": req.answer(count, i),
             "logprobs": None,
             "finish_reason": reason,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
             "token_ids": req.token_ids(count, i) if ids else None,
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_ids,
             "routed_experts": None,
         }
-        for i, (count, reason) in enumerate(zip(counts, finish_reasons, strict=True))
+        for i, (count, (reason, stop_reason)) in enumerate(zip(counts, finishes, strict=True))
     ]
     return {
         **head,
@@ -153,6 +157,8 @@ class StreamFramer:
         self.fingerprint = system_fingerprint(model)
         self.object = "chat.completion.chunk" if req.chat else "text_completion"
         self.counts = [0] * req.n
+        buffer = req.stops.buffer_chars
+        self._held = [HeldText(buffer, req.hit(i)) for i in range(req.n)] if req.stops else None
         head = json.dumps(
             {"id": request_id, "object": self.object, "created": self.created, "model": model},
             separators=(",", ":"),
@@ -215,6 +221,8 @@ class StreamFramer:
         choice = token.choice
         self.counts[choice] += 1
         text = self.req.word(token.index, choice)
+        if self._held is not None:  # stop strings: hold back what may start one
+            text = self._held[choice].delta(text, last=token.finish_reason is not None)
         ids = self.req.return_token_ids
         if token.finish_reason is None and not self.req.continuous_usage and not ids:
             return self._prefixes[choice] + text.encode() + self._suffix
@@ -223,9 +231,12 @@ class StreamFramer:
             data = {"index": choice, "delta": {"content": text}, "logprobs": None}
         else:
             data = {"index": choice, "text": text, "logprobs": None}
-        data["finish_reason"] = token.finish_reason
-        if token.finish_reason is not None or not self.req.chat:
-            data["stop_reason"] = None
+        finish_reason, stop_reason = token.finish_reason, None
+        if finish_reason is not None:
+            finish_reason, stop_reason = self.req.finish(choice, finish_reason)
+        data["finish_reason"] = finish_reason
+        if finish_reason is not None or not self.req.chat:
+            data["stop_reason"] = stop_reason
         if not self.req.chat:  # the prompt's ids with each choice's first token
             data["prompt_token_ids"] = self._prompt_ids() if token.index == 0 else None
         data["token_ids"] = [self.req.token_id(token.index, choice)] if ids else None

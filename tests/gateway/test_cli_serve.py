@@ -19,6 +19,7 @@ import yaml
 from gateway.core.settings import load_settings
 from gateway.runtime import cli
 from gateway.storage.embedded_redis import free_port
+from loadtest.demo import BANNER
 from tests.gateway.conftest import KEYS, MODEL, SimFactory, complete
 
 # a process start and stop, bounded: a hang fails, a loaded runner is slow
@@ -217,6 +218,39 @@ async def test_demo_banner_names_the_dashboard_and_the_admin_key(tmp_path: Path)
     assert f"dashboard: {url}/dashboard?key=sk-admin" in banner[2]
     assert "admin key sk-admin" in banner[2]
     assert f"make try PORT={port}" in banner[3]
+
+
+@pytest.mark.timeout(300)
+async def test_demo_opens_with_its_banner_and_stays_quiet_per_request(tmp_path: Path) -> None:
+    """What `make run` shows: the banner first (no log lines before it, no key_pepper
+    warning), then at most one line for a request, shutdown included."""
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        FAIRGATE, "demo", "--port", str(port), "--workers", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=tmp_path,
+        env=_env())
+    assert proc.stdout is not None
+    url = f"http://127.0.0.1:{port}"
+    head: list[str] = []
+    try:
+        while not head or "stop: Ctrl-C" not in head[-1]:  # the banner's 5th line
+            line = await asyncio.wait_for(proc.stdout.readline(), START_S)
+            assert line, f"the demo ended before its banner: {head}"
+            head.append(line.decode())
+        assert head[0].startswith(f"fairgate demo is up: {url}/v1"), f"first lines: {head}"
+        head.append((await asyncio.wait_for(proc.stdout.readline(), START_S)).decode())
+        assert head[-1].startswith("logs: warning and above"), f"first lines: {head}"
+        async with aiohttp.ClientSession() as http:
+            answer = await complete(http, url, "sk-alice", 5)
+        assert answer["usage"]["completion_tokens"] == 5, answer
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = await asyncio.wait_for(proc.communicate(), START_S)
+    assert proc.returncode == 0, rest
+    assert len(head) == len(BANNER.splitlines()), f"first lines: {head}"
+    after = rest.decode().splitlines()
+    assert len(after) <= 1, f"{len(after)} lines after the banner for one request: {after}"
+    assert "key_pepper" not in "".join(head) + rest.decode(), f"{head} {after}"
 
 
 async def test_a_bind_lost_after_the_check_stops_what_started(

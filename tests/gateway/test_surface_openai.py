@@ -5,6 +5,7 @@ and chat), vLLM's ``/tokenize`` and ``/detokenize`` (authenticated, not queued).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import openai
@@ -311,13 +312,17 @@ async def test_openapi_json_describes_the_surface(sim: SimFactory,
 
 async def test_models_retrieve_through_the_sdk(sim: SimFactory,
                                                gateway: GatewayFactory) -> None:
+    before = int(time.time())
     gw = await gateway([await sim(profile="instant")])
+    after = int(time.time())
     client = sdk(gw)
     try:
         model = await client.models.retrieve(MODEL)
         assert (model.id, model.object) == (MODEL, "model"), model
-        listed = [m.id async for m in client.models.list()]
-        assert listed == [MODEL], listed
+        assert before <= model.created <= after, (
+            f"created {model.created}: not the gateway's start in [{before}, {after}]")
+        listed = [(m.id, m.created) async for m in client.models.list()]
+        assert listed == [(MODEL, model.created)], listed
         with pytest.raises(openai.NotFoundError) as caught:
             await client.models.retrieve("no-such/model")
         assert caught.value.code == "model_not_found", caught.value.body

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import aiohttp
 from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -209,6 +211,22 @@ def see_the_flood_served(driver: webdriver.Chrome) -> None:
                                    for c in CHARTS))
     assert float(text_of(driver, '[data-chart="ttft"] [data-series="p50"]').split()[1]) > 0
     assert "live" in text_of(driver, "#status")
+    # idle again, the batch class may fill the one free slot it gets: said in the singular
+    batch = '[data-backend="b0"] [data-pacing="batch"]'
+    try:
+        wait_for(driver, lambda d: text_of(d, batch).endswith("+ 1 free slot"))
+    except TimeoutException:
+        raise AssertionError(f"batch pacing reads {text_of(driver, batch)!r}") from None
+    pacing = [text_of(driver, f'[data-backend="b0"] [data-pacing="{c}"]')
+              for c in ("interactive", "default", "batch")]
+    for line in pacing:
+        count = re.search(r"\+ (\d+) free slots?$", line)
+        assert count and line.endswith("slot" if count[1] == "1" else "slots"), (
+            f"pacing cell {pacing}")
+    # the four charts in one row (the window is 1400 px wide): an even grid
+    tops = driver.execute_script(
+        "return [...document.querySelectorAll('.chart')].map(c => c.offsetTop)")
+    assert len(tops) == len(CHARTS) and len(set(tops)) == 1, f"chart rows at {tops}"
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
     assert driver.save_screenshot(str(shot))

@@ -100,12 +100,19 @@ const GATE_REASONS = {
   prefill_tokens: "the prompt tokens sent and not yet prefilled fill this class's budget",
 };
 
+function plural(n, noun) {
+  // "1 free slot", "3 free slots"
+  return `${n} ${noun}${n === 1 ? "" : "s"}`;
+}
+
 function pacingCell(pacing) {
   // adaptive pacing: how many of each class may wait at the backend, why it last moved,
   // and the free batch slots the latest snapshot's burst may fill too (they do not wait)
-  return CLASSES.map((c) => el("div", { "data-pacing": c },
-    `${c}: ${fmt(pacing[c].allowance, 1)} (${pacing[c].reason})` +
-    (pacing[c].free_slots ? ` + ${pacing[c].free_slots} free slots` : "")));
+  // (the reason on hover: the cell keeps one line per class)
+  return CLASSES.map((c) => el("div", { "data-pacing": c, "data-reason": pacing[c].reason,
+                                        title: `last moved: ${pacing[c].reason}` },
+    `${c}: ${fmt(pacing[c].allowance, 1)}` +
+    (pacing[c].free_slots ? ` + ${plural(pacing[c].free_slots, "free slot")}` : "")));
 }
 
 function waitingCell(s) {
@@ -231,7 +238,7 @@ function backendsPanel(backends) {
            ["in flight", "dispatched by fairgate and not finished (every replica)"],
            ["dispatch/s", "this replica's dispatches, last 10 s"],
            ["gates", "may fairgate dispatch each class here now? hover a badge for why not"],
-           ["pacing allowance", "how many of each class may wait at vLLM (adaptive pacing), and why it last moved"],
+           ["pacing allowance", "how many of each class may wait at vLLM (adaptive pacing); hover a line for why it last moved"],
            ["prefix cache", "vLLM's hit rate, the prefix index's prediction, dispatches by reason"],
            ["prompts, pending prefill", "the prompt lengths it takes; prompt tokens not yet prefilled"],
            ["LoRA adapters", "resident adapters (* with live requests) and vLLM's adapter slots"],
