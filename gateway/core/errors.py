@@ -35,6 +35,8 @@
     │   │                              as the request reached it), twice
     │   └── TooManyConnections (503)   the gateway's client connection cap is reached
     ├── UpstreamError (502)            backend broken or failed mid-answer
+    │   ├── UpstreamTimeout (502)      a whole answer cut by upstream_timeout_s or
+    │   │                              max_request_s (charged its reservation)
     │   ├── BackendUnreachable (502)   no connection: nothing reached the backend
     │   └── AdapterLoadFailed (502)    the backend refused (or failed) to load the
     │                                  runtime LoRA adapter the request names
@@ -211,6 +213,8 @@ class UpstreamTimeout(UpstreamError):
     """No status line within ``upstream_timeout_s`` of silence (or ``max_request_s``): a
     whole (non-streamed) answer, which vLLM sends at once when it is done, was cut while
     its backend may have been generating all along."""
+
+    code = "upstream_timeout"
 
 
 class BackendUnreachable(UpstreamError):
