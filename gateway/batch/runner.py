@@ -403,7 +403,13 @@ class BatchRunner(ReadsSettings):
                  "revoked": ("cancelled", "cancelled_at",
                              ("cancelling", "in_progress", "validating")),
                  "expired": ("expired", "expired_at", ("in_progress", "validating"))}[outcome]
-        await self.batches.transition(batch_id, final[2], final[0], final[1])
+        if (not await self.batches.transition(batch_id, final[2], final[0], final[1])
+                and outcome == "completed"
+                and await self.batches.transition(batch_id, ("cancelling",), "cancelled",
+                                                  "cancelled_at")):
+            # a cancel came after its last line's result, while it finalized: every line
+            # has its result, the cancel is honoured (left "cancelling", it never ended)
+            final = ("cancelled", "cancelled_at", ("cancelling",))
         await self.batches.retire(batch_id)
         log.info("batch_finished", batch_id=batch_id, status=final[0], completed=len(ok),
                  failed=len(failed))

@@ -269,3 +269,30 @@ async def test_a_line_no_pool_takes_fails_alone_with_its_code(sim: SimFactory,
     assert error["error"]["code"] == "context_length_exceeded"
     assert "0–500" in error["error"]["message"]
     assert len(backend.engine.records) == 3  # the long one never reached the backend
+
+
+async def test_a_cancel_while_the_last_lines_finalize_ends_the_batch(gw: GatewayServer) -> None:
+    """A cancel that lands after the last line's result, as the runner finalizes (in a
+    clean-clone run it came between the runner's in_progress → finalizing and finalizing →
+    completed), still ends the batch: cancelled, with every line's result; before, it stayed
+    ``cancelling`` for ever. The cancel is the real route's, sent at that moment."""
+    c = client(gw)
+    records = gw.services.batch_runner.batches
+    real = records.transition
+    cancelled_at_finalizing: list[str] = []
+
+    async def cancel_first(batch_id: str, allowed: tuple[str, ...], status: str,
+                           stamp: str | None = None) -> bool:
+        if status == "finalizing" and not cancelled_at_finalizing:
+            cancelled_at_finalizing.append((await c.batches.cancel(batch_id)).status)
+        return await real(batch_id, allowed, status, stamp)
+
+    records.transition = cancel_first  # type: ignore[method-assign]
+    f = await c.files.create(file=("in.jsonl", jsonl(3)), purpose="batch")
+    batch = await c.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    done = await wait_status(c, batch.id, {"completed", "cancelled"}, limit_s=30)
+    assert cancelled_at_finalizing == ["cancelling"], cancelled_at_finalizing
+    assert done.status == "cancelled" and done.cancelled_at, done
+    assert done.request_counts is not None and done.request_counts.completed == 3, done
+    assert done.output_file_id, done
+    await c.close()
