@@ -290,7 +290,10 @@ class BackendList(ReadsSettings):
         for model, names in by_model.items():
             states = await self.store.backend_states(model, names)
             for name in names:
-                entry, raw = self.runtime[name]
+                found = self.runtime.get(name)
+                if found is None:  # another refresh (the loop's, a remover's) read the
+                    continue  # list meanwhile and finished or dropped this removal
+                entry, raw = found
                 overdue = now > (entry.migrate_at or now) + self.settings.max_request_s
                 if states[name].inflight > 0 and not overdue:
                     continue
