@@ -64,7 +64,7 @@ SHUTDOWN_WAIT_S = 5.0
 
 @dataclass(slots=True)
 class Services:
-    # the settings in force; a reload swaps them (gateway/http/admin/reload.py)
+    # the settings in force; a reload swaps them (gateway/reload.py)
     config: SettingsHolder
     keys: KeyRing  # rebuilt by a reload
     policy: FairnessPolicy
@@ -96,13 +96,13 @@ class Services:
 def request_ttl_s(settings: Settings) -> float:
     """How long a request's hash outlives its longest possible queue wait and answer."""
     longest_wait = max(c.max_queue_wait_s for c in settings.classes.values())
-    return longest_wait + settings.upstream_timeout_s + 60
+    return longest_wait + settings.upstream.upstream_timeout_s + 60
 
 
 def fairness_policy(settings: Settings) -> FairnessPolicy:
-    return policy_for(settings.fairness,
-                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight,
-                                settings.vtc_kv_weight))
+    fairness = settings.fairness
+    return policy_for(fairness.policy, TokenCost(
+        fairness.vtc_input_weight, fairness.vtc_output_weight, fairness.vtc_kv_weight))
 
 
 def store_client(settings: Settings, metrics: GatewayMetrics,
@@ -110,17 +110,17 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
     """The client of the configured store (an embedded Valkey when none is) and where it
     is, for the logs."""
     options: dict[str, Any] = {"socket_connect_timeout": 2, "health_check_interval": 10,
-                               "socket_timeout": settings.redis_socket_timeout_s}
-    if settings.redis_sentinel is not None:
-        sentinel = settings.redis_sentinel
+                               "socket_timeout": settings.store.redis_socket_timeout_s}
+    if settings.store.redis_sentinel is not None:
+        sentinel = settings.store.redis_sentinel
         where = f"sentinel:{sentinel.master_name}@{','.join(sentinel.nodes)}"
         return connect_sentinel(sentinel, metrics.redis, **options), where
-    if settings.redis_cluster is not None:
-        cluster = settings.redis_cluster
+    if settings.store.redis_cluster is not None:
+        cluster = settings.store.redis_cluster
         return (connect_cluster(cluster, metrics.redis, socket_connect_timeout=2,
-                                socket_timeout=settings.redis_socket_timeout_s),
+                                socket_timeout=settings.store.redis_socket_timeout_s),
                 "cluster:" + ",".join(cluster.nodes))
-    redis_url = settings.redis_url
+    redis_url = settings.store.redis_url
     if redis_url is None:
         embedded = EmbeddedRedis(data_dir=None).start()
         stack.callback(embedded.stop)
@@ -139,10 +139,10 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
         # that moment fails a request, so ours expire first
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=settings.upstream_keepalive_s))
+            limit=0, keepalive_timeout=settings.upstream.upstream_keepalive_s))
         stack.push_async_callback(session.close)
 
-        replica_id = settings.replica_id or uuid.uuid4().hex[:12]
+        replica_id = settings.replicas.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
         store = Store(client, request_ttl_s(settings), settings.fleet_models())
@@ -151,15 +151,16 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake_freed  # gates may have opened
         quotas = Quotas(client, config)
-        usage = UsageLedger(client, settings.usage_retention_days,
+        usage = UsageLedger(client, settings.access.usage_retention_days,
                             lambda: config.current.models())
-        running = RunningStreams(lambda: config.current.max_moves)
+        running = RunningStreams(lambda: config.current.upstream.max_moves)
         dispatcher.preemptor.streams = running  # preemption orders move this process's
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage, running)
-        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s,
-                            settings.stream_idle_timeout_s)
-        files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
+        upstream = Upstream(session, settings.upstream.upstream_timeout_s,
+                            settings.upstream.max_request_s,
+                            lambda: config.current.upstream.stream_idle_timeout_s)
+        files = FileStore(client, settings.store.data_dir / "files", settings.batch.max_file_bytes)
         batches = BatchStore(client)
         runner = BatchRunner(config, admission, upstream, files, batches, metrics,
                              replica_id)
@@ -176,7 +177,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
-            SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
+            SessionStore(client, settings.access.session_ttl_s), replica_id, redis_url,
             pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
         runner.account_of = lambda key_id: services.keys.find(key_id)

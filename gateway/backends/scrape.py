@@ -198,12 +198,15 @@ class BackendPool(ReadsSettings):
 
     def _derive(self, settings: Settings) -> None:
         """The classes' gate policies and pacing targets, and each backend's prefill
-        limits, of these settings (a lowered ``max_waiting`` caps the pacing at once)."""
+        limits and pacing windows, of these settings (a lowered ``max_waiting`` caps the
+        pacing at once; a new ``tpot_window_s`` spans the samples already kept)."""
         self.gate_policies = {c: settings.classes[c].gate() for c in CLASS_ORDER}
         self.pacing_targets = ({c: settings.classes[c].pacing_targets() for c in CLASS_ORDER}
-                               if settings.pacing == "adaptive" else None)
+                               if settings.pacing.mode == "adaptive" else None)
         for handle in self.handles.values():
             handle.fit = self._fit(settings, handle.config)
+            for window in (handle.tpot, handle.ttft, handle.prefix_hits):
+                window.window_s = settings.pacing.tpot_window_s
             handle.pacing = {c: dataclasses.replace(
                 p, allowance=min(p.allowance, float(self.gate_policies[c].max_waiting)))
                 for c, p in handle.pacing.items()}
@@ -213,10 +216,10 @@ class BackendPool(ReadsSettings):
         return BackendFit(config.prompt_range(), {
             c: class_limit(settings.classes[c].max_waiting_prefill_tokens,
                            config.max_num_batched_tokens) for c in CLASS_ORDER},
-            settings.prefill_backfill_s)
+            settings.pacing.prefill_backfill_s)
 
     def _handle(self, config: Backend) -> BackendHandle:
-        window_s = self.settings.tpot_window_s
+        window_s = self.settings.pacing.tpot_window_s
         pacing = {c: Pacing(float(p.max_waiting)) for c, p in self.gate_policies.items()}
         return BackendHandle(config, HistogramWindow(window_s),
                              HistogramWindow(window_s, TTFT_HISTOGRAMS), pacing,
@@ -263,7 +266,7 @@ class BackendPool(ReadsSettings):
         the backend's /v1/models shows it: until its listing agrees, for three
         ``adapter_refresh_s`` at most. The backend's listing is read again at its next
         scrape (when this process scrapes it)."""
-        until = time.monotonic() + 3 * self.settings.adapter_refresh_s + 5.0
+        until = time.monotonic() + 3 * self.settings.lora.adapter_refresh_s + 5.0
         self._noted.setdefault(backend, {})[adapter] = (loaded, until)
         handle = self.handles.get(backend)
         if handle is not None:
@@ -319,13 +322,13 @@ class BackendPool(ReadsSettings):
 
     @property
     def lease_s(self) -> float:
-        return max(3 * self.settings.scrape_interval_s, LEASE_FLOOR_S)
+        return max(3 * self.settings.fleet.scrape_interval_s, LEASE_FLOOR_S)
 
     @property
     def idle_interval_s(self) -> float:
         """The scrape interval of an idle backend: never more than half the staleness
         bound (its snapshot must not close its gates between two scrapes)."""
-        s = self.settings
+        s = self.settings.fleet
         return max(s.scrape_interval_s, min(s.idle_scrape_interval_s, s.snapshot_stale_s / 2))
 
     async def run(self) -> None:
@@ -347,13 +350,13 @@ class BackendPool(ReadsSettings):
     async def _lease_loop(self) -> None:
         while True:
             await self.tick()
-            await asyncio.sleep(self.settings.scrape_interval_s)
+            await asyncio.sleep(self.settings.fleet.scrape_interval_s)
 
     async def tick(self) -> None:
         """Renew or take this process's scrape leases, give up those it stopped serving,
         and take in what the backends' scrapers published since the last tick."""
         now = time.monotonic()
-        yield_s = self.settings.snapshot_stale_s + self.settings.scrape_timeout_s
+        yield_s = self.settings.fleet.snapshot_stale_s + self.settings.fleet.scrape_timeout_s
         handles = dict(self.handles)  # a reload may change them while Redis answers
         epochs = {name: h.drain_epoch for name, h in handles.items()}
         wanted: dict[str, list[LeaseWish]] = {}
@@ -397,7 +400,7 @@ class BackendPool(ReadsSettings):
         """Scraping ``model``'s backends for this process only: the store is unreachable
         for it and ``store_outage: local`` serves on (no lease, no published snapshot
         meanwhile)."""
-        return model in self._down and self.settings.store_outage == "local"
+        return model in self._down and self.settings.store.store_outage == "local"
 
     async def _give_up_leases(self) -> None:
         """On the way out: the leases this process holds go to the next tick of another."""
@@ -535,7 +538,7 @@ class BackendPool(ReadsSettings):
             if handle.held or self._alone(handle.config.model):
                 started = time.monotonic()
                 await self.scrape_once(handle)
-                interval = (self.settings.scrape_interval_s if handle.busy
+                interval = (self.settings.fleet.scrape_interval_s if handle.busy
                             else self.idle_interval_s)
                 delay = max(0.0, started + interval - time.monotonic())
             await event_set(handle.wake, delay)
@@ -544,7 +547,7 @@ class BackendPool(ReadsSettings):
     async def scrape_once(self, handle: BackendHandle) -> None:
         started = time.time()
         try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.settings.fleet.scrape_timeout_s)
             async with self.session.get(handle.config.url + "/metrics", timeout=timeout) as resp:
                 resp.raise_for_status()
                 raw = parse_metrics(await resp.text())
@@ -573,7 +576,8 @@ class BackendPool(ReadsSettings):
         peak = max(0 if recovering else handle.peak_running, snap.running)
         if not handle.model_card_read or (
                 raw.lora is not None
-                and time.monotonic() - handle.cards_read_at >= self.settings.adapter_refresh_s):
+                and time.monotonic() - handle.cards_read_at
+                >= self.settings.lora.adapter_refresh_s):
             await self._read_model_card(handle)
         gates, pacing = self._assess(pacing, snap, ttft, peak)
         shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
@@ -585,7 +589,7 @@ class BackendPool(ReadsSettings):
                                                      shared.encode())
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
-            if self.settings.store_outage != "local":
+            if self.settings.store.store_outage != "local":
                 return
             # degraded mode: this process paces by its own scrape alone
             stored = Stored(True, handle.drained, 0, handle.seen)
@@ -648,7 +652,7 @@ class BackendPool(ReadsSettings):
         backend shows vLLM's LoRA gauge)."""
         handle.cards_read_at = time.monotonic()
         try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.settings.fleet.scrape_timeout_s)
             async with self.session.get(handle.config.url + "/v1/models",
                                         timeout=timeout) as resp:
                 if resp.status != 200:
@@ -679,7 +683,7 @@ class BackendPool(ReadsSettings):
         # opens them again
         handle.gates = dict.fromkeys(CLASS_ORDER, Gate(0, "stale"))
         handle.failures = failures
-        if handle.healthy and handle.failures >= self.settings.unhealthy_after_failures:
+        if handle.healthy and handle.failures >= self.settings.fleet.unhealthy_after_failures:
             handle.healthy = False
             log.warning("backend_unhealthy", backend=handle.name, error=error)
         self.metrics.backend_healthy.labels(handle.name).set(1 if handle.healthy else 0)
@@ -702,6 +706,6 @@ class BackendPool(ReadsSettings):
         lora = handle.lora
         m.record_adapters(name, self.adapters_on(handle), lora.active if lora else (),
                           lora.max_lora if lora else None)
-        gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)
+        gates = handle.gates_at(snap.taken_at_s, self.settings.fleet.snapshot_stale_s)
         shown = handle.shown_gates(gates, handle.pending_prefill_tokens)
         m.record_gates(name, {c: g.reason for c, g in shown.items()}, snap.taken_at_s)

@@ -50,17 +50,17 @@ def _serve(args: argparse.Namespace) -> int:
     if port_taken(settings.listen.host, settings.listen.port):
         return fail(port_taken_message(settings.listen.host, settings.listen.port,
                                        SERVE_PORT_CHANGE))
-    workers = args.workers or settings.workers
+    workers = args.workers or settings.listen.workers
     if workers is None:
         from gateway.runtime.workers import default_workers
 
         workers = default_workers()
-    configure_logging(settings.log_level, settings.log_sample_above_per_s)
+    configure_logging(settings.operations.log_level, settings.operations.log_sample_above_per_s)
     if workers > 1:
         from gateway.runtime.workers import serve_workers
 
         return serve_workers(settings, args.config, workers)
-    return event_loop.run(run_gateway(settings), settings.event_loop)
+    return event_loop.run(run_gateway(settings), settings.listen.event_loop)
 
 
 def _positive(text: str) -> int:

@@ -173,16 +173,17 @@ class Dispatcher(ReadsSettings):
 
     def _derive(self, settings: Settings) -> None:
         """The starvation floors and the locality rule of these settings."""
-        self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
-                                  settings.starvation_window)
-        self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
-                                  settings.prefix_index_size, settings.prefix_index_ttl_s,
-                                  settings.locality_max_imbalance)
-                         if settings.routing != "least_loaded" else None)
+        fairness, routing = settings.fairness, settings.routing
+        self.floors = FloorPolicy(fairness.class_floors, fairness.starvation_after_s,
+                                  fairness.starvation_window)
+        self.locality = (Locality(routing.locality_slack, routing.locality_candidates,
+                                  routing.prefix_index_size, routing.prefix_index_ttl_s,
+                                  routing.locality_max_imbalance)
+                         if routing.mode != "least_loaded" else None)
 
     @property
     def replica_ttl_s(self) -> float:
-        return self.settings.replica_ttl_s
+        return self.settings.replicas.replica_ttl_s
 
     def wake(self) -> None:
         """There may be queued work (an enqueue, a new snapshot, a timer)."""
@@ -227,7 +228,8 @@ class Dispatcher(ReadsSettings):
         if position < 0:
             self.waiters.pop(req.request_id, None)
             raise RateLimited(
-                f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
+                f"user {req.user!r} already has "
+                f"{self.settings.limits.max_queued_per_user} requests "
                 "queued for this model")  # Retry-After: the wait estimator's (admission)
         try:
             return await self._await_grant(model, req, future, timeout_s)
@@ -322,7 +324,7 @@ class Dispatcher(ReadsSettings):
             then = self._dispatch_args(model, plan, target) if plan and target else None
             with self._decision(model, target):
                 positions, done = await self.store.enqueue_many(
-                    model, [r for r, _ in batch], self.settings.max_queued_per_user, then,
+                    model, [r for r, _ in batch], self.settings.limits.max_queued_per_user, then,
                     starts)
         except (Exception, asyncio.CancelledError) as exc:
             self._hold(model, starts)
@@ -378,7 +380,7 @@ class Dispatcher(ReadsSettings):
 
     @property
     def _serves_locally(self) -> bool:
-        return self.settings.store_outage == "local"
+        return self.settings.store.store_outage == "local"
 
     def store_lost(self, error: StoreUnavailable) -> None:
         """Redis is unreachable: every queued client of this replica gets a 503 now
@@ -407,7 +409,7 @@ class Dispatcher(ReadsSettings):
 
     def _dispatch_locally(self) -> None:
         """Grant what this replica queues itself while the store is unreachable."""
-        for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
+        for model, grant in self.local.dispatch(time.time(), self.settings.fleet.snapshot_stale_s):
             self.waiters.pop(grant.request_id, None)  # a grant from the store comes too late
             self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
 
@@ -437,7 +439,7 @@ class Dispatcher(ReadsSettings):
         shard that answers: its clients stay queued, to be dispatched there as before."""
         await event_set(self._store_back, wait_s)
         if self._store_down and outage == self._outages:
-            spared = frozenset() if self.settings.redis_cluster is None else frozenset(
+            spared = frozenset() if self.settings.store.redis_cluster is None else frozenset(
                 w.model for w in self.waiters.values()) - self._unheard
             log.warning("store_failover_wait_over", waiting=len(self.waiters), wait_s=wait_s,
                         models_reachable=sorted(spared), models_unheard=sorted(self._unheard))
@@ -459,7 +461,7 @@ class Dispatcher(ReadsSettings):
         promoted replica missed the last writes), with their first arrival time; the
         ones it still knows stay as they are. Returns how many went in."""
         positions, _ = await self.store.enqueue_many(
-            model, reqs, self.settings.max_queued_per_user, requeue=True)
+            model, reqs, self.settings.limits.max_queued_per_user, requeue=True)
         again = sum(p > 0 for p in positions)
         if again:
             log.warning("requeued_forgotten", model=model, requests=again)
@@ -595,7 +597,7 @@ class Dispatcher(ReadsSettings):
         handles = {h.name: h for h in self.pool.for_model(model)}  # stable across awaits
         for h in handles.values():
             snap = h.last if h.healthy else None
-            gates = gated[h.name] = dict(h.gates_at(now, self.settings.snapshot_stale_s))
+            gates = gated[h.name] = dict(h.gates_at(now, self.settings.fleet.snapshot_stale_s))
             seen[h.name] = h.gates_seen
             if owed is not None:  # a starved class borrows the top class's gate
                 gates[owed] = wider(gates[owed], gates[CLASS_ORDER[0]])
@@ -609,7 +611,7 @@ class Dispatcher(ReadsSettings):
         adapters = self._adapter_placement([handles[name] for name in open_])
         locality = None  # least_loaded: configured, or auto with one backend
         if (self.locality is not None
-                and routing_for(self.settings.routing, len(handles)) == "locality"):
+                and routing_for(self.settings.routing.mode, len(handles)) == "locality"):
             # a request is never left for a backend that is down (its prefix index would
             # hold a killed backend's continuations until they time out), nor for one
             # that does not take it (another length pool, an adapter it lacks)
@@ -644,7 +646,7 @@ class Dispatcher(ReadsSettings):
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
                              locality=plan.locality, fit=fit,
-                             sessions=self.settings.sessions, seen=plan.seen.get(backend))
+                             sessions=self.settings.fairness.sessions, seen=plan.seen.get(backend))
 
     async def _fold(self, model: str, backend: str
                     ) -> tuple[Plan | None, dict[str, Any] | None]:
@@ -706,7 +708,7 @@ class Dispatcher(ReadsSettings):
         """Backlog times and recent classes, as the latest decision returned them, read
         again when older than a scrape interval."""
         cached = self._class_view.get(model)
-        if cached is None or now - cached[0] > self.settings.scrape_interval_s:
+        if cached is None or now - cached[0] > self.settings.fleet.scrape_interval_s:
             since, recent = await self.store.class_service(model)
             cached = self._class_view[model] = (now, since, recent)
         return cached[1], cached[2]
@@ -836,7 +838,7 @@ class Dispatcher(ReadsSettings):
         """One bounded pass over the model's trusted-key end users idle past
         ``end_user_idle_s``: their fairness state is forgotten. Returns how many."""
         forgotten, _ = await self.store.forget_idle(
-            model, now, self.settings.end_user_idle_s, FORGET_PER_PASS)
+            model, now, self.settings.fairness.end_user_idle_s, FORGET_PER_PASS)
         if forgotten:
             log.info("forgot_idle_end_users", model=model, forgotten=forgotten)
         return forgotten
@@ -865,4 +867,4 @@ class Dispatcher(ReadsSettings):
             except StoreUnavailable as exc:
                 self.store_lost(exc)
             self.wake()  # a periodic safety net for enqueues on other replicas
-            await asyncio.sleep(self.settings.replica_heartbeat_s)
+            await asyncio.sleep(self.settings.replicas.replica_heartbeat_s)

@@ -453,7 +453,7 @@ def test_gateway_settings_accept_the_compose_configs(
     for var in [v for v in os.environ if v.startswith("FAIRGATE_")]:
         monkeypatch.delenv(var)
     settings = load_settings(DEPLOY / "config" / config_name)
-    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.store.redis_url == "redis://redis:6379/0"
     assert settings.listen.port == 8000 and settings.listen.host == "0.0.0.0"
     assert settings.models() == ["llama-3.1-8b"]
     assert len(settings.backends) == 2
@@ -489,7 +489,7 @@ def test_sentinel_override_points_the_gateways_at_its_sentinels(
         for key, value in env.items():
             monkeypatch.setenv(key, str(value))
         settings = load_settings(mounted_config(base[name], compose))
-        assert settings.redis_url is None and settings.redis_sentinel is not None
-        assert {host for host, _ in settings.redis_sentinel.addresses()} == sentinels
-        assert settings.redis_sentinel.master_name == "fairgate"
+        assert settings.store.redis_url is None and settings.store.redis_sentinel is not None
+        assert {host for host, _ in settings.store.redis_sentinel.addresses()} == sentinels
+        assert settings.store.redis_sentinel.master_name == "fairgate"
         assert set(extra[name]["depends_on"]) == sentinels

@@ -611,7 +611,7 @@ def test_gateway_settings_accept_the_rendered_config_and_secret(
     mounts = {
         m["mountPath"]: m["name"] for m in container(release.gateway(), "gateway")["volumeMounts"]
     }
-    assert mounts[str(settings.data_dir)] == "data"
+    assert mounts[str(settings.store.data_dir)] == "data"
     assert settings.classes["batch"].max_waiting == 1
 
 
@@ -830,8 +830,8 @@ def test_an_external_redis_cluster_is_named_by_its_nodes(
     assert any(egress_ports(r) == {(6380, "TCP")} and "to" not in r for r in egress), egress
     (secret,) = release.of("Secret")
     settings = load_gateway_settings(release, monkeypatch, tmp_path, secret["stringData"])
-    assert settings.redis_cluster is not None and settings.redis_url is None
-    assert settings.redis_cluster.nodes == EXTERNAL_CLUSTER
+    assert settings.store.redis_cluster is not None and settings.store.redis_url is None
+    assert settings.store.redis_cluster.nodes == EXTERNAL_CLUSTER
 
 
 # --- NetworkPolicy ------------------------------------------------------------------------
@@ -972,7 +972,7 @@ def test_sentinel_topology_replaces_the_single_redis(releases: dict[str, Release
                   for i in range(values["sentinels"])]}
     settings = load_gateway_settings(release, monkeypatch, tmp_path, {
         "FAIRGATE_API_KEYS": "[]", "FAIRGATE_ADMIN_KEYS": "[]"})
-    assert settings.redis_sentinel is not None and settings.redis_url is None
+    assert settings.store.redis_sentinel is not None and settings.store.redis_url is None
     assert settings.failover_wait_s() == values["failoverWaitSeconds"]
     assert port_of(container(sentinels, "sentinel"), "sentinel") == port
     # the gateway may reach the sentinels; the Redis pods take replication and checks

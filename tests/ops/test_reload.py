@@ -107,7 +107,7 @@ async def test_a_reload_reaches_every_consumer(sim: SimFactory, gateway: Gateway
         assert svc.store.request_ttl_s == request_ttl_s(new), svc.store.request_ttl_s
         assert svc.admission.waits.retry_after(None) == 4
         assert svc.quotas.lease_s == 9.0 and svc.keys.runtime is not None
-        assert svc.keys.runtime.settings.key_cache_s == 0.25
+        assert svc.keys.runtime.settings.access.key_cache_s == 0.25
         status, backends = await admin_call(http, "GET", gw.url + "/admin/backends")
         shown = backends["data"][0]["prefill"]["limits"]["interactive"]
         assert shown == 1234, backends["data"][0]
@@ -143,5 +143,5 @@ async def test_cost_factors_reload_and_the_fairness_scope_needs_a_restart(
     assert status == 200, got
     assert got["restart_required"] == ["fairness_scope"], got
     assert "cost_factors" in got["reloaded"], got
-    assert svc.settings.fairness_scope == "fleet", svc.settings.fairness_scope
+    assert svc.settings.fairness.fairness_scope == "fleet", svc.settings.fairness.fairness_scope
     assert svc.settings.cost_factor(MODEL) == 3.0 and svc.store.fleet == (MODEL,)
