@@ -37,7 +37,7 @@ SECRET_PREFIX = "sk-fg-"
 SHOWN_PREFIX_CHARS = len(SECRET_PREFIX) + 4  # what listings show of a secret
 MAX_CACHED = 100_000
 PEPPER_HINT = ("no key_pepper configured: runtime keys are hashed with a pepper kept in "
-               "Redis; set key_pepper (FAIRGATE_KEY_PEPPER) in production")
+               "Redis; set access.key_pepper (FAIRGATE_ACCESS__KEY_PEPPER) in production")
 CHANGED = "another replica's pepper is the store's (Redis restarted empty): adopted"
 
 

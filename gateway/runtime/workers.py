@@ -146,13 +146,13 @@ class Supervisor:
             # (a Sentinel's too; a cluster's passed on whole, as it may come from
             # overrides); an embedded Valkey is started once, here, and shared
             url = self.settings.store.redis_url
-            store = {"FAIRGATE_REDIS_URL": url} if url else {}
+            store = {"FAIRGATE_STORE__REDIS_URL": url} if url else {}
             if self.settings.store.redis_cluster is not None:
-                store["FAIRGATE_REDIS_CLUSTER"] = self.settings.store.redis_cluster.env()
+                store["FAIRGATE_STORE__REDIS_CLUSTER"] = self.settings.store.redis_cluster.env()
             if self.settings.embedded_store():
                 embedded = EmbeddedRedis(data_dir=None).start()
                 stack.callback(embedded.stop)
-                store["FAIRGATE_REDIS_URL"] = embedded.url
+                store["FAIRGATE_STORE__REDIS_URL"] = embedded.url
                 log.info("embedded_redis_started", url=embedded.url)
             metrics_dir = os.environ.get(MULTIPROC_DIR_ENV)
             if not metrics_dir:
@@ -265,9 +265,10 @@ class Supervisor:
     async def _spawn(self, worker: Worker, env: dict[str, str], ready_w: int
                      ) -> asyncio.subprocess.Process:
         child_env = {**env, WORKER_INDEX_ENV: str(worker.index)}
-        if self.settings.replicas.replica_id:  # never reused: the reaper must see the old one die
-            child_env["FAIRGATE_REPLICA_ID"] = (
-                f"{self.settings.replicas.replica_id}-w{worker.index}g{worker.generation}")
+        replica_id = self.settings.replicas.replica_id
+        if replica_id:  # never reused: the reaper must see the old one die
+            child_env["FAIRGATE_REPLICAS__REPLICA_ID"] = (
+                f"{replica_id}-w{worker.index}g{worker.generation}")
         config = ["--config", self.config] if self.config else []
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway.runtime.workers", *config,
