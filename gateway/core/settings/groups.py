@@ -188,7 +188,7 @@ class FairnessSettings(Group):
     vtc_output_weight: float = restart(2.0, POLICY)
     # VTC's optional KV-occupancy term: cost per token-second of KV cache a request held
     # (policies/cost.py kv_token_seconds), charged at settle; 0: off
-    vtc_kv_weight: float = Field(default=0.0, ge=0)
+    vtc_kv_weight: float = restart(0.0, POLICY, ge=0)
     priority_class_gap: int = restart(1000, POLICY)
     # Starvation protection (policies/starvation.py): a class backlogged this long is
     # owed its floor share of the last `starvation_window` dispatches.
