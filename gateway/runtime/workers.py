@@ -55,7 +55,7 @@ from structlog.typing import EventDict
 from gateway.core import event_loop
 from gateway.core.logs import configure_logging
 from gateway.core.metrics import MULTIPROC_DIR_ENV
-from gateway.core.settings import Settings, load_settings
+from gateway.core.settings import Settings, legacy, load_settings
 from gateway.core.supervise import Backoff
 from gateway.core.worker_signals import RELOAD_SIGNAL, WORKER_INDEX_ENV
 from gateway.http.server import GatewayServer
@@ -353,7 +353,8 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     config = args[1] if args[:1] == ["--config"] else None
     index = int(os.environ[WORKER_INDEX_ENV])
     ready_fd = int(os.environ[READY_FD_ENV])
-    settings = load_settings(config)
+    with legacy.held_lines():  # the supervisor said them
+        settings = load_settings(config)
     configure_logging(settings.operations.log_level, settings.operations.log_sample_above_per_s)
     _tag_logs(index)
     return event_loop.run(_run_worker(settings, index, ready_fd), settings.listen.event_loop)

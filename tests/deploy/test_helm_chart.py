@@ -964,7 +964,7 @@ def test_sentinel_topology_replaces_the_single_redis(releases: dict[str, Release
     # the gateway asks each sentinel pod, by its stable DNS name, for the master
     (svc,) = release.component("Service", "redis-sentinel")
     name, port = svc["metadata"]["name"], svc["spec"]["ports"][0]["port"]
-    config = release.config()
+    config = release.config()["store"]
     assert "redis_url" not in config
     assert config["redis_sentinel"] == {
         "master_name": values["masterName"],

@@ -11,7 +11,8 @@ one deprecation line in the log per name and process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import structlog
@@ -28,13 +29,35 @@ FLAT.update({name: f"listen.{name}" for name in GROUPS["listen"].model_fields
              if name not in ("host", "port")})
 
 _said: set[str] = set()
+_held: list[tuple[str, str, str]] | None = None  # lines held back by held_lines()
 
 
 def _deprecated(name: str, path: str, where: str) -> None:
-    if name not in _said:
-        _said.add(name)
+    if name in _said:
+        return
+    _said.add(name)
+    if _held is not None:
+        _held.append((name, path, where))
+    else:
+        say([(name, path, where)])
+
+
+def say(lines: list[tuple[str, str, str]]) -> None:
+    for name, path, where in lines:
         log.warning("setting_deprecated", setting=name, use=path, given_in=where,
                     note=f"{name!r} is now {path!r}; the old name still works")
+
+
+@contextlib.contextmanager
+def held_lines() -> Iterator[list[tuple[str, str, str]]]:
+    """The deprecation lines of the settings read in the block, held back (a process
+    reads its settings before it sets up its logs: :func:`say` them after)."""
+    global _held
+    _held = held = []
+    try:
+        yield held
+    finally:
+        _held = None
 
 
 def _is_flat(name: str, value: Any) -> bool:
