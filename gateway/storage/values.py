@@ -41,7 +41,7 @@ REQUEST_FIELDS: dict[str, str] = {
             "(dispatch)",
     "started": "1 once its first token streamed and its start reached Redis",
     "preempted": "how often the stream was preempted (preempt.lua, on the original's hash)",
-    "unmovable": "1 once its replica refused to preempt it (Store.preempt_refused)",
+    "unmovable": "1 once its replica refused to preempt it (PreemptStore.preempt_refused)",
     "left": "1 once the segment left its backend: its answer continues elsewhere "
             "(enqueue of the continuation; its settle then only forgets it)",
 }

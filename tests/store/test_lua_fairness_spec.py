@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import QueuedRequest, Store, load_library
+from gateway.storage.records import QueuedRequest
+from gateway.storage.scripts import load_library
+from gateway.storage.store import Store
 from policies.fairness import Pick, TwoLevel
 from policies.locality import LocalityView, matched
 from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange, uncached_tokens
@@ -182,8 +184,8 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         await client.flushdb()
         name = f"spec{next(models)}"
         k = ModelKeys(name)
-        store = Store(client, 600)
-        await store.heartbeat([name], "r1", 1000.0)
+        store = Store.over(client, 600)
+        await store.replicas.heartbeat([name], "r1", 1000.0)
         others = await place_indexes(client, k, backend)
         dispatch = client.register_script(load_library() + DISPATCH)
         settle = client.register_script(load_library() + SETTLE)
@@ -204,7 +206,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 queued = QueuedRequest(rid, user, CLASS, "r1", cost, 1000.0, tuple(chain),
                                        tenant, tcost, deadline, ptok, session=session,
                                        credit=credit, tenant_credit=tcredit)
-                got = await store.enqueue(name, queued, backend["max_queued"])
+                got = await store.queue.enqueue(name, queued, backend["max_queued"])
                 # a request without a chain is never predicted cached: no credit kept
                 want = model.enqueue(tenant, user, cost, tcost, rid, deadline,
                                      backend["max_queued"], session, ptok,
@@ -255,7 +257,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 model.settle(done.tenant, done.user, charge, tcharge, done.session)
             elif op[0] == "cancel" and enqueued:
                 tenant, user, rid, session = enqueued[op[1] % len(enqueued)]
-                got_cancel = await store.cancel(name, rid, user, CLASS, tenant, session)
+                got_cancel = await store.queue.cancel(name, rid, user, CLASS, tenant, session)
                 want_cancel = model.cancel(tenant, user, rid, session)
                 assert got_cancel == want_cancel, (
                     f"{where}: lua cancelled {got_cancel}, policies {want_cancel}")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import load_library
+from gateway.storage.scripts import load_library
 from policies.locality import LocalityView, PrefixIndex, matched
 from policies.prefill import PromptRange
 
