@@ -154,8 +154,8 @@ async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:
     listed = SettingsHolder(load_settings(None, backends=[
         {"name": "c0", "url": "http://127.0.0.1:9", "model": "m"}]))
     async with aiohttp.ClientSession() as session:
-        backends = BackendList(client, listed, BackendPool(listed, session, store,
-                                                           GatewayMetrics()), store)
+        backends = BackendList(client, listed, BackendPool(listed, session, store.fleet,
+                                                           GatewayMetrics()), store.fleet)
         await backends.add(Backend(name="rt0", url="http://127.0.0.1:10", model="m"), ADMIN)
         assert await backends.remove("rt0", 0.0, ADMIN) is None, "the idle backend stayed"
 
