@@ -414,13 +414,13 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
         rig.dispatcher.store = live
         await dead.client.aclose()
     # nothing was settled, and the dispatcher still knows it owes the settle
-    assert await live.user_inflight(MODEL) == {"alice": 1}
-    assert (await live.request_fields(MODEL, "r1"))["state"] == "dispatched"
+    assert await live.reads.user_inflight(MODEL) == {"alice": 1}
+    assert (await live.reads.request_fields(MODEL, "r1"))["state"] == "dispatched"
     assert list(rig.dispatcher._unsettled) == [Settle(MODEL, grant, 5.0, None, None)]
     # Redis is back: the heartbeat's retry settles it, charge included
     await rig.dispatcher._settle_deferred()
-    assert await live.user_inflight(MODEL) == {}
-    assert await live.request_fields(MODEL, "r1") == {}
+    assert await live.reads.user_inflight(MODEL) == {}
+    assert await live.reads.request_fields(MODEL, "r1") == {}
     saved = await live.client.hget(K.saved("interactive"), "alice")
     assert float(saved) == pytest.approx(1.0 + 5.0)  # dispatch cost + settle charge
     assert not rig.dispatcher._unsettled
