@@ -153,7 +153,7 @@ async def test_a_stale_published_snapshot_closes_the_gate_then_the_lease_moves(
     await redis.set(K.backend_scraper("b0"), "ghost", px=int(ghost_lease_s * 1000))
     gw = GatewayServer(gateway_settings(redis_url, [backend], snapshot_stale_s=stale_s))
     snap, shared = published(time.time())
-    await Store.over(redis, 60.0).store_snapshot(MODEL, "b0", snap, shared)
+    await Store.over(redis, 60.0).fleet.store_snapshot(MODEL, "b0", snap, shared)
     await gw.start()
     try:
         pool: BackendPool = gw.services.pool

@@ -13,7 +13,7 @@ from gateway.storage.values import continuation_id
 from tests.store.test_scripts import ALL_OPEN, K, M, alive, req
 
 
-async def order(store: Store, *args: Any) -> bool:
+async def order_preemption(store: Store, *args: Any) -> bool:
     """``PreemptStore.order_preemption``."""
     return await store.preempts.order_preemption(*args)
 
@@ -56,20 +56,20 @@ async def test_one_order_per_backend_until_a_later_snapshot_and_the_cap(
     await running(store, redis, "b-1", "bert", "batch", owner="r2")
     await running(store, redis, "b-2", "bert", "batch", owner="r2")
     order = Preempt("b-1", "b-1", "b1")
-    assert await order(store, M, order, 1001.0, 2, 0.1, 5.0)
+    assert await order_preemption(store, M, order, 1001.0, 2, 0.1, 5.0)
     assert await store.replicas.next_order(M, "r2", 0.1) == order
     # the backend is held: no second order before a snapshot taken 0.1 s after it
     second = Preempt("b-2", "b-2", "b1")
-    assert not await order(store, M, second, 1001.05, 2, 0.1, 5.0)
+    assert not await order_preemption(store, M, second, 1001.05, 2, 0.1, 5.0)
     await redis.hset(K.backend_snapshot("b1"), "taken_at", 1001.2)
-    assert await order(store, M, second, 1001.3, 2, 0.1, 5.0)
+    assert await order_preemption(store, M, second, 1001.3, 2, 0.1, 5.0)
     # the cap counts on the original's hash, whichever segment is ordered
     await redis.hset(K.backend_snapshot("b1"), "taken_at", 1002.0)
     await running(store, redis, continuation_id("b-1", 1), "bert", "batch", owner="r2")
     cont = Preempt(continuation_id("b-1", 1), "b-1", "b1")
-    assert await order(store, M, cont, 1001.5, 2, 0.1, 5.0)
+    assert await order_preemption(store, M, cont, 1001.5, 2, 0.1, 5.0)
     await redis.hset(K.backend_snapshot("b1"), "taken_at", 1003.0)
-    assert not await order(store, M, cont, 1003.5, 2, 0.1, 5.0), "past the cap"
+    assert not await order_preemption(store, M, cont, 1003.5, 2, 0.1, 5.0), "past the cap"
     assert await redis.hget(K.request("b-1"), "preempted") == "2"
 
 
@@ -79,12 +79,12 @@ async def test_a_refusal_marks_the_segment_and_lifts_the_hold(redis: aioredis.Re
     await running(store, redis, "b-1", "bert", "batch")
     await running(store, redis, "b-2", "bert", "batch")
     order = Preempt("b-1", "b-1", "b1")
-    assert await order(store, M, order, 1001.0, 2, 0.1, 5.0)
+    assert await order_preemption(store, M, order, 1001.0, 2, 0.1, 5.0)
     await store.preempts.preempt_refused(M, order)
     assert await redis.hget(K.request("b-1"), "unmovable") == "1"
     assert await redis.hget(K.request("b-1"), "preempted") == "0"
-    assert not await order(store, M, order, 1001.1, 2, 0.1, 5.0)  # unmovable
-    assert await order(store, M, Preempt("b-2", "b-2", "b1"), 1001.1, 2, 0.1, 5.0)
+    assert not await order_preemption(store, M, order, 1001.1, 2, 0.1, 5.0)  # unmovable
+    assert await order_preemption(store, M, Preempt("b-2", "b-2", "b1"), 1001.1, 2, 0.1, 5.0)
     view = await store.preempts.preemption_view(M, ["batch"], 0.0)
     assert {r["id"]: r["unmovable"] for r in view.inflight} == {"b-1": True, "b-2": False}
 
@@ -94,10 +94,10 @@ async def test_an_order_needs_a_streaming_request_on_that_backend(
     store = Store.over(redis, 600)
     await alive(store, "r1")
     await running(store, redis, "w-1", "bert", "batch", started=False)
-    assert not await order(store, M, Preempt("w-1", "w-1", "b1"), 1001.0, 2, 0.1, 5.0)
+    assert not await order_preemption(store, M, Preempt("w-1", "w-1", "b1"), 1001.0, 2, 0.1, 5.0)
     await running(store, redis, "b-1", "bert", "batch")
-    assert not await order(store, M, Preempt("b-1", "b-1", "b2"), 1001.0, 2, 0.1, 5.0)
-    assert not await order(store, M, Preempt("gone", "gone", "b1"), 1001.0, 2, 0.1,
+    assert not await order_preemption(store, M, Preempt("b-1", "b-1", "b2"), 1001.0, 2, 0.1, 5.0)
+    assert not await order_preemption(store, M, Preempt("gone", "gone", "b1"), 1001.0, 2, 0.1,
                                             5.0)
 
 
@@ -110,5 +110,5 @@ async def test_a_whole_answer_runs_once_dispatched(redis: aioredis.Redis) -> Non
     assert [g.request_id for g in grants] == ["line-1"]
     view = await store.preempts.preemption_view(M, ["batch"], 0.0)
     assert [(r["id"], r["started"]) for r in view.inflight] == [("line-1", True)], view
-    assert await order(store, M, Preempt("line-1", "line-1", "b1"), 1001.0, 2, 0.1,
+    assert await order_preemption(store, M, Preempt("line-1", "line-1", "b1"), 1001.0, 2, 0.1,
                                         5.0)
