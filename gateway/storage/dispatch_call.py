@@ -5,7 +5,7 @@ declare for Redis Cluster, and what it returned, decoded (:func:`dispatched_from
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gateway.storage.keys import ModelKeys
@@ -70,16 +70,16 @@ def dispatch_args(
     span = fit.prompt_range
     gates = {c: _gate(limits.get(c, 0)) for c in order}
     return {
-        "now": now, "replica_ttl": replica_ttl_s, "prefix": ModelKeys(model).prefix,
-        "replica": replica, "backend": backend, "recent_kept": recent_window,
-        "want": max_grants, "pickup": grant_pickup_s,
+        "now": now, "replica_ttl_s": replica_ttl_s, "prefix": ModelKeys(model).prefix,
+        "replica": replica, "backend": backend, "recent_window": recent_window,
+        "max_grants": max_grants, "grant_pickup_s": grant_pickup_s,
         "classes": [{"name": c, "limit": g.limit if g.reason is None else 0,
                      "prefill_limit": fit.prefill_limits.get(c, 0),
                      "free_slots": g.free_slots,
                      "max_inflight": g.max_inflight if g.reason is None else 0}
                     for c, g in gates.items()],
-        "locality": {"slack": loc.slack, "compared": loc.candidates,
-                     "index_size": loc.index_size, "index_ttl": int(loc.index_ttl_s),
+        "locality": {"slack": loc.slack, "candidates": loc.candidates,
+                     "index_size": loc.index_size, "index_ttl_s": int(loc.index_ttl_s),
                      "max_imbalance": loc.max_imbalance, "lookahead": loc.lookahead,
                      "others": [b for b in loc.others if b != backend],
                      "fits": {b: _takes(f) for b, f in loc.fits.items() if b != backend}},
@@ -111,19 +111,25 @@ def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
             + [k.active(c) for c in order] + [k.saved(c) for c in order])
 
 
-def grants_from(backend: str, found: Sequence[Any], decisions: Sequence[Any]) -> list[Grant]:
-    return [Grant(rid, klass, user, int(rank), owner, backend, float(enqueued_at),
-                  int(held), int(blocks), reason, charged_prompt=int(charged))
-            for (rid, klass, user, rank, owner, enqueued_at, charged), (held, blocks, reason)
-            in zip(found, decisions, strict=True)]
+def grants_from(backend: str, found: Iterable[Mapping[str, Any]]) -> list[Grant]:
+    """The grants of a decision (``dispatch_for``'s ``grants``, each a named map)."""
+    return [Grant(g["id"], g["class"], g["user"], int(g["rank"]), g["owner"], backend,
+                  float(g["enqueued_at"]), int(g["held"]), int(g["blocks"]), g["reason"],
+                  charged_prompt=int(g["charged"]))
+            for g in found]
 
 
-def backlogged_from(since: Sequence[Any]) -> dict[str, float]:
-    return {str(since[i]): float(since[i + 1]) for i in range(0, len(since), 2)}
+def backlogged_from(since: Mapping[str, Any]) -> dict[str, float]:
+    return {str(c): float(at) for c, at in since.items()}
 
 
-def dispatched_from(backend: str, raw: Sequence[Any]) -> Dispatched:
-    found, depth, decisions, since, recent, stale = raw
-    return Dispatched(grants_from(backend, found, decisions), int(depth), backlogged_from(since),
-                      [str(c) for c in recent], backend, bool(stale))
+def dispatched_from(backend: str, raw: Mapping[str, Any],
+                    picture: Mapping[str, Any] | None = None) -> Dispatched:
+    """What ``dispatch_for`` returned (its named map) for ``backend``; ``picture``: the
+    map holding depth, backlogged and recent, when not ``raw`` itself (dispatch.lua)."""
+    seen = raw if picture is None else picture
+    # an empty Lua table is encoded as an empty JSON object, whatever it held
+    return Dispatched(grants_from(backend, raw["grants"] or ()), int(seen["depth"]),
+                      backlogged_from(seen["backlogged"] or {}),
+                      [str(c) for c in seen["recent"] or ()], backend, bool(raw["stale"]))
 

@@ -13,11 +13,9 @@ import redis.asyncio as aioredis
 
 from gateway.core.settings import is_end_user
 from gateway.storage.dispatch_call import (
-    backlogged_from,
     dispatch_args,
     dispatch_keys,
     dispatched_from,
-    grants_from,
     leave_keys,
     session_keys,
     start_keys,
@@ -116,9 +114,10 @@ class QueueStore:
         if then is not None:
             args["dispatch"] = self._spread(model, then)
         keys += start_keys(model, starts) + dispatch_keys(model, then)
-        out = await self._scripts.run("enqueue", list(dict.fromkeys(keys)), [json.dumps(args)])
-        return ([int(p) for p in out[0]],
-                dispatched_from(then["backend"], out[1]) if then is not None else None)
+        out = await self._scripts.call("enqueue", list(dict.fromkeys(keys)), args)
+        return ([int(p) for p in out["positions"] or ()],
+                dispatched_from(then["backend"], out["dispatched"]) if then is not None
+                else None)
 
     async def dispatch(
         self, model: str, backend: str, limits: Mapping[str, int | Gate], replica: str,
@@ -160,12 +159,9 @@ class QueueStore:
                                 "until_grant": until_grant}
         if starts:
             call["starts"] = starts_arg(starts)
-        decided, depth, since, recent = await self._scripts.run(
-            "dispatch", list(dict.fromkeys(keys)), [json.dumps(call)])
-        backlogged, classes = backlogged_from(since), [str(c) for c in recent]
-        return [Dispatched(grants_from(args["backend"], found, decisions), int(depth), backlogged,
-                           classes, args["backend"], bool(stale))
-                for args, (found, decisions, stale) in zip(each, decided, strict=False)]
+        out = await self._scripts.call("dispatch", list(dict.fromkeys(keys)), call)
+        return [dispatched_from(args["backend"], decided, out)
+                for args, decided in zip(each, out["decided"] or (), strict=False)]
 
     async def mark_started(self, model: str, grant: Grant, now: float | None = None,
                            then: Mapping[str, Any] | None = None,
@@ -182,14 +178,13 @@ class QueueStore:
         if then is not None:
             args["dispatch"] = self._spread(model, then)
         keys = start_keys(model, starts) + dispatch_keys(model, then)
-        out = await self._scripts.run("started", list(dict.fromkeys(keys)), [json.dumps(args)])
-        return dispatched_from(grant.backend, out[1]) if len(out) > 1 else None
+        out = await self._scripts.call("started", list(dict.fromkeys(keys)), args)
+        return dispatched_from(grant.backend, out["dispatched"]) if "dispatched" in out else None
 
     async def mark_starts(self, model: str, starts: Sequence[Start]) -> None:
         """Marks starts a replica held back (``lua/started.lua``), on their own."""
         args = {"prefix": ModelKeys(model).prefix, "starts": starts_arg(starts)}
-        await self._scripts.run("started", list(dict.fromkeys(start_keys(model, starts))),
-                        [json.dumps(args)])
+        await self._scripts.call("started", list(dict.fromkeys(start_keys(model, starts))), args)
 
     async def settle(self, model: str, grant: Grant, charge: float,
                      tenant_charge: float | None = None) -> bool:
@@ -232,8 +227,9 @@ class QueueStore:
         if then is not None:
             args["dispatch"] = self._spread(model, then)
         keys += start_keys(model, starts) + dispatch_keys(model, then)
-        out = await self._scripts.run("settle", list(dict.fromkeys(keys)), [json.dumps(args)])
-        return bool(out[0]), (dispatched_from(grant.backend, out[1]) if len(out) > 1 else None)
+        out = await self._scripts.call("settle", list(dict.fromkeys(keys)), args)
+        return bool(out["released"]), (dispatched_from(grant.backend, out["dispatched"])
+                                        if "dispatched" in out else None)
 
     async def cancel(self, model: str, request_id: str, user: str, klass: str,
                      tenant: str | None = None, session: str | None = None) -> bool:
@@ -260,7 +256,7 @@ class QueueStore:
         grant unread for ``grant_pickup_s``); returns the count."""
         k = ModelKeys(model)
         return int(await self._scripts.run("reap", [k.replicas, k.user_inflight],
-                                   [now, replica_ttl_s, k.prefix, grant_pickup_s]))
+                                           [now, replica_ttl_s, k.prefix, grant_pickup_s]))
 
     async def forget_idle(self, model: str, now: float, idle_s: float, limit: int,
                           classes: Sequence[str] = CLASS_ORDER) -> tuple[int, int]:

@@ -1,15 +1,19 @@
 """The Lua scripts' text and running them: every script starts with the generated key
 functions and value readers and the shared library (:func:`load_library`); :class:`Scripts`
 registers a set of them on one client and runs them (loading one again after a Redis
-restart emptied its script cache).
+restart emptied its script cache). A script takes one named JSON object and returns a
+named map (``cjson.encode``): :meth:`Scripts.call`. KEYS only declares the keys it touches
+for Redis Cluster; no script reads them by place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
+import orjson
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
@@ -63,3 +67,9 @@ class Scripts:
             return await script(keys=list(keys), args=list(args))
         except NoScriptError as exc:
             raise StoreUnavailable(f"script {name} not loaded: {exc}") from exc
+
+    async def call(self, name: str, keys: Sequence[str], args: Mapping[str, Any]
+                   ) -> dict[str, Any]:
+        """Run a script with its named arguments (one JSON object) and decode the named
+        map it returns."""
+        return cast("dict[str, Any]", orjson.loads(await self.run(name, keys, [json.dumps(args)])))

@@ -43,18 +43,18 @@ local session = fairness.session(class, tenant, user)
 local queue = queue_of(prefix, class, tenant, user, session)
 id = id or redis.call('LINDEX', queue, 0)
 redis.call('LREM', queue, 1, id)
-local f = redis.call('HMGET', key_request(prefix, id), 'cost', 'tcost', 'ptok', 'prefix',
-  'hit', 'thit')
-local cost = tonumber(f[1]) or 0
-local tcost = tonumber(f[2]) or cost
+local f = request_get(key_request(prefix, id), 'cost', 'tcost', 'ptok', 'prefix', 'hit',
+  'thit')
+local cost = tonumber(f.cost) or 0
+local tcost = tonumber(f.tcost) or cost
 -- the prompt tokens the index predicts uncached, charged at their cost (dispatch.lua)
-local ptok = tonumber(f[3]) or 0
+local ptok = tonumber(f.ptok) or 0
 local tokens = ptok
 if tokens > 0 then
-  tokens = math.max(0, tokens - (held or locality.held_blocks(f[4])) * a.block_tokens)
+  tokens = math.max(0, tokens - (held or locality.held_blocks(f.prefix)) * a.block_tokens)
 end
-cost = predicted_cost(cost, tonumber(f[5]) or 0, ptok, tokens)
-tcost = predicted_cost(tcost, tonumber(f[6]) or 0, ptok, tokens)
+cost = predicted_cost(cost, tonumber(f.hit) or 0, ptok, tokens)
+tcost = predicted_cost(tcost, tonumber(f.thit) or 0, ptok, tokens)
 fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost, tcost)
 return {tenant, user, id, held or -1, tokens, session or cjson.null}
 """
@@ -222,9 +222,9 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 args = {**common, "backend": BACKEND, "load": backend["load"], "now": 1000.0,
                         "block_tokens": TOKENS_PER_BLOCK,
                         "range": {"min": backend["min"], "max": backend["max"]},
-                        "locality": {"slack": backend["slack"], "compared": backend["compared"],
+                        "locality": {"slack": backend["slack"], "candidates": backend["compared"],
                                      "lookahead": backend["lookahead"], "index_size": 100,
-                                     "index_ttl": 600, "max_imbalance": backend["max_imbalance"],
+                                     "index_ttl_s": 600, "max_imbalance": backend["max_imbalance"],
                                      "others": others}}
                 if backend["sessions"]:
                     args["sessions"] = True
