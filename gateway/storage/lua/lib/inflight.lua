@@ -153,10 +153,10 @@ end
 -- its owner's running set still names it (release_request then only forgets it).
 local function leave_inflight(prefix, id, backend)
   local req = key_request(prefix, id)
-  local f = redis.call('HMGET', req, 'state', 'user', 'backend', 'started', 'left')
-  if f[1] ~= 'dispatched' or f[5] or f[3] ~= backend or not f[2] then return end
+  local f = request_get(req, 'state', 'user', 'backend', 'started', 'left')
+  if f.state ~= 'dispatched' or f.left or f.backend ~= backend or not f.user then return end
   redis.call('HSET', req, 'left', 1)
-  if not release_inflight(prefix, id, f[2], backend, nil) and not f[4] then
+  if not release_inflight(prefix, id, f.user, backend, nil) and not f.started then
     take_unseen(key_backend_snapshot(prefix, backend))
   end
 end
