@@ -4,7 +4,6 @@ held or forgetting idle end users. Each verb is one script call (``lua/``), atom
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, cast
@@ -244,19 +243,22 @@ class QueueStore:
         keys = [k.queue(klass, user, tenant, session), k.active(klass), k.saved(klass),
                 k.request(request_id), k.depth, k.backlogged_since, k.users(klass, tenant),
                 k.user_saved(klass, tenant), k.user_floor(klass)]
-        args = [request_id, user, klass, tenant, k.prefix]
+        args = {"prefix": k.prefix, "id": request_id, "user": user, "class": klass,
+                "tenant": tenant}
         if session is not None:
             keys += session_keys(k, klass, tenant, user)
-            args.append(session)
-        return bool(await self._scripts.run("cancel", keys, args))
+            args["session"] = session
+        return bool((await self._scripts.call("cancel", keys, args))["released"])
 
     async def reap(self, model: str, now: float, replica_ttl_s: float,
                    grant_pickup_s: float = GRANT_PICKUP_S) -> int:
         """Release what dead replicas held (silent for ``replica_ttl_s``, or leaving a
         grant unread for ``grant_pickup_s``); returns the count."""
         k = ModelKeys(model)
-        return int(await self._scripts.run("reap", [k.replicas, k.user_inflight],
-                                           [now, replica_ttl_s, k.prefix, grant_pickup_s]))
+        out = await self._scripts.call("reap", [k.replicas, k.user_inflight], {
+            "prefix": k.prefix, "now": now, "replica_ttl_s": replica_ttl_s,
+            "grant_pickup_s": grant_pickup_s})
+        return int(out["released"])
 
     async def forget_idle(self, model: str, now: float, idle_s: float, limit: int,
                           classes: Sequence[str] = CLASS_ORDER) -> tuple[int, int]:
@@ -267,7 +269,7 @@ class QueueStore:
         k = ModelKeys(model)
         keys = [k.seen, k.user_inflight, k.service, k.service_who,
                 *(k.saved(c) for c in classes), *(k.user_floor(c) for c in classes)]
-        forgotten, kept = await self._scripts.run("forget", keys, [json.dumps({
+        out = await self._scripts.call("forget", keys, {
             "prefix": k.prefix, "now": now, "idle": idle_s, "limit": limit,
-            "classes": list(classes)})])
-        return int(forgotten), int(kept)
+            "classes": list(classes)})
+        return int(out["forgotten"]), int(out["kept"])
