@@ -5,7 +5,6 @@ migrate times, and what Redis holds about each backend (``BackendState``).
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import cast
 
@@ -36,13 +35,16 @@ class FleetStore:
         """Store a snapshot, with what its scraper publishes beside it (``shared``), unless
         a newer one is there."""
         k = ModelKeys(model)
-        tpot = "" if snap.tpot_s is None else snap.tpot_s
-        args = [snap.taken_at_s, snap.waiting, snap.running, snap.kv_usage, tpot, backend,
-                k.prefix, shared]
+        # the numbers as text, stored as given (a number printed back by Lua loses digits)
+        args = {"prefix": k.prefix, "backend": backend, "taken_at": _text(snap.taken_at_s),
+                "waiting": _text(snap.waiting), "running": _text(snap.running),
+                "kv": _text(snap.kv_usage),
+                "tpot": "" if snap.tpot_s is None else _text(snap.tpot_s), "shared": shared}
         keys = [k.backend_snapshot(backend), k.backend_sent(backend), k.backend_inflight(backend),
                 k.drained, k.backend_prefill(backend), k.backend_started(backend)]
-        stored, drained, pending, version = await self._scripts.run("snapshot", keys, args)
-        return Stored(bool(stored), bool(drained), int(pending), str(version))
+        out = await self._scripts.call("snapshot", keys, args)
+        return Stored(bool(out["stored"]), bool(out["drained"]), int(out["pending"]),
+                      str(out["version"]))
 
     async def publish_failure(self, model: str, backend: str, failures: int) -> str:
         """Publish that the backend's last ``failures`` scrapes failed (its snapshot stays,
@@ -73,15 +75,15 @@ class FleetStore:
             k.backend_scraper(w.backend), k.backend_snapshot(w.backend),
             k.backend_inflight(w.backend), k.backend_prefill(w.backend),
             k.backend_dispatches(w.backend))]
-        arg = {"holder": holder, "ttl_ms": int(ttl_s * 1000), "backends": [
-            {"name": w.backend, "want": w.want, "seen": w.seen} for w in wishes]}
-        queued, rows = await self._scripts.run("scrapers", [*keys, k.depth, k.drained, k.scrapers],
-                                       [json.dumps(arg)])
-        return int(queued), {w.backend: ScrapeView(
-            bool(held), bool(drained), int(inflight), int(pending),
-            None if raw == 0 else dict(zip(raw[::2], raw[1::2], strict=True)), int(dispatches))
-            for w, (held, drained, inflight, pending, raw, dispatches)
-            in zip(wishes, rows, strict=True)}
+        arg = {"prefix": k.prefix, "holder": holder, "ttl_ms": int(ttl_s * 1000),
+               "backends": [{"name": w.backend, "want": w.want, "seen": w.seen}
+                            for w in wishes]}
+        out = await self._scripts.call("scrapers", [*keys, k.depth, k.drained, k.scrapers],
+                                       arg)
+        return int(out["queued"]), {w.backend: ScrapeView(
+            bool(row["held"]), bool(row["drained"]), int(row["inflight"]), int(row["pending"]),
+            row.get("published"), int(row["dispatches"]))
+            for w, row in zip(wishes, out["backends"] or (), strict=True)}
 
     async def forget_prefixes(self, model: str, backend: str) -> None:
         """Drop a backend's prefix index (it restarted or went away: its cache is gone)."""
@@ -134,3 +136,8 @@ class FleetStore:
                                             for v in prefill),
                                         sum(1 for _, at in started if at > taken_at))
         return states
+
+
+def _text(value: float) -> str:
+    """A number as redis-py sends an argument: a float's repr, an int's digits."""
+    return repr(value) if isinstance(value, float) else str(value)
