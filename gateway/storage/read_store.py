@@ -5,7 +5,6 @@ adds to (``lua/history.lua``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Mapping
 from typing import cast
 
@@ -141,8 +140,10 @@ class ReadStore:
                           maxima: Mapping[str, float], ttl_s: float) -> None:
         """Add one process's counts for the interval that began at ``start_ms`` (unix ms)
         to the dashboard history every process shares (``lua/history.lua``)."""
-        await self._scripts.run("history", [history_key(start_ms), HISTORY_INDEX], [json.dumps(
-            {"start": start_ms, "ttl": ttl_s, "sum": sums, "max": maxima})])
+        bucket = history_key(start_ms)
+        await self._scripts.call("history", [bucket, HISTORY_INDEX], {
+            "bucket": bucket, "index": HISTORY_INDEX, "start": start_ms, "ttl": ttl_s,
+            "sum": sums, "max": maxima})
 
     async def history(self, since_ms: int) -> list[tuple[int, dict[str, float]]]:
         """The shared history's intervals that began at ``since_ms`` or later, oldest

@@ -4,7 +4,6 @@ who each user is (tenant, weights), as the share ratio reads them.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Mapping
 from typing import cast
 
@@ -32,11 +31,12 @@ class ShareStore:
         record who the users of ``who`` are; returns the number of users kept (at most
         ``cap``)."""
         k = ModelKeys(model)
-        args = {"now": now, "half_life": half_life_s, "cap": cap, "ttl": int(ttl_s),
-                "amounts": dict(amounts),
+        args = {"prefix": k.prefix, "now": now, "half_life": half_life_s, "cap": cap,
+                "ttl": int(ttl_s), "amounts": dict(amounts),
                 "who": {user: w.encode() for user, w in (who or {}).items()}}
-        return int(await self._scripts.run("share", [k.service, k.service_epoch, k.service_who],
-                                   [json.dumps(args)]))
+        out = await self._scripts.call("share", [k.service, k.service_epoch, k.service_who],
+                                       args)
+        return int(out["kept"])
 
     async def service_shares(self, model: str) -> dict[str, float]:
         """Each user's share of the model's decayed service across replicas, largest
