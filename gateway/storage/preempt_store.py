@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -29,8 +29,8 @@ class PreemptStore:
                               alive_after: float) -> PreemptView:
         """What a preemption decision reads (``lua/preempt_view.lua``)."""
         k = ModelKeys(model)
-        raw = json.loads(await self._scripts.run("preempt_view", [k.replicas, k.depth], [json.dumps(
-            {"prefix": k.prefix, "classes": list(classes), "alive_after": alive_after})]))
+        raw = await self._scripts.call("preempt_view", [k.replicas, k.depth], {
+            "prefix": k.prefix, "classes": list(classes), "alive_after": alive_after})
         return PreemptView([q for q in raw.get("queued") or [] if isinstance(q, dict)],
                            [r for r in raw.get("inflight") or [] if isinstance(r, dict)])
 
@@ -38,20 +38,21 @@ class PreemptStore:
                                max_preemptions: int, settle_s: float, hold_s: float) -> bool:
         """Order the replica that holds ``order``'s stream to preempt it
         (``lua/preempt.lua``); False when refused (see there)."""
-        k = ModelKeys(model)
-        return bool(await self._scripts.run("preempt", self._preempt_keys(k, order), [json.dumps({
-            "prefix": k.prefix, "id": order.request_id, "original": order.original,
-            "backend": order.backend, "now": now, "max": max_preemptions,
-            "settle_s": settle_s, "hold_ms": max(1, round(hold_s * 1000))})]))
+        out = await self._preempt(model, order, {
+            "now": now, "max": max_preemptions, "settle_s": settle_s,
+            "hold_ms": max(1, round(hold_s * 1000))})
+        return bool(out["ordered"])
 
     async def preempt_refused(self, model: str, order: Preempt) -> None:
         """This replica could not move the stream ``order`` named: it is not ordered again,
         and the backend may preempt another at once."""
-        k = ModelKeys(model)
-        await self._scripts.run("preempt", self._preempt_keys(k, order),
-                        [json.dumps({"refused": True})])
+        await self._preempt(model, order, {"refused": True})
 
-    @staticmethod
-    def _preempt_keys(k: ModelKeys, order: Preempt) -> list[str]:
-        return [k.request(order.request_id), k.request(order.original),
+    async def _preempt(self, model: str, order: Preempt, more: Mapping[str, Any]
+                       ) -> dict[str, Any]:
+        k = ModelKeys(model)
+        keys = [k.request(order.request_id), k.request(order.original),
                 k.backend_preempt(order.backend), k.backend_snapshot(order.backend)]
+        return await self._scripts.call("preempt", keys, {
+            "prefix": k.prefix, "id": order.request_id, "original": order.original,
+            "backend": order.backend, **more})
