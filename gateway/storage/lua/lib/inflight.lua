@@ -56,11 +56,11 @@ local function start_inflight(prefix, backend, id, at)
   if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
   local snapshot = key_backend_snapshot(prefix, backend)
-  local taken = redis.call('HMGET', snapshot, 'taken_at', 'prev_at')
-  local taken_at = tonumber(taken[1]) or 0
+  local stored_at, prev_at = unpack(redis.call('HMGET', snapshot, 'taken_at', 'prev_at'))
+  local taken_at = tonumber(stored_at) or 0
   local sent = leave_sent(prefix, backend, id, taken_at)
   -- a decision still made by the snapshot before the stored one counts it too (gate_counts)
-  if at > (tonumber(taken[2]) or taken_at) then
+  if at > (tonumber(prev_at) or taken_at) then
     redis.call('ZADD', key_backend_started(prefix, backend), at, id)
   end
   return sent
