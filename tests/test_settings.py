@@ -74,7 +74,7 @@ def test_a_redis_cluster_from_env_and_one_store_only(monkeypatch: pytest.MonkeyP
     assert again is not None and again.password is not None, again
     assert again.nodes == s.store.redis_cluster.nodes
     assert again.password.get_secret_value() == "s3cret"
-    with pytest.raises(ValidationError, match="not store.redis_url and store.redis_cluster"):
+    with pytest.raises(ValidationError, match=r"not store\.redis_url and store\.redis_cluster"):
         load_settings(redis_url="redis://127.0.0.1:6379/0")
     with pytest.raises(ValidationError, match="is not host:port"):
         load_settings(redis_url=None, redis_cluster={"nodes": ["10.0.0.1"]})
@@ -110,7 +110,7 @@ def test_redis_sentinel_from_yaml_and_env(tmp_path: Path,
 
 def test_redis_sentinel_and_url_are_exclusive_and_nodes_checked() -> None:
     sentinel = {"master_name": "m", "nodes": ["h:1"]}
-    with pytest.raises(ValidationError, match="not store.redis_url and store.redis_sentinel"):
+    with pytest.raises(ValidationError, match=r"not store\.redis_url and store\.redis_sentinel"):
         load_settings(None, redis_url="redis://x:1/0", redis_sentinel=sentinel)
     with pytest.raises(ValidationError, match="is not host:port"):
         load_settings(None, redis_sentinel={"master_name": "m", "nodes": ["h"]})
