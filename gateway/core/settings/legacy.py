@@ -53,7 +53,8 @@ def held_lines() -> Iterator[list[tuple[str, str, str]]]:
     """The deprecation lines of the settings read in the block, held back (a process
     reads its settings before it sets up its logs: :func:`say` them after)."""
     global _held
-    _held = held = []
+    held: list[tuple[str, str, str]] = []
+    _held = held
     try:
         yield held
     finally:
