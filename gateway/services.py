@@ -181,7 +181,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             started_at=int(time.time()))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
-        restarts = metrics.loop_restarts
+        restarts = metrics.process.loop_restarts
         tasks = [asyncio.create_task(pool.run(), name="scrape"),
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
@@ -199,7 +199,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("discovery", DnsDiscovery(
                      config, backends).run, restarts), name="discovery"),
                  asyncio.create_task(supervise("loop_lag", functools.partial(
-                     loop_lag.watch, metrics.loop_lag), restarts), name="loop_lag")]
+                     loop_lag.watch, metrics.process.loop_lag), restarts), name="loop_lag")]
         try:
             yield services
         finally:

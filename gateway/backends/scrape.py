@@ -303,7 +303,7 @@ class BackendPool(ReadsSettings):
                    if not h.judged.is_set()}
         if pending:
             log.info("waiting_for_first_scrape", model=model, backends=len(pending))
-            self.metrics.first_scrape_waits.labels(model).inc()
+            self.metrics.backends.first_scrape_waits.labels(model).inc()
         deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             while pending and not any(h.healthy for h in handles):
@@ -333,7 +333,7 @@ class BackendPool(ReadsSettings):
             if handle.name not in self._loops:  # a runtime backend read before may run
                 self._start(handle)
         leases = asyncio.create_task(
-            supervise("scrape", self._lease_loop, self.metrics.loop_restarts),
+            supervise("scrape", self._lease_loop, self.metrics.process.loop_restarts),
             name="scrape-leases")
         try:
             await asyncio.Event().wait()  # until cancelled; scrape loops come and go
@@ -414,7 +414,7 @@ class BackendPool(ReadsSettings):
             handle.held, handle.held_since = view.held, now
             log.info("scrape_lease_taken" if view.held else "scrape_lease_lost",
                      backend=handle.name, scraper=self.scraper_id)
-            self.metrics.backend_scraping.labels(handle.name).set(1 if view.held else 0)
+            self.metrics.backends.scraping.labels(handle.name).set(1 if view.held else 0)
             if view.held:
                 handle.wake.set()  # scrape now
         self._read_drained(handle, view.drained, epoch)
@@ -469,7 +469,7 @@ class BackendPool(ReadsSettings):
             self._mark_failures(handle, failures, "published by its scraper")
 
     def _start(self, handle: BackendHandle) -> None:
-        loop = supervise("scrape", lambda: self._loop(handle), self.metrics.loop_restarts)
+        loop = supervise("scrape", lambda: self._loop(handle), self.metrics.process.loop_restarts)
         self._loops[handle.name] = asyncio.create_task(loop, name=f"scrape-{handle.name}")
 
     def set_drained(self, handle: BackendHandle, drained: bool) -> None:
@@ -486,7 +486,7 @@ class BackendPool(ReadsSettings):
 
     def _show_drained(self, handle: BackendHandle, drained: bool) -> None:
         handle.drained = drained
-        self.metrics.backend_drained.labels(handle.name).set(1 if drained else 0)
+        self.metrics.backends.drained.labels(handle.name).set(1 if drained else 0)
 
     def reconcile(self, backends: Sequence[Backend], origins: Mapping[str, str] | None = None
                   ) -> dict[str, list[str]]:
@@ -630,8 +630,8 @@ class BackendPool(ReadsSettings):
             handle.pacing = {c: shared.pacing.get(c, p) for c, p in before.items()}
             for cls, after in handle.pacing.items():
                 changed = after.allowance != before[cls].allowance
-                self.metrics.record_pacing(handle.name, cls, after.allowance, after.bonus,
-                                           after.reason if changed else None)
+                self.metrics.gates.record_pacing(handle.name, cls, after.allowance,
+                                                 after.bonus, after.reason if changed else None)
         self._record(handle, snap)
         handle.scraped.set()
         handle.judged.set()
@@ -682,26 +682,26 @@ class BackendPool(ReadsSettings):
         if handle.healthy and handle.failures >= self.settings.unhealthy_after_failures:
             handle.healthy = False
             log.warning("backend_unhealthy", backend=handle.name, error=error)
-        self.metrics.backend_healthy.labels(handle.name).set(1 if handle.healthy else 0)
+        self.metrics.backends.healthy.labels(handle.name).set(1 if handle.healthy else 0)
         reason = "drained" if handle.drained else "stale"
-        self.metrics.record_gates(handle.name, dict.fromkeys(CLASS_ORDER, reason), time.time())
+        self.metrics.gates.record(handle.name, dict.fromkeys(CLASS_ORDER, reason), time.time())
         handle.judged.set()
 
     def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
         m, name = self.metrics, handle.name
-        m.child(m.backend_waiting, name).set(snap.waiting)
-        m.child(m.backend_waiting_queued, name).set(queued_for_a_slot(snap, handle.peak_running))
-        m.child(m.backend_running, name).set(snap.running)
-        m.child(m.backend_kv, name).set(snap.kv_usage)
-        m.child(m.backend_tpot, name).set(snap.tpot_s or 0.0)
+        m.child(m.backends.waiting, name).set(snap.waiting)
+        m.child(m.backends.waiting_queued, name).set(queued_for_a_slot(snap, handle.peak_running))
+        m.child(m.backends.running, name).set(snap.running)
+        m.child(m.backends.kv, name).set(snap.kv_usage)
+        m.child(m.backends.tpot, name).set(snap.tpot_s or 0.0)
         ratio = handle.prefix_hit_ratio
-        m.child(m.backend_prefix_hit_ratio, name).set(math.nan if ratio is None else ratio)
-        m.child(m.backend_healthy, name).set(1)
-        m.child(m.backend_drained, name).set(1 if handle.drained else 0)
-        m.child(m.backend_pending_prefill, name).set(handle.pending_prefill_tokens)
+        m.child(m.backends.prefix_hit_ratio, name).set(math.nan if ratio is None else ratio)
+        m.child(m.backends.healthy, name).set(1)
+        m.child(m.backends.drained, name).set(1 if handle.drained else 0)
+        m.child(m.backends.pending_prefill, name).set(handle.pending_prefill_tokens)
         lora = handle.lora
-        m.record_adapters(name, self.adapters_on(handle), lora.active if lora else (),
+        m.adapters.record(name, self.adapters_on(handle), lora.active if lora else (),
                           lora.max_lora if lora else None)
         gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)
         shown = handle.shown_gates(gates, handle.pending_prefill_tokens)
-        m.record_gates(name, {c: g.reason for c, g in shown.items()}, snap.taken_at_s)
+        m.gates.record(name, {c: g.reason for c, g in shown.items()}, snap.taken_at_s)

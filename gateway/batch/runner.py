@@ -139,7 +139,7 @@ class BatchRunner(ReadsSettings):
         statuses = Counter(raw["status"] for raw in
                            [await self.batches.raw(b) for b in active] if raw is not None)
         for status in ("validating", "in_progress", "finalizing", "cancelling"):
-            self.metrics.batch_jobs.labels(status).set(statuses.get(status, 0))
+            self.metrics.batch.jobs.labels(status).set(statuses.get(status, 0))
         for batch_id in active:
             if batch_id in self.running:
                 continue
@@ -354,7 +354,7 @@ class BatchRunner(ReadsSettings):
                             message: str) -> None:
         result = output_line(line.custom_id, None, None, {"code": code, "message": message})
         if await self.batches.record(batch_id, line.custom_id, result, ok=False):
-            self.metrics.batch_requests.labels("failed").inc()
+            self.metrics.batch.requests.labels("failed").inc()
 
     async def _record_answer(self, batch_id: str, line: BatchLine, status: int,
                              data: bytes) -> None:
@@ -364,7 +364,7 @@ class BatchRunner(ReadsSettings):
             body = {"raw": data.decode(errors="replace")}
         result = output_line(line.custom_id, status, body, None)
         if await self.batches.record(batch_id, line.custom_id, result, ok=status == 200):
-            self.metrics.batch_requests.labels("completed" if status == 200 else "failed").inc()
+            self.metrics.batch.requests.labels("completed" if status == 200 else "failed").inc()
 
     async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
                         outcome: str) -> None:

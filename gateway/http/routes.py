@@ -156,7 +156,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     finally:
         if early is not None:
             await early.close()
-        svc.metrics.child(svc.metrics.requests, model, klass, status).inc()
+        svc.metrics.child(svc.metrics.edge.requests, model, klass, status).inc()
 
 
 async def _queued_place(svc: Services, model: str, request_id: str) -> Place | None:

@@ -171,8 +171,8 @@ class PoolWatch(ReadsSettings):
         """The backend's service rate now, into its capacity estimate and gauges."""
         rates = h.service.rates(SERVICE) if h.healthy else None
         tokens, requests = rates or (0.0, 0.0)
-        self.metrics.backend_service_tokens.labels(h.name).set(tokens)
-        self.metrics.backend_service_requests.labels(h.name).set(requests)
+        self.metrics.pools.service_tokens.labels(h.name).set(tokens)
+        self.metrics.pools.service_requests.labels(h.name).set(requests)
         if rates is None:
             return
         cap = self.capacity.setdefault(h.name, _Capacity())
@@ -262,8 +262,8 @@ class PoolWatch(ReadsSettings):
         state = self.states[name] = decide(demand, rules,
                                            self.states.get(name, ScaleState(len(ready))),
                                            mono)
-        self.metrics.pool_ready.labels(name).set(len(ready))
-        self.metrics.pool_desired.labels(name).set(state.desired)
+        self.metrics.pools.ready.labels(name).set(len(ready))
+        self.metrics.pools.desired.labels(name).set(state.desired)
         return {
             "pool": name, "model": model, "ready_replicas": len(ready),
             "desired_replicas": state.desired,
@@ -290,11 +290,11 @@ class PoolWatch(ReadsSettings):
 
     def _record(self, pool: str, klass: str, shown: dict[str, Any]) -> None:
         m = self.metrics
-        m.pool_demand_tokens.labels(pool, klass).set(shown["queued_demand_tokens"])
-        m.pool_queued.labels(pool, klass).set(shown["queued_requests"])
-        m.pool_at_risk.labels(pool, klass).set(shown["at_risk"])
+        m.pools.demand_tokens.labels(pool, klass).set(shown["queued_demand_tokens"])
+        m.pools.queued.labels(pool, klass).set(shown["queued_requests"])
+        m.pools.at_risk.labels(pool, klass).set(shown["at_risk"])
         for p, wait in shown["wait_estimate_s"].items():
-            m.pool_wait.labels(pool, klass, p).set(float("nan") if wait is None else wait)
+            m.pools.wait.labels(pool, klass, p).set(float("nan") if wait is None else wait)
 
 
 def _no_wait(ahead: int) -> float:

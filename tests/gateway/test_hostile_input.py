@@ -313,5 +313,5 @@ async def test_a_backend_500_caused_by_the_request_marks_no_backend_unhealthy(
     assert unhealthy == [], unhealthy
     tries = sum(b.failed for b in backends)
     assert tries == 40, f"{tries} tries for 20 requests: each is sent again at most once"
-    retried = gw.services.metrics.continuations.labels("retry", "continued")._value.get()
+    retried = gw.services.metrics.moves.continuations.labels("retry", "continued")._value.get()
     assert retried == 20, retried
