@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.backends import adapters
 from gateway.backends.adapters import Resolved
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.core.errors import (
     BackendUnreachable,
     FairgateError,

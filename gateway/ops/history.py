@@ -160,7 +160,7 @@ class History(ReadsSettings):
         if elapsed <= 0:
             return
         for model in self.settings.models():
-            held = [h for h in self.pool.for_model(model) if h.held]
+            held = [h for h in self.pool.for_model(model) if h.lease.held]
             if not held:
                 continue
             try:

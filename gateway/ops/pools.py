@@ -35,7 +35,8 @@ from typing import Any
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.backends.vllm_metrics import OUTPUT, SERVICE
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
@@ -169,7 +170,7 @@ class PoolWatch(ReadsSettings):
 
     def _measure(self, h: BackendHandle) -> None:
         """The backend's service rate now, into its capacity estimate and gauges."""
-        rates = h.service.rates(SERVICE) if h.healthy else None
+        rates = h.windows.service.rates(SERVICE) if h.healthy else None
         tokens, requests = rates or (0.0, 0.0)
         self.metrics.pools.service_tokens.labels(h.name).set(tokens)
         self.metrics.pools.service_requests.labels(h.name).set(requests)
@@ -205,13 +206,14 @@ class PoolWatch(ReadsSettings):
               ) -> dict[str, Any]:
         s = self.settings
         ready = [h for h in handles if h.healthy and not h.drained]
-        served = sum((h.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
+        served = sum((h.windows.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
         caps = [c.tokens_per_s for h in handles
                 if (c := self.capacity.get(h.name)) is not None and c.tokens_per_s > 0]
         mu = _mean(caps) or s.autoscale.backend_tokens_per_s
         hits = [h.prefix_hit_ratio for h in ready if h.prefix_hit_ratio is not None]
         uncached = 1.0 - (_mean(hits) or 0.0)
-        outputs = [o[0] / o[1] for h in ready if (o := h.service.rates(OUTPUT)) and o[1] > 0]
+        outputs = [o[0] / o[1] for h in ready
+                   if (o := h.windows.service.rates(OUTPUT)) and o[1] > 0]
         output = _mean(outputs) or float(s.autoscale.output_tokens)
         mix = {c: queue.recent.count(c) / len(queue.recent) if queue.recent else 0.0
                for c in CLASS_ORDER}
@@ -281,7 +283,7 @@ class PoolWatch(ReadsSettings):
         }
 
     def _backend(self, h: BackendHandle) -> dict[str, Any]:
-        tokens, requests = h.service.rates(SERVICE) or (0.0, 0.0)
+        tokens, requests = h.windows.service.rates(SERVICE) or (0.0, 0.0)
         cap = self.capacity.get(h.name)
         return {"name": h.name, "healthy": h.healthy, "drained": h.drained,
                 "service_tokens_per_s": tokens, "service_requests_per_s": requests,

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.ops.history import History

@@ -42,7 +42,8 @@ import aiohttp
 import structlog
 
 from gateway.backends import adapters
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import AdapterLoadFailed, AdapterNotLoaded, StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder

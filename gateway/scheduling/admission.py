@@ -27,7 +27,8 @@ from typing import TypeVar
 import structlog
 
 from gateway.backends import adapters
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     AdapterGone,
     BackendRemoved,
