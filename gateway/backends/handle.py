@@ -1,8 +1,9 @@
 """One backend as this process sees it (:class:`BackendHandle`), in parts by who writes
 them: the view of its latest snapshot (the handle's own fields: written when a snapshot
-is applied or a scrape fails, read by every dispatch decision), this process's scraping
-of it (:class:`ScrapeLease`: the lease tick and the scrape loop) and vLLM's counters over
-recent scrapes (:class:`MetricWindows`: each scrape, or each snapshot published)."""
+is applied or a scrape fails, read by every dispatch decision), what its model card says
+(:class:`ModelCard`), this process's scraping of it (:class:`ScrapeLease`: the lease tick
+and the scrape loop) and vLLM's counters over recent scrapes (:class:`MetricWindows`: each
+scrape, or each snapshot published)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ class ScrapeLease:
 
 
 @dataclass
+class ModelCard:
+    """What the backend's ``/v1/models`` and vLLM's LoRA gauge say: written by its
+    scraper's read of ``/v1/models`` and by each snapshot applied."""
+
+    max_model_len: int | None = None  # from its /v1/models, once it is healthy
+    read: bool = False  # /v1/models was read (or the backend has none)
+    adapters: tuple[str, ...] = ()  # the LoRA adapters its /v1/models lists
+    lora: LoraState | None = None  # its vllm:lora_requests_info (None: LoRA off)
+
+
+@dataclass
 class BackendHandle:
     config: Backend
     windows: MetricWindows
@@ -89,10 +101,7 @@ class BackendHandle:
     sent_since_snapshot: int = 0  # this replica's dispatches since ``last`` (dispatcher)
     peak_running: int = 0  # the most requests seen running at once (the batch's size)
     pending_prefill_tokens: int = 0  # by the latest snapshot (policies/prefill.py)
-    max_model_len: int | None = None  # from its /v1/models, once it is healthy
-    model_card_read: bool = False
-    adapters: tuple[str, ...] = ()  # the LoRA adapters its /v1/models lists
-    lora: LoraState | None = None  # its vllm:lora_requests_info (None: LoRA off)
+    card: ModelCard = field(default_factory=ModelCard)
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
     judged: asyncio.Event = field(default_factory=asyncio.Event)  # scraped, or failed, once
     # each class's gate by the latest snapshot, computed once when it arrives, and that

@@ -137,7 +137,7 @@ class BackendPool(ReadsSettings):
         """The LoRA adapters available on ``handle``: those its /v1/models lists and
         those the config puts there, corrected by the runtime loads and unloads noted
         since (:meth:`note_adapter`)."""
-        found = adapters.configured_on(self.settings, handle.config) | set(handle.adapters)
+        found = adapters.configured_on(self.settings, handle.config) | set(handle.card.adapters)
         noted = self._noted.get(handle.name)
         if not noted:
             return found
@@ -166,7 +166,7 @@ class BackendPool(ReadsSettings):
         """The adapters the backends list, by base model."""
         found: dict[str, set[str]] = {}
         for h in list(self.handles.values()):
-            found.setdefault(h.config.model, set()).update(h.adapters)
+            found.setdefault(h.config.model, set()).update(h.card.adapters)
         return found
 
     def resolve(self, name: str) -> Resolved | None:
@@ -178,7 +178,7 @@ class BackendPool(ReadsSettings):
         limits, and, when its model has adapters anywhere, the adapters it has."""
         model = handle.config.model
         if not any(a.base_model == model for a in self.settings.adapters) and not any(
-                h.adapters for h in self.for_model(model)):
+                h.card.adapters for h in self.for_model(model)):
             return handle.fit
         return dataclasses.replace(handle.fit, adapters=self.adapters_on(handle))
 
@@ -286,5 +286,5 @@ class BackendPool(ReadsSettings):
 
     def max_model_len(self, model: str) -> int | None:
         """The smallest context length the model's backends report (None: unknown)."""
-        known = [h.max_model_len for h in self.for_model(model) if h.max_model_len]
+        known = [h.card.max_model_len for h in self.for_model(model) if h.card.max_model_len]
         return min(known) if known else None

@@ -65,14 +65,14 @@ class Scraper(ReadsSettings):
         pacing = ({c: dataclasses.replace(p, peak_running=0) for c, p in handle.pacing.items()}
                   if recovering else handle.pacing)
         peak = max(0 if recovering else handle.peak_running, snap.running)
-        if not handle.model_card_read or (
+        card = handle.card
+        if not card.read or (
                 raw.lora is not None and time.monotonic() - handle.lease.cards_read_at
                 >= self.settings.adapter_refresh_s):
             await self._read_model_card(handle)
         gates, pacing = self.gates.assess(pacing, snap, ttft, peak)
         shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
-                           handle.max_model_len, handle.model_card_read, handle.adapters,
-                           raw.lora)
+                           card.max_model_len, card.read, card.adapters, raw.lora)
         if not await self._publish(handle, snap, shared):
             return
         if recovering:
@@ -106,24 +106,25 @@ class Scraper(ReadsSettings):
         LoRA adapters loaded on it (read again every ``adapter_refresh_s`` while the
         backend shows vLLM's LoRA gauge)."""
         handle.lease.cards_read_at = time.monotonic()
+        card = handle.card
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
             async with self.session.get(handle.config.url + "/v1/models",
                                         timeout=timeout) as resp:
                 if resp.status != 200:
-                    handle.model_card_read = True  # it has none: the context stays unknown
+                    card.read = True  # it has none: the context stays unknown
                     return
                 cards = (await resp.json(content_type=None)).get("data") or []
         except (aiohttp.ClientError, TimeoutError):
             return  # tried again with the next scrape
         except (ValueError, AttributeError):
             cards = []  # not vLLM's format: the context stays unknown
-        handle.model_card_read = True
-        handle.adapters = adapters.adapters_in_cards(cards, handle.config.model)
-        for card in cards:
-            if isinstance(card, dict) and card.get("id") == handle.config.model:
-                value = card.get("max_model_len")
-                handle.max_model_len = value if isinstance(value, int) and value > 0 else None
+        card.read = True
+        card.adapters = adapters.adapters_in_cards(cards, handle.config.model)
+        for entry in cards:
+            if isinstance(entry, dict) and entry.get("id") == handle.config.model:
+                value = entry.get("max_model_len")
+                card.max_model_len = value if isinstance(value, int) and value > 0 else None
 
 
 def _sums(raw: RawMetrics) -> dict[str, tuple[float, float]]:

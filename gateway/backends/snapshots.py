@@ -62,8 +62,9 @@ class Snapshots(ReadsSettings):
         handle.healthy, handle.failures, handle.last = True, 0, snap
         handle.sent_since_snapshot = 0
         handle.peak_running, handle.prefix_hit_ratio = shared.peak_running, shared.prefix_hit_ratio
-        handle.max_model_len, handle.model_card_read = shared.max_model_len, shared.model_card_read
-        handle.adapters, handle.lora = shared.adapters, shared.lora
+        card = handle.card  # one object for the handle's life: changed in place
+        card.max_model_len, card.read = shared.max_model_len, shared.model_card_read
+        card.adapters, card.lora = shared.adapters, shared.lora
         handle.gates, handle.gates_seen = dict(shared.gates), snap.taken_at_s
         if self.gates.pacing_targets is not None:
             handle.pacing = {c: shared.pacing.get(c, p) for c, p in before.items()}
@@ -121,7 +122,7 @@ class Snapshots(ReadsSettings):
         m.child(m.backends.healthy, name).set(1)
         m.child(m.backends.drained, name).set(1 if handle.drained else 0)
         m.child(m.backends.pending_prefill, name).set(handle.pending_prefill_tokens)
-        lora = handle.lora
+        lora = handle.card.lora
         m.adapters.record(name, self.adapters_on(handle), lora.active if lora else (),
                           lora.max_lora if lora else None)
         gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)

@@ -136,11 +136,11 @@ class Inspector(ReadsSettings):
         """Its LoRA adapters (docs/adapters.md): resident (available there), active (with
         live requests, by vLLM's gauge) and its slots; None: its model has none."""
         fit = self.pool.fit(h)
-        if fit.adapters is None and h.lora is None:
+        if fit.adapters is None and h.card.lora is None:
             return None
         return {"resident": sorted(self.pool.adapters_on(h)),
-                "active": sorted(h.lora.active) if h.lora else [],
-                "slots": h.lora.max_lora if h.lora else None}
+                "active": sorted(h.card.lora.active) if h.card.lora else [],
+                "slots": h.card.lora.max_lora if h.card.lora else None}
 
     async def backend(self, name: str) -> dict[str, Any]:
         model = self.pool.handles[name].config.model

@@ -258,12 +258,12 @@ class AdapterLoads(ReadsSettings):
         hosts = []
         for h in handles:
             loaded = self.pool.adapters_on(h)
-            active = frozenset(h.lora.active) if h.lora else frozenset()
+            active = frozenset(h.card.lora.active) if h.card.lora else frozenset()
             last = h.last
             load = (last.waiting + last.running if last else 0) + h.sent_since_snapshot
             times = loaded_at.get(h.name, {})
             hosts.append(LoadHost(
-                h.name, loaded, h.lora.max_lora if h.lora else None, load, active,
+                h.name, loaded, h.card.lora.max_lora if h.card.lora else None, load, active,
                 loaded & set(adapters.runtime_on(self.settings, h.config)),
                 {a: at for a, (at, _) in times.items()},
                 {a: now if a in active else self._last_used.get((h.name, a), 0.0)

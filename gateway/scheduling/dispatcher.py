@@ -628,8 +628,8 @@ class Dispatcher(ReadsSettings):
             return None
         return adapter_takes([AdapterHost(
             h.name, self.pool.adapters_on(h),
-            frozenset(h.lora.active) if h.lora else frozenset(),
-            h.lora.max_lora if h.lora else None) for h in open_])
+            frozenset(h.card.lora.active) if h.card.lora else frozenset(),
+            h.card.lora.max_lora if h.card.lora else None) for h in open_])
 
     def _fit(self, handle: BackendHandle, adapters: Mapping[str, frozenset[str]] | None
              ) -> BackendFit:
