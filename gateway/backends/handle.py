@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.backends.vllm_metrics import (
@@ -48,7 +47,7 @@ class MetricWindows:
                    HistogramWindow(window_s, (PREFIX_CACHE,)),
                    HistogramWindow(SERVICE_WINDOW_S, (OUTPUT,)))
 
-    def add(self, at_s: float, sums: Mapping[str, tuple[float, float]]
+    def add(self, at_s: float, sums: dict[str, tuple[float, float]]
             ) -> tuple[float | None, float | None, float | None]:
         """One scrape's sums: (mean TPOT, mean TTFT, prefix hit ratio) over the windows."""
         self.service.add(at_s, sums)
