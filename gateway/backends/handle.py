@@ -19,7 +19,7 @@ from gateway.backends.vllm_metrics import (
     LoraState,
 )
 from gateway.core.settings import Backend
-from gateway.storage.store import BackendFit, BackendState
+from gateway.storage.records import BackendFit, BackendState
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate
 from policies.pacing import Pacing

@@ -32,7 +32,8 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.core.waits import event_set
-from gateway.storage.store import LeaseWish, ScrapeView, Store
+from gateway.storage.fleet_store import FleetStore
+from gateway.storage.records import LeaseWish, ScrapeView
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -42,7 +43,7 @@ that runs late on a loaded machine must not hand its backends to another process
 
 
 class ScrapeLeases(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store, metrics: GatewayMetrics,
+    def __init__(self, settings: SettingsHolder, store: FleetStore, metrics: GatewayMetrics,
                  handles: dict[str, BackendHandle], scraper: Scraper, snapshots: Snapshots,
                  scraper_id: str) -> None:
         self.holder = settings

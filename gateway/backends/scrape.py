@@ -39,7 +39,8 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
-from gateway.storage.store import BackendFit, Store
+from gateway.storage.fleet_store import FleetStore
+from gateway.storage.records import BackendFit
 from policies.classes import CLASS_ORDER
 from policies.gates import GatePolicy
 from policies.pacing import PacingTargets
@@ -53,7 +54,7 @@ class BackendPool(ReadsSettings):
         self,
         settings: SettingsHolder,
         session: aiohttp.ClientSession,
-        store: Store,
+        store: FleetStore,
         metrics: GatewayMetrics,
         on_snapshot: Callable[[], None] = lambda: None,
         *,

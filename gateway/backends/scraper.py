@@ -27,15 +27,16 @@ from gateway.backends.vllm_metrics import (
 )
 from gateway.core.errors import StoreUnavailable
 from gateway.core.settings import ReadsSettings, SettingsHolder
-from gateway.storage.store import Store, Stored
+from gateway.storage.fleet_store import FleetStore
+from gateway.storage.records import Stored
 from policies.gates import BackendSnapshot
 
 log = structlog.get_logger("fairgate.backends")
 
 
 class Scraper(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, session: aiohttp.ClientSession, store: Store,
-                 gates: ClassGates, snapshots: Snapshots) -> None:
+    def __init__(self, settings: SettingsHolder, session: aiohttp.ClientSession,
+                 store: FleetStore, gates: ClassGates, snapshots: Snapshots) -> None:
         self.holder = settings
         self.session = session
         self.store = store

@@ -15,7 +15,7 @@ from gateway.backends.handle import BackendHandle
 from gateway.backends.published import Published
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
-from gateway.storage.store import snapshot_from
+from gateway.storage.records import snapshot_from
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, Gate, queued_for_a_slot
 
