@@ -39,7 +39,7 @@ from tests.ops.conftest import ADMIN, admin_call
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
              "Dispatcher", "History", "Inspector", "PoolWatch", "Preemptor",
-             "Quotas", "RuntimeKeys", "Waits"}
+             "Quotas", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots", "Waits"}
 SETTINGS_COPIES = (Settings, Group, ClassConfig, Tenant)
 
 
@@ -274,5 +274,6 @@ async def test_every_reloadable_setting_reaches_its_readers(
     kept = {old_numbers[v]: where for where, v in held if v in old_numbers}
     assert kept == {}, f"copies of old values still held: {kept}"
     assert svc.upstream.stream_idle_s == value_at(want, "upstream.stream_idle_timeout_s")
-    windows = {w.window_s for h in svc.pool.handles.values() for w in (h.tpot, h.ttft)}
+    windows = {w.window_s for h in svc.pool.handles.values()
+               for w in (h.windows.tpot, h.windows.ttft)}
     assert windows == {value_at(want, "pacing.tpot_window_s")}, windows
