@@ -109,7 +109,8 @@ def output_line(custom_id: str, status: int | None, body: Any,
 class BatchRunner(ReadsSettings):
     def __init__(self, settings: SettingsHolder, admission: Admission, upstream: Upstream,
                  files: FileStore, batches: BatchStore, metrics: GatewayMetrics,
-                 replica_id: str) -> None:
+                 replica_id: str,
+                 account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None) -> None:
         self.holder = settings
         self.admission = admission
         self.upstream = upstream
@@ -119,8 +120,8 @@ class BatchRunner(ReadsSettings):
         self.replica_id = replica_id
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
-        # the owner's key by id, for its limits and budgets (set by gateway/services.py)
-        self.account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None
+        # the owner's key by id, for its limits and budgets (None: none known)
+        self.account_of = account_of
 
     def wake(self) -> None:
         self._wake.set()
