@@ -14,7 +14,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,6 +162,27 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
     return connect(redis_url, metrics.redis, **options), redis_url
 
 
+def start_loops(svc: Services) -> list[asyncio.Task[None]]:
+    """The long-lived loops of these services, each supervised (restarted after a crash;
+    the scrape and dispatch loops supervise their own)."""
+    restarts = svc.metrics.loop_restarts
+
+    def loop(name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        return asyncio.create_task(supervise(name, run, restarts), name=name)
+
+    return [asyncio.create_task(svc.pool.run(), name="scrape"),
+            asyncio.create_task(svc.dispatcher.run(), name="dispatch"),
+            loop("batch", svc.batch_runner.run),
+            loop("quotas", svc.quotas.run),
+            loop("adapters", svc.admission.adapter_loads.run),
+            loop("migrate", Migrations(svc.store, svc.pool, svc.running).run),
+            loop("history", svc.inspector.history.run),
+            loop("pools", svc.pools.run),
+            loop("backends", svc.backends.run),
+            loop("discovery", DnsDiscovery(svc.config, svc.backends).run),
+            loop("loop_lag", functools.partial(loop_lag.watch, svc.metrics.loop_lag))]
+
+
 @contextlib.asynccontextmanager
 async def running_services(settings: Settings, metrics: GatewayMetrics
                            ) -> AsyncIterator[Services]:
@@ -220,25 +241,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
 
-        restarts = metrics.loop_restarts
-        tasks = [asyncio.create_task(pool.run(), name="scrape"),
-                 asyncio.create_task(dispatcher.run(), name="dispatch"),
-                 asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
-                 asyncio.create_task(supervise("quotas", quotas.run, restarts), name="quotas"),
-                 asyncio.create_task(supervise("adapters", admission.adapter_loads.run,
-                                               restarts), name="adapters"),
-                 asyncio.create_task(supervise("migrate", Migrations(
-                     store, pool, running).run, restarts), name="migrate"),
-                 asyncio.create_task(supervise("history", services.inspector.history.run,
-                                               restarts), name="history"),
-                 asyncio.create_task(supervise("pools", services.pools.run, restarts),
-                                     name="pools"),
-                 asyncio.create_task(supervise("backends", backends.run, restarts),
-                                     name="backends"),
-                 asyncio.create_task(supervise("discovery", DnsDiscovery(
-                     config, backends).run, restarts), name="discovery"),
-                 asyncio.create_task(supervise("loop_lag", functools.partial(
-                     loop_lag.watch, metrics.loop_lag), restarts), name="loop_lag")]
+        tasks = start_loops(services)
         try:
             yield services
         finally:

@@ -24,8 +24,8 @@ from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
-             "Dispatcher", "History", "Inspector", "PoolWatch", "Preemptor",
-             "Quotas", "RuntimeKeys", "Waits"}
+             "Dispatcher", "History", "Inspector", "Planner", "PoolWatch", "Preemptor",
+             "Quotas", "ReplicaProtocol", "RuntimeKeys", "StoreOutage", "Waits"}
 SETTINGS_COPIES = (Settings, ClassConfig, Tenant)
 
 
