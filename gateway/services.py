@@ -123,15 +123,15 @@ def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
     built before it also rings; ``streams``: this process's running answers, which
     preemption orders move."""
     signals = signals if signals is not None else Signals()
-    preemptor = Preemptor(config, store, pool, metrics, streams)
+    preemptor = Preemptor(config, store.preempts, pool, metrics, streams)
     waiters = Waiters(replica_id)
     # store_outage "local": this replica's own queues while Redis is unreachable
     local = LocalScheduler(pool, replica_id)
-    outage = StoreOutage(config, store, metrics, local, waiters, signals)
-    planner = Planner(config, store, pool, metrics, replica_id, preemptor, waiters, signals)
-    starts = HeldStarts(store, planner, signals)
+    outage = StoreOutage(config, store.queue, metrics, local, waiters, signals)
+    planner = Planner(config, store.reads, pool, metrics, replica_id, preemptor, waiters, signals)
+    starts = HeldStarts(store.queue, planner, signals)
     settles = Settles(store, local, waiters, starts, planner, signals)
-    loop = DispatchLoop(store, planner, starts, settles, preemptor, outage, signals)
+    loop = DispatchLoop(store.queue, planner, starts, settles, preemptor, outage, signals)
     replicas = ReplicaProtocol(config, store, replica_id, waiters, settles, outage, local,
                                preemptor, signals)
     return Dispatcher(config, store, pool, metrics, DispatchParts(
@@ -175,7 +175,7 @@ def start_loops(svc: Services) -> list[asyncio.Task[None]]:
             loop("batch", svc.batch_runner.run),
             loop("quotas", svc.quotas.run),
             loop("adapters", svc.admission.adapter_loads.run),
-            loop("migrate", Migrations(svc.store, svc.pool, svc.running).run),
+            loop("migrate", Migrations(svc.store.fleet, svc.pool, svc.running).run),
             loop("history", svc.inspector.history.run),
             loop("pools", svc.pools.run),
             loop("backends", svc.backends.run),
@@ -199,10 +199,10 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         replica_id = settings.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
-        store = Store(client, request_ttl_s(settings), settings.fleet_models())
-        config.on_swap(lambda new: setattr(store, "request_ttl_s", request_ttl_s(new)))
+        store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
+        config.on_swap(lambda new: setattr(store.queue, "request_ttl_s", request_ttl_s(new)))
         signals = Signals()  # the dispatch loop's wake-up
-        pool = BackendPool(config, session, store, metrics,
+        pool = BackendPool(config, session, store.fleet, metrics,
                            on_snapshot=signals.wake_freed)  # gates may have opened
         running = RunningStreams(lambda: config.current.max_moves)
         # preemption orders move this process's running answers
@@ -211,7 +211,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         quotas = Quotas(client, config)
         usage = UsageLedger(client, settings.usage_retention_days,
                             lambda: config.current.models())
-        backends = BackendList(client, config, pool, store)
+        backends = BackendList(client, config, pool, store.fleet)
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage, running,
                               learn_backend=backends.learn)  # a grant for one added elsewhere
@@ -238,7 +238,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog),
+            pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
 
         tasks = start_loops(services)

@@ -23,7 +23,9 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.scheduling.grants import Signals, Waiters
 from gateway.scheduling.preemption import Preemptor
-from gateway.storage.store import BackendFit, Dispatched, Locality, Store, dispatch_args
+from gateway.storage.dispatch_call import dispatch_args
+from gateway.storage.read_store import ReadStore
+from gateway.storage.records import BackendFit, Dispatched, Locality
 from policies.adapters import AdapterHost
 from policies.adapters import takes as adapter_takes
 from policies.dispatch_plan import BackendView, dispatch_order
@@ -57,11 +59,11 @@ class Planner(ReadsSettings):
     """Each model's decision inputs, and what the latest decision said: the depth still
     queued, the class service picture, the decisions on their way."""
 
-    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+    def __init__(self, settings: SettingsHolder, reads: ReadStore, pool: BackendPool,
                  metrics: GatewayMetrics, replica_id: str, preemptor: Preemptor,
                  waiters: Waiters, signals: Signals) -> None:
         self.holder = settings
-        self.store = store
+        self.reads = reads
         self.pool = pool
         self.metrics = metrics
         self.replica_id = replica_id
@@ -211,6 +213,6 @@ class Planner(ReadsSettings):
         again when older than a scrape interval."""
         cached = self._class_view.get(model)
         if cached is None or now - cached[0] > self.settings.scrape_interval_s:
-            since, recent = await self.store.class_service(model)
+            since, recent = await self.reads.class_service(model)
             cached = self._class_view[model] = (now, since, recent)
         return cached[1], cached[2]

@@ -19,16 +19,16 @@ from gateway.scheduling.held_starts import HeldStarts
 from gateway.scheduling.outage import StoreOutage
 from gateway.scheduling.preemption import Preemptor
 from gateway.scheduling.settles import Settles
-from gateway.storage.store import Store
+from gateway.storage.queue_store import QueueStore
 
 log = structlog.get_logger("fairgate.dispatcher")
 
 
 class DispatchLoop:
-    def __init__(self, store: Store, planner: Planner, starts: HeldStarts,
+    def __init__(self, queue: QueueStore, planner: Planner, starts: HeldStarts,
                  settles: Settles, preemptor: Preemptor, outage: StoreOutage,
                  signals: Signals) -> None:
-        self.store = store
+        self.queue = queue
         self.planner = planner
         self.starts = starts
         self.settles = settles
@@ -92,7 +92,7 @@ class DispatchLoop:
                     deciding.enter_context(self.planner.decision(model, backend))
                 # one call tries the open backends in order, until nothing is queued (or
                 # after the first grant while a class is owed its floor)
-                decided = await self.store.dispatch_with(
+                decided = await self.queue.dispatch_with(
                     model, [self.planner.dispatch_args(model, plan, b) for b in plan.open],
                     starts, until_grant=plan.owed is not None)
         except StoreUnavailable:

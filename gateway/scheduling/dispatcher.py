@@ -64,7 +64,8 @@ from gateway.scheduling.outage import StoreOutage
 from gateway.scheduling.preemption import Preemptor
 from gateway.scheduling.replicas import ReplicaProtocol
 from gateway.scheduling.settles import Settles
-from gateway.storage.store import Dispatched, Grant, QueuedRequest, Store
+from gateway.storage.records import Dispatched, Grant, QueuedRequest
+from gateway.storage.store import Store
 from gateway.storage.values import UsageCounts
 
 # How often a waiting request checks that it is still queued in Redis.
@@ -209,7 +210,7 @@ class Dispatcher(ReadsSettings):
                 if self.local.holds(req.request_id):
                     continue  # queued here while the store is unreachable
                 try:
-                    if (await self.store.request_exists(model, req.request_id)
+                    if (await self.store.reads.request_exists(model, req.request_id)
                             or self._clients.being_cancelled(req.request_id)):
                         continue  # still queued, or an operator's cancel tells it now
                     # The store forgot it while its client waits here: dropped at dispatch
@@ -229,8 +230,8 @@ class Dispatcher(ReadsSettings):
         if self.local.cancel(req.request_id):
             self.waiters.pop(req.request_id, None)
             return
-        if await self.store.cancel(model, req.request_id, req.user, req.klass,
-                                   req.tenant_name, req.session):
+        if await self.store.queue.cancel(model, req.request_id, req.user, req.klass,
+                                         req.tenant_name, req.session):
             self.waiters.pop(req.request_id, None)
         elif future.done() and not future.cancelled() and future.exception() is None:
             await self.release(model, future.result(), 0.0)
@@ -270,7 +271,7 @@ class Dispatcher(ReadsSettings):
                 target = None  # a decision on its way: the loop follows it
             then = planner.dispatch_args(model, plan, target) if plan and target else None
             with planner.decision(model, target):
-                positions, done = await self.store.enqueue_many(
+                positions, done = await self.store.queue.enqueue_many(
                     model, [r for r, _ in batch], self.settings.max_queued_per_user, then,
                     starts)
         except (Exception, asyncio.CancelledError) as exc:

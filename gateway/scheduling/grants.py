@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 
 from gateway.core.errors import FairgateError
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 
 log = structlog.get_logger("fairgate.dispatcher")
 

@@ -13,14 +13,15 @@ import time
 from gateway.core.errors import StoreUnavailable
 from gateway.scheduling.decision import Planner
 from gateway.scheduling.grants import Signals
-from gateway.storage.store import Grant, Start, Store
+from gateway.storage.queue_store import QueueStore
+from gateway.storage.records import Grant, Start
 
 
 class HeldStarts:
     """The starts not yet sent, by model."""
 
-    def __init__(self, store: Store, planner: Planner, signals: Signals) -> None:
-        self.store = store
+    def __init__(self, queue: QueueStore, planner: Planner, signals: Signals) -> None:
+        self.queue = queue
         self.planner = planner
         self.signals = signals
         self._starts: dict[str, dict[str, Start]] = {}
@@ -53,7 +54,7 @@ class HeldStarts:
         try:
             plan, then = await self.planner.fold(model, grant.backend)
             with self.planner.decision(model, grant.backend if then else None):
-                done = await self.store.mark_started(model, grant, start.at, then,
+                done = await self.queue.mark_started(model, grant, start.at, then,
                                                      held=starts[:-1])
         except StoreUnavailable:
             self.hold(model, starts)  # sent with the next call, the settle at the latest
@@ -71,7 +72,7 @@ class HeldStarts:
         which gates closed by a slow TPOT may put off until an answer ends."""
         starts = self.take(model)
         try:
-            await self.store.mark_starts(model, starts)
+            await self.queue.mark_starts(model, starts)
         except StoreUnavailable:
             self.hold(model, starts)
             raise

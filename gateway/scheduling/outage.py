@@ -24,16 +24,17 @@ from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.core.waits import event_set
 from gateway.scheduling.grants import Signals, Waiters
 from gateway.scheduling.local import LocalScheduler
-from gateway.storage.store import QueuedRequest, Store
+from gateway.storage.queue_store import QueueStore
+from gateway.storage.records import QueuedRequest
 
 log = structlog.get_logger("fairgate.dispatcher")
 
 
 class StoreOutage(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store, metrics: GatewayMetrics,
+    def __init__(self, settings: SettingsHolder, queue: QueueStore, metrics: GatewayMetrics,
                  local: LocalScheduler, waiters: Waiters, signals: Signals) -> None:
         self.holder = settings
-        self.store = store
+        self.queue = queue
         self.metrics = metrics
         self.local = local
         self.waiters = waiters
@@ -100,7 +101,7 @@ class StoreOutage(ReadsSettings):
         self.metrics.serving_locally.set(0)
         for wait in served:
             r = wait.request
-            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
+            await self.queue.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
                                     r.session)
         await self.requeue_waiters()  # the waiters still queued here
         log.info("store_back", handed_back=len(queued), served_locally=len(served))
@@ -155,7 +156,7 @@ class StoreOutage(ReadsSettings):
         """Queue again requests the store forgot while their clients wait here (a
         promoted replica missed the last writes), with their first arrival time; the
         ones it still knows stay as they are. Returns how many went in."""
-        positions, _ = await self.store.enqueue_many(
+        positions, _ = await self.queue.enqueue_many(
             model, reqs, self.settings.max_queued_per_user, requeue=True)
         again = sum(p > 0 for p in positions)
         if again:

@@ -23,7 +23,8 @@ from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.outage import StoreOutage
 from gateway.scheduling.preemption import Preemptor
 from gateway.scheduling.settles import Settles
-from gateway.storage.store import Preempt, Store
+from gateway.storage.records import Preempt
+from gateway.storage.store import Store
 
 log = structlog.get_logger("fairgate.dispatcher")
 
@@ -58,7 +59,7 @@ class ReplicaProtocol(ReadsSettings):
     async def listen(self, model: str) -> None:
         while True:
             try:
-                item = await self.store.next_order(model, self.replica_id, STORE_BLOCK_S)
+                item = await self.store.replicas.next_order(model, self.replica_id, STORE_BLOCK_S)
             except StoreUnavailable as exc:
                 self.outage.unheard.add(model)
                 self.outage.lost(exc)
@@ -79,7 +80,7 @@ class ReplicaProtocol(ReadsSettings):
         older one whose client still waits here is delivered to it."""
         unsettled = self.settles.unsettled_ids()
         released = 0
-        for grant, dispatched_at in await self.store.held_by(model, self.replica_id):
+        for grant, dispatched_at in await self.store.replicas.held_by(model, self.replica_id):
             if (grant.request_id in self.waiters.held or grant.request_id in unsettled
                     or now - dispatched_at < RECONCILE_GRACE_S):
                 continue
@@ -90,7 +91,7 @@ class ReplicaProtocol(ReadsSettings):
                                      grant.charged_prompt)
                 self.settles.release_leftovers()
                 continue
-            if await self.store.settle(model, grant, 0.0):
+            if await self.store.queue.settle(model, grant, 0.0):
                 released += 1
         if released:
             log.warning("reconciled_inflight", model=model, released=released)
@@ -100,7 +101,7 @@ class ReplicaProtocol(ReadsSettings):
     async def forget_idle(self, model: str, now: float) -> int:
         """One bounded pass over the model's trusted-key end users idle past
         ``end_user_idle_s``: their fairness state is forgotten. Returns how many."""
-        forgotten, _ = await self.store.forget_idle(
+        forgotten, _ = await self.store.queue.forget_idle(
             model, now, self.settings.end_user_idle_s, FORGET_PER_PASS)
         if forgotten:
             log.info("forgot_idle_end_users", model=model, forgotten=forgotten)
@@ -118,14 +119,14 @@ class ReplicaProtocol(ReadsSettings):
     async def _beat(self, models: list[str]) -> None:
         now = time.time()
         ttl_s = self.settings.replica_ttl_s
-        self.local.replicas = await self.store.heartbeat(
+        self.local.replicas = await self.store.replicas.heartbeat(
             models, self.replica_id, now, self.listened, now - ttl_s)
         self.signals.beating.set()
         recovered = await self.outage.answered()
         await self.settles.settle_deferred()
         self.beats += 1
         for model in models:
-            if await self.store.reap(model, now, ttl_s):
+            if await self.store.queue.reap(model, now, ttl_s):
                 log.warning("reaped_dead_replica_requests", model=model)
             await self.forget_idle(model, now)
             if recovered or self.beats % RECONCILE_EVERY == 0:

@@ -23,7 +23,8 @@ from gateway.scheduling.decision import Planner
 from gateway.scheduling.grants import Signals, Waiters
 from gateway.scheduling.held_starts import HeldStarts
 from gateway.scheduling.local import LocalScheduler
-from gateway.storage.store import Grant, Start, Store
+from gateway.storage.records import Grant, Start
+from gateway.storage.store import Store
 from gateway.storage.values import UsageCounts
 
 log = structlog.get_logger("fairgate.dispatcher")
@@ -69,7 +70,7 @@ class Settles:
         try:
             plan, then = await self.planner.fold(model, grant.backend)
             with self.planner.decision(model, grant.backend if then else None):
-                _, done = await self.store.settle_and_dispatch(
+                _, done = await self.store.queue.settle_and_dispatch(
                     model, grant, charge, tenant_charge, usage, then, starts)
         except StoreUnavailable as exc:
             log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
@@ -87,7 +88,7 @@ class Settles:
     async def settle_deferred(self) -> None:
         while self.unsettled:
             s = self.unsettled[0]
-            await self.store.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
+            await self.store.queue.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
                                                  s.usage, starts=s.starts)
             self.unsettled.popleft()
             self.signals.wake_freed()
@@ -103,12 +104,12 @@ class Settles:
 
     async def _release_duplicate(self, model: str, grant: Grant) -> None:
         with contextlib.suppress(StoreUnavailable):  # else reconcile() releases it
-            if await self.store.settle(model, grant, 0.0):
+            if await self.store.queue.settle(model, grant, 0.0):
                 self.signals.wake_freed()
 
     async def _release_orphan(self, model: str, request_id: str) -> None:
         with contextlib.suppress(StoreUnavailable):
-            grant = await self.store.dispatched(model, request_id)
+            grant = await self.store.replicas.dispatched(model, request_id)
             if grant is not None:
                 await self.release(model, grant, 0.0)
 
