@@ -30,6 +30,7 @@ from gateway.backends.registry import BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
+from gateway.batch.results import BatchResults
 from gateway.batch.runner import BatchRunner
 from gateway.core import loop_lag
 from gateway.core.errors import StoreUnavailable
@@ -165,7 +166,7 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
 def start_loops(svc: Services) -> list[asyncio.Task[None]]:
     """The long-lived loops of these services, each supervised (restarted after a crash;
     the scrape and dispatch loops supervise their own)."""
-    restarts = svc.metrics.loop_restarts
+    restarts = svc.metrics.process.loop_restarts
 
     def loop(name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         return asyncio.create_task(supervise(name, run, restarts), name=name)
@@ -180,7 +181,7 @@ def start_loops(svc: Services) -> list[asyncio.Task[None]]:
             loop("pools", svc.pools.run),
             loop("backends", svc.backends.run),
             loop("discovery", DnsDiscovery(svc.config, svc.backends).run),
-            loop("loop_lag", functools.partial(loop_lag.watch, svc.metrics.loop_lag))]
+            loop("loop_lag", functools.partial(loop_lag.watch, svc.metrics.process.loop_lag))]
 
 
 @contextlib.asynccontextmanager
@@ -224,8 +225,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             # the key ring in force: a reload replaces services.keys
             return await services.keys.find(key_id)
 
-        runner = BatchRunner(config, admission, upstream, files, batches, metrics,
-                             replica_id, account_of)
+        runner = BatchRunner(config, admission, upstream, files, batches,
+                             BatchResults(files, batches), metrics, replica_id, account_of)
         runtime_keys = RuntimeKeys(client, config)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
         with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it

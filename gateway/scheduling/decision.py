@@ -18,7 +18,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.scheduling.grants import Signals, Waiters
@@ -133,8 +134,8 @@ class Planner(ReadsSettings):
             return None
         return adapter_takes([AdapterHost(
             h.name, self.pool.adapters_on(h),
-            frozenset(h.lora.active) if h.lora else frozenset(),
-            h.lora.max_lora if h.lora else None) for h in open_])
+            frozenset(h.card.lora.active) if h.card.lora else frozenset(),
+            h.card.lora.max_lora if h.card.lora else None) for h in open_])
 
     def _fit(self, handle: BackendHandle, adapters: Mapping[str, frozenset[str]] | None
              ) -> BackendFit:
@@ -189,15 +190,16 @@ class Planner(ReadsSettings):
         self.queued[model] = done.depth
         self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
         if done.stale_view:
-            self.metrics.child(self.metrics.dispatch_stale_view, model, done.backend).inc()
+            self.metrics.child(self.metrics.dispatch.stale_view, model, done.backend).inc()
         if done.grants and self.preemptor.soon(model, time.monotonic()):
             self.signals.wake_freed()  # a grant may wait on a full backend: check it
         for grant in done.grants:
             handle = plan.handles.get(grant.backend)
             if handle is not None:
                 handle.sent_since_snapshot += 1
-            self.metrics.child(self.metrics.dispatches, model, grant.backend, grant.klass).inc()
-            self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
+            self.metrics.child(self.metrics.dispatch.dispatches, model, grant.backend,
+                               grant.klass).inc()
+            self.metrics.dispatch.on_decision(model, grant.backend, grant.reason,
                                               grant.matched_blocks, grant.prompt_blocks)
             if grant.owner == self.replica_id:
                 self.waiters.deliver(model, grant.request_id, grant.backend, grant.rank,

@@ -296,7 +296,7 @@ class Dispatcher(ReadsSettings):
         """The dispatch loop, the heartbeat and one grant listener per model, each
         supervised (restarted after a crash)."""
         models = self.settings.models()
-        restarts = self.metrics.loop_restarts
+        restarts = self.metrics.process.loop_restarts
         replicas, loop = self.replicas, self.parts.loop
         loops = [supervise("heartbeat", lambda: replicas.heartbeat(models), restarts),
                  supervise("dispatch", lambda: loop.run(models), restarts)]

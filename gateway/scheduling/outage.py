@@ -67,7 +67,7 @@ class StoreOutage(ReadsSettings):
                 self._background_task(self._fail_waiters_after(self._outages, wait_s))
         self.down = True
         if self.serves_locally:
-            self.metrics.serving_locally.set(1)
+            self.metrics.dispatch.serving_locally.set(1)
             for waiter in list(self.waiters.waiting.values()):
                 if not waiter.future.done():
                     self.local.queue(waiter.model, waiter.request, waiter.future)
@@ -91,14 +91,14 @@ class StoreOutage(ReadsSettings):
         for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
             # a grant from the store comes too late
             self.waiters.waiting.pop(grant.request_id, None)
-            self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
+            self.metrics.dispatch.local.labels(model, grant.backend, grant.klass).inc()
 
     async def _hand_back(self) -> None:
         """The store answers again after this replica served locally: the requests
         granted here leave its queues (they run to their end here), and those still
         queued here go back to it with their arrival time unless it still queues them."""
         queued, served = self.local.take_back()
-        self.metrics.serving_locally.set(0)
+        self.metrics.dispatch.serving_locally.set(0)
         for wait in served:
             r = wait.request
             await self.queue.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
