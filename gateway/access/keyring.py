@@ -24,6 +24,7 @@ import secrets
 import time
 from typing import Any
 
+import orjson
 import structlog
 
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, UsageLimits
@@ -101,14 +102,18 @@ class RuntimeKeys(ReadsSettings):
         cached = self._cache.get(digest_hex)
         if cached is not None and cached[0] > now:
             return cached[1]
-        fields = await self._lookup(keys=[key_digest(digest_hex), KEY_PEPPER], args=[
-            KEYRING_PREFIX, round(time.time(), 3), b"" if self._configured else pepper])
-        if fields and str(fields[0]) == "pepper":  # the store's pepper changed: adopt it
+        args: dict[str, Any] = {"prefix": KEYRING_PREFIX, "digest": key_digest(digest_hex),
+                                "pepper_key": KEY_PEPPER, "now": round(time.time(), 3)}
+        if not self._configured:
+            args["pepper"] = pepper.decode()
+        out = orjson.loads(await self._lookup(keys=[args["digest"], KEY_PEPPER],
+                                              args=[orjson.dumps(args)]))
+        if "pepper" in out:  # the store's pepper changed: adopt it
             log.warning("key_pepper_changed", where=KEY_PEPPER, reason=CHANGED)
-            self._pepper = str(fields[1]).encode()
+            self._pepper = str(out["pepper"]).encode()
             self._cache.clear()
             return await self.lookup(secret)
-        found = _api_key(_pairs(fields)) if fields else None
+        found = _api_key(out["record"]) if "record" in out else None
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
         self._cache[digest_hex] = (now + self.settings.key_cache_s, found)
@@ -138,11 +143,13 @@ class RuntimeKeys(ReadsSettings):
         """A new secret; the current one keeps working for ``grace_s``. None: no key."""
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         new = digest(await self._writing_pepper(), secret)
-        done = await self._rotate(keys=[key_record(key_id), key_digest(new)],
-                                  args=[KEYRING_PREFIX, key_id, new,
-                                        secret[:SHOWN_PREFIX_CHARS], round(grace_s * 1000),
-                                        round(time.time(), 3)])
-        if not done:
+        args = {"prefix": KEYRING_PREFIX, "record": key_record(key_id),
+                "digest_key": key_digest(new), "id": key_id, "digest": new,
+                "shown": secret[:SHOWN_PREFIX_CHARS], "grace_ms": round(grace_s * 1000),
+                "now": round(time.time(), 3)}
+        out = orjson.loads(await self._rotate(keys=[args["record"], args["digest_key"]],
+                                              args=[orjson.dumps(args)]))
+        if not out["rotated"]:
             return None
         if grace_s <= 0:
             self._cache.clear()
@@ -151,8 +158,10 @@ class RuntimeKeys(ReadsSettings):
         return (record, secret) if record is not None else None
 
     async def revoke(self, key_id: str) -> bool:
-        done = bool(await self._revoke(keys=[key_record(key_id), KEY_IDS],
-                                       args=[KEYRING_PREFIX, key_id]))
+        args = {"prefix": KEYRING_PREFIX, "record": key_record(key_id), "ids": KEY_IDS,
+                "id": key_id}
+        done = bool(orjson.loads(await self._revoke(keys=[args["record"], KEY_IDS],
+                                                    args=[orjson.dumps(args)]))["revoked"])
         if done:
             self._cache.clear()  # this replica at once; the others within key_cache_s
             log.info("api_key_revoked", key_id=key_id)
@@ -174,10 +183,6 @@ class RuntimeKeys(ReadsSettings):
     async def api_key(self, key_id: str) -> ApiKey | None:
         fields: dict[str, str] = await self.client.hgetall(key_record(key_id))
         return _api_key(fields) if fields else None
-
-
-def _pairs(flat: list[Any]) -> dict[str, str]:
-    return {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
 
 
 def _limits(raw: str) -> UsageLimits | None:
