@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
+import orjson
 import redis.asyncio as aioredis
 
 from gateway.core.errors import NotFound
@@ -110,8 +111,13 @@ class BatchStore:
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str,
                          stamp: str | None = None) -> bool:
-        args: list[str | int] = [",".join(allowed), status, stamp or "", int(time.time())]
-        return bool(await self._transition(keys=[BatchKeys(batch_id).hash], args=args))
+        args: dict[str, Any] = {"batch": BatchKeys(batch_id).hash, "allowed": list(allowed),
+                                "status": status, "now": int(time.time())}
+        if stamp:
+            args["stamp"] = stamp
+        out = orjson.loads(await self._transition(keys=[args["batch"]],
+                                                  args=[orjson.dumps(args)]))
+        return bool(out["moved"])
 
     async def set_fields(self, batch_id: str, **fields: str | int) -> None:
         await self.client.hset(BatchKeys(batch_id).hash, mapping=fields)
@@ -136,8 +142,10 @@ class BatchStore:
 
     async def lease(self, batch_id: str, holder: str, lease_s: float) -> bool:
         """Take or renew the right to run a batch (one runner at a time)."""
-        keys = [BatchKeys(batch_id).lease]
-        return bool(await self._lease(keys=keys, args=[holder, int(lease_s * 1000)]))
+        args = {"lease": BatchKeys(batch_id).lease, "holder": holder,
+                "ms": int(lease_s * 1000)}
+        out = orjson.loads(await self._lease(keys=[args["lease"]], args=[orjson.dumps(args)]))
+        return bool(out["held"])
 
     async def active(self) -> list[str]:
         return sorted(await self.client.smembers(ACTIVE_BATCHES))
