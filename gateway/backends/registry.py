@@ -39,6 +39,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
 import structlog
 from pydantic import ValidationError
 
@@ -198,8 +199,14 @@ class BackendList(ReadsSettings):
         return name in self.pool.handles
 
     async def _swapped(self, name: str, expected: str, wanted: str) -> tuple[bool, str | None]:
-        done, found = await self._swap(keys=[RUNTIME_BACKENDS], args=[name, expected, wanted])
-        return bool(done), (found or None)
+        """``backend_swap.lua`` (``""``: no entry expected, the entry deleted)."""
+        args = {"backends": RUNTIME_BACKENDS, "name": name}
+        if expected:
+            args["expected"] = expected
+        if wanted:
+            args["wanted"] = wanted
+        out = orjson.loads(await self._swap(keys=[RUNTIME_BACKENDS], args=[orjson.dumps(args)]))
+        return bool(out["swapped"]), out.get("found")
 
     def _configured(self, name: str) -> bool:
         return any(b.name == name for b in self.settings.backends)
