@@ -142,9 +142,9 @@ class BatchStore:
 
     async def lease(self, batch_id: str, holder: str, lease_s: float) -> bool:
         """Take or renew the right to run a batch (one runner at a time)."""
-        args = {"lease": BatchKeys(batch_id).lease, "holder": holder,
-                "ms": int(lease_s * 1000)}
-        out = orjson.loads(await self._lease(keys=[args["lease"]], args=[orjson.dumps(args)]))
+        lease = BatchKeys(batch_id).lease
+        out = orjson.loads(await self._lease(keys=[lease], args=[orjson.dumps(
+            {"lease": lease, "holder": holder, "ms": int(lease_s * 1000)})]))
         return bool(out["held"])
 
     async def active(self) -> list[str]:
