@@ -53,7 +53,7 @@ from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.cost import (
     estimate_prompt_tokens,
@@ -185,9 +185,10 @@ class Admission(ReadsSettings):
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
-        self.waits = Waits(settings, dispatcher.store)
+        self.waits = Waits(settings, dispatcher.store.reads)
         # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
-        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
+        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store.adapters, metrics,
+                                          replica_id)
         self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
         # reads the backend list in force again for a backend a grant names that this
         # process does not know yet (whether it knows it then): another process added it

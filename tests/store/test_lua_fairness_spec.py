@@ -22,17 +22,17 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from gateway.storage.dispatch_call import dispatch_args
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import (
+from gateway.storage.records import (
     GRANT_PICKUP_S,
     BackendFit,
     Dispatched,
     Grant,
     Locality,
     QueuedRequest,
-    Store,
-    dispatch_args,
 )
+from gateway.storage.store import Store
 from policies.dispatch import Affinity, BackendState, ClassTurn, Dispatch, Granted
 from policies.fairness import TwoLevel
 from policies.gates import Gate
@@ -196,7 +196,7 @@ async def dispatch(store: Store, name: str, b: dict[str, Any], gate: Gate, now: 
                    others=tuple(others), lookahead=b["lookahead"])
     fit = BackendFit(PromptRange(b["min"], b["max"] or None),
                      {CLASS: b.get("prefill_limit", 0)}, b.get("backfill_s", 0.0))
-    [done] = await store.dispatch_with(name, [dispatch_args(
+    [done] = await store.queue.dispatch_with(name, [dispatch_args(
         name, BACKEND, {CLASS: gate}, "r1", now, REPLICA_TTL_S, order=(CLASS,),
         max_grants=b.get("want", 1), locality=loc, fit=fit, sessions=b["sessions"])])
     return done
@@ -208,9 +208,9 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         await client.flushdb()
         name = f"spec{next(models)}"
         k = ModelKeys(name)
-        store = Store(client, 600)
-        await store.heartbeat([name], "r1", START)
-        await store.heartbeat([name], "r2", START)
+        store = Store.over(client, 600)
+        await store.replicas.heartbeat([name], "r1", START)
+        await store.replicas.heartbeat([name], "r2", START)
         others = await place_indexes(client, k, backend)
         twin = Twin(backend)
         gate = Gate(backend.get("limit", 10**6), None, backend.get("free_slots", 0),
@@ -230,7 +230,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 queued = QueuedRequest(rid, user, CLASS, owner, cost, START, tuple(chain),
                                        tenant, tcost, deadline, ptok, session=session,
                                        credit=credit, tenant_credit=tcredit)
-                got = await store.enqueue(name, queued, backend["max_queued"])
+                got = await store.queue.enqueue(name, queued, backend["max_queued"])
                 # a request without a chain is never predicted cached: no credit kept
                 want = twin.engine.enqueue(tenant, user, cost, tcost, rid, deadline,
                                            backend["max_queued"], session, ptok,
@@ -255,21 +255,21 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 dispatched += done.grants
             elif op[0] == "start" and dispatched:
                 grant = dispatched[op[1] % len(dispatched)]
-                await store.mark_started(name, grant, now)  # started.lua
+                await store.queue.mark_started(name, grant, now)  # started.lua
                 if grant.request_id not in started:
                     started.add(grant.request_id)
                     twin.backend.start(grant.request_id)
             elif op[0] == "settle" and dispatched:
                 _, n, charge, tcharge = op
                 grant = dispatched.pop(n % len(dispatched))
-                released = await store.settle(name, grant, charge, tcharge)
+                released = await store.queue.settle(name, grant, charge, tcharge)
                 assert released, f"{where}: the settle of {grant} released nothing"
                 tenant, session = whose[grant.request_id]
                 twin.engine.settle(tenant, grant.user, charge, tcharge, session)
                 twin.backend.release(grant.request_id, grant.user)
             elif op[0] == "cancel" and enqueued:
                 tenant, user, rid, session = enqueued[op[1] % len(enqueued)]
-                got_cancel = await store.cancel(name, rid, user, CLASS, tenant, session)
+                got_cancel = await store.queue.cancel(name, rid, user, CLASS, tenant, session)
                 want_cancel = twin.engine.cancel(tenant, user, rid, session)
                 assert got_cancel == want_cancel, (
                     f"{where}: lua cancelled {got_cancel}, policies {want_cancel}")

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import load_library
+from gateway.storage.scripts import load_library
 from policies.replicas import ReplicaSeen, alive, dead
 
 NOW, TTL, PICKUP = 1000.0, 3.0, 2.0

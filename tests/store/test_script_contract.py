@@ -1,6 +1,7 @@
-"""The Lua contract, named both ways: a script takes one JSON object (``ARGV[1]``, fields
-by name) and returns one JSON object, and never indexes ``KEYS`` (it only declares the
-keys a call touches, for Redis Cluster) nor any other ``ARGV`` (``docs/redis-schema.md``)."""
+"""The Lua contract, named both ways: every script takes one JSON object (``ARGV[1]``,
+fields by name) and returns one JSON object, and never indexes ``KEYS`` (it only declares
+the keys a call touches, for Redis Cluster) nor any other ``ARGV``
+(``docs/redis-schema.md``)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from importlib import resources
 
 import pytest
 
-# scripts whose contract is still positional (being converted with the store's split)
-POSITIONAL = {"cancel", "history", "preempt", "preempt_view", "reap", "scrapers", "share",
-              "snapshot", "settle", "started", "dispatch", "enqueue", "forget"}
 INDEXED = re.compile(r"\bKEYS\s*\[|\bARGV\s*\[\s*(?!1\s*\])")
 
 
@@ -40,7 +38,7 @@ def main_chunk(body: str) -> list[str]:
     return lines
 
 
-@pytest.mark.parametrize("name", sorted(set(scripts()) - POSITIONAL))
+@pytest.mark.parametrize("name", sorted(scripts()))
 def test_a_script_takes_one_named_object_and_returns_a_named_map(name: str) -> None:
     body = code(scripts()[name])
     assert "cjson.decode(ARGV[1])" in body, f"{name}.lua does not read one JSON object"
