@@ -24,13 +24,12 @@ import secrets
 import time
 from typing import Any
 
-import orjson
 import structlog
 
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, UsageLimits
 from gateway.storage.keys import KEY_IDS, KEY_PEPPER, KEYRING_PREFIX, key_digest, key_record
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 log = structlog.get_logger("fairgate.keys")
 
@@ -54,9 +53,7 @@ class RuntimeKeys(ReadsSettings):
         self._configured = configured is not None
         self._pepper = configured.get_secret_value().encode() if configured else None
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
-        self._lookup = client.register_script(load_script("key_lookup"))
-        self._rotate = client.register_script(load_script("key_rotate"))
-        self._revoke = client.register_script(load_script("key_revoke"))
+        self._scripts = Scripts(client, ("key_lookup", "key_rotate", "key_revoke"))
 
     async def pepper(self) -> bytes:
         """The HMAC pepper: from the settings, or else the store's, generated once per
@@ -106,8 +103,7 @@ class RuntimeKeys(ReadsSettings):
                                 "pepper_key": KEY_PEPPER, "now": round(time.time(), 3)}
         if not self._configured:
             args["pepper"] = pepper.decode()
-        out = orjson.loads(await self._lookup(keys=[args["digest"], KEY_PEPPER],
-                                              args=[orjson.dumps(args)]))
+        out = await self._scripts.call("key_lookup", [args["digest"], KEY_PEPPER], args)
         if "pepper" in out:  # the store's pepper changed: adopt it
             log.warning("key_pepper_changed", where=KEY_PEPPER, reason=CHANGED)
             self._pepper = str(out["pepper"]).encode()
@@ -147,8 +143,8 @@ class RuntimeKeys(ReadsSettings):
                 "digest_key": key_digest(new), "id": key_id, "digest": new,
                 "shown": secret[:SHOWN_PREFIX_CHARS], "grace_ms": round(grace_s * 1000),
                 "now": round(time.time(), 3)}
-        out = orjson.loads(await self._rotate(keys=[args["record"], args["digest_key"]],
-                                              args=[orjson.dumps(args)]))
+        out = await self._scripts.call("key_rotate", [args["record"], args["digest_key"]],
+                                       args)
         if not out["rotated"]:
             return None
         if grace_s <= 0:
@@ -160,8 +156,8 @@ class RuntimeKeys(ReadsSettings):
     async def revoke(self, key_id: str) -> bool:
         args = {"prefix": KEYRING_PREFIX, "record": key_record(key_id), "ids": KEY_IDS,
                 "id": key_id}
-        done = bool(orjson.loads(await self._revoke(keys=[args["record"], KEY_IDS],
-                                                    args=[orjson.dumps(args)]))["revoked"])
+        done = bool((await self._scripts.call("key_revoke", [args["record"], KEY_IDS],
+                                              args))["revoked"])
         if done:
             self._cache.clear()  # this replica at once; the others within key_cache_s
             log.info("api_key_revoked", key_id=key_id)

@@ -39,7 +39,6 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import orjson
 import structlog
 from pydantic import ValidationError
 
@@ -55,7 +54,7 @@ from gateway.core.settings import Backend, ReadsSettings, SettingsHolder
 from gateway.storage.fleet_store import FleetStore
 from gateway.storage.keys import RUNTIME_BACKENDS
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -143,7 +142,7 @@ class BackendList(ReadsSettings):
         self.holder = settings
         self.pool = pool
         self.store = store
-        self._swap = client.register_script(load_script("backend_swap"))
+        self._scripts = Scripts(client, ("backend_swap",))
         self.runtime: dict[str, tuple[Entry, str]] = {}  # name -> (entry, its raw JSON)
         self._reading: asyncio.Future[None] | None = None  # a read for learn(), shared
 
@@ -206,7 +205,7 @@ class BackendList(ReadsSettings):
             args["expected"] = expected
         if wanted:
             args["wanted"] = wanted
-        out = orjson.loads(await self._swap(keys=[RUNTIME_BACKENDS], args=[orjson.dumps(args)]))
+        out = await self._scripts.call("backend_swap", [RUNTIME_BACKENDS], args)
         return bool(out["swapped"]), out.get("found")
 
     def _configured(self, name: str) -> bool:

@@ -23,12 +23,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 
 from gateway.core.errors import NotFound, PayloadTooLarge
 from gateway.storage.keys import file_meta, user_file_bytes, user_files
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 
 class FileQuotaExceeded(PayloadTooLarge):
@@ -62,8 +61,7 @@ class FileStore:
         self.client: Any = client  # redis-py's asyncio stubs: ``Awaitable[T] | T``
         self.root = root
         self.max_bytes = max_bytes
-        self._bytes = client.register_script(load_script("file_bytes"))
-        self._delete = client.register_script(load_script("file_delete"))
+        self._scripts = Scripts(client, ("file_bytes", "file_delete"))
         root.mkdir(parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
@@ -143,9 +141,7 @@ class FileStore:
             args["quota"] = quota
         if on_record is not None:
             args["on_record"] = on_record
-        out: dict[str, Any] = orjson.loads(await self._bytes(keys=[args["counter"]],
-                                                             args=[orjson.dumps(args)]))
-        return out
+        return await self._scripts.call("file_bytes", [args["counter"]], args)
 
     async def used_bytes(self, owner: str) -> int:
         """The bytes of the owner's recorded files (not those of uploads in progress)."""
@@ -186,6 +182,6 @@ class FileStore:
         meta = await self.get(owner, file_id)
         args = {"meta": file_meta(meta.id), "index": user_files(owner),
                 "counter": user_file_bytes(owner), "id": meta.id}
-        await self._delete(keys=[args["meta"], args["index"], args["counter"]],
-                           args=[orjson.dumps(args)])
+        await self._scripts.call("file_delete", [args["meta"], args["index"], args["counter"]],
+                                 args)
         self.path(meta.id).unlink(missing_ok=True)

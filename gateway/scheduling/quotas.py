@@ -17,14 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 import structlog
 
 from gateway.core.errors import InsufficientQuota, RateLimitExceeded, StoreUnavailable
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, Tenant, UsageLimits
 from gateway.storage.keys import quota_budget, quota_keys
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 from policies.limits import (
     KINDS,
     WINDOW_S,
@@ -98,8 +97,7 @@ class Quotas(ReadsSettings):
     def __init__(self, client: BoundaryRedis, settings: SettingsHolder) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.holder = settings
-        self._admit = client.register_script(load_script("quota_admit"))
-        self._settle = client.register_script(load_script("quota_settle"))
+        self._scripts = Scripts(client, ("quota_admit", "quota_settle"))
         self.held: dict[str, Held] = {}  # requests holding concurrency slots (heartbeat)
 
     @property
@@ -133,10 +131,10 @@ class Quotas(ReadsSettings):
             return None
         now = time.time()
         keys = self._keys(key.tenant_name, scopes, now)
-        out = orjson.loads(await self._admit(keys=_declared(keys), args=[orjson.dumps({
+        out = await self._scripts.call("quota_admit", _declared(keys), {
             "now": now, "id": request_id, "reserve": reserve, "lease": self.lease_s,
             "day_ttl": DAY_TTL_S, "month_ttl": MONTH_TTL_S,
-            "scopes": _script_scopes(scopes, keys)})]))
+            "scopes": _script_scopes(scopes, keys)})
         states = [_state(scope, out["states"][scope.redis_scope]) for scope in scopes]
         headers = rate_headers(scopes, states)
         if not out["admitted"]:
@@ -157,9 +155,9 @@ class Quotas(ReadsSettings):
     async def settle(self, held: Held, tokens: int) -> None:
         """The request ended having used ``tokens`` (prompt + completion)."""
         self.held.pop(held.request_id, None)
-        await self._settle(keys=_declared(held.keys), args=[orjson.dumps({
+        await self._scripts.call("quota_settle", _declared(held.keys), {
             "now": time.time(), "id": held.request_id, "delta": tokens - held.reserve,
-            "scopes": held.script_scopes()})])
+            "scopes": held.script_scopes()})
 
     async def run(self) -> None:
         """Renew the leases of this replica's concurrency slots while they run."""
