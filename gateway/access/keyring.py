@@ -139,9 +139,9 @@ class RuntimeKeys(ReadsSettings):
         """A new secret; the current one keeps working for ``grace_s``. None: no key."""
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         new = digest(await self._writing_pepper(), secret)
-        record, digest_key = key_record(key_id), key_digest(new)
-        out = await self._scripts.call("key_rotate", [record, digest_key], {
-            "prefix": KEYRING_PREFIX, "record": record, "digest_key": digest_key,
+        record_key, digest_key = key_record(key_id), key_digest(new)
+        out = await self._scripts.call("key_rotate", [record_key, digest_key], {
+            "prefix": KEYRING_PREFIX, "record": record_key, "digest_key": digest_key,
             "id": key_id, "digest": new, "shown": secret[:SHOWN_PREFIX_CHARS],
             "grace_ms": round(grace_s * 1000), "now": round(time.time(), 3)})
         if not out["rotated"]:
