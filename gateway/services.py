@@ -106,13 +106,13 @@ class Services:
 def request_ttl_s(settings: Settings) -> float:
     """How long a request's hash outlives its longest possible queue wait and answer."""
     longest_wait = max(c.max_queue_wait_s for c in settings.classes.values())
-    return longest_wait + settings.upstream_timeout_s + 60
+    return longest_wait + settings.upstream.upstream_timeout_s + 60
 
 
 def fairness_policy(settings: Settings) -> FairnessPolicy:
-    return policy_for(settings.fairness,
-                      TokenCost(settings.vtc_input_weight, settings.vtc_output_weight,
-                                settings.vtc_kv_weight))
+    fairness = settings.fairness
+    return policy_for(fairness.policy, TokenCost(
+        fairness.vtc_input_weight, fairness.vtc_output_weight, fairness.vtc_kv_weight))
 
 
 def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
@@ -144,17 +144,17 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
     """The client of the configured store (an embedded Valkey when none is) and where it
     is, for the logs."""
     options: dict[str, Any] = {"socket_connect_timeout": 2, "health_check_interval": 10,
-                               "socket_timeout": settings.redis_socket_timeout_s}
-    if settings.redis_sentinel is not None:
-        sentinel = settings.redis_sentinel
+                               "socket_timeout": settings.store.redis_socket_timeout_s}
+    if settings.store.redis_sentinel is not None:
+        sentinel = settings.store.redis_sentinel
         where = f"sentinel:{sentinel.master_name}@{','.join(sentinel.nodes)}"
         return connect_sentinel(sentinel, metrics.redis, **options), where
-    if settings.redis_cluster is not None:
-        cluster = settings.redis_cluster
+    if settings.store.redis_cluster is not None:
+        cluster = settings.store.redis_cluster
         return (connect_cluster(cluster, metrics.redis, socket_connect_timeout=2,
-                                socket_timeout=settings.redis_socket_timeout_s),
+                                socket_timeout=settings.store.redis_socket_timeout_s),
                 "cluster:" + ",".join(cluster.nodes))
-    redis_url = settings.redis_url
+    redis_url = settings.store.redis_url
     if redis_url is None:
         embedded = EmbeddedRedis(data_dir=None).start()
         stack.callback(embedded.stop)
@@ -194,10 +194,10 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
         # that moment fails a request, so ours expire first
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=settings.upstream_keepalive_s))
+            limit=0, keepalive_timeout=settings.upstream.upstream_keepalive_s))
         stack.push_async_callback(session.close)
 
-        replica_id = settings.replica_id or uuid.uuid4().hex[:12]
+        replica_id = settings.replicas.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
         store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
@@ -205,20 +205,21 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         signals = Signals()  # the dispatch loop's wake-up
         pool = BackendPool(config, session, store.fleet, metrics,
                            on_snapshot=signals.wake_freed)  # gates may have opened
-        running = RunningStreams(lambda: config.current.max_moves)
+        running = RunningStreams(lambda: config.current.upstream.max_moves)
         # preemption orders move this process's running answers
         dispatcher = build_dispatcher(config, store, pool, metrics, replica_id, signals,
                                       running)
         quotas = Quotas(client, config)
-        usage = UsageLedger(client, settings.usage_retention_days,
+        usage = UsageLedger(client, settings.access.usage_retention_days,
                             lambda: config.current.models())
         backends = BackendList(client, config, pool, store.fleet)
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
                               usage, running,
                               learn_backend=backends.learn)  # a grant for one added elsewhere
-        upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s,
-                            settings.stream_idle_timeout_s)
-        files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
+        upstream = Upstream(session, settings.upstream.upstream_timeout_s,
+                            settings.upstream.max_request_s,
+                            lambda: config.current.upstream.stream_idle_timeout_s)
+        files = FileStore(client, settings.store.data_dir / "files", settings.batch.max_file_bytes)
         batches = BatchStore(client)
 
         async def account_of(key_id: str) -> ApiKey | None:
@@ -238,7 +239,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
-            SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
+            SessionStore(client, settings.access.session_ttl_s), replica_id, redis_url,
             pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
 

@@ -82,9 +82,10 @@ async def run_demo(host: str, port: int, workers: int = 1) -> int:
                          for i, s in enumerate(sims)],
             "api_keys": DEMO_KEYS,
             "admin_keys": [DEMO_ADMIN_KEY],
-            "log_level": log_level(),
+            "operations": {"log_level": log_level()},
             # the demo's store is new at each start: so may the pepper of its keys be
-            "key_pepper": os.environ.get("FAIRGATE_KEY_PEPPER") or secrets.token_hex(32),
+            "access": {"key_pepper": os.environ.get("FAIRGATE_ACCESS__KEY_PEPPER")
+                       or os.environ.get("FAIRGATE_KEY_PEPPER") or secrets.token_hex(32)},
         }
         if workers > 1:
             with tempfile.TemporaryDirectory(prefix="fairgate-demo-") as tmp:

@@ -20,7 +20,7 @@ def test_settings_start_from_the_table() -> None:
         got = settings.classes[spec.name]
         want = {f: getattr(spec, f) for f in ClassConfig.model_fields}
         assert got.model_dump() == want, (spec.name, got)
-    assert settings.class_floors == {c.name: c.floor for c in CLASSES if c.floor > 0}
+    assert settings.fairness.class_floors == {c.name: c.floor for c in CLASSES if c.floor > 0}
 
 
 def test_a_partial_class_entry_keeps_the_rest_of_its_row() -> None:

@@ -38,7 +38,7 @@ def test_yaml_then_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("FAIRGATE_CONFIG", str(path))
     s = load_settings()
     assert s.listen.port == 9001 and s.listen.host == "127.0.0.1"
-    assert s.redis_url == "redis://127.0.0.1:6399/0"
+    assert s.store.redis_url == "redis://127.0.0.1:6399/0"
     assert [k.user for k in s.api_keys] == ["alice", "app"] and s.api_keys[1].trusted_end_users
     assert s.models() == ["llama-3.1-8b"]
     # a partial class entry keeps the class's other defaults
@@ -64,16 +64,17 @@ def test_a_redis_cluster_from_env_and_one_store_only(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER__NODES", '["10.0.0.1:6379", "10.0.0.2:6379"]')
     monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER__PASSWORD", "s3cret")
     s = load_settings()
-    assert s.redis_cluster is not None and s.redis_url is None, s.redis_cluster
-    assert s.redis_cluster.nodes == ["10.0.0.1:6379", "10.0.0.2:6379"]
+    assert s.store.redis_cluster is not None and s.store.redis_url is None, s.store.redis_cluster
+    assert s.store.redis_cluster.nodes == ["10.0.0.1:6379", "10.0.0.2:6379"]
     # what a worker process gets: the same cluster, the password included
     monkeypatch.delenv("FAIRGATE_REDIS_CLUSTER__NODES")
     monkeypatch.delenv("FAIRGATE_REDIS_CLUSTER__PASSWORD")
-    monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER", s.redis_cluster.env())
-    again = load_settings().redis_cluster
+    monkeypatch.setenv("FAIRGATE_REDIS_CLUSTER", s.store.redis_cluster.env())
+    again = load_settings().store.redis_cluster
     assert again is not None and again.password is not None, again
-    assert again.nodes == s.redis_cluster.nodes and again.password.get_secret_value() == "s3cret"
-    with pytest.raises(ValidationError, match="not redis_url and redis_cluster"):
+    assert again.nodes == s.store.redis_cluster.nodes
+    assert again.password.get_secret_value() == "s3cret"
+    with pytest.raises(ValidationError, match=r"not store\.redis_url and store\.redis_cluster"):
         load_settings(redis_url="redis://127.0.0.1:6379/0")
     with pytest.raises(ValidationError, match="is not host:port"):
         load_settings(redis_url=None, redis_cluster={"nodes": ["10.0.0.1"]})
@@ -88,17 +89,19 @@ def test_redis_sentinel_from_yaml_and_env(tmp_path: Path,
     path = tmp_path / "fairgate.yaml"
     path.write_text("redis_sentinel: {master_name: fairgate, nodes: ['s1:26379']}\n")
     s = load_settings(path)
-    assert s.redis_sentinel is not None and s.redis_sentinel.addresses() == [("s1", 26379)]
-    assert s.failover_wait_s() == s.store_failover_wait_s > 0 and not s.embedded_store()
+    assert s.store.redis_sentinel is not None
+    assert s.store.redis_sentinel.addresses() == [("s1", 26379)]
+    assert s.failover_wait_s() == s.store.store_failover_wait_s > 0 and not s.embedded_store()
     monkeypatch.setenv("FAIRGATE_REDIS_SENTINEL__NODES", "s1:26379, s2:26380")
     monkeypatch.setenv("FAIRGATE_REDIS_SENTINEL__PASSWORD", "pw")
     s = load_settings(path)
-    assert s.redis_sentinel is not None
-    assert s.redis_sentinel.addresses() == [("s1", 26379), ("s2", 26380)], s.redis_sentinel
-    assert s.redis_sentinel.password is not None
-    assert s.redis_sentinel.password.get_secret_value() == "pw"
+    assert s.store.redis_sentinel is not None
+    sentinel = s.store.redis_sentinel
+    assert sentinel.addresses() == [("s1", 26379), ("s2", 26380)], sentinel
+    assert s.store.redis_sentinel.password is not None
+    assert s.store.redis_sentinel.password.get_secret_value() == "pw"
     monkeypatch.setenv("FAIRGATE_REDIS_SENTINEL__NODES", '["s3:1"]')
-    assert load_settings(path).redis_sentinel.nodes == ["s3:1"]  # type: ignore[union-attr]
+    assert load_settings(path).store.redis_sentinel.nodes == ["s3:1"]  # type: ignore[union-attr]
     # a single Redis: an outage answers at once, as before
     monkeypatch.delenv("FAIRGATE_REDIS_SENTINEL__NODES")
     monkeypatch.delenv("FAIRGATE_REDIS_SENTINEL__PASSWORD")
@@ -107,7 +110,7 @@ def test_redis_sentinel_from_yaml_and_env(tmp_path: Path,
 
 def test_redis_sentinel_and_url_are_exclusive_and_nodes_checked() -> None:
     sentinel = {"master_name": "m", "nodes": ["h:1"]}
-    with pytest.raises(ValidationError, match="not redis_url and redis_sentinel"):
+    with pytest.raises(ValidationError, match=r"not store\.redis_url and store\.redis_sentinel"):
         load_settings(None, redis_url="redis://x:1/0", redis_sentinel=sentinel)
     with pytest.raises(ValidationError, match="is not host:port"):
         load_settings(None, redis_sentinel={"master_name": "m", "nodes": ["h"]})
@@ -137,7 +140,8 @@ def test_fairness_scope_and_cost_factors_are_checked_clearly(tmp_path: Path) -> 
     assert s.fleet_models() == ["llama-3.1-70b", "llama-3.1-8b"], s.fleet_models()
     per_model = load_settings(None, cost_factors={"llama-3.1-8b": 4.0},
                               backends=[{"name": "b", "url": "http://h", "model": "llama-3.1-8b"}])
-    assert per_model.fairness_scope == "model" and per_model.cost_factor("llama-3.1-8b") == 1.0
+    assert per_model.fairness.fairness_scope == "model"
+    assert per_model.cost_factor("llama-3.1-8b") == 1.0
     assert per_model.fleet_models() == []
     for extra, words in (
             ("fairness_scope: all\n", "fairness_scope: Input should be 'model' or 'fleet'"),
@@ -178,7 +182,7 @@ def test_every_config_model_refuses_unknown_keys() -> None:
     models: set[type[BaseModel]] = set()
     _models(Settings, models)
     names = {m.__name__ for m in models}
-    assert {"Backend", "ApiKey", "ClassConfig", "Listen", "Tenant", "Adapter", "Discovery",
+    assert {"Backend", "ApiKey", "ClassConfig", "ListenSettings", "Tenant", "Adapter", "Discovery",
             "Autoscale", "UsageLimits", "RedisSentinel", "RedisCluster"} <= names, names
     lax = sorted(m.__name__ for m in models if m.model_config.get("extra") != "forbid")
     assert lax == [], f"config models that ignore unknown keys: {lax}"

@@ -37,7 +37,7 @@ SECRET_PREFIX = "sk-fg-"
 SHOWN_PREFIX_CHARS = len(SECRET_PREFIX) + 4  # what listings show of a secret
 MAX_CACHED = 100_000
 PEPPER_HINT = ("no key_pepper configured: runtime keys are hashed with a pepper kept in "
-               "Redis; set key_pepper (FAIRGATE_KEY_PEPPER) in production")
+               "Redis; set access.key_pepper (FAIRGATE_ACCESS__KEY_PEPPER) in production")
 CHANGED = "another replica's pepper is the store's (Redis restarted empty): adopted"
 
 
@@ -49,7 +49,7 @@ class RuntimeKeys(ReadsSettings):
     def __init__(self, client: BoundaryRedis, settings: SettingsHolder) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.holder = settings
-        configured = settings.current.key_pepper  # a restart changes it, not a reload
+        configured = settings.current.access.key_pepper  # a restart changes it, not a reload
         self._configured = configured is not None
         self._pepper = configured.get_secret_value().encode() if configured else None
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
@@ -112,7 +112,7 @@ class RuntimeKeys(ReadsSettings):
         found = _api_key(out["record"]) if "record" in out else None
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
-        self._cache[digest_hex] = (now + self.settings.key_cache_s, found)
+        self._cache[digest_hex] = (now + self.settings.access.key_cache_s, found)
         return found
 
     async def create(self, user: str, tenant: str | None, klass: str, weight: float,

@@ -23,7 +23,7 @@ class ClassGates:
     def derive(self, settings: Settings) -> None:
         self.policies = {c: settings.classes[c].gate() for c in CLASS_ORDER}
         self.pacing_targets = ({c: settings.classes[c].pacing_targets() for c in CLASS_ORDER}
-                               if settings.pacing == "adaptive" else None)
+                               if settings.pacing.mode == "adaptive" else None)
 
     def initial_pacing(self) -> dict[str, Pacing]:
         return {c: Pacing(float(p.max_waiting)) for c, p in self.policies.items()}

@@ -47,6 +47,11 @@ class MetricWindows:
                    HistogramWindow(window_s, (PREFIX_CACHE,)),
                    HistogramWindow(SERVICE_WINDOW_S, (OUTPUT,)))
 
+    def resize(self, window_s: float) -> None:
+        """A new TPOT window (a reload): the samples kept span it from the next scrape."""
+        for window in (self.tpot, self.ttft, self.prefix_hits):
+            window.window_s = window_s
+
     def add(self, at_s: float, sums: dict[str, tuple[float, float]]
             ) -> tuple[float | None, float | None, float | None]:
         """One scrape's sums: (mean TPOT, mean TTFT, prefix hit ratio) over the windows."""

@@ -57,25 +57,25 @@ class ScrapeLeases(ReadsSettings):
 
     @property
     def lease_s(self) -> float:
-        return max(3 * self.settings.scrape_interval_s, LEASE_FLOOR_S)
+        return max(3 * self.settings.fleet.scrape_interval_s, LEASE_FLOOR_S)
 
     @property
     def idle_interval_s(self) -> float:
         """The scrape interval of an idle backend: never more than half the staleness
         bound (its snapshot must not close its gates between two scrapes)."""
-        s = self.settings
+        s = self.settings.fleet
         return max(s.scrape_interval_s, min(s.idle_scrape_interval_s, s.snapshot_stale_s / 2))
 
     async def ticks(self) -> None:
         while True:
             await self.tick()
-            await asyncio.sleep(self.settings.scrape_interval_s)
+            await asyncio.sleep(self.settings.fleet.scrape_interval_s)
 
     async def tick(self) -> None:
         """Renew or take this process's scrape leases, give up those it stopped serving,
         and take in what the backends' scrapers published since the last tick."""
         now = time.monotonic()
-        yield_s = self.settings.snapshot_stale_s + self.settings.scrape_timeout_s
+        yield_s = self.settings.fleet.snapshot_stale_s + self.settings.fleet.scrape_timeout_s
         handles = dict(self.handles)  # a reload may change them while Redis answers
         epochs = {name: h.drain_epoch for name, h in handles.items()}
         wanted: dict[str, list[LeaseWish]] = {}
@@ -120,7 +120,7 @@ class ScrapeLeases(ReadsSettings):
         """Scraping ``model``'s backends for this process only: the store is unreachable
         for it and ``store_outage: local`` serves on (no lease, no published snapshot
         meanwhile)."""
-        return model in self._down and self.settings.store_outage == "local"
+        return model in self._down and self.settings.store.store_outage == "local"
 
     async def give_up(self) -> None:
         """On the way out: the leases this process holds go to the next tick of another."""
@@ -188,7 +188,7 @@ class ScrapeLeases(ReadsSettings):
             if lease.held or self.alone(handle.config.model):
                 started = time.monotonic()
                 await self.scraper.scrape_once(handle)
-                interval = (self.settings.scrape_interval_s if lease.busy
+                interval = (self.settings.fleet.scrape_interval_s if lease.busy
                             else self.idle_interval_s)
                 delay = max(0.0, started + interval - time.monotonic())
             await event_set(lease.wake, delay)

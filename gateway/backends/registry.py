@@ -9,7 +9,7 @@ Runtime backends (admin, dns) are entries of one hash in Redis (``fg:{backends}:
 so every process of every replica, workers too, applies them without a restart: each
 reads the hash every ``backends_refresh_s`` (the process that changed it at once) and
 hands the merged list to :meth:`BackendPool.reconcile` — the path a config reload takes
-too (``gateway/http/admin/reload.py`` calls :meth:`BackendList.apply`). A process that
+too (``gateway/reload.py`` calls :meth:`BackendList.apply`). A process that
 gets a grant for a backend it does not know yet (another process added it and dispatched
 to it first) reads the hash at once (:meth:`BackendList.learn`) and serves the request.
 
@@ -168,7 +168,7 @@ class BackendList(ReadsSettings):
                 await self.refresh()
             except StoreUnavailable as exc:  # an outage: the list in force stays as it is
                 log.warning("backends_refresh_failed", error=exc.message)
-            await asyncio.sleep(self.settings.backends_refresh_s)
+            await asyncio.sleep(self.settings.fleet.backends_refresh_s)
 
     async def refresh(self, now: float | None = None) -> None:
         """Read the runtime entries, apply the list, finish the removals that may end."""
@@ -292,7 +292,7 @@ class BackendList(ReadsSettings):
             if handle.drained:
                 by_model.setdefault(entry.backend.model, []).append(name)
             elif (now - entry.leaving_since
-                  > REDRAIN_AFTER_REFRESHES * self.settings.backends_refresh_s):
+                  > REDRAIN_AFTER_REFRESHES * self.settings.fleet.backends_refresh_s):
                 await self._drain(entry)  # its remover died between its two writes
         for model, names in by_model.items():
             states = await self.store.backend_states(model, names)
@@ -301,7 +301,7 @@ class BackendList(ReadsSettings):
                 if found is None:  # another refresh (the loop's, a remover's) read the
                     continue  # list meanwhile and finished or dropped this removal
                 entry, raw = found
-                overdue = now > (entry.migrate_at or now) + self.settings.max_request_s
+                overdue = now > (entry.migrate_at or now) + self.settings.upstream.max_request_s
                 if states[name].inflight > 0 and not overdue:
                     continue
                 if (await self._swapped(name, raw, ""))[0]:

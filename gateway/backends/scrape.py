@@ -98,10 +98,12 @@ class BackendPool(ReadsSettings):
 
     def _derive(self, settings: Settings) -> None:
         """The classes' gate policies and pacing targets, and each backend's prefill
-        limits, of these settings (a lowered ``max_waiting`` caps the pacing at once)."""
+        limits and windows, of these settings (a lowered ``max_waiting`` caps the pacing at
+        once; a new ``tpot_window_s`` spans the samples already kept)."""
         self.classes.derive(settings)
         for handle in self.handles.values():
             handle.fit = self._fit(settings, handle.config)
+            handle.windows.resize(settings.pacing.tpot_window_s)
             handle.pacing = self.classes.capped(handle.pacing)
 
     @staticmethod
@@ -109,11 +111,11 @@ class BackendPool(ReadsSettings):
         return BackendFit(config.prompt_range(), {
             c: class_limit(settings.classes[c].max_waiting_prefill_tokens,
                            config.max_num_batched_tokens) for c in CLASS_ORDER},
-            settings.prefill_backfill_s)
+            settings.pacing.prefill_backfill_s)
 
     def _handle(self, config: Backend) -> BackendHandle:
         # the one place the TPOT window's length goes into a backend's windows
-        return BackendHandle(config, MetricWindows.over(self.settings.tpot_window_s),
+        return BackendHandle(config, MetricWindows.over(self.settings.pacing.tpot_window_s),
                              self.classes.initial_pacing(),
                              fit=self._fit(self.settings, config))
 
@@ -157,7 +159,7 @@ class BackendPool(ReadsSettings):
         the backend's /v1/models shows it: until its listing agrees, for three
         ``adapter_refresh_s`` at most. The backend's listing is read again at its next
         scrape (when this process scrapes it)."""
-        until = time.monotonic() + 3 * self.settings.adapter_refresh_s + 5.0
+        until = time.monotonic() + 3 * self.settings.lora.adapter_refresh_s + 5.0
         self._noted.setdefault(backend, {})[adapter] = (loaded, until)
         handle = self.handles.get(backend)
         if handle is not None:

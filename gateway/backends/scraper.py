@@ -46,7 +46,7 @@ class Scraper(ReadsSettings):
     async def scrape_once(self, handle: BackendHandle) -> None:
         started = time.time()
         try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.settings.fleet.scrape_timeout_s)
             async with self.session.get(handle.config.url + "/metrics", timeout=timeout) as resp:
                 resp.raise_for_status()
                 raw = parse_metrics(await resp.text())
@@ -69,7 +69,7 @@ class Scraper(ReadsSettings):
         card = handle.card
         if not card.read or (
                 raw.lora is not None and time.monotonic() - handle.lease.cards_read_at
-                >= self.settings.adapter_refresh_s):
+                >= self.settings.lora.adapter_refresh_s):
             await self._read_model_card(handle)
         gates, pacing = self.gates.assess(pacing, snap, ttft, peak)
         shared = Published(gates, pacing, peak, prefix_hit_ratio, ttft, sums,
@@ -91,7 +91,7 @@ class Scraper(ReadsSettings):
                                                      shared.encode())
         except StoreUnavailable as exc:
             log.warning("snapshot_store_failed", backend=handle.name, error=str(exc))
-            if self.settings.store_outage != "local":
+            if self.settings.store.store_outage != "local":
                 return False
             # degraded mode: this process paces by its own scrape alone
             stored = Stored(True, handle.drained, 0, handle.lease.seen)
@@ -109,7 +109,7 @@ class Scraper(ReadsSettings):
         handle.lease.cards_read_at = time.monotonic()
         card = handle.card
         try:
-            timeout = aiohttp.ClientTimeout(total=self.settings.scrape_timeout_s)
+            timeout = aiohttp.ClientTimeout(total=self.settings.fleet.scrape_timeout_s)
             async with self.session.get(handle.config.url + "/v1/models",
                                         timeout=timeout) as resp:
                 if resp.status != 200:

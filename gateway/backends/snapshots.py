@@ -86,7 +86,7 @@ class Snapshots(ReadsSettings):
         # opens them again
         handle.gates = dict.fromkeys(CLASS_ORDER, Gate(0, "stale"))
         handle.failures = failures
-        if handle.healthy and handle.failures >= self.settings.unhealthy_after_failures:
+        if handle.healthy and handle.failures >= self.settings.fleet.unhealthy_after_failures:
             handle.healthy = False
             log.warning("backend_unhealthy", backend=handle.name, error=error)
         self.metrics.backends.healthy.labels(handle.name).set(1 if handle.healthy else 0)
@@ -125,6 +125,6 @@ class Snapshots(ReadsSettings):
         lora = handle.card.lora
         m.adapters.record(name, self.adapters_on(handle), lora.active if lora else (),
                           lora.max_lora if lora else None)
-        gates = handle.gates_at(snap.taken_at_s, self.settings.snapshot_stale_s)
+        gates = handle.gates_at(snap.taken_at_s, self.settings.fleet.snapshot_stale_s)
         shown = handle.shown_gates(gates, handle.pending_prefill_tokens)
         m.gates.record(name, {c: g.reason for c, g in shown.items()}, snap.taken_at_s)

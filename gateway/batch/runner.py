@@ -124,7 +124,7 @@ class BatchRunner(ReadsSettings):
                 await self._claim_new()
             except StoreUnavailable as exc:
                 log.warning("batch_poll_failed", error=str(exc))
-            await event_set(self._wake, self.settings.batch_poll_s)
+            await event_set(self._wake, self.settings.batch.batch_poll_s)
             self._wake.clear()
 
     async def _claim_new(self) -> None:
@@ -137,7 +137,7 @@ class BatchRunner(ReadsSettings):
             if batch_id in self.running:
                 continue
             if await self.batches.lease(batch_id, self.replica_id,
-                                        self.settings.batch_lease_s):
+                                        self.settings.batch.batch_lease_s):
                 task = asyncio.create_task(self._run_batch(batch_id), name=batch_id)
                 self.running[batch_id] = task
                 task.add_done_callback(self._forget)
@@ -162,10 +162,10 @@ class BatchRunner(ReadsSettings):
     async def _keep_lease(self, batch_id: str) -> None:
         me = asyncio.current_task()
         while True:
-            await asyncio.sleep(self.settings.batch_lease_s / 3)
+            await asyncio.sleep(self.settings.batch.batch_lease_s / 3)
             try:
                 held = await self.batches.lease(batch_id, self.replica_id,
-                                                self.settings.batch_lease_s)
+                                                self.settings.batch.batch_lease_s)
             except StoreUnavailable:
                 continue  # nobody can take it meanwhile; renew once Redis is back
             if not held:
@@ -236,7 +236,7 @@ class BatchRunner(ReadsSettings):
             task.add_done_callback(finished)
         try:
             while tasks and outcome == "completed":
-                await asyncio.wait(tasks, timeout=self.settings.batch_poll_s)
+                await asyncio.wait(tasks, timeout=self.settings.batch.batch_poll_s)
                 outcome = await self._interruption(batch_id)
         finally:
             for task in tasks:
@@ -257,7 +257,8 @@ class BatchRunner(ReadsSettings):
     def feed_limit(self) -> int:
         """Lines of one batch queued or running at once: never more than the user may
         queue, so a batch alone cannot fill its own user's queue."""
-        return max(1, min(self.settings.batch_max_in_flight, self.settings.max_queued_per_user))
+        return max(1, min(self.settings.batch.batch_max_in_flight,
+                          self.settings.limits.max_queued_per_user))
 
     async def _interruption(self, batch_id: str) -> str:
         try:

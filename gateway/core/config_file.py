@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from gateway.core.settings import Settings, load_settings
+from gateway.core.settings import FLAT, Settings, leaves, load_settings
 
 MAX_VALUES = 1_000_000  # values of a config, aliases expanded: far above any real one
 
@@ -76,7 +76,12 @@ def _problem(error: Any, model: type[BaseModel] | None) -> str:
 def _did_you_mean(model: type[BaseModel] | None, loc: Sequence[int | str]) -> str:
     """" (did you mean <known key>?)" for a key close to one ``model`` knows at ``loc``."""
     known = _keys_at(model, loc[:-1]) if model is not None else []
+    if model is Settings and len(loc) == 1:  # a top-level key: a group's field by its path
+        known += [p for p in leaves() if "." in p]
     close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    if not close and model is Settings and len(loc) == 1:
+        flat = difflib.get_close_matches(str(loc[-1]), list(FLAT), n=1)
+        close = [FLAT[flat[0]]] if flat else []
     return f" (did you mean {close[0]}?)" if close else ""
 
 

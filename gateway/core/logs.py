@@ -157,9 +157,10 @@ _STDERR = _CurrentStderr()
 
 def configure_logging(level: int | str = logging.INFO,
                       sample_above_per_s: float | None = None, cache: bool = True) -> None:
-    """``level``: a logging level or its name (``log_level``, env ``FAIRGATE_LOG_LEVEL``);
-    ``sample_above_per_s``: see :class:`RequestLogSampler` (None: every line); ``cache``:
-    each logger keeps the processors it first logged with (off in the tests, whose
+    """``level``: a logging level or its name (``operations.log_level``, env
+    ``FAIRGATE_OPERATIONS__LOG_LEVEL``); ``sample_above_per_s``: see
+    :class:`RequestLogSampler` (None: every line); ``cache``: each logger keeps the
+    processors it first logged with (off in the tests, whose
     ``structlog.testing.capture_logs`` needs every logger to follow the current ones)."""
     if isinstance(level, str):
         level = logging.getLevelNamesMapping()[level.upper()]

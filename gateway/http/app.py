@@ -19,13 +19,13 @@ from gateway.services import SERVICES, running_services
 
 
 def create_app(settings: Settings, metrics: GatewayMetrics | None = None) -> web.Application:
-    metrics = metrics or GatewayMetrics(top_users=settings.metrics_top_users,
-                                        user_idle_s=settings.metrics_user_idle_s)
+    metrics = metrics or GatewayMetrics(top_users=settings.operations.metrics_top_users,
+                                        user_idle_s=settings.operations.metrics_user_idle_s)
     # the guard outside the boundary: it closes the connection after a cut body's 408
-    app = web.Application(middlewares=[client_guard(settings.client_idle_timeout_s,
-                                                    settings.min_body_bytes_per_s),
+    app = web.Application(middlewares=[client_guard(settings.listen.client_idle_timeout_s,
+                                                    settings.listen.min_body_bytes_per_s),
                                        error_boundary(metrics, _retry_after)],
-                          client_max_size=settings.max_body_bytes)
+                          client_max_size=settings.listen.max_body_bytes)
     app[AUTHENTICATED] = set()
     app[REQUESTED] = set()
     app.cleanup_ctx.append(_services(settings, metrics))

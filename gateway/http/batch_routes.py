@@ -82,7 +82,7 @@ async def _receive(request: web.Request, svc: Services, user: str) -> FileMeta:
                     raise BadRequest("send one 'file' per upload", param="file")
                 meta = await svc.files.save(user, part.filename or "upload.jsonl", purpose,
                                             _chunks(part),
-                                            quota=svc.settings.max_files_bytes_per_user,
+                                            quota=svc.settings.batch.max_files_bytes_per_user,
                                             expected=request.content_length)
     except (ValueError, HttpProcessingError) as exc:
         if meta is not None:

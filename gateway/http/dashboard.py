@@ -96,15 +96,15 @@ async def login(request: web.Request) -> web.StreamResponse:
     ``login_failure_window_s`` and the address waits (429) before its form is read."""
     settings = request.app[SERVICES].settings
     failures, client, now = request.app[LOGIN_FAILURES], request.remote or "", time.monotonic()
-    wait_s = failures.retry_after_s(client, now, settings.login_max_failures,
-                                    settings.login_failure_window_s)
+    wait_s = failures.retry_after_s(client, now, settings.access.login_max_failures,
+                                    settings.access.login_failure_window_s)
     if wait_s is not None:
         raise LoginThrottled(f"too many failed logins from this address; retry in {wait_s}s",
                              retry_after_s=wait_s)
     key = await _form_key(request)
     if key and (key_id := _admin_key_id(request, key)) is not None:
         return await _logged_in(request, key_id)
-    failures.failed(client, now, settings.login_failure_window_s)
+    failures.failed(client, now, settings.access.login_failure_window_s)
     return _login_page(401, "That is not an admin key.")
 
 

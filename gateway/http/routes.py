@@ -100,14 +100,14 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     arrived = time.monotonic()
     svc = request.app[SERVICES]
     key = await svc.keys.identify(request.headers.get("Authorization"))
-    creq = await read_completion(request, endpoint, svc.settings.max_body_bytes,
+    creq = await read_completion(request, endpoint, svc.settings.listen.max_body_bytes,
                                  Limits.of(svc.settings))
     model, user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
     session = (read_session(request.headers.get(SESSION_HEADER), creq.body, endpoint)
-               if svc.settings.sessions else "")
+               if svc.settings.fairness.sessions else "")
     if not svc.pool.any_healthy(model):  # none healthy: admission refuses or holds it
-        await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
+        await svc.pool.first_scrapes(model, svc.settings.fleet.first_scrape_wait_s)
     check_context(creq.body, endpoint, svc.pool.max_model_len(model))
     request_id = uuid.uuid4().hex
     headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
@@ -120,7 +120,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     early = None
     if wants_queue_status(request.headers.get(QUEUE_STATUS_HEADER), creq.stream):
         early = await QueueStatus.open(request, partial(_queued_place, svc, model, request_id),
-                                       svc.settings.queue_status_interval_s)
+                                       svc.settings.limits.queue_status_interval_s)
 
     async def forward(ticket: Ticket) -> web.StreamResponse:
         tickets.append(ticket)
@@ -170,12 +170,12 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     unqueued calls (``Admission.forwarded``), the body within its own size limit."""
     svc = request.app[SERVICES]
     key = await svc.keys.identify(request.headers.get("Authorization"))
-    body = await read_json_object(request, min(svc.settings.max_body_bytes,
-                                               svc.settings.max_unqueued_body_bytes))
+    body = await read_json_object(request, min(svc.settings.listen.max_body_bytes,
+                                               svc.settings.limits.max_unqueued_body_bytes))
     validate_unscheduled(body, Limits.of(svc.settings))
     model, adapter = _known_model(svc, str(body["model"]))
     if not svc.pool.any_healthy(model):
-        await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
+        await svc.pool.first_scrapes(model, svc.settings.fleet.first_scrape_wait_s)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy
                          and (adapter is None or adapter in svc.pool.adapters_on(h))),
                         key=_load)
@@ -305,7 +305,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    if svc.settings.metrics_auth:  # off by default: scrapers on a private network
+    if svc.settings.access.metrics_auth:  # off by default: scrapers on a private network
         await svc.keys.require_admin(request.headers.get("Authorization"))
     with contextlib.suppress(StoreUnavailable):  # the gateway's own series still matter
         await svc.inspector.refresh_queue_metrics()

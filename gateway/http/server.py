@@ -78,7 +78,7 @@ class GatewayServer:
         # the queue and a streaming one closes its upstream connection (vLLM aborts it).
         # keepalive_timeout also closes a connection that never completes its headers.
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    keepalive_timeout=settings.client_idle_timeout_s)
+                                    keepalive_timeout=settings.listen.client_idle_timeout_s)
         self.port = settings.listen.port
         self.refused = 0
         self.evicted = 0  # unauthenticated connections closed to make room
@@ -94,11 +94,11 @@ class GatewayServer:
         return self.app[SERVICES]
 
     def max_connections(self) -> int:
-        return max(1, min(self.settings.max_client_connections,
+        return max(1, min(self.settings.listen.max_client_connections,
                           raise_open_file_limit() - FD_HEADROOM))
 
     def max_unauthenticated(self, cap: int) -> int:
-        allowance = self.settings.max_unauthenticated_connections
+        allowance = self.settings.listen.max_unauthenticated_connections
         return max(1, min(cap, allowance if allowance is not None else cap // 2))
 
     async def start(self) -> None:
@@ -177,7 +177,7 @@ class GatewayServer:
         waits = [asyncio.create_task(h.scraped.wait())
                  for h in self.services.pool.handles.values()]
         if waits:
-            _, pending = await asyncio.wait(waits, timeout=self.settings.scrape_timeout_s * 2)
+            _, pending = await asyncio.wait(waits, timeout=self.settings.fleet.scrape_timeout_s * 2)
             for task in pending:
                 task.cancel()
 

@@ -170,7 +170,7 @@ class History(ReadsSettings):
                 return
             for handle in held:
                 gates = handle.badge_gates(states[handle.name], now,
-                                           self.settings.snapshot_stale_s)
+                                           self.settings.fleet.snapshot_stale_s)
                 closed = sum(1 for g in gates.values() if not g.open)
                 c = self._counts
                 c.closed[handle.name] = c.closed.get(handle.name, 0.0) + closed * elapsed

@@ -89,7 +89,7 @@ class Inspector(ReadsSettings):
             st = states[h.name]
             in_transit = st.sent_since_snapshot + st.unseen
             started = st.started_since_snapshot
-            gates = h.badge_gates(st, now, self.settings.snapshot_stale_s)
+            gates = h.badge_gates(st, now, self.settings.fleet.snapshot_stale_s)
             queued = None if st.snapshot is None else queued_for_a_slot(st.snapshot,
                                                                          h.peak_running)
             span = h.fit.prompt_range
@@ -126,7 +126,7 @@ class Inspector(ReadsSettings):
                 "prefix_cache": {
                     "hit_ratio": h.prefix_hit_ratio,  # vLLM's counters, recent window
                     "predicted_hit_ratio": self.metrics.dispatch.predicted_hit_ratio(
-                        h.name, self.settings.tpot_window_s),  # the prefix index's
+                        h.name, self.settings.pacing.tpot_window_s),  # the prefix index's
                 },
                 "dispatch_reasons": dict(self.metrics.dispatch.decision_counts.get(h.name, {})),
                 "lora": self._lora(h),
@@ -169,7 +169,8 @@ class Inspector(ReadsSettings):
                 "inflight_by_user": dict(sorted(inflight.items(),
                                                 key=lambda kv: -kv[1])[:TOP_USERS]),
             }
-        return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
+        return {"replica_id": self.replica_id, "time": now,
+                "fairness": self.settings.fairness.policy,
                 "models": models, "history": await self.history.view(),
                 "moves": self.metrics.moves.view()}
 

@@ -50,8 +50,8 @@ class Limits:
 
     @classmethod
     def of(cls, settings: Settings) -> Limits:
-        return cls(settings.max_json_depth, settings.max_output_tokens,
-                   settings.max_end_user_chars)
+        return cls(settings.limits.max_json_depth, settings.limits.max_output_tokens,
+                   settings.limits.max_end_user_chars)
 
 
 NO_LIMITS = Limits()

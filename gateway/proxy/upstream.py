@@ -86,15 +86,20 @@ Continuation = Callable[[str, int, BackendHandle], AbstractAsyncContextManager[L
 class Upstream:
     def __init__(self, session: aiohttp.ClientSession, read_timeout_s: float,
                  max_request_s: float | None = None,
-                 stream_idle_s: float | None = None) -> None:
+                 stream_idle_s: Callable[[], float | None] = lambda: None) -> None:
         self.session = session
         # no whole frame this long mid-stream, or a whole answer's body not whole this long
-        # after its status line: failed (a byte trickle resets sock_read, not this)
-        self.stream_idle_s = stream_idle_s
+        # after its status line: failed (a byte trickle resets sock_read, not this); read
+        # at each request (the settings in force, a reload applies it)
+        self._stream_idle_s = stream_idle_s
         # sock_read: the backend went quiet; total: no answer, streamed or not, runs longer
         # than max_request_s (a stream then ends with an error event)
         self.timeout = aiohttp.ClientTimeout(total=max_request_s, sock_connect=10,
                                              sock_read=read_timeout_s)
+
+    @property
+    def stream_idle_s(self) -> float | None:
+        return self._stream_idle_s()
 
     async def forward(self, request: web.Request, handle: BackendHandle, creq: CompletionRequest,
                       priority: int, listener: RelayListener,

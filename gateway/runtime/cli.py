@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from gateway.core import event_loop
 from gateway.core.config_file import ConfigFileInvalid, describe, read_config_file
 from gateway.core.logs import configure_logging
-from gateway.core.settings import Settings, load_settings
+from gateway.core.settings import Settings, legacy, load_settings
 from gateway.runtime.serve import (
     SERVE_PORT_CHANGE,
     fail,
@@ -39,7 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
     if path and not Path(path).is_file():
         return fail(f"config file not found: {path}")
     try:
-        settings = read_config_file(Path(path)) if path else load_settings()
+        with legacy.held_lines() as deprecated:  # said once the logs are set up
+            settings = read_config_file(Path(path)) if path else load_settings()
     except ConfigFileInvalid as exc:
         return fail(f"config file {path!r} {exc}")
     except ValidationError as exc:  # FAIRGATE_* variables without a config file
@@ -50,17 +51,18 @@ def _serve(args: argparse.Namespace) -> int:
     if port_taken(settings.listen.host, settings.listen.port):
         return fail(port_taken_message(settings.listen.host, settings.listen.port,
                                        SERVE_PORT_CHANGE))
-    workers = args.workers or settings.workers
+    workers = args.workers or settings.listen.workers
     if workers is None:
         from gateway.runtime.workers import default_workers
 
         workers = default_workers()
-    configure_logging(settings.log_level, settings.log_sample_above_per_s)
+    configure_logging(settings.operations.log_level, settings.operations.log_sample_above_per_s)
+    legacy.say(deprecated)
     if workers > 1:
         from gateway.runtime.workers import serve_workers
 
         return serve_workers(settings, args.config, workers)
-    return event_loop.run(run_gateway(settings), settings.event_loop)
+    return event_loop.run(run_gateway(settings), settings.listen.event_loop)
 
 
 def _positive(text: str) -> int:

@@ -20,8 +20,8 @@ import structlog
 from gateway.core.errors import FairgateError
 from gateway.core.settings import Settings
 from gateway.core.worker_signals import RELOAD_SIGNAL
-from gateway.http.admin.reload import reload_settings
 from gateway.http.server import GatewayServer
+from gateway.reload import reload_settings
 from gateway.storage.store_version import StoreTooOld
 
 log = structlog.get_logger("fairgate.cli")

@@ -55,7 +55,7 @@ from structlog.typing import EventDict
 from gateway.core import event_loop
 from gateway.core.logs import configure_logging
 from gateway.core.metrics.base import MULTIPROC_DIR_ENV
-from gateway.core.settings import Settings, load_settings
+from gateway.core.settings import Settings, legacy, load_settings
 from gateway.core.supervise import Backoff
 from gateway.core.worker_signals import RELOAD_SIGNAL, WORKER_INDEX_ENV
 from gateway.http.server import GatewayServer
@@ -145,14 +145,14 @@ class Supervisor:
             # the workers read the config file and the environment as this process did
             # (a Sentinel's too; a cluster's passed on whole, as it may come from
             # overrides); an embedded Valkey is started once, here, and shared
-            url = self.settings.redis_url
-            store = {"FAIRGATE_REDIS_URL": url} if url else {}
-            if self.settings.redis_cluster is not None:
-                store["FAIRGATE_REDIS_CLUSTER"] = self.settings.redis_cluster.env()
+            url = self.settings.store.redis_url
+            store = {"FAIRGATE_STORE__REDIS_URL": url} if url else {}
+            if self.settings.store.redis_cluster is not None:
+                store["FAIRGATE_STORE__REDIS_CLUSTER"] = self.settings.store.redis_cluster.env()
             if self.settings.embedded_store():
                 embedded = EmbeddedRedis(data_dir=None).start()
                 stack.callback(embedded.stop)
-                store["FAIRGATE_REDIS_URL"] = embedded.url
+                store["FAIRGATE_STORE__REDIS_URL"] = embedded.url
                 log.info("embedded_redis_started", url=embedded.url)
             metrics_dir = os.environ.get(MULTIPROC_DIR_ENV)
             if not metrics_dir:
@@ -265,9 +265,10 @@ class Supervisor:
     async def _spawn(self, worker: Worker, env: dict[str, str], ready_w: int
                      ) -> asyncio.subprocess.Process:
         child_env = {**env, WORKER_INDEX_ENV: str(worker.index)}
-        if self.settings.replica_id:  # never reused: the reaper must see the old one die
-            child_env["FAIRGATE_REPLICA_ID"] = (
-                f"{self.settings.replica_id}-w{worker.index}g{worker.generation}")
+        replica_id = self.settings.replicas.replica_id
+        if replica_id:  # never reused: the reaper must see the old one die
+            child_env["FAIRGATE_REPLICAS__REPLICA_ID"] = (
+                f"{replica_id}-w{worker.index}g{worker.generation}")
         config = ["--config", self.config] if self.config else []
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway.runtime.workers", *config,
@@ -352,10 +353,11 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     config = args[1] if args[:1] == ["--config"] else None
     index = int(os.environ[WORKER_INDEX_ENV])
     ready_fd = int(os.environ[READY_FD_ENV])
-    settings = load_settings(config)
-    configure_logging(settings.log_level, settings.log_sample_above_per_s)
+    with legacy.held_lines():  # the supervisor said them
+        settings = load_settings(config)
+    configure_logging(settings.operations.log_level, settings.operations.log_sample_above_per_s)
     _tag_logs(index)
-    return event_loop.run(_run_worker(settings, index, ready_fd), settings.event_loop)
+    return event_loop.run(_run_worker(settings, index, ready_fd), settings.listen.event_loop)
 
 
 if __name__ == "__main__":

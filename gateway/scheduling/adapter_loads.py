@@ -146,7 +146,7 @@ class AdapterLoads(ReadsSettings):
             task.exception()  # seen (its waiters got it, if any)
 
     async def _bring(self, model: str, adapter: str) -> None:
-        wait_s = self.settings.adapter_load_wait_s
+        wait_s = self.settings.lora.adapter_load_wait_s
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(StoreUnavailable):
             await self._publish(model)  # the other replicas order it among theirs
@@ -231,7 +231,7 @@ class AdapterLoads(ReadsSettings):
         demand, loading = await self._fleet_demand(model)
         hosts = await self._load_hosts(model)
         now = time.time()
-        starve_s = STARVE_SHARE * self.settings.adapter_load_wait_s
+        starve_s = STARVE_SHARE * self.settings.lora.adapter_load_wait_s
         waiting = {a: d for a, d in demand.items()
                    if a in loading and self.runtime(a) and not self.resident(model, a)}
         for adapter in load_order(waiting, now, starve_s):
@@ -244,7 +244,7 @@ class AdapterLoads(ReadsSettings):
                 continue  # its load failed: its requests get the error
             options = [h for h in hosts if adapter in adapters.runtime_on(
                 self.settings, self.pool.handles[h.name].config)]
-            if plan_load(adapter, options, now, self.settings.adapter_min_residency_s,
+            if plan_load(adapter, options, now, self.settings.lora.adapter_min_residency_s,
                          demand, starve_s) is not None:
                 return adapter
         return None
@@ -277,8 +277,8 @@ class AdapterLoads(ReadsSettings):
             return None
         hosts = [h for h in await self._load_hosts(model) if h.name in names]
         demand, _ = await self._fleet_demand(model)
-        return plan_load(adapter, hosts, time.time(), self.settings.adapter_min_residency_s,
-                         demand, STARVE_SHARE * self.settings.adapter_load_wait_s)
+        return plan_load(adapter, hosts, time.time(), self.settings.lora.adapter_min_residency_s,
+                         demand, STARVE_SHARE * self.settings.lora.adapter_load_wait_s)
 
     async def _carry_out(self, model: str, adapter: str, plan: LoadPlan, left_s: float) -> None:
         handle = self.pool.handles[plan.backend]
@@ -314,7 +314,7 @@ class AdapterLoads(ReadsSettings):
         self.pool.note_adapter(plan.backend, adapter, True)
         await self.store.record_adapter_load(
             model, adapter, {"backend": plan.backend},
-            3 * self.settings.adapter_refresh_s + 5.0, loaded_at=time.time(), load_s=took_s)
+            3 * self.settings.lora.adapter_refresh_s + 5.0, loaded_at=time.time(), load_s=took_s)
         self._turns.pop(model, None)  # the slots changed: order the waiting ones again
         log.info("adapter_loaded", backend=plan.backend, adapter=adapter, unloaded=plan.unload,
                  load_s=round(took_s, 3))
@@ -328,7 +328,7 @@ class AdapterLoads(ReadsSettings):
         with contextlib.suppress(StoreUnavailable):
             await self.store.record_adapter_load(
                 model, adapter, {"backend": backend, "status": status, "error": message},
-                self.settings.adapter_load_retry_s)
+                self.settings.lora.adapter_load_retry_s)
         raise AdapterLoadFailed(message)
 
     async def _post(self, handle: BackendHandle, path: str, body: dict[str, Any],

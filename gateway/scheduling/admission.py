@@ -180,7 +180,7 @@ class Admission(ReadsSettings):
                  learn_backend: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.holder = settings
         self.running = (running if running is not None
-                        else RunningStreams(lambda: self.settings.max_moves))
+                        else RunningStreams(lambda: self.settings.upstream.max_moves))
         self.quotas = quotas
         self.usage = usage
         self.dispatcher = dispatcher
@@ -204,7 +204,7 @@ class Admission(ReadsSettings):
         ``max_unqueued_per_user`` at once on this replica, and a request against the
         key's and tenant's limits (rpm, max_concurrent; no tokens reserved). Yields the
         ``x-ratelimit-*`` headers; 429 ``rate_limit_exceeded`` when either refuses."""
-        user, bound = account.user, self.settings.max_unqueued_per_user
+        user, bound = account.user, self.settings.limits.max_unqueued_per_user
         if self.forwarding.get(user, 0) >= bound:
             self.metrics.usage.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
             raise RateLimitExceeded(f"Rate limit reached for user {user!r}: {bound} "
@@ -309,7 +309,7 @@ class Admission(ReadsSettings):
 
     def _locality(self, model: str) -> bool:
         """Whether the model routes by locality (its requests' prompts are hashed)."""
-        return routing_for(self.settings.routing,
+        return routing_for(self.settings.routing.mode,
                            len(self.pool.for_model(model))) == "locality"
 
     def bound(self, model: str, creq: CompletionRequest) -> tuple[int, int]:
@@ -317,7 +317,7 @@ class Admission(ReadsSettings):
         ``policies/cost.max_cost_tokens``, what limits and budgets reserve: the model's
         context length bounds a request that sets no output limit (the
         ``max_output_tokens`` setting until a backend reported it)."""
-        context = self.pool.max_model_len(model) or self.settings.max_output_tokens
+        context = self.pool.max_model_len(model) or self.settings.limits.max_output_tokens
         field, outputs = creq.endpoint.prompt_field, creq.endpoint.output_token_fields
         return (prompt_token_bound(creq.body, field),
                 output_token_bound(creq.body, field, outputs, context))
@@ -376,7 +376,7 @@ class Admission(ReadsSettings):
                                tenant, self.policy.dispatch_cost(prompt_est, ctw),
                                prompt_tokens=prompt_est, whole=not creq.stream,
                                adapter=adapter,
-                               session=session if self.settings.sessions else None,
+                               session=session if self.settings.fairness.sessions else None,
                                credit=self.policy.cached_credit(cw),
                                tenant_credit=self.policy.cached_credit(ctw))
         cls_cfg = self.settings.classes[klass]
@@ -416,7 +416,7 @@ class Admission(ReadsSettings):
         waited = time.time() - queued.enqueued_at
         self.metrics.child(self.metrics.queue.wait, klass).observe(waited)
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
-                                 self.settings.priority_class_gap)
+                                 self.settings.fairness.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
                  wait_s=round(waited, 4), vllm_priority=priority)
         backend = await self._granted_backend(grant.backend)
@@ -482,11 +482,11 @@ class Admission(ReadsSettings):
         (``continue_attempts``) or a move's (``max_moves``, apart: moves on purpose
         never use up what failures may need)."""
         if reason in (FAILOVER, RETRY):
-            allowed = original.continuations < self.settings.continue_attempts
+            allowed = original.continuations < self.settings.upstream.continue_attempts
             if allowed:
                 original.continuations += 1
         else:
-            allowed = running.moves < self.settings.max_moves
+            allowed = running.moves < self.settings.upstream.max_moves
             if allowed:
                 running.moves += 1
         if not allowed:
@@ -517,13 +517,13 @@ class Admission(ReadsSettings):
                        leaves=(running.segment or queued.request_id, running.backend))
         cls_cfg = self.settings.classes[queued.klass]
         grant = await self.dispatcher.acquire(
-            model, cont, min(cls_cfg.max_queue_wait_s, self.settings.continue_wait_s))
+            model, cont, min(cls_cfg.max_queue_wait_s, self.settings.upstream.continue_wait_s))
         backend = await self._granted_backend(grant.backend)
         if backend is None:  # removed by a config reload since the dispatch
             await self.dispatcher.release(model, grant, 0.0, 0.0)
             raise BackendRemoved(f"backend {grant.backend} was just removed")
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
-                                 self.settings.priority_class_gap)
+                                 self.settings.fairness.priority_class_gap)
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, None)
         running.backend, running.segment = grant.backend, cont.request_id
         pause = self.metrics.moves.pause.labels(reason)
@@ -593,7 +593,7 @@ class Admission(ReadsSettings):
                                       param=creq.endpoint.prompt_field)
         if (taking is None and not refuse_unready) or self._ready(model, prompt_tokens, adapter):
             return False
-        if self.settings.cold_start_wait_s > 0:
+        if self.settings.fleet.cold_start_wait_s > 0:
             return True
         raise Unavailable(self._unready(model, prompt_tokens, adapter),
                           retry_after_s=await self.waits.drain_retry_after(model, klass))
@@ -625,7 +625,7 @@ class Admission(ReadsSettings):
         503; once one is ready, the class's own limits bound its wait as any request's."""
         if not cold:
             return await self.dispatcher.acquire(model, queued, timeout_s)
-        wait_s = self.settings.cold_start_wait_s
+        wait_s = self.settings.fleet.cold_start_wait_s
         log.info("cold_start_wait", request_id=queued.request_id, wait_s=wait_s)
         task = asyncio.ensure_future(self.dispatcher.acquire(model, queued, timeout_s))
         try:

@@ -84,12 +84,13 @@ class Planner(ReadsSettings):
 
     def _derive(self, settings: Settings) -> None:
         """The starvation floors and the locality rule of these settings."""
-        self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
-                                  settings.starvation_window)
-        self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
-                                  settings.prefix_index_size, settings.prefix_index_ttl_s,
-                                  settings.locality_max_imbalance)
-                         if settings.routing != "least_loaded" else None)
+        fairness, routing = settings.fairness, settings.routing
+        self.floors = FloorPolicy(fairness.class_floors, fairness.starvation_after_s,
+                                  fairness.starvation_window)
+        self.locality = (Locality(routing.locality_slack, routing.locality_candidates,
+                                  routing.prefix_index_size, routing.prefix_index_ttl_s,
+                                  routing.locality_max_imbalance)
+                         if routing.mode != "least_loaded" else None)
 
     def nothing_queued(self, model: str) -> bool:
         """The latest decision for the model left nothing queued (on any replica)."""
@@ -109,7 +110,7 @@ class Planner(ReadsSettings):
             snap = h.last if h.healthy else None
             seen[h.name] = h.gates_seen
             views.append(BackendView(
-                h.name, h.gates_at(now, self.settings.snapshot_stale_s),
+                h.name, h.gates_at(now, self.settings.fleet.snapshot_stale_s),
                 snap.waiting if snap else 0, snap.running if snap else 0,
                 h.sent_since_snapshot))
         decided = dispatch_order(views, owed, {c: cfg.max_waiting
@@ -117,7 +118,7 @@ class Planner(ReadsSettings):
         adapters = self._adapter_placement([handles[name] for name in decided.open])
         locality = None  # least_loaded: configured, or auto with one backend
         if (self.locality is not None
-                and routing_for(self.settings.routing, len(handles)) == "locality"):
+                and routing_for(self.settings.routing.mode, len(handles)) == "locality"):
             # a request is never left for a backend that is down (its prefix index would
             # hold a killed backend's continuations until they time out), nor for one
             # that does not take it (another length pool, an adapter it lacks)
@@ -149,9 +150,9 @@ class Planner(ReadsSettings):
     def dispatch_args(self, model: str, plan: Plan, backend: str) -> dict[str, Any]:
         fit = self._fit(plan.handles[backend], plan.adapters)
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
-                             self.settings.replica_ttl_s, plan.order, self.floors.window,
+                             self.settings.replicas.replica_ttl_s, plan.order, self.floors.window,
                              plan.burst, locality=plan.locality, fit=fit,
-                             sessions=self.settings.sessions, seen=plan.seen.get(backend))
+                             sessions=self.settings.fairness.sessions, seen=plan.seen.get(backend))
 
     async def fold(self, model: str, backend: str
                    ) -> tuple[Plan | None, dict[str, Any] | None]:
@@ -214,7 +215,7 @@ class Planner(ReadsSettings):
         """Backlog times and recent classes, as the latest decision returned them, read
         again when older than a scrape interval."""
         cached = self._class_view.get(model)
-        if cached is None or now - cached[0] > self.settings.scrape_interval_s:
+        if cached is None or now - cached[0] > self.settings.fleet.scrape_interval_s:
             since, recent = await self.reads.class_service(model)
             cached = self._class_view[model] = (now, since, recent)
         return cached[1], cached[2]

@@ -189,7 +189,8 @@ class Dispatcher(ReadsSettings):
         if position < 0:
             self.waiters.pop(req.request_id, None)
             raise RateLimited(
-                f"user {req.user!r} already has {self.settings.max_queued_per_user} requests "
+                f"user {req.user!r} already has "
+                f"{self.settings.limits.max_queued_per_user} requests "
                 "queued for this model")  # Retry-After: the wait estimator's (admission)
         try:
             return await self._await_grant(model, req, future, timeout_s)
@@ -272,7 +273,7 @@ class Dispatcher(ReadsSettings):
             then = planner.dispatch_args(model, plan, target) if plan and target else None
             with planner.decision(model, target):
                 positions, done = await self.store.queue.enqueue_many(
-                    model, [r for r, _ in batch], self.settings.max_queued_per_user, then,
+                    model, [r for r, _ in batch], self.settings.limits.max_queued_per_user, then,
                     starts)
         except (Exception, asyncio.CancelledError) as exc:
             self.starts.hold(model, starts)

@@ -48,7 +48,7 @@ class StoreOutage(ReadsSettings):
 
     @property
     def serves_locally(self) -> bool:
-        return self.settings.store_outage == "local"
+        return self.settings.store.store_outage == "local"
 
     def lost(self, error: StoreUnavailable) -> None:
         """Redis is unreachable: every queued client of this replica gets a 503 now
@@ -88,7 +88,7 @@ class StoreOutage(ReadsSettings):
 
     def dispatch_locally(self) -> None:
         """Grant what this replica queues itself while the store is unreachable."""
-        for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
+        for model, grant in self.local.dispatch(time.time(), self.settings.fleet.snapshot_stale_s):
             # a grant from the store comes too late
             self.waiters.waiting.pop(grant.request_id, None)
             self.metrics.dispatch.local.labels(model, grant.backend, grant.klass).inc()
@@ -121,7 +121,7 @@ class StoreOutage(ReadsSettings):
         await event_set(self._back, wait_s)
         if self.down and outage == self._outages:
             waiting = self.waiters.waiting
-            spared = frozenset() if self.settings.redis_cluster is None else frozenset(
+            spared = frozenset() if self.settings.store.redis_cluster is None else frozenset(
                 w.model for w in waiting.values()) - self.unheard
             log.warning("store_failover_wait_over", waiting=len(waiting), wait_s=wait_s,
                         models_reachable=sorted(spared), models_unheard=sorted(self.unheard))
@@ -157,7 +157,7 @@ class StoreOutage(ReadsSettings):
         promoted replica missed the last writes), with their first arrival time; the
         ones it still knows stay as they are. Returns how many went in."""
         positions, _ = await self.queue.enqueue_many(
-            model, reqs, self.settings.max_queued_per_user, requeue=True)
+            model, reqs, self.settings.limits.max_queued_per_user, requeue=True)
         again = sum(p > 0 for p in positions)
         if again:
             log.warning("requeued_forgotten", model=model, requests=again)

@@ -79,7 +79,7 @@ class Preemptor(ReadsSettings):
         running at least the answers this process streams from it: a snapshot of a busy
         backend may be seconds old (its ``/metrics`` answers late), while the streams'
         first tokens say at once that every slot is taken."""
-        stale = self.settings.snapshot_stale_s
+        stale = self.settings.fleet.snapshot_stale_s
         return [BackendLoad(h.name, max(h.last.running, self._streaming(h.name)),
                             h.peak_running, h.last.kv_usage)
                 for h in self.pool.for_model(model) if h.last is not None
@@ -91,7 +91,7 @@ class Preemptor(ReadsSettings):
     def full(self, model: str, now: float) -> list[BackendLoad]:
         """The model's backends that run all they can, for some class (none when
         preemption is off)."""
-        if not self.settings.preemption:
+        if not self.settings.fairness.preemption:
             return []
         limits = {r.max_kv_usage for r in self.rules().values()}
         return [ld for ld in self.loads(model, now) if any(is_full(ld, kv) for kv in limits)]
@@ -104,7 +104,7 @@ class Preemptor(ReadsSettings):
         """Requests of ``model`` were just granted, by whichever call (an enqueue, a
         start or a settle grants too, not only the dispatch loop): one may wait on a full
         backend, so its check is due now. False when preemption is off."""
-        if not self.settings.preemption:
+        if not self.settings.fairness.preemption:
             return False
         self._due[model] = min(moment, self._due.get(model, moment))
         return True
@@ -129,24 +129,24 @@ class Preemptor(ReadsSettings):
             self._due.pop(model, None)
             return False
         moment = time.monotonic()
-        if moment - self._checked.get(model, 0.0) < settings.scrape_interval_s:
-            self._due[model] = self._checked[model] + settings.scrape_interval_s
+        if moment - self._checked.get(model, 0.0) < settings.fleet.scrape_interval_s:
+            self._due[model] = self._checked[model] + settings.fleet.scrape_interval_s
             return False
         self._checked[model] = moment
-        self._due[model] = moment + settings.scrape_interval_s  # if this read fails
+        self._due[model] = moment + settings.fleet.scrape_interval_s  # if this read fails
         now = time.time()
         handles = {h.name: h for h in self.pool.for_model(model)}
         view = await self.store.preemption_view(model, CLASS_ORDER,
-                                                now - settings.replica_ttl_s)
+                                                now - settings.replicas.replica_ttl_s)
         waiting, running = plain(view, now, handles)
         rules = self.rules()
         chosen = choose(waiting, running, self.loads(model, now), rules,
-                        settings.preempt_fair_gap)
+                        settings.fairness.preempt_fair_gap)
         again = next_decision_in(waiting, rules, {ld.name for ld in full})
         if again is None:
             self._due.pop(model, None)
         else:  # not before the next read is allowed
-            self._due[model] = moment + max(again, settings.scrape_interval_s)
+            self._due[model] = moment + max(again, settings.fleet.scrape_interval_s)
         if chosen is None:
             return False
         return await self._order(model, chosen, now, rules)
@@ -158,7 +158,8 @@ class Preemptor(ReadsSettings):
         settings = self.settings
         ordered = await self.store.order_preemption(
             model, order, now, rules[victim.klass].max_preemptions,
-            settings.scrape_interval_s, max(HOLD_FLOOR_S, 2 * settings.snapshot_stale_s))
+            settings.fleet.scrape_interval_s,
+            max(HOLD_FLOOR_S, 2 * settings.fleet.snapshot_stale_s))
         if ordered:
             log.info("preemption_ordered", model=model, request_id=order.original,
                      backend=victim.backend, victim_class=victim.klass, victim_user=victim.user,

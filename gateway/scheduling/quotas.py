@@ -106,7 +106,7 @@ class Quotas(ReadsSettings):
 
     @property
     def lease_s(self) -> float:
-        return self.settings.quota_lease_s
+        return self.settings.access.quota_lease_s
 
     def scopes(self, key: ApiKey) -> list[Scope]:
         """The limits a request of ``key`` is checked against: the key's, its tenant's."""

@@ -102,7 +102,7 @@ class ReplicaProtocol(ReadsSettings):
         """One bounded pass over the model's trusted-key end users idle past
         ``end_user_idle_s``: their fairness state is forgotten. Returns how many."""
         forgotten, _ = await self.store.queue.forget_idle(
-            model, now, self.settings.end_user_idle_s, FORGET_PER_PASS)
+            model, now, self.settings.fairness.end_user_idle_s, FORGET_PER_PASS)
         if forgotten:
             log.info("forgot_idle_end_users", model=model, forgotten=forgotten)
         return forgotten
@@ -114,11 +114,11 @@ class ReplicaProtocol(ReadsSettings):
             except StoreUnavailable as exc:
                 self.outage.lost(exc)
             self.signals.wake()  # a periodic safety net for enqueues on other replicas
-            await asyncio.sleep(self.settings.replica_heartbeat_s)
+            await asyncio.sleep(self.settings.replicas.replica_heartbeat_s)
 
     async def _beat(self, models: list[str]) -> None:
         now = time.time()
-        ttl_s = self.settings.replica_ttl_s
+        ttl_s = self.settings.replicas.replica_ttl_s
         self.local.replicas = await self.store.replicas.heartbeat(
             models, self.replica_id, now, self.listened, now - ttl_s)
         self.signals.beating.set()

@@ -103,7 +103,7 @@ class Waits(ReadsSettings):
         ahead = ahead_in_class(score, 0 if head else index or 0, cost, others)
         floor_in_s, lower_share = self._floors(klass, depths, since)
         wait = estimate_wait_s(ahead, higher, self.rate(model),
-                               self.settings.class_floors.get(klass, 0.0), floor_in_s,
+                               self.settings.fairness.class_floors.get(klass, 0.0), floor_in_s,
                                lower_share)
         return Place(higher + ahead, ahead, wait)
 
@@ -122,11 +122,11 @@ class Waits(ReadsSettings):
                 ) -> tuple[float, float]:
         """(seconds until ``klass`` is owed its floor, the share lower classes owed
         theirs take now)."""
-        after = self.settings.starvation_after_s
+        after = self.settings.fairness.starvation_after_s
         now = time.time()
         began = since.get(klass)
         floor_in_s = after if began is None else max(0.0, began + after - now)
-        lower_share = sum(self.settings.class_floors.get(c, 0.0)
+        lower_share = sum(self.settings.fairness.class_floors.get(c, 0.0)
                           for c in CLASS_ORDER[class_rank(klass) + 1:]
                           if depths.get(c) and c in since and since[c] + after <= now)
         return floor_in_s, lower_share
@@ -150,7 +150,7 @@ class Waits(ReadsSettings):
 
     def retry_after(self, wait_s: float | None) -> int:
         """``Retry-After`` for a wait estimate (the settings' ``retry_after_s`` as floor)."""
-        return retry_after_s(wait_s, self.settings.retry_after_s)
+        return retry_after_s(wait_s, self.settings.limits.retry_after_s)
 
     async def estimator(self, model: str, klass: str, depths: dict[str, int] | None = None
                         ) -> Callable[[int], float | None]:
@@ -163,7 +163,7 @@ class Waits(ReadsSettings):
         higher = sum(depths[c] for c in CLASS_ORDER[:class_rank(klass)])
         _, since = await self._picture(model)
         floor_in_s, lower_share = self._floors(klass, depths, since)
-        rate, floor = self.rate(model), self.settings.class_floors.get(klass, 0.0)
+        rate, floor = self.rate(model), self.settings.fairness.class_floors.get(klass, 0.0)
         return lambda ahead: estimate_wait_s(ahead, higher, rate, floor, floor_in_s,
                                              lower_share)
 

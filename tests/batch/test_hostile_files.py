@@ -85,7 +85,7 @@ async def test_malformed_multipart_is_a_400(gw: GatewayServer, body: bytes,
     assert_error(got, type_="invalid_request_error", param=got["error"]["param"])
     assert got["error"]["param"] in (None, "file"), got
     assert await files_of(gw) == []  # nothing kept, no partial file on disk
-    parts = list((gw.settings.data_dir / "files").iterdir())
+    parts = list((gw.settings.store.data_dir / "files").iterdir())
     assert parts == [], parts
 
 

@@ -60,7 +60,7 @@ async def test_a_killed_scraper_replica_hands_its_backends_to_another(
         now = time.time()
         for h in pool.handles.values():
             assert h.healthy and all(g.open for g in h.gates_at(
-                now, survivor.services.settings.snapshot_stale_s).values()), (
+                now, survivor.services.settings.fleet.snapshot_stale_s).values()), (
                 h.name, h.failures, h.gates, h.last)
         async with aiohttp.ClientSession() as session:
             await complete(session, survivor.url, "sk-bob", 2)

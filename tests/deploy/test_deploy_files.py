@@ -26,7 +26,7 @@ GPU_COMPOSE = DEPLOY / "docker-compose.yml"
 SIM_COMPOSE = DEPLOY / "docker-compose.sim.yml"
 COMPOSE_FILES = [GPU_COMPOSE, SIM_COMPOSE]
 GATEWAY_CONFIG_KEYS = {
-    "redis_url",
+    "store",
     "listen",
     "backends",
     "api_keys",
@@ -118,7 +118,7 @@ def test_gateway_replicas_share_a_writable_data_dir(compose: Path) -> None:
     svcs = services(compose)
     mounts = set()
     for svc in (s for s in svcs.values() if is_gateway(s)):
-        data_dir = svc["environment"]["FAIRGATE_DATA_DIR"]
+        data_dir = svc["environment"]["FAIRGATE_STORE__DATA_DIR"]
         (mount,) = [v for v in svc["volumes"] if v.split(":")[1] == data_dir]
         mounts.add(mount)
     (mount,) = mounts  # the same named volume in every replica
@@ -155,12 +155,12 @@ def test_gateway_config_exists_and_names_backend_services(compose: Path, config_
         config = load(config_path)
         assert GATEWAY_CONFIG_KEYS <= set(config), GATEWAY_CONFIG_KEYS - set(config)
         assert config["listen"]["port"] == 8000
-        assert config["fairness"] in {"vtc", "round_robin"}
+        assert config["fairness"]["policy"] in {"vtc", "round_robin"}
         assert set(config["classes"]) == PRIORITY_CLASSES
         for gates in config["classes"].values():
             assert {"max_waiting", "max_tpot_ms"} <= set(gates)
         assert config["classes"]["batch"]["max_waiting"] <= 1  # batch only on an empty queue
-        host = re.match(r"redis://([^:/]+)", config["redis_url"])
+        host = re.match(r"redis://([^:/]+)", config["store"]["redis_url"])
         assert host and host.group(1) in svcs
         for key in config["api_keys"]:
             assert {"key", "user", "priority_class"} <= set(key)
@@ -453,7 +453,7 @@ def test_gateway_settings_accept_the_compose_configs(
     for var in [v for v in os.environ if v.startswith("FAIRGATE_")]:
         monkeypatch.delenv(var)
     settings = load_settings(DEPLOY / "config" / config_name)
-    assert settings.redis_url == "redis://redis:6379/0"
+    assert settings.store.redis_url == "redis://redis:6379/0"
     assert settings.listen.port == 8000 and settings.listen.host == "0.0.0.0"
     assert settings.models() == ["llama-3.1-8b"]
     assert len(settings.backends) == 2
@@ -489,7 +489,7 @@ def test_sentinel_override_points_the_gateways_at_its_sentinels(
         for key, value in env.items():
             monkeypatch.setenv(key, str(value))
         settings = load_settings(mounted_config(base[name], compose))
-        assert settings.redis_url is None and settings.redis_sentinel is not None
-        assert {host for host, _ in settings.redis_sentinel.addresses()} == sentinels
-        assert settings.redis_sentinel.master_name == "fairgate"
+        assert settings.store.redis_url is None and settings.store.redis_sentinel is not None
+        assert {host for host, _ in settings.store.redis_sentinel.addresses()} == sentinels
+        assert settings.store.redis_sentinel.master_name == "fairgate"
         assert set(extra[name]["depends_on"]) == sentinels

@@ -611,7 +611,7 @@ def test_gateway_settings_accept_the_rendered_config_and_secret(
     mounts = {
         m["mountPath"]: m["name"] for m in container(release.gateway(), "gateway")["volumeMounts"]
     }
-    assert mounts[str(settings.data_dir)] == "data"
+    assert mounts[str(settings.store.data_dir)] == "data"
     assert settings.classes["batch"].max_waiting == 1
 
 
@@ -745,7 +745,7 @@ def test_keda_scales_each_pool_on_its_desired_replicas_when_enabled(
         counts[backend["pool"]] = counts.get(backend["pool"], 0) + 1
     assert counts == {"llama-8b": 6, "llama-70b-long": 3,
                       "llama-70b-short": FULL_POOLS[2]["replicas"]}, counts
-    assert config["cold_start_wait_s"] == 900
+    assert config["fleet"]["cold_start_wait_s"] == 900
     assert "KEDA on fairgate_pool_desired_replicas" in release.notes
 
 
@@ -753,7 +753,7 @@ def test_no_scaled_object_unless_enabled(releases: dict[str, Release]) -> None:
     for case_id, release in releases.items():
         if case_id != "keda":
             assert not release.of("ScaledObject"), case_id
-            assert "cold_start_wait_s" not in release.config(), case_id
+            assert "fleet" not in release.config(), case_id
 
 
 def test_without_hpa_the_deployment_sets_replicas(releases: dict[str, Release]) -> None:
@@ -778,14 +778,14 @@ def test_in_chart_redis_uses_aof_on_a_pvc(releases: dict[str, Release]) -> None:
     )
     (svc,) = release.component("Service", "redis")
     assert selects({"matchLabels": svc["spec"]["selector"]}, pod_labels(sts))
-    url = release.config()["redis_url"]
+    url = release.config()["store"]["redis_url"]
     assert url == f"redis://{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}/0"
     assert port_of(redis, "redis") == svc["spec"]["ports"][0]["port"]
 
 
 def test_external_redis_url_replaces_the_statefulset(releases: dict[str, Release]) -> None:
     release = releases["full"]
-    assert release.config()["redis_url"] == EXTERNAL_REDIS
+    assert release.config()["store"]["redis_url"] == EXTERNAL_REDIS
     assert not release.component("Service", "redis")
     assert not release.component("StatefulSet", "redis")
     assert "in-chart StatefulSet" not in release.notes
@@ -807,8 +807,8 @@ def test_in_chart_redis_cluster_replaces_the_single_pod(releases: dict[str, Rele
     name, headless = sts["metadata"]["name"], svc["metadata"]["name"]
     port = port_of(valkey, "redis")
     config = release.config()
-    assert "redis_url" not in config, config
-    assert config["redis_cluster"]["nodes"] == [f"{name}-{i}.{headless}:{port}"
+    assert "redis_url" not in config["store"], config
+    assert config["store"]["redis_cluster"]["nodes"] == [f"{name}-{i}.{headless}:{port}"
                                                 for i in range(6)]
     (job,) = release.component("Job", "valkey-cluster-create")
     script = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
@@ -825,13 +825,13 @@ def test_an_external_redis_cluster_is_named_by_its_nodes(
     release = releases["cluster-external"]
     assert not release.component("StatefulSet", "redis")
     assert not release.component("StatefulSet", "valkey-cluster")
-    assert release.config()["redis_cluster"] == {"nodes": EXTERNAL_CLUSTER}
+    assert release.config()["store"]["redis_cluster"] == {"nodes": EXTERNAL_CLUSTER}
     egress = netpol(release, "gateway")["spec"]["egress"]
     assert any(egress_ports(r) == {(6380, "TCP")} and "to" not in r for r in egress), egress
     (secret,) = release.of("Secret")
     settings = load_gateway_settings(release, monkeypatch, tmp_path, secret["stringData"])
-    assert settings.redis_cluster is not None and settings.redis_url is None
-    assert settings.redis_cluster.nodes == EXTERNAL_CLUSTER
+    assert settings.store.redis_cluster is not None and settings.store.redis_url is None
+    assert settings.store.redis_cluster.nodes == EXTERNAL_CLUSTER
 
 
 # --- NetworkPolicy ------------------------------------------------------------------------
@@ -964,7 +964,7 @@ def test_sentinel_topology_replaces_the_single_redis(releases: dict[str, Release
     # the gateway asks each sentinel pod, by its stable DNS name, for the master
     (svc,) = release.component("Service", "redis-sentinel")
     name, port = svc["metadata"]["name"], svc["spec"]["ports"][0]["port"]
-    config = release.config()
+    config = release.config()["store"]
     assert "redis_url" not in config
     assert config["redis_sentinel"] == {
         "master_name": values["masterName"],
@@ -972,7 +972,7 @@ def test_sentinel_topology_replaces_the_single_redis(releases: dict[str, Release
                   for i in range(values["sentinels"])]}
     settings = load_gateway_settings(release, monkeypatch, tmp_path, {
         "FAIRGATE_API_KEYS": "[]", "FAIRGATE_ADMIN_KEYS": "[]"})
-    assert settings.redis_sentinel is not None and settings.redis_url is None
+    assert settings.store.redis_sentinel is not None and settings.store.redis_url is None
     assert settings.failover_wait_s() == values["failoverWaitSeconds"]
     assert port_of(container(sentinels, "sentinel"), "sentinel") == port
     # the gateway may reach the sentinels; the Redis pods take replication and checks

@@ -119,7 +119,7 @@ async def test_locality_computes_fewer_prompt_tokens_than_alternating_servers(
     settings = gateway_settings(
         redis_url, two_servers, scrape_interval_s=0.05, scrape_timeout_s=5.0,
         snapshot_stale_s=10.0, unhealthy_after_failures=20)
-    assert settings.routing == "auto", settings.routing
+    assert settings.routing.mode == "auto", settings.routing.mode
     backends = [Backend(name=f"cpu{i}", url=s.url, model=model)
                 for i, s in enumerate(two_servers)]
     gw = GatewayServer(settings.model_copy(update={"backends": backends}))

@@ -68,7 +68,8 @@ async def setup(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Setup]:
                        vtc_output_weight=2.0)
         await rig.store.replicas.heartbeat([MODEL], REPLICA, time.time())
         await set_backend(rig, "b0", waiting=0, running=0)
-        policy = Vtc(TokenCost(rig.settings.vtc_input_weight, rig.settings.vtc_output_weight))
+        fairness = rig.settings.fairness
+        policy = Vtc(TokenCost(fairness.vtc_input_weight, fairness.vtc_output_weight))
         admission = Admission(rig.pool.holder, rig.dispatcher, rig.pool, policy, rig.metrics,
                               REPLICA)
         try:

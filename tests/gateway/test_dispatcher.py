@@ -243,8 +243,8 @@ async def test_unhealthy_or_stale_backends_get_nothing(rig: Rig) -> None:
     rig.pool.handles["b0"].healthy = False
     old = rig.pool.handles["b1"].last
     assert old is not None
-    rig.pool.handles["b1"].last = BackendSnapshot(0, 0, 0.0, None,
-                                                  time.time() - 2 * rig.settings.snapshot_stale_s)
+    stale_s = rig.settings.fleet.snapshot_stale_s
+    rig.pool.handles["b1"].last = BackendSnapshot(0, 0, 0.0, None, time.time() - 2 * stale_s)
     pending = await queue(rig, "r1")
     await rig.dispatcher.dispatch_once(MODEL)
     assert not pending.delivered

@@ -108,7 +108,7 @@ async def test_a_backend_back_from_failed_scrapes_loses_its_prefix_index(
     await redis.zadd(key, {"h1": 1.0})
     pool = gw.services.pool
     handle = pool.handles["b0"]
-    for _ in range(gw.services.settings.unhealthy_after_failures):
+    for _ in range(gw.services.settings.fleet.unhealthy_after_failures):
         pool.unreachable(handle, ConnectionError("gone"))  # as failed scrapes do
     assert not handle.healthy
     await until(lambda: handle.healthy, "the backend scraped healthy again")

@@ -120,7 +120,7 @@ async def test_the_default_routes_two_backends_by_locality_and_one_by_load(
     sessions' later turns are dispatched as cache hits, the index predicts blocks), a
     model with one has nothing to choose and routes by load (no prompt is hashed)."""
     two = await gateway([await sim(), await sim()])
-    assert two.services.settings.routing == "auto"
+    assert two.services.settings.routing.mode == "auto"
     await chat_sessions(two.url)
     reasons = by_label(await gateway_samples(two.url), "fairgate_dispatch_decisions_total",
                        "reason")

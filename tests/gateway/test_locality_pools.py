@@ -51,7 +51,7 @@ async def test_a_conversation_grown_past_the_short_pool_is_served_by_the_long_on
         sim: SimFactory, gateway: GatewayFactory) -> None:
     short, long = await sim(), await sim()
     gw = await gateway([short, long], backend_options=POOLS)
-    assert gw.settings.routing == "auto"
+    assert gw.settings.routing.mode == "auto"
     c = client(gw)
     try:
         # a conversation's first turns run on the short pool, whose index then holds them

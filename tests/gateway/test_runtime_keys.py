@@ -125,4 +125,4 @@ async def test_key_cache_lifetime_is_bounded(sim: SimFactory,
     backend = await sim(profile="instant")
     gw = await gateway([backend])
     runtime = gw.services.keys.runtime
-    assert runtime is not None and runtime.settings.key_cache_s <= 1.0
+    assert runtime is not None and runtime.settings.access.key_cache_s <= 1.0

@@ -82,7 +82,8 @@ async def test_three_replicas_scrape_each_backend_once_per_interval_between_them
         views = [gw.services.pool.handles[name] for gw in replicas]
         assert all(h.healthy for h in views), [h.failures for h in views]
         ages = [time.time() - h.last.taken_at_s for h in views if h.last is not None]
-        assert len(ages) == 3 and max(ages) < replicas[0].services.settings.snapshot_stale_s, (
+        stale_s = replicas[0].services.settings.fleet.snapshot_stale_s
+        assert len(ages) == 3 and max(ages) < stale_s, (
             f"snapshot ages of {name} per replica: {ages}")
     async with aiohttp.ClientSession() as session:
         for gw in replicas:
@@ -127,7 +128,7 @@ async def test_the_leases_are_spread_evenly_over_the_replicas(
     for gw in replicas:
         for h in gw.services.pool.handles.values():
             assert h.healthy and h.last is not None and (
-                now - h.last.taken_at_s < gw.services.settings.snapshot_stale_s), (
+                now - h.last.taken_at_s < gw.services.settings.fleet.snapshot_stale_s), (
                 gw.services.pool.scraper_id, h.name, h.failures, h.last)
     async with aiohttp.ClientSession() as session:
         for gw in replicas:
@@ -195,7 +196,7 @@ async def test_a_failed_scrape_is_published_to_every_replica(
     await until(lambda: scraper.services.pool.handles["b0"].lease.held, "a scraper")
     await backend.stop()  # every scrape fails from now on
     handle = reader.services.pool.handles["b0"]
-    failures = reader.services.settings.unhealthy_after_failures
+    failures = reader.services.settings.fleet.unhealthy_after_failures
     await until(lambda: not handle.healthy, "the reader marking the backend unhealthy")
     assert handle.failures >= failures and all(
         g.reason == "stale" for g in handle.gates_at(time.time(), 60.0).values()), (

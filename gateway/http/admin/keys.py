@@ -119,7 +119,7 @@ async def rotate_key(request: web.Request) -> web.Response:
     if _config_key(svc, key_id) is not None:
         raise KeyInConfig(f"key {key_id} is defined in the config file: change it there "
                           "and reload")
-    grace_s = (svc.settings.key_rotate_grace_s if rotation.grace_s is None
+    grace_s = (svc.settings.access.key_rotate_grace_s if rotation.grace_s is None
                else rotation.grace_s)
     rotated = await _runtime(svc).rotate(key_id, grace_s)
     if rotated is None:

@@ -42,7 +42,7 @@ async def get_state(request: web.Request) -> web.Response:
     state = await svc.inspector.state()
     state["batches"] = await svc.batches.running()
     state["usage_today"] = await usage_today(svc.usage, svc.quotas, svc.settings.tenants)
-    state["grafana_url"] = svc.settings.grafana_url
+    state["grafana_url"] = svc.settings.operations.grafana_url
     token = request.cookies.get(SESSION_COOKIE)
     # the page's token for drain/undrain/cancel; a Bearer caller needs none
     state["csrf_token"] = (csrf_token(token) if token and "Authorization" not in request.headers

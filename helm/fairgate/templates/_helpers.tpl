@@ -142,7 +142,7 @@ true
 {{- if and .Values.redis.enabled (eq .Values.redis.topology "sentinel") -}}true{{- end -}}
 {{- end -}}
 
-{{/* The store's lines of the gateway config: redis_cluster, redis_sentinel (in-chart) or
+{{/* The store group of the gateway config: redis_cluster, redis_sentinel (in-chart) or
 redis_url. */}}
 {{- define "fairgate.storeConfig" -}}
 {{- if not (has .Values.redis.topology (list "standalone" "sentinel")) -}}
@@ -166,10 +166,12 @@ redis_url: {{ include "fairgate.redisUrl" . | quote }}
 {{- end -}}
 {{- end -}}
 
-{{/* The gateway's config.yaml: every pod of every pool is one backend. */}}
+{{/* The gateway's config.yaml (settings grouped as in docs/configuration.md): every pod
+of every pool is one backend. */}}
 {{- define "fairgate.gatewayConfig" -}}
-{{ include "fairgate.storeConfig" . }}
-data_dir: {{ .Values.gateway.dataDir | quote }}
+store:
+{{ include "fairgate.storeConfig" . | indent 2 }}
+  data_dir: {{ .Values.gateway.dataDir | quote }}
 listen:
   host: 0.0.0.0
   port: {{ .Values.gateway.port }}
@@ -187,10 +189,10 @@ backends:
     max_num_batched_tokens: {{ int $pool.maxNumBatchedTokens }}
     {{- with $pool.minPromptTokens }}
     min_prompt_tokens: {{ int . }}
-    {{- end }}
+  {{- end }}
     {{- with $pool.maxPromptTokens }}
     max_prompt_tokens: {{ int . }}
-    {{- end }}
+  {{- end }}
 {{- end }}
 {{- end }}
 {{- with .Values.gateway.config.extraBackends }}
@@ -198,10 +200,12 @@ backends:
 {{- end }}
 classes:
 {{ toYaml .Values.gateway.config.classes | indent 2 }}
-fairness: {{ .Values.gateway.config.fairness | quote }}
+fairness:
+  policy: {{ .Values.gateway.config.fairness | quote }}
 {{- if include "fairgate.anyPoolKeda" . }}
-# scale from zero: a request waits this long for a pool at zero to start a backend
-cold_start_wait_s: {{ .Values.vllm.autoscaling.coldStartWaitSeconds }}
+fleet:
+  # scale from zero: a request waits this long for a pool at zero to start a backend
+  cold_start_wait_s: {{ .Values.vllm.autoscaling.coldStartWaitSeconds }}
 {{- end }}
 {{- end -}}
 
