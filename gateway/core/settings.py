@@ -276,6 +276,24 @@ class Tenant(BaseModel):
 
     weight: float = Field(1.0, gt=0)
     limits: UsageLimits | None = None
+    # guaranteed share: with a request queued, at least this part of its model's last
+    # `starvation_window` dispatches, whatever the weights (policies/fairness.owed_tenant);
+    # 0: none. The tenants' shares are at most 1 in all.
+    min_share: float = Field(0.0, ge=0, le=1)
+
+
+def _shares_fit(tenants: dict[str, Tenant]) -> dict[str, Tenant]:
+    """The tenants' guaranteed shares add up to at most 1 (more cannot all be given)."""
+    total = sum(t.min_share for t in tenants.values())
+    if total > 1 + 1e-9:
+        named = ", ".join(f"{name} {t.min_share:g}" for name, t in sorted(tenants.items())
+                          if t.min_share > 0)
+        raise ValueError(f"the tenants' min_share add up to {total:g} ({named}): at most 1")
+    return tenants
+
+
+# the configured tenants, by name
+Tenants = Annotated[dict[str, Tenant], AfterValidator(_shares_fit)]
 
 
 # ':' joins the parts of a Redis key name (a user's queue is ``q:<class>:<tenant>:<user>``,
@@ -453,7 +471,7 @@ class Settings(BaseSettings):
     # a key's tenant not listed here: weight 1, no limits; a key naming no tenant belongs
     # to the tenant named after its user, weighing the key's weight unless listed
     # (policies/fairness.tenant_of), so configs without tenants schedule as before
-    tenants: dict[str, Tenant] = {}
+    tenants: Tenants = {}
     # HMAC pepper of the API keys created at runtime (gateway/access/keyring.py);
     # set it (FAIRGATE_KEY_PEPPER) outside Redis in production. None: a random pepper
     # kept in Redis, shared by the replicas.

@@ -168,13 +168,17 @@ class Dispatcher(ReadsSettings):
         self.local = LocalScheduler(pool, replica_id)
         self.floors: FloorPolicy
         self.locality: Locality | None
+        self.min_share: tuple[tuple[str, float], ...]
         self._derive(settings.current)
         settings.on_swap(self._derive)
 
     def _derive(self, settings: Settings) -> None:
-        """The starvation floors and the locality rule of these settings."""
+        """The starvation floors, the tenants' guaranteed shares and the locality rule of
+        these settings."""
         self.floors = FloorPolicy(settings.class_floors, settings.starvation_after_s,
                                   settings.starvation_window)
+        self.min_share = tuple(sorted((name, t.min_share) for name, t in settings.tenants.items()
+                                      if t.min_share > 0))
         self.locality = (Locality(settings.locality_slack, settings.locality_candidates,
                                   settings.prefix_index_size, settings.prefix_index_ttl_s,
                                   settings.locality_max_imbalance)
@@ -644,7 +648,8 @@ class Dispatcher(ReadsSettings):
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.replica_ttl_s, plan.order, self.floors.window, plan.burst,
                              locality=plan.locality, fit=fit,
-                             sessions=self.settings.sessions, seen=plan.seen.get(backend))
+                             sessions=self.settings.sessions, seen=plan.seen.get(backend),
+                             min_share=self.min_share)
 
     async def _fold(self, model: str, backend: str
                     ) -> tuple[Plan | None, dict[str, Any] | None]:

@@ -1,6 +1,7 @@
 """Differential spec of ``gateway/storage/lua/lib/fairness.lua`` (pick and charge, with the
 locality slack at both levels, prompt ranges and a backfill's room, the dispatch cost of
-the prompt tokens the backend's prefix index predicts uncached) and of enqueue.lua's
+the prompt tokens the backend's prefix index predicts uncached, the tenants' guaranteed
+shares) and of enqueue.lua's
 order (EDF within a user's queue, the per-user cap, each level joined at its minimum)
 against their plain-data twin, ``policies/fairness.py`` TwoLevel, with sessions (the
 third level) on or off: hypothesis draws a backend and a workload of enqueues,
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import QueuedRequest, Store, load_library
+from gateway.storage.store import QueuedRequest, Store, dispatch_args, load_library
 from policies.fairness import Pick, TwoLevel
 from policies.locality import LocalityView, matched
 from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange, uncached_tokens
@@ -34,7 +35,7 @@ local a = cjson.decode(ARGV[1])
 local prefix, class = a.prefix, a.class
 local pools = pools_for(prefix, a.range, a.block_tokens)
 local locality = locality_for(prefix, a.backend, a.locality, a.load, a.now)
-local fairness = fairness_for(prefix, pools, locality, a.sessions)
+local fairness = fairness_for(prefix, pools, locality, a.sessions, a.min_share)
 local tenant, user, id, held = fairness.pick(a.active, class, a.room)
 if not tenant then return {} end
 local session = fairness.session(class, tenant, user)
@@ -54,6 +55,7 @@ end
 cost = predicted_cost(cost, tonumber(f[5]) or 0, ptok, tokens)
 tcost = predicted_cost(tcost, tonumber(f[6]) or 0, ptok, tokens)
 fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost, tcost)
+fairness.served(tenant)
 return {tenant, user, id, held or -1, tokens, session or cjson.null}
 """
 # a settle's charges (settle.lua; _lib.lua charge): to each level, active or saved
@@ -85,6 +87,12 @@ BACKENDS = st.fixed_dictionaries({
                        max_size=2),
     "load": st.integers(0, 4), "max_imbalance": st.integers(0, 3),
     "max_queued": st.integers(2, 6), "sessions": st.booleans(),
+    # guaranteed shares (at most 1 in all) of the last `window` dispatches
+    "min_share": st.one_of(st.just(()), st.lists(
+        st.tuples(st.sampled_from("ABC"), st.sampled_from([0.1, 0.25, 0.3, 0.5, 1.0])),
+        max_size=3, unique_by=lambda s: s[0]).filter(
+            lambda s: sum(v for _, v in s) <= 1).map(lambda s: tuple(sorted(s)))),
+    "window": st.integers(1, 8),
 })
 ENQUEUE = st.tuples(st.just("enqueue"), st.sampled_from(MEMBERS), quarters, quarters,
                    st.one_of(st.none(), st.integers(1, 4).map(float)), st.integers(0, 900),
@@ -117,7 +125,7 @@ async def state(client: aioredis.Redis, k: ModelKeys) -> dict[str, Any]:
         "saved_tenants": {t: float(s) for t, s in (await client.hgetall(k.saved(CLASS))).items()},
         "floors": {t: float(s) for t, s in (await client.hgetall(k.user_floor(CLASS))).items()},
         "users": {}, "saved_users": {}, "queues": {}, "sessions": {}, "saved_sessions": {},
-        "queued": {},
+        "queued": {}, "recent_tenants": await client.lrange(k.recent_tenants, 0, -1),
     }
     for t in sorted(tenants):
         users = dict(await client.zrange(k.users(CLASS, t), 0, -1, withscores=True))
@@ -160,6 +168,7 @@ def twin_state(model: TwoLevel) -> dict[str, Any]:
         "sessions": {f"{t}/{u}": v for (t, u), v in model.sessions.items() if v},
         "saved_sessions": {f"{t}/{u}": v for (t, u), v in model.saved_sessions.items() if v},
         "queued": {f"{t}/{u}": n for (t, u), n in model.queued.items()},
+        "recent_tenants": model.recent_tenants,
     }
 
 
@@ -189,7 +198,11 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         settle = client.register_script(load_library() + SETTLE)
         common = {"prefix": k.prefix, "class": CLASS, "active": k.active(CLASS),
                   "saved": k.saved(CLASS)}
-        model = TwoLevel(by_session=backend["sessions"])
+        shares, window = backend.get("min_share", ()), backend.get("window", 100)
+        # the guaranteed shares as the product passes them (store.dispatch_args)
+        min_share = dispatch_args(name, BACKEND, {}, "r1", 1000.0, 60.0, recent_window=window,
+                                  min_share=shares).get("min_share")
+        model = TwoLevel(by_session=backend["sessions"], min_share=shares, window=window)
         tokens: dict[str, int] = {}
         chain_of: dict[str, list[str]] = {}
         enqueued: list[tuple[str, str, str, str | None]] = []
@@ -226,6 +239,8 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                                      "others": others}}
                 if backend["sessions"]:
                     args["sessions"] = True
+                if min_share is not None:
+                    args["min_share"] = min_share
                 if room is not None:
                     args["room"] = room
                 found = await dispatch(args=[json.dumps(args)])
@@ -293,6 +308,23 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
     ops=[("enqueue", ("A", "a1"), 9.0, 8.0, None, 300, ["h1", "h2", "h3"], "", 0.25, 1.0),
          ("enqueue", ("B", "b1"), 1.0, 1.0, None, 200, ["h3"], "", 1.0, 0.25),
          ("dispatch", None), ("dispatch", None)])
+@example(  # A, far more served, is owed half the last 4 dispatches: it goes first
+    backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
+             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 6, "sessions": False,
+             "min_share": (("A", 0.5),), "window": 4},
+    ops=[*[("enqueue", ("A", "a1"), 1.0, 9.0, None, 0, [], "")] * 4,
+         *[("enqueue", ("B", "b1"), 1.0, 1.0, None, 0, [], "")] * 4,
+         *[("dispatch", None)] * 6])
+@example(  # the owed tenant's users within the slack, and a range only B's requests fit
+    backend={"min": 100, "max": 400, "slack": 2.5, "compared": 3, "lookahead": 2,
+             "index": {"h1"}, "others": [], "load": 0, "max_imbalance": 0, "max_queued": 6,
+             "sessions": False, "min_share": (("A", 0.25), ("C", 0.5)), "window": 3},
+    ops=[("enqueue", ("A", "a1"), 1.0, 5.0, None, 50, ["h1"], ""),
+         ("enqueue", ("A", "a2"), 1.0, 5.0, None, 200, ["h1"], ""),
+         ("enqueue", ("B", "b1"), 1.0, 1.0, None, 200, ["h1"], ""),
+         ("enqueue", ("C", "c1"), 1.0, 5.0, None, 20, [], ""),
+         ("enqueue", ("B", "b2"), 1.0, 1.0, None, 300, [], ""),
+         *[("dispatch", None)] * 3, ("dispatch", 120), ("dispatch", None)])
 def test_fairness_lua_decides_as_policies_fairness(
         redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
     asyncio.run(run(redis_url, backend, ops))
