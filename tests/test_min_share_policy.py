@@ -117,7 +117,8 @@ def test_a_tenant_with_a_share_gets_it_in_every_window_less_one_dispatch(
     them, less one dispatch at most."""
     served = flood(scene, 3 * scene["window"] + 5)
     worst = max(shortfalls(scene, served), key=lambda s: s[2])
-    assert worst[2] <= 1 + 1e-9, f"{worst[1]} short by {worst[2]:.3f} at dispatch {worst[0]}: {served}"
+    assert worst[2] <= 1 + 1e-9, (
+        f"{worst[1]} short by {worst[2]:.3f} at dispatch {worst[0]}: {served}")
 
 
 @settings(max_examples=150, deadline=None)
@@ -129,7 +130,8 @@ def test_tenants_with_shares_each_get_theirs_in_every_window_less_two_dispatches
     most."""
     served = flood(scene, 3 * scene["window"] + 5)
     worst = max(shortfalls(scene, served), key=lambda s: s[2])
-    assert worst[2] <= 2 + 1e-9, f"{worst[1]} short by {worst[2]:.3f} at dispatch {worst[0]}: {served}"
+    assert worst[2] <= 2 + 1e-9, (
+        f"{worst[1]} short by {worst[2]:.3f} at dispatch {worst[0]}: {served}")
 
 
 WORKLOAD = st.lists(st.one_of(

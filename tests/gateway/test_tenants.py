@@ -129,13 +129,14 @@ def started_while_both_backlogged(backend: SimServer, tags: tuple[int, int]) -> 
     return order[:last + 1]
 
 
-@pytest.mark.parametrize(("min_share", "low", "high"), [(0.3, 0.3, 0.4), (0.0, 0.05, 0.15)])
+@pytest.mark.parametrize(("min_share", "low", "high"), [(0.3, 0.3, 0.35), (0.0, 0.05, 0.15)])
 async def test_a_light_tenant_with_a_min_share_gets_it_against_a_heavy_one(
         sim: SimFactory, gateway: GatewayFactory, min_share: float, low: float,
         high: float) -> None:
     """Tenant L (weight 1, min_share 0.3) floods against tenant H (weight 9): while both
-    are backlogged L gets at least its guaranteed 0.3 of the starts, not the tenth its
-    weight gives it (which it gets without the share)."""
+    are backlogged L gets its guaranteed 0.3 of the starts (less one start at most: it
+    is owed when below its share, so served at the next dispatch), not the tenth its
+    weight gives it, which it gets without the share."""
     backend = await sim(max_num_seqs=2)
     api_keys = [{"key": "sk-l", "user": "l", "tenant": "L", "priority_class": "interactive"},
                 {"key": "sk-h", "user": "h", "tenant": "H", "priority_class": "interactive"}]
@@ -151,6 +152,6 @@ async def test_a_light_tenant_with_a_min_share_gets_it_against_a_heavy_one(
         await asyncio.gather(*tasks)
     window = started_while_both_backlogged(backend, (20, 21))
     share = window.count(20) / len(window)
-    assert low <= share <= high, (
+    assert low - 1 / len(window) <= share <= high, (
         f"L took {window.count(20)} of {len(window)} starts ({share:.3f}) with min_share "
         f"{min_share}: {window}")
