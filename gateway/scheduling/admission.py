@@ -27,7 +27,8 @@ from typing import TypeVar
 import structlog
 
 from gateway.backends import adapters
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     AdapterGone,
     BackendRemoved,
@@ -41,7 +42,8 @@ from gateway.core.errors import (
     Unavailable,
     UpstreamTimeout,
 )
-from gateway.core.metrics import GatewayMetrics, StreamTiming
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.metrics.edge import StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
@@ -53,7 +55,7 @@ from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.cost import (
     estimate_prompt_tokens,
@@ -185,9 +187,10 @@ class Admission(ReadsSettings):
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
-        self.waits = Waits(settings, dispatcher.store)
+        self.waits = Waits(settings, dispatcher.store.reads)
         # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
-        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
+        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store.adapters, metrics,
+                                          replica_id)
         self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
         # reads the backend list in force again for a backend a grant names that this
         # process does not know yet (whether it knows it then): another process added it
@@ -202,7 +205,7 @@ class Admission(ReadsSettings):
         ``x-ratelimit-*`` headers; 429 ``rate_limit_exceeded`` when either refuses."""
         user, bound = account.user, self.settings.max_unqueued_per_user
         if self.forwarding.get(user, 0) >= bound:
-            self.metrics.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
+            self.metrics.usage.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
             raise RateLimitExceeded(f"Rate limit reached for user {user!r}: {bound} "
                                     "concurrent tokenizer calls. Please try again in 1s.",
                                     retry_after_s=1)
@@ -213,7 +216,7 @@ class Admission(ReadsSettings):
                 try:
                     held = await self.quotas.admit(account, uuid.uuid4().hex, 0)
                 except RateLimitExceeded as exc:
-                    self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                    self.metrics.usage.on_limit_refused(account.tenant_name, exc.code or "")
                     raise
             try:
                 yield held.headers if held is not None else {}
@@ -276,7 +279,7 @@ class Admission(ReadsSettings):
             try:
                 held = await self.quotas.admit(account, request_id, sum(bound))
             except RateLimitExceeded as exc:
-                self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                self.metrics.usage.on_limit_refused(account.tenant_name, exc.code or "")
                 await self._record_usage(account, model, klass, 0, 0, error=True)
                 raise
         ticket: Ticket | None = None
@@ -321,7 +324,7 @@ class Admission(ReadsSettings):
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False,
                             cancelled: bool = False) -> None:
-        self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
+        self.metrics.usage.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
         if self.usage is not None and not stored:
             with contextlib.suppress(StoreUnavailable):
                 await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
@@ -360,8 +363,8 @@ class Admission(ReadsSettings):
         tenant, tenant_weight = tenant_of(
             account.user if account else user, account.tenant if account else None, weight,
             {name: t.weight for name, t in self.settings.tenants.items()})
-        self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
-                               tenant_weight)
+        self.metrics.usage.on_queued(model, user, "" if tenant == user else tenant, weight,
+                                     tenant_weight)
         # the weights its charges are divided by: fleet scope multiplies the model's
         # charges by its cost factor (policies/fleet.py; 1 per model)
         factor = self.settings.cost_factor(model)
@@ -410,7 +413,7 @@ class Admission(ReadsSettings):
             raise
         self.waits.dispatched(model, klass)
         waited = time.time() - queued.enqueued_at
-        self.metrics.child(self.metrics.queue_wait, klass).observe(waited)
+        self.metrics.child(self.metrics.queue.wait, klass).observe(waited)
         priority = vllm_priority(cls_cfg.priority_base, grant.rank,
                                  self.settings.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
@@ -426,7 +429,7 @@ class Admission(ReadsSettings):
         running = Running(queued.request_id, model, user, tenant, klass, grant.backend,
                           ticket.dispatched_s, ticket.mover)
         ticket.resumer = partial(self._continued, model, queued, ticket, running)
-        self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
+        self.metrics.dispatch.on_dispatch(model, grant.backend, klass, user, grant.rank)
         self.running.add(running)
         try:
             yield ticket
@@ -451,10 +454,10 @@ class Admission(ReadsSettings):
             tenant_charge = (-tenant_dispatched if ticket.unsent else
                              self.policy.settle_charge(computed, charged, output, ctw, kv))
             reported = ticket.completion_tokens  # the metrics count what vLLM reported
-            self.metrics.on_finish(model, klass, user, ticket.prompt_tokens or 0, reported,
-                                   self.policy.service(
-                                       (ticket.prompt_tokens or 0) - ticket.cached_tokens,
-                                       reported, weight, kv), timing, ticket.cached_tokens)
+            self.metrics.edge.on_finish(model, klass, user, ticket.prompt_tokens or 0, reported,
+                                        self.policy.service(
+                                            (ticket.prompt_tokens or 0) - ticket.cached_tokens,
+                                            reported, weight, kv), timing, ticket.cached_tokens)
             log.info("finished", request_id=queued.request_id, backend=grant.backend,
                      latency_s=round(time.time() - queued.enqueued_at, 4),
                      output_tokens=reported, completed=ticket.completed,
@@ -486,7 +489,7 @@ class Admission(ReadsSettings):
             if allowed:
                 running.moves += 1
         if not allowed:
-            self.metrics.continuations.labels(reason, "failed").inc()
+            self.metrics.moves.continuations.labels(reason, "failed").inc()
             return None
         number = original.continuations + running.moves  # this attempt's, from 1
         return self._continuation(model, queued, reason, tokens, failed, running, number)
@@ -522,10 +525,10 @@ class Admission(ReadsSettings):
                                  self.settings.priority_class_gap)
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, None)
         running.backend, running.segment = grant.backend, cont.request_id
-        pause = self.metrics.continuation_pause.labels(reason)
+        pause = self.metrics.moves.pause.labels(reason)
         ticket.on_started = lambda: pause.observe(time.monotonic() - paused)
-        self.metrics.continuations.labels(reason, "continued").inc()
-        self.metrics.continuation_recomputed_tokens.labels(reason).inc(tokens)
+        self.metrics.moves.continuations.labels(reason, "continued").inc()
+        self.metrics.moves.recomputed_tokens.labels(reason).inc(tokens)
         log.info("continued", request_id=queued.request_id, reason=reason,
                  backend=grant.backend, from_backend=failed.name, resent_tokens=tokens)
         try:
@@ -552,7 +555,7 @@ class Admission(ReadsSettings):
         since admission (``admitted_s``, monotonic; its load included) observed."""
         if adapter is None:
             return await self._acquire(model, queued, timeout_s, cold)
-        gauge = self.metrics.adapter_requests.labels(model, adapter, "queued")
+        gauge = self.metrics.adapters.requests.labels(model, adapter, "queued")
         gauge.inc()
         since = time.time() - (time.monotonic() - admitted_s)
         try:
@@ -561,7 +564,7 @@ class Admission(ReadsSettings):
         finally:
             gauge.dec()
         self.adapter_loads.used(grant.backend, adapter)
-        self.metrics.adapter_wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
+        self.metrics.adapters.wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
         return grant
 
     async def _check_fit(self, model: str, klass: str, creq: CompletionRequest,

@@ -18,7 +18,7 @@ end
 
 local function fairness_for(prefix, pools, locality, sessions, shares)
   local F = {}
-  local slack, compared, lookahead = locality.slack, locality.compared, locality.lookahead
+  local slack, compared, lookahead = locality.slack, locality.candidates, locality.lookahead
   if shares and #shares.tenants == 0 then shares = nil end
   local recent_tenants = key_recent_tenants(prefix)
 
