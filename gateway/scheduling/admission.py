@@ -176,7 +176,8 @@ class Admission(ReadsSettings):
     def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
                  quotas: Quotas | None = None, usage: UsageLedger | None = None,
-                 running: RunningStreams | None = None) -> None:
+                 running: RunningStreams | None = None,
+                 learn_backend: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.holder = settings
         self.running = (running if running is not None
                         else RunningStreams(lambda: self.settings.max_moves))
@@ -194,8 +195,8 @@ class Admission(ReadsSettings):
         self.forwarding: dict[str, int] = {}  # per user: unqueued calls at the backends
         # reads the backend list in force again for a backend a grant names that this
         # process does not know yet (whether it knows it then): another process added it
-        # and dispatched to it before this one's next read (services.py sets it)
-        self.learn_backend: Callable[[str], Awaitable[bool]] | None = None
+        # and dispatched to it before this one's next read (services.py passes it)
+        self.learn_backend = learn_backend
 
     @asynccontextmanager
     async def forwarded(self, account: ApiKey) -> AsyncIterator[dict[str, str]]:
