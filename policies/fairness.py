@@ -76,11 +76,26 @@ backlogged sessions share its service within the policy's bound, in user-weighte
 service. A session that becomes active is lifted to the smallest active session score of
 its user; a user left with nothing queued forgets its session scores (they only order its
 own sessions).
+
+Guaranteed shares (``tenants: {name: {min_share: …}}``), the class starvation floor's rule
+(``policies/starvation.py``) one level down. A tenant with a ``min_share`` and a queued
+request is owed when its part of the model's last ``window`` dispatches (the starvation
+window; fewer while fewer were made) is below its share: the next dispatch of the class
+being served goes to it, whatever the scores (:func:`owed_tenant`; of several owed, the
+most owed). Its own users are served in their usual order (with a locality slack, among
+its users within it), and its tenant score is charged as usual, so once its share is met
+the scores decide again. The shares are at most 1 in all (settings check it), so every
+owed tenant can be given its share: a tenant backlogged throughout gets at least its
+``min_share`` of every window of dispatches, within a dispatch or two (the property
+tests of ``tests/test_min_share_policy.py`` state the bound), and more when its weight
+gives it more. Without shares the order is the scores' alone. The class order and gates
+come first: a share counts the model's dispatches in every class, and is given within
+the class a dispatch serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -217,6 +232,32 @@ def level_bounds(policy: FairnessPolicy, max_tenant_request: float, max_user_req
                           slack))
 
 
+def owed_tenant(min_share: Sequence[tuple[str, float]], backlogged: Container[str],
+                recent: Sequence[str], window: int) -> str | None:
+    """The backlogged tenant owed its guaranteed share right now, if any: of the tenants
+    in ``min_share`` ((tenant, share) pairs, by name) that are ``backlogged``, the one
+    furthest below its share of the last ``window`` dispatches (``recent``, their tenants,
+    newest first: :func:`remember_tenant`), in dispatches (share × dispatches − its
+    own); ties to the first by name. None when each has its share (the scores decide).
+    ``share_owed`` in ``lua/lib/fairness.lua``."""
+    seen = recent[:window]
+    dispatches = max(len(seen), 1)
+    owed, most = None, 0.0
+    for tenant, share in min_share:
+        if share <= 0 or tenant not in backlogged:
+            continue
+        behind = share * dispatches - seen.count(tenant)
+        if behind > most:
+            owed, most = tenant, behind
+    return owed
+
+
+def remember_tenant(recent: Sequence[str], tenant: str, window: int) -> list[str]:
+    """The tenants of the latest dispatches, newest first, after one to ``tenant`` (the
+    ``recent_tenants`` list ``lua/lib/fairness.lua`` keeps, ``window`` long)."""
+    return [tenant, *recent][:window]
+
+
 RANGE_SCAN = 64
 """Users looked at, in fairness order, for a request a backend's prompt range (or a
 backfill's room) takes when there is no slack."""
@@ -282,7 +323,9 @@ class TwoLevel:
     levels; only what the backend's prompt range and a backfill's room take), the charge
     at dispatch, settle and cancel. Ties go to the smaller name, as in a Redis zset.
     ``by_session``: sessions on, the third level (a user's request comes from its
-    least-served session; requests enqueued with a session charge it)."""
+    least-served session; requests enqueued with a session charge it). ``min_share``:
+    the guaranteed shares, (tenant, share) by name (:func:`owed_tenant`), over the last
+    ``window`` dispatches (``recent_tenants``, newest first; kept only with shares)."""
 
     tenants: dict[str, float] = field(default_factory=dict)  # active tenant -> score
     saved_tenants: dict[str, float] = field(default_factory=dict)
@@ -298,6 +341,9 @@ class TwoLevel:
     queued: dict[tuple[str, str], int] = field(default_factory=dict)
     # (tenant, user, session) -> a session's queue; the default session's is the user's
     session_queues: dict[tuple[str, str, str], list[Queued]] = field(default_factory=dict)
+    min_share: Sequence[tuple[str, float]] = ()
+    window: int = 100
+    recent_tenants: list[str] = field(default_factory=list)
 
     def _queue(self, tenant: str, user: str, session: str | None) -> list[Queued]:
         if session:
@@ -374,13 +420,27 @@ class TwoLevel:
         the tenants within it of the least-served tenant (``within_slack``, at most
         ``view.compared`` users), the request among the first ``view.lookahead`` of each
         queue that the backend's index holds longest (``best_cached``), of those the
-        range takes and, with ``room``, whose uncached tokens fit in it."""
+        range takes and, with ``room``, whose uncached tokens fit in it. A tenant owed its
+        guaranteed share (:func:`owed_tenant`) goes first: the same among its users alone,
+        unless none of its requests is one this backend takes."""
         pool = pool or Pool()
         view = view or LocalityView()
+        owed = owed_tenant(self.min_share, {t for t in self.tenants if self.users.get(t)},
+                           self.recent_tenants, self.window)
+        if owed is not None:
+            pick = self._pick_among([owed], pool, view, room)
+            if pick is not None:
+                return pick
+        return self._pick_among(self._tenant_order(), pool, view, room)
+
+    def _pick_among(self, order: list[str], pool: Pool, view: LocalityView,
+                    room: int | None) -> Pick | None:
+        """:meth:`pick` among the tenants of ``order`` (in fairness order, or the one owed
+        its share)."""
         if view.slack <= 0:
             if pool.ranged or room is not None:
-                return self._first_fitting(pool, view.lookahead, room)
-            for tenant in self._tenant_order():
+                return self._first_fitting(order, pool, view.lookahead, room)
+            for tenant in order:
                 users = self._user_order(tenant)
                 if users:
                     return Pick(tenant, users[0],
@@ -389,7 +449,7 @@ class TwoLevel:
                 del self.tenants[tenant]  # never left so by the engine
             return None
         levels = [(self.tenants[t], [(self.users[t][u], (t, u)) for u in self._user_order(t)])
-                  for t in self._tenant_order()]
+                  for t in order]
 
         def takes(request: Queued, held: int) -> bool:
             return pool.fits(request.request_id) and (
@@ -403,9 +463,10 @@ class TwoLevel:
         (tenant, user), request, held = found
         return Pick(tenant, user, request.request_id, held, self.session_of(tenant, user))
 
-    def _first_fitting(self, pool: Pool, lookahead: int, room: int | None) -> Pick | None:
+    def _first_fitting(self, order: list[str], pool: Pool, lookahead: int,
+                       room: int | None) -> Pick | None:
         left = RANGE_SCAN
-        for tenant in self._tenant_order()[:RANGE_SCAN]:
+        for tenant in order[:RANGE_SCAN]:
             users = self._user_order(tenant)[:left]
             for user in users:
                 for request in self._user_queue(tenant, user)[:lookahead]:
@@ -426,7 +487,8 @@ class TwoLevel:
         user's score kept as the tenant's floor; with sessions, its session's score grows
         by its cost too, and a session left with nothing queued leaves its user's.
         ``charged`` False: a request dropped at its turn (its replica died), charged
-        nothing."""
+        nothing. With guaranteed shares a charged request's tenant joins
+        ``recent_tenants``."""
         tenant, user = pick.tenant, pick.user
         queue = self._queue(tenant, user, pick.session)
         request = next(q for q in queue if q.request_id == pick.request_id)
@@ -435,6 +497,8 @@ class TwoLevel:
         cost, tenant_cost = request.charged(uncached) if charged else (0.0, 0.0)
         users[user] += cost
         self.tenants[tenant] += tenant_cost
+        if self.min_share and charged:
+            self.recent_tenants = remember_tenant(self.recent_tenants, tenant, self.window)
         queued = (bool(queue) if pick.session is None
                   else self._session_left(tenant, user, pick.session, queue, cost))
         if not queued:

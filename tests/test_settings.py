@@ -164,6 +164,26 @@ def test_fairness_scope_and_cost_factors_are_checked_clearly(tmp_path: Path) -> 
         assert words in str(bad.value), (extra, str(bad.value))
 
 
+def test_tenant_shares_add_up_to_at_most_one_and_are_refused_on_one_line(
+        tmp_path: Path) -> None:
+    path = tmp_path / "fairgate.yaml"
+    path.write_text(YAML + "tenants: {A: {min_share: 0.7}, B: {weight: 9, min_share: 0.3}}\n")
+    s = read_config_file(path)
+    assert (s.tenants["A"].min_share, s.tenants["B"].min_share) == (0.7, 0.3), s.tenants
+    assert load_settings(None, tenants={"A": {}}).tenants["A"].min_share == 0.0
+    for extra, words in (
+            ("tenants: {A: {min_share: 0.7}, B: {min_share: 0.5}}\n",
+             "tenants: the tenants' min_share add up to 1.2 (A 0.7, B 0.5): at most 1"),
+            ("tenants: {A: {min_share: 1.5}}\n",
+             "tenants.A.min_share: Input should be less than or equal to 1"),
+            ("tenants: {A: {min_share: -0.1}}\n",
+             "tenants.A.min_share: Input should be greater than or equal to 0")):
+        path.write_text(YAML + extra)
+        with pytest.raises(ConfigFileInvalid) as bad:
+            read_config_file(path)
+        assert words in str(bad.value) and "\n" not in str(bad.value), (extra, str(bad.value))
+
+
 def _models(kind: Any, seen: set[type[BaseModel]]) -> None:
     """Every pydantic model reachable from ``kind`` (through lists, dicts, unions)."""
     if isinstance(kind, type) and issubclass(kind, BaseModel):

@@ -79,14 +79,18 @@ class Planner(ReadsSettings):
         self._deciding: dict[tuple[str, str], int] = {}
         self.floors: FloorPolicy
         self.locality: Locality | None
+        self.min_share: tuple[tuple[str, float], ...]
         self._derive(settings.current)
         settings.on_swap(self._derive)
 
     def _derive(self, settings: Settings) -> None:
-        """The starvation floors and the locality rule of these settings."""
+        """The starvation floors, the tenants' guaranteed shares and the locality rule of
+        these settings."""
         fairness, routing = settings.fairness, settings.routing
         self.floors = FloorPolicy(fairness.class_floors, fairness.starvation_after_s,
                                   fairness.starvation_window)
+        self.min_share = tuple(sorted((name, t.min_share) for name, t in settings.tenants.items()
+                                      if t.min_share > 0))
         self.locality = (Locality(routing.locality_slack, routing.locality_candidates,
                                   routing.prefix_index_size, routing.prefix_index_ttl_s,
                                   routing.locality_max_imbalance)
@@ -152,7 +156,8 @@ class Planner(ReadsSettings):
         return dispatch_args(model, backend, plan.gates[backend], self.replica_id, plan.now,
                              self.settings.replicas.replica_ttl_s, plan.order, self.floors.window,
                              plan.burst, locality=plan.locality, fit=fit,
-                             sessions=self.settings.fairness.sessions, seen=plan.seen.get(backend))
+                             sessions=self.settings.fairness.sessions, seen=plan.seen.get(backend),
+                             min_share=self.min_share)
 
     async def fold(self, model: str, backend: str
                    ) -> tuple[Plan | None, dict[str, Any] | None]:

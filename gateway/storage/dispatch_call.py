@@ -58,13 +58,16 @@ def dispatch_args(
     max_grants: int = 1, grant_pickup_s: float = GRANT_PICKUP_S,
     locality: Locality | None = None, fit: BackendFit | None = None,
     sessions: bool = False, seen: float | None = None,
+    min_share: Sequence[tuple[str, float]] = (),
 ) -> dict[str, Any]:
     """The named arguments of one dispatch decision for ``backend`` (see
     :meth:`QueueStore.dispatch`), as ``dispatch_for`` in ``lua/lib/dispatch.lua`` reads them.
     ``sessions``: each user's requests come from its least-served session (the third
     level, ``policies/fairness.py``). ``seen``: the taken_at of the snapshot ``limits``
     come from (None: the stored one), so that they count what was sent since it
-    (``gate_counts`` in ``lua/_lib.lua``)."""
+    (``gate_counts`` in ``lua/_lib.lua``). ``min_share``: the tenants' guaranteed shares,
+    (tenant, share), of the last ``recent_window`` dispatches (``policies/fairness.py``
+    owed_tenant)."""
     fit = fit or BackendFit()
     loc = locality or Locality(0.0, 0, 0, 0.0)
     span = fit.prompt_range
@@ -88,6 +91,8 @@ def dispatch_args(
         **({"sessions": True} if sessions else {}),
         **({} if seen is None else {"seen": seen}),
         **({} if fit.adapters is None else {"adapters": sorted(fit.adapters)}),
+        **({"min_share": {"window": recent_window, "tenants": [
+            {"tenant": t, "share": s} for t, s in sorted(min_share)]}} if min_share else {}),
     }
 
 
@@ -105,7 +110,7 @@ def dispatch_keys(model: str, args: Mapping[str, Any] | None) -> list[str]:
     k, backend = ModelKeys(model), args["backend"]
     order = [c["name"] for c in args["classes"]]
     return ([k.backend_sent(backend), k.replicas, k.user_inflight, k.depth,
-             k.backend_inflight(backend), k.backlogged_since, k.recent,
+             k.backend_inflight(backend), k.backlogged_since, k.recent, k.recent_tenants,
              k.backend_snapshot(backend), k.drained, k.backend_prefill(backend),
              k.backend_started(backend)]
             + [k.active(c) for c in order] + [k.saved(c) for c in order])

@@ -39,6 +39,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "depth": "depth",                     # hash: class -> queued requests
     "backlogged_since": "since",          # hash: class -> when its queue became non-empty
     "recent": "recent",                   # list: classes of the latest dispatches
+    "recent_tenants": "rtenants",         # list: tenants of the latest dispatches (min_share)
     "drained": "drained",                 # set: backends no replica may dispatch to
     "migrate": "migrate",                 # hash: drained backend -> when its answers move
     "user_inflight": "inflight",          # hash: user -> dispatched, unsettled requests
@@ -174,6 +175,10 @@ class ModelKeys:
     @property
     def recent(self) -> str:
         return self._key("recent")
+
+    @property
+    def recent_tenants(self) -> str:
+        return self._key("recent_tenants")
 
     @property
     def drained(self) -> str:

@@ -117,3 +117,41 @@ async def test_a_trusted_key_minting_an_end_user_per_request_gets_one_tenants_sh
     window = [r.max_tokens for r in records][:PER_USER]
     app = window.count(21)
     assert abs(app - PER_USER / 2) <= SLACK / 2, f"the app took {app} of {PER_USER}: {window}"
+
+
+def started_while_both_backlogged(backend: SimServer, tags: tuple[int, int]) -> list[int]:
+    """The tags of the requests the engine started, in order, up to the first flood's last
+    start (both floods were backlogged until then)."""
+    records = sorted(backend.engine.records.values(),
+                     key=lambda r: r.first_scheduled_s or float("inf"))
+    order = [r.max_tokens for r in records]
+    last = min(len(order) - 1 - order[::-1].index(tag) for tag in tags)
+    return order[:last + 1]
+
+
+@pytest.mark.parametrize(("min_share", "low", "high"), [(0.3, 0.3, 0.35), (0.0, 0.05, 0.15)])
+async def test_a_light_tenant_with_a_min_share_gets_it_against_a_heavy_one(
+        sim: SimFactory, gateway: GatewayFactory, min_share: float, low: float,
+        high: float) -> None:
+    """Tenant L (weight 1, min_share 0.3) floods against tenant H (weight 9): while both
+    are backlogged L gets its guaranteed 0.3 of the starts (less one start at most: it
+    is owed when below its share, so served at the next dispatch), not the tenth its
+    weight gives it, which it gets without the share."""
+    backend = await sim(max_num_seqs=2)
+    api_keys = [{"key": "sk-l", "user": "l", "tenant": "L", "priority_class": "interactive"},
+                {"key": "sk-h", "user": "h", "tenant": "H", "priority_class": "interactive"}]
+    gw = await gateway([backend], api_keys=api_keys,
+                       tenants={"L": {"weight": 1.0, "min_share": min_share},
+                                "H": {"weight": 9.0}},
+                       classes={"interactive": {"max_waiting": 1}})
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(complete(session, gw.url, key, tag))
+                 for _ in range(40) for key, tag in (("sk-l", 20), ("sk-h", 21))]
+        tasks += [asyncio.create_task(complete(session, gw.url, "sk-h", 21))
+                  for _ in range(40)]
+        await asyncio.gather(*tasks)
+    window = started_while_both_backlogged(backend, (20, 21))
+    share = window.count(20) / len(window)
+    assert low - 1 / len(window) <= share <= high, (
+        f"L took {window.count(20)} of {len(window)} starts ({share:.3f}) with min_share "
+        f"{min_share}: {window}")

@@ -62,6 +62,12 @@ BACKENDS = st.fixed_dictionaries({
                        max_size=2),
     "max_imbalance": st.integers(0, 3),
     "max_queued": st.integers(2, 6), "sessions": st.booleans(),
+    # the tenants' guaranteed shares (at most 1 in all) of the last `window` dispatches
+    "min_share": st.one_of(st.just(()), st.lists(
+        st.tuples(st.sampled_from("ABC"), st.sampled_from([0.1, 0.25, 0.3, 0.5, 1.0])),
+        max_size=3, unique_by=lambda s: s[0]).filter(
+            lambda s: sum(v for _, v in s) <= 1).map(lambda s: tuple(sorted(s)))),
+    "window": st.integers(1, 8),
 })
 ENQUEUE = st.tuples(st.just("enqueue"), st.sampled_from(MEMBERS), quarters, quarters,
                    st.one_of(st.none(), st.integers(1, 4).map(float)), st.integers(0, 900),
@@ -160,7 +166,9 @@ class Twin:
     backend's state, and what the store holds of each replica."""
 
     def __init__(self, backend: dict[str, Any]) -> None:
-        self.engine = TwoLevel(by_session=backend["sessions"])
+        self.engine = TwoLevel(by_session=backend["sessions"],
+                               min_share=backend.get("min_share", ()),
+                               window=backend.get("window", 100))
         self.model = Dispatch(engines={CLASS: self.engine})
         self.backend = BackendState(index=PrefixIndex(
             INDEX_SIZE, INDEX_TTL_S, dict.fromkeys(backend["index"], START)))
@@ -198,7 +206,8 @@ async def dispatch(store: Store, name: str, b: dict[str, Any], gate: Gate, now: 
                      {CLASS: b.get("prefill_limit", 0)}, b.get("backfill_s", 0.0))
     [done] = await store.queue.dispatch_with(name, [dispatch_args(
         name, BACKEND, {CLASS: gate}, "r1", now, REPLICA_TTL_S, order=(CLASS,),
-        max_grants=b.get("want", 1), locality=loc, fit=fit, sessions=b["sessions"])])
+        max_grants=b.get("want", 1), locality=loc, fit=fit, sessions=b["sessions"],
+        recent_window=b.get("window", 100), min_share=b.get("min_share", ()))])
     return done
 
 

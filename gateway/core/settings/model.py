@@ -50,7 +50,7 @@ from gateway.core.settings.parts import (
     Backend,
     ClassConfig,
     Discovery,
-    Tenant,
+    Tenants,
     check_name,
     default_classes,
 )
@@ -87,7 +87,7 @@ class Settings(BaseSettings):
     # a key's tenant not listed here: weight 1, no limits; a key naming no tenant belongs
     # to the tenant named after its user, weighing the key's weight unless listed
     # (policies/fairness.tenant_of), so configs without tenants schedule as before
-    tenants: dict[str, Tenant] = restart({}, "the fairness policy is built at start")
+    tenants: Tenants = restart({}, "the fairness policy is built at start")
     classes: dict[str, ClassConfig] = Field(default_factory=default_classes)
     autoscale: Autoscale = Autoscale()
     config_file: Path | None = None  # the YAML this was loaded from (POST /admin/reload)

@@ -257,6 +257,24 @@ class Tenant(BaseModel):
 
     weight: float = Field(1.0, gt=0)
     limits: UsageLimits | None = None
+    # guaranteed share: with a request queued, at least this part of its model's last
+    # `starvation_window` dispatches, whatever the weights (policies/fairness.owed_tenant);
+    # 0: none. The tenants' shares are at most 1 in all.
+    min_share: float = Field(0.0, ge=0, le=1)
+
+
+def _shares_fit(tenants: dict[str, Tenant]) -> dict[str, Tenant]:
+    """The tenants' guaranteed shares add up to at most 1 (more cannot all be given)."""
+    total = sum(t.min_share for t in tenants.values())
+    if total > 1 + 1e-9:
+        named = ", ".join(f"{name} {t.min_share:g}" for name, t in sorted(tenants.items())
+                          if t.min_share > 0)
+        raise ValueError(f"the tenants' min_share add up to {total:g} ({named}): at most 1")
+    return tenants
+
+
+# the configured tenants, by name
+Tenants = Annotated[dict[str, Tenant], AfterValidator(_shares_fit)]
 
 
 # ':' joins the parts of a Redis key name (a user's queue is ``q:<class>:<tenant>:<user>``,

@@ -34,7 +34,9 @@
 --   adapters (optional: the LoRA adapters the backend has; a request naming another
 --   waits for a backend that has it),
 --   fleet (optional, fairness_scope fleet: the other models' key prefixes, where each
---   dispatch cost counts too: spread in _lib.lua).
+--   dispatch cost counts too: spread in _lib.lua),
+--   min_share (optional: the tenants' guaranteed shares, {window, tenants: [{tenant,
+--   share}] by name}; fairness.lua share_owed).
 -- Returns a named map {grants, depth, backlogged, recent, stale} (dispatched_from in
 -- gateway/storage/dispatch_call.py reads it): grants a list of {id, class, user, rank,
 -- owner, enqueued_at, charged (the prompt tokens its dispatch cost charged: those
@@ -65,7 +67,7 @@ local function dispatch_for(a)
 
   local pools = pools_for(prefix, a.range, a.block_tokens, a.adapters)
   local locality = locality_for(prefix, backend, a.locality, inflight, now)
-  local fairness = fairness_for(prefix, pools, locality, a.sessions)
+  local fairness = fairness_for(prefix, pools, locality, a.sessions, a.min_share)
   local granted = inflight_for(prefix, backend, a.replica,
     {user_inflight = key_user_inflight(prefix), sent = key_backend_sent(prefix, backend),
      backend_inflight = key_backend_inflight(prefix, backend), recent = key_recent(prefix),
@@ -134,6 +136,7 @@ local function dispatch_for(a)
         cost = predicted_cost(cost, tonumber(fields.hit) or 0, ptok, tokens)
         tcost = predicted_cost(tcost, tonumber(fields.thit) or 0, ptok, tokens)
         fairness.charge(class, tenant, user, session, queue, active, saved, cost, tcost)
+        fairness.served(tenant)
         spread(a.fleet, class, tenant, user, cost, tcost)
         local rank
         rank, inflight = granted.grant(id, req, class, user, fields.owner, tokens)

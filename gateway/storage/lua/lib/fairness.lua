@@ -3,8 +3,10 @@
 -- oldest request; with a locality slack, the best cached request of the users within it
 -- at both levels. With sessions on (`sessions` true), a user's queue is that of its
 -- least-served session (sessions zset; none: the default session, its own queue), and a
--- dispatch charges the session too. fairness_for(prefix, pools, locality, sessions) over
--- pools_for and locality_for.
+-- dispatch charges the session too. With guaranteed shares (`shares`: {window, tenants:
+-- a list, by name, of {tenant, share}}), a tenant owed its share of the model's last
+-- `window` dispatches goes first (share_owed; policies/fairness.py owed_tenant).
+-- fairness_for(prefix, pools, locality, sessions, shares) over pools_for and locality_for.
 local RANGE_SCAN = 64  -- users looked at (fairness order) for a request a backend takes
 
 -- the smallest score of a zset: member, score (nil when empty)
@@ -14,9 +16,44 @@ local function least(zset)
   return top[1], tonumber(top[2])
 end
 
-local function fairness_for(prefix, pools, locality, sessions)
+local function fairness_for(prefix, pools, locality, sessions, shares)
   local F = {}
   local slack, compared, lookahead = locality.slack, locality.candidates, locality.lookahead
+  if shares and #shares.tenants == 0 then shares = nil end
+  local recent_tenants = key_recent_tenants(prefix)
+
+  -- the tenant owed its guaranteed share (nil: none; policies/fairness.py owed_tenant):
+  -- of the tenants with a share and a queued request in the class, the one furthest
+  -- below its share of the last `window` dispatches, in dispatches; ties to the first
+  local function share_owed(active, class)
+    if not shares then return nil end
+    local backlogged = {}
+    for _, s in ipairs(shares.tenants) do
+      if s.share > 0 and redis.call('ZSCORE', active, s.tenant)
+          and redis.call('ZCARD', key_users(prefix, class, s.tenant)) > 0 then
+        backlogged[#backlogged + 1] = s
+      end
+    end
+    if #backlogged == 0 then return nil end
+    local recent = redis.call('LRANGE', recent_tenants, 0, shares.window - 1)
+    local served = {}
+    for _, tenant in ipairs(recent) do served[tenant] = (served[tenant] or 0) + 1 end
+    local dispatches = math.max(#recent, 1)
+    local owed, most = nil, 0
+    for _, s in ipairs(backlogged) do
+      local behind = s.share * dispatches - (served[s.tenant] or 0)
+      if behind > most then owed, most = s.tenant, behind end
+    end
+    return owed
+  end
+
+  -- a request of `tenant` was dispatched: it joins the tenants of the latest dispatches
+  -- (kept, `window` long, only with shares)
+  function F.served(tenant)
+    if not shares then return end
+    redis.call('LPUSH', recent_tenants, tenant)
+    redis.call('LTRIM', recent_tenants, 0, shares.window - 1)
+  end
 
   -- the session a user's next request comes from (nil: sessions off)
   function F.session(class, tenant, user)
@@ -29,12 +66,12 @@ local function fairness_for(prefix, pools, locality, sessions)
       F.session(class, tenant, user)), 0, lookahead - 1)
   end
 
-  -- the first request, in fairness order (tenants, their users, each user's first
-  -- `lookahead`), that the backend's prompt range takes, of at most `room` estimated
-  -- prompt tokens when given: (tenant, user, request) or nil
-  local function first_fitting(active, class, room)
+  -- the first request, in fairness order (`tenants`, nil: the class's; their users, each
+  -- user's first `lookahead`), that the backend's prompt range takes, of at most `room`
+  -- estimated prompt tokens when given: (tenant, user, request) or nil
+  local function first_fitting(active, class, room, tenants)
     local left = RANGE_SCAN
-    for _, tenant in ipairs(redis.call('ZRANGE', active, 0, RANGE_SCAN - 1)) do
+    for _, tenant in ipairs(tenants or redis.call('ZRANGE', active, 0, RANGE_SCAN - 1)) do
       local users = redis.call('ZRANGE', key_users(prefix, class, tenant), 0, left - 1)
       for _, user in ipairs(users) do
         for _, id in ipairs(head(class, tenant, user)) do
@@ -55,10 +92,15 @@ local function fairness_for(prefix, pools, locality, sessions)
   -- none (every such request is left to its own backend). Only requests the backend's
   -- prompt range takes are considered, and with `room` (a backfill past a request the
   -- prefill gate holds) only those whose uncached tokens fit in it. An active tenant
-  -- without users (never left by the scripts) is dropped.
-  function F.pick(active, class, room)
+  -- without users (never left by the scripts) is dropped. Among `tenants` when given (the
+  -- one owed its share), else the class's.
+  local function pick_among(active, class, room, tenants)
     if slack <= 0 then
-      if pools.ranged or room then return first_fitting(active, class, room) end
+      if pools.ranged or room then return first_fitting(active, class, room, tenants) end
+      if tenants then
+        local user = least(key_users(prefix, class, tenants[1]))
+        return tenants[1], user, nil
+      end
       while true do
         local tenant = least(active)
         if not tenant then return nil end
@@ -67,10 +109,12 @@ local function fairness_for(prefix, pools, locality, sessions)
         redis.call('ZREM', active, tenant)
       end
     end
-    local _, top_score = least(active)
-    if not top_score then return nil end
-    local tenants = redis.call('ZRANGEBYSCORE', active, top_score, top_score + slack,
-      'LIMIT', 0, compared)
+    if not tenants then
+      local _, top_score = least(active)
+      if not top_score then return nil end
+      tenants = redis.call('ZRANGEBYSCORE', active, top_score, top_score + slack,
+        'LIMIT', 0, compared)
+    end
     local best_tenant, best, best_id, best_len = nil, nil, nil, -1
     local left = compared
     for _, tenant in ipairs(tenants) do
@@ -94,6 +138,17 @@ local function fairness_for(prefix, pools, locality, sessions)
       end
     end
     return best_tenant, best, best_id, best_id and best_len or nil
+  end
+
+  -- the request to serve (pick_among): the owed tenant's first (share_owed), unless none
+  -- of its requests is one this backend takes
+  function F.pick(active, class, room)
+    local owed = share_owed(active, class)
+    if owed then
+      local tenant, user, id, held = pick_among(active, class, room, {owed})
+      if tenant then return tenant, user, id, held end
+    end
+    return pick_among(active, class, room, nil)
   end
 
   -- after `user` of `tenant` was served (its request taken out of `queue`, its
