@@ -167,7 +167,7 @@ class Ticket:
 def estimate(creq: CompletionRequest) -> int:
     """The prompt tokens of a request before a backend tokenized it, read from its
     endpoint's prompt field."""
-    return estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
+    return estimate_prompt_tokens(creq.prompt)
 
 
 class Admission(ReadsSettings):
@@ -314,9 +314,8 @@ class Admission(ReadsSettings):
         context length bounds a request that sets no output limit (the
         ``max_output_tokens`` setting until a backend reported it)."""
         context = self.pool.max_model_len(model) or self.settings.max_output_tokens
-        field, outputs = creq.endpoint.prompt_field, creq.endpoint.output_token_fields
-        return (prompt_token_bound(creq.body, field),
-                output_token_bound(creq.body, field, outputs, context))
+        return (prompt_token_bound(creq.prompt),
+                output_token_bound(creq.prompt, creq.output, context))
 
     async def _record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False,
@@ -368,7 +367,7 @@ class Admission(ReadsSettings):
         cw, ctw = fleet_weight(weight, factor), fleet_weight(tenant_weight, factor)
         queued = QueuedRequest(request_id, user, klass, self.replica_id,
                                self.policy.dispatch_cost(prompt_est, cw), time.time(),
-                               (prefix_chain(creq.body) if self._locality(model) else ()),
+                               (prefix_chain(creq.prompt) if self._locality(model) else ()),
                                tenant, self.policy.dispatch_cost(prompt_est, ctw),
                                prompt_tokens=prompt_est, whole=not creq.stream,
                                adapter=adapter,
@@ -586,7 +585,7 @@ class Admission(ReadsSettings):
         if taking is not None and not taking:
             ranges = {h.name: h.fit.prompt_range for h in self.pool.for_model(model)}
             raise PromptFitsNoBackend(no_fit_message(model, prompt_tokens, ranges),
-                                      param=creq.endpoint.prompt_field)
+                                      param=creq.prompt.field or None)
         if (taking is None and not refuse_unready) or self._ready(model, prompt_tokens, adapter):
             return False
         if self.settings.cold_start_wait_s > 0:
