@@ -76,7 +76,7 @@ class Endpoint:
     # the body field its prompt is read from; its shape's reader is PROMPT_READERS[it]
     prompt_field: str | None = None  # messages | prompt | input
     # the fields the backend honours as output-token bounds: the smallest set is the
-    # request's (``policies/cost.output_bound``; every one of them says it when forwarded)
+    # request's (``CompletionRequest.output``; every one of them says it when forwarded)
     output_token_fields: tuple[str, ...] = ()
     frames: Frames = Frames.NONE
     usage: Usage = CHOICES_USAGE
