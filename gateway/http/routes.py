@@ -172,8 +172,7 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     key = await svc.keys.identify(request.headers.get("Authorization"))
     body = await read_json_object(request, min(svc.settings.max_body_bytes,
                                                svc.settings.max_unqueued_body_bytes))
-    validate_unscheduled(body, Limits.of(svc.settings))
-    model, adapter = _known_model(svc, str(body["model"]))
+    model, adapter = _known_model(svc, validate_unscheduled(body, Limits.of(svc.settings)))
     if not svc.pool.any_healthy(model):
         await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy

@@ -291,11 +291,13 @@ def read_session(header: str | None, creq: CompletionRequest) -> str:
     return value
 
 
-def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> None:
-    """``/tokenize`` and ``/detokenize``: only the model to route by (vLLM checks the rest)."""
+def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> str:
+    """``/tokenize`` and ``/detokenize``: only the model to route by, returned (vLLM
+    checks the rest)."""
     if limits.max_json_depth is not None:
         check_depth(body, limits.max_json_depth)
     check_model(body)
+    return str(body["model"])
 
 
 def check_model(body: dict[str, Any]) -> None:
