@@ -1,5 +1,8 @@
-"""Validation of an incoming body for the OpenAI endpoints fairgate queues and those it
-forwards unqueued, each as its entry in ``gateway/proxy/endpoints.py`` declares it.
+"""A body of the OpenAI endpoints fairgate queues, read once into its typed
+:class:`CompletionRequest` (:func:`parse_body`), and the check of those it forwards
+unqueued, each as its entry in ``gateway/proxy/endpoints.py`` declares it (the entry's
+prompt reader reads its prompt). No other module reads a body's shape: admission,
+limits, cost, locality, continuation, the relay and batch lines read the typed value.
 
 Only what fairgate needs is checked (the model it routes by, the endpoint's prompt field,
 ``stream``, its output-token fields and the sequences it asks for (``n``, ``best_of``),
@@ -87,6 +90,23 @@ class CompletionRequest:
     @property
     def path(self) -> str:
         return self.endpoint.path
+
+    def forwarded(self, token_ids: bool = False) -> dict[str, Any]:
+        """What the backend gets for a client's call (a copy of ``body``): a stream always
+        reports its usage (the relay drops it unless the client asked); ``token_ids``: a
+        continuable stream's token ids too."""
+        body = dict(self.body)
+        if self.stream and self.endpoint.stream_usage_option:
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
+        if token_ids:
+            body["return_token_ids"] = True
+        return body
+
+    def fetched(self) -> dict[str, Any]:
+        """What the backend gets for a call whose answer stays in fairgate (a batch
+        line): never streamed."""
+        return {**self.body, "stream": False} if self.endpoint.streams else dict(self.body)
 
     @property
     def output_field(self) -> str | None:
