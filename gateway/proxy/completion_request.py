@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -81,15 +81,32 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage (chat, completions)
     end_user: str | None = None  # ``user``
     conversation: Any = None  # the entry's session field as sent (read_session checks it)
-    # why a continuation could not reproduce its answer; None: it can (continuation.py)
-    unresumable: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # copied to a continuation
-    min_tokens: int = 0
-    return_token_ids: bool = False  # the client asked for them itself
 
     @property
     def path(self) -> str:
         return self.endpoint.path
+
+    # what a continuation (gateway/proxy/continuation.py) needs: read only for a stream
+    # that may be continued, so not on every request's path
+    @property
+    def unresumable(self) -> str | None:
+        """Why a continuation could not reproduce its answer; None: it can."""
+        return _unresumable(self.endpoint, self.body)
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters a continuation copies as they are."""
+        return {name: self.body[name] for name in SAMPLING if name in self.body}
+
+    @property
+    def min_tokens(self) -> int:
+        value = self.body.get("min_tokens")
+        return value if isinstance(value, int) and value > 0 else 0
+
+    @property
+    def return_token_ids(self) -> bool:
+        """The client asked for the token ids itself."""
+        return bool(self.body.get("return_token_ids"))
 
     def forwarded(self, token_ids: bool = False) -> dict[str, Any]:
         """What the backend gets for a client's call (a copy of ``body``): a stream always
@@ -146,15 +163,10 @@ def parse_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_LIM
     if bound is not None and any(f in body and body[f] != bound for f in fields):
         # every field says the smallest (a copy: the client's body is not changed)
         body = {**body, **{f: bound for f in fields if f in body}}
-    unresumable = _unresumable(endpoint, body)
-    min_tokens = body.get("min_tokens")
     return CompletionRequest(
         endpoint, body, str(body["model"]), prompt or NO_PROMPT,
         Output(bool(fields), bound, sequences), stream, include_usage,
-        user if isinstance(user, str) and user else None, conversation, unresumable,
-        {} if unresumable else {n: body[n] for n in SAMPLING if n in body},
-        min_tokens if isinstance(min_tokens, int) and min_tokens > 0 else 0,
-        bool(body.get("return_token_ids")))
+        user if isinstance(user, str) and user else None, conversation)
 
 
 async def read_completion(request: web.Request, endpoint: Endpoint, max_bytes: int,
