@@ -145,9 +145,9 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         replica_id = settings.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
-        store = Store(client, request_ttl_s(settings), settings.fleet_models())
-        config.on_swap(lambda new: setattr(store, "request_ttl_s", request_ttl_s(new)))
-        pool = BackendPool(config, session, store, metrics)
+        store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
+        config.on_swap(lambda new: setattr(store.queue, "request_ttl_s", request_ttl_s(new)))
+        pool = BackendPool(config, session, store.fleet, metrics)
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake_freed  # gates may have opened
         quotas = Quotas(client, config)
@@ -165,7 +165,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                              replica_id)
         runtime_keys = RuntimeKeys(client, config)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
-        backends = BackendList(client, config, pool, store)
+        backends = BackendList(client, config, pool, store.fleet)
         admission.learn_backend = backends.learn  # a grant for one added elsewhere
         with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
             await backends.refresh()  # the runtime backends, before the first request
@@ -177,7 +177,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog),
+            pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
@@ -189,7 +189,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("adapters", admission.adapter_loads.run,
                                                restarts), name="adapters"),
                  asyncio.create_task(supervise("migrate", Migrations(
-                     store, pool, running).run, restarts), name="migrate"),
+                     store.fleet, pool, running).run, restarts), name="migrate"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,
                                                restarts), name="history"),
                  asyncio.create_task(supervise("pools", services.pools.run, restarts),

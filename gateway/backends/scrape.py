@@ -60,12 +60,12 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
 from gateway.core.waits import event_set
-from gateway.storage.store import (
+from gateway.storage.fleet_store import FleetStore
+from gateway.storage.records import (
     BackendFit,
     BackendState,
     LeaseWish,
     ScrapeView,
-    Store,
     Stored,
     snapshot_from,
 )
@@ -170,7 +170,7 @@ class BackendPool(ReadsSettings):
         self,
         settings: SettingsHolder,
         session: aiohttp.ClientSession,
-        store: Store,
+        store: FleetStore,
         metrics: GatewayMetrics,
         on_snapshot: Callable[[], None] = lambda: None,
         *,

@@ -296,7 +296,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    await svc.store.ping()
+    await svc.store.reads.ping()
     if not svc.pool.any_healthy():
         raise Unavailable("no healthy backend")
     return web.json_response({"status": "ready"})

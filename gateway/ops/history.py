@@ -3,7 +3,7 @@
 Owned by the read model (``gateway/ops/read_model.py`` builds it; ``gateway/services.py``
 runs :meth:`History.run` supervised as the ``history`` loop). Time is cut into wall-clock
 intervals of ``interval_s`` (5 s); at the end of each, every process adds what it counted
-in it to that interval's hash in Redis (``Store.add_history``, ``lua/history.lua``: sums
+in it to that interval's hash in Redis (``ReadStore.add_history``, ``lua/history.lua``: sums
 added, maxima kept), so every process draws the same history and a page load shows the
 same charts whichever worker answers it. A restart of a process loses nothing but its
 current interval; the hashes expire after the window (900 s). Per interval:
@@ -21,7 +21,7 @@ current interval; the hashes expire after the window (900 s). Per interval:
 
 The same loop adds, every ``tick_s``, the service this replica served to the
 cross-replica service shares in Redis, with the tenant and weights of the users it
-queued requests for (``Store.add_service``; the read model also does before it reads
+queued requests for (``ShareStore.add_service``; the read model also does before it reads
 them), batched so the request path makes no extra Redis call.
 """
 
@@ -40,7 +40,8 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.core.user_series import MAX_SHARE_USERS, SHARE_HALF_LIFE_S
-from gateway.storage.store import Store, Who
+from gateway.storage.records import Who
+from gateway.storage.store import Store
 from policies.classes import CLASS_ORDER
 
 log = structlog.get_logger("fairgate.history")
@@ -137,7 +138,7 @@ class History(ReadsSettings):
             if not amounts and not who:
                 continue
             try:
-                await self.store.add_service(model, amounts, time.time(), SHARE_HALF_LIFE_S,
+                await self.store.shares.add_service(model, amounts, time.time(), SHARE_HALF_LIFE_S,
                                              MAX_SHARE_USERS, SHARE_TTL_S,
                                              {user: Who(*entry) for user, entry in who.items()})
             except StoreUnavailable as exc:  # kept for the next tick, still bounded
@@ -164,7 +165,7 @@ class History(ReadsSettings):
             if not held:
                 continue
             try:
-                states = await self.store.backend_states(model, [h.name for h in held])
+                states = await self.store.fleet.backend_states(model, [h.name for h in held])
             except StoreUnavailable:
                 return
             for handle in held:
@@ -190,7 +191,7 @@ class History(ReadsSettings):
         for model in self.settings.models():
             sums[f"d:{model}"] = totals.get(model, 0.0) - counts.dispatches.get(model, 0.0)
             try:
-                depth = await self.store.depths(model)
+                depth = await self.store.reads.depths(model)
             except StoreUnavailable:
                 continue
             for klass, queued in depth.items():
@@ -204,7 +205,7 @@ class History(ReadsSettings):
             sums[f"go:{backend}"] = seen
             sums[f"gc:{backend}"] = counts.closed.get(backend, 0.0)
         try:
-            await self.store.add_history(round(start * 1000), sums, maxima,
+            await self.store.reads.add_history(round(start * 1000), sums, maxima,
                                          self.window_s + self.interval_s)
         except StoreUnavailable as exc:  # this interval is missing from the charts
             log.warning("history_sample_lost", error=str(exc))
@@ -215,7 +216,7 @@ class History(ReadsSettings):
         of the window, each as one sample (``t``: its end)."""
         since = self._interval_start(time.time()) - self.window_s
         samples = []
-        for start_ms, fields in await self.store.history(round(since * 1000)):
+        for start_ms, fields in await self.store.reads.history(round(since * 1000)):
             samples.append(_sample(start_ms / 1000, self.interval_s, fields,
                                    self.settings.models()))
         return {"interval_s": self.interval_s, "window_s": self.window_s,

@@ -41,7 +41,8 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import QueuedSample, Store
+from gateway.storage.read_store import ReadStore
+from gateway.storage.records import QueuedSample
 from policies.autoscale import (
     ClassDemand,
     PoolDemand,
@@ -112,7 +113,7 @@ def _mean(values: list[float]) -> float | None:
 
 
 class PoolWatch(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+    def __init__(self, settings: SettingsHolder, store: ReadStore, pool: BackendPool,
                  waits: Waits, metrics: GatewayMetrics,
                  batch_backlog: BatchBacklog | None = None) -> None:
         self.holder = settings

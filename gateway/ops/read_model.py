@@ -23,7 +23,8 @@ from gateway.ops.history import History
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.usage import UsageLedger, group
-from gateway.storage.store import QueuedUser, Store
+from gateway.storage.records import QueuedUser
+from gateway.storage.store import Store
 from policies.classes import CLASS_ORDER
 from policies.gates import queued_for_a_slot
 from policies.share_ratio import ShareRatios, share_ratios
@@ -48,12 +49,12 @@ class Inspector(ReadsSettings):
                      queued: list[QueuedUser] | None = None) -> dict[str, dict[str, Any]]:
         """Per class: depth, oldest wait, and the users with the most queued requests
         (``queued``: the queued users already read)."""
-        depth = await self.store.depths(model)
+        depth = await self.store.reads.depths(model)
         classes: dict[str, dict[str, Any]] = {
             c: {"depth": depth[c], "oldest_wait_s": None, "active_users": 0, "users": []}
             for c in CLASS_ORDER}
         if queued is None:
-            queued = await self.store.queued_users(model, USERS_SCANNED)
+            queued = await self.store.reads.queued_users(model, USERS_SCANNED)
         for q in queued:
             wait = None if q.oldest_enqueued_at is None else now - q.oldest_enqueued_at
             entry = classes[q.klass]
@@ -75,13 +76,13 @@ class Inspector(ReadsSettings):
         backlogged are the users queued in the most urgent class with a queue: strict
         class order owes a lower class nothing (its starvation floor aside)."""
         top = next((c for c in CLASS_ORDER if any(q.klass == c for q in queued)), None)
-        return share_ratios(await self.store.service_accounts(model),
+        return share_ratios(await self.store.shares.service_accounts(model),
                             {q.user for q in queued if q.klass == top})
 
     async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
         handles = self.pool.for_model(model)
-        states = await self.store.backend_states(model, [h.name for h in handles])
-        migrate = await self.store.migrate_times(model)
+        states = await self.store.fleet.backend_states(model, [h.name for h in handles])
+        migrate = await self.store.fleet.migrate_times(model)
         out = []
         for h in handles:
             st = states[h.name]
@@ -153,9 +154,9 @@ class Inspector(ReadsSettings):
             shares = self.metrics.shares.get(model)
             share_list = [] if shares is None else [
                 {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
-            everyone = await self.store.service_shares(model)
-            inflight = await self.store.user_inflight(model)
-            queued = await self.store.queued_users(model, USERS_SCANNED)
+            everyone = await self.store.shares.service_shares(model)
+            inflight = await self.store.reads.user_inflight(model)
+            queued = await self.store.reads.queued_users(model, USERS_SCANNED)
             ratios = await self.share_ratios(model, queued)
             models[model] = {
                 "queues": await self.queues(model, now, queued),
@@ -177,7 +178,7 @@ class Inspector(ReadsSettings):
         now = time.time()
         await self.history.flush_service()
         for model in self.settings.models():
-            queued = await self.store.queued_users(model, USERS_SCANNED)
+            queued = await self.store.reads.queued_users(model, USERS_SCANNED)
             for klass, entry in (await self.queues(model, now, queued)).items():
                 self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
                 self.metrics.queue_oldest_wait.labels(model, klass).set(

@@ -46,7 +46,7 @@ from gateway.backends.scrape import BackendHandle, BackendPool
 from gateway.core.errors import AdapterLoadFailed, AdapterNotLoaded, StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
-from gateway.storage.store import Store
+from gateway.storage.adapter_store import AdapterStore
 from policies.adapters import Demand, LoadHost, LoadPlan, load_order, plan_load
 
 log = structlog.get_logger("fairgate.adapters")
@@ -64,7 +64,7 @@ before those with more requests waiting (``load_order``)."""
 
 
 class AdapterLoads(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, pool: BackendPool, store: Store,
+    def __init__(self, settings: SettingsHolder, pool: BackendPool, store: AdapterStore,
                  metrics: GatewayMetrics, holder: str) -> None:
         self.holder = settings
         self.pool = pool

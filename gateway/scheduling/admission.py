@@ -51,7 +51,7 @@ from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.ticket import Ticket as Ticket  # re-exported
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import estimate_prompt_tokens, output_token_bound, prompt_token_bound
 from policies.fairness import FairnessPolicy, tenant_of
 from policies.fleet import fleet_weight
@@ -88,9 +88,10 @@ class Admission(ReadsSettings):
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
-        self.waits = Waits(settings, dispatcher.store)
+        self.waits = Waits(settings, dispatcher.store.reads)
         # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
-        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
+        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store.adapters, metrics,
+                                          replica_id)
         self.placement = Placement(settings, dispatcher, pool, self.waits, self.adapter_loads,
                                    metrics)
         self.charging = Charging(settings, dispatcher, policy, metrics, quotas, usage)

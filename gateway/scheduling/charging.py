@@ -25,7 +25,7 @@ from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.usage import UsageLedger
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import kv_token_seconds
 from policies.fairness import FairnessPolicy, charged_prompt
 

@@ -22,7 +22,7 @@ from gateway.proxy.moving import FAILOVER, RETRY
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.running import Running
 from gateway.scheduling.ticket import Ticket
-from gateway.storage.store import QueuedRequest
+from gateway.storage.records import QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.priority import vllm_priority
 

@@ -27,7 +27,7 @@ from gateway.proxy.completion_request import CompletionRequest
 from gateway.scheduling.adapter_loads import AdapterLoads
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.prefill import no_fit_message
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
 

@@ -39,7 +39,8 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.proxy.moving import PREEMPT
 from gateway.scheduling.running import RunningStreams
-from gateway.storage.store import Preempt, PreemptView, Store
+from gateway.storage.preempt_store import PreemptStore
+from gateway.storage.records import Preempt, PreemptView
 from gateway.storage.values import original_id
 from policies.classes import CLASS_ORDER
 from policies.preemption import (
@@ -58,7 +59,7 @@ HOLD_FLOOR_S = 2.0  # a backend's hold outlives a replica that never answers its
 
 
 class Preemptor(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+    def __init__(self, settings: SettingsHolder, store: PreemptStore, pool: BackendPool,
                  metrics: GatewayMetrics) -> None:
         self.holder = settings
         self.store = store

@@ -17,7 +17,7 @@ from gateway.core.metrics import StreamTiming
 from gateway.proxy.moving import Mover
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant
+from gateway.storage.records import Grant
 
 
 @dataclass(slots=True)

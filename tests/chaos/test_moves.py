@@ -30,7 +30,7 @@ __all__ = ["rig"]  # the fixture
 async def drained(rig: Rig, name: str) -> None:
     """Drained without a migrate: no new dispatch there (what the admin call does)."""
     svc = rig.gw.services
-    await svc.store.set_drained(MODEL, name, True)
+    await svc.store.fleet.set_drained(MODEL, name, True)
     svc.pool.set_drained(svc.pool.handles[name], True)
 
 

@@ -141,7 +141,7 @@ async def test_one_share_per_user_across_the_base_model_and_its_adapters(
             for _ in range(per_user)]
 
         async def all_queued() -> bool:
-            return sum((await gw.services.store.depths(MODEL)).values()) == 2 * per_user
+            return sum((await gw.services.store.reads.depths(MODEL)).values()) == 2 * per_user
 
         await until(all_queued, "all 80 requests queued")
         for name in ("b0", "b1"):

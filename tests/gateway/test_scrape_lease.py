@@ -153,7 +153,7 @@ async def test_a_stale_published_snapshot_closes_the_gate_then_the_lease_moves(
     await redis.set(K.backend_scraper("b0"), "ghost", px=int(ghost_lease_s * 1000))
     gw = GatewayServer(gateway_settings(redis_url, [backend], snapshot_stale_s=stale_s))
     snap, shared = published(time.time())
-    await Store(redis, 60.0).store_snapshot(MODEL, "b0", snap, shared)
+    await Store.over(redis, 60.0).fleet.store_snapshot(MODEL, "b0", snap, shared)
     await gw.start()
     try:
         pool: BackendPool = gw.services.pool
@@ -246,7 +246,7 @@ async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
     calls = [0] * len(replicas)
     for i, gw in enumerate(replicas):
         pool, store = gw.services.pool, gw.services.store
-        woken, dispatch_with = pool.on_snapshot, store.dispatch_with
+        woken, dispatch_with = pool.on_snapshot, store.queue.dispatch_with
 
         def snapshot(i: int = i, woken: Any = woken) -> None:
             adopted[i] += 1
@@ -258,7 +258,7 @@ async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
             return await real(*args, **kwargs)
 
         pool.on_snapshot = snapshot
-        store.dispatch_with = counted  # type: ignore[method-assign]
+        store.queue.dispatch_with = counted  # type: ignore[method-assign]
     await asyncio.sleep(WINDOW_S)  # a measuring window, not a wait for an event
     most = WINDOW_S / heartbeat + 2  # the heartbeat's passes
     print(f"\nidle {WINDOW_S}s, 3 replicas: snapshots adopted {adopted}, dispatch calls "
@@ -358,15 +358,15 @@ async def test_a_model_whose_store_shard_fails_does_not_stop_another_models_snap
                     for _ in range(2)]
         await until(lambda: len(holders(replicas, "b1")) == 1, "one scraper of b1")
         reader = next(gw for gw in replicas if not gw.services.pool.handles["b1"].held)
-        store = reader.services.store
-        real = store._run
+        scripts = reader.services.store.fleet._scripts
+        real = scripts.run
 
         async def shard_down(name: str, keys: Any, args: Any) -> Any:
             if name == "scrapers" and K.drained in keys:
                 raise StoreUnavailable("the shard of the first model fails over")
             return await real(name, keys, args)
 
-        monkeypatch.setattr(store, "_run", shard_down)
+        monkeypatch.setattr(scripts, "run", shard_down)
         handle = reader.services.pool.handles["b1"]
         since = time.time()
         taken: list[float | None] = []

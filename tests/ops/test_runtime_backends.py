@@ -117,7 +117,7 @@ async def test_a_grant_for_a_backend_added_elsewhere_is_served_not_refused(
             store = gw2.services.store
 
             async def all_queued() -> bool:
-                return sum((await store.depths(MODEL)).values()) == flood
+                return sum((await store.reads.depths(MODEL)).values()) == flood
             await until(all_queued, f"{flood} requests queued on the second replica")
             assert "rt0" not in gw2.services.pool.handles
             status, row = await admin(http, "POST", gw1.url + "/admin/backends",
