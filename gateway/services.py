@@ -30,6 +30,7 @@ from gateway.backends.registry import BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
+from gateway.batch.results import BatchResults
 from gateway.batch.runner import BatchRunner
 from gateway.core import loop_lag
 from gateway.core.errors import StoreUnavailable
@@ -161,8 +162,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                             settings.stream_idle_timeout_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
-        runner = BatchRunner(config, admission, upstream, files, batches, metrics,
-                             replica_id)
+        runner = BatchRunner(config, admission, upstream, files, batches,
+                             BatchResults(files, batches), metrics, replica_id)
         runtime_keys = RuntimeKeys(client, config)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
         backends = BackendList(client, config, pool, store.fleet)
@@ -181,7 +182,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             started_at=int(time.time()))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
-        restarts = metrics.loop_restarts
+        restarts = metrics.process.loop_restarts
         tasks = [asyncio.create_task(pool.run(), name="scrape"),
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
@@ -199,7 +200,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("discovery", DnsDiscovery(
                      config, backends).run, restarts), name="discovery"),
                  asyncio.create_task(supervise("loop_lag", functools.partial(
-                     loop_lag.watch, metrics.loop_lag), restarts), name="loop_lag")]
+                     loop_lag.watch, metrics.process.loop_lag), restarts), name="loop_lag")]
         try:
             yield services
         finally:

@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.backends import adapters
 from gateway.backends.adapters import Resolved
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.core.errors import (
     BackendUnreachable,
     FairgateError,
@@ -156,7 +156,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     finally:
         if early is not None:
             await early.close()
-        svc.metrics.child(svc.metrics.requests, model, klass, status).inc()
+        svc.metrics.child(svc.metrics.edge.requests, model, klass, status).inc()
 
 
 async def _queued_place(svc: Services, model: str, request_id: str) -> Place | None:

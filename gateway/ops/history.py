@@ -92,7 +92,7 @@ class _Interval:
 
 def _dispatch_totals(metrics: GatewayMetrics) -> dict[str, float]:
     out: dict[str, float] = {}
-    for family in metrics.dispatches.collect():
+    for family in metrics.dispatch.dispatches.collect():
         for s in family.samples:
             if s.name.endswith("_total"):
                 out[s.labels["model"]] = out.get(s.labels["model"], 0.0) + s.value
@@ -131,8 +131,8 @@ class History(ReadsSettings):
     async def flush_service(self) -> None:
         """Move this replica's pending service, and who its queued users are, into the
         shares every replica reads."""
-        pending, self.metrics.pending_service = self.metrics.pending_service, {}
-        queued, self.metrics.pending_who = self.metrics.pending_who, {}
+        pending, self.metrics.usage.pending_service = self.metrics.usage.pending_service, {}
+        queued, self.metrics.usage.pending_who = self.metrics.usage.pending_who, {}
         for model in pending.keys() | queued.keys():
             amounts, who = pending.get(model, {}), queued.get(model, {})
             if not amounts and not who:
@@ -143,11 +143,11 @@ class History(ReadsSettings):
                                              {user: Who(*entry) for user, entry in who.items()})
             except StoreUnavailable as exc:  # kept for the next tick, still bounded
                 log.warning("service_shares_deferred", model=model, error=str(exc))
-                kept = self.metrics.pending_service.setdefault(model, {})
+                kept = self.metrics.usage.pending_service.setdefault(model, {})
                 for user, amount in amounts.items():
                     if user in kept or len(kept) < MAX_SHARE_USERS:
                         kept[user] = kept.get(user, 0.0) + amount
-                kept_who = self.metrics.pending_who.setdefault(model, {})
+                kept_who = self.metrics.usage.pending_who.setdefault(model, {})
                 for user, entry in who.items():
                     if user in kept_who or len(kept_who) < MAX_SHARE_USERS:
                         kept_who.setdefault(user, entry)
@@ -161,7 +161,7 @@ class History(ReadsSettings):
         if elapsed <= 0:
             return
         for model in self.settings.models():
-            held = [h for h in self.pool.for_model(model) if h.held]
+            held = [h for h in self.pool.for_model(model) if h.lease.held]
             if not held:
                 continue
             try:
@@ -185,7 +185,7 @@ class History(ReadsSettings):
         counts = self._counts
         totals = _dispatch_totals(self.metrics)
         self._counts = _Interval(totals)
-        ttfts, self.metrics.recent_ttft = self.metrics.recent_ttft, []
+        ttfts, self.metrics.edge.recent_ttft = self.metrics.edge.recent_ttft, []
         sums: dict[str, float] = {"n": 1.0}
         maxima: dict[str, float] = {}
         for model in self.settings.models():

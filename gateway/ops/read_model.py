@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.ops.history import History
@@ -121,13 +122,13 @@ class Inspector(ReadsSettings):
                           for c, g in gates.items()},
                 "pacing": {c: {"allowance": p.allowance, "free_slots": p.bonus,
                                "reason": p.reason} for c, p in h.pacing.items()},
-                "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
+                "dispatch_rate_per_s": self.metrics.dispatch.rate(h.name),
                 "prefix_cache": {
                     "hit_ratio": h.prefix_hit_ratio,  # vLLM's counters, recent window
-                    "predicted_hit_ratio": self.metrics.predicted_hit_ratio(
+                    "predicted_hit_ratio": self.metrics.dispatch.predicted_hit_ratio(
                         h.name, self.settings.tpot_window_s),  # the prefix index's
                 },
-                "dispatch_reasons": dict(self.metrics.decision_counts.get(h.name, {})),
+                "dispatch_reasons": dict(self.metrics.dispatch.decision_counts.get(h.name, {})),
                 "lora": self._lora(h),
             })
         return out
@@ -136,11 +137,11 @@ class Inspector(ReadsSettings):
         """Its LoRA adapters (docs/adapters.md): resident (available there), active (with
         live requests, by vLLM's gauge) and its slots; None: its model has none."""
         fit = self.pool.fit(h)
-        if fit.adapters is None and h.lora is None:
+        if fit.adapters is None and h.card.lora is None:
             return None
         return {"resident": sorted(self.pool.adapters_on(h)),
-                "active": sorted(h.lora.active) if h.lora else [],
-                "slots": h.lora.max_lora if h.lora else None}
+                "active": sorted(h.card.lora.active) if h.card.lora else [],
+                "slots": h.card.lora.max_lora if h.card.lora else None}
 
     async def backend(self, name: str) -> dict[str, Any]:
         model = self.pool.handles[name].config.model
@@ -151,7 +152,7 @@ class Inspector(ReadsSettings):
         models = {}
         await self.history.flush_service()  # this replica's latest service counts at once
         for model in self.settings.models():
-            shares = self.metrics.shares.get(model)
+            shares = self.metrics.usage.shares.get(model)
             share_list = [] if shares is None else [
                 {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
             everyone = await self.store.shares.service_shares(model)
@@ -170,7 +171,7 @@ class Inspector(ReadsSettings):
             }
         return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
                 "models": models, "history": await self.history.view(),
-                "moves": self.metrics.moves_view()}
+                "moves": self.metrics.moves.view()}
 
     async def refresh_queue_metrics(self) -> None:
         """Gauges read from Redis at scrape time: queue depth and oldest wait, and the
@@ -180,11 +181,11 @@ class Inspector(ReadsSettings):
         for model in self.settings.models():
             queued = await self.store.reads.queued_users(model, USERS_SCANNED)
             for klass, entry in (await self.queues(model, now, queued)).items():
-                self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
-                self.metrics.queue_oldest_wait.labels(model, klass).set(
+                self.metrics.queue.depth.labels(model, klass).set(entry["depth"])
+                self.metrics.queue.oldest_wait.labels(model, klass).set(
                     entry["oldest_wait_s"] or 0.0)
             ratios = await self.share_ratios(model, queued)
-            self.metrics.set_share_ratios(model, ratios.tenants, ratios.users)
+            self.metrics.usage.set_share_ratios(model, ratios.tenants, ratios.users)
 
 
 def _top(ratios: dict[str, float]) -> dict[str, float]:

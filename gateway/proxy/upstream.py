@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.core import jsonio
 from gateway.core.edge import error_json
 from gateway.core.errors import (

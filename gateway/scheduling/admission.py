@@ -25,7 +25,8 @@ from typing import TypeVar
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     AdapterGone,
     BackendRemoved,
@@ -36,7 +37,8 @@ from gateway.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from gateway.core.metrics import GatewayMetrics, StreamTiming
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.metrics.edge import StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
@@ -224,7 +226,7 @@ class Admission(ReadsSettings):
         running = Running(queued.request_id, model, user, queued.tenant, klass, grant.backend,
                           ticket.dispatched_s, ticket.mover)
         ticket.resumer = partial(self.continuations.next, model, queued, ticket, running)
-        self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
+        self.metrics.dispatch.on_dispatch(model, grant.backend, klass, user, grant.rank)
         self.running.add(running)
         try:
             yield ticket
@@ -244,7 +246,7 @@ class Admission(ReadsSettings):
         tenant, tenant_weight = tenant_of(
             account.user if account else user, account.tenant if account else None, weight,
             {name: t.weight for name, t in self.settings.tenants.items()})
-        self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
+        self.metrics.usage.on_queued(model, user, "" if tenant == user else tenant, weight,
                                tenant_weight)
         # the weights its charges are divided by: fleet scope multiplies the model's
         # charges by its cost factor (policies/fleet.py; 1 per model)
@@ -310,7 +312,7 @@ class Admission(ReadsSettings):
         klass = queued.klass
         self.waits.dispatched(model, klass)
         waited = time.time() - queued.enqueued_at
-        self.metrics.child(self.metrics.queue_wait, klass).observe(waited)
+        self.metrics.child(self.metrics.queue.wait, klass).observe(waited)
         priority = vllm_priority(self.settings.classes[klass].priority_base, grant.rank,
                                  self.settings.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,

@@ -37,7 +37,8 @@ from typing import Any
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     FairgateError,
     QueueTimeout,
@@ -397,7 +398,7 @@ class Dispatcher(ReadsSettings):
                 self._background_task(self._fail_waiters_after(self._outages, wait_s))
         self._store_down = True
         if self._serves_locally:
-            self.metrics.serving_locally.set(1)
+            self.metrics.dispatch.serving_locally.set(1)
             for waiter in list(self.waiters.values()):
                 if not waiter.future.done():
                     self.local.queue(waiter.model, waiter.request, waiter.future)
@@ -409,14 +410,14 @@ class Dispatcher(ReadsSettings):
         """Grant what this replica queues itself while the store is unreachable."""
         for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
             self.waiters.pop(grant.request_id, None)  # a grant from the store comes too late
-            self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
+            self.metrics.dispatch.local.labels(model, grant.backend, grant.klass).inc()
 
     async def _hand_back(self) -> None:
         """The store answers again after this replica served locally: the requests
         granted here leave its queues (they run to their end here), and those still
         queued here go back to it with their arrival time unless it still queues them."""
         queued, served = self.local.take_back()
-        self.metrics.serving_locally.set(0)
+        self.metrics.dispatch.serving_locally.set(0)
         for wait in served:
             r = wait.request
             await self.store.queue.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
@@ -505,7 +506,7 @@ class Dispatcher(ReadsSettings):
         """The dispatch loop, the heartbeat and one grant listener per model, each
         supervised (restarted after a crash)."""
         models = self.settings.models()
-        restarts = self.metrics.loop_restarts
+        restarts = self.metrics.process.loop_restarts
         loops = [supervise("heartbeat", lambda: self._heartbeat(models), restarts),
                  supervise("dispatch", lambda: self._dispatch_loop(models), restarts)]
         loops += [supervise("listen", functools.partial(self._listen, model), restarts)
@@ -627,8 +628,8 @@ class Dispatcher(ReadsSettings):
             return None
         return adapter_takes([AdapterHost(
             h.name, self.pool.adapters_on(h),
-            frozenset(h.lora.active) if h.lora else frozenset(),
-            h.lora.max_lora if h.lora else None) for h in open_])
+            frozenset(h.card.lora.active) if h.card.lora else frozenset(),
+            h.card.lora.max_lora if h.card.lora else None) for h in open_])
 
     def _fit(self, handle: BackendHandle, adapters: Mapping[str, frozenset[str]] | None
              ) -> BackendFit:
@@ -683,15 +684,16 @@ class Dispatcher(ReadsSettings):
         self._queued[model] = done.depth
         self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
         if done.stale_view:
-            self.metrics.child(self.metrics.dispatch_stale_view, model, done.backend).inc()
+            self.metrics.child(self.metrics.dispatch.stale_view, model, done.backend).inc()
         if done.grants and self.preemptor.soon(model, time.monotonic()):
             self._wake.set()  # a grant may wait on a full backend: check it (no forced pass)
         for grant in done.grants:
             handle = plan.handles.get(grant.backend)
             if handle is not None:
                 handle.sent_since_snapshot += 1
-            self.metrics.child(self.metrics.dispatches, model, grant.backend, grant.klass).inc()
-            self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
+            self.metrics.child(self.metrics.dispatch.dispatches, model, grant.backend,
+                               grant.klass).inc()
+            self.metrics.dispatch.on_decision(model, grant.backend, grant.reason,
                                               grant.matched_blocks, grant.prompt_blocks)
             if grant.owner == self.replica_id:
                 self._deliver(model, grant.request_id, grant.backend, grant.rank,

@@ -33,7 +33,8 @@ from typing import Any
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
@@ -169,7 +170,7 @@ class Preemptor(ReadsSettings):
         """This replica holds the stream ``order`` names: move it (the listener's call)."""
         klass = self._class_of(order)  # before the move: it may settle at once
         if self.streams is not None and self.streams.move(order.original, PREEMPT):
-            self.metrics.preemptions.labels(model, klass).inc()
+            self.metrics.moves.preemptions.labels(model, klass).inc()
             log.info("preempted", model=model, request_id=order.original, backend=order.backend)
             return
         log.info("preemption_refused", model=model, request_id=order.original,

@@ -125,7 +125,7 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
         assert await migrations.turn(time.time() + FAR_S) == 0
         text, usage = await rest(stream, got)
         assert text == want and usage.completion_tokens == MAX_TOKENS, (text, usage)
-        assert m.continuations.labels("drain", "continued")._value.get() == 0
+        assert m.moves.continuations.labels("drain", "continued")._value.get() == 0
         await post(http, f"{gw.url}/admin/backends/{entry.backend}/undrain")
 
         # a migrate cancelled by an undrain: nothing moves, even long after its time
@@ -142,8 +142,8 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
         assert await migrations.turn(time.time() + FAR_S) == 1
         text, usage = await rest(stream, got)
         assert text == want and usage.completion_tokens == MAX_TOKENS, (text, usage)
-    assert m.continuations.labels("drain", "continued")._value.get() == 1
-    assert m.continuations.labels("failover", "continued")._value.get() == 0
+    assert m.moves.continuations.labels("drain", "continued")._value.get() == 1
+    assert m.moves.continuations.labels("failover", "continued")._value.get() == 0
 
 
 @pytest.mark.parametrize("read", ["scrape_lease", "store_snapshot"])

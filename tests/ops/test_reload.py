@@ -25,7 +25,7 @@ from tests.ops.conftest import ADMIN, admin_call
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
              "Dispatcher", "History", "Inspector", "PoolWatch", "Preemptor",
-             "Quotas", "RuntimeKeys", "Waits"}
+             "Quotas", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots", "Waits"}
 SETTINGS_COPIES = (Settings, ClassConfig, Tenant)
 
 

@@ -136,7 +136,7 @@ async def test_a_backend_removed_under_a_stream_drains_and_the_stream_ends_whole
     sims = [await sim(), await sim()]
     gw = await gateway(sims[:1], **FAST)
     svc = gw.services
-    moved = svc.metrics.continuations.labels("drain", "continued")
+    moved = svc.metrics.moves.continuations.labels("drain", "continued")
     async with aiohttp.ClientSession() as http:
         assert (await admin(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
         status, row = await admin(http, "POST", gw.url + "/admin/backends",

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from redis.crc import key_slot
 
 from gateway.access.keyring import RuntimeKeys
@@ -23,7 +23,8 @@ from gateway.backends.registry import ADMIN, BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
-from gateway.core.metrics import SCRIPT_COMMANDS, GatewayMetrics, RedisMetrics
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.metrics.redis import SCRIPT_COMMANDS, RedisMetrics
 from gateway.core.settings import ApiKey, Backend, RedisCluster, SettingsHolder, load_settings
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
@@ -42,9 +43,7 @@ class Recorder(RedisMetrics):
     """The boundary's metrics hook, keeping each command's arguments."""
 
     def __init__(self) -> None:
-        registry = CollectorRegistry()
-        super().__init__(Histogram("lat", "", ["command"], registry=registry),
-                         Counter("err", "", ["command"], registry=registry))
+        super().__init__(CollectorRegistry())
         self.calls: list[tuple[tuple[Any, ...], str]] = []
 
     def count(self, args: tuple[Any, ...], scripts: dict[str, str]) -> None:
