@@ -417,20 +417,22 @@ class TwoLevel:
                 break
         return None
 
-    def serve(self, pick: Pick, uncached: int | None = None) -> Queued:
+    def serve(self, pick: Pick, uncached: int | None = None, charged: bool = True) -> Queued:
         """Take the picked request out of its queue and charge it: its user's score grows
         by its cost, its tenant's by its tenant cost (with ``uncached``, the prompt tokens
         the backend's prefix index predicts to compute, the :func:`predicted_cost` of
         each); a user left with nothing queued
         leaves (its score saved), and a tenant left without users leaves too, its last
         user's score kept as the tenant's floor; with sessions, its session's score grows
-        by its cost too, and a session left with nothing queued leaves its user's."""
+        by its cost too, and a session left with nothing queued leaves its user's.
+        ``charged`` False: a request dropped at its turn (its replica died), charged
+        nothing."""
         tenant, user = pick.tenant, pick.user
         queue = self._queue(tenant, user, pick.session)
         request = next(q for q in queue if q.request_id == pick.request_id)
         queue.remove(request)
         users = self.users[tenant]
-        cost, tenant_cost = request.charged(uncached)
+        cost, tenant_cost = request.charged(uncached) if charged else (0.0, 0.0)
         users[user] += cost
         self.tenants[tenant] += tenant_cost
         queued = (bool(queue) if pick.session is None

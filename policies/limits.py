@@ -54,9 +54,9 @@ class Scope:
         value: int | None = getattr(self, kind)
         return value
 
-    def args(self) -> list[int]:
-        """The limits as the Lua scripts take them (0: no limit)."""
-        return [self.limit(k) or 0 for k in KINDS]
+    def limits(self) -> dict[str, int]:
+        """Every limit by its kind, as the Lua scripts take them (0: no limit)."""
+        return {k: self.limit(k) or 0 for k in KINDS}
 
 
 @dataclass(frozen=True, slots=True)

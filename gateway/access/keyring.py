@@ -29,7 +29,7 @@ import structlog
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, UsageLimits
 from gateway.storage.keys import KEY_IDS, KEY_PEPPER, KEYRING_PREFIX, key_digest, key_record
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 log = structlog.get_logger("fairgate.keys")
 
@@ -53,9 +53,7 @@ class RuntimeKeys(ReadsSettings):
         self._configured = configured is not None
         self._pepper = configured.get_secret_value().encode() if configured else None
         self._cache: dict[str, tuple[float, ApiKey | None]] = {}
-        self._lookup = client.register_script(load_script("key_lookup"))
-        self._rotate = client.register_script(load_script("key_rotate"))
-        self._revoke = client.register_script(load_script("key_revoke"))
+        self._scripts = Scripts(client, ("key_lookup", "key_rotate", "key_revoke"))
 
     async def pepper(self) -> bytes:
         """The HMAC pepper: from the settings, or else the store's, generated once per
@@ -101,14 +99,17 @@ class RuntimeKeys(ReadsSettings):
         cached = self._cache.get(digest_hex)
         if cached is not None and cached[0] > now:
             return cached[1]
-        fields = await self._lookup(keys=[key_digest(digest_hex), KEY_PEPPER], args=[
-            KEYRING_PREFIX, round(time.time(), 3), b"" if self._configured else pepper])
-        if fields and str(fields[0]) == "pepper":  # the store's pepper changed: adopt it
+        args: dict[str, Any] = {"prefix": KEYRING_PREFIX, "digest": key_digest(digest_hex),
+                                "pepper_key": KEY_PEPPER, "now": round(time.time(), 3)}
+        if not self._configured:
+            args["pepper"] = pepper.decode()
+        out = await self._scripts.call("key_lookup", [args["digest"], KEY_PEPPER], args)
+        if "pepper" in out:  # the store's pepper changed: adopt it
             log.warning("key_pepper_changed", where=KEY_PEPPER, reason=CHANGED)
-            self._pepper = str(fields[1]).encode()
+            self._pepper = str(out["pepper"]).encode()
             self._cache.clear()
             return await self.lookup(secret)
-        found = _api_key(_pairs(fields)) if fields else None
+        found = _api_key(out["record"]) if "record" in out else None
         if len(self._cache) >= MAX_CACHED:
             self._cache.clear()
         self._cache[digest_hex] = (now + self.settings.key_cache_s, found)
@@ -138,11 +139,12 @@ class RuntimeKeys(ReadsSettings):
         """A new secret; the current one keeps working for ``grace_s``. None: no key."""
         secret = SECRET_PREFIX + secrets.token_urlsafe(32)
         new = digest(await self._writing_pepper(), secret)
-        done = await self._rotate(keys=[key_record(key_id), key_digest(new)],
-                                  args=[KEYRING_PREFIX, key_id, new,
-                                        secret[:SHOWN_PREFIX_CHARS], round(grace_s * 1000),
-                                        round(time.time(), 3)])
-        if not done:
+        record_key, digest_key = key_record(key_id), key_digest(new)
+        out = await self._scripts.call("key_rotate", [record_key, digest_key], {
+            "prefix": KEYRING_PREFIX, "record": record_key, "digest_key": digest_key,
+            "id": key_id, "digest": new, "shown": secret[:SHOWN_PREFIX_CHARS],
+            "grace_ms": round(grace_s * 1000), "now": round(time.time(), 3)})
+        if not out["rotated"]:
             return None
         if grace_s <= 0:
             self._cache.clear()
@@ -151,8 +153,10 @@ class RuntimeKeys(ReadsSettings):
         return (record, secret) if record is not None else None
 
     async def revoke(self, key_id: str) -> bool:
-        done = bool(await self._revoke(keys=[key_record(key_id), KEY_IDS],
-                                       args=[KEYRING_PREFIX, key_id]))
+        args = {"prefix": KEYRING_PREFIX, "record": key_record(key_id), "ids": KEY_IDS,
+                "id": key_id}
+        done = bool((await self._scripts.call("key_revoke", [args["record"], KEY_IDS],
+                                              args))["revoked"])
         if done:
             self._cache.clear()  # this replica at once; the others within key_cache_s
             log.info("api_key_revoked", key_id=key_id)
@@ -174,10 +178,6 @@ class RuntimeKeys(ReadsSettings):
     async def api_key(self, key_id: str) -> ApiKey | None:
         fields: dict[str, str] = await self.client.hgetall(key_record(key_id))
         return _api_key(fields) if fields else None
-
-
-def _pairs(flat: list[Any]) -> dict[str, str]:
-    return {str(flat[i]): str(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
 
 
 def _limits(raw: str) -> UsageLimits | None:

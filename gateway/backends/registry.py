@@ -54,7 +54,7 @@ from gateway.core.settings import Backend, ReadsSettings, SettingsHolder
 from gateway.storage.fleet_store import FleetStore
 from gateway.storage.keys import RUNTIME_BACKENDS
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -142,7 +142,7 @@ class BackendList(ReadsSettings):
         self.holder = settings
         self.pool = pool
         self.store = store
-        self._swap = client.register_script(load_script("backend_swap"))
+        self._scripts = Scripts(client, ("backend_swap",))
         self.runtime: dict[str, tuple[Entry, str]] = {}  # name -> (entry, its raw JSON)
         self._reading: asyncio.Future[None] | None = None  # a read for learn(), shared
 
@@ -199,8 +199,14 @@ class BackendList(ReadsSettings):
         return name in self.pool.handles
 
     async def _swapped(self, name: str, expected: str, wanted: str) -> tuple[bool, str | None]:
-        done, found = await self._swap(keys=[RUNTIME_BACKENDS], args=[name, expected, wanted])
-        return bool(done), (found or None)
+        """``backend_swap.lua`` (``""``: no entry expected, the entry deleted)."""
+        args = {"backends": RUNTIME_BACKENDS, "name": name}
+        if expected:
+            args["expected"] = expected
+        if wanted:
+            args["wanted"] = wanted
+        out = await self._scripts.call("backend_swap", [RUNTIME_BACKENDS], args)
+        return bool(out["swapped"]), out.get("found")
 
     def _configured(self, name: str) -> bool:
         return any(b.name == name for b in self.settings.backends)

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 
 from gateway.core.errors import NotFound, PayloadTooLarge
 from gateway.storage.keys import file_meta, user_file_bytes, user_files
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 
 class FileQuotaExceeded(PayloadTooLarge):
@@ -61,8 +61,7 @@ class FileStore:
         self.client: Any = client  # redis-py's asyncio stubs: ``Awaitable[T] | T``
         self.root = root
         self.max_bytes = max_bytes
-        self._bytes = client.register_script(load_script("file_bytes"))
-        self._delete = client.register_script(load_script("file_delete"))
+        self._scripts = Scripts(client, ("file_bytes", "file_delete"))
         root.mkdir(parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
@@ -127,13 +126,22 @@ class FileStore:
                        on_record: int | None, own: int = 0) -> None:
         """Reserve ``size`` more bytes for ``owner`` within ``quota`` (``own``: what this
         upload holds already, left out of the bytes a refusal names)."""
-        ok, counted = await self._bytes(keys=[user_file_bytes(owner)], args=[
-            size, "" if quota is None else quota, "" if on_record is None else on_record])
-        if not ok and quota is not None:
-            raise _over_quota(quota, int(counted) - own)
+        out = await self._count(owner, size, quota, on_record)
+        if not out["reserved"] and quota is not None:
+            raise _over_quota(quota, int(out["counted"]) - own)
 
     async def _give_back(self, owner: str, size: int) -> None:
-        await self._bytes(keys=[user_file_bytes(owner)], args=[-size, "", ""])
+        await self._count(owner, -size)
+
+    async def _count(self, owner: str, delta: int, quota: int | None = None,
+                     on_record: int | None = None) -> dict[str, Any]:
+        """``file_bytes.lua``: {reserved, counted}."""
+        args: dict[str, Any] = {"counter": user_file_bytes(owner), "delta": delta}
+        if quota is not None:
+            args["quota"] = quota
+        if on_record is not None:
+            args["on_record"] = on_record
+        return await self._scripts.call("file_bytes", [args["counter"]], args)
 
     async def used_bytes(self, owner: str) -> int:
         """The bytes of the owner's recorded files (not those of uploads in progress)."""
@@ -172,6 +180,8 @@ class FileStore:
 
     async def delete(self, owner: str, file_id: str) -> None:
         meta = await self.get(owner, file_id)
-        await self._delete(keys=[file_meta(meta.id), user_files(owner),
-                                 user_file_bytes(owner)], args=[meta.id])
+        args = {"meta": file_meta(meta.id), "index": user_files(owner),
+                "counter": user_file_bytes(owner), "id": meta.id}
+        await self._scripts.call("file_delete", [args["meta"], args["index"], args["counter"]],
+                                 args)
         self.path(meta.id).unlink(missing_ok=True)

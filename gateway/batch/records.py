@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from gateway.core.errors import NotFound
 from gateway.core.settings import OWNER_SEPARATOR, owner_id
 from gateway.storage.keys import ACTIVE_BATCHES, BatchKeys, user_batches
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 
 WINDOW_S = {"24h": 24 * 3600}
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
@@ -37,8 +37,7 @@ class BatchStore:
     def __init__(self, client: aioredis.Redis) -> None:
         # redis-py's asyncio stubs type every reply as ``Awaitable[T] | T``
         self.client: Any = client
-        self._transition = client.register_script(load_script("batch_transition"))
-        self._lease = client.register_script(load_script("lease"))
+        self._scripts = Scripts(client, ("batch_transition", "lease"))
 
     async def create(self, user: str, input_file_id: str, endpoint: str, window: str,
                      metadata: dict[str, str] | None, total: int,
@@ -110,8 +109,12 @@ class BatchStore:
 
     async def transition(self, batch_id: str, allowed: tuple[str, ...], status: str,
                          stamp: str | None = None) -> bool:
-        args: list[str | int] = [",".join(allowed), status, stamp or "", int(time.time())]
-        return bool(await self._transition(keys=[BatchKeys(batch_id).hash], args=args))
+        args: dict[str, Any] = {"batch": BatchKeys(batch_id).hash, "allowed": list(allowed),
+                                "status": status, "now": int(time.time())}
+        if stamp:
+            args["stamp"] = stamp
+        out = await self._scripts.call("batch_transition", [args["batch"]], args)
+        return bool(out["moved"])
 
     async def set_fields(self, batch_id: str, **fields: str | int) -> None:
         await self.client.hset(BatchKeys(batch_id).hash, mapping=fields)
@@ -136,8 +139,10 @@ class BatchStore:
 
     async def lease(self, batch_id: str, holder: str, lease_s: float) -> bool:
         """Take or renew the right to run a batch (one runner at a time)."""
-        keys = [BatchKeys(batch_id).lease]
-        return bool(await self._lease(keys=keys, args=[holder, int(lease_s * 1000)]))
+        lease = BatchKeys(batch_id).lease
+        out = await self._scripts.call("lease", [lease], {
+            "lease": lease, "holder": holder, "ms": int(lease_s * 1000)})
+        return bool(out["held"])
 
     async def active(self) -> list[str]:
         return sorted(await self.client.smembers(ACTIVE_BATCHES))

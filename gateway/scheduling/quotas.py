@@ -23,7 +23,7 @@ from gateway.core.errors import InsufficientQuota, RateLimitExceeded, StoreUnava
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, Tenant, UsageLimits
 from gateway.storage.keys import quota_budget, quota_keys
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.scripts import load_script
+from gateway.storage.scripts import Scripts
 from policies.limits import (
     KINDS,
     WINDOW_S,
@@ -41,15 +41,52 @@ DAY_TTL_S = 2 * 86400
 MONTH_TTL_S = 32 * 86400
 
 
+@dataclass(frozen=True, slots=True)
+class ScopeKeys:
+    """A scope's counters in the periods of one moment, by the names the Lua scripts read
+    them (``quota_admit.lua``, ``quota_settle.lua``)."""
+
+    rpm: str  # token bucket hash
+    tpm: str  # token bucket hash
+    concurrent: str  # zset: request id -> lease expiry
+    daily: str  # tokens spent in the UTC day
+    monthly: str  # tokens spent in the UTC month
+
+    @classmethod
+    def at(cls, tenant: str, scope: Scope, now: float) -> ScopeKeys:
+        day, month, _, _ = periods(now)
+        return cls(*quota_keys(tenant, scope.redis_scope),
+                   quota_budget(tenant, scope.redis_scope, day),
+                   quota_budget(tenant, scope.redis_scope, month))
+
+    def names(self) -> dict[str, str]:
+        return {"rpm": self.rpm, "tpm": self.tpm, "concurrent": self.concurrent,
+                "daily": self.daily, "monthly": self.monthly}
+
+
 @dataclass(slots=True)
 class Held:
     """A request's charge against its limits, until it ends."""
 
     request_id: str
     scopes: list[Scope]
-    keys: list[str]
+    keys: list[ScopeKeys]  # each scope's, in the periods of its admission
     reserve: int
     headers: dict[str, str] = field(default_factory=dict)
+
+    def script_scopes(self) -> list[dict[str, Any]]:
+        """The scopes as the quota scripts take them."""
+        return _script_scopes(self.scopes, self.keys)
+
+
+def _script_scopes(scopes: list[Scope], keys: list[ScopeKeys]) -> list[dict[str, Any]]:
+    return [{"name": scope.redis_scope, "keys": k.names(), "limits": scope.limits()}
+            for scope, k in zip(scopes, keys, strict=True)]
+
+
+def _declared(keys: list[ScopeKeys]) -> list[str]:
+    """Every key of the scopes: the KEYS a quota script declares (Redis Cluster)."""
+    return [name for k in keys for name in k.names().values()]
 
 
 def _scope(kind: str, name: str, redis_scope: str, limits: UsageLimits) -> Scope:
@@ -60,8 +97,7 @@ class Quotas(ReadsSettings):
     def __init__(self, client: BoundaryRedis, settings: SettingsHolder) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.holder = settings
-        self._admit = client.register_script(load_script("quota_admit"))
-        self._settle = client.register_script(load_script("quota_settle"))
+        self._scripts = Scripts(client, ("quota_admit", "quota_settle"))
         self.held: dict[str, Held] = {}  # requests holding concurrency slots (heartbeat)
 
     @property
@@ -84,14 +120,8 @@ class Quotas(ReadsSettings):
         return found
 
     @staticmethod
-    def _keys(tenant: str, scopes: list[Scope], now: float) -> list[str]:
-        day, month, _, _ = periods(now)
-        keys: list[str] = []
-        for scope in scopes:
-            keys += [*quota_keys(tenant, scope.redis_scope),
-                     quota_budget(tenant, scope.redis_scope, day),
-                     quota_budget(tenant, scope.redis_scope, month)]
-        return keys
+    def _keys(tenant: str, scopes: list[Scope], now: float) -> list[ScopeKeys]:
+        return [ScopeKeys.at(tenant, scope, now) for scope in scopes]
 
     async def admit(self, key: ApiKey, request_id: str, reserve: int) -> Held | None:
         """Charge a request to its limits (None: it has none); 429
@@ -101,15 +131,17 @@ class Quotas(ReadsSettings):
             return None
         now = time.time()
         keys = self._keys(key.tenant_name, scopes, now)
-        args: list[Any] = [repr(now), request_id, reserve, self.lease_s, len(scopes)]
-        for scope in scopes:
-            args += scope.args()
-        raw = await self._admit(keys=keys, args=[*args, DAY_TTL_S, MONTH_TTL_S])
-        states = [_state(scope, raw[4 + 5 * i: 9 + 5 * i]) for i, scope in enumerate(scopes)]
+        out = await self._scripts.call("quota_admit", _declared(keys), {
+            "now": now, "id": request_id, "reserve": reserve, "lease": self.lease_s,
+            "day_ttl": DAY_TTL_S, "month_ttl": MONTH_TTL_S,
+            "scopes": _script_scopes(scopes, keys)})
+        states = [_state(scope, out["states"][scope.redis_scope]) for scope in scopes]
         headers = rate_headers(scopes, states)
-        if int(raw[0]) != 1:
-            answer = refusal(scopes[int(raw[1]) - 1], str(raw[2]), int(raw[3]) / 1000, now)
-            log.info("limit_refused", scope=scopes[int(raw[1]) - 1].kind, limit=str(raw[2]),
+        if not out["admitted"]:
+            refused = out["refused"]
+            scope = next(s for s in scopes if s.redis_scope == refused["scope"])
+            answer = refusal(scope, refused["limit"], refused["retry_ms"] / 1000, now)
+            log.info("limit_refused", scope=scope.kind, limit=refused["limit"],
                      code=answer.code)
             error = (InsufficientQuota if answer.code == "insufficient_quota"
                      else RateLimitExceeded)
@@ -123,11 +155,9 @@ class Quotas(ReadsSettings):
     async def settle(self, held: Held, tokens: int) -> None:
         """The request ended having used ``tokens`` (prompt + completion)."""
         self.held.pop(held.request_id, None)
-        args: list[Any] = [repr(time.time()), held.request_id, tokens - held.reserve,
-                           len(held.scopes)]
-        for scope in held.scopes:
-            args += scope.args()
-        await self._settle(keys=held.keys, args=args)
+        await self._scripts.call("quota_settle", _declared(held.keys), {
+            "now": time.time(), "id": held.request_id, "delta": tokens - held.reserve,
+            "scopes": held.script_scopes()})
 
     async def run(self) -> None:
         """Renew the leases of this replica's concurrency slots while they run."""
@@ -138,9 +168,9 @@ class Quotas(ReadsSettings):
             expiry = time.time() + self.lease_s
             async with self.client.pipeline(transaction=False) as pipe:
                 for held in list(self.held.values()):
-                    for i, scope in enumerate(held.scopes):
+                    for scope, keys in zip(held.scopes, held.keys, strict=True):
                         if scope.max_concurrent:
-                            pipe.zadd(held.keys[5 * i + 2], {held.request_id: expiry}, xx=True)
+                            pipe.zadd(keys.concurrent, {held.request_id: expiry}, xx=True)
                 try:
                     await pipe.execute()
                 except StoreUnavailable as exc:
@@ -153,13 +183,12 @@ class Quotas(ReadsSettings):
         keys = self._keys(key.tenant_name, scopes, now)
         _, _, to_day, to_month = periods(now)
         async with self.client.pipeline(transaction=False) as pipe:
-            for i in range(len(scopes)):
-                rpm, tpm, conc, day, month = keys[5 * i: 5 * i + 5]
-                pipe.hmget(rpm, "level", "ts")
-                pipe.hmget(tpm, "level", "ts")
-                pipe.zcount(conc, now, "+inf")
-                pipe.get(day)
-                pipe.get(month)
+            for k in keys:
+                pipe.hmget(k.rpm, "level", "ts")
+                pipe.hmget(k.tpm, "level", "ts")
+                pipe.zcount(k.concurrent, now, "+inf")
+                pipe.get(k.daily)
+                pipe.get(k.monthly)
             raw = await pipe.execute()
         out = []
         for i, scope in enumerate(scopes):
@@ -191,9 +220,11 @@ def _float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _state(scope: Scope, raw: list[Any]) -> ScopeState:
-    r, t = raw[0], raw[1]
-    conc, day, month = (int(v) for v in raw[2:])
+def _state(scope: Scope, found: dict[str, int]) -> ScopeState:
+    """A scope's state from ``quota_admit.lua``'s (levels in milli-units; a field only
+    for the limits the scope has)."""
+    r, t = found.get("rpm_level"), found.get("tpm_level")
+    conc, day, month = (found.get(k) for k in ("concurrent", "daily_spent", "monthly_spent"))
     requests = tokens = None
     requests_reset = tokens_reset = 0.0
     if scope.rpm is not None and r is not None:
@@ -204,7 +235,8 @@ def _state(scope: Scope, raw: list[Any]) -> ScopeState:
         tokens, tokens_reset = math.floor(level), (scope.tpm - level) * WINDOW_S / scope.tpm
     return ScopeState(
         requests, max(0.0, requests_reset), tokens, max(0.0, tokens_reset),
-        conc if conc >= 0 else None,
-        scope.daily_tokens - day if scope.daily_tokens is not None and day >= 0 else None,
-        scope.monthly_tokens - month if scope.monthly_tokens is not None and month >= 0
-        else None)
+        None if conc is None else int(conc),
+        scope.daily_tokens - int(day) if scope.daily_tokens is not None and day is not None
+        else None,
+        scope.monthly_tokens - int(month)
+        if scope.monthly_tokens is not None and month is not None else None)

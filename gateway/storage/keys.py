@@ -94,6 +94,12 @@ def history_key(start_ms: int) -> str:
 KEYRING_PREFIX = f"{ROOT}:{{keys}}:"
 KEY_IDS = KEYRING_PREFIX + "ids"          # zset: key id -> created (unix s)
 KEY_PEPPER = KEYRING_PREFIX + "pepper"    # string: the HMAC pepper when none is configured
+# Keys under the keyring's prefix that the key scripts derive from what they read (a
+# record's digests, a digest's key id): the pattern after ``fg:{keys}:``.
+KEYRING_PATTERNS: dict[str, str] = {
+    "keyring_record": "id:{key_id}",      # hash: one runtime key
+    "keyring_digest": "hash:{digest}",    # string: HMAC digest of a secret -> key id
+}
 # Backends added at runtime (POST /admin/backends, DNS discovery; gateway/backends/registry.py):
 # one hash for every model, each change one compare-and-swap of a field.
 RUNTIME_BACKENDS = f"{ROOT}:{{backends}}:runtime"  # hash: backend name -> JSON entry
@@ -308,12 +314,12 @@ def session(token_hash: str) -> str:
 
 def key_record(key_id: str) -> str:
     """Hash: one runtime key (user, tenant, class, weight, limits, digest, created, …)."""
-    return f"{KEYRING_PREFIX}id:{key_id}"
+    return KEYRING_PREFIX + KEYRING_PATTERNS["keyring_record"].format(key_id=key_id)
 
 
 def key_digest(digest_hex: str) -> str:
     """String: HMAC digest of a secret -> key id (with a TTL for a rotated-out secret)."""
-    return f"{KEYRING_PREFIX}hash:{digest_hex}"
+    return KEYRING_PREFIX + KEYRING_PATTERNS["keyring_digest"].format(digest=digest_hex)
 
 
 def quota_prefix(tenant: str) -> str:
@@ -344,5 +350,7 @@ def _lua_function(name: str, pattern: str) -> str:
 
 
 def lua_prelude() -> str:
-    """Lua functions ``key_<name>(prefix, …)`` for the per-model keys scripts derive."""
-    return "".join(_lua_function(name, pattern) for name, pattern in MODEL_PATTERNS.items())
+    """Lua functions ``key_<name>(prefix, …)`` for the keys scripts derive: per model, and
+    the keyring's."""
+    return "".join(_lua_function(name, pattern)
+                   for name, pattern in {**MODEL_PATTERNS, **KEYRING_PATTERNS}.items())

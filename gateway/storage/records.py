@@ -187,7 +187,7 @@ class ScrapeView:
 
 
 # A replica's grant listener waits on its grant list all the time: a grant unread this long
-# means the replica died (scripts: replica_alive in gateway/storage/lua/_lib.lua).
+# means the replica died (policies/replicas.py; replica_alive in lua/lib/replicas.lua).
 GRANT_PICKUP_S = 2.0
 
 

@@ -29,8 +29,8 @@ class ReplicaStore:
                         live_since: float | None = None) -> int:
         """Mark ``replica`` alive at ``now``; ``listened``: per model, when its grant
         listener last turned (a grant left unread is a dead replica only if that is old
-        too, see ``replica_alive`` in ``lua/_lib.lua``). Returns how many replicas beat
-        since ``live_since`` (of the first model; 1 without it or without models)."""
+        too, see ``policies/replicas.py``). Returns how many replicas beat since
+        ``live_since`` (of the first model; 1 without it or without models)."""
         pipe = self.client.pipeline(transaction=False)
         for model in models:
             k = ModelKeys(model)

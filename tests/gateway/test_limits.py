@@ -234,12 +234,12 @@ async def test_budget_script_admits_exactly_what_fits_under_concurrency(
         held = await asyncio.gather(*(admit(i) for i in range(400)))
         admitted = [h for h in held if h is not None]
         assert len(admitted) == 100  # 1000 / 10, across four clients at once
-        day_key = admitted[0].keys[3]
+        day_key = admitted[0].keys[0].daily
         assert int(await redis.get(day_key)) == 1000
         # each used 7 tokens in the end: the reservations are corrected
         await asyncio.gather(*(replicas[0].settle(h, 7) for h in admitted))
         assert int(await redis.get(day_key)) == 700
-        assert int(await redis.get(admitted[0].keys[4])) == 700
+        assert int(await redis.get(admitted[0].keys[0].monthly)) == 700
 
         # concurrency slots: exactly max_concurrent at once
         conc = _key({"max_concurrent": 5}, tenant="other")
@@ -279,7 +279,7 @@ async def test_a_dead_replicas_slots_expire(redis: aioredis.Redis, redis_url: st
 
         await until(free, "the dead replica's slot expired")
         # a live replica's heartbeat renews its slot's lease
-        conc_key = alive.held["r3"].keys[2]
+        conc_key = alive.held["r3"].keys[0].concurrent
         first = await redis.zscore(conc_key, "r3")
         runner = asyncio.create_task(alive.run())
         try:

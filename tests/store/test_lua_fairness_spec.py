@@ -1,75 +1,50 @@
 """Differential spec of ``gateway/storage/lua/lib/fairness.lua`` (pick and charge, with the
-locality slack at both levels, prompt ranges and a backfill's room, the dispatch cost of
-the prompt tokens the backend's prefix index predicts uncached) and of enqueue.lua's
-order (EDF within a user's queue, the per-user cap, each level joined at its minimum)
-against their plain-data twin, ``policies/fairness.py`` TwoLevel, with sessions (the
-third level) on or off: hypothesis draws a backend and a workload of enqueues,
-dispatches, settles and cancels; the real scripts run it on Redis (enqueue.lua and
-cancel.lua through the store, each dispatch one EVAL of the library module, each settle
-the charge every release applies), the twin in Python, and every decision and the final
-scores and queues must agree."""
+locality slack at both levels, prompt ranges, the dispatch cost of the prompt tokens the
+backend's prefix index predicts uncached) and of enqueue.lua's order (EDF within a user's
+queue, the per-user cap, each level joined at its minimum) against their plain-data twin,
+``policies/fairness.py`` TwoLevel, with sessions (the third level) on or off, all of it
+as the product runs it: hypothesis draws a backend and a workload of enqueues,
+dispatches, settles and cancels; the store's verbs run it on Redis (``enqueue.lua``,
+``dispatch.lua`` with the dispatch decision ``dispatch_for`` of ``lua/lib/dispatch.lua``,
+``settle.lua``, ``cancel.lua``), the twin in Python (``policies/dispatch.py`` Dispatch, the
+decision's composition, over TwoLevel), and every decision and the final scores and
+queues must agree. Here the gates stay open and one request goes per dispatch;
+``tests/store/test_lua_dispatch_spec.py`` draws the rest of the decision (gates, several
+grants, the prefill gate and its backfill, dead replicas, time passing)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 from typing import Any
 
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from gateway.storage.dispatch_call import dispatch_args
 from gateway.storage.keys import ModelKeys
-from gateway.storage.records import QueuedRequest
-from gateway.storage.scripts import load_library
+from gateway.storage.records import (
+    GRANT_PICKUP_S,
+    BackendFit,
+    Dispatched,
+    Grant,
+    Locality,
+    QueuedRequest,
+)
 from gateway.storage.store import Store
-from policies.fairness import Pick, TwoLevel
-from policies.locality import LocalityView, matched
-from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange, uncached_tokens
+from policies.dispatch import Affinity, BackendState, ClassTurn, Dispatch, Granted
+from policies.fairness import TwoLevel
+from policies.gates import Gate
+from policies.locality import PrefixIndex
+from policies.prefill import PromptRange
+from policies.replicas import ReplicaSeen, alive
 
 CLASS = "default"
 BACKEND = "b1"
-# one dispatch as dispatch.lua makes it, less gates and grant: pick, take, charge
-DISPATCH = """
-local a = cjson.decode(ARGV[1])
-local prefix, class = a.prefix, a.class
-local pools = pools_for(prefix, a.range, a.block_tokens)
-local locality = locality_for(prefix, a.backend, a.locality, a.load, a.now)
-local fairness = fairness_for(prefix, pools, locality, a.sessions)
-local tenant, user, id, held = fairness.pick(a.active, class, a.room)
-if not tenant then return {} end
-local session = fairness.session(class, tenant, user)
-local queue = queue_of(prefix, class, tenant, user, session)
-id = id or redis.call('LINDEX', queue, 0)
-redis.call('LREM', queue, 1, id)
-local f = request_get(key_request(prefix, id), 'cost', 'tcost', 'ptok', 'prefix', 'hit',
-  'thit')
-local cost = tonumber(f.cost) or 0
-local tcost = tonumber(f.tcost) or cost
--- the prompt tokens the index predicts uncached, charged at their cost (dispatch.lua)
-local ptok = tonumber(f.ptok) or 0
-local tokens = ptok
-if tokens > 0 then
-  tokens = math.max(0, tokens - (held or locality.held_blocks(f.prefix)) * a.block_tokens)
-end
-cost = predicted_cost(cost, tonumber(f.hit) or 0, ptok, tokens)
-tcost = predicted_cost(tcost, tonumber(f.thit) or 0, ptok, tokens)
-fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost, tcost)
-return {tenant, user, id, held or -1, tokens, session or cjson.null}
-"""
-# a settle's charges (settle.lua; _lib.lua charge): to each level, active or saved
-SETTLE = """
-local a = cjson.decode(ARGV[1])
-charge(key_users(a.prefix, a.class, a.tenant), key_user_saved(a.prefix, a.class, a.tenant),
-  a.user, a.charge)
-charge(a.active, a.saved, a.tenant, a.tcharge)
-if a.session and redis.call('ZSCORE', key_users(a.prefix, a.class, a.tenant), a.user) then
-  charge(key_sessions(a.prefix, a.class, a.tenant, a.user),
-    key_session_saved(a.prefix, a.class, a.tenant, a.user), a.session, a.charge)
-end
-return 1
-"""
+START = 1000.0  # the clock at the first step (s)
+REPLICA_TTL_S = 10.0
+INDEX_SIZE, INDEX_TTL_S = 100, 600.0
 
 MEMBERS = [("A", "a1"), ("A", "a2"), ("A", "a3"), ("B", "b1"), ("B", "b2"), ("C", "c1")]
 SESSIONS = ["", "s1", "s2"]  # "": the user's default session
@@ -85,14 +60,14 @@ BACKENDS = st.fixed_dictionaries({
     "index": st.sets(st.sampled_from(HASHES)),
     "others": st.lists(st.tuples(st.sets(st.sampled_from(HASHES)), st.integers(0, 4)),
                        max_size=2),
-    "load": st.integers(0, 4), "max_imbalance": st.integers(0, 3),
+    "max_imbalance": st.integers(0, 3),
     "max_queued": st.integers(2, 6), "sessions": st.booleans(),
 })
 ENQUEUE = st.tuples(st.just("enqueue"), st.sampled_from(MEMBERS), quarters, quarters,
                    st.one_of(st.none(), st.integers(1, 4).map(float)), st.integers(0, 900),
                    chains, st.sampled_from(SESSIONS), credits, credits)
-DISPATCH_OP = st.tuples(st.just("dispatch"),
-                        st.one_of(st.none(), st.none(), st.integers(-50, 600)))
+# a dispatch, after this many seconds passed (None: none)
+DISPATCH_OP = st.tuples(st.just("dispatch"), st.sampled_from([None, None, 0.5, 3.0]))
 OPS = st.one_of(ENQUEUE, DISPATCH_OP, DISPATCH_OP,
                 st.tuples(st.just("settle"), st.integers(0, 50), quarters, quarters),
                 st.tuples(st.just("cancel"), st.integers(0, 50)))
@@ -100,15 +75,6 @@ OPS = st.one_of(ENQUEUE, DISPATCH_OP, DISPATCH_OP,
 WORKLOADS = st.tuples(st.lists(ENQUEUE, min_size=2, max_size=16),
                       st.lists(OPS, max_size=30)).map(lambda w: w[0] + w[1])
 models = itertools.count()
-
-
-def twin_backend(b: dict[str, Any], tokens: dict[str, int],
-                 chain_of: dict[str, list[str]]) -> tuple[Pool, LocalityView]:
-    pool = Pool(PromptRange(b["min"], b["max"] or None), tokens, TOKENS_PER_BLOCK)
-    view = LocalityView(b["slack"], b["compared"], b["lookahead"], b["index"], chain_of,
-                        [(index, load) for index, load in b["others"]], b["load"],
-                        b["max_imbalance"])
-    return pool, view
 
 
 async def state(client: aioredis.Redis, k: ModelKeys) -> dict[str, Any]:
@@ -172,10 +138,68 @@ async def place_indexes(client: aioredis.Redis, k: ModelKeys,
     for name, index in [(BACKEND, backend["index"]),
                         *((o, i) for o, (i, _) in zip(others, backend["others"], strict=True))]:
         if index:
-            await client.zadd(k.backend_prefixes(name), dict.fromkeys(index, 1.0))
+            await client.zadd(k.backend_prefixes(name), dict.fromkeys(index, START))
     for other, (_, load) in zip(others, backend["others"], strict=True):
         await client.set(k.backend_inflight(other), load)
     return others
+
+
+def granted(done: Dispatched) -> list[tuple[Any, ...]]:
+    """The grants of a decision as the store read them back from dispatch.lua."""
+    return [(g.request_id, g.klass, g.user, g.rank, g.owner, g.charged_prompt,
+             g.matched_blocks, g.prompt_blocks, g.reason) for g in done.grants]
+
+
+def twin_granted(grants: list[Granted]) -> list[tuple[Any, ...]]:
+    return [(g.request_id, g.klass, g.user, g.rank, g.owner, g.charged, g.held_blocks,
+             g.blocks, g.reason) for g in grants]
+
+
+class Twin:
+    """The plain-data side of a run: the decision's composition over the engine, the
+    backend's state, and what the store holds of each replica."""
+
+    def __init__(self, backend: dict[str, Any]) -> None:
+        self.engine = TwoLevel(by_session=backend["sessions"])
+        self.model = Dispatch(engines={CLASS: self.engine})
+        self.backend = BackendState(index=PrefixIndex(
+            INDEX_SIZE, INDEX_TTL_S, dict.fromkeys(backend["index"], START)))
+        self.beats = {"r1": START, "r2": START}
+        self.oldest_grant: dict[str, float] = {}  # replica -> its unread grant's push time
+
+    def alive(self, now: float) -> Any:
+        def check(replica: str) -> bool:
+            seen = ReplicaSeen(self.beats.get(replica), self.oldest_grant.get(replica))
+            return alive(seen, now, REPLICA_TTL_S, GRANT_PICKUP_S)
+        return check
+
+    def decide(self, b: dict[str, Any], gate: Gate, now: float) -> list[Granted]:
+        self.beats["r1"] = max(self.beats["r1"], now)  # the dispatching replica lives
+        affinity = Affinity(b["slack"], b["compared"], b["lookahead"],
+                            [(frozenset(index), load) for index, load in b["others"]],
+                            b["max_imbalance"])
+        grants = self.model.decide(
+            self.backend, [ClassTurn(CLASS, gate, b.get("prefill_limit", 0))],
+            b.get("want", 1), now, self.alive(now), PromptRange(b["min"], b["max"] or None),
+            affinity, b.get("backfill_s", 0.0))
+        for g in grants:
+            if g.owner != "r1":  # pushed to its replica's grant list, never read here
+                self.oldest_grant.setdefault(g.owner, float(f"{now:.6f}"))
+        return grants
+
+
+async def dispatch(store: Store, name: str, b: dict[str, Any], gate: Gate, now: float,
+                   others: list[str]) -> Dispatched:
+    """One decision for the backend, as the dispatcher asks for it (dispatch.lua)."""
+    loc = Locality(slack=b["slack"], candidates=b["compared"], index_size=INDEX_SIZE,
+                   index_ttl_s=INDEX_TTL_S, max_imbalance=b["max_imbalance"],
+                   others=tuple(others), lookahead=b["lookahead"])
+    fit = BackendFit(PromptRange(b["min"], b["max"] or None),
+                     {CLASS: b.get("prefill_limit", 0)}, b.get("backfill_s", 0.0))
+    [done] = await store.queue.dispatch_with(name, [dispatch_args(
+        name, BACKEND, {CLASS: gate}, "r1", now, REPLICA_TTL_S, order=(CLASS,),
+        max_grants=b.get("want", 1), locality=loc, fit=fit, sessions=b["sessions"])])
+    return done
 
 
 async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]]) -> None:
@@ -185,83 +209,71 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         name = f"spec{next(models)}"
         k = ModelKeys(name)
         store = Store.over(client, 600)
-        await store.replicas.heartbeat([name], "r1", 1000.0)
+        await store.replicas.heartbeat([name], "r1", START)
+        await store.replicas.heartbeat([name], "r2", START)
         others = await place_indexes(client, k, backend)
-        dispatch = client.register_script(load_library() + DISPATCH)
-        settle = client.register_script(load_library() + SETTLE)
-        common = {"prefix": k.prefix, "class": CLASS, "active": k.active(CLASS),
-                  "saved": k.saved(CLASS)}
-        model = TwoLevel(by_session=backend["sessions"])
-        tokens: dict[str, int] = {}
-        chain_of: dict[str, list[str]] = {}
+        twin = Twin(backend)
+        gate = Gate(backend.get("limit", 10**6), None, backend.get("free_slots", 0),
+                    backend.get("max_inflight", 0))
+        now = START
+        whose: dict[str, tuple[str, str | None]] = {}  # request -> (tenant, session)
         enqueued: list[tuple[str, str, str, str | None]] = []
-        dispatched: list[Pick] = []
+        dispatched: list[Grant] = []  # granted, not settled
+        started: set[str] = set()
         for step, op in enumerate(ops):
             where = f"step {step} {op} of {ops} on {backend}"
             if op[0] == "enqueue":
-                _, (tenant, user), cost, tcost, deadline, ptok, chain, drawn, *credit = op
-                credit, tcredit = credit or (0.0, 0.0)
+                _, (tenant, user), cost, tcost, deadline, ptok, chain, drawn, *rest = op
+                credit, tcredit, owner = (*rest, *(0.0, 0.0, "r1")[len(rest):])
                 session = drawn if backend["sessions"] else None
                 rid = f"r{step}"
-                queued = QueuedRequest(rid, user, CLASS, "r1", cost, 1000.0, tuple(chain),
+                queued = QueuedRequest(rid, user, CLASS, owner, cost, START, tuple(chain),
                                        tenant, tcost, deadline, ptok, session=session,
                                        credit=credit, tenant_credit=tcredit)
                 got = await store.queue.enqueue(name, queued, backend["max_queued"])
                 # a request without a chain is never predicted cached: no credit kept
-                want = model.enqueue(tenant, user, cost, tcost, rid, deadline,
-                                     backend["max_queued"], session, ptok,
-                                     credit if chain else 0.0, tcredit if chain else 0.0)
+                want = twin.engine.enqueue(tenant, user, cost, tcost, rid, deadline,
+                                           backend["max_queued"], session, ptok,
+                                           credit if chain else 0.0, tcredit if chain else 0.0)
                 assert got == want, f"{where}: lua queue length {got}, policies {want}"
                 if want > 0:
-                    tokens[rid] = ptok
+                    twin.model.tokens[rid] = ptok
+                    twin.model.owners[rid] = owner
                     if chain:
-                        chain_of[rid] = chain
+                        twin.model.chains[rid] = chain
+                    whose[rid] = (tenant, session)
                     enqueued.append((tenant, user, rid, session))
             elif op[0] == "dispatch":
-                room = op[1]
-                args = {**common, "backend": BACKEND, "load": backend["load"], "now": 1000.0,
-                        "block_tokens": TOKENS_PER_BLOCK,
-                        "range": {"min": backend["min"], "max": backend["max"]},
-                        "locality": {"slack": backend["slack"], "candidates": backend["compared"],
-                                     "lookahead": backend["lookahead"], "index_size": 100,
-                                     "index_ttl_s": 600, "max_imbalance": backend["max_imbalance"],
-                                     "others": others}}
-                if backend["sessions"]:
-                    args["sessions"] = True
-                if room is not None:
-                    args["room"] = room
-                found = await dispatch(args=[json.dumps(args)])
-                pick = model.pick(*twin_backend(backend, tokens, chain_of), room)
-                want_pick = None if pick is None else [
-                    pick.tenant, pick.user, pick.request_id,
-                    -1 if pick.held_blocks is None else pick.held_blocks, pick.session]
-                got_pick = [*found[:3], int(found[3]), found[5] if len(found) > 5 else None
-                            ] if found else None
-                assert got_pick == want_pick, (
-                    f"{where}: lua picked {got_pick}, policies {want_pick}")
-                if pick is not None:
-                    held = matched(chain_of.get(pick.request_id, ()), backend["index"])
-                    uncached = uncached_tokens(tokens[pick.request_id], held)
-                    assert int(found[4]) == uncached, (
-                        f"{where}: lua charged {found[4]} prompt tokens, policies {uncached}")
-                    model.serve(pick, uncached)
-                    dispatched.append(pick)
+                now += op[1] or 0.0
+                done = await dispatch(store, name, backend, gate, now, others)
+                want_grants = twin.decide(backend, gate, now)
+                assert granted(done) == twin_granted(want_grants), (
+                    f"{where}: lua granted {granted(done)}, "
+                    f"policies {twin_granted(want_grants)}")
+                assert done.depth == twin.model.depth(), (
+                    f"{where}: lua left {done.depth} queued, policies {twin.model.depth()}")
+                dispatched += done.grants
+            elif op[0] == "start" and dispatched:
+                grant = dispatched[op[1] % len(dispatched)]
+                await store.queue.mark_started(name, grant, now)  # started.lua
+                if grant.request_id not in started:
+                    started.add(grant.request_id)
+                    twin.backend.start(grant.request_id)
             elif op[0] == "settle" and dispatched:
                 _, n, charge, tcharge = op
-                done = dispatched[n % len(dispatched)]
-                await settle(args=[json.dumps({**common, "tenant": done.tenant,
-                                               "user": done.user, "charge": charge,
-                                               "tcharge": tcharge,
-                                               **({} if done.session is None
-                                                  else {"session": done.session})})])
-                model.settle(done.tenant, done.user, charge, tcharge, done.session)
+                grant = dispatched.pop(n % len(dispatched))
+                released = await store.queue.settle(name, grant, charge, tcharge)
+                assert released, f"{where}: the settle of {grant} released nothing"
+                tenant, session = whose[grant.request_id]
+                twin.engine.settle(tenant, grant.user, charge, tcharge, session)
+                twin.backend.release(grant.request_id, grant.user)
             elif op[0] == "cancel" and enqueued:
                 tenant, user, rid, session = enqueued[op[1] % len(enqueued)]
                 got_cancel = await store.queue.cancel(name, rid, user, CLASS, tenant, session)
-                want_cancel = model.cancel(tenant, user, rid, session)
+                want_cancel = twin.engine.cancel(tenant, user, rid, session)
                 assert got_cancel == want_cancel, (
                     f"{where}: lua cancelled {got_cancel}, policies {want_cancel}")
-        got_state, want_state = await state(client, k), twin_state(model)
+        got_state, want_state = await state(client, k), twin_state(twin.engine)
         assert got_state == want_state, (
             f"after {ops} on {backend}: lua left {got_state}, policies {want_state}")
     finally:
@@ -273,7 +285,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
 @given(BACKENDS, WORKLOADS)
 @example(  # A idles, then a user it never had joins at the floor its last user left
     backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
-             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 2, "sessions": False},
+             "others": [], "max_imbalance": 0, "max_queued": 2, "sessions": False},
     ops=[("enqueue", ("A", "a1"), 2.0, 1.0, None, 0, [], ""),
          ("enqueue", ("B", "b1"), 1.0, 1.0, None, 0, [], ""), ("dispatch", None),
          ("dispatch", None), ("enqueue", ("A", "a2"), 1.0, 1.0, None, 0, [], ""),
@@ -281,7 +293,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
          ("dispatch", None)])
 @example(  # one user's busy session and its one-at-a-time one take turns
     backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1, "index": set(),
-             "others": [], "load": 0, "max_imbalance": 0, "max_queued": 6, "sessions": True},
+             "others": [], "max_imbalance": 0, "max_queued": 6, "sessions": True},
     ops=[("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s1"),
          ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s1"),
          ("enqueue", ("A", "a1"), 1.0, 1.0, None, 0, [], "s1"),
@@ -290,7 +302,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
          ("dispatch", None), ("settle", 0, 2.0, 2.0), ("cancel", 1), ("dispatch", None)])
 @example(  # a cached prompt is charged its uncached tokens, at both levels
     backend={"min": 0, "max": 0, "slack": 0.0, "compared": 1, "lookahead": 1,
-             "index": {"h1", "h2"}, "others": [], "load": 0, "max_imbalance": 0,
+             "index": {"h1", "h2"}, "others": [], "max_imbalance": 0,
              "max_queued": 4, "sessions": False},
     ops=[("enqueue", ("A", "a1"), 9.0, 8.0, None, 300, ["h1", "h2", "h3"], "", 0.25, 1.0),
          ("enqueue", ("B", "b1"), 1.0, 1.0, None, 200, ["h3"], "", 1.0, 0.25),

@@ -1,17 +1,18 @@
 -- Change one runtime backend's entry only if it is still what the caller read: add a
 -- new one, mark one removing, or forget one, without undoing another process's change.
--- KEYS[1] the runtime backends hash (fg:{backends}:runtime)
--- ARGV[1] backend name   ARGV[2] the entry expected now ("" : none)
--- ARGV[3] the entry to write ("" : delete it)
--- Returns 1 when swapped, else 0 and the entry found (false: none).
-local name, expected, wanted = ARGV[1], ARGV[2], ARGV[3]
-local found = redis.call('HGET', KEYS[1], name)
-if (found or '') ~= expected then
-  return {0, found}
+-- KEYS: the runtime backends hash, declared for Redis Cluster
+-- ARGV[1]: one JSON object {backends (the runtime backends hash, fg:{backends}:runtime),
+-- name (the backend's), expected (optional: the entry expected now; absent: none), wanted
+-- (optional: the entry to write; absent: delete it)}
+-- Returns {swapped, found (when not swapped: the entry found; absent: none)}.
+local a = cjson.decode(ARGV[1])
+local found = redis.call('HGET', a.backends, a.name) or nil  -- (a nil reply reads false)
+if found ~= a.expected then
+  return cjson.encode({swapped = false, found = found})
 end
-if wanted == '' then
-  redis.call('HDEL', KEYS[1], name)
+if not a.wanted then
+  redis.call('HDEL', a.backends, a.name)
 else
-  redis.call('HSET', KEYS[1], name, wanted)
+  redis.call('HSET', a.backends, a.name, a.wanted)
 end
-return {1, false}
+return cjson.encode({swapped = true})

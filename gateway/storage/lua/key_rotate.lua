@@ -1,17 +1,21 @@
 -- A new secret for a runtime key; the current one, and every older one still in its
 -- grace period, stays valid for at most the new grace period (never longer than it had).
--- KEYS[1] the key's record   KEYS[2] digest key of the new secret
--- ARGV[1] keyring prefix   ARGV[2] key id   ARGV[3] new digest (hex)   ARGV[4] new prefix
--- ARGV[5] grace (ms, 0: the older secrets stop at once)   ARGV[6] now (s)
+-- KEYS: the key's record and the new digest key, declared for Redis Cluster (one hash
+-- tag, {keys}: the older digests' keys, named by the record, are derived in it)
+-- ARGV[1]: one JSON object {prefix (the keyring's), record (the key's record), digest_key
+-- (the new secret's digest key), id (the key's), digest (new, hex), shown (the new
+-- secret's first characters, the record's prefix field), grace_ms (0: the older secrets
+-- stop at once), now (s)}
 -- The record's old_digest: the digests still in grace, space-separated.
--- Returns 1, or 0 when the key does not exist (revoked).
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local grace = tonumber(ARGV[5])
-local older = redis.call('HMGET', KEYS[1], 'digest', 'old_digest')
+-- Returns {rotated: false when the key does not exist (revoked)}.
+local a = cjson.decode(ARGV[1])
+if redis.call('EXISTS', a.record) == 0 then return cjson.encode({rotated = false}) end
+local grace = a.grace_ms
+local older = redis.call('HMGET', a.record, 'digest', 'old_digest')
 local graced = {}
 for _, list in ipairs(older) do
   for d in string.gmatch(list or '', '%S+') do
-    local key = ARGV[1] .. 'hash:' .. d
+    local key = key_keyring_digest(a.prefix, d)
     if grace <= 0 then
       redis.call('DEL', key)
     else
@@ -24,7 +28,7 @@ for _, list in ipairs(older) do
     end
   end
 end
-redis.call('SET', KEYS[2], ARGV[2])
-redis.call('HSET', KEYS[1], 'digest', ARGV[3], 'old_digest', table.concat(graced, ' '),
-           'prefix', ARGV[4], 'rotated', ARGV[6])
-return 1
+redis.call('SET', a.digest_key, a.id)
+redis.call('HSET', a.record, 'digest', a.digest, 'old_digest', table.concat(graced, ' '),
+           'prefix', a.shown, 'rotated', a.now)
+return cjson.encode({rotated = true})

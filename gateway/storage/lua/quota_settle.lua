@@ -1,32 +1,33 @@
 -- The end of a request admitted by quota_admit.lua: its concurrency slots free, its
 -- reservation corrected to the tokens vLLM reported (delta may be negative).
--- KEYS: per scope, the 5 keys of quota_admit.lua (the periods of the admission)
--- ARGV[1] now (s)  ARGV[2] request id  ARGV[3] delta (tokens)  ARGV[4] n; then per
--- scope the 5 limits (0: none)
-local now = tonumber(ARGV[1])
-local id = ARGV[2]
-local delta = tonumber(ARGV[3])
-local n = tonumber(ARGV[4])
-for i = 1, n do
-  local k, a = (i - 1) * 5, 4 + (i - 1) * 5
-  local tpm = tonumber(ARGV[a + 2])
-  if tonumber(ARGV[a + 3]) > 0 then redis.call('ZREM', KEYS[k + 3], id) end
+-- KEYS: every scope's keys, declared for Redis Cluster (those of the admission's periods)
+-- ARGV[1]: one JSON object {now (s), id (the request's), delta (tokens), scopes}; a scope
+-- as quota_admit.lua takes it: {name, keys: {rpm, tpm, concurrent, daily, monthly},
+-- limits: {rpm, tpm, max_concurrent, daily_tokens, monthly_tokens} (0: none)}
+-- Returns {settled: the number of scopes}.
+local a = cjson.decode(ARGV[1])
+local now, delta = a.now, a.delta
+local stamp = string.format('%.17g', now)
+for _, scope in ipairs(a.scopes) do
+  local lim, keys = scope.limits, scope.keys
+  if lim.max_concurrent > 0 then redis.call('ZREM', keys.concurrent, a.id) end
   if delta ~= 0 then
-    if tpm > 0 then
-      local v = redis.call('HMGET', KEYS[k + 2], 'level', 'ts')
+    if lim.tpm > 0 then
+      local v = redis.call('HMGET', keys.tpm, 'level', 'ts')
       local level, ts = tonumber(v[1]), tonumber(v[2])
-      if not level or not ts then level, ts = tpm, now end
-      level = math.min(tpm, level + math.max(0, now - ts) * tpm / 60) - delta
-      redis.call('HSET', KEYS[k + 2], 'level', tostring(level), 'ts', ARGV[1])
-      redis.call('PEXPIRE', KEYS[k + 2], 120000)
+      if not level or not ts then level, ts = lim.tpm, now end
+      level = math.min(lim.tpm, level + math.max(0, now - ts) * lim.tpm / 60) - delta
+      redis.call('HSET', keys.tpm, 'level', tostring(level), 'ts', stamp)
+      redis.call('PEXPIRE', keys.tpm, 120000)
     end
-    for j = 4, 5 do
-      if tonumber(ARGV[a + j]) > 0 and redis.call('EXISTS', KEYS[k + j]) == 1 then
-        if redis.call('INCRBY', KEYS[k + j], delta) < 0 then
-          redis.call('SET', KEYS[k + j], 0, 'KEEPTTL')
+    for _, budget in ipairs({{limit = lim.daily_tokens, key = keys.daily},
+                             {limit = lim.monthly_tokens, key = keys.monthly}}) do
+      if budget.limit > 0 and redis.call('EXISTS', budget.key) == 1 then
+        if redis.call('INCRBY', budget.key, delta) < 0 then
+          redis.call('SET', budget.key, 0, 'KEEPTTL')
         end
       end
     end
   end
 end
-return 1
+return cjson.encode({settled = #a.scopes})
