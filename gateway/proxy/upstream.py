@@ -112,10 +112,10 @@ class Upstream:
         (``gateway/http/queue_status.py``): an error answer ends it as an error event."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
-            wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
-        progress = Progress.of(creq.endpoint, creq.body) if (
+            wants_usage = creq.include_usage
+        progress = Progress.of(creq) if (
             continuation is not None and creq.stream) else None
-        body = self._body(creq, progress)
+        body = creq.forwarded(token_ids=progress is not None)
         resume = None if continuation is None else self._resumer(
             creq, body, progress, handle, continuation)
         mover = mover or Mover()
@@ -187,25 +187,13 @@ class Upstream:
         finally:
             mover.detach()
 
-    @staticmethod
-    def _body(creq: CompletionRequest, progress: Progress | None) -> dict[str, Any]:
-        """What the backend gets: a stream always reports its usage; a continuable one
-        its token ids too."""
-        body = dict(creq.body)
-        if creq.stream and creq.endpoint.stream_usage_option:
-            body["stream_options"] = {**(body.get("stream_options") or {}),
-                                      "include_usage": True}
-        if progress is not None:
-            body["return_token_ids"] = True
-        return body
-
     def _resumer(self, creq: CompletionRequest, body: dict[str, Any],
                  progress: Progress | None, handle: BackendHandle,
                  continuation: Continuation) -> Resume:
         failed = [handle]  # the backend the answer last ran on
 
         def resume(reason: str, failure: str) -> AbstractAsyncContextManager[Segment] | None:
-            tokens = (estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
+            tokens = (estimate_prompt_tokens(creq.prompt)
                       if progress is None  # a whole answer, sent again from the start
                       else len(progress.prompt_ids or ()) + len(progress.generated))
             lease = continuation(reason, tokens, failed[0])
@@ -229,7 +217,7 @@ class Upstream:
             path, sent = creq.path, body
             if progress is not None and not restart:
                 path = COMPLETIONS.path
-                sent = progress.continuation_body(creq.body, creq.endpoint, creq.stream)
+                sent = progress.continuation_body(creq, creq.stream)
             try:
                 resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
             except UpstreamError as exc:  # BackendUnreachable too
@@ -284,7 +272,7 @@ class Upstream:
         ``continuation`` it is a whole answer like a non-streamed request's: moved on
         purpose (a drain, preemption) or failing, it is sent again elsewhere from the start
         (nothing of it was recorded yet)."""
-        body = {**creq.body, "stream": False} if creq.endpoint.streams else dict(creq.body)
+        body = creq.fetched()
         resume = None if continuation is None else self._resumer(
             creq, body, None, handle, continuation)
         mover = mover or Mover()
