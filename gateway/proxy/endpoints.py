@@ -115,6 +115,21 @@ DETOKENIZE = Endpoint(
     "/detokenize", "POST", "detokenize", Kind.FORWARDED,
     "vLLM's detokenizer (any API key; cheap, so not queued)",
     "DetokenizeRequest", sim="detokenize")
+# vLLM's pooling scorers (a cross-encoder's pairs; no output tokens, never streamed): the
+# rerank API at each path vLLM serves it, the score API at both of its paths
+_RERANK = ("Rerank documents against a query (vLLM's pooling API), queued fairly in the "
+           "key's class (cost = input tokens: the query once per document)")
+_SCORE = ("Score pairs of texts (vLLM's pooling API), queued fairly in the key's class "
+          "(cost = input tokens: each pair's)")
+RERANKS = tuple(
+    Endpoint(path, "POST", op, Kind.QUEUED, _RERANK, "RerankRequest", "RerankResponse",
+             batchable=True, sim="rerank")
+    for path, op in (("/v1/rerank", "createRerank"), ("/rerank", "rerank"),
+                     ("/v2/rerank", "createRerankV2")))
+SCORES = tuple(
+    Endpoint(path, "POST", op, Kind.QUEUED, _SCORE, "ScoreRequest", "ScoreResponse",
+             batchable=True, sim="score")
+    for path, op in (("/v1/score", "createScore"), ("/score", "score")))
 LIST_MODELS = Endpoint("/v1/models", "GET", "listModels", Kind.LOCAL, sim="models")
 RETRIEVE_MODEL = Endpoint("/v1/models/{model}", "GET", "retrieveModel", Kind.LOCAL)
 # the Files and Batches API (gateway/http/batch_routes.py)
@@ -132,9 +147,9 @@ BATCHES = (
     Endpoint("/v1/batches/{batch_id}/cancel", "POST", "cancelBatch", Kind.LOCAL),
 )
 
-ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, TOKENIZE,
-                                   DETOKENIZE, LIST_MODELS, RETRIEVE_MODEL, *FILES,
-                                   *BATCHES)
+ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, *RERANKS,
+                                   *SCORES, TOKENIZE, DETOKENIZE, LIST_MODELS,
+                                   RETRIEVE_MODEL, *FILES, *BATCHES)
 # the endpoints whose body fairgate reads (queued or forwarded), by path
 BY_PATH: dict[str, Endpoint] = {e.path: e for e in ENDPOINTS if e.kind is not Kind.LOCAL}
 BATCHABLE: tuple[str, ...] = tuple(e.path for e in ENDPOINTS if e.batchable)
