@@ -12,14 +12,19 @@ weighted token cost that VTC fairness and the service metrics both count.
 - :func:`max_cost_tokens` — the *most* a request can cost: what limits and budgets reserve
   (refunded to the real cost at the end). Its prompt part, :func:`prompt_token_bound`, is a
   token per UTF-8 byte for every script, ASCII too (a byte-level BPE tokenizer never emits
-  more), and its output part the effective output bound (:func:`output_bound`, enforced
-  on the backend by :func:`with_output_bound`) times the sequences generated.
+  more), and its output part the effective output bound (``Output.bound``, enforced
+  on the backend by ``gateway/proxy/completion_request.parse_body``) times the sequences
+  generated.
+
+Each reads a request's typed parts (``policies/request.py``), never its body.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from policies.request import Output, Prompt
 
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4
@@ -29,9 +34,6 @@ MESSAGE_OVERHEAD_TOKENS = 4
 TEMPLATE_TOKENS_PER_MESSAGE = 8
 TEMPLATE_TOKENS_PER_REQUEST = 32
 SPECIAL_TOKENS_PER_PROMPT = 2
-# what a chat template renders besides the prompt field itself
-_RENDERED = {"messages": ("messages", "tools", "documents"),
-             "input": ("input", "instructions", "tools")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +98,9 @@ def _tokens(value: Any, floor: int = 1) -> int:
     return max(floor, _prompt_units(value) // CHARS_PER_TOKEN)
 
 
-def _prompt_field(body: dict[str, Any]) -> str:
-    return next((f for f in ("messages", "input") if f in body), "prompt")
-
-
-def estimate_prompt_tokens(body: dict[str, Any], field: str | None = None) -> int:
-    """The prompt tokens of the prompt in ``field`` (``messages``, ``input`` or ``prompt``;
-    when not given, the first of them the body has), before a backend tokenized it;
-    corrected by real usage at completion.
+def estimate_prompt_tokens(prompt: Prompt) -> int:
+    """The prompt's tokens before a backend tokenized it; corrected by real usage at
+    completion.
 
     Counted as: a token per token id (at any nesting: ``[[ids], …]`` too), a token per
     UTF-8 byte of every non-ASCII character, a quarter token per ASCII character, and 4
@@ -114,24 +111,12 @@ def estimate_prompt_tokens(body: dict[str, Any], field: str | None = None) -> in
     tokenize denser can be up to 4x over it. Not what limits reserve:
     :func:`prompt_token_bound` is.
     """
-    if field is None:
-        field = _prompt_field(body)
-    if field == "messages":
-        messages = body.get("messages") or []
-        content = [m.get("content", "") for m in messages if isinstance(m, dict)]
-        return _tokens(content, 0) + MESSAGE_OVERHEAD_TOKENS * len(messages)
-    if field == "input":  # /v1/embeddings, /v1/responses
-        value = body.get("input", "")
-        items = sum(1 for i in value if isinstance(i, dict)) if isinstance(value, list) else 0
-        instructions = body.get("instructions")
-        extra = _tokens(instructions, 0) if isinstance(instructions, str) else 0
-        return _tokens(value) + MESSAGE_OVERHEAD_TOKENS * items + extra
-    return _tokens(body.get("prompt", ""))
+    return (_tokens(prompt.text, prompt.least) + _tokens(prompt.preamble, 0)
+            + MESSAGE_OVERHEAD_TOKENS * (len(prompt.roles) + prompt.items))
 
 
-def prompt_token_bound(body: dict[str, Any], field: str | None = None) -> int:
-    """The most tokens the prompt in ``field`` can be (``messages``, ``input`` or
-    ``prompt``; when not given, the first of them the body has).
+def prompt_token_bound(prompt: Prompt) -> int:
+    """The most tokens the prompt can be.
 
     A byte-level BPE tokenizer (Llama 3, Qwen, GPT-2/4-style, Mistral's tekken) emits at
     most one token per UTF-8 byte, whatever the script: so every byte of every string the
@@ -142,14 +127,11 @@ def prompt_token_bound(body: dict[str, Any], field: str | None = None) -> int:
     each (begin and end of text), and what the template renders besides the prompt field
     (``tools`` and ``documents``; a Responses call's ``instructions`` and ``tools``).
     """
-    if field is None:
-        field = _prompt_field(body)
-    if field == "prompt":  # each prompt may get a begin (and end) of text token
-        return _bytes(body.get("prompt", "")) + SPECIAL_TOKENS_PER_PROMPT * _prompts(body)
-    total = sum(_bytes(body[name]) for name in _RENDERED.get(field, (field,)) if name in body)
-    value = body.get(field)
-    items = len(value) if isinstance(value, list) else 1
-    return total + TEMPLATE_TOKENS_PER_MESSAGE * items + TEMPLATE_TOKENS_PER_REQUEST
+    total = sum(_bytes(value) for value in prompt.rendered)
+    if prompt.template_items is None:  # each prompt may get a begin (and end) of text token
+        return total + SPECIAL_TOKENS_PER_PROMPT * prompt.prompts
+    return (total + TEMPLATE_TOKENS_PER_MESSAGE * prompt.template_items
+            + TEMPLATE_TOKENS_PER_REQUEST)
 
 
 def _bytes(value: Any) -> int:
@@ -177,70 +159,32 @@ def _bytes(value: Any) -> int:
     return total
 
 
-def output_bound(body: dict[str, Any], output_fields: tuple[str, ...]) -> int | None:
-    """The effective output bound: the smallest of the endpoint's output-token fields
-    (``output_fields``) the body sets, None when it sets none (the model's context bounds
-    it). The backend may honour another one (vLLM takes ``max_completion_tokens`` over
-    ``max_tokens``): :func:`with_output_bound` makes every field say this one."""
-    bounds = [v for name in output_fields if (v := _count(body.get(name), 0)) > 0]
-    return min(bounds) if bounds else None
-
-
-def with_output_bound(body: dict[str, Any], output_fields: tuple[str, ...]
-                      ) -> dict[str, Any]:
-    """``body`` with every output-token field it sets at the effective bound (a copy when
-    they disagreed, else ``body`` itself): whichever field the backend reads, it cannot
-    generate more than the reservation counted."""
-    bound = output_bound(body, output_fields)
-    if bound is None or all(body.get(f, bound) == bound for f in output_fields):
-        return body
-    return {**body, **{f: bound for f in output_fields if f in body}}
-
-
-def sequences(body: dict[str, Any], field: str | None = None) -> int:
+def sequences(prompt: Prompt, output: Output) -> int:
     """The sequences a request generates: the larger of ``n`` and ``best_of`` for each of
     its prompts (a completion's ``prompt`` may list several: strings or lists of ids)."""
-    per_prompt = max(1, *(_count(body.get(f), 1) for f in ("n", "best_of")))
-    return per_prompt * (_prompts(body) if (field or _prompt_field(body)) == "prompt" else 1)
+    return output.sequences * prompt.prompts
 
 
-def _prompts(body: dict[str, Any]) -> int:
-    """The prompts of a completion: a list of strings or of token-id lists is several."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
-        return len(prompt)
-    return 1
-
-
-def max_cost_tokens(body: dict[str, Any], prompt_field: str | None,
-                    output_fields: tuple[str, ...], context_tokens: int) -> int:
+def max_cost_tokens(prompt: Prompt, output: Output, context_tokens: int) -> int:
     """What a request can cost at most, in tokens: what limits and budgets reserve before
     the backend reports the real count.
 
-    Its :func:`prompt_token_bound`, plus its output bound — :func:`output_bound` (the
-    smallest output-token field of ``output_fields``, those the endpoint honours), else
+    Its :func:`prompt_token_bound`, plus its output bound — ``output.bound`` (the
+    smallest output-token field it sets of those its endpoint honours), else
     ``context_tokens`` (the model's context length), never more than that — times its
     :func:`sequences` (``n``/``best_of``, for each prompt). An endpoint without output
-    (``output_fields`` empty: embeddings) costs its prompt.
+    (embeddings) costs its prompt.
     """
-    return (prompt_token_bound(body, prompt_field)
-            + output_token_bound(body, prompt_field, output_fields, context_tokens))
+    return prompt_token_bound(prompt) + output_token_bound(prompt, output, context_tokens)
 
 
-def output_token_bound(body: dict[str, Any], prompt_field: str | None,
-                       output_fields: tuple[str, ...], context_tokens: int) -> int:
+def output_token_bound(prompt: Prompt, output: Output, context_tokens: int) -> int:
     """The most output tokens a request can generate: :func:`max_cost_tokens`' output
-    part — its :func:`output_bound` (else ``context_tokens``, never more than that) times
-    its :func:`sequences`; 0 for an endpoint without output. What a whole (non-streamed)
+    part — its output bound (else ``context_tokens``, never more than that) times its
+    :func:`sequences`; 0 for an endpoint without output. What a whole (non-streamed)
     answer cut before its usage came is charged as its output: the backend may have
     generated up to this much before it was aborted."""
-    if not output_fields:
+    if not output.produces:
         return 0
-    bound = output_bound(body, output_fields)
-    output = context_tokens if bound is None else min(bound, context_tokens)
-    return max(0, output) * sequences(body, prompt_field)
-
-
-def _count(value: Any, absent: int) -> int:
-    """A body's count field, or ``absent`` when it is not a number."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else absent
+    bound = context_tokens if output.bound is None else min(output.bound, context_tokens)
+    return max(0, bound) * sequences(prompt, output)

@@ -38,6 +38,8 @@ from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from policies.request import Prompt
+
 BLOCK_CHARS = 256
 DISPATCH_REASONS = ("cache_hit", "load", "fairness_order")
 """Why a dispatched request went to its backend (``gateway/storage/lua/dispatch.lua``): its prefix
@@ -73,26 +75,22 @@ def _pieces(value: Any) -> Iterator[str]:
             yield f"{item} "  # token ids: equal ids, equal text
 
 
-def _prompt_pieces(body: dict[str, Any]) -> Iterator[str]:
-    if isinstance(messages := body.get("messages"), list):
-        for message in messages:
-            if isinstance(message, dict):
-                yield f"\x1e{message.get('role', '')}\x1f"
-                yield from _pieces(message.get("content", ""))
+def _prompt_pieces(prompt: Prompt) -> Iterator[str]:
+    if prompt.roles:  # a chat: each message's role, then its content
+        for role, content in zip(prompt.roles, prompt.text, strict=False):
+            yield f"\x1e{role}\x1f"
+            yield from _pieces(content)
         return
-    if "input" in body:
-        if isinstance(instructions := body.get("instructions"), str):
-            yield instructions
-        yield from _pieces(body["input"])
-        return
-    yield from _pieces(body.get("prompt", ""))
+    if prompt.preamble is not None:
+        yield prompt.preamble
+    yield from _pieces(prompt.text)
 
 
-def prompt_text(body: dict[str, Any], limit: int = BLOCK_CHARS * MAX_BLOCKS) -> str:
-    """The first ``limit`` characters of the prompt a request body carries."""
+def prompt_text(prompt: Prompt, limit: int = BLOCK_CHARS * MAX_BLOCKS) -> str:
+    """The first ``limit`` characters of a request's prompt."""
     out: list[str] = []
     size = 0
-    for piece in _prompt_pieces(body):
+    for piece in _prompt_pieces(prompt):
         out.append(piece[: limit - size])
         size += len(out[-1])
         if size >= limit:
@@ -113,9 +111,9 @@ def chain(text: str, max_blocks: int = MAX_BLOCKS) -> tuple[str, ...]:
     return tuple(hashes)
 
 
-def prefix_chain(body: dict[str, Any]) -> tuple[str, ...]:
-    """The block-hash chain of a request body's prompt (computed once, at admission)."""
-    return chain(prompt_text(body))
+def prefix_chain(prompt: Prompt) -> tuple[str, ...]:
+    """The block-hash chain of a request's prompt (computed once, at admission)."""
+    return chain(prompt_text(prompt))
 
 
 def matched(hashes: Sequence[str], cached: Container[str]) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from gateway.proxy.completion_request import parse_body
+from gateway.proxy.endpoints import CHAT, COMPLETIONS, RESPONSES
 from policies.fairness import Vtc
 from policies.locality import (
     BLOCK_CHARS,
@@ -16,12 +20,19 @@ from policies.locality import (
     routing_for,
 )
 from policies.prefill import PromptRange
+from policies.request import Prompt
 
 SYSTEM_A = "You are the billing assistant. " * 40
 SYSTEM_B = "You are the travel assistant!! " * 40
 
 
-def chat(system: str, *turns: str) -> dict[str, object]:
+def typed(body: dict[str, Any]) -> Prompt:
+    """The prompt of ``body`` as the edge reads it (the endpoint its shape names)."""
+    endpoint = CHAT if "messages" in body else RESPONSES if "input" in body else COMPLETIONS
+    return parse_body({"model": "m", **body}, endpoint).prompt
+
+
+def chat(system: str, *turns: str) -> dict[str, Any]:
     return {"messages": [{"role": "system", "content": system},
                          *({"role": "user", "content": t} for t in turns)]}
 
@@ -37,9 +48,9 @@ def test_chain_is_stable_chained_and_counts_full_blocks_only() -> None:
 
 
 def test_sessions_share_their_system_prompt_prefix() -> None:
-    first = prefix_chain(chat(SYSTEM_A, "What is my balance?"))
-    later = prefix_chain(chat(SYSTEM_A, "What is my balance?", "And last month's?"))
-    other = prefix_chain(chat(SYSTEM_B, "What is my balance?"))
+    first = prefix_chain(typed(chat(SYSTEM_A, "What is my balance?")))
+    later = prefix_chain(typed(chat(SYSTEM_A, "What is my balance?", "And last month's?")))
+    other = prefix_chain(typed(chat(SYSTEM_B, "What is my balance?")))
     assert len(first) >= 4
     assert later[:len(first)] == first
     assert matched(later, set(first)) == len(first)
@@ -47,13 +58,13 @@ def test_sessions_share_their_system_prompt_prefix() -> None:
 
 
 def test_prompt_text_of_each_body_shape() -> None:
-    assert prompt_text({"prompt": "hello"}) == "hello"
-    assert prompt_text({"prompt": ["a", "b"]}) == "ab"
-    assert prompt_text({"input": "doc", "instructions": "sum: "}) == "sum: doc"
+    assert prompt_text(typed({"prompt": "hello"})) == "hello"
+    assert prompt_text(typed({"prompt": ["a", "b"]})) == "ab"
+    assert prompt_text(typed({"input": "doc", "instructions": "sum: "})) == "sum: doc"
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
-    assert prompt_text(parts).endswith("hi")
-    assert prompt_text({"prompt": [1, 2]}) == prompt_text({"prompt": [1, 2, 3]})[:4]
-    assert len(prompt_text({"prompt": "q" * 100_000})) == BLOCK_CHARS * MAX_BLOCKS
+    assert prompt_text(typed(parts)).endswith("hi")
+    assert prompt_text(typed({"prompt": [1, 2]})) == prompt_text(typed({"prompt": [1, 2, 3]}))[:4]
+    assert len(prompt_text(typed({"prompt": "q" * 100_000}))) == BLOCK_CHARS * MAX_BLOCKS
 
 
 CACHED = {"h1", "h2", "h3"}

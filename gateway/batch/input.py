@@ -24,10 +24,11 @@ from typing import Any
 from gateway.core.errors import BadRequest
 from gateway.proxy.completion_request import (
     NO_LIMITS,
+    CompletionRequest,
     Limits,
     check_context,
+    parse_body,
     parse_json,
-    validate_body,
 )
 from gateway.proxy.endpoints import BATCHABLE, BY_PATH
 
@@ -39,11 +40,11 @@ class BatchLine:
     index: int
     custom_id: str
     url: str
-    body: dict[str, Any]
+    request: CompletionRequest  # its body, read once as an interactive call's is
 
     @property
     def model(self) -> str:
-        return str(self.body["model"])
+        return self.request.model
 
 
 @dataclass(slots=True)
@@ -55,8 +56,8 @@ class FileSummary:
 
 
 def _check(obj: Any, models: Collection[str], limits: Limits,
-           contexts: Mapping[str, int]) -> str | None:
-    """The problem with one parsed line, or None."""
+           contexts: Mapping[str, int]) -> CompletionRequest | str:
+    """One parsed line's request, or the problem with it."""
     if not isinstance(obj, dict):
         return "not a JSON object"
     custom_id = obj.get("custom_id")
@@ -72,16 +73,16 @@ def _check(obj: Any, models: Collection[str], limits: Limits,
     if body.get("stream"):
         return "streaming is not supported in a batch"
     try:
-        validate_body(body, BY_PATH[obj["url"]], limits)
+        creq = parse_body(body, BY_PATH[obj["url"]], limits)
     except BadRequest as exc:
         return "'body': " + exc.message
-    if body["model"] not in models:
-        return f"model {body['model']!r} is not served here"
+    if creq.model not in models:
+        return f"model {creq.model!r} is not served here"
     try:
-        check_context(body, BY_PATH[obj["url"]], contexts.get(body["model"]))
+        check_context(creq, contexts.get(creq.model))
     except BadRequest as exc:
         return "'body': " + exc.message
-    return None
+    return creq
 
 
 def _parse(raw: bytes) -> tuple[Any, str | None]:
@@ -106,18 +107,18 @@ def scan_lines(raw_lines: Iterable[bytes], models: Collection[str],
         if not raw.strip():
             continue
         obj, problem = _parse(raw)
-        if problem is None:
-            problem = _check(obj, models, limits, contexts or {})
-            if problem is None and obj["custom_id"] in seen:
-                problem = f"duplicate custom_id {obj['custom_id']!r}"
-        if problem is not None:
-            problems.append(f"line {number}: {problem}")
+        checked = problem if problem is not None else _check(obj, models, limits,
+                                                             contexts or {})
+        if not isinstance(checked, str) and obj["custom_id"] in seen:
+            checked = f"duplicate custom_id {obj['custom_id']!r}"
+        if isinstance(checked, str):
+            problems.append(f"line {number}: {checked}")
             if len(problems) >= MAX_REPORTED:
                 break
             continue
         seen.add(obj["custom_id"])
         if not problems:
-            yield BatchLine(count, obj["custom_id"], obj["url"], obj["body"])
+            yield BatchLine(count, obj["custom_id"], obj["url"], checked)
         count += 1
     if problems:
         more = " (first errors shown)" if len(problems) >= MAX_REPORTED else ""

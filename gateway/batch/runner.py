@@ -50,8 +50,7 @@ from gateway.core.errors import (
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.core.waits import event_set
-from gateway.proxy.completion_request import CompletionRequest, Limits
-from gateway.proxy.endpoints import BY_PATH
+from gateway.proxy.completion_request import Limits
 from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
 
@@ -296,7 +295,7 @@ class BatchRunner(ReadsSettings):
                             account: ApiKey | None = None,
                             reservations: Reservations | None = None) -> None:
         """Run one line until it has a result in the output or the error file."""
-        creq = CompletionRequest(BY_PATH[line.url], line.body)
+        creq = line.request
         reservations = reservations or Reservations()
         attempt = 0
         answer: tuple[int, bytes] | None = None  # received: recorded, never run again

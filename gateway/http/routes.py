@@ -104,11 +104,11 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
                                  Limits.of(svc.settings))
     model, user, klass = _resolve(svc, request, key, creq)
     deadline_ms = read_deadline_ms(request.headers.get(DEADLINE_HEADER))
-    session = (read_session(request.headers.get(SESSION_HEADER), creq.body, endpoint)
+    session = (read_session(request.headers.get(SESSION_HEADER), creq)
                if svc.settings.sessions else "")
     if not svc.pool.any_healthy(model):  # none healthy: admission refuses or holds it
         await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
-    check_context(creq.body, endpoint, svc.pool.max_model_len(model))
+    check_context(creq, svc.pool.max_model_len(model))
     request_id = uuid.uuid4().hex
     headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
     queued_at = time.monotonic()

@@ -18,16 +18,15 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from gateway.core import jsonio
 from gateway.core.errors import BadRequest, PayloadTooLarge
-from gateway.proxy.endpoints import Endpoint, Frames
-from policies.cost import with_output_bound
+from gateway.proxy.endpoints import CHAT, COMPLETIONS, Endpoint, Frames
+from policies.request import NO_PROMPT, Output, Prompt
 
 if TYPE_CHECKING:
     from gateway.core.settings import Settings
@@ -57,42 +56,90 @@ class Limits:
 NO_LIMITS = Limits()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """A validated body of one of the queued endpoints, as the backend gets it: when it
-    sets several output-token fields (chat: ``max_tokens`` and ``max_completion_tokens``)
-    that disagree, each says the smallest (``policies/cost.with_output_bound``), so what
+    """The one typed value a body of a queued endpoint is read into, once, at the edge
+    (:func:`parse_body`): everything fairgate reads of it — its prompt
+    (``policies/request.Prompt``: the estimate, the reservation, the prefix chain), its
+    output (``policies/request.Output``), ``stream``, the end user, its conversation
+    (a session key) and what a continuation needs — and ``body``, what the backend gets.
+    No other module reads a body's shape.
+
+    When a body sets several output-token fields (chat: ``max_tokens`` and
+    ``max_completion_tokens``) that disagree, ``body`` has each say the smallest, so what
     the backend may generate is what admission reserved."""
 
     endpoint: Endpoint
-    body: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        self.body = with_output_bound(self.body, self.endpoint.output_token_fields)
+    body: dict[str, Any]  # as the backend gets it
+    model: str  # as named: a base model or a LoRA adapter (routes resolve it)
+    prompt: Prompt
+    output: Output
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage (chat, completions)
+    end_user: str | None = None  # ``user``
+    conversation: Any = None  # the entry's session field as sent (read_session checks it)
+    # why a continuation could not reproduce its answer; None: it can (continuation.py)
+    unresumable: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # copied to a continuation
+    min_tokens: int = 0
+    return_token_ids: bool = False  # the client asked for them itself
 
     @property
     def path(self) -> str:
         return self.endpoint.path
 
     @property
-    def model(self) -> str:
-        return str(self.body["model"])
+    def output_field(self) -> str | None:
+        """The first output-token field it sets (what a 400 about its bound names)."""
+        return next((f for f in self.endpoint.output_token_fields
+                     if self.body.get(f) is not None), None)
 
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream", False))
 
-    @property
-    def end_user(self) -> str | None:
-        user = self.body.get("user")
-        return user if isinstance(user, str) and user else None
+def parse_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_LIMITS
+               ) -> CompletionRequest:
+    """``body`` checked (:class:`BadRequest` naming the first field that is wrong) and
+    read into its :class:`CompletionRequest`: its prompt by the endpoint's prompt reader
+    (``gateway/proxy/endpoints.py``), the rest as the entry's fields declare."""
+    if limits.max_json_depth is not None:
+        check_depth(body, limits.max_json_depth)
+    check_model(body)
+    prompt = endpoint.read_prompt(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    if stream and not endpoint.streams:
+        raise BadRequest(f"{endpoint.path} is not streamed: 'stream' must be false or "
+                         "absent", param="stream")
+    fields = endpoint.output_token_fields
+    bound = _check_output_tokens(body, fields, limits.max_output_tokens)
+    sequences = _check_sequences(body)
+    include_usage = False
+    if endpoint.frames is Frames.CHOICES:
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object", param="stream_options")
+        include_usage = bool((options or {}).get("include_usage"))
+    user = body.get("user")
+    if limits.max_end_user_chars is not None:
+        check_end_user(user, limits.max_end_user_chars)
+    conversation = body.get(endpoint.session_field) if endpoint.session_field else None
+    if bound is not None and any(f in body and body[f] != bound for f in fields):
+        # every field says the smallest (a copy: the client's body is not changed)
+        body = {**body, **{f: bound for f in fields if f in body}}
+    unresumable = _unresumable(endpoint, body)
+    min_tokens = body.get("min_tokens")
+    return CompletionRequest(
+        endpoint, body, str(body["model"]), prompt or NO_PROMPT,
+        Output(bool(fields), bound, sequences), stream, include_usage,
+        user if isinstance(user, str) and user else None, conversation, unresumable,
+        {} if unresumable else {n: body[n] for n in SAMPLING if n in body},
+        min_tokens if isinstance(min_tokens, int) and min_tokens > 0 else 0,
+        bool(body.get("return_token_ids")))
 
 
 async def read_completion(request: web.Request, endpoint: Endpoint, max_bytes: int,
                           limits: Limits = NO_LIMITS) -> CompletionRequest:
-    body = await read_json_object(request, max_bytes)
-    validate_body(body, endpoint, limits)
-    return CompletionRequest(endpoint, body)
+    return parse_body(await read_json_object(request, max_bytes), endpoint, limits)
 
 
 async def read_json_object(request: web.Request, max_bytes: int) -> dict[str, Any]:
@@ -206,51 +253,6 @@ def parse_json(raw: bytes | str, what: str = "request body") -> Any:
         raise BadRequest(f"{what} holds a number too large: {exc}") from None
 
 
-def validate_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_LIMITS
-                  ) -> None:
-    """Raises :class:`BadRequest` naming the first field that is wrong."""
-    if limits.max_json_depth is not None:
-        check_depth(body, limits.max_json_depth)
-    check_model(body)
-    if endpoint.prompt_field is not None:
-        PROMPT_CHECKS[endpoint.prompt_field](body)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    if stream and not endpoint.streams:
-        raise BadRequest(f"{endpoint.path} is not streamed: 'stream' must be false or "
-                         "absent", param="stream")
-    _check_output_tokens(body, endpoint.output_token_fields, limits.max_output_tokens)
-    _check_sequences(body)
-    if endpoint.frames is Frames.CHOICES:
-        options = body.get("stream_options")
-        if options is not None and not isinstance(options, dict):
-            raise BadRequest("'stream_options' must be an object", param="stream_options")
-    if limits.max_end_user_chars is not None:
-        check_end_user(body.get("user"), limits.max_end_user_chars)
-
-
-def _check_messages(body: dict[str, Any]) -> None:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty array", param="messages")
-    if not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise BadRequest("each message must be an object with a 'role'", param="messages")
-
-
-def _text_or_array(name: str) -> Callable[[dict[str, Any]], None]:
-    def check(body: dict[str, Any]) -> None:
-        if not isinstance(body.get(name), str | list):
-            raise BadRequest(f"'{name}' must be a string or an array", param=name)
-    return check
-
-
-# the prompt fields an endpoint may declare, each with its check
-PROMPT_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "messages": _check_messages, "prompt": _text_or_array("prompt"),
-    "input": _text_or_array("input")}
-
-
 def read_deadline_ms(value: str | None) -> int | None:
     """The ``X-Fairgate-Deadline-Ms`` header: a whole number of milliseconds from 1 to
     ``MAX_DEADLINE_MS``, or absent (None)."""
@@ -267,7 +269,7 @@ def read_deadline_ms(value: str | None) -> int | None:
     return deadline
 
 
-def read_session(header: str | None, body: dict[str, Any], endpoint: Endpoint) -> str:
+def read_session(header: str | None, creq: CompletionRequest) -> str:
     """A request's session key (sessions on): the ``X-Fairgate-Session`` header, else the
     conversation its endpoint's body names (the Responses API's ``conversation``, an id
     or ``{"id": ...}``), else "" (its user's default session). 1 to 128 characters of
@@ -277,8 +279,7 @@ def read_session(header: str | None, body: dict[str, Any], endpoint: Endpoint) -
             raise BadRequest(f"header {SESSION_HEADER} must be 1 to 128 characters of "
                              "letters, digits, '_', '.' and '-'")
         return header
-    field = endpoint.session_field
-    value = body.get(field) if field else None
+    field, value = creq.endpoint.session_field, creq.conversation
     if isinstance(value, dict):
         value = value.get("id")
     if value is None:
@@ -303,7 +304,14 @@ def check_model(body: dict[str, Any]) -> None:
         raise BadRequest("you must provide a model parameter", param="model")
 
 
-def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int | None) -> None:
+def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int | None
+                         ) -> int | None:
+    """The effective output bound: the smallest of the output-token fields ``names`` the
+    body sets (each a positive integer, at most ``cap``); None when it sets none (the
+    model's context bounds it). The backend may honour another one (vLLM takes
+    ``max_completion_tokens`` over ``max_tokens``): :func:`parse_body` makes every field
+    say this one."""
+    bound: int | None = None
     for name in names:
         value = body.get(name)
         if value is None:
@@ -312,11 +320,15 @@ def _check_output_tokens(body: dict[str, Any], names: tuple[str, ...], cap: int 
             raise BadRequest(f"'{name}' must be a positive integer", param=name)
         if cap is not None and value > cap:
             raise BadRequest(f"'{name}' must be at most {cap} (got {value})", param=name)
+        bound = value if bound is None else min(bound, value)
+    return bound
 
 
-def _check_sequences(body: dict[str, Any]) -> None:
+def _check_sequences(body: dict[str, Any]) -> int:
     """``n`` and ``best_of`` (sequences generated, each up to the output bound): whole
-    numbers, or vLLM reads ``"8"`` and ``8.0`` as 8 while the reservation counted 1."""
+    numbers, or vLLM reads ``"8"`` and ``8.0`` as 8 while the reservation counted 1. The
+    sequences each prompt generates: the larger of them."""
+    sequences = 1
     for name in ("n", "best_of"):
         value = body.get(name)
         if value is None:
@@ -325,19 +337,76 @@ def _check_sequences(body: dict[str, Any]) -> None:
                 or not 1 <= value <= MAX_SEQUENCES):
             raise BadRequest(f"'{name}' must be an integer from 1 to {MAX_SEQUENCES}",
                              param=name)
+        sequences = max(sequences, value)
+    return sequences
 
 
-def check_context(body: dict[str, Any], endpoint: Endpoint, max_model_len: int | None
-                  ) -> None:
-    """Output limits beyond the model's context length can never be met (vLLM answers
+# copied to a continuation as they are: they shape each next token the same way
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+            "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
+            "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "user",
+            "cache_salt")
+# framing and prompt construction: a continuation sends the prompt's ids instead
+NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+                     "max_completion_tokens", "n", "priority", "return_token_ids",
+                     "min_tokens", "add_generation_prompt", "continue_final_message",
+                     "add_special_tokens", "chat_template", "chat_template_kwargs",
+                     "documents", "request_id", "metadata", "store", "service_tier",
+                     "parallel_tool_calls", "tool_choice", "echo", "logprobs",
+                     "top_logprobs", "prompt_logprobs"))
+
+
+def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """Why a continuation (``gateway/proxy/continuation.py``) could not reproduce this
+    request's answer; ``None``: it can.
+
+    Every field outside :data:`SAMPLING` and :data:`NEUTRAL` that is set (not null,
+    false, zero or empty) counts: ``stop`` strings (text held back for them lags the token
+    ids), ``n`` or ``best_of`` above 1, ``echo``, log probabilities, structured output
+    (``response_format``, ``guided_*``, ``structured_outputs``), ``tools``, presence and
+    frequency penalties (they count only the generated tokens, which a continuation sends
+    as its prompt), ``suffix`` and anything fairgate does not know."""
+    if endpoint not in (CHAT, COMPLETIONS):
+        return f"{endpoint.path} is not continued"
+    if body.get("n") not in (None, 1):
+        return "n > 1"
+    prompt = body.get("prompt")
+    if (endpoint is COMPLETIONS and isinstance(prompt, list) and prompt
+            and not isinstance(prompt[0], int) and len(prompt) != 1):
+        return "more than one prompt"
+    for name in ("echo", "logprobs", "top_logprobs", "prompt_logprobs"):
+        if body.get(name):
+            return f"{name} is set"
+    if body.get("tool_choice") not in (None, "none"):
+        return "tool_choice is set"
+    return _set_unknown(body)
+
+
+def _set_unknown(body: dict[str, Any]) -> str | None:
+    """The first field outside :data:`SAMPLING` and :data:`NEUTRAL` that is set."""
+    for name, value in body.items():
+        if name in NEUTRAL or name in SAMPLING:
+            continue
+        if value is None or value is False or value == 0 or value == [] or value == {}:
+            continue
+        if name == "response_format" and isinstance(value, dict) and value.get(
+                "type") == "text":
+            continue
+        if name == "best_of" and value == 1:
+            continue
+        return f"{name} is set"
+    return None
+
+
+def check_context(creq: CompletionRequest, max_model_len: int | None) -> None:
+    """An output bound beyond the model's context length can never be met (vLLM answers
     400): refused before the request waits in the queue."""
-    if max_model_len is None:
+    bound = creq.output.bound
+    if max_model_len is None or bound is None or bound <= max_model_len:
         return
-    for name in endpoint.output_token_fields:
-        value = body.get(name)
-        if isinstance(value, int) and value > max_model_len:
-            raise BadRequest(f"'{name}' ({value}) is larger than the model's context length "
-                             f"({max_model_len} tokens)", param=name)
+    name = creq.output_field
+    raise BadRequest(f"'{name}' ({bound}) is larger than the model's context length "
+                     f"({max_model_len} tokens)", param=name)
 
 
 def check_end_user(user: Any, max_chars: int) -> None:

@@ -10,7 +10,8 @@ Pure protocol logic on plain data (no I/O); ``gateway/proxy/relay.py`` and
   asked for them itself (:meth:`Progress.original`).
 - A continuation is a ``/v1/completions`` call whose prompt is the prompt's ids plus the
   ids generated so far, ``max_tokens`` reduced by what was generated, the same sampling
-  parameters (:meth:`Progress.continuation_body`).
+  parameters (:meth:`Progress.continuation_body`), all read from the typed request
+  (``gateway/proxy/completion_request.CompletionRequest``), never from its body.
 - Its frames are re-framed in the original endpoint's format (:meth:`Progress.continued`):
   chat chunks stay chat chunks with the original ``id``, ``created`` and ``model``; the
   usage counts the whole answer once (the original prompt, every generated token).
@@ -23,65 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.proxy.endpoints import CHAT, COMPLETIONS, Endpoint
-from policies.cost import output_bound
-
-# copied to the continuation as they are: they shape each next token the same way
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-            "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
-            "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "user",
-            "cache_salt")
-# framing and prompt construction: the continuation sends the prompt's ids instead
-NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", "max_tokens",
-                     "max_completion_tokens", "n", "priority", "return_token_ids",
-                     "min_tokens", "add_generation_prompt", "continue_final_message",
-                     "add_special_tokens", "chat_template", "chat_template_kwargs",
-                     "documents", "request_id", "metadata", "store", "service_tier",
-                     "parallel_tool_calls", "tool_choice", "echo", "logprobs",
-                     "top_logprobs", "prompt_logprobs"))
+from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.endpoints import CHAT
 
 
-def not_continuable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
-    """Why a continuation could not reproduce this request's answer; ``None``: it can.
-
-    Every field outside :data:`SAMPLING` and :data:`NEUTRAL` that is set (not null,
-    false, zero or empty) counts: ``stop`` strings (text held back for them lags the token
-    ids), ``n`` or ``best_of`` above 1, ``echo``, log probabilities, structured output
-    (``response_format``, ``guided_*``, ``structured_outputs``), ``tools``, presence and
-    frequency penalties (they count only the generated tokens, which a continuation sends
-    as its prompt), ``suffix`` and anything fairgate does not know."""
-    if endpoint not in (CHAT, COMPLETIONS):
-        return f"{endpoint.path} is not continued"
-    if body.get("n") not in (None, 1):
-        return "n > 1"
-    if not _token_prompt_ok(endpoint, body):
-        return "more than one prompt"
-    for name in ("echo", "logprobs", "top_logprobs", "prompt_logprobs"):
-        if body.get(name):
-            return f"{name} is set"
-    if body.get("tool_choice") not in (None, "none"):
-        return "tool_choice is set"
-    for name, value in body.items():
-        if name in NEUTRAL or name in SAMPLING:
-            continue
-        if value is None or value is False or value == 0 or value == [] or value == {}:
-            continue
-        if name == "response_format" and isinstance(value, dict) and value.get(
-                "type") == "text":
-            continue
-        if name == "best_of" and value == 1:
-            continue
-        return f"{name} is set"
-    return None
-
-
-def _token_prompt_ok(endpoint: Endpoint, body: dict[str, Any]) -> bool:
-    if endpoint is not COMPLETIONS:
-        return True
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt) == 1
-    return True
+def not_continuable(creq: CompletionRequest) -> str | None:
+    """Why a continuation could not reproduce this request's answer; ``None``: it can
+    (read with the body: ``completion_request._unresumable`` lists the cases)."""
+    return creq.unresumable
 
 
 def _empty(value: Any) -> bool:
@@ -104,11 +54,11 @@ class Progress:
     continuations: int = 0
 
     @classmethod
-    def of(cls, endpoint: Endpoint, body: dict[str, Any]) -> Progress | None:
+    def of(cls, creq: CompletionRequest) -> Progress | None:
         """The progress of a request that can be continued; ``None`` for one that cannot."""
-        if not_continuable(endpoint, body) is not None:
+        if creq.unresumable is not None:
             return None
-        return cls(endpoint is CHAT, bool(body.get("return_token_ids")))
+        return cls(creq.endpoint is CHAT, creq.return_token_ids)
 
     @property
     def resumable(self) -> bool:
@@ -141,23 +91,22 @@ class Progress:
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
 
-    def continuation_body(self, body: dict[str, Any], endpoint: Endpoint,
-                          stream: bool) -> dict[str, Any]:
+    def continuation_body(self, creq: CompletionRequest, stream: bool) -> dict[str, Any]:
         """The ``/v1/completions`` body that continues the answer (``resumable`` must
-        hold)."""
+        hold): the request's sampling parameters, its prompt's ids and what was generated,
+        its output bound less what was generated."""
         if self.prompt_ids is None:
             raise ValueError("the prompt's token ids never came: nothing to continue from")
-        out = {name: body[name] for name in SAMPLING if name in body}
-        out.update(model=body["model"], prompt=self.prompt_ids + self.generated,
+        out = dict(creq.sampling)
+        out.update(model=creq.model, prompt=self.prompt_ids + self.generated,
                    return_token_ids=True, stream=stream)
         if stream:
             out["stream_options"] = {"include_usage": True}
-        bound = output_bound(body, endpoint.output_token_fields)
+        bound = creq.output.bound
         if bound is not None:
             out["max_tokens"] = max(1, bound - len(self.generated))
-        min_tokens = body.get("min_tokens")
-        if isinstance(min_tokens, int) and min_tokens > 0:
-            out["min_tokens"] = max(0, min_tokens - len(self.generated))
+        if creq.min_tokens > 0:
+            out["min_tokens"] = max(0, creq.min_tokens - len(self.generated))
         self.base_generated = len(self.generated)
         self.continuations += 1
         return out

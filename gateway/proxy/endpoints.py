@@ -14,13 +14,25 @@ validation (``gateway/proxy/completion_request.py``), admission's estimate and r
 
 A new endpoint is one entry here plus its tests (and, when its body is new to OpenAPI,
 its schema in ``gateway/http/static/openapi.yaml``; when the simulator must serve it, its
-behaviour in ``loadtest/sim/server.py``).
+behaviour in ``loadtest/sim/server.py``). An endpoint whose prompt has a shape of its own
+(not ``messages``, ``prompt`` or ``input``) adds one function here too: its *prompt
+reader*, registered under its ``prompt_field`` with :func:`prompt_shape`, which checks
+the body's prompt fields (a :class:`BadRequest` naming the first wrong one) and returns
+the :class:`~policies.request.Prompt` the estimate, the reservation and the prefix chain
+read. Everything else of a body (model, stream, output-token fields, ``n``, user,
+session) is read generically from the entry's fields
+(``gateway/proxy/completion_request.parse_body``).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from gateway.core.errors import BadRequest
+from policies.request import Prompt
 
 
 class Kind(enum.Enum):
@@ -61,9 +73,10 @@ class Endpoint:
     summary: str = ""
     request_schema: str | None = None  # components/schemas in the OpenAPI document
     response_schema: str | None = None
+    # the body field its prompt is read from; its shape's reader is PROMPT_READERS[it]
     prompt_field: str | None = None  # messages | prompt | input
     # the fields the backend honours as output-token bounds: the smallest set is the
-    # request's (``policies/cost.output_bound``; every one of them says it when forwarded)
+    # request's (``CompletionRequest.output``; every one of them says it when forwarded)
     output_token_fields: tuple[str, ...] = ()
     frames: Frames = Frames.NONE
     usage: Usage = CHOICES_USAGE
@@ -84,6 +97,76 @@ class Endpoint:
     def stream_usage_option(self) -> bool:
         """A stream's usage comes only when asked (``stream_options.include_usage``)."""
         return self.frames is Frames.CHOICES
+
+    def read_prompt(self, body: dict[str, Any]) -> Prompt | None:
+        """The body's prompt, read by this endpoint's prompt reader (None: it has none)."""
+        if self.prompt_field is None:
+            return None
+        return PROMPT_READERS[self.prompt_field](body)
+
+
+# A prompt reader: checks a body's prompt fields (BadRequest naming the first wrong one)
+# and returns its Prompt. One per body shape, registered under the prompt field that names
+# the shape (an entry's ``prompt_field``).
+PromptReader = Callable[[dict[str, Any]], Prompt]
+PROMPT_READERS: dict[str, PromptReader] = {}
+
+
+def prompt_shape(field: str) -> Callable[[PromptReader], PromptReader]:
+    """Registers a prompt reader for the entries whose ``prompt_field`` is ``field``."""
+    def register(reader: PromptReader) -> PromptReader:
+        PROMPT_READERS[field] = reader
+        return reader
+    return register
+
+
+def _present(body: dict[str, Any], names: tuple[str, ...]) -> tuple[Any, ...]:
+    return tuple(body[name] for name in names if name in body)
+
+
+@prompt_shape("messages")
+def chat_prompt(body: dict[str, Any]) -> Prompt:
+    """Chat: ``messages``, each an object with a role; the template also renders the
+    ``tools`` and ``documents``."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise BadRequest("each message must be an object with a 'role'", param="messages")
+    return Prompt("messages", [m.get("content", "") for m in messages],
+                  roles=tuple(f"{m['role']}" for m in messages), least=0,
+                  rendered=_present(body, ("messages", "tools", "documents")),
+                  template_items=len(messages))
+
+
+def _text_or_array(body: dict[str, Any], name: str) -> Any:
+    value = body.get(name)
+    if not isinstance(value, str | list):
+        raise BadRequest(f"'{name}' must be a string or an array", param=name)
+    return value
+
+
+@prompt_shape("prompt")
+def completion_prompt(body: dict[str, Any]) -> Prompt:
+    """A completion's ``prompt``: a text, token ids, or several of either (each its own
+    prompt); not templated."""
+    prompt = _text_or_array(body, "prompt")
+    several = isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt)
+    return Prompt("prompt", prompt, rendered=(prompt,),
+                  prompts=len(prompt) if several else 1)
+
+
+@prompt_shape("input")
+def input_prompt(body: dict[str, Any]) -> Prompt:
+    """Embeddings' and the Responses API's ``input``: a text, token ids or input items,
+    read after the ``instructions``; the template also renders the ``tools``."""
+    value = _text_or_array(body, "input")
+    instructions = body.get("instructions")
+    items = sum(1 for i in value if isinstance(i, dict)) if isinstance(value, list) else 0
+    return Prompt("input", value,
+                  preamble=instructions if isinstance(instructions, str) else None,
+                  items=items, rendered=_present(body, ("input", "instructions", "tools")),
+                  template_items=len(value) if isinstance(value, list) else 1)
 
 
 

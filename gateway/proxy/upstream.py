@@ -107,8 +107,8 @@ class Upstream:
         (``gateway/http/queue_status.py``): an error answer ends it as an error event."""
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
-            wants_usage = bool((creq.body.get("stream_options") or {}).get("include_usage"))
-        progress = Progress.of(creq.endpoint, creq.body) if (
+            wants_usage = creq.include_usage
+        progress = Progress.of(creq) if (
             continuation is not None and creq.stream) else None
         body = self._body(creq, progress)
         resume = None if continuation is None else self._resumer(
@@ -200,7 +200,7 @@ class Upstream:
         failed = [handle]  # the backend the answer last ran on
 
         def resume(reason: str, failure: str) -> AbstractAsyncContextManager[Segment] | None:
-            tokens = (estimate_prompt_tokens(creq.body, creq.endpoint.prompt_field)
+            tokens = (estimate_prompt_tokens(creq.prompt)
                       if progress is None  # a whole answer, sent again from the start
                       else len(progress.prompt_ids or ()) + len(progress.generated))
             lease = continuation(reason, tokens, failed[0])
@@ -224,7 +224,7 @@ class Upstream:
             path, sent = creq.path, body
             if progress is not None and not restart:
                 path = COMPLETIONS.path
-                sent = progress.continuation_body(creq.body, creq.endpoint, creq.stream)
+                sent = progress.continuation_body(creq, creq.stream)
             try:
                 resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
             except UpstreamError as exc:  # BackendUnreachable too

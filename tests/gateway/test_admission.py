@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.core.errors import BackendRemoved
-from gateway.proxy.completion_request import CompletionRequest
+from gateway.proxy.completion_request import parse_body
 from gateway.proxy.endpoints import CHAT
 from gateway.scheduling.admission import Admission, Ticket
 from gateway.storage.keys import ModelKeys
@@ -30,7 +30,7 @@ from tests.gateway.test_dispatcher import REPLICA, Rig, make_rig, queue, set_bac
 
 USER, KLASS, WEIGHT = "alice", "interactive", 2.0
 BODY: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 400}]}
-PROMPT_EST = estimate_prompt_tokens(BODY)
+PROMPT_EST = estimate_prompt_tokens(parse_body(BODY, CHAT).prompt)
 PROMPT, OUTPUT = 100, 10
 K = ModelKeys(MODEL)
 
@@ -43,7 +43,7 @@ class Setup:
 
     def admitted(self, request_id: str = "r1") -> Any:
         return self.admission.admitted(MODEL, USER, KLASS, WEIGHT,
-                                       CompletionRequest(CHAT, BODY),
+                                       parse_body(BODY, CHAT),
                                        request_id=request_id)
 
     def dispatch_when_queued(self) -> asyncio.Task[bool]:

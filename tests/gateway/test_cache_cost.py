@@ -13,6 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.http.server import GatewayServer
+from gateway.proxy.completion_request import parse_body
+from gateway.proxy.endpoints import COMPLETIONS
 from gateway.storage.keys import ModelKeys
 from policies.cost import estimate_prompt_tokens
 from policies.fairness import Vtc
@@ -82,9 +84,9 @@ async def test_dispatch_charges_what_the_index_predicts_uncached_and_settle_what
         await clients["alice"].completions.create(  # her prompt reaches backend and index
             model=MODEL, prompt=prompts["alice"], max_tokens=1)
         for user, prompt in prompts.items():
-            body = {"prompt": prompt}
-            estimate = estimate_prompt_tokens(body)
-            held = len(prefix_chain(body)) if user == "alice" else 0
+            typed = parse_body({"model": MODEL, "prompt": prompt}, COMPLETIONS).prompt
+            estimate = estimate_prompt_tokens(typed)
+            held = len(prefix_chain(typed)) if user == "alice" else 0
             predicted = uncached_tokens(estimate, held)
             await until(lambda: assert_idle(gw), "the previous request settled")
             before = await user_score(redis, "interactive", user)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.proxy.completion_request import parse_body
 from gateway.proxy.continuation import Progress, not_continuable
 from gateway.proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS
 from loadtest.sim.protocol import parse_request
@@ -68,7 +69,8 @@ def test_a_cut_stream_continued_reframes_into_the_reference(
         body["return_token_ids"] = True
     reference = frames(body, chat)
     endpoint = CHAT if chat else COMPLETIONS
-    progress = Progress.of(endpoint, {**body, "model": MODEL})
+    creq = parse_body({**body, "model": MODEL}, endpoint)
+    progress = Progress.of(creq)
     assert progress is not None
     # the backend dies after `split` events: a chat's role frame and k token frames
     outputs = token_frames(reference)
@@ -79,7 +81,7 @@ def test_a_cut_stream_continued_reframes_into_the_reference(
         assert progress.resumable, (progress, split)
     else:
         return  # nothing came before the cut: the request is sent again as it was
-    follow = frames(progress.continuation_body({**body, "model": MODEL}, endpoint, True),
+    follow = frames(progress.continuation_body(creq, True),
                     chat=False)
     got += [progress.continued(e) for e in follow]
     want = [client_view(e, wants_ids) for e in reference]
@@ -89,26 +91,28 @@ def test_a_cut_stream_continued_reframes_into_the_reference(
 
 def test_the_usage_counts_the_whole_answer_once() -> None:
     body = {"model": MODEL, "prompt": "abcdefgh", "max_tokens": 10, "ignore_eos": True}
-    progress = Progress.of(COMPLETIONS, body)
+    creq = parse_body(body, COMPLETIONS)
+    progress = Progress.of(creq)
     assert progress is not None
     reference = frames(body, chat=False)
     for event in reference[:4]:
         progress.original(event)
-    follow = frames(progress.continuation_body(body, COMPLETIONS, True), chat=False)
+    follow = frames(progress.continuation_body(creq, True), chat=False)
     continued = [progress.continued(e) for e in follow]
     assert continued[-1]["usage"] == reference[-1]["usage"] == {
         "prompt_tokens": 2, "total_tokens": 12, "completion_tokens": 10}, continued[-1]
-    assert progress.continuation_body(body, COMPLETIONS, True)["max_tokens"] == 1
+    assert progress.continuation_body(creq, True)["max_tokens"] == 1
 
 
 def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
             "max_completion_tokens": 50, "temperature": 0.7, "seed": 3, "min_tokens": 10,
             "stream": True, "stream_options": {"include_usage": False}, "priority": 9}
-    progress = Progress.of(CHAT, body)
+    creq = parse_body(body, CHAT)
+    progress = Progress.of(creq)
     assert progress is not None
     progress.prompt_ids, progress.generated = [1, 2, 3], [7, 8, 9, 10]
-    cont = progress.continuation_body(body, CHAT, True)
+    cont = progress.continuation_body(creq, True)
     assert cont == {"model": MODEL, "prompt": [1, 2, 3, 7, 8, 9, 10], "max_tokens": 46,
                     "temperature": 0.7, "seed": 3, "min_tokens": 6, "stream": True,
                     "return_token_ids": True, "stream_options": {"include_usage": True}}, cont
@@ -128,12 +132,14 @@ def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
 ])
 def test_what_cannot_be_continued_says_why(endpoint: Any, extra: dict[str, Any],
                                            why: str) -> None:
-    body = {"model": MODEL, "prompt": "p", "messages": [], **extra}
-    assert not_continuable(endpoint, body) == why
-    assert Progress.of(endpoint, body) is None
+    body = {"model": MODEL, "prompt": "p", "messages": [{"role": "user", "content": "p"}],
+            **({"input": "p"} if endpoint is EMBEDDINGS else {}), **extra}
+    creq = parse_body(body, endpoint)
+    assert not_continuable(creq) == why
+    assert Progress.of(creq) is None
 
 
 def test_plain_requests_are_continuable() -> None:
     body = {"model": MODEL, "prompt": "p", "stop": [], "n": 1, "logprobs": None,
             "response_format": {"type": "text"}, "temperature": 0, "tool_choice": "none"}
-    assert not_continuable(COMPLETIONS, body) is None
+    assert not_continuable(parse_body(body, COMPLETIONS)) is None

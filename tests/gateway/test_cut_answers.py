@@ -13,6 +13,8 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.http.server import GatewayServer
+from gateway.proxy.completion_request import parse_body
+from gateway.proxy.endpoints import COMPLETIONS
 from loadtest.sim.server import SimServer
 from policies.cost import prompt_token_bound
 from policies.fairness import Vtc
@@ -29,7 +31,8 @@ from tests.gateway.test_cache_cost import user_score
 
 PROMPT = "tell me a long story"
 OUTPUT = 1500
-BOUND = prompt_token_bound({"prompt": PROMPT}) + OUTPUT  # what each one reserves
+BOUND = prompt_token_bound(parse_body({"model": MODEL, "prompt": PROMPT}, COMPLETIONS).prompt
+                           ) + OUTPUT  # what each one reserves
 CUTTER = {"key": "sk-cut", "user": "cutter", "limits": {"daily_tokens": 5000}}
 TPM = {"key": "sk-tpm", "user": "tpm", "limits": {"tpm": 2000}}
 

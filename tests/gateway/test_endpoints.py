@@ -12,23 +12,27 @@ from aiohttp import web
 from gateway.core.errors import BadRequest
 from gateway.http.openapi import build, document
 from gateway.http.routes import add_endpoint_routes
-from gateway.proxy.completion_request import CompletionRequest, Limits, validate_body
+from gateway.proxy.completion_request import Limits, parse_body
 from gateway.proxy.endpoints import (
     BATCHABLE,
     BY_PATH,
     CHAT,
     COMPLETIONS,
     ENDPOINTS,
+    PROMPT_READERS,
     RESPONSES,
     RESPONSES_USAGE,
     Endpoint,
     Frames,
     Kind,
+    prompt_shape,
 )
 from gateway.scheduling.admission import estimate
 from loadtest.sim.engine import EngineConfig
 from loadtest.sim.server import SimServer
 from policies.cost import estimate_prompt_tokens, max_cost_tokens, prompt_token_bound
+from policies.locality import prompt_text
+from policies.request import Prompt
 from tests.gateway.conftest import MODEL
 
 # a hypothetical new endpoint: queued, streamed as typed events, its own prompt and
@@ -66,27 +70,30 @@ def test_every_entry_is_declared_once() -> None:
 ])
 def test_the_output_cost_reads_the_endpoints_fields(endpoint: Endpoint, body: dict[str, Any],
                                                     cost: int) -> None:
-    body = {endpoint.prompt_field or "prompt": "", **body}
-    prompt = prompt_token_bound(body, endpoint.prompt_field)
-    got = max_cost_tokens(body, endpoint.prompt_field, endpoint.output_token_fields, 1000)
+    prompt_field = endpoint.prompt_field or "prompt"
+    empty = [{"role": "user"}] if prompt_field == "messages" else ""
+    creq = parse_body({"model": MODEL, prompt_field: empty, **body}, endpoint)
+    prompt = prompt_token_bound(creq.prompt)
+    got = max_cost_tokens(creq.prompt, creq.output, 1000)
     assert got - prompt == cost, (endpoint.path, body, got, prompt)
 
 
 def test_the_backend_gets_the_output_bound_that_was_reserved() -> None:
-    body = {"model": MODEL, "messages": [], "max_tokens": 1, "max_completion_tokens": 2000}
-    assert CompletionRequest(CHAT, body).body == {**body, "max_completion_tokens": 1}
+    body = {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 1,
+            "max_completion_tokens": 2000}
+    assert parse_body(body, CHAT).body == {**body, "max_completion_tokens": 1}
     assert body["max_completion_tokens"] == 2000  # the client's body is not changed
     same = {"model": MODEL, "prompt": "x", "max_tokens": 5}
-    assert CompletionRequest(COMPLETIONS, same).body is same
+    assert parse_body(same, COMPLETIONS).body is same
     other = {"model": MODEL, "input": "x", "max_output_tokens": 9, "max_tokens": 3}
-    assert CompletionRequest(RESPONSES, other).body is other  # not a Responses field
+    assert parse_body(other, RESPONSES).body is other  # not a Responses field
 
 
 def test_the_estimate_reads_the_endpoints_prompt_field() -> None:
     # a completion whose body also carries an unrelated "input" is estimated from "prompt"
     body = {"model": MODEL, "prompt": "x" * 400, "input": "y"}
-    assert estimate(CompletionRequest(COMPLETIONS, body)) == 100
-    assert estimate(CompletionRequest(RESPONSES, {"input": "y" * 40})) == 10
+    assert estimate(parse_body(body, COMPLETIONS)) == 100
+    assert estimate(parse_body({"model": MODEL, "input": "y" * 40}, RESPONSES)) == 10
 
 
 @pytest.mark.parametrize("endpoint", [e for e in ENDPOINTS if e.kind is not Kind.LOCAL],
@@ -127,16 +134,16 @@ def test_a_new_entry_needs_nothing_else() -> None:
     add_endpoint_routes(app, {}, (NEW,))
     assert routes(app) == {("POST", NEW.path)}
     with pytest.raises(BadRequest) as bad:
-        validate_body({"model": "m", "input": "x", "max_output_tokens": 0}, NEW, Limits())
+        parse_body({"model": "m", "input": "x", "max_output_tokens": 0}, NEW, Limits())
     assert bad.value.param == "max_output_tokens", bad.value
     with pytest.raises(BadRequest) as bad:
-        validate_body({"model": "m"}, NEW)
+        parse_body({"model": "m"}, NEW)
     assert bad.value.param == "input", bad.value
     body = {"model": "m", "input": "x" * 40, "max_output_tokens": 5, "stream": True}
-    validate_body(body, NEW)
-    assert max_cost_tokens(body, "input", NEW.output_token_fields, 100) == 5 + (
-        prompt_token_bound(body, "input"))
-    assert estimate(CompletionRequest(NEW, body)) == estimate_prompt_tokens(body, "input")
+    creq = parse_body(body, NEW)
+    assert max_cost_tokens(creq.prompt, creq.output, 100) == 5 + (
+        prompt_token_bound(creq.prompt))
+    assert estimate(creq) == estimate_prompt_tokens(parse_body(body, RESPONSES).prompt)
     spec = build(document(), (NEW,))
     op = spec["paths"][NEW.path]["post"]
     assert op["operationId"] == "createThing" and "text/event-stream" in op["responses"][
@@ -162,3 +169,32 @@ def test_get_routes_answer_head_too() -> None:
                         tuple(e for e in ENDPOINTS if e.operation_id == "listModels"))
     methods = {r.method for r in app.router.routes()}
     assert methods == {"GET", "HEAD"}, methods
+
+
+def test_a_new_body_shape_is_one_prompt_reader() -> None:
+    """A prompt of a shape of its own (here a query and documents, as a reranker's) is
+    one reader registered under its entry's prompt field: checked, estimated, bounded and
+    hashed for locality like any other."""
+    @prompt_shape("things_query")
+    def things_prompt(body: dict[str, Any]) -> Prompt:
+        query, documents = body.get("things_query"), body.get("documents")
+        if not isinstance(query, str) or not isinstance(documents, list):
+            raise BadRequest("'things_query' must be a string, 'documents' an array",
+                             param="things_query")
+        return Prompt("things_query", [query, *documents], rendered=(query, documents),
+                      template_items=len(documents))
+
+    try:
+        entry = Endpoint("/v1/things/rank", "POST", "rankThings", Kind.QUEUED,
+                         prompt_field="things_query")
+        with pytest.raises(BadRequest) as bad:
+            parse_body({"model": "m", "things_query": 5}, entry)
+        assert bad.value.param == "things_query", bad.value
+        creq = parse_body({"model": "m", "things_query": "x" * 40,
+                           "documents": ["y" * 40, "z" * 8]}, entry)
+        assert estimate(creq) == 10 + 10 + 2, estimate(creq)
+        assert max_cost_tokens(creq.prompt, creq.output, 100) == prompt_token_bound(
+            creq.prompt), "no output-token fields: it costs its prompt"
+        assert prompt_text(creq.prompt) == "x" * 40 + "y" * 40 + "z" * 8
+    finally:
+        PROMPT_READERS.pop("things_query")

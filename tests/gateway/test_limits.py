@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 from gateway.core.errors import InsufficientQuota, RateLimitExceeded
 from gateway.core.settings import ApiKey, SettingsHolder, load_settings
 from gateway.http.server import GatewayServer
+from gateway.proxy.completion_request import parse_body
+from gateway.proxy.endpoints import COMPLETIONS, RESPONSES
 from gateway.scheduling.quotas import Quotas
 from gateway.storage.redis_client import connect
 from policies.cost import prompt_token_bound
@@ -102,7 +104,8 @@ async def test_daily_budget_insufficient_quota_and_exact_accounting(
         assert caught.value.code == "insufficient_quota"
         assert caught.value.status_code == 429
         assert int(caught.value.response.headers["retry-after"]) <= 86400
-        reserve = prompt_token_bound({"prompt": "hello there"}) + 4
+        reserve = prompt_token_bound(parse_body({"model": MODEL, "prompt": "hello there"},
+                                                    COMPLETIONS).prompt) + 4
         assert spent > 0 and spent + reserve > 60  # refused only when it no longer fits
         # the key sees its budget: charged exactly what vLLM reported
         status, usage, _ = await call(http, "GET", gw.url + "/v1/fairgate/usage",
@@ -140,7 +143,8 @@ async def test_responses_reservation_holds_max_output_tokens(
             model=MODEL, input="hi", max_output_tokens=8)
         # the tpm bucket shows the reservation: the prompt's bound plus the output bound
         reserved = 100000 - int(raw.headers["x-ratelimit-remaining-tokens"])
-        assert reserved == prompt_token_bound({"input": "hi"}, "input") + 8, reserved
+        assert reserved == prompt_token_bound(
+            parse_body({"model": MODEL, "input": "hi"}, RESPONSES).prompt) + 8, reserved
         assert raw.parse().usage is not None
     finally:
         await client.close()

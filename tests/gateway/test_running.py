@@ -8,6 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from gateway.proxy.completion_request import parse_body
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import CHAT
 from gateway.proxy.moving import DRAIN, FAILOVER, PREEMPT, Moved, Mover
@@ -32,7 +33,8 @@ class FakeResponse:
 
 
 def stream_progress(prompt_ids: list[int] | None, generated: int = 0) -> Progress:
-    progress = Progress.of(CHAT, {"model": "m", "messages": [], "max_tokens": 50})
+    progress = Progress.of(parse_body({"model": "m", "messages": [{"role": "user"}],
+                                      "max_tokens": 50}, CHAT))
     assert progress is not None
     progress.prompt_ids = prompt_ids
     progress.generated = list(range(generated))

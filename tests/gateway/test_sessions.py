@@ -7,14 +7,15 @@ engine first scheduled the requests, as in test_scheduling.py."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
 from gateway.core.errors import BadRequest
-from gateway.proxy.completion_request import read_session
-from gateway.proxy.endpoints import CHAT, RESPONSES
+from gateway.proxy.completion_request import CompletionRequest, parse_body, read_session
+from gateway.proxy.endpoints import CHAT, RESPONSES, Endpoint
 from tests.gateway.conftest import (
     MODEL,
     GatewayFactory,
@@ -117,17 +118,23 @@ async def test_another_users_share_does_not_depend_on_the_session_count(
     assert 14 <= bobs <= 26, f"bob started {bobs} of 40 ({window}); order {order}"
 
 
+def typed(body: dict[str, Any], endpoint: Endpoint) -> CompletionRequest:
+    """``body`` with a prompt for either endpoint, read as the edge reads it."""
+    return parse_body({"model": "m", "messages": [{"role": "user"}], "input": "x", **body},
+                      endpoint)
+
+
 def test_the_session_key_comes_from_the_header_then_the_conversation() -> None:
-    assert read_session("agent-7", {"conversation": "conv_1"}, RESPONSES) == "agent-7"
-    assert read_session(None, {"conversation": "conv_1"}, RESPONSES) == "conv_1"
-    assert read_session(None, {"conversation": {"id": "conv_2"}}, RESPONSES) == "conv_2"
-    assert read_session(None, {"conversation": "conv_1"}, CHAT) == ""  # not chat's field
-    assert read_session(None, {}, RESPONSES) == ""
+    assert read_session("agent-7", typed({"conversation": "conv_1"}, RESPONSES)) == "agent-7"
+    assert read_session(None, typed({"conversation": "conv_1"}, RESPONSES)) == "conv_1"
+    assert read_session(None, typed({"conversation": {"id": "conv_2"}}, RESPONSES)) == "conv_2"
+    assert read_session(None, typed({"conversation": "conv_1"}, CHAT)) == ""  # not chat's field
+    assert read_session(None, typed({}, RESPONSES)) == ""
     for bad in ("", "a b", "x" * 129, "a:b", "é"):
         with pytest.raises(BadRequest):
-            read_session(bad, {}, CHAT)
+            read_session(bad, typed({}, CHAT))
     with pytest.raises(BadRequest) as caught:
-        read_session(None, {"conversation": 5}, RESPONSES)
+        read_session(None, typed({"conversation": 5}, RESPONSES))
     assert caught.value.param == "conversation", caught.value.param
 
 

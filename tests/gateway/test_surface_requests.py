@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gateway.core.errors import BadRequest
-from gateway.proxy.completion_request import Limits, validate_body
+from gateway.proxy.completion_request import Limits, parse_body
 from gateway.proxy.endpoints import CHAT, EMBEDDINGS, RESPONSES, Endpoint, Frames
 from gateway.proxy.relay import FrameFilter, report_usage
 from policies.cost import estimate_prompt_tokens
@@ -25,7 +25,7 @@ LIMITS = Limits(max_json_depth=8, max_output_tokens=100, max_end_user_chars=16)
     {"model": "m", "input": "x", "stream": False, "anything": {"passes": True}},
 ])
 def test_embeddings_bodies_accepted(body: dict[str, Any]) -> None:
-    validate_body(body, EMBEDDINGS, LIMITS)
+    parse_body(body, EMBEDDINGS, LIMITS)
 
 
 @pytest.mark.parametrize("body", [
@@ -36,7 +36,7 @@ def test_embeddings_bodies_accepted(body: dict[str, Any]) -> None:
     {"model": "m", "input": "hi", "tools": [], "reasoning": {"effort": "low"}},
 ])
 def test_responses_bodies_accepted(body: dict[str, Any]) -> None:
-    validate_body(body, RESPONSES, LIMITS)
+    parse_body(body, RESPONSES, LIMITS)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -58,7 +58,7 @@ def test_responses_bodies_accepted(body: dict[str, Any]) -> None:
 ])
 def test_bad_bodies_name_the_field(path: Endpoint, body: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as exc:
-        validate_body(body, path, LIMITS)
+        parse_body(body, path, LIMITS)
     assert exc.value.param == param
 
 
@@ -74,7 +74,7 @@ def test_bad_bodies_name_the_field(path: Endpoint, body: dict[str, Any], param: 
      (10 + 4) + (2 + 4)),  # like chat messages: text / 4 + 4 each
 ])
 def test_input_estimates(body: dict[str, Any], tokens: int) -> None:
-    assert estimate_prompt_tokens(body) == tokens
+    assert estimate_prompt_tokens(parse_body({"model": "m", **body}, RESPONSES).prompt) == tokens
 
 
 class Usage:
