@@ -74,7 +74,7 @@ class Endpoint:
     request_schema: str | None = None  # components/schemas in the OpenAPI document
     response_schema: str | None = None
     # the body field its prompt is read from; its shape's reader is PROMPT_READERS[it]
-    prompt_field: str | None = None  # messages | prompt | input
+    prompt_field: str | None = None  # messages | prompt | input | query | text_1
     # the fields the backend honours as output-token bounds: the smallest set is the
     # request's (``CompletionRequest.output``; every one of them says it when forwarded)
     output_token_fields: tuple[str, ...] = ()
@@ -170,6 +170,58 @@ def input_prompt(body: dict[str, Any]) -> Prompt:
 
 
 
+def _score_inputs(body: dict[str, Any], name: str, many: bool) -> list[Any]:
+    """One side of a rerank or score body: a text or an object with a ``content`` array
+    (vLLM's ``ScoreInput``), or (``many``) a non-empty array of them."""
+    value = body.get(name)
+    values = value if many and isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, str) or (isinstance(v, dict) and isinstance(
+            v.get("content"), list)) for v in values):
+        raise BadRequest(f"'{name}' must be a string or an object with a 'content' array"
+                         + (", or a non-empty array of them" if many else ""), param=name)
+    return values
+
+
+def _pairs(body: dict[str, Any], first: str, second: str) -> Prompt:
+    """A cross-encoder's prompt: each (query, document) pair is one sequence the model
+    reads, the one query read once per document (1:N) or the queries paired by position
+    (N:N); the score template renders ``instruction`` and ``chat_template_kwargs`` into
+    each pair."""
+    queries = _score_inputs(body, first, many=True)
+    documents = _score_inputs(body, second, many=True)
+    if len(queries) > 1 and len(queries) != len(documents):
+        raise BadRequest(f"'{first}' must be one or as many as '{second}' (pairs 1:1, 1:N "
+                         f"or N:N; got {len(queries)} and {len(documents)})", param=first)
+    pairs = zip(queries * len(documents) if len(queries) == 1 else queries, documents,
+                strict=True)
+    text = [side for pair in pairs for side in pair]
+    extra = _present(body, ("instruction", "chat_template_kwargs"))
+    return Prompt(first, text, items=len(documents),
+                  rendered=(text, *extra * len(documents)), template_items=len(documents))
+
+
+@prompt_shape("query")
+def rerank_prompt(body: dict[str, Any]) -> Prompt:
+    """vLLM's rerank: one ``query`` and its ``documents``."""
+    _score_inputs(body, "query", many=False)
+    return _pairs(body, "query", "documents")
+
+
+# the sides of vLLM's score body, in the order its request union reads them
+SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
+               ("text_1", "text_2"))
+
+
+@prompt_shape("text_1")
+def score_prompt(body: dict[str, Any]) -> Prompt:
+    """vLLM's score: two sides, ``text_1`` and ``text_2`` or another of its spellings
+    (:data:`SCORE_SIDES`: the first the body sets both of)."""
+    first, second = next(((a, b) for a, b in SCORE_SIDES if a in body and b in body),
+                         SCORE_SIDES[-1])
+    return _pairs(body, first, second)
+
+
+
 CHAT = Endpoint(
     "/v1/chat/completions", "POST", "createChatCompletion", Kind.QUEUED,
     "A chat completion, queued fairly and forwarded to a vLLM backend",
@@ -206,12 +258,12 @@ _SCORE = ("Score pairs of texts (vLLM's pooling API), queued fairly in the key's
           "(cost = input tokens: each pair's)")
 RERANKS = tuple(
     Endpoint(path, "POST", op, Kind.QUEUED, _RERANK, "RerankRequest", "RerankResponse",
-             batchable=True, sim="rerank")
+             "query", batchable=True, sim="rerank")
     for path, op in (("/v1/rerank", "createRerank"), ("/rerank", "rerank"),
                      ("/v2/rerank", "createRerankV2")))
 SCORES = tuple(
     Endpoint(path, "POST", op, Kind.QUEUED, _SCORE, "ScoreRequest", "ScoreResponse",
-             batchable=True, sim="score")
+             "text_1", batchable=True, sim="score")
     for path, op in (("/v1/score", "createScore"), ("/score", "score")))
 LIST_MODELS = Endpoint("/v1/models", "GET", "listModels", Kind.LOCAL, sim="models")
 RETRIEVE_MODEL = Endpoint("/v1/models/{model}", "GET", "retrieveModel", Kind.LOCAL)
