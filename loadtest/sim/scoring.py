@@ -161,12 +161,12 @@ def request_id() -> str:
 
 def rerank_body(req: ScoringRequest, rid: str, model: str, seed: int) -> dict[str, Any]:
     """vLLM's ``RerankResponse``."""
-    results = [{"index": i, "document": {"text": doc, "multi_modal": None},
-                "relevance_score": relevance(pair, seed)}
-               for i, (pair, doc) in enumerate(zip(req.pairs, req.documents, strict=True))]
-    results.sort(key=lambda r: r["relevance_score"], reverse=True)
-    if 0 < req.top_n < len(results):
-        results = results[:req.top_n]
+    scored = sorted(((relevance(pair, seed), i) for i, pair in enumerate(req.pairs)),
+                    key=lambda s: s[0], reverse=True)  # stable: ties keep their order
+    if 0 < req.top_n < len(scored):
+        scored = scored[:req.top_n]
+    results = [{"index": i, "document": {"text": req.documents[i], "multi_modal": None},
+                "relevance_score": score} for score, i in scored]
     tokens = req.prompt_tokens
     return {"id": rid, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
