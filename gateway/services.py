@@ -30,6 +30,7 @@ from gateway.backends.registry import BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
+from gateway.batch.results import BatchResults
 from gateway.batch.runner import BatchRunner
 from gateway.core import loop_lag
 from gateway.core.errors import StoreUnavailable
@@ -145,9 +146,9 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         replica_id = settings.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
-        store = Store(client, request_ttl_s(settings), settings.fleet_models())
-        config.on_swap(lambda new: setattr(store, "request_ttl_s", request_ttl_s(new)))
-        pool = BackendPool(config, session, store, metrics)
+        store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
+        config.on_swap(lambda new: setattr(store.queue, "request_ttl_s", request_ttl_s(new)))
+        pool = BackendPool(config, session, store.fleet, metrics)
         dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
         pool.on_snapshot = dispatcher.wake_freed  # gates may have opened
         quotas = Quotas(client, config)
@@ -161,11 +162,11 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                             settings.stream_idle_timeout_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
-        runner = BatchRunner(config, admission, upstream, files, batches, metrics,
-                             replica_id)
+        runner = BatchRunner(config, admission, upstream, files, batches,
+                             BatchResults(files, batches), metrics, replica_id)
         runtime_keys = RuntimeKeys(client, config)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
-        backends = BackendList(client, config, pool, store)
+        backends = BackendList(client, config, pool, store.fleet)
         admission.learn_backend = backends.learn  # a grant for one added elsewhere
         with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
             await backends.refresh()  # the runtime backends, before the first request
@@ -177,11 +178,11 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             batches, runner,
             Inspector(config, store, pool, metrics, replica_id, running),
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store, pool, admission.waits, metrics, batches.backlog),
+            pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
         runner.account_of = lambda key_id: services.keys.find(key_id)
 
-        restarts = metrics.loop_restarts
+        restarts = metrics.process.loop_restarts
         tasks = [asyncio.create_task(pool.run(), name="scrape"),
                  asyncio.create_task(dispatcher.run(), name="dispatch"),
                  asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
@@ -189,7 +190,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("adapters", admission.adapter_loads.run,
                                                restarts), name="adapters"),
                  asyncio.create_task(supervise("migrate", Migrations(
-                     store, pool, running).run, restarts), name="migrate"),
+                     store.fleet, pool, running).run, restarts), name="migrate"),
                  asyncio.create_task(supervise("history", services.inspector.history.run,
                                                restarts), name="history"),
                  asyncio.create_task(supervise("pools", services.pools.run, restarts),
@@ -199,7 +200,7 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
                  asyncio.create_task(supervise("discovery", DnsDiscovery(
                      config, backends).run, restarts), name="discovery"),
                  asyncio.create_task(supervise("loop_lag", functools.partial(
-                     loop_lag.watch, metrics.loop_lag), restarts), name="loop_lag")]
+                     loop_lag.watch, metrics.process.loop_lag), restarts), name="loop_lag")]
         try:
             yield services
         finally:

@@ -30,7 +30,7 @@ class Prompt:
 
     field: str  # the body field it came from: what a 400 about it names
     text: Any
-    roles: tuple[str, ...] = ()
+    roles: tuple[Any, ...] = ()  # as sent (the chain writes each as text)
     preamble: str | None = None
     items: int = 0
     least: int = 1

@@ -29,7 +29,7 @@ import structlog
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, UsageLimits
 from gateway.storage.keys import KEY_IDS, KEY_PEPPER, KEYRING_PREFIX, key_digest, key_record
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.store import load_script
+from gateway.storage.scripts import load_script
 
 log = structlog.get_logger("fairgate.keys")
 

@@ -51,9 +51,10 @@ from gateway.core.errors import (
     StoreUnavailable,
 )
 from gateway.core.settings import Backend, ReadsSettings, SettingsHolder
+from gateway.storage.fleet_store import FleetStore
 from gateway.storage.keys import RUNTIME_BACKENDS
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.store import Store, load_script
+from gateway.storage.scripts import load_script
 
 log = structlog.get_logger("fairgate.backends")
 
@@ -136,7 +137,7 @@ class BackendList(ReadsSettings):
     """The backend list in force for this process, and the runtime entries' changes."""
 
     def __init__(self, client: BoundaryRedis, settings: SettingsHolder, pool: BackendPool,
-                 store: Store) -> None:
+                 store: FleetStore) -> None:
         self.client: Any = client  # redis-py's sync/async union types: untyped here
         self.holder = settings
         self.pool = pool

@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 
 from gateway.core.errors import NotFound, PayloadTooLarge
 from gateway.storage.keys import file_meta, user_file_bytes, user_files
-from gateway.storage.store import load_script
+from gateway.storage.scripts import load_script
 
 
 class FileQuotaExceeded(PayloadTooLarge):

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from gateway.core.errors import NotFound
 from gateway.core.settings import OWNER_SEPARATOR, owner_id
 from gateway.storage.keys import ACTIVE_BATCHES, BatchKeys, user_batches
-from gateway.storage.store import load_script
+from gateway.storage.scripts import load_script
 
 WINDOW_S = {"24h": 24 * 3600}
 TIMESTAMPS = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",

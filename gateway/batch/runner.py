@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -38,7 +37,8 @@ import structlog
 
 from gateway.batch.files import FileStore
 from gateway.batch.input import BatchLine, load_file
-from gateway.batch.records import FINAL, BatchStore, batch_owner
+from gateway.batch.records import FINAL, BatchStore
+from gateway.batch.results import BatchResults, output_line
 from gateway.core.errors import (
     FairgateError,
     InsufficientQuota,
@@ -96,24 +96,16 @@ class Reservations:
         return self.settles != seen
 
 
-def output_line(custom_id: str, status: int | None, body: Any,
-                error: dict[str, Any] | None) -> dict[str, Any]:
-    """One line of OpenAI's batch output/error file."""
-    response = None if status is None else {
-        "status_code": status, "request_id": uuid.uuid4().hex, "body": body}
-    return {"id": "batch_req_" + uuid.uuid4().hex, "custom_id": custom_id,
-            "response": response, "error": error}
-
-
 class BatchRunner(ReadsSettings):
     def __init__(self, settings: SettingsHolder, admission: Admission, upstream: Upstream,
-                 files: FileStore, batches: BatchStore, metrics: GatewayMetrics,
-                 replica_id: str) -> None:
+                 files: FileStore, batches: BatchStore, results: BatchResults,
+                 metrics: GatewayMetrics, replica_id: str) -> None:
         self.holder = settings
         self.admission = admission
         self.upstream = upstream
         self.files = files
         self.batches = batches
+        self.results = results
         self.metrics = metrics
         self.replica_id = replica_id
         self.running: dict[str, asyncio.Task[None]] = {}
@@ -138,7 +130,7 @@ class BatchRunner(ReadsSettings):
         statuses = Counter(raw["status"] for raw in
                            [await self.batches.raw(b) for b in active] if raw is not None)
         for status in ("validating", "in_progress", "finalizing", "cancelling"):
-            self.metrics.batch_jobs.labels(status).set(statuses.get(status, 0))
+            self.metrics.batch.jobs.labels(status).set(statuses.get(status, 0))
         for batch_id in active:
             if batch_id in self.running:
                 continue
@@ -195,7 +187,7 @@ class BatchRunner(ReadsSettings):
                                             self.settings.models(),
                                             Limits.of(self.settings))
         except (FairgateError, OSError) as exc:
-            await self._fail(batch_id, str(exc))
+            await self.results.fail(batch_id, str(exc))
             return
         await self.batches.transition(batch_id, ("validating",), "in_progress", "in_progress_at")
         while True:  # until every line has a result (a pass may leave some: Redis blips)
@@ -212,7 +204,7 @@ class BatchRunner(ReadsSettings):
             log.warning("batch_record_lost", batch_id=batch_id, total=len(lines))
             await self.batches.forget(batch_id)
             return
-        await self._finalize(batch_id, doc, lines, outcome)
+        await self.results.finish(batch_id, doc, lines, outcome)
 
     async def _feed(self, batch_id: str, doc: dict[str, Any], pending: list[BatchLine]) -> str:
         """Run the pending lines; returns "completed", "cancelled", "expired", "revoked"
@@ -353,7 +345,7 @@ class BatchRunner(ReadsSettings):
                             message: str) -> None:
         result = output_line(line.custom_id, None, None, {"code": code, "message": message})
         if await self.batches.record(batch_id, line.custom_id, result, ok=False):
-            self.metrics.batch_requests.labels("failed").inc()
+            self.metrics.batch.requests.labels("failed").inc()
 
     async def _record_answer(self, batch_id: str, line: BatchLine, status: int,
                              data: bytes) -> None:
@@ -363,60 +355,4 @@ class BatchRunner(ReadsSettings):
             body = {"raw": data.decode(errors="replace")}
         result = output_line(line.custom_id, status, body, None)
         if await self.batches.record(batch_id, line.custom_id, result, ok=status == 200):
-            self.metrics.batch_requests.labels("completed" if status == 200 else "failed").inc()
-
-    async def _finalize(self, batch_id: str, doc: dict[str, Any], lines: list[BatchLine],
-                        outcome: str) -> None:
-        if outcome == "completed":
-            await self.batches.transition(batch_id, ("in_progress",), "finalizing",
-                                          "finalizing_at")
-        if outcome == "expired":  # unfinished lines become errors (and count as failed)
-            done = await self.batches.done_ids(batch_id)
-            for line in lines:
-                if line.custom_id not in done:
-                    await self.batches.record(batch_id, line.custom_id, output_line(
-                        line.custom_id, None, None,
-                        {"code": "batch_expired",
-                         "message": "This request could not be executed before the "
-                                    "completion window expired."}), ok=False)
-        ok = await self.batches.results(batch_id, ok=True)
-        failed = await self.batches.results(batch_id, ok=False)
-        fields: dict[str, str | int] = {}
-        for name, results, suffix in (("output_file_id", ok, "output"),
-                                      ("error_file_id", failed, "error")):
-            if results:
-                data = "".join(results[line.custom_id] + "\n" for line in lines
-                               if line.custom_id in results).encode()
-                meta = await self.files.create(batch_owner(doc), f"{batch_id}_{suffix}.jsonl",
-                                               "batch_output", data)
-                fields[name] = meta.id
-        if outcome == "revoked":
-            fields["errors"] = json.dumps({"object": "list", "data": [{
-                "code": "api_key_revoked", "param": None, "line": None,
-                "message": "the API key that created this batch was revoked: the batch was "
-                           "cancelled, the lines that had finished are in its files"}]})
-        if fields:
-            await self.batches.set_fields(batch_id, **fields)
-        final = {"completed": ("completed", "completed_at", ("finalizing",)),
-                 "cancelled": ("cancelled", "cancelled_at", ("cancelling", "in_progress")),
-                 "revoked": ("cancelled", "cancelled_at",
-                             ("cancelling", "in_progress", "validating")),
-                 "expired": ("expired", "expired_at", ("in_progress", "validating"))}[outcome]
-        if (not await self.batches.transition(batch_id, final[2], final[0], final[1])
-                and outcome == "completed"
-                and await self.batches.transition(batch_id, ("cancelling",), "cancelled",
-                                                  "cancelled_at")):
-            # a cancel came after its last line's result, while it finalized: every line
-            # has its result, the cancel is honoured (left "cancelling", it never ended)
-            final = ("cancelled", "cancelled_at", ("cancelling",))
-        await self.batches.retire(batch_id)
-        log.info("batch_finished", batch_id=batch_id, status=final[0], completed=len(ok),
-                 failed=len(failed))
-
-    async def _fail(self, batch_id: str, message: str) -> None:
-        errors = {"object": "list", "data": [{"code": "invalid_input", "message": message,
-                                              "param": None, "line": None}]}
-        await self.batches.set_fields(batch_id, errors=json.dumps(errors))
-        await self.batches.transition(batch_id, ("validating", "in_progress"), "failed",
-                                      "failed_at")
-        await self.batches.retire(batch_id)
+            self.metrics.batch.requests.labels("completed" if status == 200 else "failed").inc()

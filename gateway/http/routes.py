@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.backends import adapters
 from gateway.backends.adapters import Resolved
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.core.errors import (
     BackendUnreachable,
     FairgateError,
@@ -156,7 +156,7 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     finally:
         if early is not None:
             await early.close()
-        svc.metrics.child(svc.metrics.requests, model, klass, status).inc()
+        svc.metrics.child(svc.metrics.edge.requests, model, klass, status).inc()
 
 
 async def _queued_place(svc: Services, model: str, request_id: str) -> Place | None:
@@ -172,8 +172,7 @@ async def _unscheduled(request: web.Request, endpoint: Endpoint) -> web.StreamRe
     key = await svc.keys.identify(request.headers.get("Authorization"))
     body = await read_json_object(request, min(svc.settings.max_body_bytes,
                                                svc.settings.max_unqueued_body_bytes))
-    validate_unscheduled(body, Limits.of(svc.settings))
-    model, adapter = _known_model(svc, str(body["model"]))
+    model, adapter = _known_model(svc, validate_unscheduled(body, Limits.of(svc.settings)))
     if not svc.pool.any_healthy(model):
         await svc.pool.first_scrapes(model, svc.settings.first_scrape_wait_s)
     candidates = sorted((h for h in svc.pool.for_model(model) if h.healthy
@@ -297,7 +296,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     svc = request.app[SERVICES]
-    await svc.store.ping()
+    await svc.store.reads.ping()
     if not svc.pool.any_healthy():
         raise Unavailable("no healthy backend")
     return web.json_response({"status": "ready"})

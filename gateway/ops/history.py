@@ -3,7 +3,7 @@
 Owned by the read model (``gateway/ops/read_model.py`` builds it; ``gateway/services.py``
 runs :meth:`History.run` supervised as the ``history`` loop). Time is cut into wall-clock
 intervals of ``interval_s`` (5 s); at the end of each, every process adds what it counted
-in it to that interval's hash in Redis (``Store.add_history``, ``lua/history.lua``: sums
+in it to that interval's hash in Redis (``ReadStore.add_history``, ``lua/history.lua``: sums
 added, maxima kept), so every process draws the same history and a page load shows the
 same charts whichever worker answers it. A restart of a process loses nothing but its
 current interval; the hashes expire after the window (900 s). Per interval:
@@ -21,7 +21,7 @@ current interval; the hashes expire after the window (900 s). Per interval:
 
 The same loop adds, every ``tick_s``, the service this replica served to the
 cross-replica service shares in Redis, with the tenant and weights of the users it
-queued requests for (``Store.add_service``; the read model also does before it reads
+queued requests for (``ShareStore.add_service``; the read model also does before it reads
 them), batched so the request path makes no extra Redis call.
 """
 
@@ -40,7 +40,8 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.core.user_series import MAX_SHARE_USERS, SHARE_HALF_LIFE_S
-from gateway.storage.store import Store, Who
+from gateway.storage.records import Who
+from gateway.storage.store import Store
 from policies.classes import CLASS_ORDER
 
 log = structlog.get_logger("fairgate.history")
@@ -91,7 +92,7 @@ class _Interval:
 
 def _dispatch_totals(metrics: GatewayMetrics) -> dict[str, float]:
     out: dict[str, float] = {}
-    for family in metrics.dispatches.collect():
+    for family in metrics.dispatch.dispatches.collect():
         for s in family.samples:
             if s.name.endswith("_total"):
                 out[s.labels["model"]] = out.get(s.labels["model"], 0.0) + s.value
@@ -130,23 +131,23 @@ class History(ReadsSettings):
     async def flush_service(self) -> None:
         """Move this replica's pending service, and who its queued users are, into the
         shares every replica reads."""
-        pending, self.metrics.pending_service = self.metrics.pending_service, {}
-        queued, self.metrics.pending_who = self.metrics.pending_who, {}
+        pending, self.metrics.usage.pending_service = self.metrics.usage.pending_service, {}
+        queued, self.metrics.usage.pending_who = self.metrics.usage.pending_who, {}
         for model in pending.keys() | queued.keys():
             amounts, who = pending.get(model, {}), queued.get(model, {})
             if not amounts and not who:
                 continue
             try:
-                await self.store.add_service(model, amounts, time.time(), SHARE_HALF_LIFE_S,
+                await self.store.shares.add_service(model, amounts, time.time(), SHARE_HALF_LIFE_S,
                                              MAX_SHARE_USERS, SHARE_TTL_S,
                                              {user: Who(*entry) for user, entry in who.items()})
             except StoreUnavailable as exc:  # kept for the next tick, still bounded
                 log.warning("service_shares_deferred", model=model, error=str(exc))
-                kept = self.metrics.pending_service.setdefault(model, {})
+                kept = self.metrics.usage.pending_service.setdefault(model, {})
                 for user, amount in amounts.items():
                     if user in kept or len(kept) < MAX_SHARE_USERS:
                         kept[user] = kept.get(user, 0.0) + amount
-                kept_who = self.metrics.pending_who.setdefault(model, {})
+                kept_who = self.metrics.usage.pending_who.setdefault(model, {})
                 for user, entry in who.items():
                     if user in kept_who or len(kept_who) < MAX_SHARE_USERS:
                         kept_who.setdefault(user, entry)
@@ -160,11 +161,11 @@ class History(ReadsSettings):
         if elapsed <= 0:
             return
         for model in self.settings.models():
-            held = [h for h in self.pool.for_model(model) if h.held]
+            held = [h for h in self.pool.for_model(model) if h.lease.held]
             if not held:
                 continue
             try:
-                states = await self.store.backend_states(model, [h.name for h in held])
+                states = await self.store.fleet.backend_states(model, [h.name for h in held])
             except StoreUnavailable:
                 return
             for handle in held:
@@ -184,13 +185,13 @@ class History(ReadsSettings):
         counts = self._counts
         totals = _dispatch_totals(self.metrics)
         self._counts = _Interval(totals)
-        ttfts, self.metrics.recent_ttft = self.metrics.recent_ttft, []
+        ttfts, self.metrics.edge.recent_ttft = self.metrics.edge.recent_ttft, []
         sums: dict[str, float] = {"n": 1.0}
         maxima: dict[str, float] = {}
         for model in self.settings.models():
             sums[f"d:{model}"] = totals.get(model, 0.0) - counts.dispatches.get(model, 0.0)
             try:
-                depth = await self.store.depths(model)
+                depth = await self.store.reads.depths(model)
             except StoreUnavailable:
                 continue
             for klass, queued in depth.items():
@@ -204,7 +205,7 @@ class History(ReadsSettings):
             sums[f"go:{backend}"] = seen
             sums[f"gc:{backend}"] = counts.closed.get(backend, 0.0)
         try:
-            await self.store.add_history(round(start * 1000), sums, maxima,
+            await self.store.reads.add_history(round(start * 1000), sums, maxima,
                                          self.window_s + self.interval_s)
         except StoreUnavailable as exc:  # this interval is missing from the charts
             log.warning("history_sample_lost", error=str(exc))
@@ -215,7 +216,7 @@ class History(ReadsSettings):
         of the window, each as one sample (``t``: its end)."""
         since = self._interval_start(time.time()) - self.window_s
         samples = []
-        for start_ms, fields in await self.store.history(round(since * 1000)):
+        for start_ms, fields in await self.store.reads.history(round(since * 1000)):
             samples.append(_sample(start_ms / 1000, self.interval_s, fields,
                                    self.settings.models()))
         return {"interval_s": self.interval_s, "window_s": self.window_s,

@@ -35,13 +35,15 @@ from typing import Any
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.backends.vllm_metrics import OUTPUT, SERVICE
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, Settings, SettingsHolder
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import QueuedSample, Store
+from gateway.storage.read_store import ReadStore
+from gateway.storage.records import QueuedSample
 from policies.autoscale import (
     ClassDemand,
     PoolDemand,
@@ -112,7 +114,7 @@ def _mean(values: list[float]) -> float | None:
 
 
 class PoolWatch(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+    def __init__(self, settings: SettingsHolder, store: ReadStore, pool: BackendPool,
                  waits: Waits, metrics: GatewayMetrics,
                  batch_backlog: BatchBacklog | None = None) -> None:
         self.holder = settings
@@ -169,10 +171,10 @@ class PoolWatch(ReadsSettings):
 
     def _measure(self, h: BackendHandle) -> None:
         """The backend's service rate now, into its capacity estimate and gauges."""
-        rates = h.service.rates(SERVICE) if h.healthy else None
+        rates = h.windows.service.rates(SERVICE) if h.healthy else None
         tokens, requests = rates or (0.0, 0.0)
-        self.metrics.backend_service_tokens.labels(h.name).set(tokens)
-        self.metrics.backend_service_requests.labels(h.name).set(requests)
+        self.metrics.pools.service_tokens.labels(h.name).set(tokens)
+        self.metrics.pools.service_requests.labels(h.name).set(requests)
         if rates is None:
             return
         cap = self.capacity.setdefault(h.name, _Capacity())
@@ -205,13 +207,14 @@ class PoolWatch(ReadsSettings):
               ) -> dict[str, Any]:
         s = self.settings
         ready = [h for h in handles if h.healthy and not h.drained]
-        served = sum((h.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
+        served = sum((h.windows.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
         caps = [c.tokens_per_s for h in handles
                 if (c := self.capacity.get(h.name)) is not None and c.tokens_per_s > 0]
         mu = _mean(caps) or s.autoscale.backend_tokens_per_s
         hits = [h.prefix_hit_ratio for h in ready if h.prefix_hit_ratio is not None]
         uncached = 1.0 - (_mean(hits) or 0.0)
-        outputs = [o[0] / o[1] for h in ready if (o := h.service.rates(OUTPUT)) and o[1] > 0]
+        outputs = [o[0] / o[1] for h in ready
+                   if (o := h.windows.service.rates(OUTPUT)) and o[1] > 0]
         output = _mean(outputs) or float(s.autoscale.output_tokens)
         mix = {c: queue.recent.count(c) / len(queue.recent) if queue.recent else 0.0
                for c in CLASS_ORDER}
@@ -262,8 +265,8 @@ class PoolWatch(ReadsSettings):
         state = self.states[name] = decide(demand, rules,
                                            self.states.get(name, ScaleState(len(ready))),
                                            mono)
-        self.metrics.pool_ready.labels(name).set(len(ready))
-        self.metrics.pool_desired.labels(name).set(state.desired)
+        self.metrics.pools.ready.labels(name).set(len(ready))
+        self.metrics.pools.desired.labels(name).set(state.desired)
         return {
             "pool": name, "model": model, "ready_replicas": len(ready),
             "desired_replicas": state.desired,
@@ -281,7 +284,7 @@ class PoolWatch(ReadsSettings):
         }
 
     def _backend(self, h: BackendHandle) -> dict[str, Any]:
-        tokens, requests = h.service.rates(SERVICE) or (0.0, 0.0)
+        tokens, requests = h.windows.service.rates(SERVICE) or (0.0, 0.0)
         cap = self.capacity.get(h.name)
         return {"name": h.name, "healthy": h.healthy, "drained": h.drained,
                 "service_tokens_per_s": tokens, "service_requests_per_s": requests,
@@ -290,11 +293,11 @@ class PoolWatch(ReadsSettings):
 
     def _record(self, pool: str, klass: str, shown: dict[str, Any]) -> None:
         m = self.metrics
-        m.pool_demand_tokens.labels(pool, klass).set(shown["queued_demand_tokens"])
-        m.pool_queued.labels(pool, klass).set(shown["queued_requests"])
-        m.pool_at_risk.labels(pool, klass).set(shown["at_risk"])
+        m.pools.demand_tokens.labels(pool, klass).set(shown["queued_demand_tokens"])
+        m.pools.queued.labels(pool, klass).set(shown["queued_requests"])
+        m.pools.at_risk.labels(pool, klass).set(shown["at_risk"])
         for p, wait in shown["wait_estimate_s"].items():
-            m.pool_wait.labels(pool, klass, p).set(float("nan") if wait is None else wait)
+            m.pools.wait.labels(pool, klass, p).set(float("nan") if wait is None else wait)
 
 
 def _no_wait(ahead: int) -> float:

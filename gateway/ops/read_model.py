@@ -16,14 +16,16 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.ops.history import History
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.usage import UsageLedger, group
-from gateway.storage.store import QueuedUser, Store
+from gateway.storage.records import QueuedUser
+from gateway.storage.store import Store
 from policies.classes import CLASS_ORDER
 from policies.gates import queued_for_a_slot
 from policies.share_ratio import ShareRatios, share_ratios
@@ -48,12 +50,12 @@ class Inspector(ReadsSettings):
                      queued: list[QueuedUser] | None = None) -> dict[str, dict[str, Any]]:
         """Per class: depth, oldest wait, and the users with the most queued requests
         (``queued``: the queued users already read)."""
-        depth = await self.store.depths(model)
+        depth = await self.store.reads.depths(model)
         classes: dict[str, dict[str, Any]] = {
             c: {"depth": depth[c], "oldest_wait_s": None, "active_users": 0, "users": []}
             for c in CLASS_ORDER}
         if queued is None:
-            queued = await self.store.queued_users(model, USERS_SCANNED)
+            queued = await self.store.reads.queued_users(model, USERS_SCANNED)
         for q in queued:
             wait = None if q.oldest_enqueued_at is None else now - q.oldest_enqueued_at
             entry = classes[q.klass]
@@ -75,13 +77,13 @@ class Inspector(ReadsSettings):
         backlogged are the users queued in the most urgent class with a queue: strict
         class order owes a lower class nothing (its starvation floor aside)."""
         top = next((c for c in CLASS_ORDER if any(q.klass == c for q in queued)), None)
-        return share_ratios(await self.store.service_accounts(model),
+        return share_ratios(await self.store.shares.service_accounts(model),
                             {q.user for q in queued if q.klass == top})
 
     async def backends(self, model: str, now: float) -> list[dict[str, Any]]:
         handles = self.pool.for_model(model)
-        states = await self.store.backend_states(model, [h.name for h in handles])
-        migrate = await self.store.migrate_times(model)
+        states = await self.store.fleet.backend_states(model, [h.name for h in handles])
+        migrate = await self.store.fleet.migrate_times(model)
         out = []
         for h in handles:
             st = states[h.name]
@@ -120,13 +122,13 @@ class Inspector(ReadsSettings):
                           for c, g in gates.items()},
                 "pacing": {c: {"allowance": p.allowance, "free_slots": p.bonus,
                                "reason": p.reason} for c, p in h.pacing.items()},
-                "dispatch_rate_per_s": self.metrics.dispatch_rate(h.name),
+                "dispatch_rate_per_s": self.metrics.dispatch.rate(h.name),
                 "prefix_cache": {
                     "hit_ratio": h.prefix_hit_ratio,  # vLLM's counters, recent window
-                    "predicted_hit_ratio": self.metrics.predicted_hit_ratio(
+                    "predicted_hit_ratio": self.metrics.dispatch.predicted_hit_ratio(
                         h.name, self.settings.tpot_window_s),  # the prefix index's
                 },
-                "dispatch_reasons": dict(self.metrics.decision_counts.get(h.name, {})),
+                "dispatch_reasons": dict(self.metrics.dispatch.decision_counts.get(h.name, {})),
                 "lora": self._lora(h),
             })
         return out
@@ -135,11 +137,11 @@ class Inspector(ReadsSettings):
         """Its LoRA adapters (docs/adapters.md): resident (available there), active (with
         live requests, by vLLM's gauge) and its slots; None: its model has none."""
         fit = self.pool.fit(h)
-        if fit.adapters is None and h.lora is None:
+        if fit.adapters is None and h.card.lora is None:
             return None
         return {"resident": sorted(self.pool.adapters_on(h)),
-                "active": sorted(h.lora.active) if h.lora else [],
-                "slots": h.lora.max_lora if h.lora else None}
+                "active": sorted(h.card.lora.active) if h.card.lora else [],
+                "slots": h.card.lora.max_lora if h.card.lora else None}
 
     async def backend(self, name: str) -> dict[str, Any]:
         model = self.pool.handles[name].config.model
@@ -150,12 +152,12 @@ class Inspector(ReadsSettings):
         models = {}
         await self.history.flush_service()  # this replica's latest service counts at once
         for model in self.settings.models():
-            shares = self.metrics.shares.get(model)
+            shares = self.metrics.usage.shares.get(model)
             share_list = [] if shares is None else [
                 {"user": u, "share": s} for u, s in shares.shares(time.monotonic()).items()]
-            everyone = await self.store.service_shares(model)
-            inflight = await self.store.user_inflight(model)
-            queued = await self.store.queued_users(model, USERS_SCANNED)
+            everyone = await self.store.shares.service_shares(model)
+            inflight = await self.store.reads.user_inflight(model)
+            queued = await self.store.reads.queued_users(model, USERS_SCANNED)
             ratios = await self.share_ratios(model, queued)
             models[model] = {
                 "queues": await self.queues(model, now, queued),
@@ -169,7 +171,7 @@ class Inspector(ReadsSettings):
             }
         return {"replica_id": self.replica_id, "time": now, "fairness": self.settings.fairness,
                 "models": models, "history": await self.history.view(),
-                "moves": self.metrics.moves_view()}
+                "moves": self.metrics.moves.view()}
 
     async def refresh_queue_metrics(self) -> None:
         """Gauges read from Redis at scrape time: queue depth and oldest wait, and the
@@ -177,13 +179,13 @@ class Inspector(ReadsSettings):
         now = time.time()
         await self.history.flush_service()
         for model in self.settings.models():
-            queued = await self.store.queued_users(model, USERS_SCANNED)
+            queued = await self.store.reads.queued_users(model, USERS_SCANNED)
             for klass, entry in (await self.queues(model, now, queued)).items():
-                self.metrics.queue_depth.labels(model, klass).set(entry["depth"])
-                self.metrics.queue_oldest_wait.labels(model, klass).set(
+                self.metrics.queue.depth.labels(model, klass).set(entry["depth"])
+                self.metrics.queue.oldest_wait.labels(model, klass).set(
                     entry["oldest_wait_s"] or 0.0)
             ratios = await self.share_ratios(model, queued)
-            self.metrics.set_share_ratios(model, ratios.tenants, ratios.users)
+            self.metrics.usage.set_share_ratios(model, ratios.tenants, ratios.users)
 
 
 def _top(ratios: dict[str, float]) -> dict[str, float]:

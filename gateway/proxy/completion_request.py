@@ -1,5 +1,8 @@
-"""Validation of an incoming body for the OpenAI endpoints fairgate queues and those it
-forwards unqueued, each as its entry in ``gateway/proxy/endpoints.py`` declares it.
+"""A body of the OpenAI endpoints fairgate queues, read once into its typed
+:class:`CompletionRequest` (:func:`parse_body`), and the check of those it forwards
+unqueued, each as its entry in ``gateway/proxy/endpoints.py`` declares it (the entry's
+prompt reader reads its prompt). No other module reads a body's shape: admission,
+limits, cost, locality, continuation, the relay and batch lines read the typed value.
 
 Only what fairgate needs is checked (the model it routes by, the endpoint's prompt field,
 ``stream``, its output-token fields and the sequences it asks for (``n``, ``best_of``),
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -78,15 +81,49 @@ class CompletionRequest:
     include_usage: bool = False  # stream_options.include_usage (chat, completions)
     end_user: str | None = None  # ``user``
     conversation: Any = None  # the entry's session field as sent (read_session checks it)
-    # why a continuation could not reproduce its answer; None: it can (continuation.py)
-    unresumable: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # copied to a continuation
-    min_tokens: int = 0
-    return_token_ids: bool = False  # the client asked for them itself
 
     @property
     def path(self) -> str:
         return self.endpoint.path
+
+    # what a continuation (gateway/proxy/continuation.py) needs: read only for a stream
+    # that may be continued, so not on every request's path
+    @property
+    def unresumable(self) -> str | None:
+        """Why a continuation could not reproduce its answer; None: it can."""
+        return _unresumable(self.endpoint, self.body)
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling parameters a continuation copies as they are."""
+        return {name: self.body[name] for name in SAMPLING if name in self.body}
+
+    @property
+    def min_tokens(self) -> int:
+        value = self.body.get("min_tokens")
+        return value if isinstance(value, int) and value > 0 else 0
+
+    @property
+    def return_token_ids(self) -> bool:
+        """The client asked for the token ids itself."""
+        return bool(self.body.get("return_token_ids"))
+
+    def forwarded(self, token_ids: bool = False) -> dict[str, Any]:
+        """What the backend gets for a client's call (a copy of ``body``): a stream always
+        reports its usage (the relay drops it unless the client asked); ``token_ids``: a
+        continuable stream's token ids too."""
+        body = dict(self.body)
+        if self.stream and self.endpoint.stream_usage_option:
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
+        if token_ids:
+            body["return_token_ids"] = True
+        return body
+
+    def fetched(self) -> dict[str, Any]:
+        """What the backend gets for a call whose answer stays in fairgate (a batch
+        line): never streamed."""
+        return {**self.body, "stream": False} if self.endpoint.streams else dict(self.body)
 
     @property
     def output_field(self) -> str | None:
@@ -126,15 +163,10 @@ def parse_body(body: dict[str, Any], endpoint: Endpoint, limits: Limits = NO_LIM
     if bound is not None and any(f in body and body[f] != bound for f in fields):
         # every field says the smallest (a copy: the client's body is not changed)
         body = {**body, **{f: bound for f in fields if f in body}}
-    unresumable = _unresumable(endpoint, body)
-    min_tokens = body.get("min_tokens")
     return CompletionRequest(
         endpoint, body, str(body["model"]), prompt or NO_PROMPT,
         Output(bool(fields), bound, sequences), stream, include_usage,
-        user if isinstance(user, str) and user else None, conversation, unresumable,
-        {} if unresumable else {n: body[n] for n in SAMPLING if n in body},
-        min_tokens if isinstance(min_tokens, int) and min_tokens > 0 else 0,
-        bool(body.get("return_token_ids")))
+        user if isinstance(user, str) and user else None, conversation)
 
 
 async def read_completion(request: web.Request, endpoint: Endpoint, max_bytes: int,
@@ -291,11 +323,13 @@ def read_session(header: str | None, creq: CompletionRequest) -> str:
     return value
 
 
-def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> None:
-    """``/tokenize`` and ``/detokenize``: only the model to route by (vLLM checks the rest)."""
+def validate_unscheduled(body: dict[str, Any], limits: Limits = NO_LIMITS) -> str:
+    """``/tokenize`` and ``/detokenize``: only the model to route by, returned (vLLM
+    checks the rest)."""
     if limits.max_json_depth is not None:
         check_depth(body, limits.max_json_depth)
     check_model(body)
+    return str(body["model"])
 
 
 def check_model(body: dict[str, Any]) -> None:

@@ -131,10 +131,14 @@ def chat_prompt(body: dict[str, Any]) -> Prompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
-    if not all(isinstance(m, dict) and "role" in m for m in messages):
-        raise BadRequest("each message must be an object with a 'role'", param="messages")
-    return Prompt("messages", [m.get("content", "") for m in messages],
-                  roles=tuple(f"{m['role']}" for m in messages), least=0,
+    contents, roles = [], []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message:
+            raise BadRequest("each message must be an object with a 'role'",
+                             param="messages")
+        contents.append(message.get("content", ""))
+        roles.append(message["role"])
+    return Prompt("messages", contents, roles=tuple(roles), least=0,
                   rendered=_present(body, ("messages", "tools", "documents")),
                   template_items=len(messages))
 

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.core import jsonio
 from gateway.core.edge import error_json
 from gateway.core.errors import (
@@ -110,7 +110,7 @@ class Upstream:
             wants_usage = creq.include_usage
         progress = Progress.of(creq) if (
             continuation is not None and creq.stream) else None
-        body = self._body(creq, progress)
+        body = creq.forwarded(token_ids=progress is not None)
         resume = None if continuation is None else self._resumer(
             creq, body, progress, handle, continuation)
         mover = mover or Mover()
@@ -181,18 +181,6 @@ class Upstream:
                                 f"({mover.reason})") from None
         finally:
             mover.detach()
-
-    @staticmethod
-    def _body(creq: CompletionRequest, progress: Progress | None) -> dict[str, Any]:
-        """What the backend gets: a stream always reports its usage; a continuable one
-        its token ids too."""
-        body = dict(creq.body)
-        if creq.stream and creq.endpoint.stream_usage_option:
-            body["stream_options"] = {**(body.get("stream_options") or {}),
-                                      "include_usage": True}
-        if progress is not None:
-            body["return_token_ids"] = True
-        return body
 
     def _resumer(self, creq: CompletionRequest, body: dict[str, Any],
                  progress: Progress | None, handle: BackendHandle,
@@ -279,7 +267,7 @@ class Upstream:
         ``continuation`` it is a whole answer like a non-streamed request's: moved on
         purpose (a drain, preemption) or failing, it is sent again elsewhere from the start
         (nothing of it was recorded yet)."""
-        body = {**creq.body, "stream": False} if creq.endpoint.streams else dict(creq.body)
+        body = creq.fetched()
         resume = None if continuation is None else self._resumer(
             creq, body, None, handle, continuation)
         mover = mover or Mover()

@@ -54,7 +54,7 @@ from structlog.typing import EventDict
 
 from gateway.core import event_loop
 from gateway.core.logs import configure_logging
-from gateway.core.metrics import MULTIPROC_DIR_ENV
+from gateway.core.metrics.base import MULTIPROC_DIR_ENV
 from gateway.core.settings import Settings, load_settings
 from gateway.core.supervise import Backoff
 from gateway.core.worker_signals import RELOAD_SIGNAL, WORKER_INDEX_ENV

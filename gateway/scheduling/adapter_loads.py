@@ -42,11 +42,12 @@ import aiohttp
 import structlog
 
 from gateway.backends import adapters
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import AdapterLoadFailed, AdapterNotLoaded, StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
-from gateway.storage.store import Store
+from gateway.storage.adapter_store import AdapterStore
 from policies.adapters import Demand, LoadHost, LoadPlan, load_order, plan_load
 
 log = structlog.get_logger("fairgate.adapters")
@@ -64,7 +65,7 @@ before those with more requests waiting (``load_order``)."""
 
 
 class AdapterLoads(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, pool: BackendPool, store: Store,
+    def __init__(self, settings: SettingsHolder, pool: BackendPool, store: AdapterStore,
                  metrics: GatewayMetrics, holder: str) -> None:
         self.holder = settings
         self.pool = pool
@@ -120,7 +121,7 @@ class AdapterLoads(ReadsSettings):
         AdapterNotLoaded when it cannot be."""
         if self.resident(model, adapter):
             return
-        gauge = self.metrics.adapter_requests.labels(model, adapter, "loading")
+        gauge = self.metrics.adapters.requests.labels(model, adapter, "loading")
         gauge.inc()
         try:
             with self.waiting(model, adapter, time.time() if since is None else since):
@@ -257,12 +258,12 @@ class AdapterLoads(ReadsSettings):
         hosts = []
         for h in handles:
             loaded = self.pool.adapters_on(h)
-            active = frozenset(h.lora.active) if h.lora else frozenset()
+            active = frozenset(h.card.lora.active) if h.card.lora else frozenset()
             last = h.last
             load = (last.waiting + last.running if last else 0) + h.sent_since_snapshot
             times = loaded_at.get(h.name, {})
             hosts.append(LoadHost(
-                h.name, loaded, h.lora.max_lora if h.lora else None, load, active,
+                h.name, loaded, h.card.lora.max_lora if h.card.lora else None, load, active,
                 loaded & set(adapters.runtime_on(self.settings, h.config)),
                 {a: at for a, (at, _) in times.items()},
                 {a: now if a in active else self._last_used.get((h.name, a), 0.0)
@@ -289,11 +290,11 @@ class AdapterLoads(ReadsSettings):
                                                 {"lora_name": plan.unload}, timeout)
             if status not in (200, 404):  # 404: it is gone already
                 self.pool.note_adapter(plan.backend, plan.unload, True)
-                self.metrics.adapter_unloads.labels(plan.backend, plan.unload, "failed").inc()
+                self.metrics.adapters.unloads.labels(plan.backend, plan.unload, "failed").inc()
                 await self._failed(model, adapter, plan.backend, status, (
                     f"backend {plan.backend} could not unload the LoRA adapter "
                     f"{plan.unload!r} to make room for {adapter!r}: {message}"))
-            self.metrics.adapter_unloads.labels(plan.backend, plan.unload, "unloaded").inc()
+            self.metrics.adapters.unloads.labels(plan.backend, plan.unload, "unloaded").inc()
             await self.store.record_adapter_unload(model, plan.backend, plan.unload)
             log.info("adapter_unloaded", backend=plan.backend, adapter=plan.unload,
                      room_for=adapter)
@@ -303,13 +304,13 @@ class AdapterLoads(ReadsSettings):
                                             {"lora_name": adapter, "lora_path": path}, timeout)
         took_s = time.monotonic() - started
         if status != 200 and not (status == 400 and "already been loaded" in message):
-            self.metrics.adapter_loads.labels(plan.backend, adapter, "failed").inc()
+            self.metrics.adapters.loads.labels(plan.backend, adapter, "failed").inc()
             hint = (" (its runtime LoRA routes are off: VLLM_ALLOW_RUNTIME_LORA_UPDATING)"
                     if status == 404 and "lora" not in message.lower() else "")
             await self._failed(model, adapter, plan.backend, status, (
                 f"backend {plan.backend} could not load the LoRA adapter {adapter!r} from "
                 f"{path!r}: {message}{hint}"))
-        self.metrics.adapter_loads.labels(plan.backend, adapter, "loaded").inc()
+        self.metrics.adapters.loads.labels(plan.backend, adapter, "loaded").inc()
         self.pool.note_adapter(plan.backend, adapter, True)
         await self.store.record_adapter_load(
             model, adapter, {"backend": plan.backend},

@@ -25,7 +25,8 @@ from typing import TypeVar
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     AdapterGone,
     BackendRemoved,
@@ -36,7 +37,8 @@ from gateway.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
-from gateway.core.metrics import GatewayMetrics, StreamTiming
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.metrics.edge import StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.moving import DRAIN as DRAIN  # the reasons, re-exported
@@ -51,7 +53,7 @@ from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.ticket import Ticket as Ticket  # re-exported
 from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import estimate_prompt_tokens, output_token_bound, prompt_token_bound
 from policies.fairness import FairnessPolicy, tenant_of
 from policies.fleet import fleet_weight
@@ -88,9 +90,10 @@ class Admission(ReadsSettings):
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
-        self.waits = Waits(settings, dispatcher.store)
+        self.waits = Waits(settings, dispatcher.store.reads)
         # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
-        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store, metrics, replica_id)
+        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store.adapters, metrics,
+                                          replica_id)
         self.placement = Placement(settings, dispatcher, pool, self.waits, self.adapter_loads,
                                    metrics)
         self.charging = Charging(settings, dispatcher, policy, metrics, quotas, usage)
@@ -223,7 +226,7 @@ class Admission(ReadsSettings):
         running = Running(queued.request_id, model, user, queued.tenant, klass, grant.backend,
                           ticket.dispatched_s, ticket.mover)
         ticket.resumer = partial(self.continuations.next, model, queued, ticket, running)
-        self.metrics.on_dispatch(model, grant.backend, klass, user, grant.rank)
+        self.metrics.dispatch.on_dispatch(model, grant.backend, klass, user, grant.rank)
         self.running.add(running)
         try:
             yield ticket
@@ -243,7 +246,7 @@ class Admission(ReadsSettings):
         tenant, tenant_weight = tenant_of(
             account.user if account else user, account.tenant if account else None, weight,
             {name: t.weight for name, t in self.settings.tenants.items()})
-        self.metrics.on_queued(model, user, "" if tenant == user else tenant, weight,
+        self.metrics.usage.on_queued(model, user, "" if tenant == user else tenant, weight,
                                tenant_weight)
         # the weights its charges are divided by: fleet scope multiplies the model's
         # charges by its cost factor (policies/fleet.py; 1 per model)
@@ -309,7 +312,7 @@ class Admission(ReadsSettings):
         klass = queued.klass
         self.waits.dispatched(model, klass)
         waited = time.time() - queued.enqueued_at
-        self.metrics.child(self.metrics.queue_wait, klass).observe(waited)
+        self.metrics.child(self.metrics.queue.wait, klass).observe(waited)
         priority = vllm_priority(self.settings.classes[klass].priority_base, grant.rank,
                                  self.settings.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import structlog
 
 from gateway.core.errors import RateLimitExceeded, StoreUnavailable
-from gateway.core.metrics import GatewayMetrics, StreamTiming
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.metrics.edge import StreamTiming
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.quotas import Held, Quotas
 from gateway.scheduling.ticket import Ticket
 from gateway.scheduling.usage import UsageLedger
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import kv_token_seconds
 from policies.fairness import FairnessPolicy, charged_prompt
 
@@ -67,7 +68,7 @@ class Charging(ReadsSettings):
         ``x-ratelimit-*`` headers; 429 ``rate_limit_exceeded`` when either refuses."""
         user, bound = account.user, self.settings.max_unqueued_per_user
         if self.forwarding.get(user, 0) >= bound:
-            self.metrics.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
+            self.metrics.usage.on_limit_refused(account.tenant_name, RateLimitExceeded.code)
             raise RateLimitExceeded(f"Rate limit reached for user {user!r}: {bound} "
                                     "concurrent tokenizer calls. Please try again in 1s.",
                                     retry_after_s=1)
@@ -78,7 +79,7 @@ class Charging(ReadsSettings):
                 try:
                     held = await self.quotas.admit(account, uuid.uuid4().hex, 0)
                 except RateLimitExceeded as exc:
-                    self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+                    self.metrics.usage.on_limit_refused(account.tenant_name, exc.code or "")
                     raise
             try:
                 yield held.headers if held is not None else {}
@@ -100,7 +101,7 @@ class Charging(ReadsSettings):
         try:
             return await self.quotas.admit(account, request_id, tokens)
         except RateLimitExceeded as exc:
-            self.metrics.on_limit_refused(account.tenant_name, exc.code or "")
+            self.metrics.usage.on_limit_refused(account.tenant_name, exc.code or "")
             await self.record_usage(account, model, klass, 0, 0, error=True)
             raise
 
@@ -122,7 +123,7 @@ class Charging(ReadsSettings):
     async def record_usage(self, account: ApiKey, model: str, klass: str, prompt: int,
                             output: int, error: bool, stored: bool = False,
                             cancelled: bool = False) -> None:
-        self.metrics.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
+        self.metrics.usage.on_tenant_usage(account.tenant_name, klass, prompt, output, error)
         if self.usage is not None and not stored:
             with contextlib.suppress(StoreUnavailable):
                 await asyncio.shield(self.usage.record(account, model, klass, prompt, output,
@@ -166,7 +167,7 @@ class Charging(ReadsSettings):
                   timing: StreamTiming | None, kv: float) -> None:
         """The metrics (what vLLM reported) and the ``finished`` log."""
         reported = ticket.completion_tokens
-        self.metrics.on_finish(payer.model, payer.klass, payer.user, ticket.prompt_tokens or 0,
+        self.metrics.edge.on_finish(payer.model, payer.klass, payer.user, ticket.prompt_tokens or 0,
                                reported, self.policy.service(
                                    (ticket.prompt_tokens or 0) - ticket.cached_tokens,
                                    reported, payer.weight, kv), timing, ticket.cached_tokens)

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import BackendRemoved
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
@@ -22,7 +23,7 @@ from gateway.proxy.moving import FAILOVER, RETRY
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.running import Running
 from gateway.scheduling.ticket import Ticket
-from gateway.storage.store import QueuedRequest
+from gateway.storage.records import QueuedRequest
 from gateway.storage.values import continuation_id
 from policies.priority import vllm_priority
 
@@ -54,7 +55,7 @@ class Continuations(ReadsSettings):
             if allowed:
                 running.moves += 1
         if not allowed:
-            self.metrics.continuations.labels(reason, "failed").inc()
+            self.metrics.moves.continuations.labels(reason, "failed").inc()
             return None
         number = original.continuations + running.moves  # this attempt's, from 1
         return self._continuation(model, queued, reason, tokens, failed, running, number)
@@ -90,10 +91,10 @@ class Continuations(ReadsSettings):
                                  self.settings.priority_class_gap)
         ticket = Ticket(model, grant, backend, priority, self.dispatcher, None)
         running.backend, running.segment = grant.backend, cont.request_id
-        pause = self.metrics.continuation_pause.labels(reason)
+        pause = self.metrics.moves.pause.labels(reason)
         ticket.on_started = lambda: pause.observe(time.monotonic() - paused)
-        self.metrics.continuations.labels(reason, "continued").inc()
-        self.metrics.continuation_recomputed_tokens.labels(reason).inc(tokens)
+        self.metrics.moves.continuations.labels(reason, "continued").inc()
+        self.metrics.moves.recomputed_tokens.labels(reason).inc(tokens)
         log.info("continued", request_id=queued.request_id, reason=reason,
                  backend=grant.backend, from_backend=failed.name, resent_tokens=tokens)
         try:

@@ -37,7 +37,8 @@ from typing import Any
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     FairgateError,
     QueueTimeout,
@@ -50,7 +51,8 @@ from gateway.core.supervise import supervise
 from gateway.core.waits import event_set
 from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.preemption import Preemptor
-from gateway.storage.store import (
+from gateway.storage.dispatch_call import dispatch_args
+from gateway.storage.records import (
     BackendFit,
     Dispatched,
     Grant,
@@ -58,9 +60,8 @@ from gateway.storage.store import (
     Preempt,
     QueuedRequest,
     Start,
-    Store,
-    dispatch_args,
 )
+from gateway.storage.store import Store
 from gateway.storage.values import UsageCounts
 from policies.adapters import AdapterHost
 from policies.adapters import takes as adapter_takes
@@ -136,7 +137,7 @@ class Dispatcher(ReadsSettings):
         self.replica_id = replica_id
         # preemption for fairness: checked after each dispatch pass, its orders carried
         # out when this replica's listener reads them
-        self.preemptor = Preemptor(settings, store, pool, metrics)
+        self.preemptor = Preemptor(settings, store.preempts, pool, metrics)
         self.waiters: dict[str, Waiter] = {}
         self._cancelling: set[str] = set()  # ids an operator's cancel is removing
         self._wake = asyncio.Event()
@@ -262,7 +263,7 @@ class Dispatcher(ReadsSettings):
                 if self.local.holds(req.request_id):
                     continue  # queued here while the store is unreachable
                 try:
-                    if (await self.store.request_exists(model, req.request_id)
+                    if (await self.store.reads.request_exists(model, req.request_id)
                             or req.request_id in self._cancelling):
                         continue  # still queued, or an operator's cancel tells it now
                     # The store forgot it while its client waits here: dropped at dispatch
@@ -282,7 +283,7 @@ class Dispatcher(ReadsSettings):
         if self.local.cancel(req.request_id):
             self.waiters.pop(req.request_id, None)
             return
-        if await self.store.cancel(model, req.request_id, req.user, req.klass,
+        if await self.store.queue.cancel(model, req.request_id, req.user, req.klass,
                                    req.tenant_name, req.session):
             self.waiters.pop(req.request_id, None)
         elif future.done() and not future.cancelled() and future.exception() is None:
@@ -321,7 +322,7 @@ class Dispatcher(ReadsSettings):
                 target = None  # a decision on its way: the loop follows it
             then = self._dispatch_args(model, plan, target) if plan and target else None
             with self._decision(model, target):
-                positions, done = await self.store.enqueue_many(
+                positions, done = await self.store.queue.enqueue_many(
                     model, [r for r, _ in batch], self.settings.max_queued_per_user, then,
                     starts)
         except (Exception, asyncio.CancelledError) as exc:
@@ -357,7 +358,7 @@ class Dispatcher(ReadsSettings):
         try:
             plan, then = await self._fold(model, grant.backend)
             with self._decision(model, grant.backend if then else None):
-                _, done = await self.store.settle_and_dispatch(
+                _, done = await self.store.queue.settle_and_dispatch(
                     model, grant, charge, tenant_charge, usage, then, starts)
         except StoreUnavailable as exc:
             log.warning("settle_deferred", request_id=grant.request_id, error=str(exc))
@@ -371,7 +372,7 @@ class Dispatcher(ReadsSettings):
     async def _settle_deferred(self) -> None:
         while self._unsettled:
             s = self._unsettled[0]
-            await self.store.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
+            await self.store.queue.settle_and_dispatch(s.model, s.grant, s.charge, s.tenant_charge,
                                                  s.usage, starts=s.starts)
             self._unsettled.popleft()
             self.wake_freed()
@@ -397,7 +398,7 @@ class Dispatcher(ReadsSettings):
                 self._background_task(self._fail_waiters_after(self._outages, wait_s))
         self._store_down = True
         if self._serves_locally:
-            self.metrics.serving_locally.set(1)
+            self.metrics.dispatch.serving_locally.set(1)
             for waiter in list(self.waiters.values()):
                 if not waiter.future.done():
                     self.local.queue(waiter.model, waiter.request, waiter.future)
@@ -409,17 +410,17 @@ class Dispatcher(ReadsSettings):
         """Grant what this replica queues itself while the store is unreachable."""
         for model, grant in self.local.dispatch(time.time(), self.settings.snapshot_stale_s):
             self.waiters.pop(grant.request_id, None)  # a grant from the store comes too late
-            self.metrics.local_dispatches.labels(model, grant.backend, grant.klass).inc()
+            self.metrics.dispatch.local.labels(model, grant.backend, grant.klass).inc()
 
     async def _hand_back(self) -> None:
         """The store answers again after this replica served locally: the requests
         granted here leave its queues (they run to their end here), and those still
         queued here go back to it with their arrival time unless it still queues them."""
         queued, served = self.local.take_back()
-        self.metrics.serving_locally.set(0)
+        self.metrics.dispatch.serving_locally.set(0)
         for wait in served:
             r = wait.request
-            await self.store.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
+            await self.store.queue.cancel(wait.model, r.request_id, r.user, r.klass, r.tenant_name,
                                     r.session)
         await self._requeue_waiters()  # the waiters still queued here
         log.info("store_back", handed_back=len(queued), served_locally=len(served))
@@ -458,7 +459,7 @@ class Dispatcher(ReadsSettings):
         """Queue again requests the store forgot while their clients wait here (a
         promoted replica missed the last writes), with their first arrival time; the
         ones it still knows stay as they are. Returns how many went in."""
-        positions, _ = await self.store.enqueue_many(
+        positions, _ = await self.store.queue.enqueue_many(
             model, reqs, self.settings.max_queued_per_user, requeue=True)
         again = sum(p > 0 for p in positions)
         if again:
@@ -505,7 +506,7 @@ class Dispatcher(ReadsSettings):
         """The dispatch loop, the heartbeat and one grant listener per model, each
         supervised (restarted after a crash)."""
         models = self.settings.models()
-        restarts = self.metrics.loop_restarts
+        restarts = self.metrics.process.loop_restarts
         loops = [supervise("heartbeat", lambda: self._heartbeat(models), restarts),
                  supervise("dispatch", lambda: self._dispatch_loop(models), restarts)]
         loops += [supervise("listen", functools.partial(self._listen, model), restarts)
@@ -572,7 +573,7 @@ class Dispatcher(ReadsSettings):
                     deciding.enter_context(self._decision(model, backend))
                 # one call tries the open backends in order, until nothing is queued (or
                 # after the first grant while a class is owed its floor)
-                decided = await self.store.dispatch_with(
+                decided = await self.store.queue.dispatch_with(
                     model, [self._dispatch_args(model, plan, b) for b in plan.open], starts,
                     until_grant=plan.owed is not None)
         except StoreUnavailable:
@@ -627,8 +628,8 @@ class Dispatcher(ReadsSettings):
             return None
         return adapter_takes([AdapterHost(
             h.name, self.pool.adapters_on(h),
-            frozenset(h.lora.active) if h.lora else frozenset(),
-            h.lora.max_lora if h.lora else None) for h in open_])
+            frozenset(h.card.lora.active) if h.card.lora else frozenset(),
+            h.card.lora.max_lora if h.card.lora else None) for h in open_])
 
     def _fit(self, handle: BackendHandle, adapters: Mapping[str, frozenset[str]] | None
              ) -> BackendFit:
@@ -683,15 +684,16 @@ class Dispatcher(ReadsSettings):
         self._queued[model] = done.depth
         self._class_view[model] = (plan.now, done.backlogged_since, done.recent)
         if done.stale_view:
-            self.metrics.child(self.metrics.dispatch_stale_view, model, done.backend).inc()
+            self.metrics.child(self.metrics.dispatch.stale_view, model, done.backend).inc()
         if done.grants and self.preemptor.soon(model, time.monotonic()):
             self._wake.set()  # a grant may wait on a full backend: check it (no forced pass)
         for grant in done.grants:
             handle = plan.handles.get(grant.backend)
             if handle is not None:
                 handle.sent_since_snapshot += 1
-            self.metrics.child(self.metrics.dispatches, model, grant.backend, grant.klass).inc()
-            self.metrics.on_dispatch_decision(model, grant.backend, grant.reason,
+            self.metrics.child(self.metrics.dispatch.dispatches, model, grant.backend,
+                               grant.klass).inc()
+            self.metrics.dispatch.on_decision(model, grant.backend, grant.reason,
                                               grant.matched_blocks, grant.prompt_blocks)
             if grant.owner == self.replica_id:
                 self._deliver(model, grant.request_id, grant.backend, grant.rank,
@@ -707,7 +709,7 @@ class Dispatcher(ReadsSettings):
         again when older than a scrape interval."""
         cached = self._class_view.get(model)
         if cached is None or now - cached[0] > self.settings.scrape_interval_s:
-            since, recent = await self.store.class_service(model)
+            since, recent = await self.store.reads.class_service(model)
             cached = self._class_view[model] = (now, since, recent)
         return cached[1], cached[2]
 
@@ -726,7 +728,7 @@ class Dispatcher(ReadsSettings):
         try:
             plan, then = await self._fold(model, grant.backend)
             with self._decision(model, grant.backend if then else None):
-                done = await self.store.mark_started(model, grant, start.at, then,
+                done = await self.store.queue.mark_started(model, grant, start.at, then,
                                                      held=starts[:-1])
         except StoreUnavailable:
             self._hold(model, starts)  # sent with the next call, the settle at the latest
@@ -744,7 +746,7 @@ class Dispatcher(ReadsSettings):
         which gates closed by a slow TPOT may put off until an answer ends."""
         starts = self._take_starts(model)
         try:
-            await self.store.mark_starts(model, starts)
+            await self.store.queue.mark_starts(model, starts)
         except StoreUnavailable:
             self._hold(model, starts)
             raise
@@ -783,19 +785,19 @@ class Dispatcher(ReadsSettings):
 
     async def _release_duplicate(self, model: str, grant: Grant) -> None:
         with contextlib.suppress(StoreUnavailable):  # else reconcile() releases it
-            if await self.store.settle(model, grant, 0.0):
+            if await self.store.queue.settle(model, grant, 0.0):
                 self.wake_freed()
 
     async def _release_orphan(self, model: str, request_id: str) -> None:
         with contextlib.suppress(StoreUnavailable):
-            grant = await self.store.dispatched(model, request_id)
+            grant = await self.store.replicas.dispatched(model, request_id)
             if grant is not None:
                 await self.release(model, grant, 0.0)
 
     async def _listen(self, model: str) -> None:
         while True:
             try:
-                item = await self.store.next_order(model, self.replica_id, STORE_BLOCK_S)
+                item = await self.store.replicas.next_order(model, self.replica_id, STORE_BLOCK_S)
             except StoreUnavailable as exc:
                 self._unheard.add(model)
                 self.store_lost(exc)
@@ -815,7 +817,7 @@ class Dispatcher(ReadsSettings):
         older one whose client still waits here is delivered to it."""
         unsettled = {s.grant.request_id for s in self._unsettled}
         released = 0
-        for grant, dispatched_at in await self.store.held_by(model, self.replica_id):
+        for grant, dispatched_at in await self.store.replicas.held_by(model, self.replica_id):
             if (grant.request_id in self.held or grant.request_id in unsettled
                     or now - dispatched_at < RECONCILE_GRACE_S):
                 continue
@@ -825,7 +827,7 @@ class Dispatcher(ReadsSettings):
                 self._deliver(model, grant.request_id, grant.backend, grant.rank,
                               grant.charged_prompt)
                 continue
-            if await self.store.settle(model, grant, 0.0):
+            if await self.store.queue.settle(model, grant, 0.0):
                 released += 1
         if released:
             log.warning("reconciled_inflight", model=model, released=released)
@@ -835,7 +837,7 @@ class Dispatcher(ReadsSettings):
     async def forget_idle(self, model: str, now: float) -> int:
         """One bounded pass over the model's trusted-key end users idle past
         ``end_user_idle_s``: their fairness state is forgotten. Returns how many."""
-        forgotten, _ = await self.store.forget_idle(
+        forgotten, _ = await self.store.queue.forget_idle(
             model, now, self.settings.end_user_idle_s, FORGET_PER_PASS)
         if forgotten:
             log.info("forgot_idle_end_users", model=model, forgotten=forgotten)
@@ -845,7 +847,7 @@ class Dispatcher(ReadsSettings):
         while True:
             try:
                 now = time.time()
-                self.local.replicas = await self.store.heartbeat(
+                self.local.replicas = await self.store.replicas.heartbeat(
                     models, self.replica_id, now, self._listened, now - self.replica_ttl_s)
                 self._beating.set()
                 recovered, self._store_down = self._store_down, False
@@ -857,7 +859,7 @@ class Dispatcher(ReadsSettings):
                 await self._settle_deferred()
                 self._beats += 1
                 for model in models:
-                    if await self.store.reap(model, now, self.replica_ttl_s):
+                    if await self.store.queue.reap(model, now, self.replica_ttl_s):
                         log.warning("reaped_dead_replica_requests", model=model)
                     await self.forget_idle(model, now)
                     if recovered or self._beats % RECONCILE_EVERY == 0:

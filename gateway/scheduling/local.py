@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from gateway.backends.scrape import BackendPool
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.classes import CLASS_ORDER
 from policies.fairness import Pick, TwoLevel
 from policies.gates import share

@@ -3,7 +3,7 @@ its own running answers off it.
 
 An operator's drain (``POST /admin/backends/{name}/drain`` with ``{"migrate": true,
 "grace_s": N}``) stores the time, now + ``grace_s``, beside the drain flag in Redis
-(``Store.set_drained``), so every process of every replica, workers too, sees it; each
+(``FleetStore.set_drained``), so every process of every replica, workers too, sees it; each
 runs this loop over its own :class:`~gateway.scheduling.running.RunningStreams`. Every
 :data:`POLL_S` it looks at the backends its pool knows drained (already read from Redis
 with each view refresh) on which it has requests running; only then does it read the
@@ -24,7 +24,7 @@ import structlog
 from gateway.backends.scrape import BackendPool
 from gateway.proxy.moving import DRAIN
 from gateway.scheduling.running import RunningStreams
-from gateway.storage.store import Store
+from gateway.storage.fleet_store import FleetStore
 
 log = structlog.get_logger("fairgate.migrate")
 
@@ -32,7 +32,7 @@ POLL_S = 0.25  # how late after its migrate time a drained backend's answers mov
 
 
 class Migrations:
-    def __init__(self, store: Store, pool: BackendPool, running: RunningStreams,
+    def __init__(self, store: FleetStore, pool: BackendPool, running: RunningStreams,
                  poll_s: float = POLL_S) -> None:
         self.store = store
         self.pool = pool

@@ -27,7 +27,7 @@ from gateway.proxy.completion_request import CompletionRequest
 from gateway.scheduling.adapter_loads import AdapterLoads
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.prefill import no_fit_message
 from policies.wait_estimate import DEADLINE_MARGIN, fits_deadline
 
@@ -101,7 +101,7 @@ class Placement(ReadsSettings):
         since admission (``admitted_s``, monotonic; its load included) observed."""
         if adapter is None:
             return await self._queued(model, queued, timeout_s, cold)
-        gauge = self.metrics.adapter_requests.labels(model, adapter, "queued")
+        gauge = self.metrics.adapters.requests.labels(model, adapter, "queued")
         gauge.inc()
         since = time.time() - (time.monotonic() - admitted_s)
         try:
@@ -110,7 +110,7 @@ class Placement(ReadsSettings):
         finally:
             gauge.dec()
         self.adapter_loads.used(grant.backend, adapter)
-        self.metrics.adapter_wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
+        self.metrics.adapters.wait.labels(model, adapter).observe(time.monotonic() - admitted_s)
         return grant
 
     async def _queued(self, model: str, queued: QueuedRequest, timeout_s: float,

@@ -33,13 +33,15 @@ from typing import Any
 
 import structlog
 
-from gateway.backends.scrape import BackendHandle, BackendPool
+from gateway.backends.handle import BackendHandle
+from gateway.backends.scrape import BackendPool
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.proxy.moving import PREEMPT
 from gateway.scheduling.running import RunningStreams
-from gateway.storage.store import Preempt, PreemptView, Store
+from gateway.storage.preempt_store import PreemptStore
+from gateway.storage.records import Preempt, PreemptView
 from gateway.storage.values import original_id
 from policies.classes import CLASS_ORDER
 from policies.preemption import (
@@ -58,7 +60,7 @@ HOLD_FLOOR_S = 2.0  # a backend's hold outlives a replica that never answers its
 
 
 class Preemptor(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
+    def __init__(self, settings: SettingsHolder, store: PreemptStore, pool: BackendPool,
                  metrics: GatewayMetrics) -> None:
         self.holder = settings
         self.store = store
@@ -168,7 +170,7 @@ class Preemptor(ReadsSettings):
         """This replica holds the stream ``order`` names: move it (the listener's call)."""
         klass = self._class_of(order)  # before the move: it may settle at once
         if self.streams is not None and self.streams.move(order.original, PREEMPT):
-            self.metrics.preemptions.labels(model, klass).inc()
+            self.metrics.moves.preemptions.labels(model, klass).inc()
             log.info("preempted", model=model, request_id=order.original, backend=order.backend)
             return
         log.info("preemption_refused", model=model, request_id=order.original,

@@ -23,7 +23,7 @@ from gateway.core.errors import InsufficientQuota, RateLimitExceeded, StoreUnava
 from gateway.core.settings import ApiKey, ReadsSettings, SettingsHolder, Tenant, UsageLimits
 from gateway.storage.keys import quota_budget, quota_keys
 from gateway.storage.redis_client import BoundaryRedis
-from gateway.storage.store import load_script
+from gateway.storage.scripts import load_script
 from policies.limits import (
     KINDS,
     WINDOW_S,

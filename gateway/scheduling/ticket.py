@@ -11,13 +11,13 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.core.errors import UpstreamTimeout
-from gateway.core.metrics import StreamTiming
+from gateway.core.metrics.edge import StreamTiming
 from gateway.proxy.moving import Mover
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.waits import Waits
-from gateway.storage.store import Grant
+from gateway.storage.records import Grant
 
 
 @dataclass(slots=True)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from gateway.core.errors import StoreUnavailable
 from gateway.core.settings import ReadsSettings, SettingsHolder
-from gateway.storage.store import QueuedUser, Store
+from gateway.storage.read_store import ReadStore
+from gateway.storage.records import QueuedUser
 from policies.classes import CLASS_ORDER, class_rank
 from policies.wait_estimate import (
     DispatchMeter,
@@ -55,7 +56,7 @@ class QueuedStatus:
 
 
 class Waits(ReadsSettings):
-    def __init__(self, settings: SettingsHolder, store: Store) -> None:
+    def __init__(self, settings: SettingsHolder, store: ReadStore) -> None:
         self.holder = settings
         self.store = store
         self.meter = DispatchMeter()

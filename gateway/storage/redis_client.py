@@ -52,7 +52,7 @@ from redis.exceptions import (
 )
 
 from gateway.core.errors import StoreUnavailable
-from gateway.core.metrics import RedisMetrics
+from gateway.core.metrics.redis import RedisMetrics
 from gateway.core.settings import RedisCluster as RedisClusterSettings
 from gateway.core.settings import RedisSentinel, addresses
 from gateway.core.waits import KeepCancel

@@ -4,7 +4,8 @@ grant list), a pending prefill (in a backend's prefill hash), a preemption order
 end user in the last-seen zset.
 
 Python reads and writes them here; :func:`lua_values` generates the Lua each script gets
-(a builder ``<record>_entry(...)`` and one reader ``<record>_<field>(entry)`` per field),
+(a builder ``<record>_entry(...)`` and one reader ``<record>_<field>(entry)`` per field,
+and ``request_get(key, field, ...)``, the request hash's fields by name),
 as :func:`gateway.storage.keys.lua_prelude` does for the keys. ``docs/redis-schema.md`` lists them,
 and ``tests/store/test_values.py`` checks that the scripts name no request field this
 module does not declare.
@@ -41,7 +42,7 @@ REQUEST_FIELDS: dict[str, str] = {
             "(dispatch)",
     "started": "1 once its first token streamed and its start reached Redis",
     "preempted": "how often the stream was preempted (preempt.lua, on the original's hash)",
-    "unmovable": "1 once its replica refused to preempt it (Store.preempt_refused)",
+    "unmovable": "1 once its replica refused to preempt it (PreemptStore.preempt_refused)",
     "left": "1 once the segment left its backend: its answer continues elsewhere "
             "(enqueue of the continuation; its settle then only forgets it)",
 }
@@ -94,9 +95,27 @@ SEEN = Record("seen", ("tenant", "user"), "\t")
 RECORDS = (GRANT, PREFILL, PREEMPT, SEEN)
 
 
+# The request hash's reader in Lua: ``request_get(key, 'owner', 'cost')`` is
+# ``{owner = ..., cost = ...}`` (one HMGET; a field the hash lacks reads false), and a name
+# :data:`REQUEST_FIELDS` does not declare is an error, so no script reads a field by place.
+REQUEST_READER = """local REQUEST_FIELD = {%s}
+local function request_get(key, ...)
+  local names = {...}
+  local values = redis.call('HMGET', key, ...)
+  local out = {}
+  for i = 1, #names do
+    if not REQUEST_FIELD[names[i]] then error('no request field ' .. names[i]) end
+    out[names[i]] = values[i]
+  end
+  return out
+end
+"""
+
+
 def lua_values() -> str:
-    """Lua builders and readers of every packed entry."""
-    return "".join(r.lua() for r in RECORDS)
+    """Lua builders and readers of every packed entry, and the request hash's reader."""
+    declared = ", ".join(f"['{name}'] = true" for name in REQUEST_FIELDS)
+    return "".join(r.lua() for r in RECORDS) + REQUEST_READER % declared
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""``scheduler``: the Redis scheduler alone, driven through ``gateway.storage.store.Store``.
+"""``scheduler``: the Redis scheduler alone, driven through ``QueueStore``.
 
 Enqueues N requests spread over U backlogged users (VTC), reads ``INFO memory``
 (``used_memory`` delta ÷ queued count), then measures dispatch decisions per second: one
@@ -18,7 +18,8 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import QueuedRequest, Store
+from gateway.storage.records import QueuedRequest
+from gateway.storage.store import Store
 from loadtest.bench import report
 from loadtest.bench.env import Bench, Options
 from loadtest.bench.loadgen import progress
@@ -71,23 +72,23 @@ async def _workers(count: int, concurrency: int, job: Callable[[int], Awaitable[
 
 
 async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> dict[str, Any]:
-    store = Store(client, request_ttl_s=3600)
+    store = Store.over(client, request_ttl_s=3600)
     policy = Vtc()
     await client.flushdb()
-    await store.heartbeat([MODEL], REPLICA, time.time() + 3600)
+    await store.replicas.heartbeat([MODEL], REPLICA, time.time() + 3600)
     base = await _memory(client)
     users = [f"user{i:05d}" for i in range(p["users"])]
 
     async def enqueue(i: int) -> None:
         req = QueuedRequest(uuid.uuid4().hex, users[i % len(users)], "interactive", REPLICA,
                             policy.dispatch_cost(p["prompt_tokens"], 1.0), time.time())
-        await store.enqueue(MODEL, req, p["queued"])
+        await store.queue.enqueue(MODEL, req, p["queued"])
 
     bar = progress(p["queued"], "scheduler enqueue", opts.progress)
     enqueue_s = await _workers(p["queued"], p["enqueue_concurrency"], enqueue, bar)
     bar.close()
     loaded = await _memory(client)
-    depth = (await store.depths(MODEL))["interactive"]
+    depth = (await store.reads.depths(MODEL))["interactive"]
     active = await cast("Awaitable[int]", client.zcard(ModelKeys(MODEL).active("interactive")))
     out: dict[str, Any] = {
         "queued": depth, "active_users": active,
@@ -98,11 +99,11 @@ async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> 
     per_phase = p["dispatches"]
 
     async def dispatch(_i: int) -> None:
-        grants, _ = await store.dispatch(MODEL, BACKEND, OPEN, REPLICA, time.time(), 3600.0)
+        grants, _ = await store.queue.dispatch(MODEL, BACKEND, OPEN, REPLICA, time.time(), 3600.0)
         assert grants, "the queue ran dry"
 
     async def dispatch_with_read(_i: int) -> None:
-        await store.backend_states(MODEL, [BACKEND])
+        await store.fleet.backend_states(MODEL, [BACKEND])
         await dispatch(_i)
 
     phases = (("sequential", dispatch, 1), ("sequential_with_state_read", dispatch_with_read, 1),
@@ -120,7 +121,7 @@ async def _measure(opts: Options, p: dict[str, Any], client: aioredis.Redis) -> 
             "server_usec_per_script": round((after["usec"] - before["usec"]) / calls, 2)
             if calls else None,
         }
-    out["queued_after"] = (await store.depths(MODEL))["interactive"]
+    out["queued_after"] = (await store.reads.depths(MODEL))["interactive"]
     await client.flushdb()
     return out
 

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from gateway.core.settings import RedisCluster
+from gateway.storage.records import QueuedRequest
 from gateway.storage.redis_client import connect_cluster
-from gateway.storage.store import QueuedRequest, Store
+from gateway.storage.store import Store
 from loadtest.bench import report
 from loadtest.bench.env import Options
 from loadtest.bench.loadgen import progress
@@ -67,7 +68,7 @@ async def _measure(opts: Options, p: dict[str, Any], shards: int) -> dict[str, A
         try:
             client = connect_cluster(RedisCluster(nodes=cluster.addresses))
             try:
-                return await _run(opts, p, shards, Store(client, request_ttl_s=3600))
+                return await _run(opts, p, shards, Store.over(client, request_ttl_s=3600))
             finally:
                 await client.aclose()
         finally:
@@ -78,7 +79,7 @@ async def _run(opts: Options, p: dict[str, Any], shards: int, store: Store) -> d
     models = spread_models(max(TOPOLOGIES), p["models"], prefix="bench")
     policy = Vtc()
     for model in models:
-        await store.heartbeat([model], REPLICA, time.time() + 3600)
+        await store.replicas.heartbeat([model], REPLICA, time.time() + 3600)
     users = [f"user{i:05d}" for i in range(p["users_per_model"])]
     total = p["queued_per_model"] * len(models)
 
@@ -87,14 +88,14 @@ async def _run(opts: Options, p: dict[str, Any], shards: int, store: Store) -> d
         req = QueuedRequest(uuid.uuid4().hex, users[(i // len(models)) % len(users)],
                             "interactive", REPLICA,
                             policy.dispatch_cost(p["prompt_tokens"], 1.0), time.time())
-        await store.enqueue(model, req, p["queued_per_model"])
+        await store.queue.enqueue(model, req, p["queued_per_model"])
 
     bar = progress(total, f"shards={shards} enqueue", opts.progress)
     enqueue_s = await _workers(total, p["enqueue_concurrency"], enqueue, bar)
     bar.close()
 
     async def dispatch(i: int) -> None:
-        grants, _ = await store.dispatch(models[i % len(models)], BACKEND, OPEN, REPLICA,
+        grants, _ = await store.queue.dispatch(models[i % len(models)], BACKEND, OPEN, REPLICA,
                                          time.time(), 3600.0)
         if not grants:
             raise RuntimeError("a model's queue ran dry: lower --size or the dispatches")
@@ -104,7 +105,7 @@ async def _run(opts: Options, p: dict[str, Any], shards: int, store: Store) -> d
     bar.close()
     left = 0
     for model in models:
-        left += (await store.depths(model))["interactive"]
+        left += (await store.reads.depths(model))["interactive"]
     return {"shards": shards, "models": models, "enqueue_per_s": round(total / enqueue_s, 1),
             "dispatch_per_s": round(p["dispatches"] / seconds, 1),
             "queued_after": left, "dispatched": total - left}

@@ -167,9 +167,9 @@ async def test_a_killed_backend_fails_over(redis: aioredis.Redis, redis_url: str
                     else "clean_error" if o.error_event and not o.done else "other"
                     for o, want in zip(outcomes, wants, strict=True))
     metrics = gw.services.metrics
-    continued = metrics.continuations.labels("failover", "continued")._value.get()
+    continued = metrics.moves.continuations.labels("failover", "continued")._value.get()
     # grants: one per request, one per continuation, one more per request sent again
-    dispatched = sum(metrics.dispatches.labels(MODEL, b, "interactive")._value.get()
+    dispatched = sum(metrics.dispatch.dispatches.labels(MODEL, b, "interactive")._value.get()
                      for b in ("b0", "b1"))
     # every stream completed with exactly the uninterrupted text: b0's continued on b1
     assert kinds["ok"] == STREAMS, (kinds, outcomes)
@@ -210,7 +210,7 @@ async def test_a_stream_of_a_killed_backend_continues_on_an_idle_one(
             ended_s = time.monotonic() - killed_at
             want = await reference(session, f"http://127.0.0.1:{ports[1 - ran_on]}", 0, body)
         await assert_settled(gw)
-    continued = gw.services.metrics.continuations.labels("failover", "continued")._value.get()
+    continued = gw.services.metrics.moves.continuations.labels("failover", "continued")._value.get()
     assert outcome.done and outcome.text == want, (outcome, want, ended_s)
     assert continued == 1, (continued, ended_s)
     print(f"SCENARIO backend_killed_idle_survivor: sent=1 ok=1 continued={continued:.0f} "

@@ -174,8 +174,8 @@ async def test_a_shard_master_killed_under_load(cluster: ValkeyCluster, tmp_path
         left: dict[str, Any] = {}
 
         async def converged() -> bool:  # settles retried, the dead replica's reaped
-            left["in flight"] = inflight = await store.user_inflight(MODEL)
-            left["queued"] = queued = await store.depths(MODEL)
+            left["in flight"] = inflight = await store.reads.user_inflight(MODEL)
+            left["queued"] = queued = await store.reads.depths(MODEL)
             return inflight == {} and not any(queued.values())
 
         try:

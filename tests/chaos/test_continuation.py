@@ -133,7 +133,7 @@ async def test_a_stream_survives_its_backend_being_killed(
     assert finish == "length", finish
     assert usage is not None and usage.completion_tokens == MAX_TOKENS, usage
     metrics = rig.gw.services.metrics
-    assert metrics.continuations.labels("failover", "continued")._value.get() == 1
+    assert metrics.moves.continuations.labels("failover", "continued")._value.get() == 1
 
 
 @pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])

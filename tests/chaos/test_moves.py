@@ -30,7 +30,7 @@ __all__ = ["rig"]  # the fixture
 async def drained(rig: Rig, name: str) -> None:
     """Drained without a migrate: no new dispatch there (what the admin call does)."""
     svc = rig.gw.services
-    await svc.store.set_drained(MODEL, name, True)
+    await svc.store.fleet.set_drained(MODEL, name, True)
     svc.pool.set_drained(svc.pool.handles[name], True)
 
 
@@ -85,9 +85,9 @@ async def test_a_moved_stream_continues_on_the_other_backend(
     assert finish == "length", finish
     assert usage is not None and usage.completion_tokens == MAX_TOKENS, usage
     m = svc.metrics
-    assert m.continuations.labels("drain", "continued")._value.get() == 1
-    assert m.continuations.labels("failover", "continued")._value.get() == 0
-    assert m.continuation_recomputed_tokens.labels("drain")._value.get() >= (
+    assert m.moves.continuations.labels("drain", "continued")._value.get() == 1
+    assert m.moves.continuations.labels("failover", "continued")._value.get() == 0
+    assert m.moves.recomputed_tokens.labels("drain")._value.get() >= (
         usage.prompt_tokens + CUT_AFTER - 1)
     assert svc.pool.handles[left].healthy and svc.pool.handles[left].failures == 0
     # the relay unregisters the answer once it has written its end: the client may read
@@ -115,6 +115,6 @@ async def test_a_moved_whole_answer_is_sent_again_elsewhere(
     assert (choice.message.content if chat else choice.text) == want
     assert answer.usage is not None and answer.usage.completion_tokens == MAX_TOKENS
     m = svc.metrics
-    assert m.continuations.labels("drain", "continued")._value.get() == 1
-    assert m.continuations.labels("failover", "continued")._value.get() == 0
+    assert m.moves.continuations.labels("drain", "continued")._value.get() == 1
+    assert m.moves.continuations.labels("failover", "continued")._value.get() == 0
     assert svc.pool.handles[entry.backend].healthy

@@ -98,7 +98,7 @@ def engine_times(*backends: SimServer) -> EngineTimes:
 
 def counter(gw: GatewayServer) -> Callable[[str], float]:
     metrics = gw.services.metrics
-    return lambda klass: metrics.preemptions.labels(MODEL, klass)._value.get()
+    return lambda klass: metrics.moves.preemptions.labels(MODEL, klass)._value.get()
 
 
 @pytest.mark.timeout(120)
@@ -118,10 +118,10 @@ async def test_a_newcomer_preempts_a_batch_stream_that_then_completes_exactly(
         assert text == expected, (i, len(text), len(expected), text[-60:], expected[-60:])
     preempted = counter(gw)("batch")
     m = gw.services.metrics
-    continued = m.continuations.labels("preempt", "continued")._value.get()
+    continued = m.moves.continuations.labels("preempt", "continued")._value.get()
     assert preempted >= 1 and continued == preempted, (preempted, continued)
-    assert m.continuation_recomputed_tokens.labels("preempt")._value.get() > 0
-    assert m.continuations.labels("failover", "continued")._value.get() == 0
+    assert m.moves.recomputed_tokens.labels("preempt")._value.get() > 0
+    assert m.moves.continuations.labels("failover", "continued")._value.get() == 0
     async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as resp:
         scraped = await resp.text()
     assert 'fairgate_preemptions_total{model="llama-3.1-8b",priority_class="batch"}' in scraped
@@ -214,8 +214,8 @@ async def test_a_batch_api_line_is_preempted_sent_again_and_recorded_once(
         assert answer["choices"][0]["message"]["content"] == expected[i], row["custom_id"]
     m = gw.services.metrics
     assert counter(gw)("batch") >= 1
-    assert m.continuations.labels("preempt", "continued")._value.get() >= 1
-    assert m.continuation_recomputed_tokens.labels("preempt")._value.get() > 0
+    assert m.moves.continuations.labels("preempt", "continued")._value.get() >= 1
+    assert m.moves.recomputed_tokens.labels("preempt")._value.get() > 0
 
 
 @pytest.mark.timeout(120)

@@ -38,7 +38,7 @@ async def test_a_killed_scraper_replica_hands_its_backends_to_another(
 
         async def shared() -> bool:
             leases[:] = [await redis.get(k.backend_scraper(n)) for n in ("b0", "b1")]
-            return (sum(h.held for h in pool.handles.values()) == 1
+            return (sum(h.lease.held for h in pool.handles.values()) == 1
                     and sum(f":{doomed.pid}:" in (lease or "") for lease in leases) == 1)
         await until(shared, "one lease held by each replica")
         doomed.send_signal(signal.SIGKILL)
@@ -47,7 +47,7 @@ async def test_a_killed_scraper_replica_hands_its_backends_to_another(
         # its leases expire (lease_s), the survivor's next tick takes them: a generous
         # bound for a loaded machine, the observed time reported
         bound = pool.lease_s + 10 * INTERVAL_S + 5.0
-        await until(lambda: all(h.held for h in pool.handles.values()),
+        await until(lambda: all(h.lease.held for h in pool.handles.values()),
                     "the survivor holding every scrape lease", timeout_s=bound)
         taken_s = time.monotonic() - killed_at
         await until(lambda: all(h.last is not None and h.last.taken_at_s > killed_wall

@@ -74,7 +74,7 @@ async def gw_small(
 def queue_length(vllm_server: VllmServer, gw: GatewayServer) -> QueueLength:
     """vLLM's queue sampled every 50 ms, with the gateway's exact count of requests at it."""
     async def inflight() -> int:
-        states = await gw.services.store.backend_states(vllm_server.model, [BACKEND])
+        states = await gw.services.store.fleet.backend_states(vllm_server.model, [BACKEND])
         return states[BACKEND].inflight
 
     return QueueLength(Sampler(vllm_server.url, 0.05, inflight))
@@ -151,7 +151,7 @@ async def test_gateway_paces_real_vllm(small_batch: VllmServer, gw_small: Gatewa
     vllm_server, gw = small_batch, gw_small
 
     async def flood_queued() -> bool:  # most of the flood waits in the gateway
-        depths = await gw.services.store.depths(vllm_server.model)
+        depths = await gw.services.store.reads.depths(vllm_server.model)
         return depths["interactive"] >= FLOOD // 2
 
     for _ in range(PACED_RUNS):  # again only while the sampler was starved (helpers)

@@ -169,12 +169,12 @@ async def settled(gw: GatewayServer, model: str) -> None:
     """Nothing queued or in flight once every answer is over (bounded wait)."""
     store = gw.services.store
     for _ in range(500):
-        if await store.user_inflight(model) == {} and not any(
-                (await store.depths(model)).values()):
+        if await store.reads.user_inflight(model) == {} and not any(
+                (await store.reads.depths(model)).values()):
             return
         await asyncio.sleep(0.01)
-    assert await store.user_inflight(model) == {}, "in-flight entries left"
-    assert not any((await store.depths(model)).values()), await store.depths(model)
+    assert await store.reads.user_inflight(model) == {}, "in-flight entries left"
+    assert not any((await store.reads.depths(model)).values()), await store.reads.depths(model)
 
 
 async def gateway_counter(gw: GatewayServer, name: str, **labels: str) -> float:

@@ -56,12 +56,12 @@ async def assert_settled(server: GatewayServer) -> None:
     """Every exit path must have released its in-flight state and queue entries."""
     store = server.services.store
     for _ in range(200):  # settle() runs as the handler unwinds: give it a bounded moment
-        if await store.user_inflight(MODEL) == {} and not any(
-                (await store.depths(MODEL)).values()):
+        if await store.reads.user_inflight(MODEL) == {} and not any(
+                (await store.reads.depths(MODEL)).values()):
             return
         await asyncio.sleep(0.01)
-    assert await store.user_inflight(MODEL) == {}
-    assert await store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await store.reads.user_inflight(MODEL) == {}
+    assert await store.reads.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
 
 
 async def complete(session: aiohttp.ClientSession, base_url: str, key: str, max_tokens: int,
@@ -139,12 +139,12 @@ async def store_is_idle(gw: GatewayServer) -> None:
     store = gw.services.store
 
     async def idle() -> bool:
-        return (await store.user_inflight(MODEL) == {}
-                and all(n == 0 for n in (await store.depths(MODEL)).values()))
+        return (await store.reads.user_inflight(MODEL) == {}
+                and all(n == 0 for n in (await store.reads.depths(MODEL)).values()))
 
     await until(idle, "store counters back to zero")
-    assert await store.user_inflight(MODEL) == {}
-    assert await store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await store.reads.user_inflight(MODEL) == {}
+    assert await store.reads.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
 
 
 def auth(key: str | None) -> dict[str, str]:

@@ -97,7 +97,7 @@ async def test_with_no_slot_free_the_least_recently_used_idle_adapter_makes_room
             if name == "fairgate_adapter_requests"}
     assert held and all(v == 0 for v in held.values()), held  # none held once answered
     handle = gw.services.pool.handles["b0"]
-    assert gw.services.pool.adapters_on(handle) == {"a", "c"}, handle.adapters
+    assert gw.services.pool.adapters_on(handle) == {"a", "c"}, handle.card.adapters
     lora = (await gw.services.inspector.backend("b0"))["lora"]  # the dashboard's row
     assert (lora["resident"], lora["slots"]) == (["a", "c"], 2), lora
     await store_is_idle(gw)
@@ -132,8 +132,8 @@ async def test_a_cold_adapter_is_served_while_popular_ones_keep_every_slot_busy(
         loops = [asyncio.create_task(popular(bob, "hot1")),
                  asyncio.create_task(popular(carol, "hot2"))]
         try:
-            await until(lambda: handle.lora is not None
-                        and set(handle.lora.active) == {"hot1", "hot2"}, "both slots busy")
+            await until(lambda: handle.card.lora is not None
+                        and set(handle.card.lora.active) == {"hot1", "hot2"}, "both slots busy")
             asked = time.monotonic()
             answer = await alice.completions.create(model="cold", prompt="c", max_tokens=2)
             waited = time.monotonic() - asked
@@ -281,7 +281,7 @@ async def test_a_request_reaching_a_backend_just_after_its_adapter_left_is_queue
             else:
                 answer = await alice.completions.create(model="a", prompt="x", max_tokens=2)
                 answers.append(answer.model)
-            assert "a" in gw.services.pool.adapters_on(handle), handle.adapters
+            assert "a" in gw.services.pool.adapters_on(handle), handle.card.adapters
     assert answers == ["a", "a", "a"], answers
     # each request's first try met the unload: loaded again for it, 1 + 3 loads in all
     assert b0.loras.loads == 4, b0.loras.loads

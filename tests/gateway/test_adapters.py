@@ -108,7 +108,7 @@ async def test_an_adapter_loaded_at_runtime_is_found(sim: SimFactory,
             await alice.completions.create(model="late", prompt="x", max_tokens=2)
         await b0.loras.load({"lora_name": "late", "lora_path": "/adapters/late"})
         handle = gw.services.pool.handles["b0"]
-        await until(lambda: "late" in handle.adapters, "the runtime adapter discovered")
+        await until(lambda: "late" in handle.card.adapters, "the runtime adapter discovered")
         answer = await alice.completions.create(model="late", prompt="x", max_tokens=2)
     assert answer.model == "late" and ran(b0) == {"late": 1}, (answer.model, ran(b0))
     await store_is_idle(gw)
@@ -141,7 +141,7 @@ async def test_one_share_per_user_across_the_base_model_and_its_adapters(
             for _ in range(per_user)]
 
         async def all_queued() -> bool:
-            return sum((await gw.services.store.depths(MODEL)).values()) == 2 * per_user
+            return sum((await gw.services.store.reads.depths(MODEL)).values()) == 2 * per_user
 
         await until(all_queued, "all 80 requests queued")
         for name in ("b0", "b1"):
@@ -182,8 +182,8 @@ async def test_requests_prefer_the_backend_where_their_adapter_is_resident(
         home, other = (b0, b1) if ran(b0) else (b1, b0)
         handles = gw.services.pool.handles
         name = "b0" if home is b0 else "b1"
-        await until(lambda: handles[name].lora is not None
-                    and handles[name].lora.active == ("sql",), "sql resident in a snapshot")
+        await until(lambda: handles[name].card.lora is not None
+                    and handles[name].card.lora.active == ("sql",), "sql resident in a snapshot")
         for i in range(4):
             await alice.completions.create(model="sql", prompt=f"s{i}", max_tokens=2)
         await alice.completions.create(model="chat", prompt="c", max_tokens=2)

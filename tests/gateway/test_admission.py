@@ -22,7 +22,7 @@ from gateway.proxy.completion_request import parse_body
 from gateway.proxy.endpoints import CHAT
 from gateway.scheduling.admission import Admission, Ticket
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Grant, QueuedRequest
+from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import TokenCost, estimate_prompt_tokens
 from policies.fairness import Vtc
 from tests.gateway.conftest import MODEL
@@ -66,7 +66,7 @@ async def setup(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Setup]:
     async with aiohttp.ClientSession() as session:
         rig = make_rig(redis_url, session, fairness="vtc", vtc_input_weight=1.0,
                        vtc_output_weight=2.0)
-        await rig.store.heartbeat([MODEL], REPLICA, time.time())
+        await rig.store.replicas.heartbeat([MODEL], REPLICA, time.time())
         await set_backend(rig, "b0", waiting=0, running=0)
         policy = Vtc(TokenCost(rig.settings.vtc_input_weight, rig.settings.vtc_output_weight))
         admission = Admission(rig.pool.holder, rig.dispatcher, rig.pool, policy, rig.metrics,
@@ -93,11 +93,11 @@ async def test_ticket_usage_feeds_the_settle_charge(setup: Setup) -> None:
         assert (ticket.grant.request_id, ticket.grant.backend) == ("r1", "b0")
         assert ticket.backend is rig.pool.handles["b0"]
         assert ticket.priority == rig.settings.classes[KLASS].priority_base  # rank 0
-        assert await store.user_inflight(MODEL) == {USER: 1}
+        assert await store.reads.user_inflight(MODEL) == {USER: 1}
         ticket.usage(PROMPT, OUTPUT)
         ticket.end(True)
-    assert await store.user_inflight(MODEL) == {}
-    assert await store.request_fields(MODEL, "r1") == {}  # settled
+    assert await store.reads.user_inflight(MODEL) == {}
+    assert await store.reads.request_fields(MODEL, "r1") == {}  # settled
     # alice's queue emptied at dispatch: her score waits in the saved hash
     saved = await store.client.hget(K.saved(KLASS), USER)
     assert float(saved) == pytest.approx(expected_score(setup.policy))
@@ -109,7 +109,7 @@ async def test_settle_charge_reaches_an_active_user(setup: Setup) -> None:
     async with setup.admitted() as ticket:
         await driver
         # alice queues again while r1 runs: she is active when r1 settles
-        await store.enqueue(MODEL, QueuedRequest("r2", USER, KLASS, REPLICA, 0.0,
+        await store.queue.enqueue(MODEL, QueuedRequest("r2", USER, KLASS, REPLICA, 0.0,
                                                  time.time()), 10)
         ticket.usage(PROMPT, OUTPUT)
     score = await store.client.zscore(K.active(KLASS), USER)
@@ -149,7 +149,7 @@ async def test_metrics_are_recorded_when_the_body_is_cancelled(setup: Setup) -> 
     assert setup.sample("fairgate_user_service_total", user=USER) == pytest.approx(
         setup.policy.service(PROMPT, OUTPUT, WEIGHT))
     # and the release still ran, charge included
-    assert await setup.rig.store.user_inflight(MODEL) == {}
+    assert await setup.rig.store.reads.user_inflight(MODEL) == {}
     saved = await setup.rig.store.client.hget(K.saved(KLASS), USER)
     assert float(saved) == pytest.approx(expected_score(setup.policy))
 
@@ -163,7 +163,7 @@ async def test_metrics_are_recorded_when_the_body_raises(setup: Setup) -> None:
             raise asyncio.CancelledError
     assert setup.sample("fairgate_user_tokens_total", user=USER, kind="completion") == OUTPUT
     assert setup.sample("fairgate_tokens_total", kind="prompt") == PROMPT
-    assert await setup.rig.store.user_inflight(MODEL) == {}
+    assert await setup.rig.store.reads.user_inflight(MODEL) == {}
 
 
 async def test_first_token_frees_the_gate_slot_once(setup: Setup,
@@ -171,20 +171,20 @@ async def test_first_token_frees_the_gate_slot_once(setup: Setup,
     rig, store = setup.rig, setup.rig.store
     await set_backend(rig, "b0", waiting=2, running=0)  # room for one request in transit
     calls: list[Grant] = []
-    mark_started = store.mark_started
+    mark_started = store.queue.mark_started
 
     async def counting(model: str, grant: Grant, now: float | None = None,
                        then: Any = None, held: Any = ()) -> Any:
         calls.append(grant)
         return await mark_started(model, grant, now, then, held)
 
-    monkeypatch.setattr(store, "mark_started", counting)
+    monkeypatch.setattr(store.queue, "mark_started", counting)
     sent_key = K.backend_sent("b0")
     driver = setup.dispatch_when_queued()
     async with setup.admitted() as ticket:
         await driver
         assert await store.client.zrange(sent_key, 0, -1) == ["r1"]
-        assert "started" not in await store.request_fields(MODEL, "r1")
+        assert "started" not in await store.reads.request_fields(MODEL, "r1")
         # bob queues behind r1, which fills the gate while it is in transit
         bob = await queue(rig, "r2", user="bob")
         await rig.dispatcher.dispatch_once(MODEL)
@@ -192,7 +192,7 @@ async def test_first_token_frees_the_gate_slot_once(setup: Setup,
 
         await ticket.first_token()
         assert [g.request_id for g in calls] == ["r1"]
-        assert (await store.request_fields(MODEL, "r1"))["started"] == "1"
+        assert (await store.reads.request_fields(MODEL, "r1"))["started"] == "1"
         # the slot r1 held is free, and the same call granted it to bob
         assert bob.delivered, "the started call did not grant the queued request"
         assert (await bob.grant()).backend == "b0"
@@ -202,7 +202,7 @@ async def test_first_token_frees_the_gate_slot_once(setup: Setup,
         assert await store.client.zrange(sent_key, 0, -1) == ["r2"]
         ticket.usage(PROMPT, OUTPUT)
     await rig.dispatcher.release(MODEL, await bob.grant(), 0.0)
-    assert await store.user_inflight(MODEL) == {}
+    assert await store.reads.user_inflight(MODEL) == {}
 
 
 async def test_a_backend_removed_after_the_dispatch(setup: Setup) -> None:
@@ -222,7 +222,7 @@ async def test_a_backend_removed_after_the_dispatch(setup: Setup) -> None:
             body_ran = True
     await driver
     assert not body_ran
-    assert await rig.store.user_inflight(MODEL) == {}  # released at once
+    assert await rig.store.reads.user_inflight(MODEL) == {}  # released at once
 
 
 def test_ticket_listener_defaults() -> None:

@@ -123,4 +123,4 @@ async def test_dispatch_charges_what_the_index_predicts_uncached_and_settle_what
 
 
 async def assert_idle(gw: GatewayServer) -> bool:
-    return await gw.services.store.user_inflight(MODEL) == {}
+    return await gw.services.store.reads.user_inflight(MODEL) == {}

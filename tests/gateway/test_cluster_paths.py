@@ -61,7 +61,8 @@ async def gw(sims: list[SimServer], cluster_nodes: list[str],
 
     async def idle() -> bool:
         for model in (MODEL, OTHER):
-            if await store.user_inflight(model) or any((await store.depths(model)).values()):
+            if (await store.reads.user_inflight(model)
+                    or any((await store.reads.depths(model)).values())):
                 return False
         return True
 

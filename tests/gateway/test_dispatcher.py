@@ -29,8 +29,10 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings, SettingsHolder, load_settings
 from gateway.scheduling.dispatcher import Dispatcher, Settle
 from gateway.storage.keys import ModelKeys
+from gateway.storage.queue_store import QueueStore
+from gateway.storage.records import Grant, QueuedRequest
 from gateway.storage.redis_client import connect
-from gateway.storage.store import Grant, QueuedRequest, Store
+from gateway.storage.store import Store
 from policies.classes import CLASS_ORDER
 from policies.gates import BackendSnapshot, evaluate_gate
 from tests.gateway.conftest import KEYS, MODEL, dead_redis_url
@@ -84,10 +86,10 @@ def make_rig(redis_url: str, session: aiohttp.ClientSession, **overrides: object
         "api_keys": KEYS,
         "snapshot_stale_s": 3600.0,  # hand-made snapshots never go stale mid-test
         **overrides})
-    store = Store(connect(redis_url), request_ttl_s=600)
+    store = Store.over(connect(redis_url), request_ttl_s=600)
     metrics = GatewayMetrics()
     holder = SettingsHolder(settings)
-    pool = BackendPool(holder, session, store, metrics)  # the session is never used
+    pool = BackendPool(holder, session, store.fleet, metrics)  # the session is never used
     dispatcher = Dispatcher(holder, store, pool, metrics, REPLICA)
     woken = asyncio.Event()
     wake = dispatcher.wake
@@ -105,7 +107,7 @@ async def rig(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Rig]:
     async with aiohttp.ClientSession() as session:
         made = make_rig(redis_url, session)
         # dispatch drops requests of replicas without a heartbeat: this one has one
-        await made.store.heartbeat([MODEL], REPLICA, time.time())
+        await made.store.replicas.heartbeat([MODEL], REPLICA, time.time())
         try:
             yield made
         finally:
@@ -118,7 +120,7 @@ async def set_backend(rig: Rig, name: str, waiting: int, running: int) -> None:
     ``handle.drained`` is left as the test set it."""
     handle = rig.pool.handles[name]
     snap = BackendSnapshot(waiting, running, 0.2, 0.02, time.time())
-    stored, _, _, _ = await rig.store.store_snapshot(MODEL, name, snap)
+    stored, _, _, _ = await rig.store.fleet.store_snapshot(MODEL, name, snap)
     assert stored
     handle.healthy, handle.last, handle.sent_since_snapshot = True, snap, 0
     handle.gates = {c: evaluate_gate(snap, rig.pool.gate_policies[c], snap.taken_at_s,
@@ -162,7 +164,7 @@ async def test_dispatch_picks_the_least_loaded_open_backend(rig: Rig) -> None:
     grant = await pending.grant()
     assert (grant.request_id, grant.backend, grant.user, grant.klass, grant.rank,
             grant.owner) == ("r1", "b1", "alice", "interactive", 0, REPLICA)
-    assert await rig.store.dispatched(MODEL, "r1") == grant  # Redis agrees
+    assert await rig.store.replicas.dispatched(MODEL, "r1") == grant  # Redis agrees
     assert rig.pool.handles["b1"].sent_since_snapshot == 1
     assert rig.pool.handles["b0"].sent_since_snapshot == 0
     assert (dispatches(rig, "b0"), dispatches(rig, "b1")) == (0.0, 1.0)
@@ -186,7 +188,7 @@ async def test_a_full_gate_passes_the_rest_to_the_next_backend(rig: Rig) -> None
     assert await rig.dispatcher.dispatch_once(MODEL) is False
     grants = {g.request_id: g for g in (await first.grant(), await second.grant())}
     assert sorted(g.backend for g in grants.values()) == ["b0", "b1"]
-    assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await rig.store.reads.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
 
 
 async def test_a_pass_over_many_open_backends_is_one_call(
@@ -198,12 +200,12 @@ async def test_a_pass_over_many_open_backends_is_one_call(
         rig = make_rig(redis_url, session, backends=[
             {"name": f"b{i}", "url": f"http://127.0.0.1:9/b{i}", "model": MODEL}
             for i in range(6)])
-        await rig.store.heartbeat([MODEL], REPLICA, time.time())
+        await rig.store.replicas.heartbeat([MODEL], REPLICA, time.time())
         try:
             for i in range(6):  # each has room for one request in transit; b5 the least loaded
                 await set_backend(rig, f"b{i}", waiting=2, running=10 - i)
             pending = [await queue(rig, f"r{i}", user=f"u{i}") for i in range(4)]
-            calls = Calls(rig.store, monkeypatch, "dispatch_with")
+            calls = Calls(rig.store.queue, monkeypatch, "dispatch_with")
             assert await rig.dispatcher.dispatch_once(MODEL) is False
             backends = [(await p.grant()).backend for p in pending]
             assert calls.counts == {"dispatch_with": 1}, (
@@ -224,8 +226,8 @@ async def test_a_closed_gate_dispatches_nothing(rig: Rig) -> None:
     pending = await queue(rig, "r1")
     assert await rig.dispatcher.dispatch_once(MODEL) is False
     assert not pending.delivered
-    assert (await rig.store.depths(MODEL))["interactive"] == 1
-    assert (await rig.store.request_fields(MODEL, "r1"))["state"] == "queued"
+    assert (await rig.store.reads.depths(MODEL))["interactive"] == 1
+    assert (await rig.store.reads.request_fields(MODEL, "r1"))["state"] == "queued"
     assert rig.dispatcher.waiters.keys() == {"r1"}
     # the gate opens (a new snapshot): the same request goes out
     await set_backend(rig, "b1", waiting=max_waiting - 1, running=0)
@@ -259,7 +261,7 @@ async def test_gates_two_snapshots_old_admit_nothing_and_are_counted(rig: Rig) -
     assert handle.last is not None
     handle.gates_seen = handle.last.taken_at_s
     for later in (1.0, 2.0):  # another process's scrapes, not applied here
-        stored, _, _, _ = await rig.store.store_snapshot(MODEL, "b0", BackendSnapshot(
+        stored, _, _, _ = await rig.store.fleet.store_snapshot(MODEL, "b0", BackendSnapshot(
             0, 0, 0.2, 0.02, handle.last.taken_at_s + later))
         assert stored
     pending = await queue(rig, "r1")
@@ -287,7 +289,7 @@ async def test_a_drained_handle_gets_nothing(rig: Rig) -> None:
     waiting = await queue(rig, "r2")
     await rig.dispatcher.dispatch_once(MODEL)
     assert not waiting.delivered
-    assert (await rig.store.depths(MODEL))["interactive"] == 1
+    assert (await rig.store.reads.depths(MODEL))["interactive"] == 1
 
 
 async def test_drained_in_redis_wins_over_the_handle(rig: Rig) -> None:
@@ -295,7 +297,7 @@ async def test_drained_in_redis_wins_over_the_handle(rig: Rig) -> None:
     does (the drained set in Redis)."""
     await set_backend(rig, "b0", waiting=0, running=0)
     await set_backend(rig, "b1", waiting=0, running=5)
-    await rig.store.set_drained(MODEL, "b0", True)
+    await rig.store.fleet.set_drained(MODEL, "b0", True)
     pending = await queue(rig, "r1")
     await rig.dispatcher.dispatch_once(MODEL)
     assert (await pending.grant()).backend == "b1"
@@ -323,14 +325,14 @@ async def test_grants_follow_fairness_and_reach_each_waiter(rig: Rig) -> None:
 async def test_a_grant_for_another_replica_goes_to_its_grant_list(
         rig: Rig, redis: aioredis.Redis) -> None:
     other = "replica-other"
-    await rig.store.heartbeat([MODEL], other, time.time())
-    await rig.store.enqueue(MODEL, QueuedRequest("theirs", "carol", "interactive", other,
+    await rig.store.replicas.heartbeat([MODEL], other, time.time())
+    await rig.store.queue.enqueue(MODEL, QueuedRequest("theirs", "carol", "interactive", other,
                                                  1.0, time.time()), 10)
     await set_backend(rig, "b0", waiting=0, running=0)
     await rig.dispatcher.dispatch_once(MODEL)
     assert rig.dispatcher.waiters == {}
     assert await redis.llen(K.grants(other)) == 1
-    assert await rig.store.next_order(MODEL, other, 1.0) == ("theirs", "b0", 0, 0)
+    assert await rig.store.replicas.next_order(MODEL, other, 1.0) == ("theirs", "b0", 0, 0)
     assert await redis.llen(K.grants(REPLICA)) == 0
 
 
@@ -366,8 +368,8 @@ async def test_a_cancelled_acquire_leaves_the_queue(rig: Rig) -> None:
     pending.task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await pending.task
-    assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
-    assert await rig.store.request_fields(MODEL, "r1") == {}
+    assert await rig.store.reads.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await rig.store.reads.request_fields(MODEL, "r1") == {}
     assert rig.dispatcher.waiters == {}
 
 
@@ -375,8 +377,8 @@ async def test_queue_timeout_leaves_the_queue(rig: Rig) -> None:
     pending = await queue(rig, "r1", timeout_s=0.05)
     with pytest.raises(QueueTimeout):
         await pending.task
-    assert await rig.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
-    assert await rig.store.request_fields(MODEL, "r1") == {}
+    assert await rig.store.reads.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
+    assert await rig.store.reads.request_fields(MODEL, "r1") == {}
     assert rig.dispatcher.waiters == {}
 
 
@@ -404,7 +406,7 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
     await rig.dispatcher.dispatch_once(MODEL)
     grant = await pending.grant()
     live = rig.dispatcher.store
-    dead = Store(connect(dead_redis_url()), request_ttl_s=600)
+    dead = Store.over(connect(dead_redis_url()), request_ttl_s=600)
     rig.dispatcher.store = dead
     try:
         await rig.dispatcher.release(MODEL, grant, 5.0)  # must not raise
@@ -412,13 +414,13 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
         rig.dispatcher.store = live
         await dead.client.aclose()
     # nothing was settled, and the dispatcher still knows it owes the settle
-    assert await live.user_inflight(MODEL) == {"alice": 1}
-    assert (await live.request_fields(MODEL, "r1"))["state"] == "dispatched"
+    assert await live.reads.user_inflight(MODEL) == {"alice": 1}
+    assert (await live.reads.request_fields(MODEL, "r1"))["state"] == "dispatched"
     assert list(rig.dispatcher._unsettled) == [Settle(MODEL, grant, 5.0, None, None)]
     # Redis is back: the heartbeat's retry settles it, charge included
     await rig.dispatcher._settle_deferred()
-    assert await live.user_inflight(MODEL) == {}
-    assert await live.request_fields(MODEL, "r1") == {}
+    assert await live.reads.user_inflight(MODEL) == {}
+    assert await live.reads.request_fields(MODEL, "r1") == {}
     saved = await live.client.hget(K.saved("interactive"), "alice")
     assert float(saved) == pytest.approx(1.0 + 5.0)  # dispatch cost + settle charge
     assert not rig.dispatcher._unsettled
@@ -426,7 +428,7 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
 
 async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
     """Every call fails fast with StoreUnavailable or is deferred; none hangs or leaks."""
-    dead = Store(connect(dead_redis_url()), request_ttl_s=600)
+    dead = Store.over(connect(dead_redis_url()), request_ttl_s=600)
     dispatcher = Dispatcher(rig.pool.holder, dead, rig.pool, rig.metrics, REPLICA)
     try:
         req = QueuedRequest("r1", "alice", "interactive", REPLICA, 1.0, time.time())
@@ -448,7 +450,7 @@ async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
 class Calls:
     """Counts the store's calls by verb."""
 
-    def __init__(self, store: Store, monkeypatch: pytest.MonkeyPatch, *verbs: str) -> None:
+    def __init__(self, store: QueueStore, monkeypatch: pytest.MonkeyPatch, *verbs: str) -> None:
         self.counts = dict.fromkeys(verbs, 0)
         for verb in verbs:
             real = getattr(store, verb)
@@ -465,7 +467,7 @@ async def test_a_ticks_requests_are_queued_and_dispatched_in_one_call(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     await set_backend(rig, "b0", waiting=0, running=0)  # room for three in transit
     rig.dispatcher._beating.set()  # as the heartbeat loop does: the replica is alive
-    calls = Calls(rig.store, monkeypatch, "enqueue_many", "dispatch_with")
+    calls = Calls(rig.store.queue, monkeypatch, "enqueue_many", "dispatch_with")
     acquires = [asyncio.create_task(rig.dispatcher.acquire(
         MODEL, QueuedRequest(f"r{i}", user, "interactive", REPLICA, 1.0, time.time()), 120.0))
         for i, user in enumerate(("alice", "bob", "carol"))]  # admitted in one loop turn
@@ -475,7 +477,7 @@ async def test_a_ticks_requests_are_queued_and_dispatched_in_one_call(
     assert calls.counts == {"enqueue_many": 1, "dispatch_with": 0}, calls.counts
     for grant in grants:
         await rig.dispatcher.release(MODEL, grant, 1.0)
-    assert await rig.store.user_inflight(MODEL) == {}
+    assert await rig.store.reads.user_inflight(MODEL) == {}
 
 
 async def test_a_release_grants_the_next_request_without_a_dispatch_call(
@@ -486,14 +488,14 @@ async def test_a_release_grants_the_next_request_without_a_dispatch_call(
     second = await queue(rig, "r2", user="bob")
     await rig.dispatcher.dispatch_once(MODEL)
     assert not second.delivered  # the gate is full while r1 is in transit
-    calls = Calls(rig.store, monkeypatch, "dispatch_with")
+    calls = Calls(rig.store.queue, monkeypatch, "dispatch_with")
     await rig.dispatcher.release(MODEL, await first.grant(), 1.0)
     assert second.delivered, "the settle did not grant the queued request"
     assert (await second.grant()).backend == "b0"
     assert calls.counts == {"dispatch_with": 0}, calls.counts
     assert rig.dispatcher._queued[MODEL] == 0
     await rig.dispatcher.release(MODEL, await second.grant(), 1.0)
-    assert await rig.store.user_inflight(MODEL) == {}
+    assert await rig.store.reads.user_inflight(MODEL) == {}
 
 
 async def test_a_start_rides_on_the_next_call_while_nothing_is_queued(
@@ -511,16 +513,17 @@ async def test_a_start_rides_on_the_next_call_while_nothing_is_queued(
                                       ENQUEUE_WAIT_S)
 
     first = await acquire("r1", "alice")
-    calls = Calls(store, monkeypatch, "mark_started", "enqueue_many", "settle_and_dispatch")
+    calls = Calls(store.queue, monkeypatch, "mark_started", "enqueue_many",
+                  "settle_and_dispatch")
     await rig.dispatcher.started(MODEL, first)
     assert calls.counts["mark_started"] == 0, calls.counts
-    assert "started" not in await store.request_fields(MODEL, "r1")
+    assert "started" not in await store.reads.request_fields(MODEL, "r1")
     assert await store.client.zrange(sent, 0, -1) == ["r1"]
 
     # bob's enqueue carries r1's start: the slot it freed takes bob in the same call
     second = await acquire("r2", "bob")
     assert calls.counts == {"mark_started": 0, "enqueue_many": 1, "settle_and_dispatch": 0}
-    assert (await store.request_fields(MODEL, "r1")).get("started") == "1"
+    assert (await store.reads.request_fields(MODEL, "r1")).get("started") == "1"
     assert await store.client.zrange(sent, 0, -1) == ["r2"]
 
     # carol queues behind r2 (the gate is full): r2's first token goes at once, grants her
@@ -535,9 +538,9 @@ async def test_a_start_rides_on_the_next_call_while_nothing_is_queued(
     await rig.dispatcher.started(MODEL, await third.grant())
     assert calls.counts["mark_started"] == 1, calls.counts
     await rig.dispatcher.release(MODEL, second, 1.0)
-    assert (await store.request_fields(MODEL, "r3")).get("started") == "1"
+    assert (await store.reads.request_fields(MODEL, "r3")).get("started") == "1"
     assert await store.client.zrange(sent, 0, -1) == []
     for grant in (first, await third.grant()):
         await rig.dispatcher.release(MODEL, grant, 1.0)
     assert calls.counts["mark_started"] == 1, calls.counts
-    assert await store.user_inflight(MODEL) == {}
+    assert await store.reads.user_inflight(MODEL) == {}

@@ -276,7 +276,7 @@ async def test_429_per_user_queue_cap(sim: SimFactory, gateway: GatewayFactory,
     store = gw.services.store
     load = busy(gw, backend)
     await load.fill("sk-alice")
-    assert await store.user_inflight(MODEL) == {"alice": 2}
+    assert await store.reads.user_inflight(MODEL) == {"alice": 2}
 
     queued = load.send("sk-alice")
     await until(lambda: _depth(gw, "interactive", 1), "alice's third request queued")
@@ -308,7 +308,7 @@ async def test_429_per_user_queue_cap(sim: SimFactory, gateway: GatewayFactory,
 
 
 async def _depth(gw: GatewayServer, klass: str, n: int) -> bool:
-    return (await gw.services.store.depths(MODEL))[klass] == n
+    return (await gw.services.store.reads.depths(MODEL))[klass] == n
 
 
 # --------------------------------------------------------------------------- 504
@@ -331,8 +331,9 @@ async def test_504_queue_wait_timeout(sim: SimFactory, gateway: GatewayFactory,
     assert "0.3s" in assert_error(got, type_="server_error", code="queue_timeout")
     assert 0.3 <= waited < 5.0
     # the timed-out request left the queue; alice's two are still in flight
-    assert await gw.services.store.depths(MODEL) == {"interactive": 0, "default": 0, "batch": 0}
-    assert await gw.services.store.user_inflight(MODEL) == {"alice": 2}
+    assert await gw.services.store.reads.depths(MODEL) == {
+        "interactive": 0, "default": 0, "batch": 0}
+    assert await gw.services.store.reads.user_inflight(MODEL) == {"alice": 2}
 
     client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-carol", max_retries=0)
     try:

@@ -74,7 +74,7 @@ async def test_a_request_before_the_first_scrape_waits_for_it(
                     return resp.status, json.loads(await resp.read())
 
             early = asyncio.create_task(complete())
-            waits = gw.services.metrics.first_scrape_waits.labels(MODEL)
+            waits = gw.services.metrics.backends.first_scrape_waits.labels(MODEL)
 
             async def held() -> bool:
                 assert not early.done(), f"answered before the first scrape: {early.result()}"
@@ -108,7 +108,7 @@ async def test_the_wait_for_the_first_scrape_is_bounded(
             answer = await resp.json()
             assert resp.status == 503, answer
             assert answer["error"]["code"] == "no_healthy_backend", answer
-        assert gw.services.metrics.first_scrape_waits.labels(MODEL)._value.get() == 1
+        assert gw.services.metrics.backends.first_scrape_waits.labels(MODEL)._value.get() == 1
     finally:
         backend.release.set()
         await gw.stop()

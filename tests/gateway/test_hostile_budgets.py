@@ -105,7 +105,7 @@ async def test_a_batch_line_beyond_the_models_context_is_refused_at_upload(
     backend = await sim(profile="instant", max_model_len=4096)
     gw = await gateway([backend], data_dir=tmp_path)
     handle = gw.services.pool.handles["b0"]
-    assert handle.model_card_read and gw.services.pool.max_model_len(MODEL) == 4096
+    assert handle.card.read and gw.services.pool.max_model_len(MODEL) == 4096
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": CHAT,
               "body": {"model": MODEL, "messages": HI, "max_tokens": tokens}}
              for i, tokens in enumerate((4, 5000, 4))]

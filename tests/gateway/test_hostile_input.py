@@ -239,7 +239,7 @@ async def test_output_beyond_the_models_context_is_refused_before_the_queue(
     backend = await sim(profile="instant", max_model_len=1024)
     gw = await gateway([backend])
     handle = gw.services.pool.handles["b0"]
-    await until(lambda: handle.model_card_read, "the model card read")
+    await until(lambda: handle.card.read, "the model card read")
     assert gw.services.pool.max_model_len(MODEL) == 1024
     body: dict[str, object] = {"model": MODEL, field: 1025}
     if path == "/v1/chat/completions":
@@ -313,5 +313,5 @@ async def test_a_backend_500_caused_by_the_request_marks_no_backend_unhealthy(
     assert unhealthy == [], unhealthy
     tries = sum(b.failed for b in backends)
     assert tries == 40, f"{tries} tries for 20 requests: each is sent again at most once"
-    retried = gw.services.metrics.continuations.labels("retry", "continued")._value.get()
+    retried = gw.services.metrics.moves.continuations.labels("retry", "continued")._value.get()
     assert retried == 20, retried

@@ -70,7 +70,7 @@ async def test_idle_end_users_are_forgotten_and_active_ones_kept(
     load.send("sk-app", end_user(long_chat(), "queued"))
 
     async def one_queued() -> bool:
-        return (await gw.services.store.depths(MODEL))["interactive"] == 1
+        return (await gw.services.store.reads.depths(MODEL))["interactive"] == 1
 
     await until(one_queued, "the third queued in Redis")
     before, bytes_before = await end_user_state(redis), await memory(redis)
@@ -88,7 +88,7 @@ async def test_idle_end_users_are_forgotten_and_active_ones_kept(
     for name in ("running", "waiting", "queued"):
         # an end user of the app key (no tenant named) is a user of the app's own tenant
         assert await redis.zscore(K.seen, SEEN.encode("app", f"app/{name}")), message
-    assert set(await gw.services.store.user_inflight(MODEL)) == {"app/running",
+    assert set(await gw.services.store.reads.user_inflight(MODEL)) == {"app/running",
                                                                 "app/waiting"}, message
     await load.close()
 

@@ -44,7 +44,7 @@ async def test_async_chat_and_completions_stream_and_not(sim: SimFactory,
         assert [m.id for m in models.data] == [MODEL]
     finally:
         await client.close()
-    inflight = await gw.services.store.user_inflight(MODEL)
+    inflight = await gw.services.store.reads.user_inflight(MODEL)
     assert inflight == {}
 
 

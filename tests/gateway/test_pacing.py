@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from gateway.backends.scrape import BackendHandle
+from gateway.backends.handle import BackendHandle
 from gateway.http.server import GatewayServer
 from tests.gateway.conftest import GatewayFactory, SimFactory, complete
 

@@ -14,8 +14,9 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import SettingsHolder, load_settings
 from gateway.scheduling.dispatcher import RECONCILE_GRACE_S, Dispatcher, Waiter
 from gateway.storage.keys import ModelKeys
+from gateway.storage.records import QueuedRequest
 from gateway.storage.redis_client import BoundaryRedis, connect
-from gateway.storage.store import QueuedRequest, Store
+from gateway.storage.store import Store
 
 M = "m"
 K = ModelKeys(M)
@@ -33,16 +34,16 @@ async def test_reconcile_releases_only_what_the_replica_does_not_hold(
         client: BoundaryRedis) -> None:
     settings = load_settings(None, backends=[{"name": "b1", "url": "http://127.0.0.1:1",
                                               "model": M}])
-    store = Store(client, request_ttl_s=600)
+    store = Store.over(client, request_ttl_s=600)
     async with aiohttp.ClientSession() as session:
         holder = SettingsHolder(settings)
-        pool = BackendPool(holder, session, store, GatewayMetrics())
+        pool = BackendPool(holder, session, store.fleet, GatewayMetrics())
         dispatcher = Dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
-        await store.heartbeat([M], "r1", now)
+        await store.replicas.heartbeat([M], "r1", now)
         for rid, user in (("held", "a"), ("finished", "b"), ("young", "c")):
-            await store.enqueue(M, QueuedRequest(rid, user, "default", "r1", 1.0, now), 10)
-        grants, _ = await store.dispatch(M, "b1", OPEN, "r1", now, 10.0, max_grants=3)
+            await store.queue.enqueue(M, QueuedRequest(rid, user, "default", "r1", 1.0, now), 10)
+        grants, _ = await store.queue.dispatch(M, "b1", OPEN, "r1", now, 10.0, max_grants=3)
         by_id = {g.request_id: g for g in grants}
         dispatcher.held["held"] = by_id["held"]  # still streaming on this replica
         # "young" was dispatched just now: its grant may still be on its way
@@ -63,18 +64,18 @@ async def test_reconcile_delivers_a_grant_whose_client_still_waits(
     (instead of releasing it, which would leave the client waiting for nothing)."""
     settings = load_settings(None, backends=[{"name": "b1", "url": "http://127.0.0.1:1",
                                               "model": M}])
-    store = Store(client, request_ttl_s=600)
+    store = Store.over(client, request_ttl_s=600)
     async with aiohttp.ClientSession() as session:
         holder = SettingsHolder(settings)
-        pool = BackendPool(holder, session, store, GatewayMetrics())
+        pool = BackendPool(holder, session, store.fleet, GatewayMetrics())
         dispatcher = Dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
-        await store.heartbeat([M], "r1", now)
+        await store.replicas.heartbeat([M], "r1", now)
         queued = QueuedRequest("lost-reply", "a", "default", "r1", 1.0, now)
         future = asyncio.get_running_loop().create_future()
         dispatcher.waiters["lost-reply"] = Waiter(queued, M, future)
-        await store.enqueue(M, queued, 10)
-        await store.dispatch(M, "b1", OPEN, "r1", now, 10.0)
+        await store.queue.enqueue(M, queued, 10)
+        await store.queue.dispatch(M, "b1", OPEN, "r1", now, 10.0)
         await client.delete(K.grants("r1"))  # the grant list entry went with the reply
 
         assert await dispatcher.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0

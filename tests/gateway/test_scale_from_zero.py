@@ -80,7 +80,7 @@ async def test_a_pool_at_zero_holds_a_request_until_a_backend_appears(
 
             async def queued() -> bool:
                 assert not held.done(), f"answered while no backend was ready: {held}"
-                return (await gw.services.store.depths(MODEL))["interactive"] == 1
+                return (await gw.services.store.reads.depths(MODEL))["interactive"] == 1
 
             await until(queued, "the request held in the queue")
             placed = asyncio.Event()
@@ -132,7 +132,7 @@ async def test_past_cold_start_wait_the_client_gets_a_503(
         assert "cold_start_wait_s (0.3 s)" in err.message, err.message
         assert err.response.headers["Retry-After"] == "3", dict(err.response.headers)
         # it left the queue
-        assert await gw.services.store.depths(MODEL) == {
+        assert await gw.services.store.reads.depths(MODEL) == {
             "interactive": 0, "default": 0, "batch": 0}
     finally:
         await client.close()

@@ -198,17 +198,17 @@ async def test_disconnect_while_queued_leaves_the_queue(sim: SimFactory,
                     and handle.last.waiting == 1, "a snapshot with 1 running and 1 waiting")
         queued = asyncio.create_task(complete(session, gw.url, "sk-bob", 5))
         for _ in range(500):
-            if (await store.depths("llama-3.1-8b"))["interactive"] == 1:
+            if (await store.reads.depths("llama-3.1-8b"))["interactive"] == 1:
                 break
             await asyncio.sleep(0.01)
-        assert (await store.depths("llama-3.1-8b"))["interactive"] == 1
+        assert (await store.reads.depths("llama-3.1-8b"))["interactive"] == 1
         queued.cancel()
         await asyncio.gather(queued, return_exceptions=True)
         for _ in range(500):
-            if (await store.depths("llama-3.1-8b"))["interactive"] == 0:
+            if (await store.reads.depths("llama-3.1-8b"))["interactive"] == 0:
                 break
             await asyncio.sleep(0.01)
-        assert (await store.depths("llama-3.1-8b"))["interactive"] == 0
+        assert (await store.reads.depths("llama-3.1-8b"))["interactive"] == 0
         assert not await store.client.exists(ModelKeys(MODEL).queue("interactive", "bob"))
         busy.cancel()
         await asyncio.gather(busy, return_exceptions=True)

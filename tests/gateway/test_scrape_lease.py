@@ -50,7 +50,7 @@ async def scrapes_over(backends: list[SimServer], window_s: float) -> tuple[list
 
 def holders(gateways: list[GatewayServer], name: str) -> list[str]:
     return [gw.services.pool.scraper_id for gw in gateways
-            if gw.services.pool.handles[name].held]
+            if gw.services.pool.handles[name].lease.held]
 
 
 async def test_three_replicas_scrape_each_backend_once_per_interval_between_them(
@@ -101,7 +101,7 @@ async def test_the_leases_are_spread_evenly_over_the_replicas(
                 "the first replica holding every lease")
 
     def held_by(gw: GatewayServer) -> int:
-        return sum(h.held for h in gw.services.pool.handles.values())
+        return sum(h.lease.held for h in gw.services.pool.handles.values())
 
     assert held_by(replicas[0]) == 6, held_by(replicas[0])
     replicas += [await gateway(backends, scrape_interval_s=0.05) for _ in range(2)]
@@ -153,13 +153,13 @@ async def test_a_stale_published_snapshot_closes_the_gate_then_the_lease_moves(
     await redis.set(K.backend_scraper("b0"), "ghost", px=int(ghost_lease_s * 1000))
     gw = GatewayServer(gateway_settings(redis_url, [backend], snapshot_stale_s=stale_s))
     snap, shared = published(time.time())
-    await Store(redis, 60.0).store_snapshot(MODEL, "b0", snap, shared)
+    await Store.over(redis, 60.0).fleet.store_snapshot(MODEL, "b0", snap, shared)
     await gw.start()
     try:
         pool: BackendPool = gw.services.pool
         handle = pool.handles["b0"]
         await asyncio.wait_for(handle.scraped.wait(), 10)  # the ghost's snapshot, read
-        assert not handle.held and backend.scrapes == 0, (handle.held, backend.scrapes)
+        assert not handle.lease.held and backend.scrapes == 0, (handle.lease.held, backend.scrapes)
         assert handle.last == snap, handle.last
 
         def gates() -> dict[str, Gate]:
@@ -175,7 +175,7 @@ async def test_a_stale_published_snapshot_closes_the_gate_then_the_lease_moves(
 
         lost_at = time.monotonic()
         bound = ghost_lease_s + pool.lease_s + 5.0
-        await until(lambda: handle.held, "the lease taken over", timeout_s=bound)
+        await until(lambda: handle.lease.held, "the lease taken over", timeout_s=bound)
         await until(lambda: backend.scrapes > 0 and all(g.open for g in gates().values()),
                     "the new scraper's snapshot opening the gates", timeout_s=bound)
         print(f"\nlease taken over {time.monotonic() - lost_at:.2f}s after the stale "
@@ -191,8 +191,8 @@ async def test_a_failed_scrape_is_published_to_every_replica(
         sim: SimFactory, gateway: GatewayFactory) -> None:
     backend = await sim(profile="instant")
     a, b = await gateway([backend]), await gateway([backend])
-    scraper, reader = (a, b) if a.services.pool.handles["b0"].held else (b, a)
-    await until(lambda: scraper.services.pool.handles["b0"].held, "a scraper")
+    scraper, reader = (a, b) if a.services.pool.handles["b0"].lease.held else (b, a)
+    await until(lambda: scraper.services.pool.handles["b0"].lease.held, "a scraper")
     await backend.stop()  # every scrape fails from now on
     handle = reader.services.pool.handles["b0"]
     failures = reader.services.settings.unhealthy_after_failures
@@ -209,7 +209,7 @@ async def test_an_idle_backend_is_scraped_slowly_and_fast_again_once_work_comes(
     fast, idle = 0.02, 0.4
     gw = await gateway([backend], scrape_interval_s=fast, idle_scrape_interval_s=idle)
     handle = gw.services.pool.handles["b0"]
-    await until(lambda: not handle.busy, "the backend seen idle")
+    await until(lambda: not handle.lease.busy, "the backend seen idle")
     (idle_count,), elapsed = await scrapes_over([backend], WINDOW_S)
     most_idle = 1.2 * elapsed / idle + 2
     print(f"\nidle: {idle_count} scrapes in {elapsed:.2f}s (at most {most_idle:.0f})")
@@ -218,7 +218,7 @@ async def test_an_idle_backend_is_scraped_slowly_and_fast_again_once_work_comes(
         f"interval {idle}s allows {most_idle:.0f}")
     async with aiohttp.ClientSession() as session:
         long = asyncio.create_task(complete(session, gw.url, "sk-alice", 2000))
-        await until(lambda: handle.busy and backend.engine.num_running == 1,
+        await until(lambda: handle.lease.busy and backend.engine.num_running == 1,
                     "the backend busy with a long request")
         (busy_count,), busy_s = await scrapes_over([backend], WINDOW_S)
         assert not long.done(), "the long request ended inside the window"
@@ -246,7 +246,7 @@ async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
     calls = [0] * len(replicas)
     for i, gw in enumerate(replicas):
         pool, store = gw.services.pool, gw.services.store
-        woken, dispatch_with = pool.on_snapshot, store.dispatch_with
+        woken, dispatch_with = pool.on_snapshot, store.queue.dispatch_with
 
         def snapshot(i: int = i, woken: Any = woken) -> None:
             adopted[i] += 1
@@ -258,7 +258,7 @@ async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
             return await real(*args, **kwargs)
 
         pool.on_snapshot = snapshot
-        store.dispatch_with = counted  # type: ignore[method-assign]
+        store.queue.dispatch_with = counted  # type: ignore[method-assign]
     await asyncio.sleep(WINDOW_S)  # a measuring window, not a wait for an event
     most = WINDOW_S / heartbeat + 2  # the heartbeat's passes
     print(f"\nidle {WINDOW_S}s, 3 replicas: snapshots adopted {adopted}, dispatch calls "
@@ -285,22 +285,22 @@ async def test_a_wake_up_left_set_after_the_lease_is_gone_does_not_spin_the_even
     backends = [await sim(profile="instant")]
     replicas = [await gateway(backends) for _ in range(2)]
     await until(lambda: len(holders(replicas, "b0")) == 1, "one scraper of b0")
-    other = next(gw for gw in replicas if not gw.services.pool.handles["b0"].held)
+    other = next(gw for gw in replicas if not gw.services.pool.handles["b0"].lease.held)
     handle = other.services.pool.handles["b0"]
     rescued: list[float] = []
 
     def rescue() -> None:  # from another thread: what the event loop cannot do itself
-        if handle.wake.is_set():
+        if handle.lease.wake.is_set():
             rescued.append(time.monotonic())
-            handle.wake._value = False  # type: ignore[attr-defined]
+            handle.lease.wake._value = False  # type: ignore[attr-defined]
 
     watchdog = threading.Timer(5.0, rescue)
     watchdog.start()
     try:
-        handle.wake.set()  # as the lease tick leaves it when the lease was just taken
+        handle.lease.wake.set()  # as the lease tick leaves it when the lease was just taken
         for _ in range(5):
             await asyncio.sleep(0)
-        taken = not handle.wake.is_set()
+        taken = not handle.lease.wake.is_set()
     finally:
         watchdog.cancel()
     assert not rescued and taken, (
@@ -321,10 +321,10 @@ async def test_a_backend_serving_short_requests_of_another_replica_is_scraped_fa
     replicas = [await gateway([backend], scrape_interval_s=fast, idle_scrape_interval_s=idle)
                 for _ in range(2)]
     await until(lambda: len(holders(replicas, "b0")) == 1, "one scraper of b0")
-    holder = next(gw for gw in replicas if gw.services.pool.handles["b0"].held)
+    holder = next(gw for gw in replicas if gw.services.pool.handles["b0"].lease.held)
     sender = next(gw for gw in replicas if gw is not holder)
     handle = holder.services.pool.handles["b0"]
-    await until(lambda: not handle.busy, "the backend seen idle by its scraper")
+    await until(lambda: not handle.lease.busy, "the backend seen idle by its scraper")
     sent: list[asyncio.Task[dict[str, Any]]] = []
     async with aiohttp.ClientSession() as session:
         async def stream() -> None:  # 10 short requests a second through the other replica
@@ -357,16 +357,16 @@ async def test_a_model_whose_store_shard_fails_does_not_stop_another_models_snap
         replicas = [await gateway(backends, backend_options={"b1": {"model": OTHER}})
                     for _ in range(2)]
         await until(lambda: len(holders(replicas, "b1")) == 1, "one scraper of b1")
-        reader = next(gw for gw in replicas if not gw.services.pool.handles["b1"].held)
-        store = reader.services.store
-        real = store._run
+        reader = next(gw for gw in replicas if not gw.services.pool.handles["b1"].lease.held)
+        scripts = reader.services.store.fleet._scripts
+        real = scripts.run
 
         async def shard_down(name: str, keys: Any, args: Any) -> Any:
             if name == "scrapers" and K.drained in keys:
                 raise StoreUnavailable("the shard of the first model fails over")
             return await real(name, keys, args)
 
-        monkeypatch.setattr(store, "_run", shard_down)
+        monkeypatch.setattr(scripts, "run", shard_down)
         handle = reader.services.pool.handles["b1"]
         since = time.time()
         taken: list[float | None] = []

@@ -56,7 +56,7 @@ async def agent_then_chat(sim: SimFactory, gateway: GatewayFactory,
         agent = [asyncio.create_task(ask(client, 20, "agent")) for _ in range(AGENT_CALLS)]
 
         async def flood_queued() -> bool:
-            return (await store.depths(MODEL))["interactive"] >= AGENT_CALLS // 2
+            return (await store.reads.depths(MODEL))["interactive"] >= AGENT_CALLS // 2
 
         await until(flood_queued, "the agent's calls queued")
         for turn in CHAT_TURNS:  # one at a time: each waits for the previous answer
@@ -99,7 +99,7 @@ async def test_another_users_share_does_not_depend_on_the_session_count(
         calls = [asyncio.create_task(ask(alice, 20, f"s{i % 30}")) for i in range(60)]
 
         async def queued(n: int) -> bool:
-            return (await store.depths(MODEL))["interactive"] >= n
+            return (await store.reads.depths(MODEL))["interactive"] >= n
 
         await until(lambda: queued(40), "alice's calls queued")
         calls += [asyncio.create_task(ask(bob, 21, None)) for _ in range(60)]

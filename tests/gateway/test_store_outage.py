@@ -64,7 +64,7 @@ async def test_an_outage_is_served_here_and_the_queue_handed_back(
                        for key, base in (("sk-alice", 100), ("sk-bob", 200))}
             first = [asyncio.create_task(ask(http, gw.url, key, n))
                      for key, ns in lengths.items() for n in ns]
-            depth = gw.services.store.depths
+            depth = gw.services.store.reads.depths
 
             async def queued_in_redis() -> bool:
                 return sum((await depth(MODEL)).values()) >= PER_USER
@@ -112,7 +112,7 @@ async def test_counters_converge_after_the_handback(sim: SimFactory, tmp_path: P
                      for i in range(PER_USER)]
 
             async def queued_in_redis() -> bool:
-                return sum((await gw.services.store.depths(MODEL)).values()) >= PER_USER
+                return sum((await gw.services.store.reads.depths(MODEL)).values()) >= PER_USER
 
             await until(queued_in_redis, f"{PER_USER} requests queued in Redis")
             server.kill()

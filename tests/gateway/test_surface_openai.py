@@ -100,12 +100,12 @@ async def test_embeddings_wait_in_the_queue_and_cost_their_input(
                                     json=body))
 
     async def queued() -> bool:
-        return (await store.depths(MODEL))["interactive"] == 1
+        return (await store.reads.depths(MODEL))["interactive"] == 1
     await until(queued, "bob's embedding queued in Redis")
-    heads = [q for q in await store.queued_users(MODEL, 10) if q.user == "bob"]
+    heads = [q for q in await store.reads.queued_users(MODEL, 10) if q.user == "bob"]
     assert len(heads) == 1 and heads[0].klass == "interactive" and heads[0].queued == 1
     assert heads[0].oldest_request_id is not None
-    fields = await store.request_fields(MODEL, heads[0].oldest_request_id)
+    fields = await store.reads.request_fields(MODEL, heads[0].oldest_request_id)
     assert fields["state"] == "queued"
     assert float(fields["cost"]) == 10 + 20  # dispatch cost: the estimated input tokens
     assert backend.engine.num_waiting == 1 and not task.done()
@@ -114,7 +114,7 @@ async def test_embeddings_wait_in_the_queue_and_cost_their_input(
     status, got, _ = await call(http, "POST", gw.url + "/tokenize", key="sk-carol",
                                 json={"model": MODEL, "prompt": "a" * 40})
     assert status == 200 and got["count"] == 10, got
-    assert (await store.depths(MODEL))["interactive"] == 1
+    assert (await store.reads.depths(MODEL))["interactive"] == 1
 
     await load.close()  # alice's long requests go away: the gate opens for bob
     status, got, _ = await task

@@ -140,7 +140,7 @@ def test_tenant_series_are_bounded() -> None:
 
     metrics = GatewayMetrics(top_users=2)
     for i in range(10):
-        metrics.on_tenant_usage(f"t{i}", "default", 1, 1, False)
+        metrics.usage.on_tenant_usage(f"t{i}", "default", 1, 1, False)
     labels: set[Any] = {s.labels["tenant"] for m in metrics.registry.collect()
                         if m.name == "fairgate_tenant_tokens" for s in m.samples}
     assert labels == {"t0", "t1", "other"}

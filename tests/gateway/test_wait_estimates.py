@@ -208,7 +208,7 @@ async def test_a_deadline_that_passes_while_queued_leaves_the_queue_undispatched
     assert int(expired.value.response.headers["retry-after"]) >= 1
     store = gw.services.store
     assert await queue_len(gw, "bob") == 0
-    assert await store.request_fields(MODEL, request_id) == {}
+    assert await store.reads.request_fields(MODEL, request_id) == {}
     await held.close()
     await backend.engine.wait_until(lambda: backend.engine.num_running == 0)
     # never dispatched: the backend saw no request of bob's

@@ -179,11 +179,11 @@ async def test_two_workers_serve_every_request_once_and_share_one_metrics_view(
         by_worker = {w: sum(1 for _, x in results if x == w) for w in ("0", "1")}
         assert sum(by_worker.values()) == n and all(by_worker.values()), by_worker
         assert await backend_successes(backend.url) - before == n  # none twice, none lost
-        store = Store(redis, request_ttl_s=60)
+        store = Store.over(redis, request_ttl_s=60)
 
         async def settled() -> bool:  # settle runs as each handler unwinds
-            return (await store.user_inflight(MODEL) == {}
-                    and not any((await store.depths(MODEL)).values()))
+            return (await store.reads.user_inflight(MODEL) == {}
+                    and not any((await store.reads.depths(MODEL)).values()))
         await until(settled, "every request settled in the one shared scheduler")
         # one view: a scrape through either worker counts both workers' requests
         seen: dict[str, float] = {}

@@ -145,7 +145,7 @@ async def test_a_lost_check_during_an_operator_cancel_still_answers_409(
     gw = await gateway([backend], admin_keys=[ADMIN])
     store = gw.services.store
     looked = asyncio.Event()
-    real_exists, real_cancel = store.request_exists, store.cancel
+    real_exists, real_cancel = store.reads.request_exists, store.queue.cancel
 
     async def exists(model: str, request_id: str) -> bool:
         found = await real_exists(model, request_id)
@@ -158,8 +158,8 @@ async def test_a_lost_check_during_an_operator_cancel_still_answers_409(
         await asyncio.wait_for(looked.wait(), 30)  # the waiter looked for it meanwhile
         return done
 
-    monkeypatch.setattr(store, "request_exists", exists)
-    monkeypatch.setattr(store, "cancel", cancel)
+    monkeypatch.setattr(store.reads, "request_exists", exists)
+    monkeypatch.setattr(store.queue, "cancel", cancel)
     async with aiohttp.ClientSession() as http:
         assert (await admin_call(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
         waiting = asyncio.create_task(alice_completion(http, gw.url))

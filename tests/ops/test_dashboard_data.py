@@ -25,24 +25,24 @@ K = ModelKeys("m")
 
 
 async def test_service_shares_decay_cap_and_expire_in_redis(redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
-    assert await store.service_shares("m") == {}
-    await store.add_service("m", {"alice": 30.0, "bob": 10.0}, 1000.0, 60.0, 3, 120)
-    assert await store.service_shares("m") == {"alice": 0.75, "bob": 0.25}
+    store = Store.over(redis, 600)
+    assert await store.shares.service_shares("m") == {}
+    await store.shares.add_service("m", {"alice": 30.0, "bob": 10.0}, 1000.0, 60.0, 3, 120)
+    assert await store.shares.service_shares("m") == {"alice": 0.75, "bob": 0.25}
     # one half-life later, bob's new 10 weighs twice his old 10: 30 : (10 + 20)
-    await store.add_service("m", {"bob": 10.0}, 1060.0, 60.0, 3, 120)
-    shares = await store.service_shares("m")
+    await store.shares.add_service("m", {"bob": 10.0}, 1060.0, 60.0, 3, 120)
+    shares = await store.shares.service_shares("m")
     assert math.isclose(shares["alice"], 0.5) and math.isclose(shares["bob"], 0.5)
     # bounded: past the cap the smallest goes
-    await store.add_service("m", {"carol": 100.0, "dave": 200.0}, 1060.0, 60.0, 3, 120)
-    assert set(await store.service_shares("m")) == {"dave", "carol", "bob"}
+    await store.shares.add_service("m", {"carol": 100.0, "dave": 200.0}, 1060.0, 60.0, 3, 120)
+    assert set(await store.shares.service_shares("m")) == {"dave", "carol", "bob"}
     # 30 half-lives later the scores are rebased (no overflow), the ratios kept
     later = 1060.0 + 30 * 60
-    await store.add_service("m", {"erin": 1e-300}, later, 60.0, 10, 120)
+    await store.shares.add_service("m", {"erin": 1e-300}, later, 60.0, 10, 120)
     assert float(await redis.get(K.service_epoch)) == later
     top = max(score for _, score in await redis.zrange(K.service, 0, -1, withscores=True))
     assert top < 1.0  # 200 × 2^-30, not 200 × 2^30
-    shares = await store.service_shares("m")
+    shares = await store.shares.service_shares("m")
     assert list(shares)[:3] == ["dave", "carol", "bob"]
     assert math.isclose(shares["dave"] / shares["carol"], 2.0)
     assert 0 < await redis.ttl(K.service) <= 120 and 0 < await redis.ttl(K.service_epoch) <= 120

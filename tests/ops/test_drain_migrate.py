@@ -78,13 +78,13 @@ async def test_the_admin_drain_stores_and_clears_the_migrate_time(
         assert status == 200 and answer["running"] == 0, answer
         assert before + 30 <= answer["migrate_at"] <= after + 30, (before, answer)
         assert (await backend_row(http, gw, "b0"))["migrate_at"] == answer["migrate_at"]
-        assert await gw.services.store.migrate_times(MODEL) == {"b0": answer["migrate_at"]}
+        assert await gw.services.store.fleet.migrate_times(MODEL) == {"b0": answer["migrate_at"]}
         status, answer = await post(http, drain)  # drained again without migrate
         assert answer["migrate_at"] is None and answer["drained"], answer
         await post(http, drain, {"migrate": True})
         status, answer = await post(http, gw.url + "/admin/backends/b0/undrain")
         assert status == 200 and not answer["drained"] and answer["migrate_at"] is None
-    assert await gw.services.store.migrate_times(MODEL) == {}
+    assert await gw.services.store.fleet.migrate_times(MODEL) == {}
 
 
 async def running_stream(oai: AsyncOpenAI, i: int) -> tuple[Any, list[str]]:
@@ -113,7 +113,7 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
     gw = await gateway(sims, admin_keys=[ADMIN])
     oai = openai_clients(gw.url, "sk-alice")
     svc = gw.services
-    migrations = Migrations(svc.store, svc.pool, svc.running)
+    migrations = Migrations(svc.store.fleet, svc.pool, svc.running)
     m = svc.metrics
     async with aiohttp.ClientSession() as http:
         # a drain without migrate: the stream runs to its end where it is
@@ -125,7 +125,7 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
         assert await migrations.turn(time.time() + FAR_S) == 0
         text, usage = await rest(stream, got)
         assert text == want and usage.completion_tokens == MAX_TOKENS, (text, usage)
-        assert m.continuations.labels("drain", "continued")._value.get() == 0
+        assert m.moves.continuations.labels("drain", "continued")._value.get() == 0
         await post(http, f"{gw.url}/admin/backends/{entry.backend}/undrain")
 
         # a migrate cancelled by an undrain: nothing moves, even long after its time
@@ -142,8 +142,8 @@ async def test_without_migrate_or_after_an_undrain_nothing_moves(
         assert await migrations.turn(time.time() + FAR_S) == 1
         text, usage = await rest(stream, got)
         assert text == want and usage.completion_tokens == MAX_TOKENS, (text, usage)
-    assert m.continuations.labels("drain", "continued")._value.get() == 1
-    assert m.continuations.labels("failover", "continued")._value.get() == 0
+    assert m.moves.continuations.labels("drain", "continued")._value.get() == 1
+    assert m.moves.continuations.labels("failover", "continued")._value.get() == 0
 
 
 @pytest.mark.parametrize("read", ["scrape_lease", "store_snapshot"])
@@ -154,7 +154,7 @@ async def test_a_drain_is_not_undone_by_a_redis_answer_read_before_it(
     before this process's own drain (or undrain) and taken after it must not undo it:
     that stale read left a re-drained backend undrained here, so its migrate never ran."""
     gw = await gateway([await sim()])
-    pool, store = gw.services.pool, gw.services.store
+    pool, store = gw.services.pool, gw.services.store.fleet
     handle = pool.handles["b0"]
     answered, go_on = asyncio.Event(), asyncio.Event()
     real = getattr(store, read)

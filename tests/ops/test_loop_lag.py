@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from gateway.core.loop_lag import watch
-from gateway.core.metrics import LOOP_LAG_BUCKETS
+from gateway.core.metrics.process import LOOP_LAG_BUCKETS
 from tests.gateway.conftest import GatewayFactory, SimFactory, until
 from tests.ops.conftest import samples, value
 from tests.ops.test_metrics import scrape

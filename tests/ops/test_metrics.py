@@ -166,13 +166,13 @@ def test_idle_users_give_their_series_to_active_ones() -> None:
     assert labels.label("a", 6.0) == ("a", [])
     assert labels.label("b", 17.0) == ("b", ["a"])  # a idle for 11 s
     metrics = GatewayMetrics(top_users=1, user_idle_s=-1.0)
-    metrics.on_dispatch(MODEL, "b0", "interactive", "a", 0)
-    metrics.on_dispatch(MODEL, "b0", "interactive", "b", 0)
+    metrics.dispatch.on_dispatch(MODEL, "b0", "interactive", "a", 0)
+    metrics.dispatch.on_dispatch(MODEL, "b0", "interactive", "b", 0)
     r = metrics.registry
     assert r.get_sample_value("fairgate_user_requests_total", {"model": MODEL, "user": "a"}) \
         is None
     assert r.get_sample_value("fairgate_user_requests_total", {"model": MODEL, "user": "b"}) == 1
-    metrics.users._next_sweep = 0.0  # the next newcomer may sweep at once
-    metrics.on_dispatch(MODEL, "b0", "interactive", "a", 0)  # a takes the slot back
+    metrics.usage.users._next_sweep = 0.0  # the next newcomer may sweep at once
+    metrics.dispatch.on_dispatch(MODEL, "b0", "interactive", "a", 0)  # a takes the slot back
     back = r.get_sample_value("fairgate_user_requests_total", {"model": MODEL, "user": "a"})
     assert back == 1, f"a's series, removed and begun again, reads {back}"

@@ -25,7 +25,7 @@ from tests.ops.conftest import ADMIN, admin_call
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
              "Dispatcher", "History", "Inspector", "PoolWatch", "Preemptor",
-             "Quotas", "RuntimeKeys", "Waits"}
+             "Quotas", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots", "Waits"}
 SETTINGS_COPIES = (Settings, ClassConfig, Tenant)
 
 
@@ -104,7 +104,7 @@ async def test_a_reload_reaches_every_consumer(sim: SimFactory, gateway: Gateway
         assert handle.pacing["interactive"].allowance <= 2, handle.pacing["interactive"]
         assert handle.fit.prefill_limits["interactive"] == 1234, handle.fit
         assert svc.dispatcher.floors.after_s == 5.0, svc.dispatcher.floors
-        assert svc.store.request_ttl_s == request_ttl_s(new), svc.store.request_ttl_s
+        assert svc.store.queue.request_ttl_s == request_ttl_s(new), svc.store.queue.request_ttl_s
         assert svc.admission.waits.retry_after(None) == 4
         assert svc.quotas.lease_s == 9.0 and svc.keys.runtime is not None
         assert svc.keys.runtime.settings.key_cache_s == 0.25
@@ -135,7 +135,7 @@ async def test_cost_factors_reload_and_the_fairness_scope_needs_a_restart(
     path.write_text(yaml.safe_dump(config(redis_url, [backend], **fleet)))
     gw = await gateway([backend], admin_keys=[ADMIN], config_file=path, **fleet)
     svc: Services = gw.services
-    assert svc.store.fleet == (MODEL,) and svc.settings.cost_factor(MODEL) == 2.0
+    assert svc.store.queue.fleet == (MODEL,) and svc.settings.cost_factor(MODEL) == 2.0
     path.write_text(yaml.safe_dump(config(redis_url, [backend], fairness_scope="model",
                                           cost_factors={MODEL: 3.0})))
     async with aiohttp.ClientSession() as http:
@@ -144,4 +144,4 @@ async def test_cost_factors_reload_and_the_fairness_scope_needs_a_restart(
     assert got["restart_required"] == ["fairness_scope"], got
     assert "cost_factors" in got["reloaded"], got
     assert svc.settings.fairness_scope == "fleet", svc.settings.fairness_scope
-    assert svc.settings.cost_factor(MODEL) == 3.0 and svc.store.fleet == (MODEL,)
+    assert svc.settings.cost_factor(MODEL) == 3.0 and svc.store.queue.fleet == (MODEL,)

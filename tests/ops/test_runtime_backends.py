@@ -117,7 +117,7 @@ async def test_a_grant_for_a_backend_added_elsewhere_is_served_not_refused(
             store = gw2.services.store
 
             async def all_queued() -> bool:
-                return sum((await store.depths(MODEL)).values()) == flood
+                return sum((await store.reads.depths(MODEL)).values()) == flood
             await until(all_queued, f"{flood} requests queued on the second replica")
             assert "rt0" not in gw2.services.pool.handles
             status, row = await admin(http, "POST", gw1.url + "/admin/backends",
@@ -136,7 +136,7 @@ async def test_a_backend_removed_under_a_stream_drains_and_the_stream_ends_whole
     sims = [await sim(), await sim()]
     gw = await gateway(sims[:1], **FAST)
     svc = gw.services
-    moved = svc.metrics.continuations.labels("drain", "continued")
+    moved = svc.metrics.moves.continuations.labels("drain", "continued")
     async with aiohttp.ClientSession() as http:
         assert (await admin(http, "POST", gw.url + "/admin/backends/b0/drain"))[0] == 200
         status, row = await admin(http, "POST", gw.url + "/admin/backends",

@@ -12,7 +12,8 @@ import aiohttp
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Store, Who
+from gateway.storage.records import Who
+from gateway.storage.store import Store
 from policies.share_ratio import Account
 from tests.gateway.conftest import MODEL, GatewayFactory, SimFactory
 from tests.ops.conftest import ADMIN, admin_call, samples, until
@@ -27,23 +28,23 @@ WEIGHTED_KEYS = [
 
 async def test_accounts_carry_weights_and_tenants_and_stay_bounded(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     # scores are service ÷ key weight: heavy's 200 at weight 4 cost 800
-    await store.add_service("m", {"heavy": 200.0, "light": 200.0}, 1000.0, 60.0, 3, 120,
+    await store.shares.add_service("m", {"heavy": 200.0, "light": 200.0}, 1000.0, 60.0, 3, 120,
                             {"heavy": Who("", 4.0, 4.0), "light": Who("", 1.0, 1.0),
                              "r1": Who("research", 1.0, 2.0)})
-    accounts = await store.service_accounts("m")
+    accounts = await store.shares.service_accounts("m")
     assert accounts == {"heavy": Account(800.0, 4.0, "", 4.0),
                         "light": Account(200.0, 1.0, "", 1.0),
                         "r1": Account(0.0, 1.0, "research", 2.0)}, accounts
-    assert await store.service_shares("m") == {"heavy": 0.5, "light": 0.5}  # served only
+    assert await store.shares.service_shares("m") == {"heavy": 0.5, "light": 0.5}  # served only
     # past the cap the smallest goes, and who it was with it
-    await store.add_service("m", {"carol": 500.0}, 1000.0, 60.0, 3, 120)
-    assert set(await store.service_accounts("m")) == {"heavy", "light", "carol"}
+    await store.shares.add_service("m", {"carol": 500.0}, 1000.0, 60.0, 3, 120)
+    assert set(await store.shares.service_accounts("m")) == {"heavy", "light", "carol"}
     assert set(await redis.hkeys(K.service_who)) == {"heavy", "light"}
     assert 0 < await redis.ttl(K.service_who) <= 120
     # a user served by a replica that records nobody reads as weight 1, its own tenant
-    assert (await store.service_accounts("m"))["carol"] == Account(500.0)
+    assert (await store.shares.service_accounts("m"))["carol"] == Account(500.0)
 
 
 async def queued_request(session: aiohttp.ClientSession, url: str, key: str) -> None:
@@ -61,7 +62,7 @@ async def test_every_replica_reports_the_same_ratio_of_each_backlogged_user(
     store = first.services.store
     # recent service as if served: scores 150 each, so heavy's cost 600 at weight 4 and
     # light's 150 at weight 1 (4:1, as their weights), r1's none
-    await store.add_service(MODEL, {"heavy": 150.0, "light": 150.0}, time.time(), 60.0, 1000,
+    await store.shares.add_service(MODEL, {"heavy": 150.0, "light": 150.0}, time.time(), 60.0, 1000,
                             600)
     async with aiohttp.ClientSession() as http:
         status, _ = await admin_call(http, "POST", first.url + "/admin/backends/b0/drain")
@@ -71,11 +72,11 @@ async def test_every_replica_reports_the_same_ratio_of_each_backlogged_user(
                                    (second, "sk-r1"))]
         try:
             async def all_queued() -> bool:
-                return sum((await store.depths(MODEL)).values()) == 3
+                return sum((await store.reads.depths(MODEL)).values()) == 3
             await until(all_queued, what="three requests queued behind the drained backend")
 
             async def r1_known() -> bool:  # the other replica's history adds it within a tick
-                return "r1" in await store.service_accounts(MODEL)
+                return "r1" in await store.shares.service_accounts(MODEL)
             await until(r1_known, what="r1's tenant and weight in Redis")
             for gw in (first, second):
                 async with http.get(gw.url + "/metrics") as resp:
@@ -102,7 +103,7 @@ async def test_every_replica_reports_the_same_ratio_of_each_backlogged_user(
             await asyncio.gather(*waiting, return_exceptions=True)
 
         async def none_queued() -> bool:
-            return sum((await store.depths(MODEL)).values()) == 0
+            return sum((await store.reads.depths(MODEL)).values()) == 0
         await until(none_queued, what="the cancelled clients' requests leaving the queue")
         async with http.get(second.url + "/metrics") as resp:
             text = await resp.text()

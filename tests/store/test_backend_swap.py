@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import RUNTIME_BACKENDS
-from gateway.storage.store import load_script
+from gateway.storage.scripts import load_script
 
 
 async def test_swap_adds_changes_and_deletes_only_from_what_was_read(

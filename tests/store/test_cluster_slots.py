@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from redis.crc import key_slot
 
 from gateway.access.keyring import RuntimeKeys
@@ -23,12 +23,15 @@ from gateway.backends.registry import ADMIN, BackendList
 from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
-from gateway.core.metrics import SCRIPT_COMMANDS, GatewayMetrics, RedisMetrics
+from gateway.core.metrics import GatewayMetrics
+from gateway.core.metrics.redis import SCRIPT_COMMANDS, RedisMetrics
 from gateway.core.settings import ApiKey, Backend, RedisCluster, SettingsHolder, load_settings
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
+from gateway.storage.dispatch_call import dispatch_args
+from gateway.storage.records import LeaseWish, Preempt, Start
 from gateway.storage.redis_client import BoundaryRedis, connect_cluster
-from gateway.storage.store import LeaseWish, Preempt, Start, Store, dispatch_args
+from gateway.storage.store import Store
 from policies.gates import BackendSnapshot
 from tests.store.test_scripts import req
 
@@ -40,9 +43,7 @@ class Recorder(RedisMetrics):
     """The boundary's metrics hook, keeping each command's arguments."""
 
     def __init__(self) -> None:
-        registry = CollectorRegistry()
-        super().__init__(Histogram("lat", "", ["command"], registry=registry),
-                         Counter("err", "", ["command"], registry=registry))
+        super().__init__(CollectorRegistry())
         self.calls: list[tuple[tuple[Any, ...], str]] = []
 
     def count(self, args: tuple[Any, ...], scripts: dict[str, str]) -> None:
@@ -66,32 +67,32 @@ def script_files() -> set[str]:
 
 
 async def exercise_store(client: BoundaryRedis, model: str) -> None:
-    store = Store(client, 600)
+    store = Store.over(client, 600)
     now = time.time()
-    await store.heartbeat([model], "r1", now, {model: now})
-    await store.heartbeat([model], "r2", now, {model: now})
+    await store.replicas.heartbeat([model], "r1", now, {model: now})
+    await store.replicas.heartbeat([model], "r2", now, {model: now})
     snap = BackendSnapshot(waiting=0, running=0, kv_usage=0.1, tpot_s=0.02, taken_at_s=now)
-    stored = await store.store_snapshot(model, "b1", snap, "{}")
+    stored = await store.fleet.store_snapshot(model, "b1", snap, "{}")
     assert stored.stored, "the snapshot was not stored"
-    assert await store.publish_failure(model, "b2", 1) == "1"
-    queued, views = (await store.scrape_leases("s1", 1.0, {model: [
+    assert await store.fleet.publish_failure(model, "b2", 1) == "1"
+    queued, views = (await store.fleet.scrape_leases("s1", 1.0, {model: [
         LeaseWish("b1", True), LeaseWish("b2", True)]}))[model]
     assert queued == 0 and views["b1"].held and views["b2"].published is not None, views
     reqs = [req("a1", "alice", at=now), req("b1", "bob", at=now, owner="r2"),
             req("c1", "carol", at=now)]
     then = dispatch_args(model, "b1", {"default": 1}, "r1", now, 10.0)
-    positions, done = await store.enqueue_many(model, reqs[:2], 10, then=then)
+    positions, done = await store.queue.enqueue_many(model, reqs[:2], 10, then=then)
     assert positions == [1, 1] and done is not None and len(done.grants) == 1, (positions, done)
     first = done.grants[0]
-    await store.enqueue(model, reqs[2], 10)
-    grants, depth = await store.dispatch(model, "b1", ALL_OPEN, "r1", now, 10.0, max_grants=2)
+    await store.queue.enqueue(model, reqs[2], 10)
+    grants, depth = await store.queue.dispatch(model, "b1", ALL_OPEN, "r1", now, 10.0, max_grants=2)
     assert len(grants) == 2 and depth == 0, (grants, depth)
-    await store.mark_started(model, grants[0], now + 0.1,
+    await store.queue.mark_started(model, grants[0], now + 0.1,
                              then=dispatch_args(model, "b1", ALL_OPEN, "r1", now, 10.0))
     ledger = UsageLedger(client, 30, lambda: [model])
     usage = ledger.counts(ApiKey(key="sk-x", user="alice"), model, "default", 12, 3,
                           error=False, now=now)
-    released, _ = await store.settle_and_dispatch(
+    released, _ = await store.queue.settle_and_dispatch(
         model, first, 5.0, usage=usage, starts=[Start(grants[1].request_id, "b1", now)],
         then=dispatch_args(model, "b1", ALL_OPEN, "r1", now, 10.0))
     assert released, "the settle released nothing"
@@ -100,29 +101,30 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     assert [(r["user"], r["requests"], r["prompt_tokens"]) for r in rows] == [
         ("alice", 1, 12)], rows
     await ledger.record(ApiKey(key="sk-y", user="bob"), model, "default", 0, 0, error=True)
-    await store.enqueue(model, req("d1", "dave", at=now), 10)
-    assert await store.cancel(model, "d1", "dave", "default"), "cancel found nothing"
-    assert await store.add_service(model, {"alice": 10.0}, now, 60.0, 100, 3600) == 1
-    assert set(await store.service_shares(model)) == {"alice"}
-    states = await store.backend_states(model, ["b1", "b2"])
+    await store.queue.enqueue(model, req("d1", "dave", at=now), 10)
+    assert await store.queue.cancel(model, "d1", "dave", "default"), "cancel found nothing"
+    assert await store.shares.add_service(model, {"alice": 10.0}, now, 60.0, 100, 3600) == 1
+    assert set(await store.shares.service_shares(model)) == {"alice"}
+    states = await store.fleet.backend_states(model, ["b1", "b2"])
     assert states["b1"].inflight == 2, states
-    assert {g.request_id for g, _ in await store.held_by(model, "r1")} <= {"a1", "b1", "c1"}
-    await store.queued_users(model, 5)
-    await store.queued_sample(model, 5)
-    await store.queue_place(model, "default", "alice", None)
-    await store.set_drained(model, "b2", True)
-    assert await store.next_order(model, "r2", 0.01) is not None or True
-    view = await store.preemption_view(model, ["interactive", "default", "batch"], 0.0)
+    held = await store.replicas.held_by(model, "r1")
+    assert {g.request_id for g, _ in held} <= {"a1", "b1", "c1"}
+    await store.reads.queued_users(model, 5)
+    await store.reads.queued_sample(model, 5)
+    await store.reads.queue_place(model, "default", "alice", None)
+    await store.fleet.set_drained(model, "b2", True)
+    assert await store.replicas.next_order(model, "r2", 0.01) is not None or True
+    view = await store.preempts.preemption_view(model, ["interactive", "default", "batch"], 0.0)
     assert {r["id"] for r in view.inflight} <= {"a1", "b1", "c1"}, view
     order = Preempt(grants[1].request_id, grants[1].request_id, "b1")
-    if await store.order_preemption(model, order, now, 2, 0.1, 5.0):
-        await store.preempt_refused(model, order)
-    assert await store.reap(model, now + 60, 3.0) >= 0
-    await store.enqueue(model, req("e1", "app/eve", at=now), 10)  # a trusted key's end user
-    assert await store.cancel(model, "e1", "app/eve", "default"), "cancel found nothing"
-    assert await store.forget_idle(model, now + 60, 30.0, 10) == (1, 0)
-    await store.add_history(int(now * 1000), {"n": 1.0, f"d:{model}": 2.0}, {"tmax": 0.5}, 60)
-    assert (await store.history(int(now * 1000)))[-1][1]["n"] >= 1
+    if await store.preempts.order_preemption(model, order, now, 2, 0.1, 5.0):
+        await store.preempts.preempt_refused(model, order)
+    assert await store.queue.reap(model, now + 60, 3.0) >= 0
+    await store.queue.enqueue(model, req("e1", "app/eve", at=now), 10)  # a trusted key's end user
+    assert await store.queue.cancel(model, "e1", "app/eve", "default"), "cancel found nothing"
+    assert await store.queue.forget_idle(model, now + 60, 30.0, 10) == (1, 0)
+    await store.reads.add_history(int(now * 1000), {"n": 1.0, f"d:{model}": 2.0}, {"tmax": 0.5}, 60)
+    assert (await store.reads.history(int(now * 1000)))[-1][1]["n"] >= 1
 
 
 async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:
@@ -147,12 +149,12 @@ async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:
     token = await sessions.open("admin")
     await sessions.close(token)
 
-    store = Store(client, 600)
+    store = Store.over(client, 600)
     listed = SettingsHolder(load_settings(None, backends=[
         {"name": "c0", "url": "http://127.0.0.1:9", "model": "m"}]))
     async with aiohttp.ClientSession() as session:
-        backends = BackendList(client, listed, BackendPool(listed, session, store,
-                                                           GatewayMetrics()), store)
+        backends = BackendList(client, listed, BackendPool(listed, session, store.fleet,
+                                                           GatewayMetrics()), store.fleet)
         await backends.add(Backend(name="rt0", url="http://127.0.0.1:10", model="m"), ADMIN)
         assert await backends.remove("rt0", 0.0, ADMIN) is None, "the idle backend stayed"
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Grant, Locality, QueuedRequest, Store
+from gateway.storage.records import Grant, Locality, QueuedRequest
+from gateway.storage.store import Store
 from policies.locality import DISPATCH_REASONS
 
 M = "m"
@@ -17,20 +18,21 @@ AFFINITY = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0,
 
 
 async def one(store: Store, backend: str, locality: Locality | None) -> Grant:
-    grants, _ = await store.dispatch(M, backend, OPEN, "r1", 1000.0, 10.0, locality=locality)
+    grants, _ = await store.queue.dispatch(M, backend, OPEN, "r1", 1000.0, 10.0, locality=locality)
     assert len(grants) == 1
     assert grants[0].reason in DISPATCH_REASONS
     return grants[0]
 
 
 async def enqueue(store: Store, rid: str, user: str, prefix: tuple[str, ...]) -> None:
-    await store.enqueue(M, QueuedRequest(rid, user, "default", "r1", 10.0, 1000.0, prefix), 10)
+    await store.queue.enqueue(
+        M, QueuedRequest(rid, user, "default", "r1", 10.0, 1000.0, prefix), 10)
 
 
 async def test_locality_reports_cache_hits_spills_and_fairness_order(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     await redis.zadd(K.backend_prefixes("b1"), {"s1": 1000.0, "s2": 1000.0})
     await enqueue(store, "r-bob", "bob", ("s1", "s2", "s3"))
     hit = await one(store, "b1", AFFINITY)
@@ -58,8 +60,8 @@ async def test_locality_reports_cache_hits_spills_and_fairness_order(
 
 async def test_least_loaded_routing_reports_load_and_predicts_nothing(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     await redis.zadd(K.backend_prefixes("b1"), {"s1": 1000.0})
     await enqueue(store, "r-bob", "bob", ("s1",))
     grant = await one(store, "b1", None)

@@ -24,7 +24,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Grant, Locality, QueuedRequest, Store
+from gateway.storage.records import Grant, Locality, QueuedRequest
+from gateway.storage.store import Store
 from policies.fairness import (
     POLICIES,
     FairnessPolicy,
@@ -61,11 +62,11 @@ class Bench:
         for _ in range(count):
             self.ids += 1
             cost = self.policy.dispatch_cost(self.prompts[user], self.weights[user])
-            await self.store.enqueue(M, QueuedRequest(f"{user}-{self.ids}", user, "default",
+            await self.store.queue.enqueue(M, QueuedRequest(f"{user}-{self.ids}", user, "default",
                                                       "r1", cost, 1000.0), 10**6)
 
     async def step(self) -> Grant:
-        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+        (grant,), _ = await self.store.queue.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
         prompt, weight = self.prompts[grant.user], self.weights[grant.user]
         self.served[grant.user] += self.policy.service(prompt, OUTPUT, weight)
         self.inflight.append(grant)
@@ -76,7 +77,7 @@ class Bench:
     async def settle_one(self) -> None:
         old = self.inflight.popleft()
         prompt, weight = self.prompts[old.user], self.weights[old.user]
-        await self.store.settle(M, old, self.policy.settle_charge(prompt, prompt, OUTPUT,
+        await self.store.queue.settle(M, old, self.policy.settle_charge(prompt, prompt, OUTPUT,
                                                                   weight))
 
     def bound(self) -> float:
@@ -91,8 +92,8 @@ class Bench:
 
 async def bench(redis: aioredis.Redis, name: str, prompts: dict[str, int],
                 weights: dict[str, float]) -> Bench:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     return Bench(store, policy_for(name), prompts, weights)
 
 
@@ -171,14 +172,14 @@ class TenantBench:
         tenant, prompt, weight = self.users[user]
         for _ in range(count):
             self.ids += 1
-            await self.store.enqueue(M, QueuedRequest(
+            await self.store.queue.enqueue(M, QueuedRequest(
                 f"{user}-{self.ids}", user, "default", "r1",
                 self.policy.dispatch_cost(prompt, weight), 1000.0,
                 chain or (f"{user}-{self.ids}",), tenant,
                 self.policy.dispatch_cost(prompt, self.tenants[tenant])), 10**6)
 
     async def step(self, locality: Locality | None = None) -> Grant:
-        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
+        (grant,), _ = await self.store.queue.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
                                                  locality=locality)
         tenant, prompt, weight = self.users[grant.user]
         self.user_served[grant.user] += self.policy.service(prompt, OUTPUT, weight)
@@ -192,7 +193,7 @@ class TenantBench:
     async def settle_one(self) -> None:
         old = self.inflight.popleft()
         tenant, prompt, weight = self.users[old.user]
-        await self.store.settle(
+        await self.store.queue.settle(
             M, old, self.policy.settle_charge(prompt, prompt, OUTPUT, weight),
             self.policy.settle_charge(prompt, prompt, OUTPUT, self.tenants[tenant]))
 
@@ -229,8 +230,8 @@ class TenantBench:
 async def tenant_bench(redis: aioredis.Redis, name: str,
                        users: dict[str, tuple[str, int, float]],
                        tenants: dict[str, float]) -> TenantBench:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     return TenantBench(store, policy_for(name), users, tenants)
 
 
@@ -299,8 +300,8 @@ async def test_the_scripts_follow_the_plain_model(redis: aioredis.Redis) -> None
     """Random arrivals, dispatches and settles: the Redis scripts serve users in the order
     of policies/fairness.TwoLevel (settled at once, so scores are exact)."""
     rng = random.Random(7)
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     model = TwoLevel()
     members = {"a1": "A", "a2": "A", "a3": "A", "b1": "B", "c1": "C", "c2": "C"}
     weights = {"A": 1.0, "B": 2.0, "C": 0.5}
@@ -311,12 +312,12 @@ async def test_the_scripts_follow_the_plain_model(redis: aioredis.Redis) -> None
             tenant, cost = members[user], float(rng.choice((1, 3, 10)))
             ids += 1
             model.enqueue(tenant, user, cost, cost / weights[tenant])
-            await store.enqueue(M, QueuedRequest(f"{user}-{ids}", user, "default", "r1",
+            await store.queue.enqueue(M, QueuedRequest(f"{user}-{ids}", user, "default", "r1",
                                                  cost, 1000.0, (), tenant,
                                                  cost / weights[tenant]), 10**6)
             continue
         expected = model.dispatch()
-        grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
+        grants, _ = await store.queue.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0)
         if expected is None:
             assert grants == []
             continue
@@ -324,24 +325,24 @@ async def test_the_scripts_follow_the_plain_model(redis: aioredis.Redis) -> None
         assert (members[grant.user], grant.user) == expected
         extra = float(rng.choice((0, 2, 5)))
         model.settle(expected[0], grant.user, extra, extra / weights[expected[0]])
-        await store.settle(M, grant, extra, extra / weights[expected[0]])
+        await store.queue.settle(M, grant, extra, extra / weights[expected[0]])
 
 
 async def test_locality_bends_both_levels_within_the_slack(redis: aioredis.Redis) -> None:
     """With a slack, a cached request of a user within it of its tenant's least-served
     user, in a tenant within it of the least-served tenant, goes first; a tenant beyond
     the slack does not, whatever its users."""
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     await redis.zadd(K.backend_prefixes("b1"), {"hot": 1000.0})
     loc = Locality(slack=50.0, candidates=8, index_size=100, index_ttl_s=60.0)
     for rid, user, tenant, chain in (("a1-r", "a1", "A", ("x",)), ("a2-r", "a2", "A", ("hot",)),
                                      ("b1-r", "b1", "B", ("y",)), ("c1-r", "c1", "C", ("hot",))):
-        await store.enqueue(M, QueuedRequest(rid, user, "default", "r1", 10.0, 1000.0, chain,
+        await store.queue.enqueue(M, QueuedRequest(rid, user, "default", "r1", 10.0, 1000.0, chain,
                                              tenant), 10)
     await redis.zadd(K.active("default"), {"A": 130.0, "B": 100.0, "C": 151.0})
     await redis.zadd(K.users("default", "A"), {"a1": 0.0, "a2": 40.0})
-    grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=loc)
+    grants, _ = await store.queue.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0, locality=loc)
     assert [g.request_id for g in grants] == ["a2-r"]  # C is 51 above B: beyond the slack
     candidates = within_slack([(100.0, [(0.0, "b1")]), (130.0, [(0.0, "a1"), (40.0, "a2")]),
                                (151.0, [(0.0, "c1")])], 50.0, 8)
@@ -376,14 +377,14 @@ async def test_locality_keeps_both_levels_within_their_bounds_plus_the_slack(
 async def test_a_queued_requests_place_is_read_in_its_tenant(redis: aioredis.Redis) -> None:
     """For wait estimates: a queued request's tenant comes from its hash, its score is its
     tenant's and its index is in its user's queue within that tenant."""
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     for rid in ("x1", "x2"):
-        await store.enqueue(M, QueuedRequest(rid, "alice", "default", "r1", 5.0, 1000.0, (),
+        await store.queue.enqueue(M, QueuedRequest(rid, "alice", "default", "r1", 5.0, 1000.0, (),
                                              "research"), 10)
     await redis.zadd(K.active("default"), {"research": 42.0})
-    assert await store.queue_place(M, "default", "alice", "x2") == (42.0, 1)
-    assert await store.queue_place(M, "default", "alice", None, "research") == (42.0, 2)
-    assert await store.queue_place(M, "default", "bob", None) == (None, 0)
+    assert await store.reads.queue_place(M, "default", "alice", "x2") == (42.0, 1)
+    assert await store.reads.queue_place(M, "default", "alice", None, "research") == (42.0, 2)
+    assert await store.reads.queue_place(M, "default", "bob", None) == (None, 0)
 
 
 # --- sessions: the third level, within a user ------------------------------------------
@@ -401,13 +402,13 @@ class SessionBench(Bench):
         for _ in range(count):
             self.ids += 1
             cost = self.policy.dispatch_cost(self.prompts[user], self.weights[user])
-            await self.store.enqueue(M, QueuedRequest(
+            await self.store.queue.enqueue(M, QueuedRequest(
                 f"{user}-{self.ids}", user, "default", "r1", cost, 1000.0,
                 session=session), 10**6)
             self.sessions[f"{user}-{self.ids}"] = session
 
     async def step(self) -> Grant:
-        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
+        (grant,), _ = await self.store.queue.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
                                                  sessions=True)
         prompt, weight = self.prompts[grant.user], self.weights[grant.user]
         service = self.policy.service(prompt, OUTPUT, weight)
@@ -424,8 +425,8 @@ class SessionBench(Bench):
 @pytest.mark.parametrize("a_sessions", [1, 50])
 async def test_a_users_share_is_the_same_whatever_its_sessions(
         redis: aioredis.Redis, name: str, a_sessions: int) -> None:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     b = SessionBench(store, policy_for(name), {"a": 100, "b": 300}, {"a": 1.0, "b": 1.0})
     for s in range(a_sessions):
         await b.enqueue_in("a", f"s{s}", 400 // a_sessions)
@@ -440,8 +441,8 @@ async def test_a_users_share_is_the_same_whatever_its_sessions(
 @pytest.mark.parametrize("name", POLICIES)
 async def test_backlogged_sessions_of_a_user_share_its_service(
         redis: aioredis.Redis, name: str) -> None:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     b = SessionBench(store, policy_for(name), {"a": 100, "b": 100}, {"a": 1.0, "b": 1.0})
     await b.enqueue_in("a", "agent", 300)  # an agent's parallel calls
     await b.enqueue_in("a", "chat", 100)
@@ -482,7 +483,7 @@ class CacheBench:
     async def enqueue(self, user: str, count: int) -> None:
         for _ in range(count):
             self.ids += 1
-            await self.store.enqueue(M, QueuedRequest(
+            await self.store.queue.enqueue(M, QueuedRequest(
                 f"{user}-{self.ids}", user, "default", "r1",
                 self.policy.dispatch_cost(PROMPT, 1.0), 1000.0, self.chain(user),
                 prompt_tokens=PROMPT, credit=self.policy.cached_credit(1.0)), 10**6)
@@ -491,7 +492,7 @@ class CacheBench:
         return PROMPT - (ENGINE_CACHED if user == "hot" else 0)
 
     async def step(self, locality: Locality) -> Grant:
-        (grant,), _ = await self.store.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
+        (grant,), _ = await self.store.queue.dispatch(M, "b1", OPEN, "r1", 1000.0, 10.0,
                                                  locality=locality)
         computed = self.engine_computed(grant.user)
         service = self.policy.service(computed, OUTPUT, 1.0)
@@ -511,12 +512,12 @@ class CacheBench:
         charge = self.policy.settle_charge(self.engine_computed(old.user),
                                            charged_prompt(PROMPT, old.charged_prompt),
                                            OUTPUT, 1.0)
-        await self.store.settle(M, old, charge, charge)
+        await self.store.queue.settle(M, old, charge, charge)
 
 
 async def cache_bench(redis: aioredis.Redis, name: str) -> CacheBench:
-    store = Store(redis, 600)
-    await store.heartbeat([M], "r1", 1000.0)
+    store = Store.over(redis, 600)
+    await store.replicas.heartbeat([M], "r1", 1000.0)
     b = CacheBench(store, policy_for(name))
     # the backend was sent hot's prompt before: its index holds the chain
     await redis.zadd(K.backend_prefixes("b1"), dict.fromkeys(b.chain("hot"), 1000.0))

@@ -9,7 +9,8 @@ import dataclasses
 import redis.asyncio as aioredis
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Store, Who
+from gateway.storage.records import Who
+from gateway.storage.store import Store
 from gateway.storage.values import SEEN
 from tests.store.test_scripts import ALL_OPEN, M, alive, req
 
@@ -56,37 +57,38 @@ async def memory(redis: aioredis.Redis) -> int:
 async def serve(store: Store, user: str, rid: str, at: float, charge: float = 10.0,
                 tenant: str = "") -> None:
     """One request of ``user`` queued, dispatched and settled at ``at``."""
-    await store.enqueue(M, dataclasses.replace(req(rid, user, at=at), tenant=tenant), 10)
-    grants, _ = await store.dispatch(M, "b1", NO_BATCH, "r1", at, 10.0)
+    await store.queue.enqueue(M, dataclasses.replace(req(rid, user, at=at), tenant=tenant), 10)
+    grants, _ = await store.queue.dispatch(M, "b1", NO_BATCH, "r1", at, 10.0)
     assert [g.request_id for g in grants] == [rid], grants
-    released, _ = await store.settle_and_dispatch(M, grants[0], charge, now=at)
+    released, _ = await store.queue.settle_and_dispatch(M, grants[0], charge, now=at)
     assert released, f"{rid} was not released"
 
 
 async def test_idle_end_users_leave_nothing_while_active_ones_keep_their_state(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     await alive(store, "r1")
     users = [f"app/u{i}" for i in range(200)]
     for i, user in enumerate(users):  # every end user its own tenant, a tenant's users too
         await serve(store, user, f"r{i}", T0, tenant="acme" if i % 4 == 0 else "")
     await serve(store, "bob", "rb", T0)  # a key's own user: not an end user, kept
-    await store.add_service(M, {u: 1.0 for u in users[:5]}, T0, 60.0, 1000, 3600,
+    await store.shares.add_service(M, {u: 1.0 for u in users[:5]}, T0, 60.0, 1000, 3600,
                             {u: Who() for u in users[:5]})
     running, queued = "app/a-running", "app/b-queued"
-    await store.enqueue(M, req("f1", running, at=T0), 10)
-    await store.enqueue(M, req("q1", queued, at=T0), 10)
+    await store.queue.enqueue(M, req("f1", running, at=T0), 10)
+    await store.queue.enqueue(M, req("q1", queued, at=T0), 10)
     # equal scores: the first by name is served, the other stays queued
-    await store.dispatch(M, "b1", {"interactive": 0, "default": 1, "batch": 0}, "r1", T0, 10.0)
-    assert await store.user_inflight(M) == {running: 1}
+    await store.queue.dispatch(
+        M, "b1", {"interactive": 0, "default": 1, "batch": 0}, "r1", T0, 10.0)
+    assert await store.reads.user_inflight(M) == {running: 1}
     before, bytes_before = await end_user_state(redis), await memory(redis)
     fields_before = count(before)
     assert fields_before >= 3 * len(users), f"end-user state before: {before}"
     assert await redis.zcard(K.seen) == len(users) + 2
 
     # not idle long enough yet: nothing goes
-    assert await store.forget_idle(M, T0 + IDLE_S - 1, IDLE_S, 1000) == (0, 0)
-    forgotten, kept = await store.forget_idle(M, T0 + IDLE_S + 1, IDLE_S, 1000)
+    assert await store.queue.forget_idle(M, T0 + IDLE_S - 1, IDLE_S, 1000) == (0, 0)
+    forgotten, kept = await store.queue.forget_idle(M, T0 + IDLE_S + 1, IDLE_S, 1000)
 
     after, bytes_after = await end_user_state(redis), await memory(redis)
     message = (f"{fields_before} end-user fields/keys, {bytes_before} B before; "
@@ -107,15 +109,15 @@ async def test_idle_end_users_leave_nothing_while_active_ones_keep_their_state(
 
 async def test_a_pass_forgets_at_most_its_limit_the_longest_idle_first(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     await alive(store, "r1")
-    await store.enqueue(M, req("q0", "app/busy", "batch", at=T0 - 1), 10)  # oldest, queued
+    await store.queue.enqueue(M, req("q0", "app/busy", "batch", at=T0 - 1), 10)  # oldest, queued
     for i in range(50):
         await serve(store, f"app/u{i}", f"r{i}", T0 + i)
     now = T0 + 100 + IDLE_S
     passes = []
     while True:
-        forgotten, kept = await store.forget_idle(M, now, IDLE_S, 20)
+        forgotten, kept = await store.queue.forget_idle(M, now, IDLE_S, 20)
         passes.append((forgotten, kept))
         if forgotten == 0 and kept == 0:
             break
@@ -130,29 +132,29 @@ async def test_a_pass_forgets_at_most_its_limit_the_longest_idle_first(
 
 
 async def test_enqueue_and_settle_mark_the_last_seen_time(redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     await alive(store, "r1")
-    await store.enqueue(M, dataclasses.replace(req("a", "app/x", at=T0), tenant="acme"), 10)
+    await store.queue.enqueue(M, dataclasses.replace(req("a", "app/x", at=T0), tenant="acme"), 10)
     entry = SEEN.encode("acme", "app/x")
     assert await redis.zscore(K.seen, entry) == T0
-    grants, _ = await store.dispatch(M, "b1", ALL_OPEN, "r1", T0, 10.0)
-    await store.settle_and_dispatch(M, grants[0], 5.0, now=T0 + 30)
+    grants, _ = await store.queue.dispatch(M, "b1", ALL_OPEN, "r1", T0, 10.0)
+    await store.queue.settle_and_dispatch(M, grants[0], 5.0, now=T0 + 30)
     assert await redis.zscore(K.seen, entry) == T0 + 30
-    await store.enqueue(M, req("b", "carol", at=T0), 10)  # a key's user: not tracked
+    await store.queue.enqueue(M, req("b", "carol", at=T0), 10)  # a key's user: not tracked
     assert await redis.zcard(K.seen) == 1
 
 
 async def test_a_forgotten_end_user_returns_as_a_new_user(redis: aioredis.Redis) -> None:
     """Its saved score goes: it joins each level at the smallest active score, exactly
     as an end user of a new name would (which a trusted key may send at any time)."""
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     await alive(store, "r1")
     await serve(store, "app/heavy", "h1", T0, charge=1000.0)
     saved = float(await redis.hget(K.saved("default"), "app/heavy") or 0)
     assert saved > 1000, saved
-    await store.enqueue(M, req("o1", "app/other", at=T0 + IDLE_S), 10)
-    assert await store.forget_idle(M, T0 + IDLE_S + 1, IDLE_S, 100) == (1, 0)
-    await store.enqueue(M, req("h2", "app/heavy", at=T0 + IDLE_S + 2), 10)
-    await store.enqueue(M, req("n1", "app/new", at=T0 + IDLE_S + 2), 10)
+    await store.queue.enqueue(M, req("o1", "app/other", at=T0 + IDLE_S), 10)
+    assert await store.queue.forget_idle(M, T0 + IDLE_S + 1, IDLE_S, 100) == (1, 0)
+    await store.queue.enqueue(M, req("h2", "app/heavy", at=T0 + IDLE_S + 2), 10)
+    await store.queue.enqueue(M, req("n1", "app/new", at=T0 + IDLE_S + 2), 10)
     scores = dict(await redis.zrange(K.active("default"), 0, -1, withscores=True))
     assert scores["app/heavy"] == scores["app/new"] == scores["app/other"], scores

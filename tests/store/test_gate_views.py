@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from gateway.storage.dispatch_call import dispatch_args
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Dispatched, Store, dispatch_args
+from gateway.storage.records import Dispatched
+from gateway.storage.store import Store
 from policies.gates import BackendSnapshot, Gate
 from tests.store.test_scripts import alive, req
 
@@ -18,7 +20,7 @@ BURST = Gate(3)  # what a snapshot with an empty queue admits: max_waiting 3
 
 async def decision(store: Store, now: float, seen: float | None, gate: Gate = BURST
                    ) -> Dispatched:
-    [done] = await store.dispatch_with(M, [dispatch_args(
+    [done] = await store.queue.dispatch_with(M, [dispatch_args(
         M, "b1", {"default": gate}, "r1", now, 10.0, max_grants=10, seen=seen)])
     return done
 
@@ -28,7 +30,7 @@ async def decide(store: Store, now: float, seen: float | None, gate: Gate = BURS
 
 
 async def snapshot(store: Store, taken_at: float, waiting: int, running: int) -> None:
-    stored = await store.store_snapshot(M, "b1", BackendSnapshot(waiting, running, 0.1, None,
+    stored = await store.fleet.store_snapshot(M, "b1", BackendSnapshot(waiting, running, 0.1, None,
                                                                  taken_at))
     assert stored.stored, taken_at
 
@@ -36,12 +38,12 @@ async def snapshot(store: Store, taken_at: float, waiting: int, running: int) ->
 async def flood(store: Store, n: int) -> None:
     await alive(store, "r1")
     for i in range(n):
-        await store.enqueue(M, req(f"a{i}", "alice"), 100)
+        await store.queue.enqueue(M, req(f"a{i}", "alice"), 100)
 
 
 async def test_a_decision_by_the_snapshot_before_counts_what_was_sent_since_it(
         redis: aioredis.Redis) -> None:
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     await flood(store, 12)
     await snapshot(store, 1000.1, waiting=0, running=4)
     first = await decide(store, 1000.2, seen=1000.1)
@@ -71,7 +73,7 @@ async def test_a_grant_decided_before_a_scrape_began_counts_as_sent_after_it(
     """The decision's caller read its clock (now 1000.05) before the scrape began (1000.1),
     but its call reached Redis after that snapshot was stored: so did the request reach
     the backend, after the scrape. It must count as sent since that snapshot."""
-    store = Store(redis, 600)
+    store = Store.over(redis, 600)
     await flood(store, 3)
     await snapshot(store, 1000.1, waiting=0, running=4)
     [granted] = await decide(store, 1000.05, seen=None, gate=Gate(1))

@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import QueuedRequest, Store, load_library
+from gateway.storage.records import QueuedRequest
+from gateway.storage.scripts import load_library
+from gateway.storage.store import Store
 from policies.fairness import Pick, TwoLevel
 from policies.locality import LocalityView, matched
 from policies.prefill import TOKENS_PER_BLOCK, Pool, PromptRange, uncached_tokens
@@ -41,18 +43,18 @@ local session = fairness.session(class, tenant, user)
 local queue = queue_of(prefix, class, tenant, user, session)
 id = id or redis.call('LINDEX', queue, 0)
 redis.call('LREM', queue, 1, id)
-local f = redis.call('HMGET', key_request(prefix, id), 'cost', 'tcost', 'ptok', 'prefix',
-  'hit', 'thit')
-local cost = tonumber(f[1]) or 0
-local tcost = tonumber(f[2]) or cost
+local f = request_get(key_request(prefix, id), 'cost', 'tcost', 'ptok', 'prefix', 'hit',
+  'thit')
+local cost = tonumber(f.cost) or 0
+local tcost = tonumber(f.tcost) or cost
 -- the prompt tokens the index predicts uncached, charged at their cost (dispatch.lua)
-local ptok = tonumber(f[3]) or 0
+local ptok = tonumber(f.ptok) or 0
 local tokens = ptok
 if tokens > 0 then
-  tokens = math.max(0, tokens - (held or locality.held_blocks(f[4])) * a.block_tokens)
+  tokens = math.max(0, tokens - (held or locality.held_blocks(f.prefix)) * a.block_tokens)
 end
-cost = predicted_cost(cost, tonumber(f[5]) or 0, ptok, tokens)
-tcost = predicted_cost(tcost, tonumber(f[6]) or 0, ptok, tokens)
+cost = predicted_cost(cost, tonumber(f.hit) or 0, ptok, tokens)
+tcost = predicted_cost(tcost, tonumber(f.thit) or 0, ptok, tokens)
 fairness.charge(class, tenant, user, session, queue, a.active, a.saved, cost, tcost)
 return {tenant, user, id, held or -1, tokens, session or cjson.null}
 """
@@ -182,8 +184,8 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
         await client.flushdb()
         name = f"spec{next(models)}"
         k = ModelKeys(name)
-        store = Store(client, 600)
-        await store.heartbeat([name], "r1", 1000.0)
+        store = Store.over(client, 600)
+        await store.replicas.heartbeat([name], "r1", 1000.0)
         others = await place_indexes(client, k, backend)
         dispatch = client.register_script(load_library() + DISPATCH)
         settle = client.register_script(load_library() + SETTLE)
@@ -204,7 +206,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 queued = QueuedRequest(rid, user, CLASS, "r1", cost, 1000.0, tuple(chain),
                                        tenant, tcost, deadline, ptok, session=session,
                                        credit=credit, tenant_credit=tcredit)
-                got = await store.enqueue(name, queued, backend["max_queued"])
+                got = await store.queue.enqueue(name, queued, backend["max_queued"])
                 # a request without a chain is never predicted cached: no credit kept
                 want = model.enqueue(tenant, user, cost, tcost, rid, deadline,
                                      backend["max_queued"], session, ptok,
@@ -220,9 +222,9 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 args = {**common, "backend": BACKEND, "load": backend["load"], "now": 1000.0,
                         "block_tokens": TOKENS_PER_BLOCK,
                         "range": {"min": backend["min"], "max": backend["max"]},
-                        "locality": {"slack": backend["slack"], "compared": backend["compared"],
+                        "locality": {"slack": backend["slack"], "candidates": backend["compared"],
                                      "lookahead": backend["lookahead"], "index_size": 100,
-                                     "index_ttl": 600, "max_imbalance": backend["max_imbalance"],
+                                     "index_ttl_s": 600, "max_imbalance": backend["max_imbalance"],
                                      "others": others}}
                 if backend["sessions"]:
                     args["sessions"] = True
@@ -255,7 +257,7 @@ async def run(redis_url: str, backend: dict[str, Any], ops: list[tuple[Any, ...]
                 model.settle(done.tenant, done.user, charge, tcharge, done.session)
             elif op[0] == "cancel" and enqueued:
                 tenant, user, rid, session = enqueued[op[1] % len(enqueued)]
-                got_cancel = await store.cancel(name, rid, user, CLASS, tenant, session)
+                got_cancel = await store.queue.cancel(name, rid, user, CLASS, tenant, session)
                 want_cancel = model.cancel(tenant, user, rid, session)
                 assert got_cancel == want_cancel, (
                     f"{where}: lua cancelled {got_cancel}, policies {want_cancel}")

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import Grant, QueuedRequest, Store
+from gateway.storage.records import Grant, QueuedRequest
+from gateway.storage.store import Store
 from policies.fleet import Fleet
 from tests.store.test_lua_fairness_spec import CLASS, MEMBERS, quarters, state, twin_state
 
@@ -40,8 +41,8 @@ async def run(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
         await client.flushdb()
         n = next(names)
         models = [f"fleet{n}a", f"fleet{n}b"]
-        store = Store(client, 600, fleet=models)
-        await store.heartbeat(models, "r1", 1000.0)
+        store = Store.over(client, 600, fleet=models)
+        await store.replicas.heartbeat(models, "r1", 1000.0)
         twin = Fleet()
         for m in models:
             twin.engine(m)
@@ -52,14 +53,14 @@ async def run(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
             if op[0] == "enqueue":
                 _, i, (tenant, user), cost, tcost = op
                 rid = f"r{step}"
-                got = await store.enqueue(models[i], QueuedRequest(
+                got = await store.queue.enqueue(models[i], QueuedRequest(
                     rid, user, CLASS, "r1", cost, 1000.0, (), tenant, tcost), 10**6)
                 want = twin.enqueue(models[i], tenant, user, cost, tcost, rid)
                 assert got == want, f"{where}: lua queue length {got}, policies {want}"
                 whose[rid] = (tenant, user)
             elif op[0] == "dispatch":
                 model = models[op[1]]
-                grants, _ = await store.dispatch(model, "b1", OPEN, "r1", 1000.0, 10.0)
+                grants, _ = await store.queue.dispatch(model, "b1", OPEN, "r1", 1000.0, 10.0)
                 got_pick = whose[grants[0].request_id] if grants else None
                 want_pick = twin.dispatch(model)
                 assert got_pick == want_pick, (
@@ -68,7 +69,7 @@ async def run(redis_url: str, ops: list[tuple[Any, ...]]) -> None:
             elif op[0] == "settle" and dispatched:
                 _, k, charge, tcharge = op
                 model, grant = dispatched.pop(k % len(dispatched))
-                await store.settle(model, grant, charge, tcharge)
+                await store.queue.settle(model, grant, charge, tcharge)
                 twin.settle(model, *whose[grant.request_id], charge, tcharge)
         for m in models:
             got_state, want_state = await state(client, ModelKeys(m)), twin_state(
@@ -98,17 +99,17 @@ async def test_a_charge_counts_on_every_model_only_in_fleet_scope(
     in fleet scope (B goes first), not per model (A goes first, by name)."""
     for fleet, first in ((("x", "y"), "b1"), ((), "a1")):
         await redis.flushdb()
-        store = Store(redis, 600, fleet=fleet)
-        await store.heartbeat(["x", "y"], "r1", 1000.0)
+        store = Store.over(redis, 600, fleet=fleet)
+        await store.replicas.heartbeat(["x", "y"], "r1", 1000.0)
         for model, tenant, user, rid in (("y", "A", "a1", "y1"), ("y", "B", "b1", "y2"),
                                          ("x", "A", "a1", "x1")):
-            await store.enqueue(model, QueuedRequest(rid, user, CLASS, "r1", 1.0, 1000.0,
+            await store.queue.enqueue(model, QueuedRequest(rid, user, CLASS, "r1", 1.0, 1000.0,
                                                      (), tenant, 1.0), 100)
-        (grant,), _ = await store.dispatch("x", "b1", OPEN, "r1", 1000.0, 10.0)
-        await store.settle("x", grant, 7.0, 7.0)
+        (grant,), _ = await store.queue.dispatch("x", "b1", OPEN, "r1", 1000.0, 10.0)
+        await store.queue.settle("x", grant, 7.0, 7.0)
         y = ModelKeys("y")
         scores = dict(await redis.zrange(y.active(CLASS), 0, -1, withscores=True))
-        (served,), _ = await store.dispatch("y", "b1", OPEN, "r1", 1000.0, 10.0)
+        (served,), _ = await store.queue.dispatch("y", "b1", OPEN, "r1", 1000.0, 10.0)
         assert served.user == first, (fleet, served.user, scores)
         assert scores == ({"A": 8.0, "B": 0.0} if fleet else {"A": 0.0, "B": 0.0}), (
             fleet, scores)

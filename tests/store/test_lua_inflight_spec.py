@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import load_library
+from gateway.storage.scripts import load_library
 from policies.classes import CLASS_ORDER
 from policies.priority import InFlight, vllm_priority
 from policies.starvation import FloorPolicy, owed_class, remember

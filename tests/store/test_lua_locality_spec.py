@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import load_library
+from gateway.storage.scripts import load_library
 from policies.locality import LocalityView, PrefixIndex, matched
 from policies.prefill import PromptRange
 
@@ -45,7 +45,8 @@ for i, op in ipairs(a.ops) do
     out[i] = {length, elsewhere and 1 or 0}
     redis.call('DEL', req)
   elseif op.op == 'record' then
-    out[i] = L.record(op.chain, op.tokens)
+    local d = L.record(op.chain, op.tokens)
+    out[i] = {d.held, d.blocks, d.reason}
   else
     L.trim()
     out[i] = {}
@@ -131,8 +132,8 @@ def test_locality_lua_decides_as_policies_locality(sync_redis: redis.Redis,
     fits = {name: {"min": 0, "max": most} for name, (_, _, most)
             in zip(others, ex["others"], strict=True) if most is not None}
     args = {"prefix": prefix, "backend": "b1", "load": ex["load"], "index": ex["index"],
-            "loc": {"slack": ex["slack"], "compared": 8, "lookahead": 4,
-                    "index_size": ex["size"], "index_ttl": ex["ttl"],
+            "loc": {"slack": ex["slack"], "candidates": 8, "lookahead": 4,
+                    "index_size": ex["size"], "index_ttl_s": ex["ttl"],
                     "max_imbalance": ex["max_imbalance"], "others": others, "fits": fits},
             "other_indexes": [o for o, _, _ in ex["others"]],
             "other_loads": [load for _, load, _ in ex["others"]], "ops": ops}

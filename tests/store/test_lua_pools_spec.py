@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.storage.keys import ModelKeys
-from gateway.storage.store import load_library
+from gateway.storage.scripts import load_library
 from policies.prefill import PromptRange, may_backfill, prefill_fits
 
 K = ModelKeys("spec")

@@ -13,8 +13,9 @@ import pytest
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.storage.keys import ModelKeys
+from gateway.storage.records import QueuedRequest
 from gateway.storage.redis_client import connect_sentinel
-from gateway.storage.store import QueuedRequest, Store
+from gateway.storage.store import Store
 from tests.sentinel_rig import SentinelRig
 
 M = "m"
@@ -41,10 +42,10 @@ def counted(metrics: GatewayMetrics, script: str) -> float:
 async def test_sentinel_client_follows_a_failover(rig: SentinelRig) -> None:
     metrics = GatewayMetrics()
     client = connect_sentinel(rig.config(), metrics.redis, socket_connect_timeout=2)
-    store = Store(client, request_ttl_s=600)
+    store = Store.over(client, request_ttl_s=600)
     try:
-        await store.heartbeat([M], "r1", 1000.0)
-        assert await store.enqueue(M, QueuedRequest("a", "u", "default", "r1", 1.0, 1000.0),
+        await store.replicas.heartbeat([M], "r1", 1000.0)
+        assert await store.queue.enqueue(M, QueuedRequest("a", "u", "default", "r1", 1.0, 1000.0),
                                    10) == 1
         assert counted(metrics, "enqueue") >= 1, "the enqueue script was not counted"
         async with rig.master_client() as master:  # the client is on the master
@@ -58,15 +59,15 @@ async def test_sentinel_client_follows_a_failover(rig: SentinelRig) -> None:
 
         rig.kill_master()
         with pytest.raises(StoreUnavailable):
-            await store.enqueue(M, QueuedRequest("b", "u", "default", "r1", 1.0, 1001.0), 10)
+            await store.queue.enqueue(M, QueuedRequest("b", "u", "default", "r1", 1.0, 1001.0), 10)
         await rig.until_promoted()
 
         async with rig.replica_client() as promoted:
             await promoted.script_flush()  # a promoted replica need not hold our scripts
-        position = await store.enqueue(
+        position = await store.queue.enqueue(
             M, QueuedRequest("c", "u", "default", "r1", 1.0, 1002.0), 10)
         assert position == 2, f"the promoted master answered position {position}"
-        grants, _ = await store.dispatch(M, "b1", OPEN, "r1", 1003.0, 10.0, max_grants=3)
+        grants, _ = await store.queue.dispatch(M, "b1", OPEN, "r1", 1003.0, 10.0, max_grants=3)
         assert [g.request_id for g in grants][-1] == "c", grants
     finally:
         await client.aclose()

@@ -49,7 +49,7 @@ async def test_the_lua_builders_and_readers_agree_with_python(redis: aioredis.Re
 
 # The scripts' request hashes: `req`, key_request(...), and these KEYS of a script.
 REQUEST_KEYS: dict[str, str] = {}
-HASH_CALL = re.compile(r"redis\.call\('(HSET|HSETNX|HGET|HMGET|HDEL)',\s*"
+HASH_CALL = re.compile(r"(?:redis\.call\('(HSET|HSETNX|HGET|HMGET|HDEL)',|(request_get)\()\s*"
                        r"(key_request\([^)]*\)|[^,]+?),\s*([^)]*)\)")
 
 
@@ -60,8 +60,8 @@ def test_the_scripts_name_only_declared_request_fields() -> None:
     named: dict[str, set[str]] = {}
     for script in scripts:
         text = script.read_text()
-        for command, target, rest in HASH_CALL.findall(re.sub(r"\s+", " ", text)):
-            target = target.strip()
+        for command, reader, target, rest in HASH_CALL.findall(re.sub(r"\s+", " ", text)):
+            command, target = command or reader, target.strip()
             if target == "req" or target.startswith("key_request(") or \
                     target == REQUEST_KEYS.get(script.name):
                 args = [a.strip() for a in rest.split(",")]

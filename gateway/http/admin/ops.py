@@ -101,7 +101,7 @@ async def _set_drained(request: web.Request, drained: bool) -> web.Response:
         grace_s = drain_grace_s(await read_json_object(request, MAX_DRAIN_BODY_BYTES))
     migrate_at = None if grace_s is None else time.time() + grace_s
     # every replica; an undrain (or a drain without migrate) cancels a pending migrate
-    await svc.store.set_drained(handle.config.model, name, drained, migrate_at)
+    await svc.store.fleet.set_drained(handle.config.model, name, drained, migrate_at)
     svc.pool.set_drained(handle, drained)
     log.info("backend_drained" if drained else "backend_undrained", backend=name,
              migrate_at=migrate_at)
@@ -125,14 +125,14 @@ async def cancel_request(request: web.Request) -> web.Response:
     svc = await admin_services(request, page_action=True)
     request_id = request.match_info["id"]
     for model in svc.settings.models():
-        fields = await svc.store.request_fields(model, request_id)
+        fields = await svc.store.reads.request_fields(model, request_id)
         if fields:
             break
     else:
         raise NotFound(f"no queued or running request {request_id!r}", param="id")
     user, klass, owner = fields.get("user", ""), fields.get("class", ""), fields.get("owner")
     with svc.dispatcher.cancelling(request_id):
-        if fields.get("state") != "queued" or not await svc.store.cancel(
+        if fields.get("state") != "queued" or not await svc.store.queue.cancel(
                 model, request_id, user, klass):
             raise NotQueued(f"request {request_id!r} is no longer queued (already dispatched)")
         notified = owner == svc.replica_id and svc.dispatcher.cancel(

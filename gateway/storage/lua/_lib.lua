@@ -38,13 +38,15 @@ end
 -- nil: nothing Redis keeps matches its gates. Also returns the stored snapshot's
 -- taken_at (0 without one): a grant is sent after it.
 local function gate_counts(prefix, backend, seen)
-  local f = redis.call('HMGET', key_backend_snapshot(prefix, backend), 'taken_at', 'unseen',
-    'prev_at', 'prev_unseen')
-  local taken_at = tonumber(f[1]) or 0
-  local since, unseen = f[1], f[2]
+  local stored_at, stored_unseen, prev_at, prev_unseen = unpack(redis.call('HMGET',
+    key_backend_snapshot(prefix, backend), 'taken_at', 'unseen', 'prev_at', 'prev_unseen'))
+  local taken_at = tonumber(stored_at) or 0
+  local since, unseen = stored_at, stored_unseen
   if seen and seen < taken_at then
-    if not (f[3] and f[3] ~= '' and seen >= tonumber(f[3])) then return nil, nil, taken_at end
-    since, unseen = f[3], f[4]
+    if not (prev_at and prev_at ~= '' and seen >= tonumber(prev_at)) then
+      return nil, nil, taken_at
+    end
+    since, unseen = prev_at, prev_unseen
   end
   local from = since and ('(' .. since) or '-inf'
   local sent = redis.call('ZCOUNT', key_backend_sent(prefix, backend), from, '+inf')

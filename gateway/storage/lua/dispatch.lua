@@ -6,12 +6,13 @@
 -- other script served: a new snapshot, an enqueue another backend could take, the
 -- heartbeat's safety net.
 -- KEYS: the model's keys the decisions touch, declared for Redis Cluster (one hash
--- slot; the script derives them from the prefix, gateway/storage/store.py dispatch_keys)
+-- slot; the script derives them from the prefix, gateway/storage/dispatch_call.py
+-- dispatch_keys)
 -- ARGV[1]: one JSON object: prefix (the model's key prefix), each (a list of decisions'
--- arguments, gateway/storage/store.py dispatch_args), until_grant (optional), and starts
--- (optional: a list of {id, backend, at} its replica held back, marked first: start_each
--- in lib/inflight.lua)
--- Returns {decided, depth, backlogged, recent}: decided one {grants, decisions, stale} per
+-- arguments, gateway/storage/dispatch_call.py dispatch_args), until_grant (optional), and
+-- starts (optional: a list of {id, backend, at} its replica held back, marked first:
+-- start_each in lib/inflight.lua)
+-- Returns a named map {decided, depth, backlogged, recent}: decided one {grants, stale} per
 -- backend tried, in order; depth, backlogged and recent as the last decision returned
 -- them (see dispatch_for).
 local a = cjson.decode(ARGV[1])
@@ -19,7 +20,8 @@ start_each(a.prefix, a.starts)
 local decided, last = {}, nil
 for _, args in ipairs(a.each) do
   last = dispatch_for(args)
-  decided[#decided + 1] = {last[1], last[3], last[6]}
-  if last[2] == 0 or (a.until_grant and #last[1] > 0) then break end
+  decided[#decided + 1] = {grants = last.grants, stale = last.stale}
+  if last.depth == 0 or (a.until_grant and #last.grants > 0) then break end
 end
-return {decided, last[2], last[4], last[5]}
+return cjson.encode({decided = decided, depth = last.depth, backlogged = last.backlogged,
+                     recent = last.recent})

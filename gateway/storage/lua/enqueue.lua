@@ -7,7 +7,7 @@
 -- Within a user's queue, earliest deadline first: a request with a deadline goes ahead
 -- of the user's own requests with a later deadline or none (those keep their order), so
 -- the queue is its deadline requests by deadline, then the rest in arrival order.
--- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/store.py)
+-- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/queue_store.py)
 -- ARGV[1]: one JSON object {prefix (the model's key prefix), max_queued (per user), ttl
 -- (a request hash's, s), requests, starts (optional: a list of {id, backend, at}),
 -- dispatch (optional: dispatch_for's arguments)};
@@ -24,9 +24,10 @@
 -- key, "" for the user's default session), leaves (optional, a continuation: {id,
 -- backend} of the segment it continues, which leaves that backend: leave_inflight in
 -- lib/inflight.lua)}
--- Returns {positions, dispatch_for's result when it ran}: per request its user's queue
--- length (with sessions: its requests queued in all its sessions), -1 when the per-user
--- cap is reached, 0 when the request was known already (its hash exists: skipped).
+-- Returns a named map {positions, dispatched (dispatch_for's map, when it ran)}: positions
+-- per request its user's queue length (with sessions: its requests queued in all its
+-- sessions), -1 when the per-user cap is reached, 0 when the request was known already
+-- (its hash exists: skipped).
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 
@@ -92,5 +93,5 @@ end
 start_each(prefix, a.starts)
 local positions = {}
 for i, r in ipairs(a.requests) do positions[i] = enqueue(r) end
-if a.dispatch then return {positions, dispatch_for(a.dispatch)} end
-return {positions}
+return cjson.encode({positions = positions,
+                     dispatched = a.dispatch and dispatch_for(a.dispatch) or nil})

@@ -10,7 +10,7 @@
 -- per class its saved tenant scores and user-level floors (declared for Redis Cluster;
 -- the users and saved user scores of a tenant are derived from the prefix)
 -- ARGV[1]: one JSON object {prefix, now (s), idle (s), limit, classes}
--- Returns {forgotten, kept (queued or in flight)}.
+-- Returns a named map {forgotten, kept (queued or in flight)}.
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 local seen = key_seen(prefix)
@@ -52,4 +52,4 @@ for _, entry in ipairs(redis.call('ZRANGEBYSCORE', seen, '-inf', a.now - a.idle,
     forgotten = forgotten + 1
   end
 end
-return {forgotten, kept}
+return cjson.encode({forgotten = forgotten, kept = kept})

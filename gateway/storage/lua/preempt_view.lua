@@ -6,10 +6,10 @@
 -- replicas hold, with its user's score in its class (a whole answer, never streamed,
 -- counts as started once dispatched: it reports no first token; a segment that left its
 -- backend, its answer continuing elsewhere, is marked `left`).
--- KEYS[1] replicas zset  KEYS[2] queue depth hash
--- ARGV[1] JSON {prefix, classes (service order), alive_after (unix s: the oldest live
---   heartbeat)}
--- Returns JSON {queued = [{class, user, enqueued_at, score}], inflight = [{id, class,
+-- KEYS: the replicas zset and the queue depth hash, declared for Redis Cluster
+-- ARGV[1]: one JSON object {prefix, classes (service order), alive_after (unix s: the
+--   oldest live heartbeat)}
+-- Returns a named map {queued = [{class, user, enqueued_at, score}], inflight = [{id, class,
 --   user, backend, started, enqueued_at, dispatched_at, preempted, unmovable, left,
 --   score}]}.
 local p = cjson.decode(ARGV[1])
@@ -23,7 +23,7 @@ end
 
 local queued = {}
 for _, class in ipairs(p.classes) do
-  if (tonumber(redis.call('HGET', KEYS[2], class)) or 0) > 0 then
+  if (tonumber(redis.call('HGET', key_depth(prefix), class)) or 0) > 0 then
     local tenant = redis.call('ZRANGE', key_active(prefix, class), 0, 0)[1]
     local first = tenant and redis.call('ZRANGE', key_users(prefix, class, tenant), 0, 0,
       'WITHSCORES')
@@ -45,16 +45,18 @@ for _, class in ipairs(p.classes) do
 end
 
 local inflight = {}
-for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], p.alive_after, '+inf')) do
+local live = redis.call('ZRANGEBYSCORE', key_replicas(prefix), p.alive_after, '+inf')
+for _, replica in ipairs(live) do
   for _, id in ipairs(redis.call('SMEMBERS', key_running(prefix, replica))) do
-    local f = redis.call('HMGET', key_request(prefix, id), 'state', 'class', 'user', 'tenant',
+    local f = request_get(key_request(prefix, id), 'state', 'class', 'user', 'tenant',
       'backend', 'started', 'enqueued_at', 'dispatched_at', 'preempted', 'unmovable', 'whole',
       'left')
-    if f[1] == 'dispatched' and f[5] then
-      inflight[#inflight + 1] = {id = id, class = f[2], user = f[3], backend = f[5],
-        started = f[6] == '1' or f[11] == '1', enqueued_at = tonumber(f[7]) or 0,
-        dispatched_at = tonumber(f[8]) or 0, preempted = tonumber(f[9]) or 0,
-        unmovable = f[10] == '1', left = f[12] == '1', score = score(f[2], f[4] or f[3], f[3])}
+    if f.state == 'dispatched' and f.backend then
+      inflight[#inflight + 1] = {id = id, class = f.class, user = f.user, backend = f.backend,
+        started = f.started == '1' or f.whole == '1', enqueued_at = tonumber(f.enqueued_at) or 0,
+        dispatched_at = tonumber(f.dispatched_at) or 0, preempted = tonumber(f.preempted) or 0,
+        unmovable = f.unmovable == '1', left = f.left == '1',
+        score = score(f.class, f.tenant or f.user, f.user)}
     end
   end
 end

@@ -10,24 +10,24 @@
 -- process that starts takes its share within a few calls; the leases of one that died go
 -- to the others once its leases and its entry expire. The shares add up to at least the
 -- backends, so every backend keeps a scraper.
--- KEYS, per backend i (from 1) of `backends`: [5i-4] its lease, [5i-3] its snapshot hash,
---   [5i-2] its in-flight count, [5i-1] its pending prefill hash, [5i] its dispatch
---   counter; then the model's depth hash, its drained set and its scraping processes'
---   zset (the last three)
--- ARGV[1] JSON {holder (this process), ttl_ms, backends: [{name, want (false: give the
---   lease up if this process holds it), seen (the snapshot hash's "v" this process
---   read last; "": none)}]}
--- Returns {queued, rows}: queued the requests queued for the model (all classes); per
--- backend {held (1: by this process now), drained (1/0), in flight, pending prefill
--- tokens, the snapshot hash (flat) when its "v" is not `seen`, else 0, the requests
--- ever dispatched to it (by any replica: a change tells its scraper that work came)}.
+-- KEYS: per backend its lease, snapshot hash, in-flight count, pending prefill hash and
+--   dispatch counter, then the model's depth hash, drained set and scraping processes'
+--   zset, declared for Redis Cluster (gateway/storage/fleet_store.py)
+-- ARGV[1]: one JSON object {prefix (the model's key prefix), holder (this process),
+--   ttl_ms, backends: [{name, want (false: give the lease up if this process holds it),
+--   seen (the snapshot hash's "v" this process read last; "": none)}]}
+-- Returns a named map {queued, backends}: queued the requests queued for the model (all
+-- classes); backends one map per backend, in order: {held (by this process now),
+-- drained, inflight, pending (prefill tokens), published (the snapshot hash, when its "v"
+-- is not `seen`; absent otherwise), dispatches (the requests ever dispatched to it, by
+-- any replica: a change tells its scraper that work came)}.
 local p = cjson.decode(ARGV[1])
-local n = #p.backends
+local prefix, n = p.prefix, #p.backends
 local queued = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[5 * n + 1])) do
+for _, v in ipairs(redis.call('HVALS', key_depth(prefix))) do
   queued = queued + (tonumber(v) or 0)
 end
-local scrapers = KEYS[5 * n + 3]
+local scrapers = key_scrapers(prefix)
 local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local wants = false
@@ -41,30 +41,37 @@ redis.call('ZREMRANGEBYSCORE', scrapers, '-inf', now_ms - p.ttl_ms)
 redis.call('PEXPIRE', scrapers, math.floor(4 * p.ttl_ms))
 local share = math.ceil(n / math.max(1, redis.call('ZCARD', scrapers)))
 local holders, mine = {}, 0
-for i = 1, n do
-  holders[i] = redis.call('GET', KEYS[5 * i - 4])
+for i, b in ipairs(p.backends) do
+  holders[i] = redis.call('GET', key_backend_scraper(prefix, b.name))
   if holders[i] == p.holder then mine = mine + 1 end
 end
 local rows = {}
 for i, b in ipairs(p.backends) do
-  local lease, snapshot = KEYS[5 * i - 4], KEYS[5 * i - 3]
+  local lease = key_backend_scraper(prefix, b.name)
+  local snapshot = key_backend_snapshot(prefix, b.name)
   local holder = holders[i]
-  local held = 0
+  local held = false
   if b.want and holder == p.holder and mine <= share then
     redis.call('SET', lease, p.holder, 'PX', math.floor(p.ttl_ms))
-    held = 1
+    held = true
   elseif b.want and not holder and mine < share then
     redis.call('SET', lease, p.holder, 'PX', math.floor(p.ttl_ms))
-    held, mine = 1, mine + 1
+    held, mine = true, mine + 1
   elseif holder == p.holder then  -- not wanted, or above the share: given up
     redis.call('DEL', lease)
     mine = mine - 1
   end
   local version = redis.call('HGET', snapshot, 'v')
-  local published = 0
-  if version and version ~= b.seen then published = redis.call('HGETALL', snapshot) end
-  rows[i] = {held, redis.call('SISMEMBER', KEYS[5 * n + 2], b.name),
-    tonumber(redis.call('GET', KEYS[5 * i - 2])) or 0, pending_prefill(KEYS[5 * i - 1]),
-    published, tonumber(redis.call('GET', KEYS[5 * i])) or 0}
+  local published = nil
+  if version and version ~= b.seen then
+    published = {}
+    local flat = redis.call('HGETALL', snapshot)
+    for j = 1, #flat, 2 do published[flat[j]] = flat[j + 1] end
+  end
+  rows[i] = {held = held,
+    drained = redis.call('SISMEMBER', key_drained(prefix), b.name) == 1,
+    inflight = tonumber(redis.call('GET', key_backend_inflight(prefix, b.name))) or 0,
+    pending = pending_prefill(key_backend_prefill(prefix, b.name)), published = published,
+    dispatches = tonumber(redis.call('GET', key_backend_dispatches(prefix, b.name))) or 0}
 end
-return {queued, rows}
+return cjson.encode({queued = queued, backends = rows})

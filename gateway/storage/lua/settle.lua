@@ -5,7 +5,7 @@
 -- the request's, kept in its hash), record its usage, and let the slot it frees grant
 -- the backend's next requests in the same call. Starts its replica held back (its own
 -- among them: start_each in lib/inflight.lua) are marked first, as if sent at once.
--- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/store.py)
+-- KEYS: the keys touched, declared for Redis Cluster (gateway/storage/queue_store.py)
 -- ARGV[1]: one JSON object {prefix, id, user, backend, charge (user level), tcharge
 -- (tenant level), usage (optional: {key, ttl, counts: {row field -> amount}}, the day's
 -- usage hash, gateway/scheduling/usage.py), seen (optional, a trusted key's end user:
@@ -13,37 +13,37 @@
 -- backend, at}), dispatch (optional: the backend's dispatch arguments, see dispatch_for
 -- in lib/dispatch.lua), fleet (optional, fairness_scope fleet: the other models' key
 -- prefixes, where the charges count too: spread in _lib.lua)}
--- Returns {released (0 when it had been released already), dispatch_for's result when
--- it ran}.
+-- Returns a named map {released (false when it had been released already), dispatched
+-- (dispatch_for's map, when it ran)}.
 local a = cjson.decode(ARGV[1])
 local prefix = a.prefix
 start_each(prefix, a.starts)
-local info = redis.call('HMGET', key_request(prefix, a.id), 'owner', 'started', 'tenant',
-  'class', 'state', 'backend', 'session')
-local session = info[7] or nil  -- sessions on: its session ("" the default one)
+local info = request_get(key_request(prefix, a.id), 'owner', 'started', 'tenant', 'class',
+  'state', 'backend', 'session')
+local session = info.session or nil  -- sessions on: its session ("" the default one)
 local released
-if info[5] == 'queued' then
+if info.state == 'queued' then
   -- it ran here, but a store that failed over lost its dispatch and still queues it:
   -- it leaves the queue (never dispatched again), charged as it ran
   released = release_request(prefix, a.id, {state = 'queued', user = a.user,
-    class = info[4], tenant = info[3] or a.user, session = session})
+    class = info.class, tenant = info.tenant or a.user, session = session})
 else
   -- the backend its hash names: after a failover the store may have dispatched it
   -- again elsewhere (that grant's in-flight state is the one to release)
   released = release_request(prefix, a.id, {state = 'dispatched', user = a.user,
-    backend = info[6] or a.backend, owner = info[1], started = info[2]})
+    backend = info.backend or a.backend, owner = info.owner, started = info.started})
 end
 if released then
-  local tenant = info[3] or a.user
-  if info[4] then
-    charge(key_users(prefix, info[4], tenant), key_user_saved(prefix, info[4], tenant),
+  local tenant = info.tenant or a.user
+  if info.class then
+    charge(key_users(prefix, info.class, tenant), key_user_saved(prefix, info.class, tenant),
       a.user, a.charge)
-    charge(key_active(prefix, info[4]), key_saved(prefix, info[4]), tenant, a.tcharge)
-    spread(a.fleet, info[4], tenant, a.user, a.charge, a.tcharge)
+    charge(key_active(prefix, info.class), key_saved(prefix, info.class), tenant, a.tcharge)
+    spread(a.fleet, info.class, tenant, a.user, a.charge, a.tcharge)
     -- its session's score, while its user has sessions to compare (else forgotten)
-    if session and redis.call('ZSCORE', key_users(prefix, info[4], tenant), a.user) then
-      charge(key_sessions(prefix, info[4], tenant, a.user),
-        key_session_saved(prefix, info[4], tenant, a.user), session, a.charge)
+    if session and redis.call('ZSCORE', key_users(prefix, info.class, tenant), a.user) then
+      charge(key_sessions(prefix, info.class, tenant, a.user),
+        key_session_saved(prefix, info.class, tenant, a.user), session, a.charge)
     end
   end
   if a.seen then seen_at(prefix, tenant, a.user, a.seen) end
@@ -54,5 +54,5 @@ if a.usage then
   end
   redis.call('EXPIRE', a.usage.key, a.usage.ttl)
 end
-if a.dispatch then return {released and 1 or 0, dispatch_for(a.dispatch)} end
-return {released and 1 or 0}
+return cjson.encode({released = released and true or false,
+                     dispatched = a.dispatch and dispatch_for(a.dispatch) or nil})

@@ -8,47 +8,51 @@
 -- A user with a `who` entry and no service yet joins at 0 (a backlogged user not served
 -- is owed a share too). Past `cap` users the smallest scores are dropped with their
 -- entries; the keys expire when nobody is served for `ttl` seconds.
--- KEYS[1] service zset  KEYS[2] service epoch (string)  KEYS[3] service who (hash)
--- ARGV[1]: one JSON object {now, half_life, cap, ttl, amounts: {user: amount},
--- who: {user: its entry (JSON [tenant, weight, tenant weight], written as given)}}
--- Returns the number of users kept.
+-- KEYS: the service zset, its epoch (string) and who hash, declared for Redis Cluster
+-- (gateway/storage/share_store.py)
+-- ARGV[1]: one JSON object {prefix (the model's key prefix), now, half_life, cap, ttl,
+-- amounts: {user: amount}, who: {user: its entry (JSON [tenant, weight, tenant weight],
+-- written as given)}}
+-- Returns a named map {kept}: the number of users kept.
 local a = cjson.decode(ARGV[1])
 local now, half, cap, ttl = a.now, a.half_life, a.cap, a.ttl
-local epoch = tonumber(redis.call('GET', KEYS[2]))
+local service, epoch_key, who = key_service(a.prefix), key_service_epoch(a.prefix),
+  key_service_who(a.prefix)
+local epoch = tonumber(redis.call('GET', epoch_key))
 if not epoch or now - epoch > 20 * half then
   if epoch then
     local factor = 2 ^ (-(now - epoch) / half)
-    local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+    local members = redis.call('ZRANGE', service, 0, -1, 'WITHSCORES')
     for i = 1, #members, 2 do
       local v = tonumber(members[i + 1]) * factor
       if v < 1e-9 then v = 0 end
-      redis.call('ZADD', KEYS[1], v, members[i])
+      redis.call('ZADD', service, v, members[i])
     end
   else
-    redis.call('DEL', KEYS[1])  -- scores without their epoch mean nothing
+    redis.call('DEL', service)  -- scores without their epoch mean nothing
   end
   epoch = now
-  redis.call('SET', KEYS[2], tostring(epoch))
+  redis.call('SET', epoch_key, tostring(epoch))
 end
 local scale = 2 ^ ((now - epoch) / half)
 for user, amount in pairs(a.amounts) do
   if amount > 0 then
-    redis.call('ZINCRBY', KEYS[1], amount * scale, user)
+    redis.call('ZINCRBY', service, amount * scale, user)
   end
 end
 for user, entry in pairs(a.who) do
-  redis.call('HSET', KEYS[3], user, entry)
-  redis.call('ZADD', KEYS[1], 'NX', 0, user)
+  redis.call('HSET', who, user, entry)
+  redis.call('ZADD', service, 'NX', 0, user)
 end
-local extra = redis.call('ZCARD', KEYS[1]) - cap
+local extra = redis.call('ZCARD', service) - cap
 if extra > 0 then
-  local gone = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
-  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, extra - 1)
+  local gone = redis.call('ZRANGE', service, 0, extra - 1)
+  redis.call('ZREMRANGEBYRANK', service, 0, extra - 1)
   for i = 1, #gone, 500 do
-    redis.call('HDEL', KEYS[3], unpack(gone, i, math.min(i + 499, #gone)))
+    redis.call('HDEL', who, unpack(gone, i, math.min(i + 499, #gone)))
   end
 end
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('EXPIRE', KEYS[3], ttl)
-return redis.call('ZCARD', KEYS[1])
+redis.call('EXPIRE', service, ttl)
+redis.call('EXPIRE', epoch_key, ttl)
+redis.call('EXPIRE', who, ttl)
+return cjson.encode({kept = redis.call('ZCARD', service)})

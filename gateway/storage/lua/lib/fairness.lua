@@ -16,7 +16,7 @@ end
 
 local function fairness_for(prefix, pools, locality, sessions)
   local F = {}
-  local slack, compared, lookahead = locality.slack, locality.compared, locality.lookahead
+  local slack, compared, lookahead = locality.slack, locality.candidates, locality.lookahead
 
   -- the session a user's next request comes from (nil: sessions off)
   function F.session(class, tenant, user)

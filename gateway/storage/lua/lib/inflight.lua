@@ -56,11 +56,11 @@ local function start_inflight(prefix, backend, id, at)
   if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
   local snapshot = key_backend_snapshot(prefix, backend)
-  local taken = redis.call('HMGET', snapshot, 'taken_at', 'prev_at')
-  local taken_at = tonumber(taken[1]) or 0
+  local stored_at, prev_at = unpack(redis.call('HMGET', snapshot, 'taken_at', 'prev_at'))
+  local taken_at = tonumber(stored_at) or 0
   local sent = leave_sent(prefix, backend, id, taken_at)
   -- a decision still made by the snapshot before the stored one counts it too (gate_counts)
-  if at > (tonumber(taken[2]) or taken_at) then
+  if at > (tonumber(prev_at) or taken_at) then
     redis.call('ZADD', key_backend_started(prefix, backend), at, id)
   end
   return sent
@@ -153,10 +153,10 @@ end
 -- its owner's running set still names it (release_request then only forgets it).
 local function leave_inflight(prefix, id, backend)
   local req = key_request(prefix, id)
-  local f = redis.call('HMGET', req, 'state', 'user', 'backend', 'started', 'left')
-  if f[1] ~= 'dispatched' or f[5] or f[3] ~= backend or not f[2] then return end
+  local f = request_get(req, 'state', 'user', 'backend', 'started', 'left')
+  if f.state ~= 'dispatched' or f.left or f.backend ~= backend or not f.user then return end
   redis.call('HSET', req, 'left', 1)
-  if not release_inflight(prefix, id, f[2], backend, nil) and not f[4] then
+  if not release_inflight(prefix, id, f.user, backend, nil) and not f.started then
     take_unseen(key_backend_snapshot(prefix, backend))
   end
 end

@@ -29,11 +29,11 @@ local function pools_for(prefix, range, block_tokens, adapters)
   -- gone fits anywhere, to be dropped
   function P.fits(id, room, cached)
     if not P.ranged and not room then return true end
-    local fields = redis.call('HMGET', key_request(prefix, id), 'ptok', 'adapter')
-    local tokens = tonumber(fields[1])
+    local fields = request_get(key_request(prefix, id), 'ptok', 'adapter')
+    local tokens = tonumber(fields.ptok)
     if not tokens then return true end
     if room and math.max(0, tokens - (cached or 0)) > room then return false end
-    return range_takes(range, has, tokens, fields[2])
+    return range_takes(range, has, tokens, fields.adapter)
   end
 
   -- over the class's prefill-token limit (prefill_fits) the fair choice waits for a

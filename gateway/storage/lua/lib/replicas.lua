@@ -36,9 +36,9 @@ local function reap_dead(prefix, now, ttl, pickup)
   for _, replica in ipairs(dead) do
     local running = key_running(prefix, replica)
     for _, id in ipairs(redis.call('SMEMBERS', running)) do
-      local f = redis.call('HMGET', key_request(prefix, id), 'user', 'backend', 'started')
-      if release_request(prefix, id, {state = 'dispatched', user = f[1], backend = f[2],
-                                      started = f[3], owner = replica}) then
+      local f = request_get(key_request(prefix, id), 'user', 'backend', 'started')
+      if release_request(prefix, id, {state = 'dispatched', user = f.user, backend = f.backend,
+                                      started = f.started, owner = replica}) then
         released = released + 1
       end
     end

@@ -1,0 +1,57 @@
+"""Answers moved between backends: preemption for fairness (``gateway/scheduling/
+preemption.py``: streams this replica moved off a full backend for a waiting request of
+a higher class, by the victim's class) and continued answers
+(``gateway/proxy/continuation.py``): why, and what they cost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.core.metrics.base import TTFT_BUCKETS, Children, MetricGroup
+
+
+class MoveMetrics(MetricGroup):
+    def __init__(self, r: CollectorRegistry, child: Children) -> None:
+        super().__init__(child)
+        self.preemptions = Counter(
+            "fairgate_preemptions_total",
+            "Running requests preempted (their slot given to a waiting request of a higher "
+            "class; they continue later, fairgate_continuations_total{reason=\"preempt\"})",
+            ["model", "priority_class"], registry=r)
+        self.continuations = Counter(
+            "fairgate_continuations_total",
+            "Answers continued on another backend, by reason (failover; retry: a whole "
+            "answer sent again once after a 5xx answer; drain, preempt: moved on purpose) "
+            "and outcome "
+            "(continued: a backend took the rest; failed: none could, the stream ended with "
+            "an error)", ["reason", "outcome"], registry=r)
+        self.recomputed_tokens = Counter(
+            "fairgate_continuation_recomputed_tokens_total",
+            "Prompt plus already generated tokens a continuation sent again (the backend "
+            "recomputes what its prefix cache lacks); charged to nobody", ["reason"],
+            registry=r)
+        self.pause = Histogram(
+            "fairgate_continuation_pause_seconds",
+            "From a stream's failure to its continuation's first frame", ["reason"],
+            buckets=TTFT_BUCKETS, registry=r)
+
+    def view(self) -> dict[str, Any]:
+        """This replica's continued answers by reason (continued, failed, tokens sent
+        again) and its preemptions by model and class: the dashboard's reliability panel."""
+        reasons: dict[str, dict[str, float]] = {}
+        for sample in _totals(self.continuations):
+            row = reasons.setdefault(sample.labels["reason"], {})
+            row[sample.labels["outcome"]] = sample.value
+        for sample in _totals(self.recomputed_tokens):
+            reasons.setdefault(sample.labels["reason"], {})["recomputed_tokens"] = sample.value
+        preempted = {f"{s.labels['model']} · {s.labels['priority_class']}": s.value
+                     for s in _totals(self.preemptions)}
+        return {"continuations": reasons, "preempted": preempted}
+
+
+def _totals(counter: Counter) -> list[Any]:
+    """A labelled counter's ``_total`` samples (one per label set seen)."""
+    return [sample for family in counter.collect() for sample in family.samples
+            if sample.name.endswith("_total")]
