@@ -14,7 +14,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +35,25 @@ from gateway.batch.runner import BatchRunner
 from gateway.core import loop_lag
 from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
-from gateway.core.settings import Settings, SettingsHolder
+from gateway.core.settings import ApiKey, Settings, SettingsHolder
 from gateway.core.supervise import supervise
 from gateway.ops.pools import PoolWatch
 from gateway.ops.read_model import Inspector
 from gateway.proxy.upstream import Upstream
 from gateway.scheduling.admission import Admission
-from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.decision import Planner
+from gateway.scheduling.dispatch_loop import DispatchLoop
+from gateway.scheduling.dispatcher import Dispatcher, DispatchParts
+from gateway.scheduling.grants import Signals, Waiters
+from gateway.scheduling.held_starts import HeldStarts
+from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.migrate import Migrations
+from gateway.scheduling.outage import StoreOutage
+from gateway.scheduling.preemption import Preemptor
 from gateway.scheduling.quotas import Quotas
+from gateway.scheduling.replicas import ReplicaProtocol
 from gateway.scheduling.running import RunningStreams
+from gateway.scheduling.settles import Settles
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.embedded_redis import EmbeddedRedis
 from gateway.storage.redis_client import (
@@ -106,6 +115,30 @@ def fairness_policy(settings: Settings) -> FairnessPolicy:
                                 settings.vtc_kv_weight))
 
 
+def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
+                     metrics: GatewayMetrics, replica_id: str,
+                     signals: Signals | None = None,
+                     streams: RunningStreams | None = None) -> Dispatcher:
+    """The dispatcher and its parts (``gateway/scheduling/dispatcher.py``), each given the
+    parts below it. ``signals``: the dispatch loop's wake-up, which the backend pool
+    built before it also rings; ``streams``: this process's running answers, which
+    preemption orders move."""
+    signals = signals if signals is not None else Signals()
+    preemptor = Preemptor(config, store.preempts, pool, metrics, streams)
+    waiters = Waiters(replica_id)
+    # store_outage "local": this replica's own queues while Redis is unreachable
+    local = LocalScheduler(pool, replica_id)
+    outage = StoreOutage(config, store.queue, metrics, local, waiters, signals)
+    planner = Planner(config, store.reads, pool, metrics, replica_id, preemptor, waiters, signals)
+    starts = HeldStarts(store.queue, planner, signals)
+    settles = Settles(store, local, waiters, starts, planner, signals)
+    loop = DispatchLoop(store.queue, planner, starts, settles, preemptor, outage, signals)
+    replicas = ReplicaProtocol(config, store, replica_id, waiters, settles, outage, local,
+                               preemptor, signals)
+    return Dispatcher(config, store, pool, metrics, DispatchParts(
+        signals, waiters, local, outage, planner, starts, settles, loop, replicas, preemptor))
+
+
 def store_client(settings: Settings, metrics: GatewayMetrics,
                  stack: contextlib.AsyncExitStack) -> tuple[BoundaryRedis, str]:
     """The client of the configured store (an embedded Valkey when none is) and where it
@@ -130,6 +163,27 @@ def store_client(settings: Settings, metrics: GatewayMetrics,
     return connect(redis_url, metrics.redis, **options), redis_url
 
 
+def start_loops(svc: Services) -> list[asyncio.Task[None]]:
+    """The long-lived loops of these services, each supervised (restarted after a crash;
+    the scrape and dispatch loops supervise their own)."""
+    restarts = svc.metrics.process.loop_restarts
+
+    def loop(name: str, run: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        return asyncio.create_task(supervise(name, run, restarts), name=name)
+
+    return [asyncio.create_task(svc.pool.run(), name="scrape"),
+            asyncio.create_task(svc.dispatcher.run(), name="dispatch"),
+            loop("batch", svc.batch_runner.run),
+            loop("quotas", svc.quotas.run),
+            loop("adapters", svc.admission.adapter_loads.run),
+            loop("migrate", Migrations(svc.store.fleet, svc.pool, svc.running).run),
+            loop("history", svc.inspector.history.run),
+            loop("pools", svc.pools.run),
+            loop("backends", svc.backends.run),
+            loop("discovery", DnsDiscovery(svc.config, svc.backends).run),
+            loop("loop_lag", functools.partial(loop_lag.watch, svc.metrics.process.loop_lag))]
+
+
 @contextlib.asynccontextmanager
 async def running_services(settings: Settings, metrics: GatewayMetrics
                            ) -> AsyncIterator[Services]:
@@ -148,26 +202,33 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         config = SettingsHolder(settings)  # the one copy every collaborator reads
         store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
         config.on_swap(lambda new: setattr(store.queue, "request_ttl_s", request_ttl_s(new)))
-        pool = BackendPool(config, session, store.fleet, metrics)
-        dispatcher = Dispatcher(config, store, pool, metrics, replica_id)
-        pool.on_snapshot = dispatcher.wake_freed  # gates may have opened
+        signals = Signals()  # the dispatch loop's wake-up
+        pool = BackendPool(config, session, store.fleet, metrics,
+                           on_snapshot=signals.wake_freed)  # gates may have opened
+        running = RunningStreams(lambda: config.current.max_moves)
+        # preemption orders move this process's running answers
+        dispatcher = build_dispatcher(config, store, pool, metrics, replica_id, signals,
+                                      running)
         quotas = Quotas(client, config)
         usage = UsageLedger(client, settings.usage_retention_days,
                             lambda: config.current.models())
-        running = RunningStreams(lambda: config.current.max_moves)
-        dispatcher.preemptor.streams = running  # preemption orders move this process's
+        backends = BackendList(client, config, pool, store.fleet)
         admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
-                              usage, running)
+                              usage, running,
+                              learn_backend=backends.learn)  # a grant for one added elsewhere
         upstream = Upstream(session, settings.upstream_timeout_s, settings.max_request_s,
                             settings.stream_idle_timeout_s)
         files = FileStore(client, settings.data_dir / "files", settings.max_file_bytes)
         batches = BatchStore(client)
+
+        async def account_of(key_id: str) -> ApiKey | None:
+            # the key ring in force: a reload replaces services.keys
+            return await services.keys.find(key_id)
+
         runner = BatchRunner(config, admission, upstream, files, batches,
-                             BatchResults(files, batches), metrics, replica_id)
+                             BatchResults(files, batches), metrics, replica_id, account_of)
         runtime_keys = RuntimeKeys(client, config)
         keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
-        backends = BackendList(client, config, pool, store.fleet)
-        admission.learn_backend = backends.learn  # a grant for one added elsewhere
         with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
             await backends.refresh()  # the runtime backends, before the first request
         with contextlib.suppress(StoreUnavailable):  # else at the first key lookup
@@ -180,27 +241,8 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
             SessionStore(client, settings.session_ttl_s), replica_id, redis_url,
             pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
             started_at=int(time.time()))
-        runner.account_of = lambda key_id: services.keys.find(key_id)
 
-        restarts = metrics.process.loop_restarts
-        tasks = [asyncio.create_task(pool.run(), name="scrape"),
-                 asyncio.create_task(dispatcher.run(), name="dispatch"),
-                 asyncio.create_task(supervise("batch", runner.run, restarts), name="batch"),
-                 asyncio.create_task(supervise("quotas", quotas.run, restarts), name="quotas"),
-                 asyncio.create_task(supervise("adapters", admission.adapter_loads.run,
-                                               restarts), name="adapters"),
-                 asyncio.create_task(supervise("migrate", Migrations(
-                     store.fleet, pool, running).run, restarts), name="migrate"),
-                 asyncio.create_task(supervise("history", services.inspector.history.run,
-                                               restarts), name="history"),
-                 asyncio.create_task(supervise("pools", services.pools.run, restarts),
-                                     name="pools"),
-                 asyncio.create_task(supervise("backends", backends.run, restarts),
-                                     name="backends"),
-                 asyncio.create_task(supervise("discovery", DnsDiscovery(
-                     config, backends).run, restarts), name="discovery"),
-                 asyncio.create_task(supervise("loop_lag", functools.partial(
-                     loop_lag.watch, metrics.process.loop_lag), restarts), name="loop_lag")]
+        tasks = start_loops(services)
         try:
             yield services
         finally:

@@ -99,7 +99,8 @@ class Reservations:
 class BatchRunner(ReadsSettings):
     def __init__(self, settings: SettingsHolder, admission: Admission, upstream: Upstream,
                  files: FileStore, batches: BatchStore, results: BatchResults,
-                 metrics: GatewayMetrics, replica_id: str) -> None:
+                 metrics: GatewayMetrics, replica_id: str,
+                 account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None) -> None:
         self.holder = settings
         self.admission = admission
         self.upstream = upstream
@@ -110,8 +111,8 @@ class BatchRunner(ReadsSettings):
         self.replica_id = replica_id
         self.running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
-        # the owner's key by id, for its limits and budgets (set by gateway/services.py)
-        self.account_of: Callable[[str], Awaitable[ApiKey | None]] | None = None
+        # the owner's key by id, for its limits and budgets (None: none known)
+        self.account_of = account_of
 
     def wake(self) -> None:
         self._wake.set()

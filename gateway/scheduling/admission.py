@@ -81,7 +81,8 @@ class Admission(ReadsSettings):
     def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
                  quotas: Quotas | None = None, usage: UsageLedger | None = None,
-                 running: RunningStreams | None = None) -> None:
+                 running: RunningStreams | None = None,
+                 learn_backend: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.holder = settings
         self.running = (running if running is not None
                         else RunningStreams(lambda: self.settings.max_moves))
@@ -101,8 +102,8 @@ class Admission(ReadsSettings):
                                            self._granted_backend)
         # reads the backend list in force again for a backend a grant names that this
         # process does not know yet (whether it knows it then): another process added it
-        # and dispatched to it before this one's next read (services.py sets it)
-        self.learn_backend: Callable[[str], Awaitable[bool]] | None = None
+        # and dispatched to it before this one's next read (services.py passes it)
+        self.learn_backend = learn_backend
 
     def forwarded(self, account: ApiKey) -> AbstractAsyncContextManager[dict[str, str]]:
         """An unqueued call within its limits (:meth:`Charging.forwarded`)."""

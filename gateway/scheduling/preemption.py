@@ -61,12 +61,12 @@ HOLD_FLOOR_S = 2.0  # a backend's hold outlives a replica that never answers its
 
 class Preemptor(ReadsSettings):
     def __init__(self, settings: SettingsHolder, store: PreemptStore, pool: BackendPool,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, streams: RunningStreams | None = None) -> None:
         self.holder = settings
         self.store = store
         self.pool = pool
         self.metrics = metrics
-        self.streams: RunningStreams | None = None  # this process's (set by the composition root)
+        self.streams = streams  # this process's (None: none to move, as in a bare test rig)
         self._checked: dict[str, float] = {}  # model → monotonic time of its last read
         self._due: dict[str, float] = {}  # model → monotonic time its check is due again
         self._background: set[asyncio.Task[None]] = set()

@@ -264,10 +264,10 @@ async def test_a_newcomer_sent_to_a_full_backend_preempts_with_no_snapshot_or_he
     # means it has (the scrape loop scrapes one at a time)
     await until(lambda: backend.scrapes_held > 0, "a scrape waiting on the held /metrics")
     handle, dispatcher = gw.services.pool.handles["b0"], gw.services.dispatcher
-    snapshot, beats = handle.last, dispatcher._beats
+    snapshot, beats = handle.last, dispatcher.replicas.beats
     try:
         await stream(gw, "sk-alice", 99, NEW_TOKENS)
-        seen = (handle.last is snapshot, dispatcher._beats - beats)
+        seen = (handle.last is snapshot, dispatcher.replicas.beats - beats)
     finally:
         backend.metrics_hold.set()
     answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)

@@ -27,7 +27,9 @@ from gateway.core.errors import (
 )
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings, SettingsHolder, load_settings
-from gateway.scheduling.dispatcher import Dispatcher, Settle
+from gateway.scheduling.dispatcher import Dispatcher
+from gateway.scheduling.settles import Settle
+from gateway.services import build_dispatcher
 from gateway.storage.keys import ModelKeys
 from gateway.storage.queue_store import QueueStore
 from gateway.storage.records import Grant, QueuedRequest
@@ -90,15 +92,15 @@ def make_rig(redis_url: str, session: aiohttp.ClientSession, **overrides: object
     metrics = GatewayMetrics()
     holder = SettingsHolder(settings)
     pool = BackendPool(holder, session, store.fleet, metrics)  # the session is never used
-    dispatcher = Dispatcher(holder, store, pool, metrics, REPLICA)
+    dispatcher = build_dispatcher(holder, store, pool, metrics, REPLICA)
     woken = asyncio.Event()
-    wake = dispatcher.wake
+    wake = dispatcher.signals.wake
 
     def hooked_wake() -> None:  # acquire() wakes the dispatcher once its enqueue is done
         wake()
         woken.set()
 
-    dispatcher.wake = hooked_wake  # type: ignore[method-assign]
+    dispatcher.signals.wake = hooked_wake  # type: ignore[method-assign]
     return Rig(settings, store, pool, metrics, dispatcher, woken)
 
 
@@ -213,7 +215,7 @@ async def test_a_pass_over_many_open_backends_is_one_call(
             # one each, least loaded first, and the two backends after the queue emptied
             # were not tried
             assert sorted(backends) == ["b2", "b3", "b4", "b5"], backends
-            assert rig.dispatcher._queued[MODEL] == 0
+            assert rig.dispatcher.planner.queued[MODEL] == 0
             assert (dispatches(rig, "b0"), dispatches(rig, "b1")) == (0.0, 0.0)
         finally:
             await rig.close()
@@ -405,31 +407,33 @@ async def test_release_while_redis_is_down_defers_the_settle(rig: Rig) -> None:
     pending = await queue(rig, "r1")
     await rig.dispatcher.dispatch_once(MODEL)
     grant = await pending.grant()
-    live = rig.dispatcher.store
+    settles, planner = rig.dispatcher.settles, rig.dispatcher.planner
+    live = settles.store
     dead = Store.over(connect(dead_redis_url()), request_ttl_s=600)
-    rig.dispatcher.store = dead
+    # the release and its decision find Redis down
+    settles.store, planner.reads = dead, dead.reads
     try:
         await rig.dispatcher.release(MODEL, grant, 5.0)  # must not raise
     finally:
-        rig.dispatcher.store = live
+        settles.store, planner.reads = live, live.reads
         await dead.client.aclose()
     # nothing was settled, and the dispatcher still knows it owes the settle
     assert await live.reads.user_inflight(MODEL) == {"alice": 1}
     assert (await live.reads.request_fields(MODEL, "r1"))["state"] == "dispatched"
-    assert list(rig.dispatcher._unsettled) == [Settle(MODEL, grant, 5.0, None, None)]
+    assert list(rig.dispatcher.settles.unsettled) == [Settle(MODEL, grant, 5.0, None, None)]
     # Redis is back: the heartbeat's retry settles it, charge included
-    await rig.dispatcher._settle_deferred()
+    await rig.dispatcher.settles.settle_deferred()
     assert await live.reads.user_inflight(MODEL) == {}
     assert await live.reads.request_fields(MODEL, "r1") == {}
     saved = await live.client.hget(K.saved("interactive"), "alice")
     assert float(saved) == pytest.approx(1.0 + 5.0)  # dispatch cost + settle charge
-    assert not rig.dispatcher._unsettled
+    assert not rig.dispatcher.settles.unsettled
 
 
 async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
     """Every call fails fast with StoreUnavailable or is deferred; none hangs or leaks."""
     dead = Store.over(connect(dead_redis_url()), request_ttl_s=600)
-    dispatcher = Dispatcher(rig.pool.holder, dead, rig.pool, rig.metrics, REPLICA)
+    dispatcher = build_dispatcher(rig.pool.holder, dead, rig.pool, rig.metrics, REPLICA)
     try:
         req = QueuedRequest("r1", "alice", "interactive", REPLICA, 1.0, time.time())
         with pytest.raises(StoreUnavailable):
@@ -438,7 +442,7 @@ async def test_a_dispatcher_on_a_dead_redis(rig: Rig) -> None:
         grant = Grant("r2", "interactive", "alice", 0, REPLICA, "b0", time.time())
         await dispatcher.release(MODEL, grant, 1.0)
         await dispatcher.release(MODEL, grant, 1.0)
-        assert len(dispatcher._unsettled) == 2
+        assert len(dispatcher.settles.unsettled) == 2
         await dispatcher.started(MODEL, grant)  # swallowed: only a gate slot at stake
         await set_backend(rig, "b0", waiting=0, running=0)
         with pytest.raises(StoreUnavailable):
@@ -466,7 +470,7 @@ class Calls:
 async def test_a_ticks_requests_are_queued_and_dispatched_in_one_call(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     await set_backend(rig, "b0", waiting=0, running=0)  # room for three in transit
-    rig.dispatcher._beating.set()  # as the heartbeat loop does: the replica is alive
+    rig.dispatcher.signals.beating.set()  # as the heartbeat loop does: the replica is alive
     calls = Calls(rig.store.queue, monkeypatch, "enqueue_many", "dispatch_with")
     acquires = [asyncio.create_task(rig.dispatcher.acquire(
         MODEL, QueuedRequest(f"r{i}", user, "interactive", REPLICA, 1.0, time.time()), 120.0))
@@ -493,7 +497,7 @@ async def test_a_release_grants_the_next_request_without_a_dispatch_call(
     assert second.delivered, "the settle did not grant the queued request"
     assert (await second.grant()).backend == "b0"
     assert calls.counts == {"dispatch_with": 0}, calls.counts
-    assert rig.dispatcher._queued[MODEL] == 0
+    assert rig.dispatcher.planner.queued[MODEL] == 0
     await rig.dispatcher.release(MODEL, await second.grant(), 1.0)
     assert await rig.store.reads.user_inflight(MODEL) == {}
 
@@ -504,7 +508,7 @@ async def test_a_start_rides_on_the_next_call_while_nothing_is_queued(
     (and its freed slot grants that request), so does another request's settle. Something
     queued: the first token goes at once and its slot grants the queued request."""
     await set_backend(rig, "b0", waiting=2, running=0)  # room for one request in transit
-    rig.dispatcher._beating.set()  # as the heartbeat loop does: the replica is alive
+    rig.dispatcher.signals.beating.set()  # as the heartbeat loop does: the replica is alive
     sent, store = K.backend_sent("b0"), rig.store
 
     async def acquire(request_id: str, user: str) -> Grant:

@@ -78,7 +78,7 @@ async def test_idle_end_users_are_forgotten_and_active_ones_kept(
     assert await redis.zcard(K.seen) == len(names) + 3, before
 
     # the heartbeat's pass, a day and a second later (its default setting)
-    forgotten = await gw.services.dispatcher.forget_idle(MODEL, time.time() + DAY_S + 1)
+    forgotten = await gw.services.dispatcher.replicas.forget_idle(MODEL, time.time() + DAY_S + 1)
 
     after, bytes_after = await end_user_state(redis), await memory(redis)
     message = (f"forgot {forgotten}; {count(before)} end-user fields/keys in {len(served)} "

@@ -12,7 +12,9 @@ import pytest
 from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import SettingsHolder, load_settings
-from gateway.scheduling.dispatcher import RECONCILE_GRACE_S, Dispatcher, Waiter
+from gateway.scheduling.grants import Waiter
+from gateway.scheduling.replicas import RECONCILE_GRACE_S
+from gateway.services import build_dispatcher
 from gateway.storage.keys import ModelKeys
 from gateway.storage.records import QueuedRequest
 from gateway.storage.redis_client import BoundaryRedis, connect
@@ -38,7 +40,7 @@ async def test_reconcile_releases_only_what_the_replica_does_not_hold(
     async with aiohttp.ClientSession() as session:
         holder = SettingsHolder(settings)
         pool = BackendPool(holder, session, store.fleet, GatewayMetrics())
-        dispatcher = Dispatcher(holder, store, pool, GatewayMetrics(), "r1")
+        dispatcher = build_dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
         await store.replicas.heartbeat([M], "r1", now)
         for rid, user in (("held", "a"), ("finished", "b"), ("young", "c")):
@@ -49,12 +51,12 @@ async def test_reconcile_releases_only_what_the_replica_does_not_hold(
         # "young" was dispatched just now: its grant may still be on its way
         await client.hset(K.request("young"), "dispatched_at", now + RECONCILE_GRACE_S)
 
-        assert await dispatcher.reconcile(M, now + RECONCILE_GRACE_S + 1) == 1
+        assert await dispatcher.replicas.reconcile(M, now + RECONCILE_GRACE_S + 1) == 1
         assert await client.hgetall(K.user_inflight) == {"a": "1", "c": "1"}
         assert await client.get(K.backend_inflight("b1")) == "2"
         assert await client.smembers(K.running("r1")) == {"held", "young"}
         # nothing more to do on a second pass
-        assert await dispatcher.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0
+        assert await dispatcher.replicas.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0
 
 
 async def test_reconcile_delivers_a_grant_whose_client_still_waits(
@@ -68,7 +70,7 @@ async def test_reconcile_delivers_a_grant_whose_client_still_waits(
     async with aiohttp.ClientSession() as session:
         holder = SettingsHolder(settings)
         pool = BackendPool(holder, session, store.fleet, GatewayMetrics())
-        dispatcher = Dispatcher(holder, store, pool, GatewayMetrics(), "r1")
+        dispatcher = build_dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
         await store.replicas.heartbeat([M], "r1", now)
         queued = QueuedRequest("lost-reply", "a", "default", "r1", 1.0, now)
@@ -78,7 +80,7 @@ async def test_reconcile_delivers_a_grant_whose_client_still_waits(
         await store.queue.dispatch(M, "b1", OPEN, "r1", now, 10.0)
         await client.delete(K.grants("r1"))  # the grant list entry went with the reply
 
-        assert await dispatcher.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0
+        assert await dispatcher.replicas.reconcile(M, now + RECONCILE_GRACE_S + 1) == 0
         assert future.done(), "the waiting client got no grant"
         grant = future.result()
         assert (grant.request_id, grant.backend) == ("lost-reply", "b1"), grant

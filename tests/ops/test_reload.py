@@ -24,8 +24,9 @@ from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
-             "Dispatcher", "History", "Inspector", "PoolWatch", "Preemptor",
-             "Quotas", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots", "Waits"}
+             "Dispatcher", "History", "Inspector", "Planner", "PoolWatch", "Preemptor",
+             "Quotas", "ReplicaProtocol", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots",
+             "StoreOutage", "Waits"}
 SETTINGS_COPIES = (Settings, ClassConfig, Tenant)
 
 
@@ -103,7 +104,7 @@ async def test_a_reload_reaches_every_consumer(sim: SimFactory, gateway: Gateway
         assert targets is not None and targets["interactive"].ceiling == 2, targets
         assert handle.pacing["interactive"].allowance <= 2, handle.pacing["interactive"]
         assert handle.fit.prefill_limits["interactive"] == 1234, handle.fit
-        assert svc.dispatcher.floors.after_s == 5.0, svc.dispatcher.floors
+        assert svc.dispatcher.planner.floors.after_s == 5.0, svc.dispatcher.planner.floors
         assert svc.store.queue.request_ttl_s == request_ttl_s(new), svc.store.queue.request_ttl_s
         assert svc.admission.waits.retry_after(None) == 4
         assert svc.quotas.lease_s == 9.0 and svc.keys.runtime is not None

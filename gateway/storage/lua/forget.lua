@@ -1,5 +1,5 @@
 -- Forget trusted keys' end users idle for `idle` seconds (run by every replica's
--- heartbeat, gateway/scheduling/dispatcher.py): their saved scores (the user's in its
+-- heartbeat, gateway/scheduling/replicas.py): their saved scores (the user's in its
 -- tenant, and with a tenant of its own the tenant's score and user-level floor), their
 -- service-share entries and their last-seen entry. An end user that returns is a new
 -- user (join in _lib.lua lifts it to the smallest active score of each level). At most

@@ -67,7 +67,7 @@ local function start_inflight(prefix, backend, id, at)
 end
 
 -- The starts a call carries (started.lua, and those a replica held back while nothing
--- was queued, sent with its next enqueue or settle: gateway/scheduling/dispatcher.py): a list of
+-- was queued, sent with its next enqueue or settle: gateway/scheduling/held_starts.py): a list of
 -- {id, backend, at}. Returns the number of gate slots freed.
 local function start_each(prefix, starts)
   local freed = 0
