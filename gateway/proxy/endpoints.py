@@ -74,7 +74,7 @@ class Endpoint:
     request_schema: str | None = None  # components/schemas in the OpenAPI document
     response_schema: str | None = None
     # the body field its prompt is read from; its shape's reader is PROMPT_READERS[it]
-    prompt_field: str | None = None  # messages | prompt | input
+    prompt_field: str | None = None  # messages | prompt | input | query | text_1
     # the fields the backend honours as output-token bounds: the smallest set is the
     # request's (``CompletionRequest.output``; every one of them says it when forwarded)
     output_token_fields: tuple[str, ...] = ()
@@ -174,6 +174,58 @@ def input_prompt(body: dict[str, Any]) -> Prompt:
 
 
 
+def _score_inputs(body: dict[str, Any], name: str, many: bool) -> list[Any]:
+    """One side of a rerank or score body: a text or an object with a ``content`` array
+    (vLLM's ``ScoreInput``), or (``many``) a non-empty array of them."""
+    value = body.get(name)
+    values = value if many and isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, str) or (isinstance(v, dict) and isinstance(
+            v.get("content"), list)) for v in values):
+        raise BadRequest(f"'{name}' must be a string or an object with a 'content' array"
+                         + (", or a non-empty array of them" if many else ""), param=name)
+    return values
+
+
+def _pairs(body: dict[str, Any], first: str, second: str) -> Prompt:
+    """A cross-encoder's prompt: each (query, document) pair is one sequence the model
+    reads, the one query read once per document (1:N) or the queries paired by position
+    (N:N); the score template renders ``instruction`` and ``chat_template_kwargs`` into
+    each pair."""
+    queries = _score_inputs(body, first, many=True)
+    documents = _score_inputs(body, second, many=True)
+    if len(queries) > 1 and len(queries) != len(documents):
+        raise BadRequest(f"'{first}' must be one or as many as '{second}' (pairs 1:1, 1:N "
+                         f"or N:N; got {len(queries)} and {len(documents)})", param=first)
+    pairs = zip(queries * len(documents) if len(queries) == 1 else queries, documents,
+                strict=True)
+    text = [side for pair in pairs for side in pair]
+    extra = _present(body, ("instruction", "chat_template_kwargs"))
+    return Prompt(first, text, items=len(documents),
+                  rendered=(text, *extra * len(documents)), template_items=len(documents))
+
+
+@prompt_shape("query")
+def rerank_prompt(body: dict[str, Any]) -> Prompt:
+    """vLLM's rerank: one ``query`` and its ``documents``."""
+    _score_inputs(body, "query", many=False)
+    return _pairs(body, "query", "documents")
+
+
+# the sides of vLLM's score body, in the order its request union reads them
+SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
+               ("text_1", "text_2"))
+
+
+@prompt_shape("text_1")
+def score_prompt(body: dict[str, Any]) -> Prompt:
+    """vLLM's score: two sides, ``text_1`` and ``text_2`` or another of its spellings
+    (:data:`SCORE_SIDES`: the first the body sets both of)."""
+    first, second = next(((a, b) for a, b in SCORE_SIDES if a in body and b in body),
+                         SCORE_SIDES[-1])
+    return _pairs(body, first, second)
+
+
+
 CHAT = Endpoint(
     "/v1/chat/completions", "POST", "createChatCompletion", Kind.QUEUED,
     "A chat completion, queued fairly and forwarded to a vLLM backend",
@@ -202,6 +254,21 @@ DETOKENIZE = Endpoint(
     "/detokenize", "POST", "detokenize", Kind.FORWARDED,
     "vLLM's detokenizer (any API key; cheap, so not queued)",
     "DetokenizeRequest", sim="detokenize")
+# vLLM's pooling scorers (a cross-encoder's pairs; no output tokens, never streamed): the
+# rerank API at each path vLLM serves it, the score API at both of its paths
+_RERANK = ("Rerank documents against a query (vLLM's pooling API), queued fairly in the "
+           "key's class (cost = input tokens: the query once per document)")
+_SCORE = ("Score pairs of texts (vLLM's pooling API), queued fairly in the key's class "
+          "(cost = input tokens: each pair's)")
+RERANKS = tuple(
+    Endpoint(path, "POST", op, Kind.QUEUED, _RERANK, "RerankRequest", "RerankResponse",
+             "query", batchable=True, sim="rerank")
+    for path, op in (("/v1/rerank", "createRerank"), ("/rerank", "rerank"),
+                     ("/v2/rerank", "createRerankV2")))
+SCORES = tuple(
+    Endpoint(path, "POST", op, Kind.QUEUED, _SCORE, "ScoreRequest", "ScoreResponse",
+             "text_1", batchable=True, sim="score")
+    for path, op in (("/v1/score", "createScore"), ("/score", "score")))
 LIST_MODELS = Endpoint("/v1/models", "GET", "listModels", Kind.LOCAL, sim="models")
 RETRIEVE_MODEL = Endpoint("/v1/models/{model}", "GET", "retrieveModel", Kind.LOCAL)
 # the Files and Batches API (gateway/http/batch_routes.py)
@@ -219,9 +286,9 @@ BATCHES = (
     Endpoint("/v1/batches/{batch_id}/cancel", "POST", "cancelBatch", Kind.LOCAL),
 )
 
-ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, TOKENIZE,
-                                   DETOKENIZE, LIST_MODELS, RETRIEVE_MODEL, *FILES,
-                                   *BATCHES)
+ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, *RERANKS,
+                                   *SCORES, TOKENIZE, DETOKENIZE, LIST_MODELS,
+                                   RETRIEVE_MODEL, *FILES, *BATCHES)
 # the endpoints whose body fairgate reads (queued or forwarded), by path
 BY_PATH: dict[str, Endpoint] = {e.path: e for e in ENDPOINTS if e.kind is not Kind.LOCAL}
 BATCHABLE: tuple[str, ...] = tuple(e.path for e in ENDPOINTS if e.batchable)

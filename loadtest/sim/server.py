@@ -4,6 +4,8 @@ Routes: every entry of fairgate's endpoint table (``gateway/proxy/endpoints.py``
 simulator behaviour, served by that behaviour — ``GET /v1/models``, ``POST
 /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (JSON or SSE),
 ``POST /v1/embeddings`` (prefill-only engine requests, ``loadtest/sim/embeddings.py``),
+``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``, ``/score`` and ``/v1/score`` (a prefill-only
+engine request per pair, ``loadtest/sim/scoring.py``),
 ``POST /tokenize``, ``POST /detokenize`` (``loadtest/sim/tokenizer.py``, no engine) —
 and vLLM's own ``GET /health``, ``GET /metrics``, with LoRA and
 ``allow_runtime_lora_updating`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) ``POST
@@ -33,7 +35,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gateway.proxy.endpoints import ENDPOINTS
-from loadtest.sim import tokenizer
+from loadtest.sim import scoring, tokenizer
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS, embedding_body, parse_embedding
 from loadtest.sim.engine import EngineConfig, SimEngine
 from loadtest.sim.lora import LoraRegistry
@@ -50,6 +52,7 @@ from loadtest.sim.protocol import (
 from loadtest.sim.records import RequestStream
 from loadtest.sim.responses import StreamFramer, full_body
 from loadtest.sim.responses_api import ResponseBuilder, parse_responses
+from loadtest.sim.scoring import parse_rerank, parse_score
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SHUTDOWN_TIMEOUT_S = 2.0
@@ -139,7 +142,8 @@ class SimServer:
         """What the simulator does for an endpoint, by the name its table entry gives."""
         return {"models": self._models, "completion": self._completions, "chat": self._chat,
                 "responses": self._responses, "embeddings": self._embeddings,
-                "tokenize": self._tokenize, "detokenize": self._detokenize}
+                "tokenize": self._tokenize, "detokenize": self._detokenize,
+                "rerank": self._rerank, "score": self._score}
 
     async def start(self) -> None:
         """Start the engine loop and listen."""
@@ -374,13 +378,41 @@ class SimServer:
         )
         self._check_priority(req.priority)
         request_id = "embd-" + uuid.uuid4().hex
+        await self._pool(request_id, [len(ids) for ids in req.prompts], req.priority)
+        return json_response(
+            embedding_body(req, request_id, self.config.model, self.config.seed)
+        )
+
+    async def _rerank(self, request: web.Request) -> web.Response:
+        req = parse_rerank(await self._body(request),
+                           headers_priority=request.headers.get(PRIORITY_HEADER),
+                           model_len=self.config.model_len)
+        self._check_priority(req.priority)
+        rid = scoring.request_id()
+        await self._pool(rid, [p.tokens for p in req.pairs], req.priority)
+        return json_response(scoring.rerank_body(req, rid, self.config.model,
+                                                 self.config.seed))
+
+    async def _score(self, request: web.Request) -> web.Response:
+        req = parse_score(await self._body(request),
+                          headers_priority=request.headers.get(PRIORITY_HEADER),
+                          model_len=self.config.model_len)
+        self._check_priority(req.priority)
+        rid = scoring.request_id()
+        await self._pool(rid, [p.tokens for p in req.pairs], req.priority)
+        return json_response(scoring.score_body(req, rid, self.config.model,
+                                                self.config.seed))
+
+    async def _pool(self, request_id: str, prompts: list[int], priority: int) -> None:
+        """Run one pooling engine request (prefill only) per prompt of ``prompts`` tokens
+        and wait for all of them; each is aborted if the handler is cancelled."""
         streams: list[RequestStream] = []
         try:
-            for i, ids in enumerate(req.prompts):
+            for i, tokens in enumerate(prompts):
                 try:
                     streams.append(self._engine.add_request(
-                        f"{request_id}-{i}", prompt_tokens=len(ids), max_tokens=1,
-                        priority=req.priority, pooling=True,
+                        f"{request_id}-{i}", prompt_tokens=tokens, max_tokens=1,
+                        priority=priority, pooling=True,
                     ))  # fmt: skip
                 except ValueError as exc:
                     raise SimError(400, str(exc)) from exc
@@ -389,9 +421,6 @@ class SimServer:
                     pass
             if any(s.aborted for s in streams):
                 raise SimError(500, "The request was aborted: the engine is shutting down.")
-            return json_response(
-                embedding_body(req, request_id, self.config.model, self.config.seed)
-            )
         finally:
             for stream in streams:
                 if not stream.finished:

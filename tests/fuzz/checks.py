@@ -18,10 +18,12 @@ from typing import Any
 import schemathesis
 from schemathesis import Case, CheckContext, Response
 
+from gateway.proxy.endpoints import ENDPOINTS, Kind
+
 FIELDS = {"message", "type", "param", "code"}
-# the operations whose backend answers reach the client as the backend sent them
-FORWARDED = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/embeddings",
-             "POST /v1/responses", "POST /tokenize", "POST /detokenize"}
+# the operations whose backend answers reach the client as the backend sent them: every
+# queued or forwarded entry of the endpoint table
+FORWARDED = {f"{e.method} {e.path}" for e in ENDPOINTS if e.kind is not Kind.LOCAL}
 
 
 def error_shape_problem(status: int, content_type: str, raw: bytes) -> str | None:

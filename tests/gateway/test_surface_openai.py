@@ -242,7 +242,9 @@ async def test_401_and_404_on_the_new_routes(sim: SimFactory, gateway: GatewayFa
     bodies = {"/v1/embeddings": {"model": MODEL, "input": "x"},
               "/v1/responses": {"model": MODEL, "input": "x"},
               "/tokenize": {"model": MODEL, "prompt": "x"},
-              "/detokenize": {"model": MODEL, "tokens": [1]}}
+              "/detokenize": {"model": MODEL, "tokens": [1]},
+              "/v1/rerank": {"model": MODEL, "query": "x", "documents": ["y"]},
+              "/score": {"model": MODEL, "text_1": "x", "text_2": "y"}}
     for path, body in bodies.items():
         for key in (None, "sk-nobody"):
             status, got, _ = await call(http, "POST", gw.url + path, key=key, json=body)
@@ -271,7 +273,7 @@ async def test_401_and_404_on_the_new_routes(sim: SimFactory, gateway: GatewayFa
 
     # routes fairgate does not serve: a clear 404, not a missing model
     for method, path in (("POST", "/v1/audio/speech"), ("POST", "/v1/images/generations"),
-                         ("GET", "/v1/responses/resp_1"), ("POST", "/v1/rerank")):
+                         ("GET", "/v1/responses/resp_1"), ("POST", "/v1/classify")):
         status, got, _ = await call(http, method, gw.url + path, json={})
         assert status == 404, (path, got)
         assert path in assert_error(got, type_="invalid_request_error", code=None)
