@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,9 +27,14 @@ from aiohttp import web
 from gateway.access.auth import KeyRing
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
+from gateway.backends.assess import ClassGates
 from gateway.backends.discovery import DnsDiscovery
+from gateway.backends.handle import BackendHandle
+from gateway.backends.leases import ScrapeLeases
 from gateway.backends.registry import BackendList
-from gateway.backends.scrape import BackendPool
+from gateway.backends.scrape import AdapterNotes, BackendPool, PoolParts
+from gateway.backends.scraper import Scraper
+from gateway.backends.snapshots import Snapshots
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
 from gateway.batch.results import BatchResults
@@ -56,6 +63,7 @@ from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.settles import Settles
 from gateway.scheduling.usage import UsageLedger
 from gateway.storage.embedded_redis import EmbeddedRedis
+from gateway.storage.fleet_store import FleetStore
 from gateway.storage.redis_client import (
     BoundaryRedis,
     connect,
@@ -113,6 +121,24 @@ def fairness_policy(settings: Settings) -> FairnessPolicy:
     fairness = settings.fairness
     return policy_for(fairness.policy, TokenCost(
         fairness.vtc_input_weight, fairness.vtc_output_weight, fairness.vtc_kv_weight))
+
+
+def build_pool(config: SettingsHolder, session: aiohttp.ClientSession, fleet: FleetStore,
+               metrics: GatewayMetrics, on_snapshot: Callable[[], None] = lambda: None, *,
+               scraper_id: str | None = None) -> BackendPool:
+    """The backend pool and its parts (``gateway/backends/scrape.py``) over one dict of
+    handles, which the pool fills. ``on_snapshot``: called when a snapshot is taken in
+    (gates may have opened); ``scraper_id``: this process, as its scrape leases name it."""
+    handles: dict[str, BackendHandle] = {}
+    classes = ClassGates(config.current)
+    notes = AdapterNotes(config, handles)
+    snapshots = Snapshots(config, metrics, classes, notes.adapters_on, on_snapshot)
+    scraper = Scraper(config, session, fleet, classes, snapshots)
+    leases = ScrapeLeases(
+        config, fleet, metrics, handles, scraper, snapshots,
+        scraper_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
+    return BackendPool(config, session, metrics,
+                       PoolParts(handles, classes, notes, snapshots, scraper, leases))
 
 
 def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
@@ -200,11 +226,11 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         replica_id = settings.replicas.replica_id or uuid.uuid4().hex[:12]
         policy = fairness_policy(settings)
         config = SettingsHolder(settings)  # the one copy every collaborator reads
-        store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
-        config.on_swap(lambda new: setattr(store.queue, "request_ttl_s", request_ttl_s(new)))
+        store = Store.over(client, lambda: request_ttl_s(config.current),
+                           settings.fleet_models())
         signals = Signals()  # the dispatch loop's wake-up
-        pool = BackendPool(config, session, store.fleet, metrics,
-                           on_snapshot=signals.wake_freed)  # gates may have opened
+        pool = build_pool(config, session, store.fleet, metrics,
+                          on_snapshot=signals.wake_freed)  # gates may have opened
         running = RunningStreams(lambda: config.current.upstream.max_moves)
         # preemption orders move this process's running answers
         dispatcher = build_dispatcher(config, store, pool, metrics, replica_id, signals,
