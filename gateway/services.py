@@ -47,7 +47,10 @@ from gateway.core.supervise import supervise
 from gateway.ops.pools import PoolWatch
 from gateway.ops.read_model import Inspector
 from gateway.proxy.upstream import Upstream
-from gateway.scheduling.admission import Admission
+from gateway.scheduling.adapter_loads import AdapterLoads
+from gateway.scheduling.admission import Admission, AdmissionParts
+from gateway.scheduling.charging import Charging
+from gateway.scheduling.continuations import Continuations
 from gateway.scheduling.decision import Planner
 from gateway.scheduling.dispatch_loop import DispatchLoop
 from gateway.scheduling.dispatcher import Dispatcher, DispatchParts
@@ -56,12 +59,14 @@ from gateway.scheduling.held_starts import HeldStarts
 from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.migrate import Migrations
 from gateway.scheduling.outage import StoreOutage
+from gateway.scheduling.placement import GrantedBackends, Placement
 from gateway.scheduling.preemption import Preemptor
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.replicas import ReplicaProtocol
 from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.settles import Settles
 from gateway.scheduling.usage import UsageLedger
+from gateway.scheduling.waits import Waits
 from gateway.storage.embedded_redis import EmbeddedRedis
 from gateway.storage.fleet_store import FleetStore
 from gateway.storage.redis_client import (
@@ -165,6 +170,28 @@ def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
         signals, waiters, local, outage, planner, starts, settles, loop, replicas, preemptor))
 
 
+def build_admission(config: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
+                    policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
+                    quotas: Quotas | None = None, usage: UsageLedger | None = None,
+                    running: RunningStreams | None = None,
+                    learn_backend: Callable[[str], Awaitable[bool]] | None = None
+                    ) -> Admission:
+    """Admission and its parts (``gateway/scheduling/admission.py``). ``running``: this
+    process's running answers (a list of its own when not given); ``learn_backend``: reads
+    the backend list in force again for a backend a grant names that this process does
+    not know yet."""
+    running = (running if running is not None
+               else RunningStreams(lambda: config.current.upstream.max_moves))
+    waits = Waits(config, dispatcher.store.reads)
+    adapter_loads = AdapterLoads(config, pool, dispatcher.store.adapters, metrics, replica_id)
+    backends = GrantedBackends(pool, learn_backend)
+    parts = AdmissionParts(
+        waits, adapter_loads, Placement(config, dispatcher, pool, waits, adapter_loads, metrics),
+        Charging(config, dispatcher, policy, metrics, quotas, usage),
+        Continuations(config, dispatcher, pool, metrics, backends.named), backends)
+    return Admission(config, dispatcher, pool, policy, metrics, replica_id, running, parts)
+
+
 def store_client(settings: Settings, metrics: GatewayMetrics,
                  stack: contextlib.AsyncExitStack) -> tuple[BoundaryRedis, str]:
     """The client of the configured store (an embedded Valkey when none is) and where it
@@ -239,9 +266,9 @@ async def running_services(settings: Settings, metrics: GatewayMetrics
         usage = UsageLedger(client, settings.access.usage_retention_days,
                             lambda: config.current.models())
         backends = BackendList(client, config, pool, store.fleet)
-        admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
-                              usage, running,
-                              learn_backend=backends.learn)  # a grant for one added elsewhere
+        admission = build_admission(config, dispatcher, pool, policy, metrics, replica_id,
+                                    quotas, usage, running,
+                                    learn_backend=backends.learn)  # a grant for one added elsewhere
         upstream = Upstream(session, settings.upstream.upstream_timeout_s,
                             settings.upstream.max_request_s,
                             lambda: config.current.upstream.stream_idle_timeout_s)
