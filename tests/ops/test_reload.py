@@ -38,9 +38,9 @@ from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "AdapterNotes", "Admission", "BackendList", "BackendPool",
-             "BatchRunner", "Dispatcher", "History", "Inspector", "Planner", "PoolWatch",
-             "Preemptor", "Quotas", "ReplicaProtocol", "RuntimeKeys", "ScrapeLeases", "Scraper",
-             "Snapshots", "StoreOutage", "Waits"}
+             "BatchRunner", "Charging", "Continuations", "Dispatcher", "History", "Inspector",
+             "Placement", "Planner", "PoolWatch", "Preemptor", "Quotas", "ReplicaProtocol",
+             "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots", "StoreOutage", "Waits"}
 SETTINGS_COPIES = (Settings, Group, ClassConfig, Tenant)
 
 
