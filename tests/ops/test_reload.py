@@ -38,7 +38,8 @@ from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
 CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
-             "Dispatcher", "History", "Inspector", "Planner", "PoolWatch", "Preemptor",
+             "Charging", "Continuations", "Dispatcher", "History", "Inspector", "Placement",
+             "Planner", "PoolWatch", "Preemptor",
              "Quotas", "ReplicaProtocol", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots",
              "StoreOutage", "Waits"}
 SETTINGS_COPIES = (Settings, Group, ClassConfig, Tenant)
