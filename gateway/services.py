@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,9 +27,14 @@ from aiohttp import web
 from gateway.access.auth import KeyRing
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
+from gateway.backends.assess import ClassGates
 from gateway.backends.discovery import DnsDiscovery
+from gateway.backends.handle import BackendHandle
+from gateway.backends.leases import ScrapeLeases
 from gateway.backends.registry import BackendList
-from gateway.backends.scrape import BackendPool
+from gateway.backends.scrape import AdapterNotes, BackendPool, PoolParts
+from gateway.backends.scraper import Scraper
+from gateway.backends.snapshots import Snapshots
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
 from gateway.batch.results import BatchResults
@@ -37,10 +44,14 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ApiKey, Settings, SettingsHolder
 from gateway.core.supervise import supervise
+from gateway.ops.history import History
 from gateway.ops.pools import PoolWatch
 from gateway.ops.read_model import Inspector
 from gateway.proxy.upstream import Upstream
-from gateway.scheduling.admission import Admission
+from gateway.scheduling.adapter_loads import AdapterLoads
+from gateway.scheduling.admission import Admission, AdmissionParts
+from gateway.scheduling.charging import Charging
+from gateway.scheduling.continuations import Continuations
 from gateway.scheduling.decision import Planner
 from gateway.scheduling.dispatch_loop import DispatchLoop
 from gateway.scheduling.dispatcher import Dispatcher, DispatchParts
@@ -49,13 +60,16 @@ from gateway.scheduling.held_starts import HeldStarts
 from gateway.scheduling.local import LocalScheduler
 from gateway.scheduling.migrate import Migrations
 from gateway.scheduling.outage import StoreOutage
+from gateway.scheduling.placement import GrantedBackends, Placement
 from gateway.scheduling.preemption import Preemptor
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.replicas import ReplicaProtocol
 from gateway.scheduling.running import RunningStreams
 from gateway.scheduling.settles import Settles
 from gateway.scheduling.usage import UsageLedger
+from gateway.scheduling.waits import Waits
 from gateway.storage.embedded_redis import EmbeddedRedis
+from gateway.storage.fleet_store import FleetStore
 from gateway.storage.redis_client import (
     BoundaryRedis,
     connect,
@@ -115,6 +129,24 @@ def fairness_policy(settings: Settings) -> FairnessPolicy:
         fairness.vtc_input_weight, fairness.vtc_output_weight, fairness.vtc_kv_weight))
 
 
+def build_pool(config: SettingsHolder, session: aiohttp.ClientSession, fleet: FleetStore,
+               metrics: GatewayMetrics, on_snapshot: Callable[[], None] = lambda: None, *,
+               scraper_id: str | None = None) -> BackendPool:
+    """The backend pool and its parts (``gateway/backends/scrape.py``) over one dict of
+    handles, which the pool fills. ``on_snapshot``: called when a snapshot is taken in
+    (gates may have opened); ``scraper_id``: this process, as its scrape leases name it."""
+    handles: dict[str, BackendHandle] = {}
+    classes = ClassGates(config.current)
+    notes = AdapterNotes(config, handles)
+    snapshots = Snapshots(config, metrics, classes, notes.adapters_on, on_snapshot)
+    scraper = Scraper(config, session, fleet, classes, snapshots)
+    leases = ScrapeLeases(
+        config, fleet, metrics, handles, scraper, snapshots,
+        scraper_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
+    return BackendPool(config, session, metrics,
+                       PoolParts(handles, classes, notes, snapshots, scraper, leases))
+
+
 def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
                      metrics: GatewayMetrics, replica_id: str,
                      signals: Signals | None = None,
@@ -137,6 +169,28 @@ def build_dispatcher(config: SettingsHolder, store: Store, pool: BackendPool,
                                preemptor, signals)
     return Dispatcher(config, store, pool, metrics, DispatchParts(
         signals, waiters, local, outage, planner, starts, settles, loop, replicas, preemptor))
+
+
+def build_admission(config: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
+                    policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
+                    quotas: Quotas | None = None, usage: UsageLedger | None = None,
+                    running: RunningStreams | None = None,
+                    learn_backend: Callable[[str], Awaitable[bool]] | None = None
+                    ) -> Admission:
+    """Admission and its parts (``gateway/scheduling/admission.py``). ``running``: this
+    process's running answers (a list of its own when not given); ``learn_backend``: reads
+    the backend list in force again for a backend a grant names that this process does
+    not know yet."""
+    running = (running if running is not None
+               else RunningStreams(lambda: config.current.upstream.max_moves))
+    waits = Waits(config, dispatcher.store.reads)
+    adapter_loads = AdapterLoads(config, pool, dispatcher.store.adapters, metrics, replica_id)
+    backends = GrantedBackends(pool, learn_backend)
+    parts = AdmissionParts(
+        waits, adapter_loads, Placement(config, dispatcher, pool, waits, adapter_loads, metrics),
+        Charging(config, dispatcher, policy, metrics, quotas, usage),
+        Continuations(config, dispatcher, pool, metrics, backends.named), backends)
+    return Admission(config, dispatcher, pool, policy, metrics, replica_id, running, parts)
 
 
 def store_client(settings: Settings, metrics: GatewayMetrics,
@@ -184,77 +238,102 @@ def start_loops(svc: Services) -> list[asyncio.Task[None]]:
             loop("loop_lag", functools.partial(loop_lag.watch, svc.metrics.process.loop_lag))]
 
 
+async def connections(settings: Settings, metrics: GatewayMetrics,
+                      stack: contextlib.AsyncExitStack
+                      ) -> tuple[BoundaryRedis, str, aiohttp.ClientSession]:
+    """The store's client (its version checked) and where it is, and the HTTP session to
+    the backends; both closed by ``stack``."""
+    client, redis_url = store_client(settings, metrics, stack)
+    stack.push_async_callback(client.aclose)
+    await check_store_version(client, redis_url)  # StoreTooOld: `fairgate serve` exits 2
+    # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
+    # that moment fails a request, so ours expire first
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+        limit=0, keepalive_timeout=settings.upstream.upstream_keepalive_s))
+    stack.push_async_callback(session.close)
+    return client, redis_url, session
+
+
+def build_services(settings: Settings, metrics: GatewayMetrics, client: BoundaryRedis,
+                   redis_url: str, session: aiohttp.ClientSession) -> Services:
+    """Every service over the store's client and the backends' session, each given what it
+    depends on."""
+    replica_id = settings.replicas.replica_id or uuid.uuid4().hex[:12]
+    policy = fairness_policy(settings)
+    config = SettingsHolder(settings)  # the one copy every collaborator reads
+    store = Store.over(client, lambda: request_ttl_s(config.current), settings.fleet_models())
+    signals = Signals()  # the dispatch loop's wake-up
+    pool = build_pool(config, session, store.fleet, metrics,
+                      on_snapshot=signals.wake_freed)  # gates may have opened
+    running = RunningStreams(lambda: config.current.upstream.max_moves)
+    # preemption orders move this process's running answers
+    dispatcher = build_dispatcher(config, store, pool, metrics, replica_id, signals, running)
+    quotas = Quotas(client, config)
+    usage = UsageLedger(client, settings.access.usage_retention_days,
+                        lambda: config.current.models())
+    backends = BackendList(client, config, pool, store.fleet)
+    admission = build_admission(config, dispatcher, pool, policy, metrics, replica_id,
+                                quotas, usage, running,
+                                learn_backend=backends.learn)  # a grant for one added elsewhere
+    upstream = Upstream(session, settings.upstream.upstream_timeout_s,
+                        settings.upstream.max_request_s,
+                        lambda: config.current.upstream.stream_idle_timeout_s)
+    files = FileStore(client, settings.store.data_dir / "files", settings.batch.max_file_bytes)
+    batches = BatchStore(client)
+
+    async def account_of(key_id: str) -> ApiKey | None:
+        # the key ring in force: a reload replaces services.keys
+        return await services.keys.find(key_id)
+
+    runner = BatchRunner(config, admission, upstream, files, batches,
+                         BatchResults(files, batches), metrics, replica_id, account_of)
+    keyring = KeyRing(settings.api_keys, settings.admin_keys, RuntimeKeys(client, config))
+    history = History(config, store, metrics, pool)
+    services = Services(
+        config, keyring, policy, metrics, store,
+        pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,
+        batches, runner, Inspector(config, store, pool, metrics, replica_id, history, running),
+        SessionStore(client, settings.access.session_ttl_s), replica_id, redis_url,
+        pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
+        started_at=int(time.time()))
+    return services
+
+
+async def first_reads(svc: Services) -> None:
+    """What the services read from the store before the first request (an unreachable
+    store: their loops read it later)."""
+    with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
+        await svc.backends.refresh()  # the runtime backends, before the first request
+    if svc.keys.runtime is not None:
+        with contextlib.suppress(StoreUnavailable):  # else at the first key lookup
+            await svc.keys.runtime.settle_pepper()  # said in the log at start
+
+
+async def stop_loops(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel the loops, stop the batch runner, and wait for the loops a while."""
+    for task in tasks:
+        task.cancel()
+    await svc.batch_runner.stop()
+    # bounded: a library that swallows a cancellation must not hang shutdown
+    _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
+    if stuck:  # a bug (gateway/core/waits.py): say which loops ran on
+        log.error("loops_not_stopped", loops=sorted(t.get_name() for t in stuck),
+                  waited_s=SHUTDOWN_WAIT_S)
+
+
 @contextlib.asynccontextmanager
 async def running_services(settings: Settings, metrics: GatewayMetrics
                            ) -> AsyncIterator[Services]:
+    """The services of these settings, their loops running, until the block exits."""
     async with contextlib.AsyncExitStack() as stack:
-        client, redis_url = store_client(settings, metrics, stack)
-        stack.push_async_callback(client.aclose)
-        await check_store_version(client, redis_url)  # StoreTooOld: `fairgate serve` exits 2
-        # vLLM's uvicorn drops idle keep-alive connections after 5 s; reusing one at
-        # that moment fails a request, so ours expire first
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=settings.upstream.upstream_keepalive_s))
-        stack.push_async_callback(session.close)
-
-        replica_id = settings.replicas.replica_id or uuid.uuid4().hex[:12]
-        policy = fairness_policy(settings)
-        config = SettingsHolder(settings)  # the one copy every collaborator reads
-        store = Store.over(client, request_ttl_s(settings), settings.fleet_models())
-        config.on_swap(lambda new: setattr(store.queue, "request_ttl_s", request_ttl_s(new)))
-        signals = Signals()  # the dispatch loop's wake-up
-        pool = BackendPool(config, session, store.fleet, metrics,
-                           on_snapshot=signals.wake_freed)  # gates may have opened
-        running = RunningStreams(lambda: config.current.upstream.max_moves)
-        # preemption orders move this process's running answers
-        dispatcher = build_dispatcher(config, store, pool, metrics, replica_id, signals,
-                                      running)
-        quotas = Quotas(client, config)
-        usage = UsageLedger(client, settings.access.usage_retention_days,
-                            lambda: config.current.models())
-        backends = BackendList(client, config, pool, store.fleet)
-        admission = Admission(config, dispatcher, pool, policy, metrics, replica_id, quotas,
-                              usage, running,
-                              learn_backend=backends.learn)  # a grant for one added elsewhere
-        upstream = Upstream(session, settings.upstream.upstream_timeout_s,
-                            settings.upstream.max_request_s,
-                            lambda: config.current.upstream.stream_idle_timeout_s)
-        files = FileStore(client, settings.store.data_dir / "files", settings.batch.max_file_bytes)
-        batches = BatchStore(client)
-
-        async def account_of(key_id: str) -> ApiKey | None:
-            # the key ring in force: a reload replaces services.keys
-            return await services.keys.find(key_id)
-
-        runner = BatchRunner(config, admission, upstream, files, batches,
-                             BatchResults(files, batches), metrics, replica_id, account_of)
-        runtime_keys = RuntimeKeys(client, config)
-        keyring = KeyRing(settings.api_keys, settings.admin_keys, runtime_keys)
-        with contextlib.suppress(StoreUnavailable):  # else the backends loop reads it
-            await backends.refresh()  # the runtime backends, before the first request
-        with contextlib.suppress(StoreUnavailable):  # else at the first key lookup
-            await runtime_keys.settle_pepper()  # said in the log at start
-        services = Services(
-            config, keyring, policy, metrics, store,
-            pool, backends, dispatcher, admission, running, quotas, usage, upstream, files,
-            batches, runner,
-            Inspector(config, store, pool, metrics, replica_id, running),
-            SessionStore(client, settings.access.session_ttl_s), replica_id, redis_url,
-            pools=PoolWatch(config, store.reads, pool, admission.waits, metrics, batches.backlog),
-            started_at=int(time.time()))
-
+        client, redis_url, session = await connections(settings, metrics, stack)
+        services = build_services(settings, metrics, client, redis_url, session)
+        await first_reads(services)
         tasks = start_loops(services)
         try:
             yield services
         finally:
-            for task in tasks:
-                task.cancel()
-            await runner.stop()
-            # bounded: a library that swallows a cancellation must not hang shutdown
-            _, stuck = await asyncio.wait(tasks, timeout=SHUTDOWN_WAIT_S)
-            if stuck:  # a bug (gateway/core/waits.py): say which loops ran on
-                log.error("loops_not_stopped", loops=sorted(t.get_name() for t in stuck),
-                          waited_s=SHUTDOWN_WAIT_S)
+            await stop_loops(services, tasks)
 
 
 SERVICES = web.AppKey("fairgate_services", Services)

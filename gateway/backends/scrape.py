@@ -19,11 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
-import socket
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 import structlog
@@ -39,7 +37,6 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Backend, ReadsSettings, Settings, SettingsHolder
 from gateway.core.supervise import supervise
-from gateway.storage.fleet_store import FleetStore
 from gateway.storage.records import BackendFit
 from policies.classes import CLASS_ORDER
 from policies.gates import GatePolicy
@@ -49,35 +46,66 @@ from policies.prefill import class_limit, fitting
 log = structlog.get_logger("fairgate.backends")
 
 
-class BackendPool(ReadsSettings):
-    def __init__(
-        self,
-        settings: SettingsHolder,
-        session: aiohttp.ClientSession,
-        store: FleetStore,
-        metrics: GatewayMetrics,
-        on_snapshot: Callable[[], None] = lambda: None,
-        *,
-        scraper_id: str | None = None,
-    ) -> None:
+class AdapterNotes(ReadsSettings):
+    """The runtime adapter loads and unloads not yet in the backends' listings, and the
+    adapters available on a backend with them (:meth:`BackendPool.adapters_on`)."""
+
+    def __init__(self, settings: SettingsHolder, handles: dict[str, BackendHandle]) -> None:
         self.holder = settings
-        self.session = session
-        self.metrics = metrics
-        self.on_snapshot = on_snapshot
-        self.classes = ClassGates(settings.current)
-        self.handles: dict[str, BackendHandle] = {
-            b.name: self._handle(b) for b in settings.current.backends}
-        self._loops: dict[str, asyncio.Task[None]] = {}
-        # runtime adapter loads/unloads not yet in the backends' listings: backend ->
-        # adapter -> (loaded, until monotonic s) (note_adapter)
+        self.handles = handles  # the pool's: every backend in force
+        # backend -> adapter -> (loaded, until monotonic s)
         self._noted: dict[str, dict[str, tuple[bool, float]]] = {}
-        # the pool's parts, over its handles (on_snapshot read when a snapshot comes)
-        self.snapshots = Snapshots(settings, metrics, self.classes, self.adapters_on,
-                                   lambda: self.on_snapshot())
-        self.scraper = Scraper(settings, session, store, self.classes, self.snapshots)
-        self.leases = ScrapeLeases(
-            settings, store, metrics, self.handles, self.scraper, self.snapshots,
-            scraper_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
+
+    def adapters_on(self, handle: BackendHandle) -> frozenset[str]:
+        found = adapters.configured_on(self.settings, handle.config) | set(handle.card.adapters)
+        noted = self._noted.get(handle.name)
+        if not noted:
+            return found
+        now = time.monotonic()
+        for adapter, (loaded, until) in list(noted.items()):
+            if until < now or (adapter in found) == loaded:  # its listing agrees by now
+                del noted[adapter]
+            elif loaded:
+                found = found | {adapter}
+            else:
+                found = found - {adapter}
+        return found
+
+    def note(self, backend: str, adapter: str, loaded: bool) -> None:
+        until = time.monotonic() + 3 * self.settings.lora.adapter_refresh_s + 5.0
+        self._noted.setdefault(backend, {})[adapter] = (loaded, until)
+        handle = self.handles.get(backend)
+        if handle is not None:
+            handle.lease.cards_read_at = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolParts:
+    """The pool's parts over its handles, built by the composition root
+    (``gateway/services.py``, ``build_pool``)."""
+
+    handles: dict[str, BackendHandle]  # every backend in force; the pool fills it
+    classes: ClassGates
+    notes: AdapterNotes
+    snapshots: Snapshots
+    scraper: Scraper
+    leases: ScrapeLeases
+
+
+class BackendPool(ReadsSettings):
+    def __init__(self, settings: SettingsHolder, session: aiohttp.ClientSession,
+                 metrics: GatewayMetrics, parts: PoolParts) -> None:
+        self.holder = settings
+        self.session = session  # to the backends (runtime adapter loads use it too)
+        self.metrics = metrics
+        self.classes = parts.classes
+        self.handles = parts.handles
+        self.handles.update({b.name: self._handle(b) for b in settings.current.backends})
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self.notes = parts.notes
+        self.snapshots = parts.snapshots
+        self.scraper = parts.scraper
+        self.leases = parts.leases
         settings.on_swap(self._derive)
 
     @property
@@ -140,30 +168,14 @@ class BackendPool(ReadsSettings):
         """The LoRA adapters available on ``handle``: those its /v1/models lists and
         those the config puts there, corrected by the runtime loads and unloads noted
         since (:meth:`note_adapter`)."""
-        found = adapters.configured_on(self.settings, handle.config) | set(handle.card.adapters)
-        noted = self._noted.get(handle.name)
-        if not noted:
-            return found
-        now = time.monotonic()
-        for adapter, (loaded, until) in list(noted.items()):
-            if until < now or (adapter in found) == loaded:  # its listing agrees by now
-                del noted[adapter]
-            elif loaded:
-                found = found | {adapter}
-            else:
-                found = found - {adapter}
-        return found
+        return self.notes.adapters_on(handle)
 
     def note_adapter(self, backend: str, adapter: str, loaded: bool) -> None:
         """A runtime load (or unload) of ``adapter`` on ``backend``, in force here before
         the backend's /v1/models shows it: until its listing agrees, for three
         ``adapter_refresh_s`` at most. The backend's listing is read again at its next
         scrape (when this process scrapes it)."""
-        until = time.monotonic() + 3 * self.settings.lora.adapter_refresh_s + 5.0
-        self._noted.setdefault(backend, {})[adapter] = (loaded, until)
-        handle = self.handles.get(backend)
-        if handle is not None:
-            handle.lease.cards_read_at = 0.0
+        self.notes.note(backend, adapter, loaded)
 
     def discovered(self) -> dict[str, set[str]]:
         """The adapters the backends list, by base model."""

@@ -20,6 +20,7 @@ import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 
 import structlog
@@ -96,9 +97,23 @@ def _resolve(svc: Services, request: web.Request, key: ApiKey,
     return model, user, klass
 
 
-async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    arrived = time.monotonic()
-    svc = request.app[SERVICES]
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A scheduled request as the edge read it: who calls, what, and how it is queued."""
+
+    key: ApiKey
+    creq: CompletionRequest
+    model: str
+    user: str
+    klass: str
+    deadline_ms: int | None
+    session: str
+
+
+async def _read_call(request: web.Request, endpoint: Endpoint, svc: Services) -> _Call:
+    """The request's key, body, model, user, class, deadline and session; a model none of
+    whose backends was judged yet waits for their first scrapes, and a prompt over the
+    model's context is refused."""
     key = await svc.keys.identify(request.headers.get("Authorization"))
     creq = await read_completion(request, endpoint, svc.settings.listen.max_body_bytes,
                                  Limits.of(svc.settings))
@@ -109,11 +124,19 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     if not svc.pool.any_healthy(model):  # none healthy: admission refuses or holds it
         await svc.pool.first_scrapes(model, svc.settings.fleet.first_scrape_wait_s)
     check_context(creq, svc.pool.max_model_len(model))
+    return _Call(key, creq, model, user, klass, deadline_ms, session)
+
+
+async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    arrived = time.monotonic()
+    svc = request.app[SERVICES]
+    call = await _read_call(request, endpoint, svc)
+    creq, model, klass = call.creq, call.model, call.klass
     request_id = uuid.uuid4().hex
     headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
     queued_at = time.monotonic()
-    structlog.contextvars.bind_contextvars(request_id=request_id, user=user, model=model,
-                                           priority_class=klass)
+    structlog.contextvars.bind_contextvars(request_id=request_id, user=call.user,
+                                           model=model, priority_class=klass)
     log.info("queued")
     status = "error"
     tickets: list[Ticket] = []
@@ -131,10 +154,10 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
                                           None if early is None else await early.dispatched())
 
     try:
-        response = await svc.admission.call(model, user, klass, key.weight, creq,
+        response = await svc.admission.call(model, call.user, klass, call.key.weight, creq,
                                             forward, request_id=request_id, arrived_s=arrived,
-                                            deadline_ms=deadline_ms, account=key,
-                                            refuse_unready=True, session=session)
+                                            deadline_ms=call.deadline_ms, account=call.key,
+                                            refuse_unready=True, session=call.session)
         status = str(response.status)
         return response
     except FairgateError as exc:

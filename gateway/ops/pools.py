@@ -96,6 +96,17 @@ class _Queue:
     waits: dict[str, Callable[[int], float | None]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class _Rates:
+    """A pool's measured rates: what its ready backends serve now (tokens/s), what one
+    backend can serve, a prompt's uncached share and the output tokens per request."""
+
+    served: float
+    mu: float | None  # None: never measured, none configured
+    uncached: float
+    output: float
+
+
 def rules_of(settings: Settings) -> ScaleRules:
     a = settings.autoscale
     return ScaleRules(a.headroom, a.scale_down_delay_s, a.min_replicas, a.max_replicas,
@@ -205,57 +216,98 @@ class PoolWatch(ReadsSettings):
     def _pool(self, name: str, model: str, handles: list[BackendHandle], queue: _Queue,
               siblings: dict[str, list[Any]], batches: _Batches, now: float, mono: float
               ) -> dict[str, Any]:
-        s = self.settings
+        """One pool's view: its measured rates, each class's demand, the decision."""
         ready = [h for h in handles if h.healthy and not h.drained]
-        served = sum((h.windows.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
-        caps = [c.tokens_per_s for h in handles
-                if (c := self.capacity.get(h.name)) is not None and c.tokens_per_s > 0]
-        mu = _mean(caps) or s.autoscale.backend_tokens_per_s
-        hits = [h.prefix_hit_ratio for h in ready if h.prefix_hit_ratio is not None]
-        uncached = 1.0 - (_mean(hits) or 0.0)
-        outputs = [o[0] / o[1] for h in ready
-                   if (o := h.windows.service.rates(OUTPUT)) and o[1] > 0]
-        output = _mean(outputs) or float(s.autoscale.output_tokens)
+        rates = self._rates(handles, ready)
         mix = {c: queue.recent.count(c) / len(queue.recent) if queue.recent else 0.0
                for c in CLASS_ORDER}
         demands, shown, window = [], {}, None
         for klass in CLASS_ORDER:
-            depth = queue.depths.get(klass, 0)
-            sample = queue.samples[klass]
-            scale = depth / len(sample) if sample else 0.0
-            mine = [(r, share) for r in sample
-                    if (share := _share(r.prompt_tokens, name, siblings)) > 0]
-            requests = sum(share for _, share in mine) * scale
-            tokens = (sum(r.prompt_tokens * share for r, share in mine) * scale * uncached
-                      + requests * output)
-            if klass == BATCH_CLASS and requests > 0 and batches.queued > 0:
-                # this pool's share of the batch lines not queued yet, at the same size
-                extra = batches.unqueued * requests / batches.queued
-                tokens, requests = tokens * (1 + extra / requests), requests + extra
-                if batches.expires_at is not None:
-                    left = batches.expires_at - now
-                    window = left if window is None else min(window, left)
-            target = class_target_s(s, klass)
-            demands.append(ClassDemand(klass, tokens, requests, served * mix[klass], target))
-            limit_s = s.classes[klass].max_queue_wait_s
-            estimate = queue.waits[klass]
-            ordered = sorted(mine, key=lambda e: e[0].enqueued_at)
-            at_risk = 0.0
-            for i, (r, share) in enumerate(ordered):
-                deadline = r.deadline_at or r.enqueued_at + limit_s
-                wait = estimate(round(i * scale))
-                if wait is not None and not fits_deadline(wait, deadline - now):
-                    at_risk += share * scale
-                if target is None:
-                    left = deadline - now
-                    window = left if window is None else min(window, left)
-            waits = {p: estimate(round(q * depth)) if depth else 0.0
-                     for p, q in PERCENTILES.items()}
-            shown[klass] = {"queued_requests": requests, "queued_demand_tokens": tokens,
-                            "served_tokens_per_s": served * mix[klass], "target_s": target,
-                            "wait_estimate_s": waits, "at_risk": round(at_risk)}
+            demand, shown[klass], left = self._class(name, klass, queue, siblings, batches,
+                                                     rates, rates.served * mix[klass], now)
+            demands.append(demand)
+            if left is not None:
+                window = left if window is None else min(window, left)
             self._record(name, klass, shown[klass])
-        demand = PoolDemand(demands, mu, len(ready),
+        pool_demand, state = self._decide(name, demands, rates, ready, window, mono)
+        return {
+            "pool": name, "model": model, "ready_replicas": len(ready),
+            "desired_replicas": state.desired,
+            "needed_replicas": replicas_needed(pool_demand),
+            "class_needs": class_needs(pool_demand),
+            "scale_down_pending_since_s": (None if state.below_since is None
+                                           else mono - state.below_since),
+            "backend_tokens_per_s": rates.mu, "served_tokens_per_s": rates.served,
+            "uncached_prompt_share": rates.uncached,
+            "output_tokens_per_request": rates.output,
+            "batch_window_left_s": window,
+            "batch_window_at_risk": any(window_at_risk(pool_demand, d.klass)
+                                        for d in demands if d.target_s is None),
+            "classes": shown,
+            "backends": [self._backend(h) for h in handles],
+        }
+
+    def _rates(self, handles: list[BackendHandle], ready: list[BackendHandle]) -> _Rates:
+        """What the pool's backends serve now and can serve, and what a request costs."""
+        s = self.settings
+        served = sum((h.windows.service.rates(SERVICE) or (0.0, 0.0))[0] for h in ready)
+        caps = [c.tokens_per_s for h in handles
+                if (c := self.capacity.get(h.name)) is not None and c.tokens_per_s > 0]
+        hits = [h.prefix_hit_ratio for h in ready if h.prefix_hit_ratio is not None]
+        outputs = [o[0] / o[1] for h in ready
+                   if (o := h.windows.service.rates(OUTPUT)) and o[1] > 0]
+        return _Rates(served, _mean(caps) or s.autoscale.backend_tokens_per_s,
+                      1.0 - (_mean(hits) or 0.0),
+                      _mean(outputs) or float(s.autoscale.output_tokens))
+
+    def _class(self, name: str, klass: str, queue: _Queue, siblings: dict[str, list[Any]],
+               batches: _Batches, rates: _Rates, served: float, now: float
+               ) -> tuple[ClassDemand, dict[str, Any], float | None]:
+        """A class's demand on the pool (its share of the sampled queue, scaled to its
+        depth; batch lines not queued yet), its view, and the earliest time left before a
+        deadline that bounds the batch window (None: none). ``served``: the tokens/s the
+        pool serves this class now."""
+        s = self.settings
+        depth = queue.depths.get(klass, 0)
+        sample = queue.samples[klass]
+        scale = depth / len(sample) if sample else 0.0
+        mine = [(r, share) for r in sample
+                if (share := _share(r.prompt_tokens, name, siblings)) > 0]
+        requests = sum(share for _, share in mine) * scale
+        tokens = (sum(r.prompt_tokens * share for r, share in mine) * scale * rates.uncached
+                  + requests * rates.output)
+        window: float | None = None
+        if klass == BATCH_CLASS and requests > 0 and batches.queued > 0:
+            # this pool's share of the batch lines not queued yet, at the same size
+            extra = batches.unqueued * requests / batches.queued
+            tokens, requests = tokens * (1 + extra / requests), requests + extra
+            if batches.expires_at is not None:
+                window = batches.expires_at - now
+        target = class_target_s(s, klass)
+        limit_s = s.classes[klass].max_queue_wait_s
+        estimate = queue.waits[klass]
+        at_risk = 0.0
+        for i, (r, share) in enumerate(sorted(mine, key=lambda e: e[0].enqueued_at)):
+            deadline = r.deadline_at or r.enqueued_at + limit_s
+            wait = estimate(round(i * scale))
+            if wait is not None and not fits_deadline(wait, deadline - now):
+                at_risk += share * scale
+            if target is None:
+                left = deadline - now
+                window = left if window is None else min(window, left)
+        waits = {p: estimate(round(q * depth)) if depth else 0.0
+                 for p, q in PERCENTILES.items()}
+        shown = {"queued_requests": requests, "queued_demand_tokens": tokens,
+                 "served_tokens_per_s": served, "target_s": target,
+                 "wait_estimate_s": waits, "at_risk": round(at_risk)}
+        return ClassDemand(klass, tokens, requests, served, target), shown, window
+
+    def _decide(self, name: str, demands: list[ClassDemand], rates: _Rates,
+                ready: list[BackendHandle], window: float | None, mono: float
+                ) -> tuple[PoolDemand, ScaleState]:
+        """The pool's demand and its scaling decision (kept, and set on the gauges)."""
+        s = self.settings
+        demand = PoolDemand(demands, rates.mu, len(ready),
                             sum(h.last.running + h.last.waiting for h in ready
                                 if h.last is not None), window,
                             s.autoscale.target_utilization)
@@ -267,21 +319,7 @@ class PoolWatch(ReadsSettings):
                                            mono)
         self.metrics.pools.ready.labels(name).set(len(ready))
         self.metrics.pools.desired.labels(name).set(state.desired)
-        return {
-            "pool": name, "model": model, "ready_replicas": len(ready),
-            "desired_replicas": state.desired,
-            "needed_replicas": replicas_needed(demand),
-            "class_needs": class_needs(demand),
-            "scale_down_pending_since_s": (None if state.below_since is None
-                                           else mono - state.below_since),
-            "backend_tokens_per_s": mu, "served_tokens_per_s": served,
-            "uncached_prompt_share": uncached, "output_tokens_per_request": output,
-            "batch_window_left_s": window,
-            "batch_window_at_risk": any(window_at_risk(demand, d.klass)
-                                        for d in demands if d.target_s is None),
-            "classes": shown,
-            "backends": [self._backend(h) for h in handles],
-        }
+        return demand, state
 
     def _backend(self, h: BackendHandle) -> dict[str, Any]:
         tokens, requests = h.windows.service.rates(SERVICE) or (0.0, 0.0)

@@ -36,7 +36,7 @@ TOP_USERS = 20
 
 class Inspector(ReadsSettings):
     def __init__(self, settings: SettingsHolder, store: Store, pool: BackendPool,
-                 metrics: GatewayMetrics, replica_id: str,
+                 metrics: GatewayMetrics, replica_id: str, history: History,
                  running: RunningStreams | None = None) -> None:
         self.holder = settings
         self.running = running  # this process's dispatched, unsettled requests
@@ -44,7 +44,7 @@ class Inspector(ReadsSettings):
         self.pool = pool
         self.metrics = metrics
         self.replica_id = replica_id
-        self.history = History(settings, store, metrics, pool)
+        self.history = history  # its loop: services.py
 
     async def queues(self, model: str, now: float,
                      queued: list[QueuedUser] | None = None) -> dict[str, dict[str, Any]]:

@@ -19,13 +19,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TypeVar
 
 import structlog
 
-from gateway.backends.handle import BackendHandle
 from gateway.backends.scrape import BackendPool
 from gateway.core.errors import (
     AdapterGone,
@@ -47,11 +46,10 @@ from gateway.scheduling.adapter_loads import AdapterLoads
 from gateway.scheduling.charging import Charging, Payer
 from gateway.scheduling.continuations import Continuations
 from gateway.scheduling.dispatcher import Dispatcher
-from gateway.scheduling.placement import Placement
-from gateway.scheduling.quotas import Held, Quotas
+from gateway.scheduling.placement import GrantedBackends, Placement
+from gateway.scheduling.quotas import Held
 from gateway.scheduling.running import Running, RunningStreams
 from gateway.scheduling.ticket import Ticket as Ticket  # re-exported
-from gateway.scheduling.usage import UsageLedger
 from gateway.scheduling.waits import Waits
 from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import estimate_prompt_tokens, output_token_bound, prompt_token_bound
@@ -70,6 +68,19 @@ def estimate(creq: CompletionRequest) -> int:
     return estimate_prompt_tokens(creq.prompt)
 
 
+@dataclass(frozen=True, slots=True)
+class AdmissionParts:
+    """Admission's parts, built by the composition root (``gateway/services.py``,
+    ``build_admission``)."""
+
+    waits: Waits
+    adapter_loads: AdapterLoads
+    placement: Placement
+    charging: Charging
+    continuations: Continuations
+    backends: GrantedBackends  # the backend a grant names
+
+
 class Admission(ReadsSettings):
     """One scheduled call, from its reservation to its settle. Its parts, by concern:
     :class:`~gateway.scheduling.placement.Placement` (whether and where it may queue, its
@@ -80,30 +91,21 @@ class Admission(ReadsSettings):
 
     def __init__(self, settings: SettingsHolder, dispatcher: Dispatcher, pool: BackendPool,
                  policy: FairnessPolicy, metrics: GatewayMetrics, replica_id: str,
-                 quotas: Quotas | None = None, usage: UsageLedger | None = None,
-                 running: RunningStreams | None = None,
-                 learn_backend: Callable[[str], Awaitable[bool]] | None = None) -> None:
+                 running: RunningStreams, parts: AdmissionParts) -> None:
         self.holder = settings
-        self.running = (running if running is not None
-                        else RunningStreams(lambda: self.settings.upstream.max_moves))
+        self.running = running
         self.dispatcher = dispatcher
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
         self.replica_id = replica_id
-        self.waits = Waits(settings, dispatcher.store.reads)
+        self.waits = parts.waits
         # runtime LoRA loads (docs/adapters.md); services.py runs its sweep
-        self.adapter_loads = AdapterLoads(settings, pool, dispatcher.store.adapters, metrics,
-                                          replica_id)
-        self.placement = Placement(settings, dispatcher, pool, self.waits, self.adapter_loads,
-                                   metrics)
-        self.charging = Charging(settings, dispatcher, policy, metrics, quotas, usage)
-        self.continuations = Continuations(settings, dispatcher, pool, metrics,
-                                           self._granted_backend)
-        # reads the backend list in force again for a backend a grant names that this
-        # process does not know yet (whether it knows it then): another process added it
-        # and dispatched to it before this one's next read (services.py passes it)
-        self.learn_backend = learn_backend
+        self.adapter_loads = parts.adapter_loads
+        self.placement = parts.placement
+        self.charging = parts.charging
+        self.continuations = parts.continuations
+        self.backends = parts.backends
 
     def forwarded(self, account: ApiKey) -> AbstractAsyncContextManager[dict[str, str]]:
         """An unqueued call within its limits (:meth:`Charging.forwarded`)."""
@@ -318,21 +320,10 @@ class Admission(ReadsSettings):
                                  self.settings.fairness.priority_class_gap)
         log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
                  wait_s=round(waited, 4), vllm_priority=priority)
-        backend = await self._granted_backend(grant.backend)
+        backend = await self.backends.named(grant.backend)
         if backend is None:  # removed by a config reload since the dispatch
             await self.dispatcher.release(model, grant, 0.0)
             raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
                                  retry_after_s=self.waits.retry_after(None))
         return Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits,
                       whole=whole, bound=bound)
-
-    async def _granted_backend(self, name: str) -> BackendHandle | None:
-        """The backend a grant names: one this process does not know yet (added at
-        runtime by another process, which dispatched to it before this one's next read of
-        the list) is learned from the shared list first; None when it is in force
-        nowhere (removed since the dispatch)."""
-        backend = self.pool.handles.get(name)
-        if backend is None and self.learn_backend is not None and await self.learn_backend(name):
-            backend = self.pool.handles.get(name)
-            log.info("backend_learned_from_grant", backend=name)
-        return backend

@@ -9,16 +9,20 @@ decision of :class:`~gateway.scheduling.admission.Admission`.
   the wait estimate already exceeds the first-token deadline.
 - :meth:`Placement.acquire` — queue the request and wait for its grant (counted as
   queued for its adapter; a cold start waits for a backend to become ready).
+- :meth:`GrantedBackends.named` — the backend a grant names (learned from the shared
+  list when another process added it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import structlog
 
 from gateway.backends import adapters
+from gateway.backends.handle import BackendHandle
 from gateway.backends.scrape import BackendPool
 from gateway.core.errors import DeadlineUnmeetable, PromptFitsNoBackend, Unavailable
 from gateway.core.metrics import GatewayMetrics
@@ -160,3 +164,25 @@ class Placement(ReadsSettings):
             retry = None
         log.info("deadline_unmeetable", request_id=queued.request_id, deadline_ms=deadline_ms)
         raise DeadlineUnmeetable(message, retry_after_s=self.waits.retry_after(retry))
+
+
+class GrantedBackends:
+    """The backend a grant names: one this process does not know yet (added at runtime by
+    another process, which dispatched to it before this one's next read of the list) is
+    learned from the shared list first."""
+
+    def __init__(self, pool: BackendPool,
+                 learn_backend: Callable[[str], Awaitable[bool]] | None = None) -> None:
+        self.pool = pool
+        # reads the backend list in force again for a backend this process does not know
+        # yet (whether it knows it then); services.py passes it
+        self.learn_backend = learn_backend
+
+    async def named(self, name: str) -> BackendHandle | None:
+        """The backend ``name``; None when it is in force nowhere (removed since the
+        dispatch)."""
+        backend = self.pool.handles.get(name)
+        if backend is None and self.learn_backend is not None and await self.learn_backend(name):
+            backend = self.pool.handles.get(name)
+            log.info("backend_learned_from_grant", backend=name)
+        return backend

@@ -5,7 +5,7 @@ held or forgetting idle end users. Each verb is one script call (``lua/``), atom
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -39,15 +39,20 @@ from policies.gates import Gate
 class QueueStore:
     """The queue verbs over one Redis client (``decode_responses=True``)."""
 
-    def __init__(self, client: aioredis.Redis, request_ttl_s: float,
+    def __init__(self, client: aioredis.Redis, request_ttl_s: Callable[[], float],
                  fleet: Sequence[str] = ()) -> None:
         self.client = client
-        self.request_ttl_s = request_ttl_s
+        # how long a request's hash lives, read at each enqueue (the settings in force)
+        self._request_ttl_s = request_ttl_s
         # fairness_scope fleet: the models whose fair-share counters are one (a charge on
         # one of them counts on the others too, ``spread`` in lua/_lib.lua); () per model
         self.fleet = tuple(fleet)
         self._scripts = Scripts(client, ("enqueue", "dispatch", "settle", "cancel", "reap",
                                          "started", "forget"))
+
+    @property
+    def request_ttl_s(self) -> float:
+        return self._request_ttl_s()
 
     def _others(self, model: str) -> list[str]:
         """The key prefixes of the fleet's other models (fleet scope; [] per model)."""

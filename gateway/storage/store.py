@@ -6,7 +6,7 @@ that needs one is given that one (``gateway/services.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -34,10 +34,15 @@ class Store:
     reads: ReadStore
 
     @classmethod
-    def over(cls, client: aioredis.Redis, request_ttl_s: float,
+    def over(cls, client: aioredis.Redis, request_ttl_s: float | Callable[[], float],
              fleet: Sequence[str] = ()) -> Store:
-        """Every concern over ``client``; ``request_ttl_s`` and ``fleet``: the queue's
-        (:class:`QueueStore`)."""
-        return cls(client, QueueStore(client, request_ttl_s, fleet), FleetStore(client),
+        """Every concern over ``client``; ``request_ttl_s`` (seconds, or what reads them
+        from the settings in force) and ``fleet``: the queue's (:class:`QueueStore`)."""
+        ttl = request_ttl_s if callable(request_ttl_s) else _fixed(float(request_ttl_s))
+        return cls(client, QueueStore(client, ttl, fleet), FleetStore(client),
                    ReplicaStore(client), AdapterStore(client), ShareStore(client),
                    PreemptStore(client), ReadStore(client))
+
+
+def _fixed(seconds: float) -> Callable[[], float]:
+    return lambda: seconds

@@ -21,6 +21,7 @@ from gateway.core.errors import BackendRemoved
 from gateway.proxy.completion_request import parse_body
 from gateway.proxy.endpoints import CHAT
 from gateway.scheduling.admission import Admission, Ticket
+from gateway.services import build_admission
 from gateway.storage.keys import ModelKeys
 from gateway.storage.records import Grant, QueuedRequest
 from policies.cost import TokenCost, estimate_prompt_tokens
@@ -70,8 +71,8 @@ async def setup(redis: aioredis.Redis, redis_url: str) -> AsyncIterator[Setup]:
         await set_backend(rig, "b0", waiting=0, running=0)
         fairness = rig.settings.fairness
         policy = Vtc(TokenCost(fairness.vtc_input_weight, fairness.vtc_output_weight))
-        admission = Admission(rig.pool.holder, rig.dispatcher, rig.pool, policy, rig.metrics,
-                              REPLICA)
+        admission = build_admission(rig.pool.holder, rig.dispatcher, rig.pool, policy,
+                                    rig.metrics, REPLICA)
         try:
             yield Setup(rig, policy, admission)
         finally:

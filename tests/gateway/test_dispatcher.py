@@ -29,7 +29,7 @@ from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import Settings, SettingsHolder, load_settings
 from gateway.scheduling.dispatcher import Dispatcher
 from gateway.scheduling.settles import Settle
-from gateway.services import build_dispatcher
+from gateway.services import build_dispatcher, build_pool
 from gateway.storage.keys import ModelKeys
 from gateway.storage.queue_store import QueueStore
 from gateway.storage.records import Grant, QueuedRequest
@@ -91,7 +91,7 @@ def make_rig(redis_url: str, session: aiohttp.ClientSession, **overrides: object
     store = Store.over(connect(redis_url), request_ttl_s=600)
     metrics = GatewayMetrics()
     holder = SettingsHolder(settings)
-    pool = BackendPool(holder, session, store.fleet, metrics)  # the session is never used
+    pool = build_pool(holder, session, store.fleet, metrics)  # the session is never used
     dispatcher = build_dispatcher(holder, store, pool, metrics, REPLICA)
     woken = asyncio.Event()
     wake = dispatcher.signals.wake

@@ -9,12 +9,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from gateway.backends.scrape import BackendPool
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import SettingsHolder, load_settings
 from gateway.scheduling.grants import Waiter
 from gateway.scheduling.replicas import RECONCILE_GRACE_S
-from gateway.services import build_dispatcher
+from gateway.services import build_dispatcher, build_pool
 from gateway.storage.keys import ModelKeys
 from gateway.storage.records import QueuedRequest
 from gateway.storage.redis_client import BoundaryRedis, connect
@@ -39,7 +38,7 @@ async def test_reconcile_releases_only_what_the_replica_does_not_hold(
     store = Store.over(client, request_ttl_s=600)
     async with aiohttp.ClientSession() as session:
         holder = SettingsHolder(settings)
-        pool = BackendPool(holder, session, store.fleet, GatewayMetrics())
+        pool = build_pool(holder, session, store.fleet, GatewayMetrics())
         dispatcher = build_dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
         await store.replicas.heartbeat([M], "r1", now)
@@ -69,7 +68,7 @@ async def test_reconcile_delivers_a_grant_whose_client_still_waits(
     store = Store.over(client, request_ttl_s=600)
     async with aiohttp.ClientSession() as session:
         holder = SettingsHolder(settings)
-        pool = BackendPool(holder, session, store.fleet, GatewayMetrics())
+        pool = build_pool(holder, session, store.fleet, GatewayMetrics())
         dispatcher = build_dispatcher(holder, store, pool, GatewayMetrics(), "r1")
         now = 1000.0
         await store.replicas.heartbeat([M], "r1", now)

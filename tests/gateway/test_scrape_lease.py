@@ -247,7 +247,7 @@ async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
     calls = [0] * len(replicas)
     for i, gw in enumerate(replicas):
         pool, store = gw.services.pool, gw.services.store
-        woken, dispatch_with = pool.on_snapshot, store.queue.dispatch_with
+        woken, dispatch_with = pool.snapshots.on_snapshot, store.queue.dispatch_with
 
         def snapshot(i: int = i, woken: Any = woken) -> None:
             adopted[i] += 1
@@ -258,7 +258,7 @@ async def test_replicas_with_nothing_queued_make_no_dispatch_call_per_snapshot(
             calls[i] += 1
             return await real(*args, **kwargs)
 
-        pool.on_snapshot = snapshot
+        pool.snapshots.on_snapshot = snapshot
         store.queue.dispatch_with = counted  # type: ignore[method-assign]
     await asyncio.sleep(WINDOW_S)  # a measuring window, not a wait for an event
     most = WINDOW_S / heartbeat + 2  # the heartbeat's passes

@@ -37,11 +37,10 @@ from tests.gateway.conftest import KEYS, MODEL, GatewayFactory, SimFactory
 from tests.ops.conftest import ADMIN, admin_call
 
 # every collaborator that reads the settings while serving
-CONSUMERS = {"AdapterLoads", "Admission", "BackendList", "BackendPool", "BatchRunner",
-             "Charging", "Continuations", "Dispatcher", "History", "Inspector", "Placement",
-             "Planner", "PoolWatch", "Preemptor",
-             "Quotas", "ReplicaProtocol", "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots",
-             "StoreOutage", "Waits"}
+CONSUMERS = {"AdapterLoads", "AdapterNotes", "Admission", "BackendList", "BackendPool",
+             "BatchRunner", "Charging", "Continuations", "Dispatcher", "History", "Inspector",
+             "Placement", "Planner", "PoolWatch", "Preemptor", "Quotas", "ReplicaProtocol",
+             "RuntimeKeys", "ScrapeLeases", "Scraper", "Snapshots", "StoreOutage", "Waits"}
 SETTINGS_COPIES = (Settings, Group, ClassConfig, Tenant)
 
 

@@ -20,7 +20,6 @@ from redis.crc import key_slot
 from gateway.access.keyring import RuntimeKeys
 from gateway.access.sessions import SessionStore
 from gateway.backends.registry import ADMIN, BackendList
-from gateway.backends.scrape import BackendPool
 from gateway.batch.files import FileStore
 from gateway.batch.records import BatchStore
 from gateway.core.metrics import GatewayMetrics
@@ -28,6 +27,7 @@ from gateway.core.metrics.redis import SCRIPT_COMMANDS, RedisMetrics
 from gateway.core.settings import ApiKey, Backend, RedisCluster, SettingsHolder, load_settings
 from gateway.scheduling.quotas import Quotas
 from gateway.scheduling.usage import UsageLedger
+from gateway.services import build_pool
 from gateway.storage.dispatch_call import dispatch_args
 from gateway.storage.records import LeaseWish, Preempt, Start
 from gateway.storage.redis_client import BoundaryRedis, connect_cluster
@@ -153,8 +153,8 @@ async def exercise_accounts(client: BoundaryRedis, tmp: Path) -> None:
     listed = SettingsHolder(load_settings(None, backends=[
         {"name": "c0", "url": "http://127.0.0.1:9", "model": "m"}]))
     async with aiohttp.ClientSession() as session:
-        backends = BackendList(client, listed, BackendPool(listed, session, store.fleet,
-                                                           GatewayMetrics()), store.fleet)
+        backends = BackendList(client, listed, build_pool(listed, session, store.fleet,
+                                                          GatewayMetrics()), store.fleet)
         await backends.add(Backend(name="rt0", url="http://127.0.0.1:10", model="m"), ADMIN)
         assert await backends.remove("rt0", 0.0, ADMIN) is None, "the idle backend stayed"
 
