@@ -113,7 +113,7 @@ async def exercise_store(client: BoundaryRedis, model: str) -> None:
     await store.reads.queued_sample(model, 5)
     await store.reads.queue_place(model, "default", "alice", None)
     await store.fleet.set_drained(model, "b2", True)
-    assert await store.replicas.next_order(model, "r2", 0.01) is not None or True
+    await store.replicas.next_order(model, "r2", 0.01)  # its script runs in the model's slot
     view = await store.preempts.preemption_view(model, ["interactive", "default", "batch"], 0.0)
     assert {r["id"] for r in view.inflight} <= {"a1", "b1", "c1"}, view
     order = Preempt(grants[1].request_id, grants[1].request_id, "b1")
