@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import pytest
 
+from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Frames
-from gateway.proxy.relay import FrameFilter, carries_output
+from gateway.proxy.relay import FrameFilter, StreamBroke, carries_output, strip_ids
 
 MODEL = "llama-3.1-8b"
 CREATED = 1764428400
@@ -376,3 +378,81 @@ def test_output_text_that_looks_like_a_frame_is_counted_once() -> None:
         chunked.feed(frame)
     assert whole.output_frames == 2
     assert chunked.output_frames == 2
+
+
+# --------------------------------------------------------------- continuable (tracked) streams
+
+PROMPT_IDS = [101, 7592, 2088, 3]
+
+
+def tracked_text(value: str, ids: list[int] | None, first: bool = False,
+                 finish: str | None = None) -> bytes:
+    """A completion frame as vLLM 0.32 sends it with ``return_token_ids``."""
+    return sse({"id": "cmpl-0c6d7e8f9a1b2c3d", "object": "text_completion",
+                "created": CREATED, "model": MODEL,
+                "choices": [{"index": 0, "text": value, "logprobs": None,
+                             "finish_reason": finish, "stop_reason": None,
+                             "prompt_token_ids": (PROMPT_IDS if first else None)
+                             if ids is not None else None,
+                             "token_ids": ids}]})
+
+
+def tracked_stream(ids: bool) -> list[bytes]:
+    """The stream with its ids, or (``ids`` false) as the client sees it without them."""
+    words = [("the", 11), (" fair", 12), (" queue", 13), (" wins", 14)]
+    frames = [tracked_text(w, [i] if ids else None, first=n == 0,
+                           finish="length" if n == len(words) - 1 else None)
+              for n, (w, i) in enumerate(words)]
+    return [*frames, completion_usage_frame(), DONE]
+
+
+def tracked(chunks: Iterable[bytes], wants_ids: bool = False
+            ) -> tuple[FrameFilter, Progress, bytes]:
+    progress = Progress(chat=False, wants_ids=wants_ids)
+    f = FrameFilter(False, Frames.CHOICES, progress)
+    out = b"".join(f.feed(chunk) for chunk in chunks)
+    return f, progress, out + f.rest()
+
+
+@pytest.mark.parametrize("wants_ids", [False, True])
+def test_a_continuable_stream_is_recorded_and_stripped_however_it_is_chunked(
+        wants_ids: bool) -> None:
+    data = b"".join(tracked_stream(ids=True))
+    # the client's bytes: the ids nulled unless it asked for them, the usage frame dropped
+    expected = b"".join(tracked_stream(ids=wants_ids)[:4]) + DONE
+    rng = random.Random(f"tracked-{wants_ids}")
+    chunkings = [[data], tracked_stream(ids=True), [data[i:i + 1] for i in range(len(data))]]
+    chunkings += [splits(data, rng) for _ in range(50)]
+    for chunks in chunkings:
+        f, progress, out = tracked(chunks, wants_ids)
+        assert out == expected, f"chunks of sizes {[len(c) for c in chunks]} gave {out!r}"
+        got = (progress.prompt_ids, progress.generated, progress.finish_reason,
+               f.output_frames, f.usage, f.done)
+        assert got == (PROMPT_IDS, [11, 12, 13, 14], "length", 4, USAGE, True), (
+            f"chunks of sizes {[len(c) for c in chunks]}: {got}")
+
+
+@pytest.mark.parametrize("bad", [b"data: {\"id\": broken\n\n",
+                                 b'data: {"error":{"message":"engine dead"}}\n\n',
+                                 b'data: {"choices":[]} {"choices":[]}\n\n'])
+def test_a_broken_or_error_frame_among_output_frames_breaks_the_stream(bad: bytes) -> None:
+    frames = tracked_stream(ids=True)
+    for chunks in ([frames[0], frames[1] + bad + frames[2]], [frames[0], frames[1], bad]):
+        progress = Progress(chat=False, wants_ids=False)
+        f = FrameFilter(False, Frames.CHOICES, progress)
+        f.feed(chunks[0])
+        with pytest.raises(StreamBroke) as broke:
+            for chunk in chunks[1:]:
+                f.feed(chunk)
+        said = str(broke.value)
+        assert ("engine dead" if b"error" in bad else "broken frame") in said, said
+
+
+def test_ids_are_stripped_only_where_the_key_is_a_token_id_list() -> None:
+    old = re.compile(rb'"(prompt_token_ids|token_ids)":\[[-0-9,\s]*\]')
+    cases = [b'{"token_ids":[1, 2,\n3],"prompt_token_ids":[-1],"stop_token_ids":[4]}',
+             b'{"text":"say \\"token_ids\\":[1]","token_ids":[]}',
+             b'{"xtoken_ids":[1],"prompt_token_ids":[1]x,"token_ids":[1,"a"]}',
+             b'token_ids":[1] "token_ids":[2]', b'"token_ids":[', b""]
+    for case in cases:
+        assert strip_ids(case) == old.sub(rb'"\1":null', case), case
