@@ -169,23 +169,39 @@ class FrameFilter:
             self.output_frames += (complete.count(b"\ndata: {")
                                    + complete.startswith(b"data: {"))
             return complete
-        if (self.segment_started and self.progress is not None and not self.continued
-                and b'"usage"' not in complete and complete.startswith(b"data: {")):
-            frames = complete.count(b"\n\n")
-            if (complete.count(b"\n") == 2 * frames
-                    and complete.count(b"\n\ndata: {") == frames - 1):
-                return self._outputs(complete, frames, self.progress)
+        if self.progress is not None and not self.continued:
+            return self._original(complete, self.progress)
         return b"".join(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
 
-    def _outputs(self, complete: bytes, frames: int, progress: Progress) -> bytes:
-        """Output frames of an original stream whose output began, each one ``data:``
-        line without usage: read as :meth:`_tracked` reads each, its ids stripped in one
-        pass (a key's ``"token_ids":[…]`` never spans two JSON objects)."""
-        plain = jsonio.plain(complete)
-        for frame in complete[:-2].split(b"\n\n"):
+    def _original(self, complete: bytes, progress: Progress) -> bytes:
+        """Whole frames of a continuable stream's original backend: once its output
+        began, each run of output frames (one ``data:`` line each, no usage) is read in
+        one pass (:meth:`_outputs`); any other frame as :meth:`_frame` reads it."""
+        out: list[bytes] = []
+        run: list[bytes] = []
+        for frame in complete.split(b"\n\n")[:-1]:
+            if (self.segment_started and frame.startswith(b"data: {") and b"\n" not in frame
+                    and b'"usage"' not in frame):
+                run.append(frame)
+                continue
+            if run:
+                out.append(self._outputs(run, progress))
+                run = []
+            out.append(self._frame(frame + b"\n\n"))
+        if run:
+            out.append(self._outputs(run, progress))
+        return b"".join(out)
+
+    def _outputs(self, frames: list[bytes], progress: Progress) -> bytes:
+        """Output frames after the first, each read and recorded as :meth:`_tracked`
+        does, their ids stripped in one pass (a key's ``"token_ids":[…]`` never spans two
+        JSON objects)."""
+        data = b"\n\n".join(frames) + b"\n\n"
+        plain = jsonio.plain(data)
+        for frame in frames:
             progress.original(_event_of(frame[6:], plain))
-        self.output_frames += frames  # started: every one is counted
-        return complete if progress.wants_ids else strip_ids(complete)
+        self.output_frames += len(frames)  # started: every one is counted
+        return data if progress.wants_ids else strip_ids(data)
 
     def rest(self) -> bytes:
         """Whatever trailed the last whole frame when the stream ended."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import pytest
 
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Frames
-from gateway.proxy.relay import FrameFilter, StreamBroke, carries_output, strip_ids
+from gateway.proxy.relay import FrameFilter, StreamBroke, _pump, carries_output, strip_ids
 
 MODEL = "llama-3.1-8b"
 CREATED = 1764428400
@@ -456,3 +456,68 @@ def test_ids_are_stripped_only_where_the_key_is_a_token_id_list() -> None:
              b'token_ids":[1] "token_ids":[2]', b'"token_ids":[', b""]
     for case in cases:
         assert strip_ids(case) == old.sub(rb'"\1":null', case), case
+
+
+class FakeContent:
+    """A backend response's body: ``chunks``, the backend's end read with the last."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.at = 0  # chunks read
+
+    def is_eof(self) -> bool:
+        return self.at == len(self.chunks)
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            self.at += 1
+            yield chunk
+
+
+class FakeResponse:
+    content_type = "text/event-stream"
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.content = FakeContent(chunks)
+
+
+class Out:
+    """The client's stream: what was written, and with which call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+
+    async def write(self, data: bytes) -> None:
+        self.calls.append(("write", data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.calls.append(("write_eof", data))
+
+
+class Heard:
+    def __init__(self) -> None:
+        self.frames = 0
+        self.firsts = 0
+
+    async def first_token(self) -> None:
+        self.firsts += 1
+
+    def tokens_sent(self, frames: int) -> None:
+        self.frames += frames
+
+
+@pytest.mark.parametrize("tracked_stream_", [False, True], ids=["plain", "continuable"])
+async def test_the_last_chunk_goes_out_with_the_stream_end_when_the_backend_ended_with_it(
+        tracked_stream_: bool) -> None:
+    frames = tracked_stream(ids=True)
+    chunks = [frames[0], frames[1], b"".join(frames[2:])]  # the last: end of the answer
+    progress = Progress(chat=False, wants_ids=True) if tracked_stream_ else None
+    f = FrameFilter(False, Frames.CHOICES, progress)
+    out, heard = Out(), Heard()
+    failure = await _pump(out, FakeResponse(chunks), f,  # type: ignore[arg-type]
+                          heard, heard.first_token)  # type: ignore[arg-type]
+    assert failure is None and f.ended, failure
+    last = frames[2] + frames[3] + DONE  # the usage frame dropped
+    assert out.calls == [("write", frames[0]), ("write", frames[1]), ("write_eof", last)], (
+        out.calls)
+    assert (heard.frames, heard.firsts) == (4, 1), (heard.frames, heard.firsts)
