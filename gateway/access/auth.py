@@ -46,7 +46,8 @@ class KeyRing:
         self._admin_ids = set(self._admin.values())
 
     def _digest(self, key: str) -> bytes:
-        return hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
+        # one-shot: the same HMAC-SHA256 as hmac.new(...).digest() without its objects
+        return hmac.digest(self._secret, key.encode(), "sha256")
 
     def config_keys(self) -> list[ApiKey]:
         return list(self._keys.values())
