@@ -68,7 +68,10 @@ class UsageMetrics(MetricGroup):
         self._labelled_inc(self.user_tokens, (model, label, "completion"), label,
                            output_tokens)
         self._labelled_inc(self.user_service, (model, label), label, service)
-        self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
+        shares = self.shares.get(model)
+        if shares is None:  # not built per answer just to be thrown away
+            shares = self.shares[model] = ServiceShares()
+        shares.add(user, service, time.monotonic())
         pending = self.pending_service.setdefault(model, {})
         if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
             pending[user] = pending.get(user, 0.0) + service
