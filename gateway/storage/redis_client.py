@@ -57,9 +57,6 @@ from gateway.core.settings import RedisCluster as RedisClusterSettings
 from gateway.core.settings import RedisSentinel, addresses
 from gateway.core.waits import KeepCancel
 
-# Blocking reads wait on purpose: their duration is not Redis latency.
-BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
-
 
 def script_name(text: str) -> str:
     """The ``gateway/storage/lua/<name>.lua`` a registered script's text ends with, or "?"."""
@@ -124,7 +121,7 @@ class PipelineBoundary:
                 raise
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         if metrics is not None:
-            metrics.latency.labels("PIPELINE").observe(time.perf_counter() - started)
+            metrics.observe("PIPELINE", time.perf_counter() - started)
         return result
 
 
@@ -148,9 +145,9 @@ class CommandBoundary:
     script_names: dict[str, str]  # script SHA1 → name, filled by register_script
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        command = str(args[0]).upper() if args else "?"
-        if self.metrics is not None:
-            self.metrics.count(args, self.script_names)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
             with KeepCancel():  # redis-py's send swallows one on Python 3.11
@@ -160,11 +157,11 @@ class CommandBoundary:
         except Exception as exc:
             if not unavailable(exc):
                 raise
-            if self.metrics is not None:
-                self.metrics.errors.labels(command).inc()
+            if metrics is not None:
+                metrics.errors.labels(str(args[0]).upper() if args else "?").inc()
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
-        if self.metrics is not None and command not in BLOCKING_COMMANDS:
-            self.metrics.latency.labels(command).observe(time.perf_counter() - started)
+        if metrics is not None:
+            metrics.observe(args[0] if args else "?", time.perf_counter() - started)
         return result
 
     def register_script(self, script: Any) -> Any:
