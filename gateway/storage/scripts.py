@@ -88,10 +88,12 @@ class Scripts:
         redis-py's script object does, without its copies of the arguments)."""
         client = self._client
         try:
-            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             script.sha = await client.script_load(script.script)
-            return await client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            return await client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(keys), *keys, *args)
 
     async def call(self, name: str, keys: Sequence[str], args: Mapping[str, Any]
                    ) -> dict[str, Any]:
