@@ -25,9 +25,9 @@ async def test_a_command_is_sent_without_a_wait_for_task(
     waited: list[Any] = []
     real = asyncio.wait_for
 
-    async def recording(aw: Any, timeout: float | None) -> Any:
+    async def recording(aw: Any, *limit: Any, **named: Any) -> Any:
         waited.append(aw)
-        return await real(aw, timeout)
+        return await real(aw, *limit, **named)
 
     monkeypatch.setattr(asyncio, "wait_for", recording)
     try:
