@@ -5,8 +5,9 @@ redis-py 7 sends a command through ``asyncio.wait_for`` once ``socket_timeout`` 
 of its own per command, a turn of the event loop before the bytes leave, and the
 cancellation it may swallow (``gateway/core/waits.py``). :class:`SendInPlace` writes in
 the calling task under ``asyncio.timeout`` instead: the same limit, the same errors, and
-the same connection torn down after a timeout, a socket error or a cancellation. Reading
-the reply is redis-py's own (it already waits under ``asyncio.timeout``).
+the same connection torn down after a timeout, a socket error or a cancellation. A
+connection's first send (it connects first) and reading a reply are redis-py's own (the
+reply is already read under ``asyncio.timeout``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,8 @@ class SendInPlace(AbstractConnection):
     async def send_packed_command(self, command: bytes | str | Iterable[bytes],
                                   check_health: bool = True) -> None:
         timeout = self.socket_timeout
-        if not timeout:
+        if not timeout or not self.is_connected:  # connecting first: redis-py's way
             return await super().send_packed_command(command, check_health)
-        if not self.is_connected:
-            await self.connect_check_health(check_health=False)
         if check_health:
             await self.check_health()  # type: ignore[no-untyped-call]
         try:

@@ -29,8 +29,9 @@ async def test_a_command_is_sent_without_a_wait_for_task(
         waited.append(aw)
         return await real(aw, *limit, **named)
 
-    monkeypatch.setattr(asyncio, "wait_for", recording)
     try:
+        await client.ping()  # connected (a connection's first send is redis-py's own)
+        monkeypatch.setattr(asyncio, "wait_for", recording)
         await client.set("fairgate-test:send", "1")
         assert await client.get("fairgate-test:send") == "1"
         pipe = client.pipeline(transaction=True)
