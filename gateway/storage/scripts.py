@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
+from redis.client import NEVER_DECODE
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -59,6 +60,10 @@ def encode_args(args: Mapping[str, Any]) -> bytes | str:
     return json.dumps(args) if b"null" in out else out
 
 
+# a reply left as bytes: the JSON reader takes them as they come
+RAW = {NEVER_DECODE: True}
+
+
 class Scripts:
     """The scripts ``names`` (``lua/<name>.lua``), registered on ``client``."""
 
@@ -68,7 +73,8 @@ class Scripts:
             name: client.register_script(load_script(name)) for name in names}
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run a script. A script the server lacks is loaded once, then run again; a
+        """Run a script: its reply as sent (bytes, not decoded: :meth:`call` reads the
+        JSON from them). A script the server lacks is loaded once, then run again; a
         Redis that restarts in between (its script cache empty again) answers that second
         run with NOSCRIPT too: load once more, then call it unavailable (a script that
         answers NOSCRIPT did not run, so running it again is safe)."""
@@ -89,11 +95,11 @@ class Scripts:
         client = self._client
         try:
             return await client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", script.sha, len(keys), *keys, *args)
+                "EVALSHA", script.sha, len(keys), *keys, *args, **RAW)
         except NoScriptError:
             script.sha = await client.script_load(script.script)
             return await client.execute_command(  # type: ignore[no-untyped-call]
-                "EVALSHA", script.sha, len(keys), *keys, *args)
+                "EVALSHA", script.sha, len(keys), *keys, *args, **RAW)
 
     async def call(self, name: str, keys: Sequence[str], args: Mapping[str, Any]
                    ) -> dict[str, Any]:
