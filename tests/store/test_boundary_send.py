@@ -1,4 +1,5 @@
-"""The Redis boundary's own costs cut without changing what is sent: a command is written
+"""The Redis boundary's own costs cut without changing what is sent: replies are parsed by
+hiredis, a command is written
 in the calling task (no ``asyncio.wait_for`` task per command, gateway/storage/connection.py),
 a script's arguments are encoded by orjson where it writes what ``json.dumps`` did, and
 each latency child is kept per command."""
@@ -12,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 import redis.asyncio as aioredis
+from redis._parsers.hiredis import _AsyncHiredisParser
 
 from gateway.core.metrics import GatewayMetrics
 from gateway.storage.connection import InPlaceConnection
@@ -30,7 +32,7 @@ async def test_a_command_is_sent_without_a_wait_for_task(
         return await real(aw, *limit, **named)
 
     try:
-        await client.ping()  # connected (a connection's first send is redis-py's own)
+        await client.ping()  # type: ignore[misc]  # connected: its first send is redis-py's
         monkeypatch.setattr(asyncio, "wait_for", recording)
         await client.set("fairgate-test:send", "1")
         assert await client.get("fairgate-test:send") == "1"
@@ -38,10 +40,14 @@ async def test_a_command_is_sent_without_a_wait_for_task(
         pipe.incr("fairgate-test:sent")
         pipe.get("fairgate-test:send")
         assert (await pipe.execute())[1] == "1"
-        kinds = {type(c) for c in client.connection_pool._available_connections}
+        pooled = client.connection_pool._available_connections
+        kinds = {type(c) for c in pooled}
+        parsers = {type(c._parser) for c in pooled}
     finally:
         await client.aclose()
     assert kinds == {InPlaceConnection}, kinds
+    # hiredis (a dependency) parses the replies, not redis-py's Python parser
+    assert parsers == {_AsyncHiredisParser}, parsers
     assert not waited, f"{len(waited)} sends went through asyncio.wait_for: {waited}"
 
 
