@@ -109,7 +109,7 @@ def summarize(speedscope: dict[str, Any], top: int = 25) -> dict[str, Any]:
             by_category[_category(names)] += weight
 
     def share(counter: collections.Counter[str], n: int) -> list[tuple[str, float]]:
-        return [(k, round(100 * v / max(1, total), 1)) for k, v in counter.most_common(n)]
+        return [(k, round(100 * v / total, 1) if total else 0.0) for k, v in counter.most_common(n)]
 
     return {"samples": count, "seconds": round(total, 2),
             "categories_pct": share(by_category, len(CATEGORIES)),
