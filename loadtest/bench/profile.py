@@ -27,10 +27,10 @@ RATE_HZ = 100  # per sampler: two samplers pause the worker 200 times a second
 # the relay is JSON's). Then the leaf-most frame of a layer below (an asyncio write called
 # by aiohttp's server is the server's); the event loop only when nothing else is on the stack.
 OWNERS = (
-    ("logging", r"structlog/|gateway/core/logs\.py|/logging/"),
+    ("logging", r"structlog/|gateway/core/logs\.py|[(/]logging/"),
     ("prometheus", r"prometheus_client/|gateway/core/metrics"),
-    ("JSON", r"/json/|orjson|gateway/core/jsonio\.py"),
-    ("redis", r"/redis/|hiredis|gateway/storage/"),
+    ("JSON", r"[(/]json/|orjson|gateway/core/jsonio\.py"),
+    ("redis", r"[(/]redis/|hiredis|gateway/storage/"),
     ("relay framing", r"FrameFilter|gateway/proxy/relay"),
 )
 LAYERS = (
@@ -94,7 +94,8 @@ def _finish(samplers: list[subprocess.Popen[bytes]], out_dir: Path, label: str,
 def summarize(speedscope: dict[str, Any], top: int = 25) -> dict[str, Any]:
     """Samples by category and the functions with the most self time, from py-spy's
     speedscope file (every thread's samples together)."""
-    frames = [f"{f['name']} ({f.get('file') or '?'})" for f in speedscope["shared"]["frames"]]
+    frames = [f"{f['name']} ({short_path(f.get('file') or '?')})"
+              for f in speedscope["shared"]["frames"]]
     by_category: collections.Counter[str] = collections.Counter()
     by_self: collections.Counter[str] = collections.Counter()  # weights: seconds
     total, count = 0.0, 0
@@ -114,6 +115,21 @@ def summarize(speedscope: dict[str, Any], top: int = 25) -> dict[str, Any]:
     return {"samples": count, "seconds": round(total, 2),
             "categories_pct": share(by_category, len(CATEGORIES)),
             "top_self_pct": share(by_self, top)}
+
+
+# the machine's prefix of a frame's file: site-packages, the stdlib, this checkout
+_PREFIXES = [re.compile(p) for p in (r"^.*/site-packages/", r"^.*/lib/python3\.\d+/",
+                                     r"^.*/(?=(?:gateway|policies|loadtest)/)")]
+
+
+def short_path(path: str) -> str:
+    """A frame's file without the machine's prefix: from the package (``aiohttp/…``,
+    ``asyncio/…``, ``gateway/…``) on."""
+    for prefix in _PREFIXES:
+        short, found = prefix.subn("", path, count=1)
+        if found:
+            return short
+    return path
 
 
 def _category(names: list[str]) -> str:

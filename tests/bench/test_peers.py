@@ -90,3 +90,11 @@ def test_profile_summary_splits_samples_by_owner_then_leaf_layer() -> None:
     assert summary["top_self_pct"][0] == ("f1 (/x/redis/asyncio/client.py)", 40.0), summary
     text = profile.summary_text("t", summary)
     assert "40.0 %  redis" in text and "5 samples (0.1 s)" in text, text
+
+
+def test_profile_frames_lose_the_machines_prefix() -> None:
+    assert profile.short_path("/v/lib/python3.11/site-packages/aiohttp/client.py") == (
+        "aiohttp/client.py")
+    assert profile.short_path("/p/lib/python3.11/asyncio/runners.py") == "asyncio/runners.py"
+    assert profile.short_path("/src/fairgate/gateway/proxy/relay.py") == "gateway/proxy/relay.py"
+    assert profile.short_path("<string>") == "<string>"
