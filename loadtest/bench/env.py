@@ -72,8 +72,12 @@ class Options:
     # Endpoints of the scenarios that run per endpoint (newcomer, mixed): "chat",
     # "completions" (see client.ENDPOINTS).
     endpoints: tuple[str, ...] = ("chat", "completions")
-    # gateway processes (`fairgate serve --workers`); overhead also measures 1 beside it
+    # gateway processes (`fairgate serve --workers`); overhead measures 1 and N (default 2)
     workers: int = 1
+    # overhead: the peers to measure beside fairgate (loadtest/bench/peers.py; None: all)
+    peers: tuple[str, ...] | None = None
+    # overhead: py-spy on the one-worker gateway at saturation (loadtest/bench/profile.py)
+    profile: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def pick(self, full: Any, quick: Any) -> Any:
