@@ -57,6 +57,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                         help="overhead: py-spy on the one-worker gateway at saturation, "
                              "streamed and not (speedscope, SVG flame graph and a text "
                              "summary under <out>/profile)")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="overhead: also measure fairgate served from this source tree "
+                             "(e.g. a git worktree of an earlier commit), one worker, in the "
+                             "same run: before and after as ratios of one run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
     return parser
@@ -70,6 +74,7 @@ def options(args: argparse.Namespace, scenario: str) -> Options:
                    duration_s=args.duration, progress=not args.no_progress,
                    redis_url=args.redis_url, workers=max(1, args.workers),
                    peers=_peers(args.peers), profile=args.profile,
+                   baseline_tree=args.baseline_tree and args.baseline_tree.resolve(),
                    endpoints=tuple(ENDPOINTS) if args.endpoint == "both" else (args.endpoint,),
                    command="fairgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2
                                                           else [scenario]))

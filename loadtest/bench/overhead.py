@@ -44,7 +44,7 @@ from loadtest.bench.stats import summarize
 
 SIM = SimSpec(profile="instant", max_num_seqs=1024, max_num_batched_tokens=8192)
 MODES = {"streamed": True, "non_streamed": False}
-WIDE = {"classes": {"interactive": {"max_waiting": 100_000}}}
+WIDE: dict[str, Any] = {"classes": {"interactive": {"max_waiting": 100_000}}}
 
 
 def params(opts: Options) -> dict[str, Any]:
@@ -63,6 +63,7 @@ def params(opts: Options) -> dict[str, Any]:
         "peers": list(selected),
         "processes": "sim, the proxy, load generator: three processes (+ Valkey)",
         "workers": opts.workers if opts.workers > 1 else 2,
+        "baseline_tree": None if opts.baseline_tree is None else str(opts.baseline_tree),
         "profile_s": opts.pick(10.0, 2.0) if opts.profile else None,
     }
 
@@ -229,6 +230,11 @@ async def run(opts: Options) -> dict[str, Any]:
         async with bench.gateway(be, users, "gateway-wide", 1, **WIDE) as gw:
             runs["gateway_wide"] = await _suite(opts, p, gateway_target(gw, be, "wide"), gw,
                                                 [], be.proc)
+        if opts.baseline_tree is not None:
+            async with bench.gateway(be, users, "gateway-baseline", 1,
+                                     source=opts.baseline_tree) as gw:
+                runs["gateway_baseline"] = await _suite(
+                    opts, p, gateway_target(gw, be, "baseline"), gw, p["rates"], be.proc)
         n = p["workers"]
         async with bench.gateway(be, users, "gateway-workers", n) as gw:
             runs["gateway_workers"] = await _suite(

@@ -47,6 +47,26 @@ def headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
     for mode in p["modes"]:
         rows += _rate_rows(p, runs, mode)
         rows += _max_rows(p, runs, mode)
+        rows += _baseline_rows(p, runs, mode)
+    return rows
+
+
+def _baseline_rows(p: dict[str, Any], runs: dict[str, Any], mode: str) -> list[report.Headline]:
+    """This tree's fairgate against ``--baseline-tree``'s, one worker each, same run."""
+    base = runs.get("gateway_baseline")
+    if base is None:
+        return []
+    m, g, rows = MODE_LABELS[mode], runs["gateway"], []
+    for key, label in [(f"rate_{r}", f"at {r} req/s") for r in p["rates"]] + [
+            ("max", "at saturation")]:
+        before, after = _cpu(base, mode, key), _cpu(g, mode, key)
+        rows.append(report.Headline(
+            f"{m}: CPU per request {label} (ms), baseline tree (direct column) / this tree; "
+            "ratio = this ÷ baseline", before, after, ratio(after, before), "–", None))
+    before, after = _get(base, mode, "max", "req_s"), _get(g, mode, "max", "req_s")
+    rows.append(report.Headline(
+        f"{m}: max req/s, closed loop, one worker, baseline tree (direct column) / this tree",
+        before, after, ratio(after, before), "–", None))
     return rows
 
 
@@ -129,6 +149,9 @@ def _proxy_names(p: dict[str, Any], runs: dict[str, Any]) -> list[tuple[str, str
     names = [(k, v) for k, v in PROXY_LABELS.items() if k in runs]
     names += [(peer, runs[peer].get("label", peer)) for peer in p["peers"] if peer in runs]
     n = p["workers"]
+    if "gateway_baseline" in runs:
+        names.append(("gateway_baseline", f"fairgate, 1 worker, baseline tree "
+                                          f"`{p.get('baseline_tree')}`"))
     names += [("gateway", "**fairgate, 1 worker**"), ("gateway_wide",
                                                      "fairgate, 1 worker, waiting gate wide"),
               ("gateway_workers", f"**fairgate, `--workers {n}`**")]

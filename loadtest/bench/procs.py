@@ -202,18 +202,20 @@ async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label
     return sims, urls
 
 
-async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1
-                        ) -> Proc:
+async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1,
+                        source: Path | None = None) -> Proc:
     """``fairgate serve --workers N`` with ``config`` (YAML written next to its log); waits
-    for /ready."""
+    for /ready. ``source``: serve the fairgate of this source tree (first on its
+    ``PYTHONPATH``, an absolute path) instead of the one installed."""
     port = free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port},
               "data_dir": str(log_dir / f"{label}-data")}
     path = log_dir / f"{label}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = None if source is None else {"PYTHONPATH": str(source)}
     proc, log = _spawn(label, ["serve", "--config", str(path), "--workers", str(workers)],
-                       log_dir / f"{label}.log")
+                       log_dir / f"{label}.log", env)
     return await serving(label, port, proc, log, "/ready")
 
 
