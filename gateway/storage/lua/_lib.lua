@@ -34,12 +34,12 @@ end
 -- than those sent before it that have not streamed a first token yet: policies/gates.py
 -- still_unseen) and those started since it. The snapshot store keeps the counts of the
 -- stored snapshot and of the one before (snapshot.lua): a process may decide by a
--- snapshot that another stored a newer one after (read before that store, or its store still on the way back
--- to it), and its gate's burst then counts what was sent since the snapshot it came
--- from. Counted since the newer one, a burst computed from an older queue would be spent
--- again (vLLM's queue then grew past the gate). A decision by an older snapshot returns
--- nil: nothing Redis keeps matches its gates. Also returns the stored snapshot's
--- taken_at (0 without one): a grant is sent after it.
+-- snapshot that another stored a newer one after (read before that store, or its store
+-- still on the way back to it), and its gate's burst then counts what was sent since the
+-- snapshot it came from. Counted since the newer one, a burst computed from an older
+-- queue would be spent again (vLLM's queue then grew past the gate). A decision by an
+-- older snapshot returns nil: nothing Redis keeps matches its gates. Also returns the
+-- stored snapshot's taken_at (0 without one): a grant is sent after it.
 local function gate_counts(prefix, backend, seen)
   local stored_at, stored_unseen, prev_at, prev_unseen = unpack(redis.call('HMGET',
     key_backend_snapshot(prefix, backend), 'taken_at', 'unseen', 'prev_at', 'prev_unseen'))
