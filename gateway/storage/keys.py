@@ -49,7 +49,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
     "preempts": "preempts:{replica}",     # list: preemption orders for streams a replica holds
-    "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
+    "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, no first token yet
     "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_scraper": "bk:{backend}:scraper",  # string: the process scraping it (PX lease)
