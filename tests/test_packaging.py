@@ -119,3 +119,14 @@ def test_serve_does_not_load_the_test_rig() -> None:
     assert "gateway.runtime.cli" in loaded
     assert not {m for m in loaded if m.startswith(RIG) or m.split(".")[0] in
                 NOT_FOR_PRODUCT - {"loadtest"}}
+
+
+def test_uvloop_is_a_runtime_dependency_where_it_is_built() -> None:
+    """``pip install fairgate`` serves on uvloop on CPython outside Windows (defaults are
+    the product); elsewhere asyncio's loop (``gateway/core/event_loop.py``)."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    uvloop = [d for d in deps if d.startswith("uvloop")]
+    assert uvloop == ["uvloop>=0.19; sys_platform != 'win32' and "
+                      "platform_python_implementation == 'CPython'"], deps

@@ -39,14 +39,18 @@ def admin_key_id(admin_key: str) -> str:
 class KeyRing:
     def __init__(self, keys: Iterable[ApiKey], admin_keys: Iterable[str] = (),
                  runtime: RuntimeKeys | None = None) -> None:
-        self._secret = secrets.token_bytes(32)
+        # HMAC-SHA256 under a secret drawn at start, its keyed state built once: each
+        # lookup copies it (OpenSSL's key setup per call costs more than the hash)
+        self._keyed = hmac.new(secrets.token_bytes(32), digestmod=hashlib.sha256)
         self.runtime = runtime
         self._keys = {self._digest(k.key): _with_id(k) for k in keys}
         self._admin = {self._digest(k): admin_key_id(k) for k in admin_keys}
         self._admin_ids = set(self._admin.values())
 
     def _digest(self, key: str) -> bytes:
-        return hmac.new(self._secret, key.encode(), hashlib.sha256).digest()
+        mac = self._keyed.copy()  # hmac.new(secret, key, sha256), its key set up once
+        mac.update(key.encode())
+        return mac.digest()
 
     def config_keys(self) -> list[ApiKey]:
         return list(self._keys.values())

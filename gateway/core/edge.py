@@ -115,6 +115,6 @@ def error_boundary(metrics: GatewayMetrics, retry_after: RetryAfter) -> Middlewa
 def _rejected(metrics: GatewayMetrics, request: web.Request, status: int, type_: str,
               code: str | None) -> None:
     code_label = code or ""
-    metrics.edge.errors.labels(str(status), type_, code_label).inc()
+    metrics.child(metrics.edge.errors, str(status), type_, code_label).inc()
     log.info("rejected", method=request.method, path=request.path, status=status,
              error_type=type_, code=code or None)

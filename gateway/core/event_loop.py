@@ -1,7 +1,8 @@
-"""Which event loop ``fairgate serve`` runs: uvloop when installed (extra ``fast``),
-asyncio's own otherwise; setting ``event_loop`` (``auto``, ``uvloop``, ``asyncio``).
+"""Which event loop ``fairgate serve`` runs: uvloop when installed (a dependency on the
+platforms it is built for: CPython outside Windows), asyncio's own otherwise; setting
+``event_loop`` (``auto``, ``uvloop``, ``asyncio``).
 
-uvloop is optional: the gateway runs the same on either loop, and one log line says which.
+The gateway runs the same on either loop, and one log line says which.
 """
 
 from __future__ import annotations

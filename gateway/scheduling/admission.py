@@ -155,6 +155,7 @@ class Admission(ReadsSettings):
         usage recorded (``gateway/scheduling/usage.py``)."""
         request_id = request_id or uuid.uuid4().hex
         bound = self.bound(model, creq)
+        prompt_est = estimate(creq)  # read once: the queue's charge and the settle's
         held: Held | None = await self.charging.reserve(account, model, klass, request_id,
                                                         sum(bound))
         ticket: Ticket | None = None
@@ -163,7 +164,8 @@ class Admission(ReadsSettings):
             async with self._admitted(model, user, klass, weight, creq, request_id,
                                       arrived_s, deadline_ms=deadline_ms,
                                       account=account, refuse_unready=refuse_unready,
-                                      session=session, bound=bound) as ticket:
+                                      session=session, bound=bound,
+                                      prompt_est=prompt_est) as ticket:
                 if held is not None:
                     ticket.limit_headers = held.headers
                 yield ticket
@@ -171,8 +173,8 @@ class Admission(ReadsSettings):
             cancelled = True
             raise
         finally:
-            await self.charging.unreserve(held, account, model, klass, ticket,
-                                          estimate(creq), cancelled)
+            await self.charging.unreserve(held, account, model, klass, ticket, prompt_est,
+                                          cancelled)
 
     def _locality(self, model: str) -> bool:
         """Whether the model routes by locality (its requests' prompts are hashed)."""
@@ -193,8 +195,8 @@ class Admission(ReadsSettings):
                         creq: CompletionRequest, request_id: str,
                         arrived_s: float | None = None, *, deadline_ms: int | None = None,
                         account: ApiKey | None = None, refuse_unready: bool = False,
-                        session: str = "", bound: tuple[int, int] = (0, 0)
-                        ) -> AsyncIterator[Ticket]:
+                        session: str = "", bound: tuple[int, int] = (0, 0),
+                        prompt_est: int) -> AsyncIterator[Ticket]:
         """Wait for a grant; on exit release it and charge the user and its tenant (the
         ``account`` key's tenant, see ``policies/fairness.tenant_of``) real token counts,
         the key's usage recorded with the release (one Redis call:
@@ -212,8 +214,7 @@ class Admission(ReadsSettings):
         ``session``: with sessions on, the session it is queued in within its user's
         share ("": the user's default session); ignored with sessions off. ``bound``:
         the (prompt, output) tokens it can cost at most, what a whole answer cut short is
-        charged (:attr:`Ticket.cut`)."""
-        prompt_est = estimate(creq)
+        charged (:attr:`Ticket.cut`); ``prompt_est``: its prompt's :func:`estimate`."""
         # a request naming a LoRA adapter is queued on its base model (docs/adapters.md)
         adapter = creq.model if creq.model != model else None
         admitted_s = time.monotonic()

@@ -34,6 +34,7 @@ DIMENSIONS = ("day", "tenant", "user", "key", "model", "class")
 # (vLLM's --enable-prompt-tokens-details); fairness charges only the others
 COUNTERS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens",
             "errors", "cancelled")
+MAX_CACHED_ROWS = 10_000  # rows (and models) whose hash fields are kept between requests
 
 
 def day_of(now: float) -> str:
@@ -47,20 +48,49 @@ class UsageLedger:
         self.retention_s = retention_days * 86400
         self.retention_days = retention_days
         self.models = models  # the configured models (read at each export)
+        # what every request would compute again: the hash fields of a row's counters
+        # (a row: tenant, user, key, model, class; bounded, emptied when full) and the
+        # current UTC day's hash of each model, with the day's bounds
+        self._fields: dict[tuple[str, ...], dict[str, str]] = {}
+        self._day_keys: dict[str, str] = {}
+        self._day = (0.0, 0.0, "")  # [start, end) of the day the keys are of, its name
 
     def counts(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
                completion_tokens: int, error: bool, now: float | None = None,
                cancelled: bool = False, cached_tokens: int = 0) -> UsageCounts:
         """What one request adds (for :meth:`record`, or folded into its settle)."""
-        day = ModelKeys(model).usage(day_of(time.time() if now is None else now))
-        row = [key.tenant_name, key.user, key.id or "", model, klass]
+        fields = self._row_fields((key.tenant_name, key.user, key.id or "", model, klass))
         amounts = {"requests": 1, "prompt_tokens": prompt_tokens,
                    "cached_prompt_tokens": cached_tokens,
                    "completion_tokens": completion_tokens, "errors": 1 if error else 0,
                    "cancelled": 1 if cancelled else 0}
-        return UsageCounts(day, {json.dumps([*row, name]): amount
-                                 for name, amount in amounts.items() if amount},
+        return UsageCounts(self._day_key(model, time.time() if now is None else now),
+                           {fields[name]: amount for name, amount in amounts.items() if amount},
                            self.retention_s + 86400)
+
+    def _row_fields(self, row: tuple[str, ...]) -> dict[str, str]:
+        """Each counter's hash field of ``row``: ``["tenant", "user", "key", "model",
+        "class", "counter"]`` in JSON."""
+        fields = self._fields.get(row)
+        if fields is None:
+            if len(self._fields) >= MAX_CACHED_ROWS:
+                self._fields.clear()
+            fields = self._fields[row] = {name: json.dumps([*row, name]) for name in COUNTERS}
+        return fields
+
+    def _day_key(self, model: str, now: float) -> str:
+        """``model``'s usage hash of the UTC day of ``now``."""
+        start, end, name = self._day
+        if not start <= now < end:
+            start = now - now % 86400  # POSIX time: every UTC day is 86,400 s
+            name = day_of(now)
+            self._day, self._day_keys = (start, start + 86400, name), {}
+        found = self._day_keys.get(model)
+        if found is None:
+            if len(self._day_keys) >= MAX_CACHED_ROWS:
+                self._day_keys.clear()
+            found = self._day_keys[model] = ModelKeys(model).usage(name)
+        return found
 
     async def record(self, key: ApiKey, model: str, klass: str, prompt_tokens: int,
                      completion_tokens: int, error: bool, now: float | None = None,

@@ -1,5 +1,6 @@
-"""The event loop ``fairgate serve`` runs: uvloop when installed (extra ``fast``, part of
-``dev``), asyncio's own when asked or when uvloop is missing, and a log line naming it."""
+"""The event loop ``fairgate serve`` runs: uvloop when installed (a runtime dependency on
+CPython outside Windows), asyncio's own when asked or when uvloop is missing, and a log
+line naming it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_asyncio_when_asked() -> None:
     assert {"event": "event_loop", "loop": "asyncio", "log_level": "info"} in logs
 
 
-@pytest.mark.skipif(not HAS_UVLOOP, reason="uvloop not installed (extra fast)")
+@pytest.mark.skipif(not HAS_UVLOOP, reason="uvloop not installed")
 def test_uvloop_by_default_when_installed() -> None:
     with capture_logs() as logs:
         module = event_loop.run(loop_module())

@@ -146,6 +146,32 @@ def test_tenant_series_are_bounded() -> None:
     assert labels == {"t0", "t1", "other"}
 
 
+def test_counts_name_each_requests_day_and_row_as_written() -> None:
+    """The hash fields and day key a request adds to (kept between requests) are those
+    of its own UTC day and row: a request a millisecond past midnight goes to the next
+    day's hash, another key's or class's to its own fields."""
+    import json
+
+    from gateway.core.settings import ApiKey
+    from gateway.scheduling.usage import UsageLedger
+
+    ledger = UsageLedger(None, retention_days=3)  # type: ignore[arg-type]  # counts only
+    alice = ApiKey(key="sk-alice-key-1", user="alice", tenant="lab", id="k1")
+    bob = ApiKey(key="sk-bob-key-123", user="bob", id="k2")
+    midnight = 1_700_006_400.0  # 2023-11-15T00:00:00Z
+    seen = []
+    for key, klass, now in ((alice, "default", midnight - 0.001), (alice, "default", midnight),
+                            (bob, "batch", midnight + 1), (alice, "batch", midnight - 86400)):
+        usage = ledger.counts(key, MODEL, klass, 5, 2, error=False, now=now)
+        row = [key.tenant_name, key.user, key.id, MODEL, klass]
+        expected = {json.dumps([*row, name]): amount for name, amount in
+                    (("requests", 1), ("prompt_tokens", 5), ("completion_tokens", 2))}
+        assert usage.key == ModelKeys(MODEL).usage(day_of(now)), (now, usage.key)
+        assert usage.counts == expected, (row, usage.counts)
+        seen.append(usage.key)
+    assert seen[0] == seen[3] != seen[1] == seen[2], seen
+
+
 @pytest.mark.parametrize("value", ["=cmd()", "+1", "-2", "@x", "\t=cmd()", "\r=cmd()"])
 def test_csv_cells_never_run_as_formulas(value: str) -> None:
     from gateway.scheduling.usage import to_csv

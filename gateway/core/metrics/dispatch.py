@@ -61,7 +61,9 @@ class DispatchMetrics(MetricGroup):
 
     def on_dispatch(self, model: str, backend: str, klass: str, user: str, rank: int) -> None:
         self.child(self.rank, klass).observe(rank)
-        recent = self.recent.setdefault(backend, deque(maxlen=100_000))
+        recent = self.recent.get(backend)
+        if recent is None:  # not built per dispatch just to be thrown away
+            recent = self.recent[backend] = deque(maxlen=100_000)
         recent.append(time.monotonic())
         self.usage.on_dispatched(model, user)
 

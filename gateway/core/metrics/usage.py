@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -64,10 +63,15 @@ class UsageMetrics(MetricGroup):
     def on_served(self, model: str, user: str, prompt_tokens: int, output_tokens: int,
                   service: float) -> None:
         """An answer went out (or failed): the user's tokens and service, its share."""
-        self._user_inc(self.user_tokens, (model,), user, prompt_tokens, ("prompt",))
-        self._user_inc(self.user_tokens, (model,), user, output_tokens, ("completion",))
-        self._user_inc(self.user_service, (model,), user, service)
-        self.shares.setdefault(model, ServiceShares()).add(user, service, time.monotonic())
+        label = self._user_label(user)  # once for its three series
+        self._labelled_inc(self.user_tokens, (model, label, "prompt"), label, prompt_tokens)
+        self._labelled_inc(self.user_tokens, (model, label, "completion"), label,
+                           output_tokens)
+        self._labelled_inc(self.user_service, (model, label), label, service)
+        shares = self.shares.get(model)
+        if shares is None:  # not built per answer just to be thrown away
+            shares = self.shares[model] = ServiceShares()
+        shares.add(user, service, time.monotonic())
         pending = self.pending_service.setdefault(model, {})
         if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
             pending[user] = pending.get(user, 0.0) + service
@@ -134,7 +138,11 @@ class UsageMetrics(MetricGroup):
     def _user_inc(self, counter: Counter, head: tuple[str, ...], user: str, amount: float,
                   tail: tuple[str, ...] = ()) -> None:
         label = self._user_label(user)
-        labels: Any = (*head, label, *tail)
+        self._labelled_inc(counter, (*head, label, *tail), label, amount)
+
+    def _labelled_inc(self, counter: Counter, labels: tuple[str, ...], label: str,
+                      amount: float) -> None:
+        """Add ``amount`` to the series ``labels`` of the user labelled ``label``."""
         if label != OTHER_USERS:
             self._user_series.setdefault(label, set()).add((counter, labels))
         self.child(counter, *labels).inc(amount)

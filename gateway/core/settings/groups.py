@@ -51,7 +51,8 @@ class ListenSettings(Group):
     # `fairgate serve` processes on the listen port (gateway/runtime/workers.py); None: one
     # per core; 1: the gateway in the serving process itself
     workers: int | None = restart(None, "the worker processes are forked at start", ge=1)
-    # `fairgate serve`'s event loop: uvloop when installed (extra `fast`), else asyncio's
+    # `fairgate serve`'s event loop: uvloop when installed (a dependency on CPython outside
+    # Windows), else asyncio's
     event_loop: Literal["auto", "uvloop", "asyncio"] = restart("auto", "the loop runs the process")
     # a cap with a clear 503, and a deadline for a connection to complete a request's
     # headers (also closes idle keep-alives) or for a body to keep arriving, then at
