@@ -21,6 +21,13 @@ one more request to the backend while either of two bounds admits it:
 
 Either bound keeps the promise that requests sent by the gate wait at most
 ``max_waiting`` behind a full batch (traffic from other clients of the backend aside).
+
+What is on its way counts only what can still wait at vLLM: a request whose first token
+the gateway relayed was scheduled, whatever the last scrape said (:func:`still_unseen`).
+Without that bound, in front of a backend that answers faster than it is scraped (an
+instant one, a fast GPU on short answers), the requests vLLM had finished while the
+gateway still relayed them read as "unseen" in every snapshot and held the burst shut:
+the requests queued in the gateway, not at vLLM.
 Zero for both means closed, and ``reason`` says why; a reason other than "waiting" closes
 both (drained, stale, TPOT, KV).
 """
@@ -136,6 +143,17 @@ def wider(own: Gate, lent: Gate) -> Gate:
     if not own.open or (lent.limit, lent.max_inflight) > (own.limit, own.max_inflight):
         return lent
     return own
+
+
+def still_unseen(unseen: int, unstarted_before: int) -> int:
+    """Of a snapshot's ``unseen`` (requests in flight its scrape did not see, less those
+    sent after it began: ``gateway/storage/lua/snapshot.lua``), those that may still wait
+    at vLLM: no more than the requests sent before the snapshot that have not streamed a
+    first token yet (``unstarted_before``). The count it was taken from also holds
+    requests vLLM finished before the scrape while the gateway still relayed or settled
+    them, and those that started since; neither waits. (``gate_counts`` in
+    ``gateway/storage/lua/_lib.lua`` applies the same rule.)"""
+    return max(0, min(unseen, unstarted_before))
 
 
 def queued_for_a_slot(snapshot: BackendSnapshot, peak_running: int) -> int:

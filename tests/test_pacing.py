@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate
+from policies.gates import BackendSnapshot, Gate, GatePolicy, evaluate_gate, still_unseen
 from policies.pacing import Pacing, PacingTargets, adjust
 
 TARGETS = PacingTargets(ceiling=4, max_tpot_s=0.150, ttft_slo_s=2.0)
@@ -98,14 +98,17 @@ def test_free_batch_slots_add_a_bonus_only_while_nothing_waits_and_kv_has_room()
 # it: "sent" (dispatched since the snapshot, no first token yet), "unseen" (on the way at
 # the snapshot), "started" (first token since the snapshot, not settled). vLLM takes
 # arrivals into its waiting queue and, at each engine step, moves them into free slots of
-# a batch of ``max_num_seqs``, where they stream their first token.
+# a batch of ``max_num_seqs``, where they stream their first token. With ``relay``, an
+# answer vLLM finished stays in flight until the next round (the gateway still relays and
+# settles it): vLLM's /metrics no longer count it.
 
 
 @dataclass
 class Req:
-    where: str = "net"  # "net" (on its way), "wait" (vLLM's queue), "run"
+    where: str = "net"  # "net" (on its way), "wait" (vLLM's queue), "run", "done" (relayed)
     in_sent: bool = True
     started: bool = False  # first token since the snapshot
+    marked: bool = False  # its first token was marked (at any time)
 
 
 @dataclass
@@ -120,6 +123,12 @@ class Model:
     # a start of a request sent before the snapshot takes one of its "unseen": the rule
     # before 2026-12-04, wrong for a request that snapshot already showed running
     start_takes_unseen: bool = False
+    # an answer vLLM finished is settled only in the next round (the relay's latency)
+    relay: bool = False
+    # the snapshot's "unseen" counts no more than the requests sent before it without a
+    # first token (policies/gates.py still_unseen); False: the rule before 2026-12-07
+    cap_unseen: bool = True
+    dispatched: int = 0
     unmarked: list[Req] = field(default_factory=list)  # scheduled, start not yet marked
     reqs: dict[int, Req] = field(default_factory=dict)
     unseen: int = 0
@@ -134,7 +143,7 @@ class Model:
     def snapshot(self) -> None:
         waiting, running = self.count("wait"), self.count("run")
         snap = BackendSnapshot(waiting, running, 0.5, None, 0.0)
-        self.unseen = self.count("net")  # inflight - waiting - running
+        self.unseen = len(self.reqs) - waiting - running  # snapshot.lua
         for r in self.reqs.values():
             r.in_sent, r.started = False, False
         self.pacing = adjust(self.pacing or Pacing.start(self.targets), snap, None,
@@ -150,7 +159,11 @@ class Model:
         self.snapshot()
 
     def in_transit(self) -> int:
-        return sum(1 for r in self.reqs.values() if r.in_sent) + self.unseen
+        unseen = self.unseen
+        if self.cap_unseen:  # gate_counts in lua/_lib.lua
+            unseen = still_unseen(unseen, sum(1 for r in self.reqs.values()
+                                              if not r.in_sent and not r.marked))
+        return sum(1 for r in self.reqs.values() if r.in_sent) + unseen
 
     def started(self) -> int:
         return sum(1 for r in self.reqs.values() if r.started) if self.count_started else 0
@@ -159,6 +172,7 @@ class Model:
         while self.gate.admits(self.in_transit(), self.started(), len(self.reqs)):
             self.reqs[self.next_id] = Req()
             self.next_id += 1
+            self.dispatched += 1
 
     def arrive(self) -> None:
         for r in self.reqs.values():
@@ -185,7 +199,7 @@ class Model:
             r.in_sent = False
         elif self.start_takes_unseen and self.unseen > 0:
             self.unseen -= 1
-        r.started = True
+        r.started = r.marked = True
 
     def mark_late_starts(self) -> None:
         for r in self.unmarked:
@@ -195,8 +209,14 @@ class Model:
     def finish(self) -> None:
         for rid, r in self.reqs.items():
             if r.where == "run" and r not in self.unmarked:
-                del self.reqs[rid]  # settle.lua: out of the started set too
+                if self.relay:
+                    r.where = "done"
+                else:
+                    del self.reqs[rid]  # settle.lua: out of the started set too
                 return
+
+    def settle_relayed(self) -> None:
+        self.reqs = {i: r for i, r in self.reqs.items() if r.where != "done"}
 
 
 # one round: some running requests finish, maybe a scrape, the gate dispatches, some of
@@ -207,6 +227,7 @@ ROUNDS = st.lists(st.tuples(st.integers(0, 4), st.booleans(), st.integers(0, 8))
 
 def play(m: Model, rounds: list[tuple[int, bool, int]]) -> None:
     for finished, scraped, arrived in rounds:
+        m.settle_relayed()
         for _ in range(finished):
             m.finish()
         if scraped:
@@ -219,14 +240,14 @@ def play(m: Model, rounds: list[tuple[int, bool, int]]) -> None:
 
 
 @settings(max_examples=300)
-@given(ROUNDS, st.integers(1, 16), st.integers(1, 6))
+@given(ROUNDS, st.integers(1, 16), st.integers(1, 6), st.booleans())
 def test_with_a_full_batch_requests_the_gate_sent_never_wait_past_the_allowance(
-    rounds: list[tuple[int, bool, int]], max_num_seqs: int, ceiling: int
+    rounds: list[tuple[int, bool, int]], max_num_seqs: int, ceiling: int, relay: bool
 ) -> None:
     """The pacing promise (policies/pacing.py): the free-slot bonus fills free slots only;
     once the batch is full, vLLM's queue holds at most the allowance (here the ceiling:
-    no TPOT, nothing degrades it)."""
-    m = Model(max_num_seqs, PacingTargets(ceiling=ceiling, max_tpot_s=0.15))
+    no TPOT, nothing degrades it). Finished answers still relayed change nothing."""
+    m = Model(max_num_seqs, PacingTargets(ceiling=ceiling, max_tpot_s=0.15), relay=relay)
     m.full_batch_seen()
     play(m, rounds)
     assert m.most_waiting_full <= ceiling, (
@@ -235,16 +256,16 @@ def test_with_a_full_batch_requests_the_gate_sent_never_wait_past_the_allowance(
 
 
 @settings(max_examples=300)
-@given(ROUNDS, st.integers(1, 16), st.integers(1, 6))
+@given(ROUNDS, st.integers(1, 16), st.integers(1, 6), st.booleans())
 def test_a_start_seen_after_the_scrape_that_showed_it_running_loosens_nothing(
-    rounds: list[tuple[int, bool, int]], max_num_seqs: int, ceiling: int
+    rounds: list[tuple[int, bool, int]], max_num_seqs: int, ceiling: int, relay: bool
 ) -> None:
     """The gateway marks a start when the first token reaches it, which on a loaded
     machine is after a scrape that already showed the request running. That start must
     not take one of the snapshot's "unseen" (the requests still on their way): it was
     not one of them, and the gate would let one more request wait."""
     m = Model(max_num_seqs, PacingTargets(ceiling=ceiling, max_tpot_s=0.15),
-              late_starts=True)
+              late_starts=True, relay=relay)
     m.full_batch_seen()
     play(m, rounds)
     assert m.most_waiting_full <= ceiling, (
@@ -314,3 +335,29 @@ def test_without_occupancy_a_lagging_snapshot_lets_the_batch_run_empty() -> None
     m.full_batch_seen()
     play(m, [(4, False, 11)] * 3)
     assert m.count("run") < 8, m.count("run")
+
+
+def instant(cap_unseen: bool) -> Model:
+    """A backend that answers faster than it is scraped: every request that arrives runs
+    and finishes at once, and its answer is relayed and settled in the next round; a
+    scrape every round. The batch is never full and vLLM's queue stays empty."""
+    m = Model(1024, PacingTargets(ceiling=3, max_tpot_s=0.15), relay=True,
+              cap_unseen=cap_unseen)
+    m.snapshot()
+    for _ in range(10):
+        play(m, [(1024, True, 1024)])
+        assert m.count("wait") == 0
+    return m
+
+
+def test_answers_still_relayed_do_not_hold_the_gate_shut() -> None:
+    """The cause of the queue in the gateway in front of an instant backend: answers vLLM
+    finished but the gateway still relayed were in flight and in no /metrics count, so
+    each snapshot read them as "unseen", on their way to vLLM's queue, and the burst
+    stayed shut until the next scrape. Their first tokens were seen: none of them can
+    wait. Counted as such, the gate sends the allowance each round, not every other one
+    (a round whose scrape found nothing to relay)."""
+    old = instant(cap_unseen=False).dispatched
+    assert old == 15, f"the rule before sent {old} in 10 rounds"
+    new = instant(cap_unseen=True).dispatched
+    assert new == 30, f"sent {new} in 10 rounds, want the allowance 3 in each"

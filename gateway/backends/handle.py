@@ -106,6 +106,9 @@ class BackendHandle:
     peak_running: int = 0  # the most requests seen running at once (the batch's size)
     pending_prefill_tokens: int = 0  # by the latest snapshot (policies/prefill.py)
     card: ModelCard = field(default_factory=ModelCard)
+    # the backend gauges' values as this process last set them from a snapshot (None: to
+    # set again): ``Snapshots._record`` sets them only when one changed
+    recorded: tuple[object, ...] | None = None
     scraped: asyncio.Event = field(default_factory=asyncio.Event)
     judged: asyncio.Event = field(default_factory=asyncio.Event)  # scraped, or failed, once
     # each class's gate by the latest snapshot, computed once when it arrives, and that

@@ -11,11 +11,11 @@ the LoRA adapters the backend lists and its LoRA gauge (``docs/adapters.md``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.backends.vllm_metrics import LoraState
+from gateway.core import jsonio
 from policies.gates import Gate
 from policies.pacing import Pacing
 
@@ -34,7 +34,9 @@ class Published:
     lora: LoraState | None = None  # its vllm:lora_requests_info (None: LoRA off)
 
     def encode(self) -> str:
-        return json.dumps({
+        # orjson (``gateway/core/jsonio.py``): every process reads each snapshot (a
+        # fleet's: hundreds a second); what it holds is finite numbers and short strings
+        return jsonio.dumps({
             "gates": {c: [g.limit, g.reason, g.free_slots, g.max_inflight]
                       for c, g in self.gates.items()},
             "pacing": {c: [p.allowance, p.reason, p.peak_running, p.bonus]
@@ -44,14 +46,14 @@ class Published:
             "card": self.max_model_len, "card_read": self.model_card_read,
             "adapters": list(self.adapters),
             "lora": None if self.lora is None else [self.lora.max_lora, list(self.lora.active)],
-        }, separators=(",", ":"))
+        }).decode()
 
     @classmethod
     def decode(cls, text: str) -> Published:
         """The published numbers; ValueError when ``text`` is not what :meth:`encode`
         wrote."""
         try:
-            d: dict[str, Any] = json.loads(text)
+            d: dict[str, Any] = jsonio.loads(text.encode())
             return cls(
                 {c: Gate(int(limit), reason, int(free), int(inflight))
                  for c, (limit, reason, free, inflight) in d["gates"].items()},

@@ -90,6 +90,7 @@ class Snapshots(ReadsSettings):
             handle.healthy = False
             log.warning("backend_unhealthy", backend=handle.name, error=error)
         self.metrics.backends.healthy.labels(handle.name).set(1 if handle.healthy else 0)
+        handle.recorded = None  # the next snapshot sets every gauge again
         reason = "drained" if handle.drained else "stale"
         self.metrics.gates.record(handle.name, dict.fromkeys(CLASS_ORDER, reason), time.time())
         handle.judged.set()
@@ -109,19 +110,25 @@ class Snapshots(ReadsSettings):
     def _show_drained(self, handle: BackendHandle, drained: bool) -> None:
         handle.drained = drained
         self.metrics.backends.drained.labels(handle.name).set(1 if drained else 0)
+        handle.recorded = None
 
     def _record(self, handle: BackendHandle, snap: BackendSnapshot) -> None:
         m, name = self.metrics, handle.name
-        m.child(m.backends.waiting, name).set(snap.waiting)
-        m.child(m.backends.waiting_queued, name).set(queued_for_a_slot(snap, handle.peak_running))
-        m.child(m.backends.running, name).set(snap.running)
-        m.child(m.backends.kv, name).set(snap.kv_usage)
-        m.child(m.backends.tpot, name).set(snap.tpot_s or 0.0)
         ratio = handle.prefix_hit_ratio
-        m.child(m.backends.prefix_hit_ratio, name).set(math.nan if ratio is None else ratio)
-        m.child(m.backends.healthy, name).set(1)
-        m.child(m.backends.drained, name).set(1 if handle.drained else 0)
-        m.child(m.backends.pending_prefill, name).set(handle.pending_prefill_tokens)
+        values = (snap.waiting, queued_for_a_slot(snap, handle.peak_running), snap.running,
+                  snap.kv_usage, snap.tpot_s or 0.0, math.nan if ratio is None else ratio,
+                  handle.drained, handle.pending_prefill_tokens)
+        # every process adopts every snapshot (a fleet's: hundreds a second): the gauges
+        # are set only when a value changed since this process last set them
+        if values != handle.recorded:
+            handle.recorded = values
+            b = m.backends
+            for gauge, value in zip((b.waiting, b.waiting_queued, b.running, b.kv, b.tpot,
+                                     b.prefix_hit_ratio), values, strict=False):
+                m.child(gauge, name).set(value)
+            m.child(b.healthy, name).set(1)
+            m.child(b.drained, name).set(1 if handle.drained else 0)
+            m.child(b.pending_prefill, name).set(handle.pending_prefill_tokens)
         lora = handle.card.lora
         m.adapters.record(name, self.adapters_on(handle), lora.active if lora else (),
                           lora.max_lora if lora else None)

@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from gateway.core.errors import FairgateError, NotFound, RateLimitExceeded
+from gateway.core.logs import clear_request
 from gateway.core.metrics import GatewayMetrics
 
 log = structlog.get_logger("fairgate.request")
@@ -84,7 +85,7 @@ def _from_http(exc: web.HTTPException, request: web.Request) -> FairgateError:
 def error_boundary(metrics: GatewayMetrics, retry_after: RetryAfter) -> Middleware:
     @web.middleware
     async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
-        structlog.contextvars.clear_contextvars()
+        clear_request()
         allow: str | None = None
         try:
             response = await handler(request)

@@ -1,11 +1,17 @@
 """structlog setup: JSON lines when not on a terminal, pretty console otherwise.
 
-Request context (request_id, user, model, class) is bound with contextvars per request.
-Prompt/completion text and API keys are never logged.
+Request context (request_id, user, model, class) is bound per request (:func:`bind_request`,
+a context variable). Prompt/completion text and API keys are never logged.
 
-Per-request ``info`` lines (``queued``, ``dispatched``, ``finished``) can be sampled at high
-rates (:class:`RequestLogSampler`, setting ``log_sample_above_per_s``); errors, warnings,
+A request says one line at ``info``: ``finished`` (its context, backend, wait, vLLM
+priority, latency, tokens), or the line of how it ended otherwise (``rejected``,
+``client_disconnected``, ``refused_in_stream``). Its ``queued`` and ``dispatched`` steps
+are ``debug`` lines. The ``info`` lines of requests can be sampled at high rates
+(:class:`RequestLogSampler`, setting ``log_sample_above_per_s``); errors, warnings,
 rejections and unfinished requests are always logged.
+
+A line costs a few microseconds: the timestamp's text is made once a second, orjson
+writes the line's bytes, and one ``write`` puts them on stderr's file descriptor.
 
 An event logged with an exception (``log.exception(...)``) carries ``exc_type``,
 ``exc_message`` and ``exception``, the formatted traceback (frames and source lines, no
@@ -17,10 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 import zlib
 from collections.abc import Callable
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
 
@@ -72,23 +80,73 @@ def _exc_info(value: Any) -> ExcInfo | None:
 
 
 def exception_fields(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
-    """Name the exception of an ``exc_info`` event: ``exc_type`` and ``exc_message``.
-
-    Runs before :func:`structlog.processors.format_exc_info`, which replaces ``exc_info``
-    by the formatted traceback under ``exception``."""
-    info = _exc_info(event.get("exc_info"))
+    """Name the exception of an ``exc_info`` event: ``exc_type`` and ``exc_message``,
+    and format its traceback under ``exception`` (:func:`structlog.processors.format_exc_info`,
+    run only for such an event: most lines have none)."""
+    if "exc_info" not in event:
+        return event
+    info = _exc_info(event["exc_info"])
     if info is None:
-        event.pop("exc_info", None)
+        del event["exc_info"]
         return event
     exc_type, exc, _ = info
     event["exc_info"] = info
     event.setdefault("exc_type", exc_type.__qualname__)
     event.setdefault("exc_message", str(exc))
+    return structlog.processors.format_exc_info(logger, method, event)
+
+
+class LevelAndTime:
+    """``level`` (the method's name, ``warn`` as ``warning``, ``exception`` as ``error``)
+    and ``timestamp``, UTC ISO 8601 to the microsecond (``2026-12-07T17:17:22.595170Z``).
+    The text of the second is made once a second, not at each line."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.second = -1
+        self.prefix = ""
+
+    def __call__(self, logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+        event["level"] = _LEVELS.get(method, method)
+        now = self.clock()
+        second = int(now)
+        if second != self.second:
+            self.second = second
+            self.prefix = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(second))
+        event["timestamp"] = f"{self.prefix}{int((now - second) * 1e6):06d}Z"
+        return event
+
+
+_LEVELS = {"warn": "warning", "exception": "error"}
+
+
+_REQUEST: ContextVar[dict[str, Any]] = ContextVar("fairgate_request_log_fields")
+_NO_FIELDS: dict[str, Any] = {}
+
+
+def bind_request(**fields: Any) -> None:
+    """Add ``fields`` to every line logged from here on in this context (the request's
+    task, and the tasks it starts): the request's id, user, model and class. The dict is
+    replaced, never changed, so a task started earlier keeps the fields it had."""
+    _REQUEST.set({**_REQUEST.get(_NO_FIELDS), **fields})
+
+
+def clear_request() -> None:
+    """No request fields from here on in this context (a connection's task serves its
+    requests one after the other)."""
+    _REQUEST.set(_NO_FIELDS)
+
+
+def merge_request(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+    """The request's fields (:func:`bind_request`) on the line; the line's own win."""
+    for key, value in _REQUEST.get(_NO_FIELDS).items():
+        event.setdefault(key, value)
     return event
 
 
 SAMPLED_EVENTS = frozenset({"queued", "dispatched", "finished"})
-"""The per-request ``info`` lines a sampler may leave out."""
+"""The per-request lines a sampler may leave out when logged at ``info`` (``finished``; the
+other two are ``debug`` lines, all kept at ``log_level: debug``)."""
 
 
 class RequestLogSampler:
@@ -132,27 +190,68 @@ class RequestLogSampler:
         return event
 
 
-def json_line(event: EventDict, **kw: Any) -> str:
-    """A log line's JSON: orjson (three lines a request: it pays), ``json`` for what orjson
-    cannot write (a key that is not a string, an integer beyond 64 bits)."""
+def _fallback(value: Any) -> Any:
+    """What neither JSON codec writes: its ``__structlog__()``, else its ``repr``
+    (structlog's ``JSONRenderer`` does the same)."""
+    structlog_form = getattr(value, "__structlog__", None)
+    return structlog_form() if structlog_form is not None else repr(value)
+
+
+def json_line(logger: WrappedLogger, method: str, event: EventDict) -> bytes:
+    """The event as one line of JSON, newline included: orjson, ``json`` for what orjson
+    cannot write (a key that is not a string, an integer beyond 64 bits, a lone surrogate;
+    ``gateway/core/jsonio.py``)."""
     try:
-        return orjson.dumps(event, default=kw.get("default")).decode()
+        return orjson.dumps(event, default=_fallback, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
-        return json.dumps(event, **kw)
+        return (json.dumps(event, default=_fallback) + "\n").encode()
+
+
+class StderrLines:
+    """Writes each line whole with one ``write`` to the process's standard error (the
+    workers of ``fairgate serve --workers N`` share it: their lines must not interleave),
+    straight to its file descriptor, not through ``sys.stderr``'s text layer. While
+    something else stands in ``sys.stderr`` (pytest's capture), the line goes there, so
+    whoever swapped it sees it."""
+
+    def msg(self, line: bytes) -> None:
+        err = sys.stderr
+        if err is not sys.__stderr__ or _STDERR_FD is None:
+            err.write(line.decode())
+            err.flush()
+            return
+        written = os.write(_STDERR_FD, line)
+        while written < len(line):  # a signal cut the write short
+            line = line[written:]
+            written = os.write(_STDERR_FD, line)
+
+    log = debug = info = warn = warning = error = err = critical = exception = msg
+
+
+def _stderr_fd() -> int | None:
+    try:
+        return sys.__stderr__.fileno() if sys.__stderr__ is not None else None
+    except (AttributeError, OSError, ValueError):  # no file behind it
+        return None
+
+
+_STDERR_FD = _stderr_fd()
+_STDERR_LINES = StderrLines()
+
+
+def _stderr_lines(*_: Any) -> StderrLines:
+    """structlog's logger factory: every logger writes through the one :class:`StderrLines`."""
+    return _STDERR_LINES
 
 
 class _CurrentStderr:
-    """``sys.stderr`` as it is at each write, not when logging was configured: a caller
-    that swaps it (pytest's capture) must not leave the loggers writing to a closed file."""
+    """``sys.stderr`` as it is at each write (the console's lines, on a terminal)."""
 
     def write(self, text: str) -> int:
         return sys.stderr.write(text)
 
     def flush(self) -> None:
         sys.stderr.flush()
-
-
-_STDERR = _CurrentStderr()
 
 
 def configure_logging(level: int | str = logging.INFO,
@@ -168,25 +267,23 @@ def configure_logging(level: int | str = logging.INFO,
     if not any(isinstance(f, MalformedHttpLogs) for f in server_log.filters):
         server_log.addFilter(MalformedHttpLogs())
     tail: list[structlog.typing.Processor]
+    factory: Callable[..., Any] = _stderr_lines
     if sys.stderr.isatty():  # the console renderer prints the exception itself
         # plainly: rich's highlighted traceback (structlog's default when rich is
         # installed) took seconds per exception on a busy machine, with the event loop
         # standing still meanwhile
         tail = [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+        factory = structlog.WriteLoggerFactory(_CurrentStderr())  # type: ignore[arg-type]
     else:
-        tail = [exception_fields, structlog.processors.format_exc_info,
-                structlog.processors.JSONRenderer(serializer=json_line)]
+        tail = [exception_fields, json_line]
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
+            merge_request,
             *([RequestLogSampler(sample_above_per_s)] if sample_above_per_s else []),
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            LevelAndTime(),
             *tail,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        # one write per line (print() writes the newline apart): the workers of
-        # `fairgate serve --workers N` share stderr, and their lines must not interleave
-        logger_factory=structlog.WriteLoggerFactory(_STDERR),  # type: ignore[arg-type]
+        logger_factory=factory,
         cache_logger_on_first_use=cache,
     )

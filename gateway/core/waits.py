@@ -30,23 +30,20 @@ async def event_set(event: asyncio.Event, timeout_s: float | None) -> bool:
     return event.is_set()
 
 
-def _cancels_requested() -> int:
-    task = asyncio.current_task()
-    return 0 if task is None else task.cancelling()
-
-
 class KeepCancel:
     """``with KeepCancel():`` around a library call that may swallow a cancellation: one
     requested meanwhile and swallowed is raised at the end, in place of a return value or
     of another error (a cancelled task must stop, not run on)."""
 
-    __slots__ = ("before",)
+    __slots__ = ("before", "task")
 
     def __enter__(self) -> None:
-        self.before = _cancels_requested()
+        self.task = task = asyncio.current_task()
+        self.before = 0 if task is None else task.cancelling()
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        if (kind is None or not issubclass(kind, asyncio.CancelledError)) \
-                and _cancels_requested() > self.before:
+        task = self.task
+        if task is not None and task.cancelling() > self.before \
+                and (kind is None or not issubclass(kind, asyncio.CancelledError)):
             raise asyncio.CancelledError

@@ -38,6 +38,7 @@ from gateway.core.errors import (
     StoreUnavailable,
     Unavailable,
 )
+from gateway.core.logs import bind_request
 from gateway.core.settings import ApiKey, end_user_name
 from gateway.http.index import index
 from gateway.http.openapi import openapi_json
@@ -143,9 +144,8 @@ async def _scheduled(request: web.Request, endpoint: Endpoint) -> web.StreamResp
     request_id = new_request_id()
     headers = request[ANSWER_HEADERS] = {REQUEST_ID_HEADER: request_id}
     queued_at = time.monotonic()
-    structlog.contextvars.bind_contextvars(request_id=request_id, user=call.user,
-                                           model=model, priority_class=klass)
-    log.info("queued")
+    bind_request(request_id=request_id, user=call.user, model=model, priority_class=klass)
+    log.debug("queued")
     status = "error"
     tickets: list[Ticket] = []
     early = None

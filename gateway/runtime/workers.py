@@ -347,8 +347,22 @@ def _tag_logs(index: int) -> None:
     structlog.configure(processors=[add_worker, *config["processors"]])
 
 
+def _metrics_without_pid_checks() -> None:
+    """prometheus_client's multiprocess values call ``os.getpid()`` (a system call) on
+    every ``inc``, ``set`` and ``observe``, to notice a ``fork``; a worker is started by
+    ``exec`` and never forks, so its pid is read once here. Before the first metric is
+    built: each value class keeps its own open files (two on one pid's file would write
+    over each other)."""
+    from prometheus_client import values
+
+    if os.environ.get(MULTIPROC_DIR_ENV):
+        pid = os.getpid()
+        values.ValueClass = values.MultiProcessValue(lambda: pid)  # type: ignore[no-untyped-call]
+
+
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """``python -m gateway.runtime.workers [--config FILE]``, started by :class:`Supervisor`."""
+    _metrics_without_pid_checks()
     args = list(sys.argv[1:] if argv is None else argv)
     config = args[1] if args[:1] == ["--config"] else None
     index = int(os.environ[WORKER_INDEX_ENV])

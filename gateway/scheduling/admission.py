@@ -319,12 +319,12 @@ class Admission(ReadsSettings):
         self.metrics.child(self.metrics.queue.wait, klass).observe(waited)
         priority = vllm_priority(self.settings.classes[klass].priority_base, grant.rank,
                                  self.settings.fairness.priority_class_gap)
-        log.info("dispatched", request_id=queued.request_id, backend=grant.backend,
-                 wait_s=round(waited, 4), vllm_priority=priority)
+        log.debug("dispatched", request_id=queued.request_id, backend=grant.backend,
+                  wait_s=round(waited, 4), vllm_priority=priority)
         backend = await self.backends.named(grant.backend)
         if backend is None:  # removed by a config reload since the dispatch
             await self.dispatcher.release(model, grant, 0.0)
             raise BackendRemoved(f"backend {grant.backend} was just removed; retry",
                                  retry_after_s=self.waits.retry_after(None))
         return Ticket(model, grant, backend, priority, self.dispatcher, timing, self.waits,
-                      whole=whole, bound=bound)
+                      whole=whole, bound=bound, wait_s=waited)

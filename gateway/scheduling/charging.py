@@ -172,6 +172,7 @@ class Charging(ReadsSettings):
                                    (ticket.prompt_tokens or 0) - ticket.cached_tokens,
                                    reported, payer.weight, kv), timing, ticket.cached_tokens)
         log.info("finished", request_id=queued.request_id, backend=grant.backend,
+                 wait_s=round(ticket.wait_s, 4), vllm_priority=ticket.priority,
                  latency_s=round(time.time() - queued.enqueued_at, 4),
                  output_tokens=reported, completed=ticket.completed,
                  **({"charged_bound": ticket.bound} if ticket.cut else {}))

@@ -32,6 +32,7 @@ class Ticket:
     timing: StreamTiming | None
     waits: Waits | None = None  # hears the dispatch-to-first-token time of a stream
     dispatched_s: float = field(default_factory=time.monotonic)
+    wait_s: float = 0.0  # in the queue, from enqueued to dispatched (the finished line's)
     first_token_s: float | None = None  # monotonic, when its first token streamed
     prompt_tokens: int | None = None
     completion_tokens: int = 0

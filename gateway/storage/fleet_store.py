@@ -20,7 +20,7 @@ from gateway.storage.records import (
 )
 from gateway.storage.scripts import Scripts
 from gateway.storage.values import PREFILL
-from policies.gates import BackendSnapshot
+from policies.gates import BackendSnapshot, still_unseen
 
 
 class FleetStore:
@@ -126,12 +126,12 @@ class FleetStore:
         states = {}
         for i, name in enumerate(backends):
             snap, sent, inflight, prefill, started = raw[5 * i: 5 * i + 5]
-            # the sets also keep what came since the snapshot before (snapshot.lua)
+            # the started set also keeps what came since the snapshot before, the sent set
+            # every request not started yet (snapshot.lua)
             taken_at = float(snap.get("taken_at") or 0)
-            states[name] = BackendState(snapshot_from(snap),
-                                        sum(1 for _, at in sent if at > taken_at),
-                                        int(inflight or 0),
-                                        int(float(snap.get("unseen") or 0)),
+            since = sum(1 for _, at in sent if at > taken_at)
+            unseen = still_unseen(int(float(snap.get("unseen") or 0)), len(sent) - since)
+            states[name] = BackendState(snapshot_from(snap), since, int(inflight or 0), unseen,
                                         sum(int(float(PREFILL.decode(v)["tokens"]))
                                             for v in prefill),
                                         sum(1 for _, at in started if at > taken_at))

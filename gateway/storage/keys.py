@@ -49,7 +49,7 @@ MODEL_PATTERNS: dict[str, str] = {
     "grants": "grants:{replica}",         # list: grants for requests a replica holds
     "running": "running:{replica}",       # set: dispatched ids whose client a replica holds
     "preempts": "preempts:{replica}",     # list: preemption orders for streams a replica holds
-    "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, unseen by a snapshot
+    "backend_sent": "bk:{backend}:sent",  # zset: id -> dispatch time, no first token yet
     "backend_started": "bk:{backend}:started",  # zset: id -> first token, since a snapshot
     "backend_snapshot": "bk:{backend}:snap",  # hash: last /metrics snapshot + "unseen"
     "backend_scraper": "bk:{backend}:scraper",  # string: the process scraping it (PX lease)
@@ -109,6 +109,20 @@ RUNTIME_BACKENDS = f"{ROOT}:{{backends}}:runtime"  # hash: backend name -> JSON 
 USAGE_MODELS = f"{ROOT}:usage:models"     # set: models whose usage may be kept
 
 
+def _one_field(pattern: str) -> str | None:
+    fields = re.findall(r"{(\w+)}", pattern)
+    return fields[0] if len(fields) == 1 else None
+
+
+# The keys of one part at most that ModelKeys built, by (model, name, part).
+_ONE_FIELD = {name: _one_field(p) for name, p in MODEL_PATTERNS.items()
+              if len(re.findall(r"{(\w+)}", p)) <= 1}
+_BUILT: dict[tuple[str, str, str], str] = {}
+_BUILT_MAX = 4096
+_REQUEST_HEAD, _request_tail = MODEL_PATTERNS["request"].split("{request_id}")
+assert not _request_tail, "a request key ends with its id"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelKeys:
     model: str
@@ -119,6 +133,18 @@ class ModelKeys:
 
     def _key(self, name: str, **parts: str) -> str:
         return self.prefix + MODEL_PATTERNS[name].format(**parts)
+
+    def _one(self, name: str, part: str = "") -> str:
+        """A key of one part at most (a backend, a class, a replica), built once: every
+        call to the store names several of them."""
+        at = (self.model, name, part)
+        found = _BUILT.get(at)
+        if found is None:
+            if len(_BUILT) >= _BUILT_MAX:  # names come and go (backends, replicas)
+                _BUILT.clear()
+            field = _ONE_FIELD[name]
+            found = _BUILT[at] = self._key(name, **({field: part} if field else {}))
+        return found
 
     def queue(self, klass: str, user: str, tenant: str | None = None,
               session: str | None = None) -> str:
@@ -142,10 +168,10 @@ class ModelKeys:
     def active(self, klass: str) -> str:
         """The class's tenants with a queued request, by tenant score (with no tenants
         configured every user is its own tenant, so these are the users)."""
-        return self._key("active", klass=klass)
+        return self._one("active", klass)
 
     def saved(self, klass: str) -> str:
-        return self._key("saved", klass=klass)
+        return self._one("saved", klass)
 
     def users(self, klass: str, tenant: str) -> str:
         return self._key("users", klass=klass, tenant=tenant)
@@ -154,10 +180,10 @@ class ModelKeys:
         return self._key("user_saved", klass=klass, tenant=tenant)
 
     def user_floor(self, klass: str) -> str:
-        return self._key("user_floor", klass=klass)
+        return self._one("user_floor", klass)
 
     def request(self, request_id: str) -> str:
-        return self._key("request", request_id=request_id)
+        return self.prefix + _REQUEST_HEAD + request_id  # one per request: not kept
 
     @property
     def request_prefix(self) -> str:
@@ -166,114 +192,114 @@ class ModelKeys:
 
     @property
     def depth(self) -> str:
-        return self._key("depth")
+        return self._one("depth")
 
     @property
     def backlogged_since(self) -> str:
-        return self._key("backlogged_since")
+        return self._one("backlogged_since")
 
     @property
     def recent(self) -> str:
-        return self._key("recent")
+        return self._one("recent")
 
     @property
     def recent_tenants(self) -> str:
-        return self._key("recent_tenants")
+        return self._one("recent_tenants")
 
     @property
     def drained(self) -> str:
-        return self._key("drained")
+        return self._one("drained")
 
     @property
     def migrate(self) -> str:
-        return self._key("migrate")
+        return self._one("migrate")
 
     @property
     def user_inflight(self) -> str:
-        return self._key("user_inflight")
+        return self._one("user_inflight")
 
     @property
     def replicas(self) -> str:
-        return self._key("replicas")
+        return self._one("replicas")
 
     @property
     def scrapers(self) -> str:
-        return self._key("scrapers")
+        return self._one("scrapers")
 
     @property
     def listened(self) -> str:
-        return self._key("listened")
+        return self._one("listened")
 
     def grants(self, replica: str) -> str:
-        return self._key("grants", replica=replica)
+        return self._one("grants", replica)
 
     def running(self, replica: str) -> str:
-        return self._key("running", replica=replica)
+        return self._one("running", replica)
 
     def preempts(self, replica: str) -> str:
-        return self._key("preempts", replica=replica)
+        return self._one("preempts", replica)
 
     def backend_preempt(self, backend: str) -> str:
-        return self._key("backend_preempt", backend=backend)
+        return self._one("backend_preempt", backend)
 
     def backend_lora(self, backend: str) -> str:
-        return self._key("backend_lora", backend=backend)
+        return self._one("backend_lora", backend)
 
     @property
     def lora_loading(self) -> str:
-        return self._key("lora_loading")
+        return self._one("lora_loading")
 
     def lora_load(self, adapter: str) -> str:
-        return self._key("lora_load", adapter=adapter)
+        return self._one("lora_load", adapter)
 
     @property
     def lora_demand(self) -> str:
-        return self._key("lora_demand")
+        return self._one("lora_demand")
 
     def backend_started(self, backend: str) -> str:
-        return self._key("backend_started", backend=backend)
+        return self._one("backend_started", backend)
 
     def backend_dispatches(self, backend: str) -> str:
-        return self._key("backend_dispatches", backend=backend)
+        return self._one("backend_dispatches", backend)
 
     def backend_sent(self, backend: str) -> str:
-        return self._key("backend_sent", backend=backend)
+        return self._one("backend_sent", backend)
 
     def backend_snapshot(self, backend: str) -> str:
-        return self._key("backend_snapshot", backend=backend)
+        return self._one("backend_snapshot", backend)
 
     def backend_scraper(self, backend: str) -> str:
-        return self._key("backend_scraper", backend=backend)
+        return self._one("backend_scraper", backend)
 
     def backend_inflight(self, backend: str) -> str:
-        return self._key("backend_inflight", backend=backend)
+        return self._one("backend_inflight", backend)
 
     def backend_prefixes(self, backend: str) -> str:
-        return self._key("backend_prefixes", backend=backend)
+        return self._one("backend_prefixes", backend)
 
     def backend_prefill(self, backend: str) -> str:
-        return self._key("backend_prefill", backend=backend)
+        return self._one("backend_prefill", backend)
 
     @property
     def service(self) -> str:
-        return self._key("service")
+        return self._one("service")
 
     @property
     def service_epoch(self) -> str:
-        return self._key("service_epoch")
+        return self._one("service_epoch")
 
     @property
     def service_who(self) -> str:
-        return self._key("service_who")
+        return self._one("service_who")
 
     @property
     def seen(self) -> str:
         """Trusted keys' end users, each (tenant, user) by its last enqueue or settle."""
-        return self._key("seen")
+        return self._one("seen")
 
     def usage(self, day: str) -> str:
         """The model's usage hash of one UTC day (``YYYYMMDD``)."""
-        return self._key("usage", day=day)
+        return self._one("usage", day)
 
 
 @dataclass(frozen=True, slots=True)

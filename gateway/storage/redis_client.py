@@ -14,7 +14,10 @@ fails as ``StoreUnavailable``.
 
 Each command and pipeline runs in :class:`~gateway.core.waits.KeepCancel`: redis-py sends
 through ``asyncio.wait_for`` once ``socket_timeout`` is set, which on Python 3.11 can
-swallow the task's cancellation; the boundary raises it again.
+swallow the task's cancellation; the boundary raises it again. The plain and Sentinel
+clients' connections send in the calling task instead (``gateway/storage/connection.py``:
+no task and no loop turn per command); a Sentinel lookup and the cluster client's
+connections still go through ``wait_for``.
 
 ``NoScriptError`` is let through on purpose: redis-py's script objects catch it to load
 the script again (a restarted Redis, or a promoted replica, has an empty script cache).
@@ -40,6 +43,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.connection import Connection, ConnectionPool, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
@@ -56,9 +60,12 @@ from gateway.core.metrics.redis import RedisMetrics
 from gateway.core.settings import RedisCluster as RedisClusterSettings
 from gateway.core.settings import RedisSentinel, addresses
 from gateway.core.waits import KeepCancel
-
-# Blocking reads wait on purpose: their duration is not Redis latency.
-BLOCKING_COMMANDS = frozenset({"BLPOP", "BRPOP", "BLMOVE", "BZPOPMIN", "BZPOPMAX", "XREAD"})
+from gateway.storage import connection as connection_module
+from gateway.storage.connection import (
+    IN_PLACE,
+    InPlaceSentinelConnection,
+    InPlaceSentinelSSLConnection,
+)
 
 
 def script_name(text: str) -> str:
@@ -88,6 +95,8 @@ def unavailable(exc: Exception) -> bool:
 
 
 REDIS_PY = os.path.dirname(redis.__file__) + os.sep
+# redis-py's connection as sent in place (connection.py): its writer may be gone too
+IN_PLACE_SEND = connection_module.__file__
 
 
 def _torn_down(exc: Exception) -> bool:
@@ -96,7 +105,8 @@ def _torn_down(exc: Exception) -> bool:
     frame = exc.__traceback__
     while frame is not None and frame.tb_next is not None:
         frame = frame.tb_next
-    return frame is not None and frame.tb_frame.f_code.co_filename.startswith(REDIS_PY)
+    name = "" if frame is None else frame.tb_frame.f_code.co_filename
+    return name.startswith(REDIS_PY) or name == IN_PLACE_SEND
 
 
 class PipelineBoundary:
@@ -124,7 +134,7 @@ class PipelineBoundary:
                 raise
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
         if metrics is not None:
-            metrics.latency.labels("PIPELINE").observe(time.perf_counter() - started)
+            metrics.observe("PIPELINE", time.perf_counter() - started)
         return result
 
 
@@ -148,9 +158,9 @@ class CommandBoundary:
     script_names: dict[str, str]  # script SHA1 → name, filled by register_script
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        command = str(args[0]).upper() if args else "?"
-        if self.metrics is not None:
-            self.metrics.count(args, self.script_names)
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.count(args, self.script_names)
         started = time.perf_counter()
         try:
             with KeepCancel():  # redis-py's send swallows one on Python 3.11
@@ -160,11 +170,11 @@ class CommandBoundary:
         except Exception as exc:
             if not unavailable(exc):
                 raise
-            if self.metrics is not None:
-                self.metrics.errors.labels(command).inc()
+            if metrics is not None:
+                metrics.errors.labels(str(args[0]).upper() if args else "?").inc()
             raise StoreUnavailable(str(exc) or type(exc).__name__) from exc
-        if self.metrics is not None and command not in BLOCKING_COMMANDS:
-            self.metrics.latency.labels(command).observe(time.perf_counter() - started)
+        if metrics is not None:
+            metrics.observe(args[0] if args else "?", time.perf_counter() - started)
         return result
 
     def register_script(self, script: Any) -> Any:
@@ -244,7 +254,11 @@ def connect(url: str, metrics: RedisMetrics | None = None, **kwargs: Any) -> Bou
     clients would wait instead of getting a 503, and every loop would stall; fairgate's
     own loops back off instead."""
     kwargs.setdefault("retry", _no_backoff_retry())
-    return _boundary(BoundaryRedis.from_url(url, decode_responses=True, **kwargs), metrics)
+    # redis-py's URL parsing, then its connection class sending in place (connection.py)
+    options: dict[str, Any] = {**kwargs, "decode_responses": True, **parse_url(url)}
+    kind = options.get("connection_class", Connection)
+    options["connection_class"] = IN_PLACE.get(kind, kind)
+    return _boundary(BoundaryRedis.from_pool(ConnectionPool(**options)), metrics)
 
 
 def connect_sentinel(config: RedisSentinel, metrics: RedisMetrics | None = None,
@@ -267,9 +281,10 @@ def connect_sentinel(config: RedisSentinel, metrics: RedisMetrics | None = None,
     if config.sentinel_ssl:
         to_sentinels.update(ssl=True, **tls)
     to_master = dict(kwargs, db=config.db, username=config.username,
-                     password=_secret(config.password), decode_responses=True)
+                     password=_secret(config.password), decode_responses=True,
+                     connection_class=InPlaceSentinelConnection)
     if config.ssl:
-        to_master.update(ssl=True, **tls)
+        to_master.update(connection_class=InPlaceSentinelSSLConnection, **tls)
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
         config.addresses(), sentinel_kwargs=to_sentinels)
     client = sentinel.master_for(config.master_name, redis_class=BoundaryRedis, **to_master)

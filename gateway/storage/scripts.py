@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
+from redis.client import NEVER_DECODE
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
@@ -46,30 +47,62 @@ def load_script(name: str) -> str:
     return load_library() + (resources.files("gateway.storage") / "lua" / f"{name}.lua").read_text()
 
 
+def encode_args(args: Mapping[str, Any]) -> bytes | str:
+    """A script's named arguments as the JSON object ``cjson.decode`` reads: orjson's,
+    the value ``json.dumps`` wrote before. What orjson would write otherwise goes through
+    ``json.dumps`` as before: what it refuses (an integer beyond 64 bits, a lone
+    surrogate, a key not a string) and a ``null`` (a None, or a non-finite float, which
+    orjson writes as ``null`` where ``json.dumps`` writes ``NaN``)."""
+    try:
+        out = orjson.dumps(args)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(args)
+    return json.dumps(args) if b"null" in out else out
+
+
+# a reply left as bytes: the JSON reader takes them as they come
+RAW = {NEVER_DECODE: True}
+
+
 class Scripts:
     """The scripts ``names`` (``lua/<name>.lua``), registered on ``client``."""
 
     def __init__(self, client: aioredis.Redis, names: Sequence[str]) -> None:
+        self._client = client
         self._scripts: dict[str, AsyncScript] = {
             name: client.register_script(load_script(name)) for name in names}
 
     async def run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """Run a script. redis-py loads a script the server lacks once, then runs it again;
-        a Redis that restarts in between (its script cache empty again) answers that second
+        """Run a script: its reply as sent (bytes, not decoded: :meth:`call` reads the
+        JSON from them). A script the server lacks is loaded once, then run again; a
+        Redis that restarts in between (its script cache empty again) answers that second
         run with NOSCRIPT too: load once more, then call it unavailable (a script that
         answers NOSCRIPT did not run, so running it again is safe)."""
         script = self._scripts[name]
         try:
-            return await script(keys=list(keys), args=list(args))
+            return await self._loaded(script, keys, args)
         except NoScriptError:
             pass
         try:
-            return await script(keys=list(keys), args=list(args))
+            return await self._loaded(script, keys, args)
         except NoScriptError as exc:
             raise StoreUnavailable(f"script {name} not loaded: {exc}") from exc
+
+    async def _loaded(self, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]
+                      ) -> Any:
+        """EVALSHA, and after NOSCRIPT the script loaded and run once more (what
+        redis-py's script object does, without its copies of the arguments)."""
+        client = self._client
+        try:
+            return await client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(keys), *keys, *args, **RAW)
+        except NoScriptError:
+            script.sha = await client.script_load(script.script)
+            return await client.execute_command(  # type: ignore[no-untyped-call]
+                "EVALSHA", script.sha, len(keys), *keys, *args, **RAW)
 
     async def call(self, name: str, keys: Sequence[str], args: Mapping[str, Any]
                    ) -> dict[str, Any]:
         """Run a script with its named arguments (one JSON object) and decode the named
         map it returns."""
-        return cast("dict[str, Any]", orjson.loads(await self.run(name, keys, [json.dumps(args)])))
+        return cast("dict[str, Any]", orjson.loads(await self.run(name, keys, [encode_args(args)])))

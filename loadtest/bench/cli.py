@@ -17,6 +17,7 @@ from typing import Any
 
 from loadtest.bench.client import ENDPOINTS
 from loadtest.bench.env import Options
+from loadtest.bench.peers import NAMES as PEER_NAMES
 
 SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
              "locality", "tenants", "pacing", "replicas", "shards", "fleet", "preemption",
@@ -46,7 +47,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
     parser.add_argument("--workers", type=int, default=1,
                         help="gateway processes (fairgate serve --workers); overhead measures "
-                             "one worker and, when N > 1, N workers too (default 1)")
+                             "one worker and N workers too (N > 1; default 2 for overhead, "
+                             "1 elsewhere)")
+    parser.add_argument("--peers", default=None,
+                        help="overhead: the proxies measured beside fairgate, comma-separated "
+                             f"({', '.join(PEER_NAMES)}; default all, 'none' for none); one "
+                             "not installed is reported skipped")
+    parser.add_argument("--profile", action="store_true",
+                        help="overhead: py-spy on the one-worker gateway at saturation, "
+                             "streamed and not (speedscope, SVG flame graph and a text "
+                             "summary under <out>/profile)")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="overhead: also measure fairgate served from this source tree "
+                             "(e.g. a git worktree of an earlier commit), one worker, in the "
+                             "same run: before and after as ratios of one run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
     return parser
@@ -59,9 +73,22 @@ def options(args: argparse.Namespace, scenario: str) -> Options:
     return Options(out=out, backend=args.backend, quick=args.quick, size=args.size,
                    duration_s=args.duration, progress=not args.no_progress,
                    redis_url=args.redis_url, workers=max(1, args.workers),
+                   peers=_peers(args.peers), profile=args.profile,
+                   baseline_tree=args.baseline_tree and args.baseline_tree.resolve(),
                    endpoints=tuple(ENDPOINTS) if args.endpoint == "both" else (args.endpoint,),
                    command="fairgate bench " + shlex.join(sys.argv[2:] if len(sys.argv) > 2
                                                           else [scenario]))
+
+
+def _peers(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    names = tuple(n.strip() for n in value.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in PEER_NAMES]
+    if unknown:
+        raise SystemExit(f"--peers: unknown {', '.join(unknown)} (known: "
+                         f"{', '.join(PEER_NAMES)})")
+    return names
 
 
 def run_scenario(name: str, opts: Options) -> dict[str, Any]:

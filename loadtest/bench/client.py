@@ -48,6 +48,8 @@ class Spec:
     chat: bool = False
     deadline_ms: int | None = None  # sent as X-Fairgate-Deadline-Ms (first-token deadline)
     session: str | None = None  # sent as X-Fairgate-Session
+    # False: ``"stream": false``, one JSON answer; its first token is the answer read (E2E)
+    stream: bool = True
 
 
 @dataclass(slots=True)
@@ -108,9 +110,11 @@ def prompt_text(tokens: int) -> str:
 def body_for(spec: Spec, model: str) -> dict[str, Any]:
     text = prompt_text(spec.prompt_tokens)
     body: dict[str, Any] = {
-        "model": model, "max_tokens": spec.max_tokens, "stream": True, "ignore_eos": True,
-        "stream_options": {"include_usage": True}, "temperature": 0.0,
+        "model": model, "max_tokens": spec.max_tokens, "stream": spec.stream,
+        "ignore_eos": True, "temperature": 0.0,
     }
+    if spec.stream:
+        body["stream_options"] = {"include_usage": True}
     if spec.chat:
         body["messages"] = [{"role": "user", "content": text}]
     else:
@@ -164,7 +168,8 @@ def new_session() -> aiohttp.ClientSession:
 
 async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
                sink: list[Result] | None = None) -> Result:
-    """Send one streaming request; never raises for HTTP or stream errors.
+    """Send one request (streamed unless ``spec.stream`` is False); never raises for HTTP or
+    stream errors.
 
     The result goes into ``sink`` before the request is sent, so a request cancelled at
     the end of a bounded run still counts the tokens it received (marked "cancelled").
@@ -189,6 +194,9 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
             if resp.status != 200:
                 result.error = (await resp.text())[:300]
                 return result
+            if not spec.stream:
+                usage_tokens = _take_answer(result, await resp.read(), time.perf_counter())
+                return result
             pending = b""
             async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
@@ -207,3 +215,21 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
         result.end_s = time.perf_counter()
         result.output_tokens = usage_tokens if usage_tokens else len(result.token_times)
     return result
+
+
+def _take_answer(result: Result, body: bytes, now: float) -> int | None:
+    """Record a non-streamed answer, read whole at ``now``: its content counts as one
+    token time (TTFT = E2E); returns completion tokens from its usage."""
+    obj = json.loads(body)
+    if "error" in obj:
+        result.error = str(obj["error"])[:300]
+    choices = obj.get("choices") or ()
+    if any(c.get("text") or (c.get("message") or {}).get("content") for c in choices):
+        result.first_token_s = now
+        result.token_times.append(now)
+    usage = obj.get("usage")
+    if not usage:
+        return None
+    result.prompt_tokens = int(usage.get("prompt_tokens") or result.prompt_tokens)
+    result.cached_tokens = cached_tokens(usage)
+    return int(usage.get("completion_tokens") or 0)

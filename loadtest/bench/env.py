@@ -72,8 +72,15 @@ class Options:
     # Endpoints of the scenarios that run per endpoint (newcomer, mixed): "chat",
     # "completions" (see client.ENDPOINTS).
     endpoints: tuple[str, ...] = ("chat", "completions")
-    # gateway processes (`fairgate serve --workers`); overhead also measures 1 beside it
+    # gateway processes (`fairgate serve --workers`); overhead measures 1 and N (default 2)
     workers: int = 1
+    # overhead: the peers to measure beside fairgate (loadtest/bench/peers.py; None: all)
+    peers: tuple[str, ...] | None = None
+    # overhead: py-spy on the one-worker gateway at saturation (loadtest/bench/profile.py)
+    profile: bool = False
+    # overhead: one more one-worker fairgate phase served from this source tree (an
+    # earlier commit's checkout), so before and after are measured in one run
+    baseline_tree: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def pick(self, full: Any, quick: Any) -> Any:
@@ -136,11 +143,12 @@ class Bench:
 
     @contextlib.asynccontextmanager
     async def gateway(self, backend: Backend, users: Sequence[tuple[str, str]], label: str,
-                      workers: int | None = None, **settings: Any) -> AsyncIterator[Proc]:
+                      workers: int | None = None, source: Path | None = None,
+                      **settings: Any) -> AsyncIterator[Proc]:
         """``fairgate serve`` in front of ``backend`` with one key per user, on a clean
         Redis database; ``workers`` processes (default: ``--workers``)."""
         self._flush()
-        async with self.replica(backend, users, label, workers, **settings) as proc:
+        async with self.replica(backend, users, label, workers, source, **settings) as proc:
             yield proc
 
     @contextlib.asynccontextmanager
@@ -175,10 +183,12 @@ class Bench:
 
     @contextlib.asynccontextmanager
     async def replica(self, backend: Backend, users: Sequence[tuple[str, str]], label: str,
-                      workers: int | None = None, **settings: Any) -> AsyncIterator[Proc]:
-        """Like :meth:`gateway`, on the Redis database as it is: one more replica."""
+                      workers: int | None = None, source: Path | None = None,
+                      **settings: Any) -> AsyncIterator[Proc]:
+        """Like :meth:`gateway`, on the Redis database as it is: one more replica
+        (``source``: served from that source tree, :func:`~loadtest.bench.procs.start_gateway`)."""
         proc = await start_gateway(self._config(backend, users, settings), self.log_dir, label,
-                                   workers or self.opts.workers)
+                                   workers or self.opts.workers, source)
         try:
             yield proc
         finally:

@@ -18,7 +18,9 @@ generator in this one. For each replica count:
 - in both: the simulators' CPU and the machine's busy share (``/proc/stat``): where the
   machine is saturated, the latencies are not the gateway's alone; Redis's script calls
   (every replica's decisions, settles, heartbeats, lease ticks) and command time
-  (``INFO commandstats``), per second and, under load, per request.
+  (``INFO commandstats``), per second and, under load, per request; and every replica's
+  Redis calls by script or command (their ``fairgate_redis_commands_total``), which tell
+  whether a request's Redis work grows with the replicas.
 
 Targets (issue "the gateway's own cost at fleet size"): idle CPU ≤ 1 % of a core per
 backend per gateway process; scrapes per backend per second ≤ 1.2 / ``scrape_interval_s``
@@ -85,6 +87,7 @@ class GatewayCounts:
     probes: float = 0.0
     lag_s: float = 0.0
     buckets: dict[float, float] = field(default_factory=dict)
+    commands: dict[str, float] = field(default_factory=dict)  # Redis calls: script or command
 
 
 async def gateway_counts(http: aiohttp.ClientSession, gateways: list[Proc]
@@ -106,6 +109,9 @@ async def gateway_counts(http: aiohttp.ClientSession, gateways: list[Proc]
                     got.probes = sample.value
                 elif sample.name == LAG + "_sum":
                     got.lag_s = sample.value
+                elif sample.name == "fairgate_redis_commands_total":
+                    name = sample.labels.get("script") or sample.labels.get("command", "?")
+                    got.commands[name] = got.commands.get(name, 0.0) + sample.value
         out.append(got)
     return out
 
@@ -166,6 +172,10 @@ async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
     sims_s, (all1, idle1) = sims.cpu_seconds() - sims0, machine_ticks()
     s1, g1 = await scrapes(http, urls), await gateway_counts(http, gateways)
     d0, d1 = sum(g.dispatches for g in g0), sum(g.dispatches for g in g1)
+    calls: dict[str, float] = {}
+    for before, after in zip(g0, g1, strict=True):
+        for name, n in after.commands.items():
+            calls[name] = calls.get(name, 0.0) + n - before.commands.get(name, 0.0)
     scripts1, usec1 = await redis_work(client)
     per_backend = [(b - a) / wall for a, b in zip(s0, s1, strict=True)]
     return {**out, "wall_s": round(wall, 3),
@@ -174,6 +184,9 @@ async def _measured(http: aiohttp.ClientSession, client: aioredis.Redis,
             "scrapes_per_backend_s": {"mean": round(sum(per_backend) / len(per_backend), 3),
                                       "max": round(max(per_backend), 3)},
             "dispatches_per_s": round((d1 - d0) / wall, 2),
+            # every replica's Redis calls by script (or plain command), per second
+            "redis_calls_per_s": {name: round(n / wall, 1) for name, n in
+                                  sorted(calls.items(), key=lambda kv: -kv[1]) if n > 0},
             "stale_views_per_s": round((sum(g.stale_views for g in g1)
                                         - sum(g.stale_views for g in g0)) / wall, 2),
             "loop_lag": [loop_lag(a, b) for a, b in zip(g0, g1, strict=True)],
@@ -211,6 +224,9 @@ async def _phase(opts: Options, p: dict[str, Any], bench: Bench, sims: Proc,
                 busy["cpu_ms_per_req"] = round(busy["cpu_s"] * 1000 / sent, 3)
                 busy["redis_scripts_per_req"] = round(
                     busy["redis_scripts_per_s"] * busy["wall_s"] / sent, 2)
+                busy["redis_calls_per_req"] = {
+                    name: round(n * busy["wall_s"] / sent, 2)
+                    for name, n in busy["redis_calls_per_s"].items()}
         finally:
             for gw in gateways:
                 gw.stop()
@@ -265,6 +281,12 @@ def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
         rows.append(report.Headline(
             f"{replicas} replica(s): Redis script calls per request at {p['rate']} req/s",
             None, load["redis_scripts_per_req"], None, "–", None))
+        calls = ", ".join(f"{name} {n:g}" for name, n in
+                          list(load["redis_calls_per_req"].items())[:6])
+        rows.append(report.Headline(
+            f"{replicas} replica(s): the gateways' Redis calls per request by script or "
+            f"command (the six most): {calls}", None,
+            round(sum(load["redis_calls_per_req"].values()), 2), None, "–", None))
         rows.append(report.Headline(
             f"{replicas} replica(s): Redis script calls per second, idle", None,
             r["idle"]["redis_scripts_per_s"], None, "–", None))

@@ -1,25 +1,33 @@
-"""``overhead``: what the gateway itself costs, on the zero-cost ``instant`` profile.
+"""``overhead``: what the gateway itself costs, on the zero-cost ``instant`` profile, beside
+the proxies a user might run instead.
 
-Processes: the simulator in one process, ``fairgate serve`` in another, the load
-generator in this one (plus Valkey), so the client never shares a GIL with the gateway.
-Open-loop (evenly spaced) runs at fixed rates give the added latency; closed-loop runs
-give the maximum sustainable req/s, with default gates and with the waiting gate opened
-wide (``max_waiting`` 100000) to separate the process's capacity from pacing.
+Processes: the simulator in one process, each proxy in its own, the load generator in this
+one (plus Valkey), so the client never shares a GIL with what it measures. One simulator
+serves the whole run; in front of it, one after the other:
 
-Each run also records the gateway's CPU per request (CPU seconds of the gateway's
-processes ÷ requests sent), how that CPU splits over its processes, and the Redis
-commands and round trips per request (from its ``/metrics``, background loops included).
-The gateway phases run one worker (``fairgate serve --workers 1``); with ``--workers N``
-(N > 1) a last phase runs N workers with the gate wide open, for the max req/s of a host.
+- ``direct``: no proxy (its CPU column is the simulator's own: the floor under everything);
+- ``bare_proxy``: a bare aiohttp reverse proxy (:mod:`loadtest.bench.bare_proxy`: the
+  request relayed and the answer streamed back, nothing else): the Python floor;
+- the peers (:mod:`loadtest.bench.peers`): Envoy, vllm-router, sglang-router, each
+  skipped with its reason when it is not installed or does not start (``--peers``);
+- ``gateway``: ``fairgate serve --workers 1`` at its defaults;
+- ``gateway_wide``: one worker with the waiting gate wide open (``max_waiting`` 100000),
+  closed loop only: the process's capacity apart from pacing;
+- ``gateway_workers``: ``fairgate serve --workers N`` (``--workers``, default 2) at its
+  defaults.
 
-The floor under those numbers is measured in the same run: the backend's own CPU per
-request (direct), and a bare aiohttp reverse proxy (:mod:`loadtest.bench.bare_proxy`: the
-client's request relayed to the backend and its stream back, nothing else) at the same
-rates and wide open. fairgate's own cost is what it costs above the bare proxy.
+Every proxy is measured streamed and not (``"stream": false``, E2E = the answer read):
+open-loop (evenly spaced) runs at fixed rates give the added latency; a closed loop of 64
+clients gives the req/s at saturation. Each run records the CPU of the proxy's whole process
+tree per request sent, and for fairgate its Redis commands and round trips per request
+(from its ``/metrics``, background loops included). With ``--profile``, py-spy records the
+one-worker gateway while a closed loop saturates it, streamed and not
+(:mod:`loadtest.bench.profile`; not part of the measured runs).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,27 +35,36 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench import report
+from loadtest.bench import overhead_report, peers, profile, report
 from loadtest.bench.client import Result, Spec, Target, new_session
-from loadtest.bench.env import Bench, Options, gateway_target
+from loadtest.bench.env import Backend, Bench, Options, gateway_target
 from loadtest.bench.loadgen import LoopUser, closed_loop, open_loop, progress
 from loadtest.bench.procs import Proc, SimSpec, start_bare_proxy
-from loadtest.bench.stats import ratio, summarize
+from loadtest.bench.stats import summarize
 
 SIM = SimSpec(profile="instant", max_num_seqs=1024, max_num_batched_tokens=8192)
-CPU_MS_PER_REQ_TARGET = 0.7  # issue 24, at 100 req/s; background loops included
-LITELLM_NOTE = ("LiteLLM publishes 12 ms median added latency at ~1,000 RPS (proxy on two "
-                "4-CPU instances, its own benchmark with a mock backend).")
+MODES = {"streamed": True, "non_streamed": False}
+WIDE: dict[str, Any] = {"classes": {"interactive": {"max_waiting": 100_000}}}
 
 
 def params(opts: Options) -> dict[str, Any]:
+    duration = opts.duration_s or opts.pick(4.0, 1.0)
+    selected = peers.NAMES if opts.peers is None else opts.peers
     return {
-        "rates": opts.pick([100, 500], [20, 50]),
-        "duration_s": opts.duration_s or opts.pick(6.0, 1.0),
+        "rates": opts.pick([100, 500, 1000], [50]),
+        "duration_s": duration,
+        # an open-loop run waits this long for its last answers after its last send, then
+        # cancels them (a proxy that cannot keep up does not stretch the run)
+        "drain_s": duration,
+        "warmup_s": opts.pick(0.5, 0.2),
         "max_concurrency": opts.size or opts.pick(64, 8),
         "prompt_tokens": 16, "max_tokens": 8, "users": 64, "sim": SIM.__dict__,
-        "processes": "sim, gateway, load generator: three processes (+ Valkey) on this machine",
-        "workers": opts.workers,
+        "modes": list(MODES),
+        "peers": list(selected),
+        "processes": "sim, the proxy, load generator: three processes (+ Valkey)",
+        "workers": opts.workers if opts.workers > 1 else 2,
+        "baseline_tree": None if opts.baseline_tree is None else str(opts.baseline_tree),
+        "profile_s": opts.pick(10.0, 2.0) if opts.profile else None,
     }
 
 
@@ -84,7 +101,7 @@ async def _measured(proc: Proc | None, work: Callable[[], Awaitable[list[Result]
         cpu["process_cores"] = round(sum(used.values()) / wall, 3)
         cpu["process_cpu_ms_per_req"] = round(sum(used.values()) * 1000 / max(1, len(results)),
                                               4)
-        if len(used) > 1:  # supervisor first, then each worker
+        if len(used) > 1:  # the root first, then its children (fairgate: each worker)
             cpu["process_split_cores"] = [round(used[pid] / wall, 3) for pid in sorted(used)]
     if gateway_url:
         counts1 = await _gateway_counts(gateway_url)
@@ -94,158 +111,134 @@ async def _measured(proc: Proc | None, work: Callable[[], Awaitable[list[Result]
     return results, cpu
 
 
+class _Load:
+    """The load of one proxy in one mode: its request specs, warm-up, open and closed
+    loops, on one connection pool."""
+
+    def __init__(self, opts: Options, p: dict[str, Any], target: Target,
+                 session: aiohttp.ClientSession, stream: bool) -> None:
+        self.opts, self.p, self.target, self.session = opts, p, target, session
+        self.specs = [Spec(f"u{i:02d}", "probe", p["prompt_tokens"], p["max_tokens"],
+                           stream=stream) for i in range(p["users"])]
+        self.mode = "streamed" if stream else "non-streamed"
+
+    async def warm(self) -> None:
+        """The connection pool and the proxy's code paths warm."""
+        await closed_loop(self.session, self.target, [LoopUser(self.specs[0], 4)],
+                          self.p["warmup_s"], progress(None, "warmup", False))
+
+    async def open(self, rate: int) -> list[Result]:
+        total = int(rate * self.p["duration_s"])
+        bar = progress(total, f"overhead {self.target.name} {self.mode} {rate}/s",
+                       self.opts.progress)
+        try:
+            return await open_loop(self.session, self.target,
+                                   lambda i: self.specs[i % len(self.specs)], rate,
+                                   self.p["duration_s"], bar, poisson=False,
+                                   drain_s=self.p["drain_s"])
+        finally:
+            bar.close()
+
+    async def closed(self, duration_s: float | None = None) -> list[Result]:
+        bar = progress(None, f"overhead {self.target.name} {self.mode} max", self.opts.progress)
+        per_user = max(1, self.p["max_concurrency"] // len(self.specs))
+        users = [LoopUser(s, per_user) for s in self.specs[: self.p["max_concurrency"]]]
+        try:
+            return await closed_loop(self.session, self.target, users,
+                                     duration_s or self.p["duration_s"], bar)
+        finally:
+            bar.close()
+
+
 async def _suite(opts: Options, p: dict[str, Any], target: Target, proc: Proc | None,
-                 rates: list[int], backend: Proc | None = None) -> dict[str, Any]:
-    specs = [Spec(f"u{i:02d}", "probe", p["prompt_tokens"], p["max_tokens"])
-             for i in range(p["users"])]
-    spec = specs[0]
+                 rates: list[int], backend: Proc | None = None,
+                 profile_pid: int | None = None) -> dict[str, Any]:
+    """Each mode: the open-loop rates, then the closed loop (then, with ``profile_pid``, a
+    closed loop under py-spy)."""
     gateway_url = target.url if target.via_gateway else None
     out: dict[str, Any] = {}
     async with new_session() as session:
-        # warm the connection pool and the gateway's code paths
-        await closed_loop(session, target, [LoopUser(spec, 4)], 0.5,
-                          progress(None, "warmup", False))
-        for rate in rates:
-            total = int(rate * p["duration_s"])
-            bar = progress(total, f"overhead {target.name} {rate}/s", opts.progress)
-
-            def make(i: int) -> Spec:
-                return specs[i % len(specs)]
-
-            def open_run(rate: int = rate, bar: Any = bar) -> Awaitable[list[Result]]:
-                return open_loop(session, target, make, rate, p["duration_s"], bar,
-                                 poisson=False)
-
-            results, cpu = await _measured(proc, open_run, backend, gateway_url)
-            bar.close()
-            out[f"rate_{rate}"] = {**summarize(results), "cpu": cpu}
-        bar = progress(None, f"overhead {target.name} max", opts.progress)
-
-        def closed_run() -> Awaitable[list[Result]]:
-            per_user = max(1, p["max_concurrency"] // len(specs))
-            users = [LoopUser(s, per_user) for s in specs[: p["max_concurrency"]]]
-            return closed_loop(session, target, users, p["duration_s"], bar)
-
-        results, cpu = await _measured(proc, closed_run, backend, gateway_url)
-        bar.close()
-        out["max"] = {**summarize(results), "cpu": cpu}
+        for mode, stream in MODES.items():
+            load = _Load(opts, p, target, session, stream)
+            await load.warm()
+            runs: dict[str, Any] = {}
+            for rate in rates:
+                results, cpu = await _measured(proc, functools.partial(load.open, rate), backend,
+                                               gateway_url)
+                runs[f"rate_{rate}"] = {**summarize(results), "cpu": cpu}
+            results, cpu = await _measured(proc, load.closed, backend, gateway_url)
+            runs["max"] = {**summarize(results), "cpu": cpu}
+            if profile_pid is not None and p["profile_s"]:
+                runs["profile"] = await _profiled(opts, p, load, profile_pid, mode)
+            out[mode] = runs
     return out
 
 
-def _headline(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
-    d, g, w = runs["direct"], runs["gateway"], runs["gateway_wide"]
-    rows = []
-    for rate in p["rates"]:
-        key = f"rate_{rate}"
-        for q, bound in (("p50", 1.0), ("p99", 10.0)):
-            dv, gv = d[key]["e2e_ms"][q], g[key]["e2e_ms"][q]
-            added = None if dv is None or gv is None else round(gv - dv, 3)
-            at_500 = rate == 500
-            rows.append(report.Headline(
-                f"E2E {q} at {rate} req/s (ms); ratio column = added ms", dv, gv, added,
-                f"added ≤ {bound:g} ms" if at_500 else "–",
-                (added <= bound) if at_500 and added is not None else None))
-        rows.append(report.Headline(f"achieved req/s at {rate} req/s offered", d[key]["req_s"],
-                                    g[key]["req_s"], ratio(g[key]["req_s"], d[key]["req_s"]),
-                                    "–", None))
-        cpu_ms = g[key]["cpu"].get("process_cpu_ms_per_req")
-        rows.append(report.Headline(
-            f"gateway CPU per request at {rate} req/s (ms)", None, cpu_ms, None,
-            f"≤ {CPU_MS_PER_REQ_TARGET:g} ms",
-            None if cpu_ms is None else cpu_ms <= CPU_MS_PER_REQ_TARGET))
-        rows.append(report.Headline(
-            f"Redis commands / round trips per request at {rate} req/s", None,
-            g[key]["cpu"].get("redis_commands_per_req"),
-            g[key]["cpu"].get("redis_round_trips_per_req"), "– (ratio column: round trips)",
-            None))
-    best = max(g["max"]["req_s"], w["max"]["req_s"])
-    rows.append(report.Headline("max req/s, closed loop, one worker (default gates)",
-                                d["max"]["req_s"], g["max"]["req_s"],
-                                ratio(g["max"]["req_s"], d["max"]["req_s"]),
-                                "≥ 0.5 of direct", g["max"]["req_s"] >= 0.5 * d["max"]["req_s"]))
-    rows.append(report.Headline("max req/s, closed loop, one worker (waiting gate wide open)",
-                                d["max"]["req_s"], w["max"]["req_s"],
-                                ratio(w["max"]["req_s"], d["max"]["req_s"]),
-                                "≥ 0.5 of direct", best >= 0.5 * d["max"]["req_s"]))
-    rows += _floor_rows(p, runs)
-    cores = w["max"]["cpu"].get("process_cores") or 0.0
-    per_core = round(w["max"]["req_s"] / cores, 1) if cores else None
-    rows.append(report.Headline("gateway req/s per busy core (wide-open run)", None, per_core,
-                                None, "–", None))
-    many = runs.get("gateway_workers")
-    if many is not None:
-        n = p["workers"]
-        cpu = many["max"]["cpu"]
-        rows.append(report.Headline(
-            f"max req/s, closed loop, --workers {n} (wide open); CPU split: workers "
-            f"{' + '.join(str(c) for c in cpu.get('process_split_cores', [])[1:])} cores, "
-            f"backend {cpu.get('backend_cores')}, load generator {cpu.get('loadgen_cores')}",
-            d["max"]["req_s"], many["max"]["req_s"],
-            ratio(many["max"]["req_s"], d["max"]["req_s"]), "≥ one worker (wide open)",
-            many["max"]["req_s"] >= w["max"]["req_s"]))
-        for rate in p["rates"]:
-            key = f"rate_{rate}"
-            dv, gv = d[key]["e2e_ms"]["p50"], many[key]["e2e_ms"]["p50"]
-            rows.append(report.Headline(
-                f"--workers {n}: E2E p50 at {rate} req/s (ms); ratio column = added ms", dv, gv,
-                None if dv is None or gv is None else round(gv - dv, 3), "–", None))
-    return rows
+async def _profiled(opts: Options, p: dict[str, Any], load: _Load, pid: int,
+                    mode: str) -> dict[str, Any]:
+    """A closed loop under py-spy (files in ``<out>/profile``); its req/s beside."""
+    got: list[Result] = []
+
+    async def run(seconds: float) -> None:
+        got.extend(await load.closed(seconds))
+
+    found = await profile.record(pid, opts.out / "profile", f"gateway-{mode}",
+                                 p["profile_s"], run)
+    return {**found, "req_s_while_profiled": summarize(got)["req_s"] if got else None}
 
 
-def _floor_rows(p: dict[str, Any], runs: dict[str, Any]) -> list[report.Headline]:
-    """The floor under the targets: what the backend itself and a bare aiohttp proxy
-    (:mod:`loadtest.bench.bare_proxy`) cost on this machine in the same run."""
-    d, b, w = runs["direct"], runs.get("bare_proxy"), runs["gateway_wide"]
-    if b is None:
-        return []
-    rows = []
-    for rate in p["rates"]:
-        key = f"rate_{rate}"
-        sim_ms = d[key]["cpu"].get("process_cpu_ms_per_req")
-        bare_ms = b[key]["cpu"].get("process_cpu_ms_per_req")
-        gw_ms = runs["gateway"][key]["cpu"].get("process_cpu_ms_per_req")
-        rows.append(report.Headline(
-            f"floor: CPU per request at {rate} req/s (ms), backend alone (direct column) / bare "
-            "aiohttp proxy (fairgate column); ratio column = fairgate ÷ bare proxy",
-            sim_ms, bare_ms, ratio(gw_ms, bare_ms), "–", None))
-    rows.append(report.Headline(
-        "floor: max req/s, closed loop, bare aiohttp proxy; ratio column = fairgate one "
-        "worker (wide open) ÷ bare proxy", d["max"]["req_s"], b["max"]["req_s"],
-        ratio(w["max"]["req_s"], b["max"]["req_s"]), "–", None))
-    return rows
+async def _peer(opts: Options, p: dict[str, Any], bench: Bench, be: Backend,
+                peer: peers.Peer) -> dict[str, Any]:
+    """One peer's suite, or why it was skipped."""
+    try:
+        proc = await peers.start(peer, be.url, bench.log_dir)
+    except peers.Unavailable as exc:
+        return {"skipped": str(exc), "label": peer.label}
+    try:
+        target = Target(peer.name, proc.url, be.model, via_gateway=False)
+        return {"label": peer.label,
+                **await _suite(opts, p, target, proc, p["rates"], be.proc)}
+    finally:
+        proc.stop()
+
+
+async def _proxies(opts: Options, p: dict[str, Any], bench: Bench, be: Backend
+                   ) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    runs["direct"] = await _suite(opts, p, be.target(), be.proc, p["rates"])  # sim's CPU
+    bare = await start_bare_proxy(be.url, bench.log_dir, "bare-proxy")
+    try:
+        runs["bare_proxy"] = await _suite(
+            opts, p, Target("bare proxy", bare.url, be.model, via_gateway=False), bare,
+            p["rates"], be.proc)
+    finally:
+        bare.stop()
+    for peer in peers.PEERS:
+        if peer.name in p["peers"]:
+            runs[peer.name] = await _peer(opts, p, bench, be, peer)
+    return runs
 
 
 async def run(opts: Options) -> dict[str, Any]:
     p = params(opts)
-    runs: dict[str, Any] = {}
     async with Bench(opts) as bench, bench.backend(SIM, "sim") as be:
-        runs["direct"] = await _suite(opts, p, be.target(), be.proc, p["rates"])  # sim's CPU
-        bare = await start_bare_proxy(be.url, bench.log_dir, "bare-proxy")
-        try:
-            runs["bare_proxy"] = await _suite(
-                opts, p, Target("bare proxy", bare.url, be.model, via_gateway=False), bare,
-                p["rates"], be.proc)
-        finally:
-            bare.stop()
+        runs = await _proxies(opts, p, bench, be)
         users = [(f"u{i:02d}", "interactive") for i in range(p["users"])]
         async with bench.gateway(be, users, "gateway", 1) as gw:
             runs["gateway"] = await _suite(opts, p, gateway_target(gw, be), gw, p["rates"],
-                                           be.proc)
-        wide = {"classes": {"interactive": {"max_waiting": 100_000}}}
-        async with bench.gateway(be, users, "gateway-wide", 1, **wide) as gw:
+                                           be.proc, profile_pid=gw.pid)
+        async with bench.gateway(be, users, "gateway-wide", 1, **WIDE) as gw:
             runs["gateway_wide"] = await _suite(opts, p, gateway_target(gw, be, "wide"), gw,
                                                 [], be.proc)
-        if p["workers"] > 1:
-            async with bench.gateway(be, users, "gateway-workers", p["workers"], **wide) as gw:
-                runs["gateway_workers"] = await _suite(
-                    opts, p, gateway_target(gw, be, f"workers{p['workers']}"), gw, p["rates"],
-                    be.proc)
-    fig, ax = report.figure("Gateway overhead (instant backend)", "offered req/s",
-                            "E2E latency (ms)")
-    for name in ("direct", "gateway"):
-        for q, style in (("p50", "-o"), ("p99", "--s")):
-            ys = [runs[name][f"rate_{r}"]["e2e_ms"][q] for r in p["rates"]]
-            ax.plot(p["rates"], ys, style, label=f"{name} {q}")
-    ax.legend()
-    return report.write(opts, "overhead", p, runs, _headline(p, runs),
-                        {"overhead_latency.png": fig}, notes=[LITELLM_NOTE])
+        if opts.baseline_tree is not None:
+            async with bench.gateway(be, users, "gateway-baseline", 1,
+                                     source=opts.baseline_tree) as gw:
+                runs["gateway_baseline"] = await _suite(
+                    opts, p, gateway_target(gw, be, "baseline"), gw, p["rates"], be.proc)
+        n = p["workers"]
+        async with bench.gateway(be, users, "gateway-workers", n) as gw:
+            runs["gateway_workers"] = await _suite(
+                opts, p, gateway_target(gw, be, f"workers{n}"), gw, p["rates"], be.proc)
+    return report.write(opts, "overhead", p, runs, overhead_report.headline(p, runs),
+                        {"overhead_latency.png": overhead_report.figure(p, runs)},
+                        notes=overhead_report.notes(p, runs))

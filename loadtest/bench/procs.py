@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,10 +89,21 @@ def _tree(pid: int) -> list[int]:
 
 def _spawn(name: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
            module: str = "loadtest") -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    return spawn_command([sys.executable, "-m", module, *args], log_path, env)
+
+
+def executable(name: str) -> str | None:
+    """A console script of this interpreter's environment (or else one on PATH)."""
+    here = str(Path(sys.executable).parent)
+    return shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
+
+
+def spawn_command(argv: list[str], log_path: Path, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    """Start ``argv`` with its output in ``log_path`` (the caller stops it)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", module, *args],
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                             env={**os.environ, **(env or {})})
     return proc, log
 
@@ -143,13 +155,13 @@ class SimSpec:
         return flags
 
 
-async def _serving(label: str, port: int, proc: subprocess.Popen[bytes], log: IO[bytes],
-                   path: str) -> Proc:
+async def serving(label: str, port: int, proc: subprocess.Popen[bytes], log: IO[bytes],
+                  path: str, timeout_s: float = START_TIMEOUT_S) -> Proc:
     """The process spawned to serve on ``port``, once ``path`` answers 200 (stopped if it
     does not)."""
     url = f"http://127.0.0.1:{port}"
     try:
-        await wait_http(url, path, proc)
+        await wait_http(url, path, proc, timeout_s)
     except BaseException:
         Proc(label, url, proc, log).stop()
         raise
@@ -163,7 +175,7 @@ async def start_sim(spec: SimSpec, model: str, log_dir: Path, label: str,
     port = port or free_port()
     args = ["sim", "--port", str(port), "--model", model, *spec.flags()]
     proc, log = _spawn(label, args, log_dir / f"{label}.log")
-    return await _serving(label, port, proc, log, "/health")
+    return await serving(label, port, proc, log, "/health")
 
 
 async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label: str
@@ -190,19 +202,21 @@ async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label
     return sims, urls
 
 
-async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1
-                        ) -> Proc:
+async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1,
+                        source: Path | None = None) -> Proc:
     """``fairgate serve --workers N`` with ``config`` (YAML written next to its log); waits
-    for /ready."""
+    for /ready. ``source``: serve the fairgate of this source tree (first on its
+    ``PYTHONPATH``, an absolute path) instead of the one installed."""
     port = free_port()
     config = {**config, "listen": {"host": "127.0.0.1", "port": port},
               "data_dir": str(log_dir / f"{label}-data")}
     path = log_dir / f"{label}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
+    env = None if source is None else {"PYTHONPATH": str(source)}
     proc, log = _spawn(label, ["serve", "--config", str(path), "--workers", str(workers)],
-                       log_dir / f"{label}.log")
-    return await _serving(label, port, proc, log, "/ready")
+                       log_dir / f"{label}.log", env)
+    return await serving(label, port, proc, log, "/ready")
 
 
 async def start_bare_proxy(backend_url: str, log_dir: Path, label: str) -> Proc:
@@ -211,7 +225,7 @@ async def start_bare_proxy(backend_url: str, log_dir: Path, label: str) -> Proc:
     port = free_port()
     proc, log = _spawn(label, ["--port", str(port), "--backend", backend_url],
                        log_dir / f"{label}.log", module="loadtest.bench.bare_proxy")
-    return await _serving(label, port, proc, log, "/health")
+    return await serving(label, port, proc, log, "/health")
 
 
 async def start_together(starts: Mapping[str, Coroutine[Any, Any, Proc]]) -> list[Proc]:

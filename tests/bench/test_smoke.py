@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from loadtest.bench import cli, newcomer
+from loadtest.bench import cli, newcomer, peers
 from loadtest.bench.cli import run_scenario
 from loadtest.bench.client import ENDPOINTS, Result, Target
 from loadtest.bench.env import MODEL, Backend, Options
@@ -109,40 +109,50 @@ def test_newcomer_one_endpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.timeout(90)
-def test_overhead(tmp_path: Path, redis_url: str) -> None:
-    """One run with ``--workers 2``: the one-worker phases every run has (direct, the bare
-    proxy, gateway, gateway_wide) and the two-worker phase after them."""
-    report = _run("overhead", tmp_path, redis_url, workers=2)
-    runs = report["runs"]
-    assert set(runs) == {"direct", "bare_proxy", "gateway", "gateway_wide",
+def test_overhead(tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One run with ``--workers 2``, streamed and not: direct, the bare proxy, a peer that
+    is not installed (reported skipped, the run goes on), gateway, gateway_wide and the
+    two-worker phase."""
+    monkeypatch.setattr(peers, "installed", lambda peer: False)
+    report = _run("overhead", tmp_path, redis_url, workers=2, peers=("envoy",))
+    runs, p = report["runs"], report["params"]
+    assert set(runs) == {"direct", "bare_proxy", "envoy", "gateway", "gateway_wide",
                          "gateway_workers"}, runs.keys()
-    for run in ("direct", "bare_proxy", "gateway"):
-        for rate in report["params"]["rates"]:
-            stats = runs[run][f"rate_{rate}"]
-            assert stats["errors"] == 0
-            assert stats["completed"] == int(rate * report["params"]["duration_s"])
-        assert runs[run]["max"]["completed"] > 0
-    assert runs["gateway_wide"]["max"]["completed"] > 0
-    # the floor is measured on the bare proxy's own process and shown beside fairgate's
-    assert runs["bare_proxy"][f"rate_{report['params']['rates'][0]}"]["cpu"][
-        "process_cpu_ms_per_req"] > 0
-    floor = [row for row in report["headline"] if row["metric"].startswith("floor:")]
-    assert len(floor) == len(report["params"]["rates"]) + 1, floor
-    cpu = runs["gateway"][f"rate_{report['params']['rates'][0]}"]["cpu"]
-    assert cpu["process_cpu_ms_per_req"] > 0
-    assert cpu["redis_commands_per_req"] >= 2  # enqueue (with its dispatch) and settle
-    # the gateway phase stays one process in a --workers 2 run
-    assert "process_split_cores" not in runs["gateway"]["max"]["cpu"], runs["gateway"]["max"]
-    many = runs["gateway_workers"]
-    for rate in report["params"]["rates"]:
-        assert many[f"rate_{rate}"]["errors"] == 0
-    cpu = many["max"]["cpu"]
-    assert many["max"]["completed"] > 0
-    assert len(cpu["process_split_cores"]) == 3  # the supervisor and two workers
-    # at full load a tick's enqueues share one call and a first token rides on the
-    # settle while nothing is queued: the settle, each request's own, is the floor
-    assert cpu["redis_commands_per_req"] >= 1
-    assert any("--workers 2" in row["metric"] for row in report["headline"])
+    skipped = runs["envoy"]["skipped"]
+    assert skipped.startswith("not installed") and "fairgate[peers]" in skipped, skipped
+    assert f"skipped: {skipped}" in (tmp_path / "overhead" / "report.md").read_text()
+    for mode in ("streamed", "non_streamed"):
+        for run in ("direct", "bare_proxy", "gateway", "gateway_workers"):
+            for rate in p["rates"]:
+                stats = runs[run][mode][f"rate_{rate}"]
+                assert stats["errors"] == 0, (run, mode, stats["error_sample"])
+                assert stats["completed"] == int(rate * p["duration_s"]), (run, mode, stats)
+            assert runs[run][mode]["max"]["completed"] > 0, (run, mode)
+        assert runs["gateway_wide"][mode]["max"]["completed"] > 0
+        assert set(runs["gateway_wide"][mode]) == {"max"}, runs["gateway_wide"][mode].keys()
+        # the floor is measured on the bare proxy's own process and shown beside fairgate's
+        first = f"rate_{p['rates'][0]}"
+        assert runs["bare_proxy"][mode][first]["cpu"]["process_cpu_ms_per_req"] > 0
+        cpu = runs["gateway"][mode][first]["cpu"]
+        assert cpu["process_cpu_ms_per_req"] > 0
+        assert cpu["redis_commands_per_req"] >= 2  # enqueue (with its dispatch) and settle
+        # the gateway phase stays one process in a --workers 2 run
+        assert "process_split_cores" not in runs["gateway"][mode]["max"]["cpu"]
+        cpu = runs["gateway_workers"][mode]["max"]["cpu"]
+        assert len(cpu["process_split_cores"]) == 3  # the supervisor and two workers
+        # at full load a tick's enqueues share one call and a first token rides on the
+        # settle while nothing is queued: the settle, each request's own, is the floor
+        assert cpu["redis_commands_per_req"] >= 1
+    # a non-streamed answer arrives whole: one token time, no gaps between frames
+    plain = runs["gateway"]["non_streamed"][f"rate_{p['rates'][0]}"]
+    assert plain["itl_ms"]["p50"] is None and plain["output_tokens"] > 0, plain
+    streamed = runs["gateway"]["streamed"][f"rate_{p['rates'][0]}"]
+    assert streamed["itl_ms"]["p50"] is not None, streamed
+    metrics = [row["metric"] for row in report["headline"]]
+    for mode in ("streamed", "non-streamed"):
+        assert sum(m.startswith(f"{mode}: CPU per request") for m in metrics) == len(
+            p["rates"]) + 2, metrics  # each rate, and at saturation (1 and 2 workers)
+        assert any(m.startswith(f"{mode}: max req/s, closed loop, --workers 2") for m in metrics)
 
 
 @pytest.mark.timeout(90)

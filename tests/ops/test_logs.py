@@ -1,17 +1,21 @@
-"""Structured logs of `fairgate serve` (stderr not a terminal → JSON lines): one event per
-lifecycle step with the request's context, and never a prompt, a completion or a key."""
+"""Structured logs of `fairgate serve` (stderr not a terminal → JSON lines): at ``info`` one
+``finished`` line per request with its context, wait, backend, latency and tokens; at
+``debug`` the ``queued`` and ``dispatched`` steps before it; never a prompt, a completion or
+a key."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 
 from tests.gateway.conftest import KEYS, MODEL, SimFactory
@@ -28,8 +32,11 @@ async def post(http: aiohttp.ClientSession, url: str, key: str, body: dict[str, 
         return resp.status, await resp.read()
 
 
+@pytest.mark.parametrize("level,steps", [("info", ["finished"]),
+                                         ("debug", ["queued", "dispatched", "finished"])])
 async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_url: str,
-                                                        tmp_path: Path) -> None:
+                                                        tmp_path: Path, level: str,
+                                                        steps: list[str]) -> None:
     backend = await sim(profile="instant")
     path = tmp_path / "fairgate.yaml"
     path.write_text(yaml.safe_dump({
@@ -37,7 +44,8 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
         # the gateway binds can be taken by another test's server meanwhile: exit 2)
         "redis_url": redis_url, "listen": {"host": "127.0.0.1", "port": 0},
         "backends": [{"name": "b1", "url": backend.url, "model": MODEL}],
-        "api_keys": KEYS, "admin_keys": [ADMIN], "data_dir": str(tmp_path)}))
+        "api_keys": KEYS, "admin_keys": [ADMIN], "data_dir": str(tmp_path),
+        "operations": {"log_level": level}}))
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway.runtime.cli", "serve", "--config", str(path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -100,19 +108,30 @@ async def test_lifecycle_events_without_prompts_or_keys(sim: SimFactory, redis_u
         assert secret not in raw, secret
 
     ok = [e for e in events if e.get("user") == "alice"]
-    ids = {e["request_id"] for e in ok if e["event"] == "queued"}
-    assert len(ids) == 2
+    ids = {e["request_id"] for e in ok if e["event"] == "finished"}
+    assert len(ids) == 2, ok
     for rid in ids:
-        steps = [e for e in ok if e.get("request_id") == rid]
-        assert [e["event"] for e in steps] == ["queued", "dispatched", "finished"], steps
-        for e in steps:
-            assert (e["model"], e["priority_class"], e["level"]) == (MODEL, "interactive", "info")
-            assert "timestamp" in e
-        dispatched, finished = steps[1], steps[2]
-        assert dispatched["backend"] == finished["backend"] == "b1"
-        assert dispatched["wait_s"] >= 0 and finished["latency_s"] >= dispatched["wait_s"]
-        assert finished["output_tokens"] == 5
+        request_lines([e for e in ok if e.get("request_id") == rid], level, steps)
     rejected = {e["status"]: e for e in events if e["event"] == "rejected"}
     assert rejected[404]["code"] == "model_not_found" and rejected[404]["path"] == \
         "/v1/chat/completions"
     assert rejected[401]["code"] == "invalid_api_key"
+
+
+def request_lines(lines_of: list[dict[str, Any]], level: str, steps: list[str]) -> None:
+    """One served request's lines: ``steps`` in order, the last one with everything."""
+    assert [e["event"] for e in lines_of] == steps, lines_of
+    for e in lines_of:
+        assert (e["model"], e["priority_class"]) == (MODEL, "interactive"), e
+        assert e["level"] == ("info" if e["event"] == "finished" else "debug"), e
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", e["timestamp"]), e
+    finished = lines_of[-1]  # everything an operator reads of a request, in one line
+    assert finished["backend"] == "b1" and finished["completed"] is True, finished
+    assert 0 <= finished["wait_s"] <= finished["latency_s"], finished
+    assert isinstance(finished["vllm_priority"], int), finished
+    assert finished["output_tokens"] == 5, finished
+    if level == "debug":
+        dispatched = lines_of[1]
+        assert (dispatched["backend"], dispatched["vllm_priority"]) == \
+            ("b1", finished["vllm_priority"]), (dispatched, finished)
+        assert dispatched["wait_s"] == finished["wait_s"], (dispatched, finished)

@@ -8,6 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.core.errors import StoreUnavailable
+from gateway.storage.dispatch_call import dispatch_args
 from gateway.storage.keys import ModelKeys
 from gateway.storage.records import Grant, QueuedRequest
 from gateway.storage.store import Store
@@ -190,13 +191,48 @@ async def test_snapshot_keeps_newest_and_forgets_seen_dispatches(redis: aioredis
 async def test_unseen_requests_count_against_the_gate(redis: aioredis.Redis) -> None:
     store = Store.over(redis, 600)
     await alive(store, "r1")
-    for i in range(4):
+    for i in range(6):
         await store.queue.enqueue(M, req(f"a{i}", "a"), 10)
-    await redis.set(K.backend_inflight("b1"), 2)  # two sent, the backend shows none yet
+    sent, _ = await store.queue.dispatch(M, "b1", {"default": 2}, "r1", 999.0, 10.0,
+                                         max_grants=9)
+    assert len(sent) == 2
+    # two sent, no first token, the backend shows none yet
     await store.fleet.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1000.0))
+    assert await redis.hget(K.backend_snapshot("b1"), "unseen") == "2"
     grants, _ = await store.queue.dispatch(M, "b1", {"default": 3}, "r1", 1000.0, 10.0,
                                            max_grants=9)
-    assert len(grants) == 1  # 3 - 2 unseen
+    assert len(grants) == 1, grants  # 3 - 2 unseen
+
+
+async def test_unseen_counts_only_requests_without_a_first_token(
+        redis: aioredis.Redis) -> None:
+    """In front of a backend that answers faster than it is scraped, the requests vLLM
+    finished while the gateway still relays them are in flight but in no /metrics count:
+    the snapshot reads them as "unseen". They streamed their first tokens, so none can
+    wait at vLLM: they must not hold the gate (they held it shut, and requests queued in
+    the gateway while vLLM's queue was empty)."""
+    store = Store.over(redis, 600)
+    await alive(store, "r1")
+    for i in range(8):
+        await store.queue.enqueue(M, req(f"a{i}", "a"), 10)
+    sent, _ = await store.queue.dispatch(M, "b1", {"default": 3}, "r1", 999.0, 10.0,
+                                         max_grants=9)
+    assert len(sent) == 3
+    for grant in sent[:2]:  # answered: first tokens relayed, the settles still to come
+        await store.queue.mark_started(M, grant, 999.5)
+    await store.fleet.store_snapshot(M, "b1", BackendSnapshot(0, 0, 0.0, None, 1000.0))
+    unseen = await redis.hget(K.backend_snapshot("b1"), "unseen")
+    assert unseen == "3", f"3 in flight, none in /metrics: unseen {unseen}"
+    # only the one without a first token may still wait: 3 - 1
+    grants, _ = await store.queue.dispatch(M, "b1", {"default": 3}, "r1", 1000.0, 10.0,
+                                           max_grants=9)
+    assert len(grants) == 2, f"granted {[g.request_id for g in grants]}, want 2"
+    states = await store.fleet.backend_states(M, ["b1"])
+    assert (states["b1"].unseen, states["b1"].sent_since_snapshot) == (1, 2), states
+    # its first token comes: a place frees, and the start decides again at once
+    then = dispatch_args(M, "b1", {"default": 3}, "r1", 1000.5, 10.0, max_grants=9)
+    done = await store.queue.mark_started(M, sent[2], 1000.2, then)
+    assert done is not None and [g.request_id for g in done.grants] == ["a5"], done
 
 
 async def test_reap_releases_what_a_dead_replica_held(redis: aioredis.Redis) -> None:

@@ -15,6 +15,7 @@ class GateMetrics(MetricGroup):
     def __init__(self, r: CollectorRegistry, child: Children) -> None:
         super().__init__(child)
         self._state: dict[str, tuple[float, dict[str, str | None]]] = {}
+        self._pacing: dict[tuple[str, str], tuple[float, int]] = {}  # as last set
         self.closed = Counter(
             "fairgate_gate_closed_total",
             "Backend snapshots that closed a class's gate, by reason",
@@ -54,9 +55,12 @@ class GateMetrics(MetricGroup):
                     self.child(self.closed_time, backend, klass, reason).inc(elapsed)
         self._state[backend] = (now, dict(reasons))
         for klass, reason in reasons.items():
-            self.child(self.open, backend, klass).set(1 if reason is None else 0)
-            for r in GATE_REASONS:
-                self.child(self.reason, backend, klass, r).set(1 if r == reason else 0)
+            # the gauges change only with the reason (every process records every
+            # snapshot of the fleet: hundreds a second)
+            if previous is None or klass not in previous[1] or previous[1][klass] != reason:
+                self.child(self.open, backend, klass).set(1 if reason is None else 0)
+                for r in GATE_REASONS:
+                    self.child(self.reason, backend, klass, r).set(1 if r == reason else 0)
             if reason is not None:
                 self.child(self.closed, backend, klass, reason).inc()
 
@@ -64,11 +68,15 @@ class GateMetrics(MetricGroup):
                       changed_for: str | None) -> None:
         """The allowance and free slots now, and the reason the allowance just changed
         (None: unchanged)."""
-        self.child(self.pacing_allowance, backend, cls).set(allowance)
-        self.child(self.pacing_free_slots, backend, cls).set(free_slots)
+        if self._pacing.get((backend, cls)) != (allowance, free_slots):  # changed: set
+            self._pacing[backend, cls] = (allowance, free_slots)
+            self.child(self.pacing_allowance, backend, cls).set(allowance)
+            self.child(self.pacing_free_slots, backend, cls).set(free_slots)
         if changed_for is not None:
             self.child(self.pacing_changes, backend, cls, changed_for).inc()
 
     def forget_backend(self, backend: str) -> int:
         self._state.pop(backend, None)
+        for key in [k for k in self._pacing if k[0] == backend]:
+            del self._pacing[key]
         return super().forget_backend(backend)

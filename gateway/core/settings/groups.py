@@ -310,8 +310,8 @@ class OperationsSettings(Group):
     """Logs, metrics and the dashboard (gateway/core/logs.py, metrics.py)."""
 
     log_level: Literal["debug", "info", "warning", "error"] = restart("info", LOGS)
-    # above this many per-request info lines a second, keep about this many (whole
-    # requests); errors and rejections always logged. None: every line
+    # above this many per-request info lines (finished, one a request) a second, keep
+    # about this many; errors and rejections always logged. None: every line
     log_sample_above_per_s: float | None = restart(None, LOGS, gt=0)
     # per-user series: this many users, rest "other"
     metrics_top_users: int = restart(20, "the metrics are built at start", ge=0)

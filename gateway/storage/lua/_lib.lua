@@ -14,29 +14,32 @@ local function take_unseen(snapshot)
   return 0
 end
 
--- Request `id` leaves `backend`'s sent set (zset: id -> when it was sent). Returns 1 when it
--- was sent after the stored snapshot, taken at `taken_at` (unix s): the snapshot did not
--- see it. The set also keeps what was sent since the snapshot before (snapshot.lua).
+-- Request `id` leaves `backend`'s sent set (zset: id -> when it was sent: the requests
+-- dispatched there that have not streamed a first token yet). Returns 1 when it was sent
+-- after the stored snapshot, taken at `taken_at` (unix s): the snapshot did not see it;
+-- 2 when it was sent before (it may have been one of the snapshot's "unseen": gate_counts);
+-- 0 when it was not in the set.
 local function leave_sent(prefix, backend, id, taken_at)
   local sent = key_backend_sent(prefix, backend)
   local at = tonumber(redis.call('ZSCORE', sent, id))
   if not at then return 0 end
   redis.call('ZREM', sent, id)
   if at > taken_at then return 1 end
-  return 0
+  return 2
 end
 
 -- What counts against `backend`'s gates (policies/gates.py Gate.used) for a decision made
 -- by the snapshot taken at `seen` (unix s; nil: by the stored one): the requests on their
--- way (sent since that snapshot, plus those its scrape had not seen, its "unseen") and
--- those started since it. The snapshot store keeps the counts of the stored snapshot and
--- of the one before (snapshot.lua): a process may decide by a snapshot that another
--- stored a newer one after (read before that store, or its store still on the way back
--- to it), and its gate's burst then counts what was sent since the snapshot it came
--- from. Counted since the newer one, a burst computed from an older queue would be spent
--- again (vLLM's queue then grew past the gate). A decision by an older snapshot returns
--- nil: nothing Redis keeps matches its gates. Also returns the stored snapshot's
--- taken_at (0 without one): a grant is sent after it.
+-- way (sent since that snapshot, plus those its scrape had not seen, its "unseen", no more
+-- than those sent before it that have not streamed a first token yet: policies/gates.py
+-- still_unseen) and those started since it. The snapshot store keeps the counts of the
+-- stored snapshot and of the one before (snapshot.lua): a process may decide by a
+-- snapshot that another stored a newer one after (read before that store, or its store
+-- still on the way back to it), and its gate's burst then counts what was sent since the
+-- snapshot it came from. Counted since the newer one, a burst computed from an older
+-- queue would be spent again (vLLM's queue then grew past the gate). A decision by an
+-- older snapshot returns nil: nothing Redis keeps matches its gates. Also returns the
+-- stored snapshot's taken_at (0 without one): a grant is sent after it.
 local function gate_counts(prefix, backend, seen)
   local stored_at, stored_unseen, prev_at, prev_unseen = unpack(redis.call('HMGET',
     key_backend_snapshot(prefix, backend), 'taken_at', 'unseen', 'prev_at', 'prev_unseen'))
@@ -49,8 +52,12 @@ local function gate_counts(prefix, backend, seen)
     since, unseen = prev_at, prev_unseen
   end
   local from = since and ('(' .. since) or '-inf'
-  local sent = redis.call('ZCOUNT', key_backend_sent(prefix, backend), from, '+inf')
-    + (tonumber(unseen) or 0)
+  local sent_key = key_backend_sent(prefix, backend)
+  local sent = redis.call('ZCOUNT', sent_key, from, '+inf')
+  unseen = tonumber(unseen) or 0
+  if unseen > 0 then
+    sent = sent + math.min(unseen, redis.call('ZCOUNT', sent_key, '-inf', since))
+  end
   return sent, redis.call('ZCOUNT', key_backend_started(prefix, backend), from, '+inf'),
     taken_at
 end

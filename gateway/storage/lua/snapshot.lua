@@ -9,10 +9,14 @@
 -- every process reads the snapshot, its gates and pacing from here, scrapers.lua)}
 -- "unseen" = dispatched and unsettled, minus what the backend showed (running + waiting),
 -- minus what was dispatched after the scrape began: requests a slow server has not
--- registered yet. They count against the gate like waiting ones, with no time guesswork.
--- The snapshot it replaces stays as "prev_at" and "prev_unseen", and the sent and started
--- sets keep what came since it: a decision by it still counts what it must (gate_counts
--- in _lib.lua).
+-- registered yet. They count against the gate like waiting ones, with no time guesswork,
+-- but never more of them than were sent before the scrape and have not streamed a first
+-- token (gate_counts in _lib.lua): the count also takes in requests vLLM has finished
+-- whose answers the gateway still relays.
+-- The snapshot it replaces stays as "prev_at" and "prev_unseen", and the started set keeps
+-- what came since it: a decision by it still counts what it must (gate_counts). The sent
+-- set keeps every request not started yet (each leaves it at its first token or its
+-- release); one whose request is gone leaves it here.
 -- The pending prefill keeps what the snapshot may not have scheduled (policies/prefill.py
 -- still_pending): what was sent after the scrape began, and of the earlier ones the
 -- newest waiting + unseen; an entry whose request is gone leaves too.
@@ -33,7 +37,9 @@ if stored and stored >= tonumber(taken) then
 end
 -- (the stored time as stored: a number printed back by Lua loses its microseconds)
 local prev_at = stored_at or taken
-redis.call('ZREMRANGEBYSCORE', sent, '-inf', prev_at)
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', sent, '-inf', prev_at)) do
+  if redis.call('EXISTS', key_request(prefix, id)) == 0 then redis.call('ZREM', sent, id) end
+end
 redis.call('ZREMRANGEBYSCORE', key_backend_started(prefix, backend), '-inf', prev_at)
 local unseen = (tonumber(redis.call('GET', key_backend_inflight(prefix, backend))) or 0)
   - redis.call('ZCOUNT', sent, '(' .. taken, '+inf') - tonumber(a.waiting) - tonumber(a.running)

@@ -47,8 +47,11 @@ end
 -- that showed it running, so its start says nothing of what that snapshot saw (taking
 -- one "unseen" for it let one more request wait: tests/test_pacing.py). A start the
 -- stored snapshot already shows (its scrape began after `at`: a start sent late, see
--- start_each) does not join the started set of a decision by it. Returns 1 when a gate
--- slot was freed (it was sent since the stored snapshot), 0 otherwise.
+-- start_each) does not join the started set of a decision by it. It no longer counts
+-- among the requests sent before the stored snapshot that have not started, which bound
+-- its "unseen" (gate_counts in _lib.lua): once they are fewer, the others it counted have
+-- started, and a start frees a place there too. Returns 1 when a gate slot was freed (it
+-- was sent since the stored snapshot, or that bound took one), 0 otherwise.
 local function start_inflight(prefix, backend, id, at)
   local req = key_request(prefix, id)
   if redis.call('EXISTS', req) == 0 then return 0 end  -- settled (or reaped) already
@@ -56,12 +59,18 @@ local function start_inflight(prefix, backend, id, at)
   if redis.call('HSETNX', req, 'started', 1) == 0 then return 0 end
   redis.call('HDEL', key_backend_prefill(prefix, backend), id)
   local snapshot = key_backend_snapshot(prefix, backend)
-  local stored_at, prev_at = unpack(redis.call('HMGET', snapshot, 'taken_at', 'prev_at'))
+  local stored_at, prev_at, unseen = unpack(redis.call('HMGET', snapshot, 'taken_at',
+    'prev_at', 'unseen'))
   local taken_at = tonumber(stored_at) or 0
   local sent = leave_sent(prefix, backend, id, taken_at)
   -- a decision still made by the snapshot before the stored one counts it too (gate_counts)
   if at > (tonumber(prev_at) or taken_at) then
     redis.call('ZADD', key_backend_started(prefix, backend), at, id)
+  end
+  if sent == 2 then  -- sent before the snapshot: did the bound on its "unseen" move?
+    local before = redis.call('ZCOUNT', key_backend_sent(prefix, backend), '-inf',
+      stored_at or '+inf')
+    return (tonumber(unseen) or 0) > before and 1 or 0
   end
   return sent
 end
