@@ -28,10 +28,18 @@ _DIGITS = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 _LONG_RUN = b"0" * 19
 
 
-def loads(raw: bytes, fallback: Callable[[bytes], Any] = json.loads) -> Any:
+def plain(raw: bytes) -> bool:
+    """Does orjson read whatever JSON ``raw`` holds as ``json`` would? It does unless
+    ``raw`` has a run of 19 or more digits (one check for several texts it holds)."""
+    return _LONG_RUN not in raw.translate(_DIGITS)
+
+
+def loads(raw: bytes, fallback: Callable[[bytes], Any] = json.loads,
+          plain: bool = False) -> Any:
     """``raw`` decoded; ``fallback`` (``json.loads`` or a caller's variant of it) reads
-    what orjson would read differently or refuses, and raises its own errors."""
-    if _LONG_RUN not in raw.translate(_DIGITS):
+    what orjson would read differently or refuses, and raises its own errors.
+    ``plain``: :func:`plain` is known to hold for ``raw`` (checked on a text holding it)."""
+    if plain or _LONG_RUN not in raw.translate(_DIGITS):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -58,8 +58,10 @@ OUTPUT_DELTA_FIELDS = ("content", "reasoning_content", "reasoning", "tool_calls"
 RESPONSE_FINAL_EVENTS = frozenset(("response.completed", "response.incomplete",
                                    "response.failed"))
 RESPONSE_OBJECT = b'"response":'  # in those events (generated text has its quotes escaped)
-# token ids fairgate asked for and the client did not (in generated text a quote is \")
-TOKEN_IDS = re.compile(rb'"(prompt_token_ids|token_ids)":\[[-0-9,\s]*\]')
+# token ids fairgate asked for and the client did not: "token_ids":[…] and
+# "prompt_token_ids":[…] become null (in generated text a quote is \"); found by their
+# literal tail, the key's start checked after (several times faster than one pattern)
+ID_LIST = re.compile(rb'token_ids":\[[-0-9,\s]*\]')
 
 
 class StreamBroke(Exception):
@@ -113,6 +115,21 @@ def carries_output(event: dict[str, Any]) -> bool:
     return False
 
 
+def strip_ids(frames: bytes) -> bytes:
+    """``frames`` with every ``"token_ids"`` and ``"prompt_token_ids"`` list as ``null``."""
+    out: list[bytes] = []
+    pos = 0
+    for match in ID_LIST.finditer(frames):
+        start = match.start()
+        if frames[start - 1:start] == b'"' or frames[start - 8:start] == b'"prompt_':
+            out += (frames[pos:start], b'token_ids":null')
+            pos = match.end()
+    if not out:
+        return frames
+    out.append(frames[pos:])
+    return b"".join(out)
+
+
 def _data(frame: bytes) -> bytes | None:
     """The JSON payload of an SSE frame (its ``data:`` line), if it has one."""
     for line in frame.split(b"\n"):
@@ -135,6 +152,7 @@ class FrameFilter:
         self.output_frames = 0
         self.usage: dict[str, Any] | None = None
         self.done = False  # the [DONE] frame has passed
+        self.ended = False  # … and the client's stream ended with it (nothing more to write)
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -151,7 +169,39 @@ class FrameFilter:
             self.output_frames += (complete.count(b"\ndata: {")
                                    + complete.startswith(b"data: {"))
             return complete
+        if self.progress is not None and not self.continued:
+            return self._original(complete, self.progress)
         return b"".join(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
+
+    def _original(self, complete: bytes, progress: Progress) -> bytes:
+        """Whole frames of a continuable stream's original backend: once its output
+        began, each run of output frames (one ``data:`` line each, no usage) is read in
+        one pass (:meth:`_outputs`); any other frame as :meth:`_frame` reads it."""
+        out: list[bytes] = []
+        run: list[bytes] = []
+        for frame in complete.split(b"\n\n")[:-1]:
+            if (self.segment_started and frame.startswith(b"data: {") and b"\n" not in frame
+                    and b'"usage"' not in frame):
+                run.append(frame)
+                continue
+            if run:
+                out.append(self._outputs(run, progress))
+                run = []
+            out.append(self._frame(frame + b"\n\n"))
+        if run:
+            out.append(self._outputs(run, progress))
+        return b"".join(out)
+
+    def _outputs(self, frames: list[bytes], progress: Progress) -> bytes:
+        """Output frames after the first, each read and recorded as :meth:`_tracked`
+        does, their ids stripped in one pass (a key's ``"token_ids":[…]`` never spans two
+        JSON objects)."""
+        data = b"\n\n".join(frames) + b"\n\n"
+        plain = jsonio.plain(data)
+        for frame in frames:
+            progress.original(_event_of(frame[6:], plain))
+        self.output_frames += len(frames)  # started: every one is counted
+        return data if progress.wants_ids else strip_ids(data)
 
     def rest(self) -> bytes:
         """Whatever trailed the last whole frame when the stream ended."""
@@ -187,16 +237,7 @@ class FrameFilter:
     def _tracked(self, frame: bytes, payload: bytes, progress: Progress) -> bytes:
         """A frame of a continuable answer: recorded, its ids stripped unless asked for,
         re-framed when it comes from a continuation."""
-        try:
-            event = jsonio.loads(payload)
-        except (ValueError, RecursionError):
-            raise StreamBroke("the backend sent a broken frame") from None
-        if not isinstance(event, dict):
-            raise StreamBroke("the backend sent a frame that is not a JSON object")
-        if "error" in event:
-            error = event["error"]
-            message = error.get("message") if isinstance(error, dict) else error
-            raise StreamBroke(f"the backend sent an error event: {message}")
+        event = _event_of(payload)
         if self.continued:
             event = progress.continued(event)
             frame = b"data: " + json.dumps(event, separators=(",", ":"),
@@ -204,7 +245,7 @@ class FrameFilter:
         else:
             progress.original(event)
             if not progress.wants_ids:
-                frame = TOKEN_IDS.sub(rb'"\1":null', frame)
+                frame = strip_ids(frame)
         return self._event(frame, event)
 
     def _event(self, frame: bytes, event: dict[str, Any]) -> bytes:
@@ -231,6 +272,22 @@ class FrameFilter:
         if self.started:
             self.output_frames += 1
         return frame
+
+
+def _event_of(payload: bytes, plain: bool = False) -> dict[str, Any]:
+    """A continuable stream's frame read; ``StreamBroke`` when it is broken, not an
+    object, or an error event. ``plain``: ``jsonio.plain`` holds for it."""
+    try:
+        event = jsonio.loads(payload, plain=plain)
+    except (ValueError, RecursionError):
+        raise StreamBroke("the backend sent a broken frame") from None
+    if not isinstance(event, dict):
+        raise StreamBroke("the backend sent a frame that is not a JSON object")
+    if "error" in event:
+        error = event["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        raise StreamBroke(f"the backend sent an error event: {message}")
+    return event
 
 
 def report_usage(usage: Any, listener: RelayListener, names: Usage) -> None:
@@ -283,10 +340,10 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
             except ConnectionResetError as exc:
                 listener.end(False)
                 raise ClientGone from exc
+        frames = FrameFilter(wants_usage, endpoint.frames, progress)
         try:
-            return await _relay(request, resp, listener, wants_usage, endpoint, progress,
-                                resume, started or listener.first_token, mover or Mover(),
-                                out, idle_s)
+            return await _relay(resp, listener, endpoint, frames, resume,
+                                started or listener.first_token, mover or Mover(), out, idle_s)
         except ClientGone:
             raise
         except Exception:
@@ -294,6 +351,8 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
             # can no longer answer, so the client gets an error event and the stream's
             # end here, not a connection left open until it times out
             log.exception("unhandled_error", path=request.path, mid_stream=True)
+            if frames.ended:  # the whole answer and the stream's end went already
+                return out
             await _write(out, sse_frame(FairgateError("internal error; see the gateway logs")))
             with contextlib.suppress(ConnectionError):
                 await out.write_eof()
@@ -302,12 +361,11 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
         raise asyncio.CancelledError from None
 
 
-async def _relay(request: web.Request, resp: aiohttp.ClientResponse,
-                 listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
-                 progress: Progress | None, resume: Resume | None,
+async def _relay(resp: aiohttp.ClientResponse, listener: RelayListener, endpoint: Endpoint,
+                 frames: FrameFilter, resume: Resume | None,
                  started: Callable[[], Awaitable[None]], mover: Mover,
                  out: web.StreamResponse, idle_s: float | None) -> web.StreamResponse:
-    frames = FrameFilter(wants_usage, endpoint.frames, progress)
+    progress = frames.progress
     mover.attach(resp)
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -368,11 +426,14 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
             deadline = None if idle_s is None else IdleDeadline(idle, idle_s)
             try:
                 async for chunk in resp.content.iter_any():
-                    if deadline is None:
-                        await _pass(out, chunk, frames, listener, started)
-                        continue
-                    deadline.busy = True
-                    deadline.chunk_done(await _pass(out, chunk, frames, listener, started))
+                    last = resp.content.is_eof()  # nothing follows this chunk
+                    if deadline is not None:
+                        deadline.busy = True
+                    passed = await _pass(out, chunk, frames, listener, started, last)
+                    if frames.ended:
+                        break
+                    if deadline is not None:
+                        deadline.chunk_done(passed)
             finally:
                 if deadline is not None:
                     deadline.close()
@@ -429,18 +490,35 @@ class IdleDeadline:
 
 
 async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,
-                listener: RelayListener, started: Callable[[], Awaitable[None]]) -> bool:
+                listener: RelayListener, started: Callable[[], Awaitable[None]],
+                last: bool = False) -> bool:
     """One chunk of the backend's stream to the client (its whole frames); whether a
-    whole frame passed."""
+    whole frame passed. ``last``: the backend's stream ends with it; when the answer
+    ended too, the client's stream ends in the same write."""
     was_started, sent_before = frames.segment_started, frames.output_frames
     data = frames.feed(chunk)
+    first = frames.segment_started and not was_started
+    if last and frames.done and not first:
+        if frames.output_frames != sent_before:
+            listener.tokens_sent(frames.output_frames - sent_before)
+        await _end(out, data + frames.rest())
+        frames.ended = True
+        return True
     if data:
         await _write(out, data)
     if frames.output_frames != sent_before:
         listener.tokens_sent(frames.output_frames - sent_before)
-    if frames.segment_started and not was_started:
+    if first:
         await started()
     return bool(data)
+
+
+async def _end(out: web.StreamResponse, data: bytes) -> None:
+    """The client's stream's last bytes and its end, in one write."""
+    try:
+        await out.write_eof(data)
+    except ConnectionResetError as exc:  # as _write's
+        raise ClientGone from exc
 
 
 async def next_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason: str,

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+import re
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import pytest
 
+from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Frames
-from gateway.proxy.relay import FrameFilter, carries_output
+from gateway.proxy.relay import FrameFilter, StreamBroke, _pump, carries_output, strip_ids
 
 MODEL = "llama-3.1-8b"
 CREATED = 1764428400
@@ -376,3 +378,146 @@ def test_output_text_that_looks_like_a_frame_is_counted_once() -> None:
         chunked.feed(frame)
     assert whole.output_frames == 2
     assert chunked.output_frames == 2
+
+
+# --------------------------------------------------------------- continuable (tracked) streams
+
+PROMPT_IDS = [101, 7592, 2088, 3]
+
+
+def tracked_text(value: str, ids: list[int] | None, first: bool = False,
+                 finish: str | None = None) -> bytes:
+    """A completion frame as vLLM 0.32 sends it with ``return_token_ids``."""
+    return sse({"id": "cmpl-0c6d7e8f9a1b2c3d", "object": "text_completion",
+                "created": CREATED, "model": MODEL,
+                "choices": [{"index": 0, "text": value, "logprobs": None,
+                             "finish_reason": finish, "stop_reason": None,
+                             "prompt_token_ids": (PROMPT_IDS if first else None)
+                             if ids is not None else None,
+                             "token_ids": ids}]})
+
+
+def tracked_stream(ids: bool) -> list[bytes]:
+    """The stream with its ids, or (``ids`` false) as the client sees it without them."""
+    words = [("the", 11), (" fair", 12), (" queue", 13), (" wins", 14)]
+    frames = [tracked_text(w, [i] if ids else None, first=n == 0,
+                           finish="length" if n == len(words) - 1 else None)
+              for n, (w, i) in enumerate(words)]
+    return [*frames, completion_usage_frame(), DONE]
+
+
+def tracked(chunks: Iterable[bytes], wants_ids: bool = False
+            ) -> tuple[FrameFilter, Progress, bytes]:
+    progress = Progress(chat=False, wants_ids=wants_ids)
+    f = FrameFilter(False, Frames.CHOICES, progress)
+    out = b"".join(f.feed(chunk) for chunk in chunks)
+    return f, progress, out + f.rest()
+
+
+@pytest.mark.parametrize("wants_ids", [False, True])
+def test_a_continuable_stream_is_recorded_and_stripped_however_it_is_chunked(
+        wants_ids: bool) -> None:
+    data = b"".join(tracked_stream(ids=True))
+    # the client's bytes: the ids nulled unless it asked for them, the usage frame dropped
+    expected = b"".join(tracked_stream(ids=wants_ids)[:4]) + DONE
+    rng = random.Random(f"tracked-{wants_ids}")
+    chunkings = [[data], tracked_stream(ids=True), [data[i:i + 1] for i in range(len(data))]]
+    chunkings += [splits(data, rng) for _ in range(50)]
+    for chunks in chunkings:
+        f, progress, out = tracked(chunks, wants_ids)
+        assert out == expected, f"chunks of sizes {[len(c) for c in chunks]} gave {out!r}"
+        got = (progress.prompt_ids, progress.generated, progress.finish_reason,
+               f.output_frames, f.usage, f.done)
+        assert got == (PROMPT_IDS, [11, 12, 13, 14], "length", 4, USAGE, True), (
+            f"chunks of sizes {[len(c) for c in chunks]}: {got}")
+
+
+@pytest.mark.parametrize("bad", [b"data: {\"id\": broken\n\n",
+                                 b'data: {"error":{"message":"engine dead"}}\n\n',
+                                 b'data: {"choices":[]} {"choices":[]}\n\n'])
+def test_a_broken_or_error_frame_among_output_frames_breaks_the_stream(bad: bytes) -> None:
+    frames = tracked_stream(ids=True)
+    for chunks in ([frames[0], frames[1] + bad + frames[2]], [frames[0], frames[1], bad]):
+        progress = Progress(chat=False, wants_ids=False)
+        f = FrameFilter(False, Frames.CHOICES, progress)
+        f.feed(chunks[0])
+        with pytest.raises(StreamBroke) as broke:
+            for chunk in chunks[1:]:
+                f.feed(chunk)
+        said = str(broke.value)
+        assert ("engine dead" if b"error" in bad else "broken frame") in said, said
+
+
+def test_ids_are_stripped_only_where_the_key_is_a_token_id_list() -> None:
+    old = re.compile(rb'"(prompt_token_ids|token_ids)":\[[-0-9,\s]*\]')
+    cases = [b'{"token_ids":[1, 2,\n3],"prompt_token_ids":[-1],"stop_token_ids":[4]}',
+             b'{"text":"say \\"token_ids\\":[1]","token_ids":[]}',
+             b'{"xtoken_ids":[1],"prompt_token_ids":[1]x,"token_ids":[1,"a"]}',
+             b'token_ids":[1] "token_ids":[2]', b'"token_ids":[', b""]
+    for case in cases:
+        assert strip_ids(case) == old.sub(rb'"\1":null', case), case
+
+
+class FakeContent:
+    """A backend response's body: ``chunks``, the backend's end read with the last."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.at = 0  # chunks read
+
+    def is_eof(self) -> bool:
+        return self.at == len(self.chunks)
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            self.at += 1
+            yield chunk
+
+
+class FakeResponse:
+    content_type = "text/event-stream"
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.content = FakeContent(chunks)
+
+
+class Out:
+    """The client's stream: what was written, and with which call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bytes]] = []
+
+    async def write(self, data: bytes) -> None:
+        self.calls.append(("write", data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.calls.append(("write_eof", data))
+
+
+class Heard:
+    def __init__(self) -> None:
+        self.frames = 0
+        self.firsts = 0
+
+    async def first_token(self) -> None:
+        self.firsts += 1
+
+    def tokens_sent(self, frames: int) -> None:
+        self.frames += frames
+
+
+@pytest.mark.parametrize("tracked_stream_", [False, True], ids=["plain", "continuable"])
+async def test_the_last_chunk_goes_out_with_the_stream_end_when_the_backend_ended_with_it(
+        tracked_stream_: bool) -> None:
+    frames = tracked_stream(ids=True)
+    chunks = [frames[0], frames[1], b"".join(frames[2:])]  # the last: end of the answer
+    progress = Progress(chat=False, wants_ids=True) if tracked_stream_ else None
+    f = FrameFilter(False, Frames.CHOICES, progress)
+    out, heard = Out(), Heard()
+    failure = await _pump(out, FakeResponse(chunks), f,  # type: ignore[arg-type]
+                          heard, heard.first_token)  # type: ignore[arg-type]
+    assert failure is None and f.ended, failure
+    last = frames[2] + frames[3] + DONE  # the usage frame dropped
+    assert out.calls == [("write", frames[0]), ("write", frames[1]), ("write_eof", last)], (
+        out.calls)
+    assert (heard.frames, heard.firsts) == (4, 1), (heard.frames, heard.firsts)
