@@ -153,6 +153,8 @@ class FrameFilter:
         self.usage: dict[str, Any] | None = None
         self.done = False  # the [DONE] frame has passed
         self.ended = False  # … and the client's stream ended with it (nothing more to write)
+        # a broken frame read after good ones of the same chunk: raised once those are written
+        self.broken: StreamBroke | None = None
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -169,15 +171,23 @@ class FrameFilter:
             self.output_frames += (complete.count(b"\ndata: {")
                                    + complete.startswith(b"data: {"))
             return complete
-        if self.progress is not None and not self.continued:
-            return self._original(complete, self.progress)
-        return b"".join(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
-
-    def _original(self, complete: bytes, progress: Progress) -> bytes:
-        """Whole frames of a continuable stream's original backend: once its output
-        began, each run of output frames (one ``data:`` line each, no usage) is read in
-        one pass (:meth:`_outputs`); any other frame as :meth:`_frame` reads it."""
         out: list[bytes] = []
+        try:
+            if self.progress is not None and not self.continued:
+                self._original(complete, self.progress, out)
+            else:
+                out.extend(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
+        except StreamBroke as exc:
+            # the frames before the broken one were recorded (the continuation resumes
+            # after them), so they reach the client before the stream fails over
+            self.broken = exc
+        return b"".join(out)
+
+    def _original(self, complete: bytes, progress: Progress, out: list[bytes]) -> None:
+        """Whole frames of a continuable stream's original backend, appended to ``out``
+        as they are read: once its output began, each run of output frames (one
+        ``data:`` line each, no usage) is read in one pass (:meth:`_outputs`); any other
+        frame as :meth:`_frame` reads it."""
         run: list[bytes] = []
         for frame in complete.split(b"\n\n")[:-1]:
             if (self.segment_started and frame.startswith(b"data: {") and b"\n" not in frame
@@ -185,23 +195,31 @@ class FrameFilter:
                 run.append(frame)
                 continue
             if run:
-                out.append(self._outputs(run, progress))
+                self._outputs(run, progress, out)
                 run = []
             out.append(self._frame(frame + b"\n\n"))
         if run:
-            out.append(self._outputs(run, progress))
-        return b"".join(out)
+            self._outputs(run, progress, out)
 
-    def _outputs(self, frames: list[bytes], progress: Progress) -> bytes:
+    def _outputs(self, frames: list[bytes], progress: Progress, out: list[bytes]) -> None:
         """Output frames after the first, each read and recorded as :meth:`_tracked`
         does, their ids stripped in one pass (a key's ``"token_ids":[…]`` never spans two
-        JSON objects)."""
-        data = b"\n\n".join(frames) + b"\n\n"
-        plain = jsonio.plain(data)
-        for frame in frames:
-            progress.original(_event_of(frame[6:], plain))
-        self.output_frames += len(frames)  # started: every one is counted
-        return data if progress.wants_ids else strip_ids(data)
+        JSON objects), appended to ``out``; a broken one raises ``StreamBroke`` once the
+        frames before it are appended."""
+        plain = jsonio.plain(b"\n\n".join(frames))
+        for i, frame in enumerate(frames):
+            try:
+                progress.original(_event_of(frame[6:], plain))
+            except StreamBroke:
+                self._append_run(frames[:i], progress, out)
+                raise
+        self._append_run(frames, progress, out)
+
+    def _append_run(self, frames: list[bytes], progress: Progress, out: list[bytes]) -> None:
+        if frames:
+            data = b"\n\n".join(frames) + b"\n\n"
+            self.output_frames += len(frames)  # started: every one is counted
+            out.append(data if progress.wants_ids else strip_ids(data))
 
     def rest(self) -> bytes:
         """Whatever trailed the last whole frame when the stream ended."""
@@ -497,8 +515,9 @@ async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,
     ended too, the client's stream ends in the same write."""
     was_started, sent_before = frames.segment_started, frames.output_frames
     data = frames.feed(chunk)
+    broken, frames.broken = frames.broken, None  # raised once the good frames are out
     first = frames.segment_started and not was_started
-    if last and frames.done and not first:
+    if last and frames.done and not first and broken is None:
         if frames.output_frames != sent_before:
             listener.tokens_sent(frames.output_frames - sent_before)
         await _end(out, data + frames.rest())
@@ -510,6 +529,8 @@ async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,
         listener.tokens_sent(frames.output_frames - sent_before)
     if first:
         await started()
+    if broken is not None:
+        raise broken
     return bool(data)
 
 

@@ -436,16 +436,18 @@ def test_a_continuable_stream_is_recorded_and_stripped_however_it_is_chunked(
                                  b'data: {"error":{"message":"engine dead"}}\n\n',
                                  b'data: {"choices":[]} {"choices":[]}\n\n'])
 def test_a_broken_or_error_frame_among_output_frames_breaks_the_stream(bad: bytes) -> None:
-    frames = tracked_stream(ids=True)
+    frames, client = tracked_stream(ids=True), tracked_stream(ids=False)
     for chunks in ([frames[0], frames[1] + bad + frames[2]], [frames[0], frames[1], bad]):
         progress = Progress(chat=False, wants_ids=False)
         f = FrameFilter(False, Frames.CHOICES, progress)
-        f.feed(chunks[0])
-        with pytest.raises(StreamBroke) as broke:
-            for chunk in chunks[1:]:
-                f.feed(chunk)
-        said = str(broke.value)
+        out = b"".join(f.feed(chunk) for chunk in chunks)
+        # the stream breaks at the bad frame; every frame recorded before it (the
+        # continuation resumes after those) is also handed to the client, none after it
+        assert isinstance(f.broken, StreamBroke), f"no failure noted: {f.broken!r}"
+        said = str(f.broken)
         assert ("engine dead" if b"error" in bad else "broken frame") in said, said
+        assert out == client[0] + client[1], f"{[len(c) for c in chunks]}: client got {out!r}"
+        assert progress.generated == [11, 12], progress.generated
 
 
 def test_ids_are_stripped_only_where_the_key_is_a_token_id_list() -> None:
@@ -521,3 +523,18 @@ async def test_the_last_chunk_goes_out_with_the_stream_end_when_the_backend_ende
     assert out.calls == [("write", frames[0]), ("write", frames[1]), ("write_eof", last)], (
         out.calls)
     assert (heard.frames, heard.firsts) == (4, 1), (heard.frames, heard.firsts)
+
+
+async def test_frames_before_a_broken_one_in_the_same_chunk_reach_the_client() -> None:
+    # recorded frames are what a continuation resumes after: written before the failure
+    frames = tracked_stream(ids=True)
+    bad = b'data: {"error":{"message":"engine dead"}}\n\n'
+    progress = Progress(chat=False, wants_ids=True)
+    f = FrameFilter(False, Frames.CHOICES, progress)
+    out, heard = Out(), Heard()
+    failure = await _pump(out, FakeResponse([frames[0] + frames[1] + bad + frames[2]]),  # type: ignore[arg-type]
+                          f, heard, heard.first_token)  # type: ignore[arg-type]
+    assert failure is not None and "engine dead" in failure, failure
+    assert out.calls == [("write", frames[0] + frames[1])], out.calls
+    assert (progress.generated, heard.frames, heard.firsts) == ([11, 12], 2, 1), (
+        progress.generated, heard.frames, heard.firsts)
