@@ -202,6 +202,10 @@ async def start_sims(spec: SimSpec, model: str, count: int, log_dir: Path, label
     return sims, urls
 
 
+FROM_SOURCE = ("import sys; sys.path.insert(0, sys.argv.pop(1)); "
+               "from loadtest.cli import main; sys.argv[0] = 'fairgate'; sys.exit(main())")
+
+
 async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, workers: int = 1,
                         source: Path | None = None) -> Proc:
     """``fairgate serve --workers N`` with ``config`` (YAML written next to its log); waits
@@ -213,9 +217,14 @@ async def start_gateway(config: dict[str, Any], log_dir: Path, label: str, worke
     path = log_dir / f"{label}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    env = None if source is None else {"PYTHONPATH": str(source)}
-    proc, log = _spawn(label, ["serve", "--config", str(path), "--workers", str(workers)],
-                       log_dir / f"{label}.log", env)
+    args = ["serve", "--config", str(path), "--workers", str(workers)]
+    if source is None:
+        proc, log = _spawn(label, args, log_dir / f"{label}.log")
+    else:
+        # not ``-m loadtest``: that puts the working directory's tree first on sys.path,
+        # before PYTHONPATH, and would serve this checkout's code under the other's name
+        proc, log = spawn_command([sys.executable, "-c", FROM_SOURCE, str(source), *args],
+                                  log_dir / f"{label}.log", {"PYTHONPATH": str(source)})
     return await serving(label, port, proc, log, "/ready")
 
 
