@@ -29,6 +29,7 @@ from aiohttp import web
 from gateway.core import jsonio
 from gateway.core.errors import BadRequest, PayloadTooLarge
 from gateway.proxy.endpoints import CHAT, COMPLETIONS, Endpoint, Frames
+from gateway.proxy.stop_strings import StopStrings
 from policies.request import NO_PROMPT, Output, Prompt
 
 if TYPE_CHECKING:
@@ -102,6 +103,28 @@ class CompletionRequest:
     def min_tokens(self) -> int:
         value = self.body.get("min_tokens")
         return value if isinstance(value, int) and value > 0 else 0
+
+    @property
+    def stop_strings(self) -> StopStrings | None:
+        return StopStrings.of(self.body)
+
+    @property
+    def logprobs(self) -> int | None:
+        """The top log probabilities asked per token (completions: ``logprobs``; chat:
+        ``top_logprobs`` once ``logprobs`` is true, 0 without it); None: none asked."""
+        if self.endpoint is CHAT:
+            top = self.body.get("top_logprobs")
+            return (top if isinstance(top, int) else 0) if self.body.get(
+                "logprobs") is True else None
+        value = self.body.get("logprobs")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def echo(self) -> str | None:
+        """The prompt text a completion echoes (``echo`` with a text prompt)."""
+        if self.endpoint is not COMPLETIONS or not self.body.get("echo"):
+            return None
+        return _prompt_text(self.body.get("prompt"))
 
     @property
     def return_token_ids(self) -> bool:
@@ -387,7 +410,10 @@ NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", 
                      "add_special_tokens", "chat_template", "chat_template_kwargs",
                      "documents", "request_id", "metadata", "store", "service_tier",
                      "parallel_tool_calls", "tool_choice", "echo", "logprobs",
-                     "top_logprobs", "prompt_logprobs"))
+                     "top_logprobs", "prompt_logprobs",
+                     # read for a continuation (gateway/proxy/continuation.py); a suffix is
+                     # in the prompt's ids (vLLM renders it into the prompt)
+                     "stop", "suffix"))
 
 
 def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
@@ -408,12 +434,27 @@ def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     if (endpoint is COMPLETIONS and isinstance(prompt, list) and prompt
             and not isinstance(prompt[0], int) and len(prompt) != 1):
         return "more than one prompt"
-    for name in ("echo", "logprobs", "top_logprobs", "prompt_logprobs"):
-        if body.get(name):
-            return f"{name} is set"
+    if (why := _echo_unresumable(endpoint, body)) is not None:
+        return why
     if body.get("tool_choice") not in (None, "none"):
         return "tool_choice is set"
     return _set_unknown(body)
+
+
+def _echo_unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
+    """``echo``: fairgate puts the echoed prompt back itself (vLLM echoes none when asked
+    for ``return_token_ids``), so only a completion's text prompt can be echoed."""
+    if not body.get("echo"):
+        return None
+    if endpoint is not COMPLETIONS or _prompt_text(body.get("prompt")) is None:
+        return "echo is set without a text prompt"
+    return None
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _set_unknown(body: dict[str, Any]) -> str | None:

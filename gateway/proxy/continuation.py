@@ -26,6 +26,8 @@ from typing import Any
 
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.endpoints import CHAT
+from gateway.proxy.logprobs import Logprobs
+from gateway.proxy.stop_strings import SeamText, StopStrings, seam_tail
 
 
 def not_continuable(creq: CompletionRequest) -> str | None:
@@ -52,13 +54,23 @@ class Progress:
     finish_reason: str | None = None
     base_generated: int = 0  # generated before the current continuation began
     continuations: int = 0
+    stops: StopStrings | None = None  # its stop strings: the text is fairgate's at a seam
+    said: list[str] = field(default_factory=list)  # with stops: the text the client got
+    seam: SeamText | None = None  # with stops, once continued
+    logprobs: Logprobs | None = None
+    echo: str | None = None  # the prompt text to echo (vLLM echoes none with the ids)
+    changed: bool = False  # the latest original event was changed beyond its ids
+    cut: bool = False  # fairgate ended the answer at a stop string across the seam
 
     @classmethod
     def of(cls, creq: CompletionRequest) -> Progress | None:
         """The progress of a request that can be continued; ``None`` for one that cannot."""
         if creq.unresumable is not None:
             return None
-        return cls(creq.endpoint is CHAT, creq.return_token_ids)
+        chat, top = creq.endpoint is CHAT, creq.logprobs
+        return cls(chat, creq.return_token_ids, stops=creq.stop_strings,
+                   logprobs=None if top is None else Logprobs(chat, top),
+                   echo=None if creq.return_token_ids else creq.echo)
 
     @property
     def resumable(self) -> bool:
@@ -75,12 +87,30 @@ class Progress:
             if not self.wants_ids:
                 event["prompt_token_ids"] = None
         for choice in _choices(event):
+            echoed = 0
             if not self.chat and not _empty(choice.get("prompt_token_ids")):
                 self.prompt_ids = list(choice["prompt_token_ids"])
                 if not self.wants_ids:
                     choice["prompt_token_ids"] = None
+                if self.echo is not None:  # the first frame: vLLM's echo of the prompt
+                    echo, self.echo, self.changed = self.echo, None, True
+                    choice["text"] = echo + (choice.get("text") or "")
+                    echoed = len(echo)
+            self._seen(choice, echoed)
             self._record(choice)
         return event
+
+    def _seen(self, choice: dict[str, Any], echoed: int) -> None:
+        """What the client gets of an original choice beyond its ids: its text (with stop
+        strings; ``echoed``: its first characters are the echoed prompt), the offsets of
+        its log probabilities."""
+        if self.stops is not None:
+            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get(
+                "text")
+            if isinstance(text, str) and len(text) > echoed:
+                self.said.append(text[echoed:])
+        if self.logprobs is not None:
+            self.logprobs.original(choice.get("logprobs"))
 
     def _record(self, choice: dict[str, Any]) -> None:
         ids = choice.get("token_ids")
@@ -107,9 +137,33 @@ class Progress:
             out["max_tokens"] = max(1, bound - len(self.generated))
         if creq.min_tokens > 0:
             out["min_tokens"] = max(0, creq.min_tokens - len(self.generated))
+        if self.stops is not None:  # no text held back: fairgate holds and cuts (seam_at)
+            out.update(stop=list(self.stops.strings), include_stop_str_in_output=True)
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs.top
         self.base_generated = len(self.generated)
         self.continuations += 1
         return out
+
+    def seam_ids(self) -> tuple[list[int], list[int]]:
+        """With stop strings, what a continuation first decodes (``seam_at``): the
+        prompt's ids, and the prompt's and the generated ids together."""
+        prompt = self.prompt_ids or []
+        return prompt, prompt + self.generated
+
+    def seam_at(self, prompt_text: str, full_text: str) -> bool:
+        """The text at the seam, from the ids of :meth:`seam_ids` decoded: from here on
+        fairgate applies the stop strings (``gateway/proxy/stop_strings.py``); False
+        when the decoded text does not extend what the client got (nothing exact can
+        follow)."""
+        if self.stops is None:
+            return True
+        said = "".join(self.said)
+        tail = seam_tail(full_text, prompt_text, said)
+        if tail is None:
+            return False
+        self.seam = SeamText(self.stops, said + tail, len(said), len(self.generated))
+        return True
 
     def continued(self, event: dict[str, Any]) -> dict[str, Any]:
         """An event of a continuation's stream (``/v1/completions`` chunks), re-framed as
@@ -119,8 +173,13 @@ class Progress:
                                "model": self.model}
         choices = []
         for choice in _choices(event):
+            ids = choice.get("token_ids")
             self._record(choice)
-            choices.append(self._reframed(choice))
+            reframed = self._reframed(choice)
+            if self.seam is not None:
+                self._seamed(self.seam, choice, reframed,
+                             len(ids) if isinstance(ids, list) else 0)
+            choices.append(reframed)
         out["choices"] = choices
         usage = event.get("usage")
         if isinstance(usage, dict):
@@ -132,16 +191,36 @@ class Progress:
     def _reframed(self, choice: dict[str, Any]) -> dict[str, Any]:
         ids = choice.get("token_ids") if self.wants_ids else None
         finish = choice.get("finish_reason")
+        logprobs = (None if self.logprobs is None
+                    else self.logprobs.continued(choice.get("logprobs")))
         if self.chat:
             out: dict[str, Any] = {"index": 0, "delta": {"content": choice.get("text", "")},
-                                   "logprobs": None, "finish_reason": finish,
+                                   "logprobs": logprobs, "finish_reason": finish,
                                    "token_ids": ids}
             if finish is not None:
                 out["stop_reason"] = choice.get("stop_reason")
             return out
-        return {"index": 0, "text": choice.get("text", ""), "logprobs": None,
+        return {"index": 0, "text": choice.get("text", ""), "logprobs": logprobs,
                 "finish_reason": finish, "stop_reason": choice.get("stop_reason"),
                 "prompt_token_ids": None, "token_ids": ids}
+
+    def _seamed(self, seam: SeamText, choice: dict[str, Any], out: dict[str, Any],
+                tokens: int) -> None:
+        """A stop-string answer's re-framed choice (of ``tokens`` token ids) with the
+        text, ``finish_reason`` and ``stop_reason`` the uninterrupted run would have had."""
+        piece = seam.feed(choice.get("text") or "", tokens, choice.get("finish_reason"),
+                          choice.get("stop_reason"))
+        if self.chat:
+            out["delta"]["content"] = piece.text
+        else:
+            out["text"] = piece.text
+        out["finish_reason"] = piece.finish_reason
+        if piece.finish_reason is not None or not self.chat:
+            out["stop_reason"] = piece.stop_reason
+        self.said.append(piece.text)
+        if piece.finish_reason is not None:
+            self.finish_reason = piece.finish_reason
+        self.cut = self.cut or piece.cut
 
     def usage(self) -> dict[str, int]:
         """The whole answer's usage: the original prompt, every generated token."""

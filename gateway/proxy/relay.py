@@ -153,6 +153,7 @@ class FrameFilter:
         self.usage: dict[str, Any] | None = None
         self.done = False  # the [DONE] frame has passed
         self.ended = False  # … and the client's stream ended with it (nothing more to write)
+        self.cut = False  # fairgate ended the answer: the backend's rest is not read
         # a broken frame read after good ones of the same chunk: raised once those are written
         self.broken: StreamBroke | None = None
         self._pending = b""
@@ -176,7 +177,10 @@ class FrameFilter:
             if self.progress is not None and not self.continued:
                 self._original(complete, self.progress, out)
             else:
-                out.extend(self._frame(f + b"\n\n") for f in complete.split(b"\n\n")[:-1])
+                for f in complete.split(b"\n\n")[:-1]:
+                    out.append(self._frame(f + b"\n\n"))
+                    if self.cut:
+                        break
         except StreamBroke as exc:
             # the frames before the broken one were recorded (the continuation resumes
             # after them), so they reach the client before the stream fails over
@@ -258,13 +262,24 @@ class FrameFilter:
         event = _event_of(payload)
         if self.continued:
             event = progress.continued(event)
-            frame = b"data: " + json.dumps(event, separators=(",", ":"),
-                                           ensure_ascii=False).encode() + b"\n\n"
+            frame = _dumped(event)
+            if progress.cut:  # fairgate ended the answer (a stop string across the seam)
+                return self._event(frame, event) + self._cut(progress)
         else:
             progress.original(event)
-            if not progress.wants_ids:
+            if progress.changed:  # the echoed prompt put back
+                progress.changed = False
+                frame = _dumped(event)
+            elif not progress.wants_ids:
                 frame = strip_ids(frame)
         return self._event(frame, event)
+
+    def _cut(self, progress: Progress) -> bytes:
+        """The end of an answer fairgate ended: its usage (as asked) and ``[DONE]``; the
+        continuation's later frames are not read."""
+        self.usage, self.done, self.cut, self._pending = progress.usage(), True, True, b""
+        return b"".join(_dumped(e) for e in progress.closing(self.wants_usage)) + DONE + (
+            b"\n\n")
 
     def _event(self, frame: bytes, event: dict[str, Any]) -> bytes:
         if not self.started or b'"usage"' in frame:
@@ -290,6 +305,11 @@ class FrameFilter:
         if self.started:
             self.output_frames += 1
         return frame
+
+
+def _dumped(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":"),
+                                  ensure_ascii=False).encode() + b"\n\n"
 
 
 def _event_of(payload: bytes, plain: bool = False) -> dict[str, Any]:
@@ -448,7 +468,7 @@ async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: F
                     if deadline is not None:
                         deadline.busy = True
                     passed = await _pass(out, chunk, frames, listener, started, last)
-                    if frames.ended:
+                    if frames.ended or frames.cut:
                         break
                     if deadline is not None:
                         deadline.chunk_done(passed)
@@ -570,7 +590,6 @@ async def one_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason: 
 async def _close(out: web.StreamResponse, frames: FrameFilter, progress: Progress) -> None:
     """End an answer whose last token was relayed: its usage (as asked) and ``[DONE]``."""
     for event in progress.closing(frames.wants_usage):
-        await _write(out, b"data: " + json.dumps(event, separators=(",", ":")).encode()
-                     + b"\n\n")
+        await _write(out, _dumped(event))
     await _write(out, DONE + b"\n\n")
     frames.usage, frames.done = progress.usage(), True

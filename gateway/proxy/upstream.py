@@ -215,10 +215,11 @@ class Upstream:
             failed[0] = ticket.backend
             restart = progress is None or not progress.resumable
             path, sent = creq.path, body
-            if progress is not None and not restart:
-                path = COMPLETIONS.path
-                sent = progress.continuation_body(creq, creq.stream)
             try:
+                if progress is not None and not restart:
+                    await self._seam(ticket.backend, creq.model, progress)
+                    path = COMPLETIONS.path
+                    sent = progress.continuation_body(creq, creq.stream)
                 resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
             except UpstreamError as exc:  # BackendUnreachable too
                 if not creq.stream and isinstance(exc, UpstreamTimeout):
@@ -228,6 +229,30 @@ class Upstream:
             if resp.status != 200:
                 raise StreamBroke(f"backend {ticket.backend.name} answered HTTP {resp.status}")
             yield Segment(resp, ticket.first_token, restart)
+
+    async def _seam(self, handle: BackendHandle, model: str, progress: Progress) -> None:
+        """A stop-string answer's text at the seam: the prompt's ids and the generated ids
+        decoded by ``handle`` (``/detokenize``), so fairgate can send what vLLM held back
+        and apply the stop strings across the seam (``gateway/proxy/stop_strings.py``)."""
+        if progress.stops is None:
+            return
+        texts = []
+        for ids in progress.seam_ids():
+            resp = await self._send(handle, "/detokenize", {"model": model, "tokens": ids})
+            try:
+                data = _json(await resp.read()) if resp.status == 200 else None
+            except aiohttp.ClientError as exc:
+                raise StreamBroke(f"backend {handle.name}: /detokenize failed: {exc}") from exc
+            finally:
+                resp.release()
+            text = data.get("prompt") if isinstance(data, dict) else None
+            if not isinstance(text, str):
+                raise StreamBroke(f"backend {handle.name} answered /detokenize with HTTP "
+                                  f"{resp.status}, no text")
+            texts.append(text)
+        if not progress.seam_at(*texts):
+            raise StreamBroke(f"backend {handle.name} decodes the generated ids otherwise "
+                              "than the stream's text")
 
     async def _whole(self, handle: BackendHandle, resp: aiohttp.ClientResponse,
                      listener: RelayListener, usage: Usage,

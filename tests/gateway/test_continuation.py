@@ -120,9 +120,6 @@ def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
 
 @pytest.mark.parametrize(("endpoint", "extra", "why"), [
     (CHAT, {"n": 2}, "n > 1"),
-    (COMPLETIONS, {"stop": ["\n"]}, "stop is set"),
-    (COMPLETIONS, {"echo": True}, "echo is set"),
-    (COMPLETIONS, {"logprobs": 2}, "logprobs is set"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set"),
     (CHAT, {"tools": [{"type": "function"}]}, "tools is set"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice is set"),

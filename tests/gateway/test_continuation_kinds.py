@@ -1,0 +1,234 @@
+"""Continuation of the stream kinds that need more than token ids: ``stop`` strings,
+log probabilities, ``echo``, ``suffix``, on plain data (no server, no I/O).
+
+Stop strings: a reference stream from the simulator's framer (vLLM 0.32's shapes and its
+held-back text, ``loadtest/sim/stops.py``) cut after any token and continued by token ids
+ends with exactly the reference's text, ``finish_reason``, ``stop_reason`` and usage. Log
+probabilities and echo: frames recorded from a real vLLM 0.32 (the tiny model)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.proxy.completion_request import parse_body
+from gateway.proxy.continuation import Progress, not_continuable
+from gateway.proxy.endpoints import CHAT, COMPLETIONS
+from gateway.proxy.stop_strings import SeamText, StopStrings, find_stop, seam_tail
+from loadtest.sim import tokenizer
+from tests.gateway.test_continuation import MODEL, frames, token_frames
+
+# stop strings within one filler word and across two (the filler words cycle in order:
+# " the model is simulated and every token costs time on an imaginary GPU while …")
+STOPS = ("GPU", "d a", "s t", "ime on a", "ry", " model is", "while fair q", "zzz")
+
+
+def answer(events: list[dict[str, Any]], chat: bool) -> tuple[str, Any, Any, Any]:
+    """(text, finish_reason, stop_reason, usage) of a stream's events."""
+    text, finish, stop_reason, usage = "", None, None, None
+    for event in events:
+        for choice in event["choices"]:
+            piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+            text += piece or ""
+            if choice.get("finish_reason") is not None:
+                finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        usage = event.get("usage") or usage
+    return text, finish, stop_reason, usage
+
+
+def continue_after(progress: Progress, creq: Any) -> list[dict[str, Any]]:
+    """The continuation's events re-framed, as the relay writes them: its seam learnt
+    from the simulator's ``/detokenize``, its rest dropped once fairgate cut it."""
+    prompt_ids, all_ids = progress.seam_ids()
+    assert progress.seam_at(tokenizer.decode(prompt_ids), tokenizer.decode(all_ids))
+    out = []
+    for event in frames(progress.continuation_body(creq, True), chat=False):
+        out.append(progress.continued(event))
+        if progress.cut:
+            out += progress.closing(True)
+            break
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(chat=st.booleans(), include=st.booleans(), limit=st.integers(1, 40),
+       stops=st.lists(st.sampled_from(STOPS), min_size=1, max_size=3, unique=True),
+       prompt=st.text(min_size=1, max_size=20), cut=st.floats(0, 1, exclude_max=True))
+def test_a_stop_string_stream_cut_anywhere_ends_as_the_reference(
+        chat: bool, include: bool, limit: int, stops: list[str], prompt: str,
+        cut: float) -> None:
+    body: dict[str, Any] = {"max_tokens": limit, "ignore_eos": True, "temperature": 0,
+                            "stop": stops, "include_stop_str_in_output": include}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat
+                else {"prompt": prompt})
+    reference = frames(body, chat)
+    creq = parse_body({**body, "model": MODEL}, CHAT if chat else COMPLETIONS)
+    progress = Progress.of(creq)
+    assert progress is not None, not_continuable(creq)
+    k = int(cut * token_frames(reference))
+    split = k + (1 if chat else 0)
+    got = [progress.original(json.loads(json.dumps(e))) for e in reference[:split]]
+    if not progress.resumable:
+        return  # nothing came before the cut: the request is sent again as it was
+    got += continue_after(progress, creq)
+    want = answer(reference, chat)
+    assert answer(got, chat) == want, (k, stops, answer(got, chat), want)
+
+
+def test_a_stop_string_across_the_seam_ends_the_answer_there() -> None:
+    """The client got " the model" (" is" held back for "is s"): the continuation's own
+    vLLM sees only " simulated …" and would miss the stop; fairgate ends the answer."""
+    stops = StopStrings(("is s",), include=False)
+    seam = SeamText(stops, " the model is", len(" the model"), 3)
+    piece = seam.feed(" simulated", 1, None, None)
+    assert (piece.text, piece.finish_reason, piece.stop_reason, piece.cut) == (
+        " ", "stop", "is s", True), piece
+    assert seam.text == " the model ", seam.text
+
+
+def test_text_is_held_back_as_vllm_holds_it() -> None:
+    seam = SeamText(StopStrings(("xyz",), include=False), "ab", 2, 1)
+    assert seam.feed("cdef", 1, None, None).text == "cd"  # "ef" could start "xyz"
+    assert seam.feed("gh", 1, "length", None).text == "efgh"  # the end releases all
+
+
+def test_a_stop_token_s_text_is_left_out_unless_asked() -> None:
+    seam = SeamText(StopStrings(("xyz",), include=False), "", 0, 0)
+    assert seam.feed("</s>", 1, "stop", None).text == ""
+    seam = SeamText(StopStrings(("xyz",), include=True), "", 0, 0)
+    assert seam.feed("</s>", 1, "stop", None).text == "</s>"
+
+
+def test_stop_strings_are_not_checked_before_min_tokens() -> None:
+    seam = SeamText(StopStrings(("b",), include=False, min_tokens=2), "a", 1, 1)
+    assert seam.feed("b", 1, None, None).finish_reason is None
+    piece = seam.feed("cb", 1, None, None)
+    assert (piece.finish_reason, seam.text) == ("stop", "abc"), (piece, seam.text)
+
+
+def test_find_stop_is_vllm_s_check() -> None:
+    stops = StopStrings(("cd", "bcdx", "d"), include=False)
+    assert find_stop("abcd", 2, stops) == ("cd", 2)  # ends earliest; ties: list order
+    assert find_stop("abcd", 2, StopStrings(("cd",), include=True)) == ("cd", -1)
+    assert find_stop("abcde", 1, StopStrings(("cd",), include=True)) is None
+    assert find_stop("abcde", 2, StopStrings(("cd",), include=True)) == ("cd", 4)
+
+
+def test_the_seam_tail_must_extend_what_the_client_got() -> None:
+    assert seam_tail("PROMPT the model", "PROMPT", " the mo") == "del"
+    assert seam_tail("PROMPT the model", "PROMPT", " a") is None
+    assert seam_tail("OTHER the model", "PROMPT", "") is None
+
+
+def test_the_continuation_asks_for_stops_with_their_text_and_log_probabilities() -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": "\n",
+            "logprobs": True, "top_logprobs": 3, "max_tokens": 9}
+    creq = parse_body(body, CHAT)
+    progress = Progress.of(creq)
+    assert progress is not None
+    progress.prompt_ids, progress.generated = [1, 2], [5]
+    cont = progress.continuation_body(creq, True)
+    assert (cont["stop"], cont["include_stop_str_in_output"], cont["logprobs"]) == (
+        ["\n"], True, 3), cont
+    assert "top_logprobs" not in cont and "echo" not in cont, cont
+
+
+# vLLM 0.32 (tiny model), ``logprobs: 2``: the stream's last frame before a cut, then a
+# continuation's first frame (its text offsets start at 0)
+ORIGINAL_LP = {"text_offset": [26], "token_logprobs": [-7.6246], "tokens": ["e"],
+               "top_logprobs": [{"e": -7.6246, "ka": -7.6247}]}
+CONTINUED_LP = {"text_offset": [0, 3], "token_logprobs": [-7.62, -7.63],
+                "tokens": ["eja", " su"],
+                "top_logprobs": [{"eja": -7.62, " su": -7.63, "c": -7.64},
+                                 {" su": -7.63, "c": -7.64, "x": -7.65}]}
+
+
+def continued_logprobs(chat: bool, top: int) -> tuple[Progress, Any]:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 9}
+    if chat:
+        body.update(messages=[{"role": "user", "content": "x"}], logprobs=True,
+                    top_logprobs=top)
+    else:
+        body.update(prompt="x", logprobs=top)
+    progress = Progress.of(parse_body(body, CHAT if chat else COMPLETIONS))
+    assert progress is not None
+    if not chat:
+        progress.original({"choices": [{"text": "e", "logprobs": ORIGINAL_LP,
+                                        "prompt_token_ids": [1], "token_ids": [72]}]})
+    event = progress.continued({"choices": [{"text": "eja su", "logprobs": CONTINUED_LP,
+                                             "token_ids": [650, 9], "finish_reason": None}]})
+    return progress, event["choices"][0]["logprobs"]
+
+
+def test_completion_log_probabilities_continue_their_text_offsets() -> None:
+    _, logprobs = continued_logprobs(chat=False, top=2)
+    assert logprobs == {**CONTINUED_LP, "text_offset": [27, 30]}, logprobs
+
+
+def test_chat_log_probabilities_are_reframed_as_chat_s() -> None:
+    _, logprobs = continued_logprobs(chat=True, top=2)
+    assert logprobs == {"content": [
+        {"token": "eja", "logprob": -7.62, "bytes": [101, 106, 97], "top_logprobs": [
+            {"token": "eja", "logprob": -7.62, "bytes": [101, 106, 97]},
+            {"token": " su", "logprob": -7.63, "bytes": [32, 115, 117]}]},
+        {"token": " su", "logprob": -7.63, "bytes": [32, 115, 117], "top_logprobs": [
+            {"token": " su", "logprob": -7.63, "bytes": [32, 115, 117]},
+            {"token": "c", "logprob": -7.64, "bytes": [99]}]}]}, logprobs
+    _, logprobs = continued_logprobs(chat=True, top=0)
+    assert [e["top_logprobs"] for e in logprobs["content"]] == [[], []], logprobs
+
+
+def test_echo_is_put_back_once_and_never_repeated() -> None:
+    """vLLM 0.32 echoes no prompt text when asked for ``return_token_ids``
+    (``completion/serving.py``: ``if request.return_token_ids: prompt_text = ""``)."""
+    creq = parse_body({"model": MODEL, "prompt": "story 1", "echo": True, "max_tokens": 4},
+                      COMPLETIONS)
+    progress = Progress.of(creq)
+    assert progress is not None
+    first = progress.original({"choices": [{"text": "eja", "prompt_token_ids": [1, 2],
+                                            "token_ids": [650]}]})
+    assert first["choices"][0]["text"] == "story 1eja" and progress.changed, first
+    progress.changed = False
+    later = progress.original({"choices": [{"text": "e", "token_ids": [72]}]})
+    assert later["choices"][0]["text"] == "e" and not progress.changed, later
+    assert "echo" not in progress.continuation_body(creq, True)
+
+
+def test_the_client_s_own_ids_keep_vllm_s_echo() -> None:
+    creq = parse_body({"model": MODEL, "prompt": "p", "echo": True, "return_token_ids": True},
+                      COMPLETIONS)
+    progress = Progress.of(creq)
+    assert progress is not None and progress.echo is None
+
+
+@pytest.mark.parametrize(("endpoint", "extra"), [
+    (COMPLETIONS, {"stop": ["\n", "."], "include_stop_str_in_output": True}),
+    (CHAT, {"stop": "END"}),
+    (COMPLETIONS, {"logprobs": 2}),
+    (CHAT, {"logprobs": True, "top_logprobs": 5}),
+    (COMPLETIONS, {"echo": True}),
+    (COMPLETIONS, {"echo": True, "prompt": ["one text"]}),
+    (COMPLETIONS, {"suffix": "the end"}),
+    (COMPLETIONS, {"prompt_logprobs": 0}),
+])
+def test_these_kinds_are_continued(endpoint: Any, extra: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": "p", "messages": [{"role": "user", "content": "p"}],
+            **extra}
+    creq = parse_body(body, endpoint)
+    assert not_continuable(creq) is None
+    assert Progress.of(creq) is not None
+
+
+@pytest.mark.parametrize(("endpoint", "extra"), [
+    (COMPLETIONS, {"echo": True, "prompt": [1, 2, 3]}),
+    (CHAT, {"echo": True}),
+])
+def test_echo_without_a_text_prompt_is_not_continued(endpoint: Any,
+                                                     extra: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": "p", "messages": [{"role": "user", "content": "p"}],
+            **extra}
+    assert not_continuable(parse_body(body, endpoint)) == "echo is set without a text prompt"
