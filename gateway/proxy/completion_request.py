@@ -421,11 +421,12 @@ def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
     request's answer; ``None``: it can.
 
     Every field outside :data:`SAMPLING` and :data:`NEUTRAL` that is set (not null,
-    false, zero or empty) counts: ``stop`` strings (text held back for them lags the token
-    ids), ``n`` or ``best_of`` above 1, ``echo``, log probabilities, structured output
+    false, zero or empty) counts: ``n`` or ``best_of`` above 1, structured output
     (``response_format``, ``guided_*``, ``structured_outputs``), ``tools``, presence and
     frequency penalties (they count only the generated tokens, which a continuation sends
-    as its prompt), ``suffix`` and anything fairgate does not know."""
+    as its prompt) and anything fairgate does not know; ``echo`` without a text prompt.
+    ``stop`` strings, log probabilities, a text prompt's ``echo`` and ``suffix`` are
+    continued (``gateway/proxy/stop_strings.py``, ``gateway/proxy/logprobs.py``)."""
     if endpoint not in (CHAT, COMPLETIONS):
         return f"{endpoint.path} is not continued"
     if body.get("n") not in (None, 1):

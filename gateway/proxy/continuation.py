@@ -140,7 +140,7 @@ class Progress:
         if self.stops is not None:  # no text held back: fairgate holds and cuts (seam_at)
             out.update(stop=list(self.stops.strings), include_stop_str_in_output=True)
         if self.logprobs is not None:
-            out["logprobs"] = self.logprobs.top
+            out["logprobs"] = self.logprobs.seam()
         self.base_generated = len(self.generated)
         self.continuations += 1
         return out

@@ -33,6 +33,12 @@ class Logprobs:
     chat: bool
     top: int  # completions: logprobs; chat: top_logprobs (0 when absent)
     next_offset: int = 0  # completions: the text offset of the next token
+    base: int = 0  # … when the current continuation began (its offsets start at 0)
+
+    def seam(self) -> int:
+        """A continuation begins; the top log probabilities it is asked for."""
+        self.base = self.next_offset
+        return self.top
 
     def original(self, logprobs: Any) -> None:
         """A choice's ``logprobs`` in the original stream (the offset so far)."""
@@ -50,7 +56,7 @@ class Logprobs:
         out: dict[str, Any] = dict(logprobs)
         offsets = out.get("text_offset")
         if isinstance(offsets, list):
-            out["text_offset"] = [o + self.next_offset for o in offsets]
+            out["text_offset"] = [o + self.base for o in offsets]
             self._advance(out)
         return out
 

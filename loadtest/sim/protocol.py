@@ -136,6 +136,8 @@ class SimRequest:
     return_token_ids: bool = False
     stops: Stops = NO_STOPS
     hits: tuple[StopHit | None, ...] = ()  # per choice: where a stop ended it (None: none)
+    logprobs: int | None = None  # top log probabilities per token (loadtest/sim/logprobs.py)
+    echo: str | None = None  # the prompt text a completion stream echoes first
 
     def hit(self, choice: int) -> StopHit | None:
         """Where ``stop``/``stop_token_ids`` ended ``choice`` (None: they did not)."""
@@ -444,8 +446,39 @@ def parse_request(
         start=start,
         return_token_ids=bool(body.get("return_token_ids")),
         stops=parse_stops(body),
+        logprobs=_logprobs(body, chat),
+        echo=_echo(body, chat, prompt),
     )
     return _stopped(req) if req.stops else req
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """The top log probabilities asked per token: completions' ``logprobs``, chat's
+    ``top_logprobs`` once ``logprobs`` is true (0 without it). A stream's
+    ``prompt_logprobs`` and a ``suffix`` (no fill-in-the-middle renderer) are vLLM 0.32's
+    400s."""
+    plp = body.get("prompt_logprobs")
+    if body.get("stream") and isinstance(plp, int) and (plp > 0 or plp == -1):
+        raise validation_error("prompt_logprobs",
+                               "`prompt_logprobs` are not available when `stream=True`.")
+    if not chat and body.get("suffix") is not None:
+        raise SimError(400, "suffix is only supported for models with FIM completion "
+                       "rendering", param="suffix")
+    if chat:
+        k = body.get("top_logprobs")
+        return (k if isinstance(k, int) else 0) if body.get("logprobs") is True else None
+    k = body.get("logprobs")
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
+def _echo(body: dict[str, Any], chat: bool, prompt: Prompt) -> str | None:
+    """The text a completion echoes: its prompt's (none when asked for
+    ``return_token_ids``, as vLLM 0.32)."""
+    if chat or not body.get("echo") or body.get("return_token_ids"):
+        return None
+    if isinstance(prompt.body, str):
+        return prompt.body
+    return tokenizer.decode(list(prompt.token_ids()))
 
 
 def _stopped(req: SimRequest) -> SimRequest:

@@ -25,11 +25,13 @@ Token frames are built from a per-choice prefix and suffix around the token text
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
 from typing import Any
 
+from loadtest.sim import logprobs
 from loadtest.sim.protocol import SimRequest
 from loadtest.sim.records import Token
 from loadtest.sim.stops import HeldText
@@ -157,6 +159,7 @@ class StreamFramer:
         self.fingerprint = system_fingerprint(model)
         self.object = "chat.completion.chunk" if req.chat else "text_completion"
         self.counts = [0] * req.n
+        self._offsets = [0] * req.n  # completions' text_offset of each choice's next token
         buffer = req.stops.buffer_chars
         self._held = [HeldText(buffer, req.hit(i)) for i in range(req.n)] if req.stops else None
         head = json.dumps(
@@ -224,13 +227,17 @@ class StreamFramer:
         if self._held is not None:  # stop strings: hold back what may start one
             text = self._held[choice].delta(text, last=token.finish_reason is not None)
         ids = self.req.return_token_ids
-        if token.finish_reason is None and not self.req.continuous_usage and not ids:
+        if (token.finish_reason is None and not self.req.continuous_usage and not ids
+                and self.req.logprobs is None and self.req.echo is None):
             return self._prefixes[choice] + text.encode() + self._suffix
         data: dict[str, Any]
         if self.req.chat:
-            data = {"index": choice, "delta": {"content": text}, "logprobs": None}
+            data = {"index": choice, "delta": {"content": text},
+                    "logprobs": self._logprobs(token, choice)}
         else:
-            data = {"index": choice, "text": text, "logprobs": None}
+            if token.index == 0 and self.req.echo is not None:
+                text = self.req.echo + text
+            data = {"index": choice, "text": text, "logprobs": self._logprobs(token, choice)}
         finish_reason, stop_reason = token.finish_reason, None
         if finish_reason is not None:
             finish_reason, stop_reason = self.req.finish(choice, finish_reason)
@@ -246,6 +253,17 @@ class StreamFramer:
         if token.finish_reason is not None and not self.req.include_usage:
             payload["system_fingerprint"] = self.fingerprint
         return _frame(payload)
+
+    def _logprobs(self, token: Token, choice: int) -> dict[str, Any] | None:
+        k = self.req.logprobs
+        if k is None:
+            return None
+        word = functools.partial(self.req.word, choice=choice)
+        if self.req.chat:
+            return logprobs.chat(word, token.index, k)
+        out = logprobs.completion(word, token.index, k, self._offsets[choice])
+        self._offsets[choice] += len(out["tokens"][0])
+        return out
 
     def closing(self, cached: int | None = None) -> bytes:
         """The usage frame (if asked for; with ``cached`` prompt tokens when not None) and

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from gateway.proxy.completion_request import parse_body
 from gateway.proxy.continuation import Progress, not_continuable
-from gateway.proxy.endpoints import CHAT, COMPLETIONS
+from gateway.proxy.endpoints import CHAT, COMPLETIONS, Frames
+from gateway.proxy.relay import FrameFilter
 from gateway.proxy.stop_strings import SeamText, StopStrings, find_stop, seam_tail
 from loadtest.sim import tokenizer
 from tests.gateway.test_continuation import MODEL, frames, token_frames
@@ -147,30 +148,44 @@ CONTINUED_LP = {"text_offset": [0, 3], "token_logprobs": [-7.62, -7.63],
                                  {" su": -7.63, "c": -7.64, "x": -7.65}]}
 
 
-def continued_logprobs(chat: bool, top: int) -> tuple[Progress, Any]:
+def continued_logprobs(chat: bool, top: int) -> tuple[Progress, Any, Any]:
+    """The ``logprobs`` of a continuation's first two chunks, re-framed."""
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 9}
     if chat:
         body.update(messages=[{"role": "user", "content": "x"}], logprobs=True,
                     top_logprobs=top)
     else:
         body.update(prompt="x", logprobs=top)
-    progress = Progress.of(parse_body(body, CHAT if chat else COMPLETIONS))
+    creq = parse_body(body, CHAT if chat else COMPLETIONS)
+    progress = Progress.of(creq)
     assert progress is not None
-    if not chat:
-        progress.original({"choices": [{"text": "e", "logprobs": ORIGINAL_LP,
-                                        "prompt_token_ids": [1], "token_ids": [72]}]})
-    event = progress.continued({"choices": [{"text": "eja su", "logprobs": CONTINUED_LP,
-                                             "token_ids": [650, 9], "finish_reason": None}]})
-    return progress, event["choices"][0]["logprobs"]
+    progress.original({"prompt_token_ids": [1], "choices": [
+        {"text": "e", "logprobs": None if chat else ORIGINAL_LP, "prompt_token_ids": [1],
+         "token_ids": [72]}]})
+    assert progress.continuation_body(creq, True)["logprobs"] == top
+    first = progress.continued({"choices": [{"text": "eja su", "logprobs": CONTINUED_LP,
+                                             "token_ids": [650, 9]}]})
+    second = progress.continued({"choices": [{"text": "c", "logprobs": {
+        "text_offset": [6], "token_logprobs": [-7.0], "tokens": ["c"],
+        "top_logprobs": [{"c": -7.0}]}, "token_ids": [3]}]})
+    return progress, first["choices"][0]["logprobs"], second["choices"][0]["logprobs"]
 
 
 def test_completion_log_probabilities_continue_their_text_offsets() -> None:
-    _, logprobs = continued_logprobs(chat=False, top=2)
-    assert logprobs == {**CONTINUED_LP, "text_offset": [27, 30]}, logprobs
+    progress, first, second = continued_logprobs(chat=False, top=2)
+    assert first == {**CONTINUED_LP, "text_offset": [27, 30]}, first
+    assert second["text_offset"] == [33], second
+    # a second continuation goes on from where the first got
+    progress.continuation_body(parse_body({"model": MODEL, "prompt": "x", "logprobs": 2},
+                                          COMPLETIONS), True)
+    third = progress.continued({"choices": [{"text": "d", "logprobs": {
+        "text_offset": [0], "token_logprobs": [-7.0], "tokens": ["d"],
+        "top_logprobs": [{"d": -7.0}]}, "token_ids": [4]}]})
+    assert third["choices"][0]["logprobs"]["text_offset"] == [34], third
 
 
 def test_chat_log_probabilities_are_reframed_as_chat_s() -> None:
-    _, logprobs = continued_logprobs(chat=True, top=2)
+    _, logprobs, _ = continued_logprobs(chat=True, top=2)
     assert logprobs == {"content": [
         {"token": "eja", "logprob": -7.62, "bytes": [101, 106, 97], "top_logprobs": [
             {"token": "eja", "logprob": -7.62, "bytes": [101, 106, 97]},
@@ -178,7 +193,7 @@ def test_chat_log_probabilities_are_reframed_as_chat_s() -> None:
         {"token": " su", "logprob": -7.63, "bytes": [32, 115, 117], "top_logprobs": [
             {"token": " su", "logprob": -7.63, "bytes": [32, 115, 117]},
             {"token": "c", "logprob": -7.64, "bytes": [99]}]}]}, logprobs
-    _, logprobs = continued_logprobs(chat=True, top=0)
+    _, logprobs, _ = continued_logprobs(chat=True, top=0)
     assert [e["top_logprobs"] for e in logprobs["content"]] == [[], []], logprobs
 
 
@@ -232,3 +247,52 @@ def test_echo_without_a_text_prompt_is_not_continued(endpoint: Any,
     body = {"model": MODEL, "prompt": "p", "messages": [{"role": "user", "content": "p"}],
             **extra}
     assert not_continuable(parse_body(body, endpoint)) == "echo is set without a text prompt"
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def cmpl_chunk(text: str, ids: list[int], finish: str | None = None,
+               stop_reason: Any = None, prompt_ids: list[int] | None = None) -> bytes:
+    return sse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": finish, "stop_reason": stop_reason,
+                             "prompt_token_ids": prompt_ids, "token_ids": ids}]})
+
+
+def test_the_relay_ends_an_answer_at_a_stop_across_the_seam() -> None:
+    """The continuation's later frames never reach the client: the answer ends with its
+    usage and [DONE] where the stop string completed."""
+    creq = parse_body({"model": MODEL, "prompt": "p", "stop": "is s", "max_tokens": 9},
+                      COMPLETIONS)
+    progress = Progress.of(creq)
+    assert progress is not None
+    f = FrameFilter(True, Frames.CHOICES, progress)
+    out = f.feed(cmpl_chunk(" the model", [1, 2], prompt_ids=[9]))  # " is" held back
+    assert progress.seam_at("P", "P the model is")
+    f.switch(continued=True)
+    out += f.feed(cmpl_chunk(" simulated", [3], prompt_ids=[9, 1, 2]) + cmpl_chunk(
+        " and", [4]) + b"data: {\"choices\":[], \"usage\": {}}\n\n")
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == " the model ", text
+    assert events[-2]["choices"][0]["finish_reason"] == "stop", events
+    assert events[-2]["choices"][0]["stop_reason"] == "is s", events
+    assert events[-1]["usage"] == {"prompt_tokens": 1, "total_tokens": 4,
+                                   "completion_tokens": 3}, events
+    assert out.endswith(b"data: [DONE]\n\n") and f.cut and f.done, out
+    assert f.rest() == b"", "the continuation's rest is dropped"
+
+
+def test_the_relay_writes_the_echo_it_puts_back() -> None:
+    creq = parse_body({"model": MODEL, "prompt": "story", "echo": True, "max_tokens": 9},
+                      COMPLETIONS)
+    progress = Progress.of(creq)
+    assert progress is not None
+    f = FrameFilter(False, Frames.CHOICES, progress)
+    out = f.feed(cmpl_chunk(" a", [1], prompt_ids=[9]) + cmpl_chunk(" b", [2]))
+    events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [c["text"] for e in events for c in e["choices"]] == ["story a", " b"], events
+    assert all(c["token_ids"] is None and c["prompt_token_ids"] is None
+               for e in events for c in e["choices"]), events
