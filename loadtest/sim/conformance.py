@@ -55,6 +55,10 @@ ALLOWED: dict[str, str] = {
     "merged finish": "where vLLM sent a choice's last token with its finish reason in one "
                      "frame, the other side's token frame just before its finishing frame "
                      "is not counted",
+    # Log probabilities name generated tokens: completions' top_logprobs dict keys and
+    # chat's token bytes are generated values too.
+    "log-probability tokens": "a top_logprobs dict masks to one '<str>' entry, bytes to "
+                              "'<bytes>'",
     # vLLM's incremental detokenizer can hold back a partial character and send a token
     # frame with empty text; the simulator's filler words are never empty.
     "empty token text": "delta.content / text '' and '<str>' compare equal in token frames",
@@ -185,6 +189,15 @@ def script(max_model_len: int) -> list[Case]:
              {**chat, "messages": _chat(too_long), "stream": True}),
         Case("completion_unknown_model", COMPLETIONS, {**cmpl, "model": "no-such-model"},
              with_model=False),
+        Case("completion_stream_logprobs", COMPLETIONS,
+             {**cmpl, "stream": True, "logprobs": 2, **usage}),
+        Case("chat_stream_logprobs", CHAT,
+             {**chat, "stream": True, "logprobs": True, "top_logprobs": 2, **usage}),
+        Case("completion_stream_echo", COMPLETIONS, {**cmpl, "stream": True, "echo": True}),
+        Case("completion_stream_prompt_logprobs", COMPLETIONS,
+             {**cmpl, "stream": True, "prompt_logprobs": 1}),
+        Case("completion_suffix", COMPLETIONS, {**cmpl, "suffix": "the end"},
+             note="only models with a fill-in-the-middle renderer take a suffix"),
     ]  # fmt: skip
 
 
@@ -198,7 +211,11 @@ def mask(value: Any, key: str | None = None) -> Any:
     ``"chatcmpl-<str>"``), numbers ``"<int>"`` / ``"<float>"``; ``None`` and booleans stay.
     """
     if isinstance(value, dict):
+        if key == "top_logprobs" and all(isinstance(v, float) for v in value.values()):
+            return {"<str>": "<float>"} if value else {}  # keyed by generated tokens
         return {k: mask(v, k) for k, v in value.items()}
+    if key == "bytes" and isinstance(value, list):  # a generated token's UTF-8 bytes
+        return "<bytes>"
     if isinstance(value, list):
         return [mask(v, key) for v in value]
     if value is None or isinstance(value, bool) or key in LITERAL_KEYS:
