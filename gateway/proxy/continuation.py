@@ -90,7 +90,7 @@ class Progress:
             echoed = 0
             if not self.chat and not _empty(choice.get("prompt_token_ids")):
                 self.prompt_ids = list(choice["prompt_token_ids"])
-                if not self.wants_ids:
+                if not self.wants_ids and self.echo is None:  # vLLM's echo sends them
                     choice["prompt_token_ids"] = None
                 if self.echo is not None:  # the first frame: vLLM's echo of the prompt
                     echo, self.echo, self.changed = self.echo, None, True

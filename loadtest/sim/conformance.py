@@ -58,7 +58,8 @@ ALLOWED: dict[str, str] = {
     # Log probabilities name generated tokens: completions' top_logprobs dict keys and
     # chat's token bytes are generated values too.
     "log-probability tokens": "a top_logprobs dict masks to one '<str>' entry, bytes to "
-                              "'<bytes>'",
+                              "'<bytes>', a list of per-token entries (and prompt ids) to "
+                              "its first",
     # vLLM's incremental detokenizer can hold back a partial character and send a token
     # frame with empty text; the simulator's filler words are never empty.
     "empty token text": "delta.content / text '' and '<str>' compare equal in token frames",
@@ -87,6 +88,11 @@ LITERAL_KEYS = frozenset(
     {"object", "role", "finish_reason", "stop_reason", "type", "code", "param", "index",
      "owned_by", "organization"}
 )  # fmt: skip
+# Lists with an entry per token: a frame of several tokens (vLLM behind its engine) masks
+# like a frame of one (``ALLOWED["frames per token"]``); prompt ids count the simulator's
+# tokens (``ALLOWED["masked values"]``).
+PER_TOKEN_LISTS = frozenset({"text_offset", "token_logprobs", "tokens", "top_logprobs",
+                             "content", "prompt_token_ids"})
 # Label values compared literally (the enumerations clients filter on).
 ENUM_LABELS = frozenset({"finished_reason", "reason", "sleep_state", "source"})
 
@@ -216,6 +222,8 @@ def mask(value: Any, key: str | None = None) -> Any:
         return {k: mask(v, k) for k, v in value.items()}
     if key == "bytes" and isinstance(value, list):  # a generated token's UTF-8 bytes
         return "<bytes>"
+    if key in PER_TOKEN_LISTS and isinstance(value, list) and value:
+        return [mask(value[0], key)]
     if isinstance(value, list):
         return [mask(v, key) for v in value]
     if value is None or isinstance(value, bool) or key in LITERAL_KEYS:

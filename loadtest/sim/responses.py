@@ -244,8 +244,9 @@ class StreamFramer:
         data["finish_reason"] = finish_reason
         if finish_reason is not None or not self.req.chat:
             data["stop_reason"] = stop_reason
-        if not self.req.chat:  # the prompt's ids with each choice's first token
-            data["prompt_token_ids"] = self._prompt_ids() if token.index == 0 else None
+        if not self.req.chat:  # the prompt's ids with each choice's first token (echo too)
+            first = token.index == 0 and (ids or self.req.echo is not None)
+            data["prompt_token_ids"] = list(self.req.prompt_ids()) if first else None
         data["token_ids"] = [self.req.token_id(token.index, choice)] if ids else None
         payload: dict[str, Any] = {**self._base(), "choices": [data]}
         if self.req.continuous_usage:

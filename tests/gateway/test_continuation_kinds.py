@@ -294,5 +294,7 @@ def test_the_relay_writes_the_echo_it_puts_back() -> None:
     out = f.feed(cmpl_chunk(" a", [1], prompt_ids=[9]) + cmpl_chunk(" b", [2]))
     events = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
     assert [c["text"] for e in events for c in e["choices"]] == ["story a", " b"], events
-    assert all(c["token_ids"] is None and c["prompt_token_ids"] is None
-               for e in events for c in e["choices"]), events
+    # vLLM's echo frame carries the prompt's ids even unasked (completion/serving.py:
+    # ``prompt_token_ids_to_return = prompt_token_ids`` where it echoes)
+    assert [(c["prompt_token_ids"], c["token_ids"]) for e in events
+            for c in e["choices"]] == [([9], None), (None, None)], events
