@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -36,6 +37,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from gateway.http.server import GatewayServer
+from gateway.proxy.completion_request import parse_body
+from gateway.proxy.continuation import Progress
+from gateway.proxy.endpoints import CHAT, COMPLETIONS
 from gateway.proxy.moving import DRAIN
 from tests.e2e_vllm.conftest import SharedServer, VllmServer
 from tests.e2e_vllm.test_resumable_vllm import (
@@ -303,3 +307,89 @@ class Killer:
                 os.killpg(self.victim.launched.proc.pid, signal.SIGKILL)
                 self.on_victim = len(there)
             await asyncio.sleep(0.001)
+
+
+async def events_of(http: httpx.AsyncClient, path: str, body: dict[str, Any]
+                    ) -> list[dict[str, Any]]:
+    """A stream's events straight from vLLM."""
+    out = []
+    async with http.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[6:]))
+    return out
+
+
+def outcome(events: list[dict[str, Any]], chat: bool) -> tuple[str, Any, Any, Any]:
+    text, finish, stop_reason, usage = "", None, None, None
+    for event in events:
+        for choice in event["choices"]:
+            text += (choice["delta"].get("content") if chat else choice.get("text")) or ""
+            if choice.get("finish_reason") is not None:
+                finish, stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        usage = event.get("usage") or usage
+    return text, finish, stop_reason, usage
+
+
+async def test_a_stop_string_stream_cut_after_every_frame_ends_as_vllm_s(
+        vllm_server: VllmServer) -> None:
+    """Completions, chat, and completions keeping the stop string: a stream cut after
+    each of its token frames in turn and continued by token ids on real vLLM, the seam's
+    text from its ``/detokenize``: each time exactly vLLM's uninterrupted text,
+    ``finish_reason``, ``stop_reason`` and usage. The stop string begins inside a token,
+    so the cut after that token (when vLLM sent it in a frame of its own) ends inside the
+    stop string: the held-back text begins it, the continuation's text completes it, and
+    fairgate ends the answer there."""
+    across = [await cut_everywhere(vllm_server, chat, include)
+              for chat, include in ((False, False), (True, False), (False, True))]
+    print(f"stop strings across the seam on real vLLM: {across} (completions, chat, kept)")
+    assert sum(across) >= 1, across
+
+
+async def cut_everywhere(vllm_server: VllmServer, chat: bool, include: bool) -> int:
+    """The cuts of one stream; how many ended the answer across the seam."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": vllm_server.model, "max_tokens": 24, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "return_token_ids": True,
+                            "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "where does it stop?"}]} if chat
+                else {"prompt": "story 3: where does it stop?"})
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as http:
+        pieces = [(c["delta"].get("content") if chat else c["text"]) or ""
+                  for e in await events_of(http, path, body) for c in e["choices"]
+                  if c.get("token_ids")]
+        # the last two characters of a token (of three or more: the stop string begins
+        # inside it) and up to two of the next, after the first 10 tokens (min_tokens: an
+        # earlier occurrence does not count)
+        j = next(i for i in range(10, len(pieces) - 1)
+                 if len(pieces[i]) >= 3 and pieces[i + 1])
+        body.update(stop=[pieces[j][-2:] + pieces[j + 1][:2], NEVER], min_tokens=10,
+                    include_stop_str_in_output=include)
+        reference = await events_of(http, path, body)
+        want = outcome(reference, chat)
+        assert want[1] == "stop", (pieces, want)
+        creq = parse_body({k: v for k, v in body.items() if k != "return_token_ids"},
+                          CHAT if chat else COMPLETIONS)
+        token_frames = [i for i, e in enumerate(reference)
+                        if any(c.get("token_ids") for c in e["choices"])]
+        across = 0  # cuts where fairgate found the stop string across the seam
+        for k in token_frames[:-1]:
+            progress = Progress.of(creq)
+            assert progress is not None
+            got = [progress.original(json.loads(json.dumps(e))) for e in reference[:k + 1]]
+            texts = []
+            for ids in progress.seam_ids():
+                resp = await http.post("/detokenize", json={"model": vllm_server.model,
+                                                            "tokens": ids})
+                texts.append(resp.json()["prompt"])
+            assert progress.seam_at(*texts), (k, texts)
+            for event in await events_of(http, "/v1/completions",
+                                         progress.continuation_body(creq, True)):
+                got.append(progress.continued(event))
+                if progress.cut:
+                    got += progress.closing(True)
+                    across += 1
+                    break
+            assert outcome(got, chat) == want, (k, outcome(got, chat), want)
+    return across
