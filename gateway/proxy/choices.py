@@ -45,6 +45,7 @@ class ChoicesProgress:
     id: str | None = None
     created: int | None = None
     model: str | None = None
+    base_generated: int = 0  # generated (all choices) before the current continuation
     continuations: int = 0
 
     @classmethod
@@ -89,8 +90,11 @@ class ChoicesProgress:
         return [t for p in self.parts.values() for t in p.generated]
 
     @property
-    def base_generated(self) -> int:
-        return sum(p.base_generated for p in self.parts.values())
+    def resent(self) -> int:
+        """The tokens a continuation sends again: each unfinished choice's prompt and what
+        it generated."""
+        return sum(len(self._group(i) or ()) + len(p.generated)
+                   for i, p in self.parts.items() if p.finish_reason is None)
 
     @property
     def prompt_ids(self) -> list[int] | None:
@@ -129,6 +133,7 @@ class ChoicesProgress:
             if isinstance(seed, int) and not isinstance(seed, bool):
                 body["seed"] = seed + index % self.n
             bodies.append((index, body))
+        self.base_generated = len(self.generated)
         self.continuations += 1
         return bodies
 

@@ -195,9 +195,12 @@ class Upstream:
         failed = [handle]  # the backend the answer last ran on
 
         def resume(reason: str, failure: str) -> AbstractAsyncContextManager[Segment] | None:
-            tokens = (estimate_prompt_tokens(creq.prompt)
-                      if progress is None  # a whole answer, sent again from the start
-                      else len(progress.prompt_ids or ()) + len(progress.generated))
+            if progress is None:  # a whole answer, sent again from the start
+                tokens = estimate_prompt_tokens(creq.prompt)
+            elif isinstance(progress, ChoicesProgress):
+                tokens = progress.resent
+            else:
+                tokens = len(progress.prompt_ids or ()) + len(progress.generated)
             lease = continuation(reason, tokens, failed[0])
             return None if lease is None else self._segment(lease, creq, body, progress,
                                                             failed)
@@ -220,7 +223,9 @@ class Upstream:
                 parts = [(index, await self._segment_post(stack, ticket, COMPLETIONS.path,
                                                           sent, creq))
                          for index, sent in progress.continuation_bodies(creq, creq.stream)]
-                yield Segment(FanIn(parts), ticket.first_token, restart)
+                fan = FanIn(parts)
+                stack.callback(fan.content.stop)  # its readers end with the answer
+                yield Segment(fan, ticket.first_token, restart)
                 return
             path, sent = creq.path, body
             if isinstance(progress, Progress) and not restart:
