@@ -35,7 +35,7 @@ def _clamp(value: float) -> float:
 
 
 def unclamped_bias(sampling: dict[str, Any], generated: list[int]
-                   ) -> dict[int, float] | None:
+                   ) -> dict[int | str, float] | None:
     """Each token's bias for a continuation after ``generated`` (the client's
     ``logit_bias``, clamped as vLLM clamps it, plus the penalties so far), not yet
     clamped; ``None``: no penalty is set or nothing was generated (the client's bias as
@@ -44,11 +44,11 @@ def unclamped_bias(sampling: dict[str, Any], generated: list[int]
     presence = _number(sampling.get("presence_penalty"))
     if not (frequency or presence) or not generated:
         return None
-    bias: dict[int, float] = {}
+    bias: dict[int | str, float] = {}
     client = sampling.get("logit_bias")
     if isinstance(client, dict):
-        for key, value in client.items():
-            bias[int(key)] = _clamp(_number(value))
+        for key, value in client.items():  # vLLM took them as token ids
+            bias[int(key) if str(key).lstrip("-").isdigit() else key] = _clamp(_number(value))
     for token, count in Counter(generated).items():
         bias[token] = bias.get(token, 0.0) - (frequency * count + presence)
     return bias

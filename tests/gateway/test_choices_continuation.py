@@ -167,3 +167,8 @@ def test_the_continuation_body_carries_the_penalties_bias() -> None:
     body = progress.continuation_body(creq, True)
     assert body["logit_bias"] == {"4": -2.5, "5": -1.5}, body
     assert (body["frequency_penalty"], body["presence_penalty"]) == (1.0, 0.5), body
+
+
+def test_a_client_bias_key_that_is_no_token_id_is_passed_on_as_given() -> None:
+    bias = continued_bias({"frequency_penalty": 1.0, "logit_bias": {"x": 1, "-3": 2}}, [4])
+    assert bias == {"x": 1.0, "-3": 2.0, "4": -1.0}, bias
