@@ -10,6 +10,10 @@ can be continued, are moved (a drain with migrate) or ``cpu1`` is SIGKILLed (one
 every kind, after the move test, as this module is the 4-slot server's last user). Each
 choice's text equals a reference run's straight from vLLM, its ``finish_reason`` too, one
 ``id``, the usage once (every choice's tokens, each prompt once).
+
+The module's name sorts it after ``test_locality_vllm`` (the 4-slot server's other user)
+and before ``test_lora_vllm``: the shared server is neither started again for it nor left
+idle beside the LoRA module's, and its kill comes after its last other use.
 """
 
 from __future__ import annotations
