@@ -27,6 +27,7 @@ from typing import Any
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.endpoints import CHAT
 from gateway.proxy.logprobs import Logprobs
+from gateway.proxy.penalties import continued_bias
 from gateway.proxy.stop_strings import SeamText, StopStrings, seam_tail
 
 
@@ -141,6 +142,8 @@ class Progress:
             out.update(stop=list(self.stops.strings), include_stop_str_in_output=True)
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs.seam()
+        if (bias := continued_bias(out, self.generated)) is not None:
+            out["logit_bias"] = bias  # the penalties the generated tokens carried
         self.base_generated = len(self.generated)
         self.continuations += 1
         return out
