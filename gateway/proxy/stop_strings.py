@@ -13,18 +13,18 @@ So fairgate takes over the text at the seam (:class:`SeamText`): it learns the w
 text of the ids generated so far (the backend's ``/detokenize``; ``upstream.py``), asks
 the continuation for its stop strings *with* ``include_stop_str_in_output`` (no text held
 back, so each chunk's text is its tokens' text, and a stop string inside the new text
-still ends it at the same token), and itself checks every chunk against the whole text,
-holds back and cuts exactly as the uninterrupted run's detokenizer would have. A stop
-string found across the seam ends the answer there (``finish_reason`` "stop",
-``stop_reason`` the string) and the continuation is closed.
+still ends it at the same token: fairgate cuts the string off unless the client kept
+it), holds the text back as the uninterrupted run's detokenizer would have, and itself
+looks for a stop string across the seam: found, it ends the answer there
+(``finish_reason`` "stop", ``stop_reason`` the string) and the continuation is closed.
 
-Where the chunk granularity differs from vLLM's per-token one (vLLM puts several tokens in
-one chunk when its output is read late), the cut keeps the whole chunk's tokens.
+Where a chunk holds several tokens (vLLM puts several in one when its output is read
+late), a stop string across the seam completed in it keeps all of the chunk's tokens, and
+``min_tokens`` is judged by the chunk's last token.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,25 +55,6 @@ class StopStrings:
         return 0 if self.include else max(len(s) for s in self.strings) - 1
 
 
-def find_stop(text: str, new_chars: int, stops: StopStrings) -> tuple[str, int] | None:
-    """vLLM's ``check_stop_strings``: the stop string that completes earliest in the last
-    ``new_chars`` characters of ``text`` (ties: the list's order) and the length the text
-    is cut to (-1: not cut)."""
-    if not new_chars:
-        return None
-    best: str | None = None
-    best_at, best_end = 0, sys.maxsize
-    for stop in stops.strings:
-        at = text.find(stop, max(0, len(text) + 1 - new_chars - len(stop)))
-        if at != -1 and at + len(stop) < best_end:
-            best, best_at, best_end = stop, at, at + len(stop)
-    if best is None:
-        return None
-    if stops.include:
-        return best, -1 if best_end >= len(text) else best_end
-    return best, best_at
-
-
 @dataclass(slots=True)
 class Piece:
     """What a continuation's chunk becomes for the client."""
@@ -87,12 +68,19 @@ class Piece:
 class SeamText:
     """The text of a stop-string answer from its seam on: ``text``, everything the
     uninterrupted run's detokenizer would hold (the client got the first ``sent``
-    characters), and ``tokens`` generated so far."""
+    characters; the seam is at ``seam``), and ``tokens`` generated so far.
 
-    __slots__ = ("finished", "sent", "stops", "text", "tokens")
+    A stop string inside the continuation's own text is vLLM's to find (it knows each
+    token's text and ``min_tokens`` exactly): its chunk ends there, the stop string kept
+    (asked with ``include_stop_str_in_output``), and fairgate cuts it off unless the client
+    kept it. fairgate looks only for a stop string across the seam: begun before it,
+    completed by the continuation's first characters."""
+
+    __slots__ = ("finished", "seam", "sent", "stops", "text", "tokens")
 
     def __init__(self, stops: StopStrings, text: str, sent: int, tokens: int) -> None:
         self.stops, self.text, self.sent, self.tokens = stops, text, sent, tokens
+        self.seam = len(text)
         self.finished = False
 
     def feed(self, text: str, tokens: int, finish: str | None,
@@ -105,17 +93,31 @@ class SeamText:
                 and tokens == 1):
             # a stop token (EOS or stop_token_ids): vLLM leaves its text out unless asked
             text = ""
+        before = len(self.text)
         self.text += text
-        if self.tokens > stops.min_tokens:
-            found = find_stop(self.text, len(text), stops)
+        longest = max(len(s) for s in stops.strings)
+        if before < self.seam + longest - 1 and self.tokens > stops.min_tokens:
+            found = self._across()
             if found is not None:
-                stop, cut_to = found
-                if cut_to != -1:
-                    self.text = self.text[:cut_to]
-                ended_here = finish == "stop" and stop_reason == stop
-                finish, stop_reason = "stop", stop
-                return self._released(finish, stop_reason, cut=not ended_here)
+                stop, at = found
+                self.text = self.text[:at + len(stop) if stops.include else at]
+                return self._released("stop", stop, cut=True)
+        if finish == "stop" and isinstance(stop_reason, str) and not stops.include:
+            # vLLM's own find, kept in its text: cut off as the client asked
+            if self.text.endswith(stop_reason):
+                self.text = self.text[:len(self.text) - len(stop_reason)]
         return self._released(finish, stop_reason)
+
+    def _across(self) -> tuple[str, int] | None:
+        """The stop string across the seam that completes first (ties: the list's
+        order), and where it begins."""
+        best: tuple[str, int] | None = None
+        for stop in self.stops.strings:
+            at = self.text.find(stop, max(0, self.seam + 1 - len(stop)))
+            if 0 <= at < self.seam and (best is None or at + len(stop) < best[1] + len(
+                    best[0])):
+                best = (stop, at)
+        return best
 
     def _released(self, finish: str | None, stop_reason: str | int | None,
                   cut: bool = False) -> Piece:

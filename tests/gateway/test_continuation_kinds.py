@@ -19,7 +19,7 @@ from gateway.proxy.completion_request import parse_body
 from gateway.proxy.continuation import Progress, not_continuable
 from gateway.proxy.endpoints import CHAT, COMPLETIONS, Frames
 from gateway.proxy.relay import FrameFilter
-from gateway.proxy.stop_strings import SeamText, StopStrings, find_stop, seam_tail
+from gateway.proxy.stop_strings import SeamText, StopStrings, seam_tail
 from loadtest.sim import tokenizer
 from tests.gateway.test_continuation import MODEL, frames, token_frames
 
@@ -104,19 +104,21 @@ def test_a_stop_token_s_text_is_left_out_unless_asked() -> None:
     assert seam.feed("</s>", 1, "stop", None).text == "</s>"
 
 
-def test_stop_strings_are_not_checked_before_min_tokens() -> None:
-    seam = SeamText(StopStrings(("b",), include=False, min_tokens=2), "a", 1, 1)
-    assert seam.feed("b", 1, None, None).finish_reason is None
-    piece = seam.feed("cb", 1, None, None)
-    assert (piece.finish_reason, seam.text) == ("stop", "abc"), (piece, seam.text)
+def test_a_stop_across_the_seam_counts_only_after_min_tokens() -> None:
+    seam = SeamText(StopStrings(("ab",), include=False, min_tokens=3), "xa", 1, 2)
+    assert seam.feed("b", 1, None, None).finish_reason is None  # 3 tokens: not > 3
+    seam = SeamText(StopStrings(("ab",), include=False, min_tokens=2), "xa", 1, 2)
+    piece = seam.feed("b", 1, None, None)
+    assert (piece.finish_reason, piece.cut, seam.text) == ("stop", True, "x"), piece
 
 
-def test_find_stop_is_vllm_s_check() -> None:
-    stops = StopStrings(("cd", "bcdx", "d"), include=False)
-    assert find_stop("abcd", 2, stops) == ("cd", 2)  # ends earliest; ties: list order
-    assert find_stop("abcd", 2, StopStrings(("cd",), include=True)) == ("cd", -1)
-    assert find_stop("abcde", 1, StopStrings(("cd",), include=True)) is None
-    assert find_stop("abcde", 2, StopStrings(("cd",), include=True)) == ("cd", 4)
+def test_a_stop_inside_the_new_text_is_vllm_s_find() -> None:
+    """The continuation (asked to keep it) ends at its stop string: fairgate cuts it off
+    as the client asked, and finds no other (vLLM knows min_tokens per token)."""
+    seam = SeamText(StopStrings(("xyz",), include=False, min_tokens=5), "ab", 2, 1)
+    piece = seam.feed("xyzcdxyz", 6, "stop", "xyz")
+    assert (piece.text, piece.finish_reason, piece.stop_reason, piece.cut) == (
+        "xyzcd", "stop", "xyz", False), piece
 
 
 def test_the_seam_tail_must_extend_what_the_client_got() -> None:
