@@ -94,6 +94,15 @@ class CompletionRequest:
         return _unresumable(self.endpoint, self.body)
 
     @property
+    def replayable(self) -> bool:
+        """Not continued from token ids only for fields a replay of the request reproduces
+        (:data:`REPLAYED`: tools, structured output; ``gateway/proxy/replay.py``)."""
+        if not any(self.body.get(name) is not None for name in REPLAYED):
+            return False
+        rest = {k: v for k, v in self.body.items() if k not in REPLAYED}
+        return _unresumable(self.endpoint, rest) is None
+
+    @property
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters a continuation copies as they are."""
         return {name: self.body[name] for name in SAMPLING if name in self.body}
@@ -388,6 +397,14 @@ NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", 
                      "documents", "request_id", "metadata", "store", "service_tier",
                      "parallel_tool_calls", "tool_choice", "echo", "logprobs",
                      "top_logprobs", "prompt_logprobs"))
+
+
+# server state a token-id prompt cannot carry (vLLM's tool parser, a structured-output
+# grammar): such a stream is continued by sending the request again (a replay)
+REPLAYED = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format",
+                      "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_whitespace_pattern",
+                      "guided_decoding_backend", "structural_tag"))
 
 
 def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:

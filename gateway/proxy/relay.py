@@ -45,6 +45,7 @@ from gateway.core.errors import FairgateError, UpstreamError
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import Endpoint, Frames, Usage
 from gateway.proxy.moving import FAILOVER, Mover
+from gateway.proxy.replay import Diverged
 
 log = structlog.get_logger("fairgate.relay")
 
@@ -257,7 +258,13 @@ class FrameFilter:
         re-framed when it comes from a continuation."""
         event = _event_of(payload)
         if self.continued:
-            event = progress.continued(event)
+            try:
+                reframed = progress.continued(event)
+            except Diverged as exc:  # a replay that differs: nothing of it goes out
+                raise StreamBroke(str(exc)) from None
+            if reframed is None:  # a replay's frame the client has already
+                return b""
+            event = reframed
             frame = b"data: " + json.dumps(event, separators=(",", ":"),
                                            ensure_ascii=False).encode() + b"\n\n"
         else:

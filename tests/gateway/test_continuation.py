@@ -118,25 +118,31 @@ def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
                     "return_token_ids": True, "stream_options": {"include_usage": True}}, cont
 
 
-@pytest.mark.parametrize(("endpoint", "extra", "why"), [
-    (CHAT, {"n": 2}, "n > 1"),
-    (COMPLETIONS, {"stop": ["\n"]}, "stop is set"),
-    (COMPLETIONS, {"echo": True}, "echo is set"),
-    (COMPLETIONS, {"logprobs": 2}, "logprobs is set"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set"),
-    (CHAT, {"tools": [{"type": "function"}]}, "tools is set"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice is set"),
-    (CHAT, {"frequency_penalty": 0.5}, "frequency_penalty is set"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "more than one prompt"),
-    (EMBEDDINGS, {}, "/v1/embeddings is not continued"),
+# the last column: a replay continues it instead (tools, structured output:
+# gateway/proxy/replay.py, tests/gateway/test_replay.py)
+@pytest.mark.parametrize(("endpoint", "extra", "why", "replayed"), [
+    (CHAT, {"n": 2}, "n > 1", False),
+    (COMPLETIONS, {"stop": ["\n"]}, "stop is set", False),
+    (COMPLETIONS, {"echo": True}, "echo is set", False),
+    (COMPLETIONS, {"logprobs": 2}, "logprobs is set", False),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set", True),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools is set", True),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice is set", True),
+    (CHAT, {"frequency_penalty": 0.5}, "frequency_penalty is set", False),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "more than one prompt", False),
+    (EMBEDDINGS, {}, "/v1/embeddings is not continued", False),
 ])
 def test_what_cannot_be_continued_says_why(endpoint: Any, extra: dict[str, Any],
-                                           why: str) -> None:
+                                           why: str, replayed: bool) -> None:
     body = {"model": MODEL, "prompt": "p", "messages": [{"role": "user", "content": "p"}],
             **({"input": "p"} if endpoint is EMBEDDINGS else {}), **extra}
     creq = parse_body(body, endpoint)
     assert not_continuable(creq) == why
-    assert Progress.of(creq) is None
+    progress = Progress.of(creq)
+    if replayed:
+        assert progress is not None and progress.transcript is not None, progress
+    else:
+        assert progress is None
 
 
 def test_plain_requests_are_continuable() -> None:
