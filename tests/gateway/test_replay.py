@@ -10,6 +10,7 @@ with their ids, then ``tool_calls`` deltas, the last with ``finish_reason``)."""
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from gateway.proxy.completion_request import parse_body
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import CHAT, COMPLETIONS
+from gateway.proxy.relay import FrameFilter
 from gateway.proxy.replay import Diverged, Transcript, seeded
 
 MODEL = "m"
@@ -282,3 +284,23 @@ def test_a_sampled_request_is_seeded_so_its_replay_draws_the_same_tokens() -> No
     assert seeded({"temperature": 0}, 5) == {"temperature": 0}
     assert seeded({"seed": 1}, 5) == {"seed": 1}
     assert seeded({}, 5) == {"seed": 5}
+
+
+def test_a_replay_frame_the_client_has_is_read_not_written_and_keeps_the_stream_alive(
+        ) -> None:
+    """The seam's frames go nowhere, yet they are the backend's work: the idle deadline
+    (``stream_idle_timeout_s``) counts them, or a long answer's replay would time out
+    before its first new token."""
+    reference = chat_stream(JSON_SCRIPT, [1], "first", "stop")
+    progress = tool_request()
+    frames = FrameFilter(False, progress=progress)
+    for event in reference[:4]:
+        frames.feed(b"data: " + json.dumps(event).encode() + b"\n\n")
+    progress.replay_body()
+    frames.switch(continued=True)
+    replay = chat_stream(JSON_SCRIPT, [1], "second", "stop")
+    for event in replay[:4]:  # the role frame and the 3 tokens the client has
+        assert frames.feed(b"data: " + json.dumps(event).encode() + b"\n\n") == b""
+        assert frames.whole, "a dropped frame did not count as read"
+    out = frames.feed(b"data: " + json.dumps(replay[4]).encode() + b"\n\n")
+    assert b'"chatcmpl-first"' in out and b'"content":": "' in out, out
