@@ -16,11 +16,13 @@ prefix it must accept. Sending the original request again rebuilds both exactly,
 the generation is deterministic: greedy, or seeded (:func:`seeded` gives a sampled request
 a seed at its first dispatch, so a replay draws the same tokens).
 
-:class:`Replay` checks one replay against what the client has: its first generated token
-ids must be the ones already relayed, and what its deltas add up to (content, reasoning,
-each tool call's name and arguments: a :class:`Transcript`) must extend what the client
-has; only the part beyond goes out, in frames of the original stream (the caller stamps
-its ``id``, ``created``, ``model``). A tool call the client has keeps the id it got; a new
+:class:`Replay` checks one replay against what the client has (a :class:`Transcript`:
+what its deltas add up to, content, reasoning, each tool call's name and arguments): the
+replay's first generated token ids must be the ones already relayed, and each of its text
+fields must run through what the client has of it (a :class:`Seam` per field, each piece
+checked once: the original stream only appends pieces, so recording it costs each frame
+one append); only the part beyond goes out, in frames of the original stream (the caller
+stamps its ``id``, ``created``, ``model``). A tool call the client has keeps the id it got; a new
 one carries the replay's. A replay that differs raises :class:`Diverged` (the relay ends
 the stream with an error event rather than duplicate or corrupt text). Where the seam
 falls inside a replay's frame (vLLM puts several tokens in one when the reader lags), the
@@ -50,21 +52,46 @@ def seeded(body: dict[str, Any], seed: int) -> dict[str, Any]:
     return {**body, "seed": seed}
 
 
+class Text:
+    """Text that grows by pieces (appending is O(1): the original stream's every frame
+    adds one; :meth:`value` joins them)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, text: str = "") -> None:
+        self._parts = [text] if text else []
+
+    def add(self, piece: str) -> None:
+        if piece:
+            self._parts.append(piece)
+
+    def value(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Text) and self.value() == other.value()
+
+    def __repr__(self) -> str:
+        return repr(self.value())
+
+
 @dataclass(slots=True)
 class Call:
     """One tool call as its deltas add up."""
 
     id: str | None = None
     type: str | None = None
-    name: str = ""
-    arguments: str = ""
+    name: Text = field(default_factory=Text)
+    arguments: Text = field(default_factory=Text)
 
 
 @dataclass(slots=True)
 class Transcript:
     """What a streamed choice's deltas add up to: the text of each field, the tool calls."""
 
-    texts: dict[str, str] = field(default_factory=dict)
+    texts: dict[str, Text] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
 
     def add(self, choice: dict[str, Any], chat: bool) -> None:
@@ -81,39 +108,61 @@ class Transcript:
             if isinstance(piece, dict):
                 self._call(piece)
 
+    def text(self, name: str) -> str:
+        have = self.texts.get(name)
+        return "" if have is None else have.value()
+
     def _text(self, name: str, value: Any) -> None:
         if isinstance(value, str) and value:
-            self.texts[name] = self.texts.get(name, "") + value
+            self.texts.setdefault(name, Text()).add(value)
 
     def _call(self, piece: dict[str, Any]) -> None:
-        index = piece.get("index")
-        if not isinstance(index, int) or index < 0:
-            index = max(len(self.calls) - 1, 0)
-        while len(self.calls) <= index:
-            self.calls.append(Call())
-        call = self.calls[index]
+        call = self.call(piece.get("index"))
         call.id = call.id or piece.get("id")
         call.type = call.type or piece.get("type")
         function = piece.get("function")
         if isinstance(function, dict):
-            call.name += function.get("name") or ""
-            call.arguments += function.get("arguments") or ""
+            call.name.add(function.get("name") or "")
+            call.arguments.add(function.get("arguments") or "")
+
+    def call(self, index: Any) -> Call:
+        """The call at ``index`` (added when new; a piece without a valid index belongs
+        to the last call)."""
+        at = index if isinstance(index, int) and index >= 0 else max(len(self.calls) - 1, 0)
+        while len(self.calls) <= at:
+            self.calls.append(Call())
+        return self.calls[at]
 
 
-def _beyond(sent: str, made: str, final: bool, what: str) -> str:
-    """The part of ``made`` beyond ``sent``: ``""`` while the replay is behind (not at
-    its end), :class:`Diverged` when they disagree."""
-    if made.startswith(sent):
-        return made[len(sent):]
-    if sent.startswith(made) and not final:
-        return ""
-    raise Diverged(f"the replay's {what} differs from what the client has at character "
-                   f"{_first_difference(sent, made)}")
+class Seam:
+    """One text field of a replay against what the client has of it (``sent``): the
+    replay's pieces are checked against ``sent`` until they pass its end; the part beyond
+    is new. Each piece costs its own length."""
 
+    __slots__ = ("pos", "sent", "what")
 
-def _first_difference(a: str, b: str) -> int:
-    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                min(len(a), len(b)))
+    def __init__(self, sent: str, what: str) -> None:
+        self.sent, self.what, self.pos = sent, what, 0
+
+    def feed(self, piece: str) -> str:
+        """The part of ``piece`` beyond what the client has; :class:`Diverged` when it
+        disagrees with it."""
+        start, self.pos = self.pos, self.pos + len(piece)
+        if start >= len(self.sent):
+            return piece
+        have = self.sent[start:self.pos]
+        if not piece.startswith(have):
+            at = start + next(k for k, (x, y) in enumerate(zip(have, piece, strict=False))
+                              if x != y)
+            raise Diverged(f"the replay's {self.what} differs from what the client has "
+                           f"at character {at}")
+        return piece[len(have):]
+
+    def end(self) -> None:
+        """The replay's answer ended: it must have reached what the client has."""
+        if self.pos < len(self.sent):
+            raise Diverged(f"the replay's {self.what} ended at character {self.pos}; the "
+                           f"client had {len(self.sent)}")
 
 
 @dataclass(slots=True)
@@ -128,15 +177,12 @@ class Replay:
     prompt_ids: list[int] | None = None
     expected: int = 0  # ids the replay must reproduce before anything goes out
     seen: int = 0  # of those, compared so far
-    made: Transcript = field(default_factory=Transcript)
+    seams: dict[str, Seam] = field(default_factory=dict)  # texts, then "name i", "args i"
+    calls: int = 0  # tool calls the client has (their ids included)
 
     def __post_init__(self) -> None:
         self.expected = len(self.generated)
-
-    @property
-    def recomputed(self) -> int:
-        """Generated tokens the replay computes again."""
-        return self.expected
+        self.calls = len(self.sent.calls)
 
     def prompt(self, ids: Any) -> None:
         """The replay's prompt ids (its first frame): the original's, or it diverged."""
@@ -153,8 +199,9 @@ class Replay:
         if finish is not None and self.seen < self.expected:
             raise Diverged(f"the replay ended after {self.seen} tokens; the client had "
                            f"{self.expected}")
-        self.made.add(choice, self.chat)
-        out = self._new_parts(choice, finish is not None)
+        out = self._new_parts(choice)
+        if finish is not None:
+            self._ended()
         if out is None and not new_ids and finish is None:
             return None
         if out is None:
@@ -182,39 +229,63 @@ class Replay:
             self.seen += 1
         return list(ids[k:])
 
-    def _new_parts(self, choice: dict[str, Any], final: bool) -> dict[str, Any] | None:
-        if not self.chat:
-            text = _beyond(self.sent.texts.get("text", ""), self.made.texts.get("text", ""),
-                           final, "text")
-            return {"index": 0, "text": text} if text else None
-        delta: dict[str, Any] = {}
-        for name in TEXT_FIELDS:
-            text = _beyond(self.sent.texts.get(name, ""), self.made.texts.get(name, ""),
-                           final, name)
-            if text:
-                delta[name] = text
-        calls = self._new_calls(final)
-        if calls:
-            delta["tool_calls"] = calls
-        return {"index": 0, "delta": delta} if delta else None
+    def _seam(self, key: str, sent: Text | None, what: str) -> Seam:
+        seam = self.seams.get(key)
+        if seam is None:
+            seam = self.seams[key] = Seam("" if sent is None else sent.value(), what)
+        return seam
 
-    def _new_calls(self, final: bool) -> list[dict[str, Any]]:
-        sent, made = self.sent.calls, self.made.calls
-        if final and len(made) < len(sent):
-            raise Diverged(f"the replay made {len(made)} tool calls; the client had "
-                           f"{len(sent)}")
-        out = []
-        for index, call in enumerate(made):
-            if index >= len(sent):  # a call the client has not seen: the replay's own id
-                out.append({"index": index, "id": call.id, "type": call.type or "function",
-                            "function": {"name": call.name, "arguments": call.arguments}})
-                continue
-            had = sent[index]
-            name = _beyond(had.name, call.name, final, f"tool call {index}'s name")
-            arguments = _beyond(had.arguments, call.arguments, final,
-                                f"tool call {index}'s arguments")
-            if name or arguments:
-                function = {"name": name} if name else {}
-                out.append({"index": index, "function": {**function,
-                                                         "arguments": arguments}})
-        return out
+    def _new_parts(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        if not self.chat:
+            text = choice.get("text")
+            new = self._seam("text", self.sent.texts.get("text"), "text").feed(
+                text if isinstance(text, str) else "")
+            return {"index": 0, "text": new} if new else None
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return None
+        out: dict[str, Any] = {}
+        for name in TEXT_FIELDS:
+            piece = delta.get(name)
+            if isinstance(piece, str) and piece:
+                new = self._seam(name, self.sent.texts.get(name), name).feed(piece)
+                if new:
+                    out[name] = new
+        calls = [c for piece in delta.get("tool_calls") or () if isinstance(piece, dict)
+                 if (c := self._new_call(piece)) is not None]
+        if calls:
+            out["tool_calls"] = calls
+        return {"index": 0, "delta": out} if out else None
+
+    def _new_call(self, piece: dict[str, Any]) -> dict[str, Any] | None:
+        """What of a replay's tool-call piece is new to the client: a call it has keeps
+        the id it got; one it has not comes with the replay's id, type and name."""
+        index = piece.get("index")
+        if not isinstance(index, int) or index < 0:
+            index = max(len(self.sent.calls) - 1, 0)
+        function = piece.get("function")
+        function = function if isinstance(function, dict) else {}
+        had = self.sent.calls[index] if index < len(self.sent.calls) else None
+        name = self._seam(f"name {index}", None if had is None else had.name,
+                          f"tool call {index}'s name").feed(function.get("name") or "")
+        arguments = self._seam(f"args {index}", None if had is None else had.arguments,
+                               f"tool call {index}'s arguments").feed(
+            function.get("arguments") or "")
+        if index >= self.calls:  # new to the client: as the replay says it
+            self.calls = index + 1
+            return {"index": index, **({"id": piece["id"]} if piece.get("id") else {}),
+                    "type": piece.get("type") or "function",
+                    "function": {"name": name, "arguments": arguments}}
+        if not (name or arguments):
+            return None
+        return {"index": index, "function": {**({"name": name} if name else {}),
+                                             "arguments": arguments}}
+
+    def _ended(self) -> None:
+        """The replay's answer ended: it reached all the client has."""
+        for name in TEXT_FIELDS if self.chat else ("text",):
+            self._seam(name, self.sent.texts.get(name), name).end()
+        for index, call in enumerate(self.sent.calls):
+            self._seam(f"name {index}", call.name, f"tool call {index}'s name").end()
+            self._seam(f"args {index}", call.arguments,
+                       f"tool call {index}'s arguments").end()

@@ -109,6 +109,12 @@ def what_the_client_has(events: list[dict[str, Any]]) -> tuple[Transcript, list[
     for event in events:
         ids.append(event["id"])
         for choice in event["choices"]:
+            for call in (choice.get("delta") or {}).get("tool_calls") or ():
+                assert call.get("id", "") is not None, f"a null id: {call}"
+                if call.get("id") is not None:  # each call's id comes once
+                    have = transcript.calls[call["index"]].id if call["index"] < len(
+                        transcript.calls) else None
+                    assert have is None, f"tool call {call['index']}: a second id"
             transcript.add(choice, chat="delta" in choice)
             if choice.get("finish_reason") is not None:
                 finishes.append(choice["finish_reason"])
