@@ -99,6 +99,9 @@ class CompletionRequest:
         (:data:`REPLAYED`: tools, structured output; ``gateway/proxy/replay.py``)."""
         if not any(self.body.get(name) is not None for name in REPLAYED):
             return False
+        if self.body.get("n") not in (None, 1) or self.body.get("best_of") not in (None, 1) \
+                or any(self.body.get(name) for name in REPLAY_DROPS):
+            return False  # a replay seams one choice's text, nothing per token
         rest = {k: v for k, v in self.body.items() if k not in REPLAYED}
         return _unresumable(self.endpoint, rest) is None
 
@@ -405,6 +408,8 @@ REPLAYED = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_f
                       "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "guided_whitespace_pattern",
                       "guided_decoding_backend", "structural_tag"))
+# what a replay's frames would not carry across the seam (whatever continues them else)
+REPLAY_DROPS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo")
 
 
 def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
