@@ -121,15 +121,14 @@ def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
 # the last column: a replay continues it instead (tools, structured output:
 # gateway/proxy/replay.py, tests/gateway/test_replay.py)
 @pytest.mark.parametrize(("endpoint", "extra", "why", "replayed"), [
-    (CHAT, {"n": 2}, "n > 1", False),
     (COMPLETIONS, {"stop": ["\n"]}, "stop is set", False),
     (COMPLETIONS, {"echo": True}, "echo is set", False),
     (COMPLETIONS, {"logprobs": 2}, "logprobs is set", False),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set", True),
     (CHAT, {"tools": [{"type": "function"}]}, "tools is set", True),
     (CHAT, {"tool_choice": "auto"}, "tool_choice is set", True),
-    (CHAT, {"frequency_penalty": 0.5}, "frequency_penalty is set", False),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "more than one prompt", False),
+    (CHAT, {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
+     "repetition_penalty with presence or frequency penalties", False),
     (EMBEDDINGS, {}, "/v1/embeddings is not continued", False),
 ])
 def test_what_cannot_be_continued_says_why(endpoint: Any, extra: dict[str, Any],

@@ -260,6 +260,7 @@ def test_a_structured_completion_cut_inside_a_replay_frame_continues_after_the_s
     {"response_format": {"type": "json_object"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {}}}},
     {"structured_outputs": {"regex": "[a-z]+"}}, {"guided_json": {"type": "object"}},
+    {"tools": TOOLS, "presence_penalty": 0.5},  # the replay sends the penalties again
 ])
 def test_tools_and_structured_output_are_replayed(extra: dict[str, Any]) -> None:
     body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "x"}],
@@ -271,7 +272,7 @@ def test_tools_and_structured_output_are_replayed(extra: dict[str, Any]) -> None
 
 
 @pytest.mark.parametrize("extra", [
-    {"logprobs": True}, {"n": 2}, {"presence_penalty": 0.5}, {"stop": ["x"]},
+    {"logprobs": True}, {"top_logprobs": 2}, {"n": 2}, {"echo": True},
     {"unknown_field": 1},
 ])
 def test_tools_beside_what_a_replay_cannot_cut_are_not_continued(
