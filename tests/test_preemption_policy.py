@@ -7,8 +7,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.classes import CLASS_ORDER, class_rank
-from policies.classes import SPECS
+from policies.classes import CLASS_ORDER, SPECS, class_rank
 from policies.preemption import (
     BackendLoad,
     PreemptRule,

@@ -157,7 +157,7 @@ class Preemptor(ReadsSettings):
         view = await self.store.preemption_view(model, CLASS_ORDER,
                                                 now - settings.replicas.replica_ttl_s,
                                                 VIEW_TENANTS)
-        waiting, running = plain(view, now, handles)
+        waiting, running = plain(view, now, handles, self._exact())
         rules = self.rules()
         chosen = choose(waiting, running, self.loads(model, now), rules,
                         settings.fairness.preempt_fair_gap, self.allowance(model),
@@ -195,7 +195,8 @@ class Preemptor(ReadsSettings):
         entry = self._entry(order)  # before the move: it may settle at once
         klass = "" if entry is None else entry.klass
         rule = self.rules().get(klass)
-        if entry is not None and rule is not None and entry.generated < rule.min_tokens:
+        if (entry is not None and entry.streamed and rule is not None
+                and entry.generated < rule.min_tokens):
             log.info("preemption_refused", model=model, request_id=order.original,
                      backend=order.backend, generated=entry.generated, reason="grace")
             self._spawn(self._refused(model, order, grace=True))
@@ -212,6 +213,13 @@ class Preemptor(ReadsSettings):
         log.info("preemption_refused", model=model, request_id=order.original,
                  backend=order.backend)
         self._spawn(self._refused(model, order))
+
+    def _exact(self) -> dict[str, int]:
+        """The tokens generated so far of the streams this process holds (by original
+        request id): exact, where the decision otherwise estimates."""
+        if self.streams is None:
+            return {}
+        return {e.request_id: e.generated for e in self.streams.entries() if e.streamed}
 
     def _entry(self, order: Preempt) -> RunningEntry | None:
         for entry in self.streams.entries() if self.streams is not None else ():
@@ -231,14 +239,15 @@ class Preemptor(ReadsSettings):
         task.add_done_callback(self._background.discard)
 
 
-def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
-          ) -> tuple[list[Waiting], list[Running]]:
+def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle],
+          exact: dict[str, int] | None = None) -> tuple[list[Waiting], list[Running]]:
     """The rule's inputs from what Redis holds: each backlogged class's next request and
     each dispatched request that has not streamed yet wait; the current segment of each
     streaming answer runs (a continued answer's older segments, and one that left its
-    backend while its continuation waits, are left out), with its
-    tokens so far estimated from its time on the backend and the backend's recent TPOT
-    (vLLM's batch decodes one token per running request per step)."""
+    backend while its continuation waits, are left out), with its tokens so far:
+    ``exact`` for the streams this process holds (the answer's, by original id), else
+    estimated from its time on the backend and the backend's recent TPOT (vLLM's batch
+    decodes one token per running request per step)."""
     waiting = [Waiting(q["class"], q["user"], max(0.0, now - float(q["enqueued_at"])),
                        None, _number(q.get("score")), str(q.get("tenant") or ""))
                for q in view.queued]
@@ -265,6 +274,8 @@ def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
         tpot = handle.last.tpot_s if handle is not None and handle.last is not None else None
         elapsed = max(0.0, now - float(r["dispatched_at"]))
         generated = int(elapsed / tpot) if tpot else int(elapsed * 1000)
+        if exact and original in exact:  # this process streams it: counted, not guessed
+            generated = exact[original]  # the answer's (a continuation's resend: more)
         running.append(Running(str(r["id"]), r["backend"], r["class"], r["user"],
                                float(r.get("score") or 0.0), generated,
                                preempted.get(original, 0), int(r.get("ptok") or 0),

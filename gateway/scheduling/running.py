@@ -40,6 +40,7 @@ class RunningEntry:
     generated: int  # tokens generated so far (continuable streams; 0 otherwise)
     moves: int  # how often it was moved on purpose
     movable: bool  # a continuation would reproduce the rest exactly, right now
+    streamed: bool = False  # a continuable stream: ``generated`` is exact
 
 
 @dataclass(slots=True)
@@ -61,7 +62,8 @@ class Running:
     def entry(self, max_moves: int) -> RunningEntry:
         return RunningEntry(self.request_id, self.model, self.user, self.tenant, self.klass,
                             self.backend, self.dispatched_s, self.mover.generated,
-                            self.moves, self.movable(max_moves))
+                            self.moves, self.movable(max_moves),
+                            self.mover.progress is not None)
 
     def movable(self, max_moves: int) -> bool:
         return self.moves < max_moves and self.mover.movable
