@@ -22,7 +22,10 @@ carries the decision out):
   allows now (its prompt plus the tokens generated so far: what its continuation sends
   again; :func:`recompute_allowance`). And either
   - it is of a *lower* class that is ``preemptible`` (across classes), or
-  - it is of the *same* class, whose ``fair`` switch is on, and the waiting user is below
+  - it is of the *same* class, whose ``fair`` switch is on, the waiting request waits at
+    the backend (dispatched there: vLLM gives the freed slot to the first of its queue by
+    priority, which is the waiting user's; queued in the gateway, the slot would go to
+    what the backend has waiting), and the waiting user is below
     its fair share against the victim's user (:func:`below_fair_share`): after the move the
     victim's user still holds at least as many of the model's running slots as the
     waiting user (across tenants: per unit of tenant weight), and the waiting user's
@@ -170,7 +173,12 @@ def may_preempt(waiter: Waiting, victim: Running, rules: Mapping[str, PreemptRul
     if victim.klass != waiter.klass or not (rule.fair or (
             rule.preemptible and fair_gap is not None)):
         return False
-    return below_fair_share(waiter, victim, shares or Shares.of([victim]), fair_gap)
+    # within a class only for a request waiting at the backend: vLLM gives a freed slot
+    # to the first of its queue, by priority, and the waiting user's is first there (its
+    # rank is below the over-served user's); for one queued in the gateway the slot would
+    # go to what the backend has waiting, most likely the over-served user's own
+    return waiter.backend is not None and below_fair_share(
+        waiter, victim, shares or Shares.of([victim]), fair_gap)
 
 
 def recompute_allowance(served: float, recomputed: float, ratio: float,

@@ -81,6 +81,9 @@ def test_interactive_is_never_preempted_by_default_and_batch_never_preempts() ->
 def test_same_class_only_for_a_user_far_below_its_fair_share() -> None:
     rules = {**RULES, "batch": PreemptRule(True, 1.0, 2)}
     poor = Waiting("batch", "ben", waited_s=2.0, backend="b0", score=100.0)
+    assert choose([dataclasses.replace(poor, backend=None)],
+                  [batch("r1", "bert", score=5000.0), batch("r2", "bert", score=5000.0)],
+                  [FULL], rules, fair_gap=1000.0) is None  # queued in the gateway: no
     # bert holds two slots, ben none: one moved leaves bert as many as ben
     rich = [batch("r1", "bert", score=5000.0), batch("r2", "bert", score=5000.0)]
     assert choose([poor], rich, [FULL], rules) is None  # no fair_gap, no fair switch: off
@@ -131,6 +134,7 @@ def test_property_a_victim_is_allowed_and_the_best_of_its_waiter(
     assert class_rank(v.klass) >= class_rank(w.klass), chosen
     if v.klass == w.klass:  # for fairness: a user below its share, never a richer one
         assert (rule.fair or (rule.preemptible and gap is not None)), chosen
+        assert w.backend == v.backend, chosen  # waiting there: the freed slot is its
         assert w.user != v.user and w.score is not None and w.score < v.score, chosen
         assert below_fair_share(w, v, shares, gap), chosen
     else:
@@ -197,9 +201,10 @@ def test_by_default_a_newcomer_takes_the_heavy_users_youngest_stream_past_its_gr
                                          SPECS["interactive"].preempt_grace_tokens - 1)]
     chosen = choose([newcomer], streams, [FULL8], DEFAULTS)
     assert chosen is not None and chosen.victim.request_id == "h0", chosen
-    # queued in the gateway (every backend full) it preempts too
+    # queued in the gateway it takes nothing: the freed slot would go to what vLLM has
+    # waiting (the heavy user's), not to it
     queued = Waiting("interactive", "nina", waited_s=0.6, score=0.0)
-    assert choose([queued], streams, [FULL8], DEFAULTS) is not None
+    assert choose([queued], streams, [FULL8], DEFAULTS) is None
     # not before its class's wait
     early = Waiting("interactive", "nina", waited_s=0.4, backend="b0", score=0.0)
     assert choose([early], streams, [FULL8], DEFAULTS) is None

@@ -67,6 +67,8 @@ async def test_by_default_a_newcomer_takes_the_heavy_interactive_users_slot(
     moves = (await gw.services.inspector.state())["moves"]  # the dashboard's panel
     assert moves["preempted"] == {f"{MODEL} · interactive": 1.0}, moves
     assert moves["preempted_tokens"] == {f"{MODEL} · interactive": resent}, moves
+    assert moves["preempted_users"] == {f"{MODEL} · interactive · bob": {
+        "preemptions": 1.0, "tokens": resent}}, moves
 
 
 BOUNDS: dict[str, dict[str, Any]] = {

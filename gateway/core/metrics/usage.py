@@ -91,6 +91,20 @@ class UsageMetrics(MetricGroup):
         self._labelled_inc(self.user_preemptions, (model, label, klass), label, 1.0)
         self._labelled_inc(self.user_preempted_tokens, (model, label, klass), label, tokens)
 
+    def preempted_view(self) -> dict[str, dict[str, float]]:
+        """This replica's preemptions per labelled user ("model · class · user"): how
+        many, and the tokens they send again (the dashboard's preemption panel)."""
+        out: dict[str, dict[str, float]] = {}
+        for counter, field in ((self.user_preemptions, "preemptions"),
+                               (self.user_preempted_tokens, "tokens")):
+            for family in counter.collect():
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        what = " · ".join((s.labels["model"], s.labels["priority_class"],
+                                           s.labels["user"]))
+                        out.setdefault(what, {})[field] = s.value
+        return out
+
     def on_queued(self, model: str, user: str, tenant: str, weight: float,
                   tenant_weight: float) -> None:
         """A request of ``user`` (in ``tenant``, "": its own) was queued: who it is goes to
