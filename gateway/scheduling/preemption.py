@@ -22,7 +22,12 @@ which its grant listener reads with its grants; that replica moves the stream
 (``RunningStreams.move(request_id, "preempt")``): the backend connection closes (vLLM
 aborts the request and frees its KV) and the answer's continuation waits at the head of
 its user's queue, to resume from its token ids. A stream it cannot move is marked so and
-the backend's hold is lifted at once.
+the backend's hold is lifted at once; one still within its class's grace (its exact tokens
+are known only there) is refused without the mark.
+
+Each replica keeps the recompute budget of the preemptions it orders
+(:meth:`Preemptor.allowance`): what they send again against a part of the tokens its own
+streams served (``RunningStreams.served``).
 """
 
 from __future__ import annotations
