@@ -17,6 +17,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loadtest.sim.disagg import KVTransfer
 from loadtest.sim.prefix_cache import BlockTable, hash_blocks
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.records import RequestRecord, RequestStream, Token
@@ -54,6 +55,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_load_s: float = 0.0
+    # disaggregated prefill/decode: the server's role and its modelled KV transfer
+    kv_transfer: KVTransfer = field(default_factory=KVTransfer)
     cost: Profile = field(init=False)
     num_kv_blocks: int = field(init=False)
     model_len: int = field(init=False)
@@ -179,6 +182,7 @@ class SimEngine:
         pooling: bool = False,
         prompt_ids: Seq[int] | None = None,
         lora: str | None = None,
+        remote_tokens: int = 0,
     ) -> RequestStream:
         """Queue a request that will generate ``output_tokens`` (default ``max_tokens``).
 
@@ -193,6 +197,9 @@ class SimEngine:
         full blocks findable in the prefix cache; without them it is computed in full.
 
         ``lora`` names the LoRA adapter the request runs with (the engine needs LoRA on).
+
+        ``remote_tokens``: prompt tokens whose KV came from a prefill server (a decode
+        server's P/D request): computed already when the request is first admitted.
         """
         if lora is not None and not self.config.enable_lora:
             raise ValueError("LoRA is not enabled on this engine")
@@ -231,7 +238,10 @@ class SimEngine:
         for rid, record, target in zip(ids, records, targets, strict=True):
             table = BlockTable(hashes)
             self.scheduler.add(
-                Sequence(rid, priority, now, prompt_tokens, target, table=table, lora=lora)
+                Sequence(
+                    rid, priority, now, prompt_tokens, target, table=table, lora=lora,
+                    remote_tokens=min(remote_tokens, prompt_tokens - 1),
+                )
             )
             self.records[rid] = record
             self._streams[rid] = stream

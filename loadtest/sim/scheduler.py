@@ -208,10 +208,12 @@ class Scheduler:
                     continue
             hit = self.pool.find_hit(seq.table.hashes, seq.num_tokens)
             num_cached = len(hit) * self.limits.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.pool.allocate(seq.table, num_cached + num_new, hit):
+            # KV pulled from a prefill server counts as computed at first admission
+            computed = num_cached if seq.ever_scheduled else max(num_cached, seq.remote_tokens)
+            num_new = min(seq.num_tokens - computed, budget)
+            if not self.pool.allocate(seq.table, computed + num_new, hit):
                 break
-            seq.num_computed = num_cached
+            seq.num_computed = computed
             self.waiting.pop()
             self.running.append(seq)
             if not seq.ever_scheduled:
