@@ -12,7 +12,7 @@ server has it set, else the fixed ``"vllm-none-hash"`` for the cryptographic alg
 KV events publish each hash as an "external" hash: by default
 (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) the low 64 bits of the digest as an unsigned
 integer, otherwise the digest's bytes. :func:`external_hashes` gives that form, which is
-what the prefix index (``policies/prefix_index.py``) stores.
+what the prefix index (``policies/kv_index.py``) stores.
 
 Extra keys (``generate_block_hash_extra_keys``): a LoRA adapter adds
 ``("lora", name, path)`` to every block, a ``cache_salt`` adds ``("cache_salt", salt)``

@@ -14,7 +14,7 @@ The replay socket (a ROUTER) answers a request ``(b"", start sequence as 8 bytes
 big-endian)`` with one message ``(b"", topic, sequence, payload)`` per batch still in its
 buffer from that number on, then the end marker ``(b"", b"", -1 as 8 bytes, b"")``.
 
-:func:`decode_batch` turns a payload into ``policies.prefix_index`` events.
+:func:`decode_batch` turns a payload into ``policies.kv_index`` events.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from policies.prefix_index import Cleared, Event, Removed, Stored
+from policies.kv_index import Cleared, Event, Removed, Stored
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 SEQ_BYTES = 8

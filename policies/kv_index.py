@@ -4,7 +4,7 @@ A vLLM server started with ``--kv-events-config`` publishes numbered batches of 
 (``docs/vllm-pd-and-kv-events.md``): ``BlockStored`` (blocks now findable by their hash),
 ``BlockRemoved`` (evicted) and ``AllBlocksCleared`` (prefix cache reset). The gateway's
 subscriber decodes them (``gateway/backends/kv_events.py``) into the plain events below
-and hands each batch to :meth:`PrefixIndex.receive` with its sequence number.
+and hands each batch to :meth:`KVBlockIndex.receive` with its sequence number.
 
 **What is held.** A hash may be cached in two physical blocks at once (two requests with
 the same prefix computed concurrently); vLLM publishes one ``BlockStored`` and one
@@ -19,10 +19,10 @@ another cache, and a hybrid model's other groups hash other blocks.
   was applied in order: the held set is the server's.
 - ``unknown``: a batch is missing (a gap in the sequence numbers, or the subscriber joined
   after the first batch). Later batches are kept, up to ``max_pending``, and nothing is
-  scored until the missing ones arrive (:meth:`PrefixIndex.replay_from` says where the
+  scored until the missing ones arrive (:meth:`KVBlockIndex.replay_from` says where the
   server's replay socket should start) or an ``AllBlocksCleared`` makes the past
   irrelevant.
-- ``partial``: the replay could not fill the gap (:meth:`PrefixIndex.replay_done`, or too
+- ``partial``: the replay could not fill the gap (:meth:`KVBlockIndex.replay_done`, or too
   many batches kept): the index forgets everything and learns forward. A block it then
   holds is certainly cached (a lower bound: a removal of a block it never saw stored is
   ignored), so scores stay safe to use; blocks stored before are missed.
@@ -122,7 +122,7 @@ class BackendView:
         return run
 
 
-class PrefixIndex:
+class KVBlockIndex:
     """Backends' held blocks, kept exact from their numbered event batches."""
 
     def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
@@ -237,14 +237,14 @@ class PrefixIndex:
         view.apply(batch[last_clear:])
         view.next_seq = seq + 1
         view.state, view.state_before_gap = "unknown", "exact"
-        PrefixIndex._drain(view)
+        KVBlockIndex._drain(view)
 
     @staticmethod
     def _give_up(view: BackendView, resume_at: int) -> None:
         view.holders.clear()
         view.state, view.state_before_gap = "unknown", "partial"
         view.next_seq = resume_at
-        PrefixIndex._drain(view)
+        KVBlockIndex._drain(view)
 
     @staticmethod
     def _drain(view: BackendView) -> None:
@@ -256,7 +256,7 @@ class PrefixIndex:
             view.state = view.state_before_gap
 
 
-def held_by(index: PrefixIndex, backends: Iterable[str]) -> Mapping[str, frozenset[BlockHash]]:
+def held_by(index: KVBlockIndex, backends: Iterable[str]) -> Mapping[str, frozenset[BlockHash]]:
     """Each backend's held hashes (for tests and the admin view)."""
     result: dict[str, frozenset[BlockHash]] = {}
     for backend in backends:

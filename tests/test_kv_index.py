@@ -1,4 +1,4 @@
-"""The prefix index from KV events (policies/prefix_index.py) and vLLM's block hashes
+"""The prefix index from KV events (policies/kv_index.py) and vLLM's block hashes
 (policies/kv_blocks.py): against a real vLLM's events, and against a reference model
 under any delivery of a publisher's batches (drops, duplicates, replays, restarts)."""
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.kv_blocks import DEFAULT_SEED, block_hashes, external, external_hashes, none_hash
-from policies.prefix_index import Cleared, Event, PrefixIndex, Removed, Stored
+from policies.kv_index import Cleared, Event, KVBlockIndex, Removed, Stored
 
 FIXTURE = Path(__file__).parent / "data" / "vllm-0.32-kv-events.json"
 
@@ -86,7 +86,7 @@ def test_hash_chain_shape() -> None:
 
 def test_index_of_a_real_stream_scores_what_the_server_holds() -> None:
     fx = _fixture()
-    index = PrefixIndex()
+    index = KVBlockIndex()
     for seq, events in _fixture_batches():
         index.receive("p", seq, events)
     assert index.state("p") == "exact"
@@ -115,7 +115,7 @@ def r(*hashes: int) -> Removed:
 
 
 def test_gap_makes_the_view_unknown_until_the_replay_fills_it() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1, 2)])
     index.receive("b", 2, [s(3)])  # 1 lost
     assert index.state("b") == "unknown" and index.replay_from("b") == 1
@@ -129,7 +129,7 @@ def test_gap_makes_the_view_unknown_until_the_replay_fills_it() -> None:
 
 
 def test_a_replay_that_cannot_fill_the_gap_leaves_a_lower_bound() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1, 2)])
     index.receive("b", 3, [s(4)])
     index.receive("b", 2, [s(3)], replayed=True)  # the server's buffer starts at 2
@@ -141,7 +141,7 @@ def test_a_replay_that_cannot_fill_the_gap_leaves_a_lower_bound() -> None:
 
 
 def test_replay_done_without_the_missing_batch_gives_up() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1)])
     index.receive("b", 5, [s(5)])
     index.replay_done("b")
@@ -150,7 +150,7 @@ def test_replay_done_without_the_missing_batch_gives_up() -> None:
 
 
 def test_a_clear_after_a_gap_makes_the_view_exact() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1)])
     index.receive("b", 4, [s(9), Cleared(), s(2)])
     assert index.state("b") == "exact" and index.view("b").holders == {2: 1}  # type: ignore[union-attr]
@@ -159,7 +159,7 @@ def test_a_clear_after_a_gap_makes_the_view_exact() -> None:
 
 
 def test_sequence_zero_again_is_a_restart() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1)])
     index.receive("b", 1, [s(2)])
     index.receive("b", 0, [s(7)])
@@ -169,13 +169,13 @@ def test_sequence_zero_again_is_a_restart() -> None:
 
 
 def test_joining_late_waits_for_the_replay_from_zero() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 7, [s(1)])
     assert index.state("b") == "unknown" and index.replay_from("b") == 0
 
 
 def test_too_many_kept_batches_give_up() -> None:
-    index = PrefixIndex(max_pending=2)
+    index = KVBlockIndex(max_pending=2)
     index.receive("b", 0, [s(1)])
     for seq in (2, 3, 4):
         index.receive("b", seq, [s(seq)])
@@ -184,7 +184,7 @@ def test_too_many_kept_batches_give_up() -> None:
 
 
 def test_holders_are_counted_and_other_tiers_ignored() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1), s(1), r(1)])  # two physical blocks, one evicted
     assert index.held_blocks("b", [1]) == 1
     index.receive("b", 1, [Stored((5,), medium="CPU"), Stored((6,), group=1), r(1)])
@@ -193,7 +193,7 @@ def test_holders_are_counted_and_other_tiers_ignored() -> None:
 
 
 def test_reset_and_forget() -> None:
-    index = PrefixIndex()
+    index = KVBlockIndex()
     index.receive("b", 0, [s(1)])
     index.receive("b", 3, [s(2)])
     index.reset("b")
@@ -241,7 +241,7 @@ def truth(log: list[list[Event]], upto: int) -> Counter[int]:
     return +held
 
 
-def check(index: PrefixIndex, log: list[list[Event]], newest: int) -> None:
+def check(index: KVBlockIndex, log: list[list[Event]], newest: int) -> None:
     """``newest``: the highest sequence number delivered so far."""
     view = index.view("b")
     assert view is not None
@@ -262,7 +262,7 @@ def check(index: PrefixIndex, log: list[list[Event]], newest: int) -> None:
 @given(log=publisher_logs(), data=st.data())
 def test_index_equals_the_reference_under_any_delivery(log: list[list[Event]],
                                                        data: st.DataObject) -> None:
-    index = PrefixIndex(max_pending=data.draw(st.integers(1, 8)))
+    index = KVBlockIndex(max_pending=data.draw(st.integers(1, 8)))
     buffer_steps = data.draw(st.integers(1, 30))  # the publisher's replay buffer
     dropped = False
     newest = -1
