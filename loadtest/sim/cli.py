@@ -19,6 +19,7 @@ from loadtest.sim.disagg import (
 )
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS
 from loadtest.sim.engine import EngineConfig
+from loadtest.sim.kv_publisher import KVEventsConfig
 from loadtest.sim.lora import parse_lora_module
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.scheduler import POLICIES
@@ -104,6 +105,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--kv-transfer-latency-ms", type=float, default=DEFAULT_TRANSFER_LATENCY_S * 1000,
         help="a decode server's modelled fixed cost per KV pull",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="vLLM's flag: publish KV-cache events over ZMQ, e.g. '{\"enable_kv_cache_events\": "
+        "true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(needs pyzmq, the sim extra)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -126,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         lora_modules=tuple(parse_lora_module(item) for item in args.lora_modules),
         lora_load_s=args.lora_load_s,
+        kv_events=KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None,
         kv_transfer=KVTransfer(
             role=args.role,
             bytes_per_s=args.kv_transfer_gbps * 1e9,

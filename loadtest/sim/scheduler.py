@@ -84,6 +84,7 @@ class SchedulerLimits:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_loras: int = 0  # distinct LoRA adapters per step (0: LoRA off)
+    kv_cache_events: bool = False  # the block pool records KV events
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks needed to hold ``num_tokens`` tokens."""
@@ -99,7 +100,10 @@ class Scheduler:
         self.limits = limits
         self.waiting: WaitingQueue = PriorityQueue() if limits.policy == "priority" else FcfsQueue()
         self.running: list[Sequence] = []
-        self.pool = BlockPool(limits.kv_blocks, limits.block_size, limits.enable_prefix_caching)
+        self.pool = BlockPool(
+            limits.kv_blocks, limits.block_size, limits.enable_prefix_caching,
+            enable_kv_cache_events=limits.kv_cache_events,
+        )  # fmt: skip
         self._live: dict[str, Sequence] = {}
 
     @property
