@@ -273,6 +273,9 @@ ONE_BACKEND = "backends: [{name: b0, url: 'http://127.0.0.1:9', model: m}]\n"
      "api_keys.1.key: the same secret as api_keys.0"),
     (ONE_BACKEND + "api_keys: [{key: sk-a, user: a, id: k1}, {key: sk-b, user: b, id: k1}]\n",
      "api_keys.1.id: 'k1' is also the id of api_keys.0"),
+    # an API key's holder would run the admin routes, an admin served as that user
+    (ONE_BACKEND + "api_keys: [{key: sk-a, user: a}]\nadmin_keys: [sk-b, sk-a]\n",
+     "admin_keys.1: the same secret as api_keys.0"),
 ])
 def test_settings_that_break_service_are_refused(text: str, words: str, tmp_path: Path) -> None:
     path = tmp_path / "fairgate.yaml"

@@ -99,6 +99,16 @@ class CompletionRequest:
         return {name: self.body[name] for name in SAMPLING if name in self.body}
 
     @property
+    def choices(self) -> tuple[int, int]:
+        """(``n``, prompts): a stream's choices are ``n`` per prompt, prompt ``p``'s
+        choice ``k`` at index ``p * n + k`` (a completions batch has several prompts)."""
+        n = self.body.get("n")
+        prompt = self.body.get("prompt")
+        prompts = (len(prompt) if self.endpoint is COMPLETIONS and isinstance(prompt, list)
+                   and prompt and not isinstance(prompt[0], int) else 1)
+        return (n if isinstance(n, int) and n > 1 else 1), prompts
+
+    @property
     def min_tokens(self) -> int:
         value = self.body.get("min_tokens")
         return value if isinstance(value, int) and value > 0 else 0
@@ -379,7 +389,9 @@ def _check_sequences(body: dict[str, Any]) -> int:
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
             "repetition_penalty", "skip_special_tokens", "spaces_between_special_tokens",
             "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "user",
-            "cache_salt")
+            "cache_salt", "presence_penalty", "frequency_penalty")
+# counted over the generated tokens only: a continuation emulates them (gateway/proxy/penalties.py)
+PENALTIES = ("presence_penalty", "frequency_penalty")
 # framing and prompt construction: a continuation sends the prompt's ids instead
 NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", "max_tokens",
                      "max_completion_tokens", "n", "priority", "return_token_ids",
@@ -387,7 +399,9 @@ NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", 
                      "add_special_tokens", "chat_template", "chat_template_kwargs",
                      "documents", "request_id", "metadata", "store", "service_tier",
                      "parallel_tool_calls", "tool_choice", "echo", "logprobs",
-                     "top_logprobs", "prompt_logprobs"))
+                     "top_logprobs", "prompt_logprobs",
+                     # vLLM 0.32 ignores it on chat and completions (not a field there)
+                     "best_of"))
 
 
 def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
@@ -396,18 +410,17 @@ def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:
 
     Every field outside :data:`SAMPLING` and :data:`NEUTRAL` that is set (not null,
     false, zero or empty) counts: ``stop`` strings (text held back for them lags the token
-    ids), ``n`` or ``best_of`` above 1, ``echo``, log probabilities, structured output
-    (``response_format``, ``guided_*``, ``structured_outputs``), ``tools``, presence and
-    frequency penalties (they count only the generated tokens, which a continuation sends
-    as its prompt), ``suffix`` and anything fairgate does not know."""
+    ids), ``echo``, log probabilities, structured output (``response_format``,
+    ``guided_*``, ``structured_outputs``), ``tools``, ``suffix`` and anything fairgate
+    does not know; and presence or frequency penalties beside a ``repetition_penalty``
+    (the bias that emulates them would be scaled). ``n`` > 1 and a batch of prompts
+    continue each choice on its own (``gateway/proxy/choices.py``)."""
     if endpoint not in (CHAT, COMPLETIONS):
         return f"{endpoint.path} is not continued"
-    if body.get("n") not in (None, 1):
-        return "n > 1"
-    prompt = body.get("prompt")
-    if (endpoint is COMPLETIONS and isinstance(prompt, list) and prompt
-            and not isinstance(prompt[0], int) and len(prompt) != 1):
-        return "more than one prompt"
+    if any(body.get(name) for name in PENALTIES) and body.get("repetition_penalty") not in (
+            None, 1, 1.0):
+        # vLLM scales the logits (the emulating logit_bias too) by it after the bias
+        return "repetition_penalty with presence or frequency penalties"
     for name in ("echo", "logprobs", "top_logprobs", "prompt_logprobs"):
         if body.get(name):
             return f"{name} is set"
@@ -425,8 +438,6 @@ def _set_unknown(body: dict[str, Any]) -> str | None:
             continue
         if name == "response_format" and isinstance(value, dict) and value.get(
                 "type") == "text":
-            continue
-        if name == "best_of" and value == 1:
             continue
         return f"{name} is set"
     return None

@@ -26,6 +26,7 @@ from typing import Any
 
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.endpoints import CHAT
+from gateway.proxy.penalties import continued_bias
 
 
 def not_continuable(creq: CompletionRequest) -> str | None:
@@ -107,6 +108,8 @@ class Progress:
             out["max_tokens"] = max(1, bound - len(self.generated))
         if creq.min_tokens > 0:
             out["min_tokens"] = max(0, creq.min_tokens - len(self.generated))
+        if (bias := continued_bias(out, self.generated)) is not None:
+            out["logit_bias"] = bias  # the penalties the generated tokens carried
         self.base_generated = len(self.generated)
         self.continuations += 1
         return out

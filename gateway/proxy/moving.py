@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from gateway.proxy.continuation import Progress
+from gateway.proxy.choices import StreamProgress
 
 # why an answer continues elsewhere: its backend failed, or it was moved on purpose
 FAILOVER, DRAIN, PREEMPT = "failover", "drain", "preempt"
@@ -35,11 +35,17 @@ class Moved(aiohttp.ClientPayloadError):
     """The answer's response was closed on purpose; the relay continues it elsewhere."""
 
 
+class Failable(Protocol):
+    """What a move fails of a response's body (``aiohttp.StreamReader``, ``FanIn``'s)."""
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
 class Closable(Protocol):
     """What a move needs of a backend response (``aiohttp.ClientResponse``)."""
 
     @property
-    def content(self) -> aiohttp.StreamReader: ...
+    def content(self) -> Failable: ...
 
     def close(self) -> None: ...
 
@@ -50,7 +56,7 @@ class Mover:
     __slots__ = ("_close", "progress", "reason", "whole")
 
     def __init__(self) -> None:
-        self.progress: Progress | None = None  # a continuable stream's progress
+        self.progress: StreamProgress | None = None  # a continuable stream's progress
         self.whole = False  # a non-streamed answer: nothing reaches the client until it ends
         self.reason: str | None = None  # the move asked, until the relay takes it
         # closes what the relay reads now; False: that was over already

@@ -42,8 +42,9 @@ from aiohttp import web
 from gateway.core import jsonio
 from gateway.core.edge import sse_frame
 from gateway.core.errors import FairgateError, UpstreamError
-from gateway.proxy.continuation import Progress
+from gateway.proxy.choices import StreamProgress
 from gateway.proxy.endpoints import Endpoint, Frames, Usage
+from gateway.proxy.fan_in import FanIn
 from gateway.proxy.moving import FAILOVER, Mover
 
 log = structlog.get_logger("fairgate.relay")
@@ -73,7 +74,7 @@ class Segment:
     """A continuation's answer: its response, who hears its first output, and whether it
     is the original request sent again (its prompt's token ids never came)."""
 
-    resp: aiohttp.ClientResponse
+    resp: aiohttp.ClientResponse | FanIn  # FanIn: several choices' continuations
     started: Callable[[], Awaitable[None]]
     restart: bool = False
 
@@ -142,7 +143,7 @@ class FrameFilter:
     """Splits a stream into whole SSE frames and reads what the relay reports."""
 
     def __init__(self, wants_usage: bool, frames: Frames = Frames.CHOICES,
-                 progress: Progress | None = None) -> None:
+                 progress: StreamProgress | None = None) -> None:
         self.wants_usage = wants_usage
         self.events = frames is Frames.EVENTS  # typed events, the final one with usage
         self.progress = progress  # a continuable answer: every frame is read
@@ -183,7 +184,7 @@ class FrameFilter:
             self.broken = exc
         return b"".join(out)
 
-    def _original(self, complete: bytes, progress: Progress, out: list[bytes]) -> None:
+    def _original(self, complete: bytes, progress: StreamProgress, out: list[bytes]) -> None:
         """Whole frames of a continuable stream's original backend, appended to ``out``
         as they are read: once its output began, each run of output frames (one
         ``data:`` line each, no usage) is read in one pass (:meth:`_outputs`); any other
@@ -201,7 +202,7 @@ class FrameFilter:
         if run:
             self._outputs(run, progress, out)
 
-    def _outputs(self, frames: list[bytes], progress: Progress, out: list[bytes]) -> None:
+    def _outputs(self, frames: list[bytes], progress: StreamProgress, out: list[bytes]) -> None:
         """Output frames after the first, each read and recorded as :meth:`_tracked`
         does, their ids stripped in one pass (a key's ``"token_ids":[…]`` never spans two
         JSON objects), appended to ``out``; a broken one raises ``StreamBroke`` once the
@@ -215,7 +216,7 @@ class FrameFilter:
                 raise
         self._append_run(frames, progress, out)
 
-    def _append_run(self, frames: list[bytes], progress: Progress, out: list[bytes]) -> None:
+    def _append_run(self, frames: list[bytes], progress: StreamProgress, out: list[bytes]) -> None:
         if frames:
             data = b"\n\n".join(frames) + b"\n\n"
             self.output_frames += len(frames)  # started: every one is counted
@@ -252,7 +253,7 @@ class FrameFilter:
             return self._event(frame, event)
         return self._counted(frame)
 
-    def _tracked(self, frame: bytes, payload: bytes, progress: Progress) -> bytes:
+    def _tracked(self, frame: bytes, payload: bytes, progress: StreamProgress) -> bytes:
         """A frame of a continuable answer: recorded, its ids stripped unless asked for,
         re-framed when it comes from a continuation."""
         event = _event_of(payload)
@@ -335,9 +336,9 @@ async def _write(out: web.StreamResponse, data: bytes) -> None:
         raise ClientGone from exc
 
 
-async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
+async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse | FanIn,
                        listener: RelayListener, wants_usage: bool, endpoint: Endpoint,
-                       progress: Progress | None = None, resume: Resume | None = None,
+                       progress: StreamProgress | None = None, resume: Resume | None = None,
                        started: Callable[[], Awaitable[None]] | None = None,
                        mover: Mover | None = None,
                        out: web.StreamResponse | None = None,
@@ -379,7 +380,7 @@ async def relay_stream(request: web.Request, resp: aiohttp.ClientResponse,
         raise asyncio.CancelledError from None
 
 
-async def _relay(resp: aiohttp.ClientResponse, listener: RelayListener, endpoint: Endpoint,
+async def _relay(resp: aiohttp.ClientResponse | FanIn, listener: RelayListener, endpoint: Endpoint,
                  frames: FrameFilter, resume: Resume | None,
                  started: Callable[[], Awaitable[None]], mover: Mover,
                  out: web.StreamResponse, idle_s: float | None) -> web.StreamResponse:
@@ -427,7 +428,7 @@ async def _relay(resp: aiohttp.ClientResponse, listener: RelayListener, endpoint
     return out
 
 
-async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse, frames: FrameFilter,
+async def _pump(out: web.StreamResponse, resp: aiohttp.ClientResponse | FanIn, frames: FrameFilter,
                 listener: RelayListener, started: Callable[[], Awaitable[None]],
                 idle_s: float | None = None) -> str | None:
     """Relay one backend's stream; what failed, or ``None`` when it ended with its
@@ -567,7 +568,7 @@ async def one_segment(stack: contextlib.AsyncExitStack, resume: Resume, reason: 
         return None
 
 
-async def _close(out: web.StreamResponse, frames: FrameFilter, progress: Progress) -> None:
+async def _close(out: web.StreamResponse, frames: FrameFilter, progress: StreamProgress) -> None:
     """End an answer whose last token was relayed: its usage (as asked) and ``[DONE]``."""
     for event in progress.closing(frames.wants_usage):
         await _write(out, b"data: " + json.dumps(event, separators=(",", ":")).encode()

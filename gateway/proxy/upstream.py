@@ -48,9 +48,11 @@ from gateway.core.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from gateway.proxy.choices import ChoicesProgress, StreamProgress, progress_of
 from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.continuation import Progress
 from gateway.proxy.endpoints import CHOICES_USAGE, COMPLETIONS, Usage
+from gateway.proxy.fan_in import FanIn
 from gateway.proxy.moving import FAILOVER, RETRY, Mover
 from gateway.proxy.relay import (
     RelayListener,
@@ -113,7 +115,7 @@ class Upstream:
         wants_usage = True  # a Responses stream has no usage frame to drop
         if creq.endpoint.stream_usage_option:
             wants_usage = creq.include_usage
-        progress = Progress.of(creq) if (
+        progress = progress_of(creq) if (
             continuation is not None and creq.stream) else None
         body = creq.forwarded(token_ids=progress is not None)
         resume = None if continuation is None else self._resumer(
@@ -168,7 +170,7 @@ class Upstream:
                 stack, resume, mover.take() or FAILOVER, str(exc))
             if segment is None:
                 raise
-            return segment.resp, segment.started
+            return _single(segment.resp), segment.started
 
     async def _movable_post(self, mover: Mover, handle: BackendHandle, path: str,
                             body: dict[str, Any], priority: int) -> aiohttp.ClientResponse:
@@ -188,14 +190,17 @@ class Upstream:
             mover.detach()
 
     def _resumer(self, creq: CompletionRequest, body: dict[str, Any],
-                 progress: Progress | None, handle: BackendHandle,
+                 progress: StreamProgress | None, handle: BackendHandle,
                  continuation: Continuation) -> Resume:
         failed = [handle]  # the backend the answer last ran on
 
         def resume(reason: str, failure: str) -> AbstractAsyncContextManager[Segment] | None:
-            tokens = (estimate_prompt_tokens(creq.prompt)
-                      if progress is None  # a whole answer, sent again from the start
-                      else len(progress.prompt_ids or ()) + len(progress.generated))
+            if progress is None:  # a whole answer, sent again from the start
+                tokens = estimate_prompt_tokens(creq.prompt)
+            elif isinstance(progress, ChoicesProgress):
+                tokens = progress.resent
+            else:
+                tokens = len(progress.prompt_ids or ()) + len(progress.generated)
             lease = continuation(reason, tokens, failed[0])
             return None if lease is None else self._segment(lease, creq, body, progress,
                                                             failed)
@@ -204,8 +209,8 @@ class Upstream:
     @asynccontextmanager
     async def _segment(self, lease: AbstractAsyncContextManager[Lease],
                        creq: CompletionRequest, body: dict[str, Any],
-                       progress: Progress | None, failed: list[BackendHandle]
-                       ) -> AsyncIterator[Segment]:
+                       progress: StreamProgress | None,
+                       failed: list[BackendHandle]) -> AsyncIterator[Segment]:
         """One continuation: scheduled, sent, answered 200, or ``StreamBroke``."""
         async with contextlib.AsyncExitStack() as stack:
             try:
@@ -214,20 +219,36 @@ class Upstream:
                 raise StreamBroke(f"no backend took the rest of the answer: {exc}") from exc
             failed[0] = ticket.backend
             restart = progress is None or not progress.resumable
+            if isinstance(progress, ChoicesProgress) and not restart:  # one per choice
+                parts = [(index, await self._segment_post(stack, ticket, COMPLETIONS.path,
+                                                          sent, creq))
+                         for index, sent in progress.continuation_bodies(creq, creq.stream)]
+                fan = FanIn(parts)
+                stack.callback(fan.content.stop)  # its readers end with the answer
+                yield Segment(fan, ticket.first_token, restart)
+                return
             path, sent = creq.path, body
-            if progress is not None and not restart:
+            if isinstance(progress, Progress) and not restart:
                 path = COMPLETIONS.path
                 sent = progress.continuation_body(creq, creq.stream)
-            try:
-                resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
-            except UpstreamError as exc:  # BackendUnreachable too
-                if not creq.stream and isinstance(exc, UpstreamTimeout):
-                    raise  # a whole answer cut by the timeout: final, as in _open
-                raise StreamBroke(str(exc)) from exc
-            stack.callback(resp.release)
-            if resp.status != 200:
-                raise StreamBroke(f"backend {ticket.backend.name} answered HTTP {resp.status}")
+            resp = await self._segment_post(stack, ticket, path, sent, creq)
             yield Segment(resp, ticket.first_token, restart)
+
+    async def _segment_post(self, stack: contextlib.AsyncExitStack, ticket: Lease, path: str,
+                            sent: dict[str, Any], creq: CompletionRequest
+                            ) -> aiohttp.ClientResponse:
+        """A continuation's request, answered 200 (released with ``stack``), or
+        ``StreamBroke``."""
+        try:
+            resp = await self._post(ticket.backend, path, dict(sent), ticket.priority)
+        except UpstreamError as exc:  # BackendUnreachable too
+            if not creq.stream and isinstance(exc, UpstreamTimeout):
+                raise  # a whole answer cut by the timeout: final, as in _open
+            raise StreamBroke(str(exc)) from exc
+        stack.callback(resp.release)
+        if resp.status != 200:
+            raise StreamBroke(f"backend {ticket.backend.name} answered HTTP {resp.status}")
+        return resp
 
     async def _whole(self, handle: BackendHandle, resp: aiohttp.ClientResponse,
                      listener: RelayListener, usage: Usage,
@@ -247,7 +268,7 @@ class Upstream:
                         stack, resume, RETRY,
                         f"backend {handle.name} answered HTTP {resp.status}")
                     if segment is not None:
-                        resp = segment.resp
+                        resp = _single(segment.resp)
                     continue
                 mover.attach(resp)
                 try:
@@ -263,7 +284,7 @@ class Upstream:
                 segment = await next_segment(stack, resume, reason, failure)
                 if segment is None:
                     raise UpstreamError(failure)
-                resp = segment.resp
+                resp = _single(segment.resp)
 
     async def fetch(self, handle: BackendHandle, creq: CompletionRequest, priority: int,
                     listener: RelayListener, continuation: Continuation | None = None,
@@ -331,6 +352,14 @@ class Upstream:
                                   f"(upstream_timeout_s / max_request_s): {exc!r}") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"backend {handle.name} unreachable: {exc}") from exc
+
+
+def _single(resp: aiohttp.ClientResponse | FanIn) -> aiohttp.ClientResponse:
+    """A segment that sends the request again (a whole answer, or a stream before its
+    first frame): one response, never several choices' continuations."""
+    if isinstance(resp, FanIn):
+        raise TypeError("several choices' continuations where the request was sent again")
+    return resp
 
 
 class _NoListener:

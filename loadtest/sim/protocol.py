@@ -24,7 +24,9 @@ Token counts (no tokenizer; deterministic and documented):
 - the prompt's token ids (``SimRequest.prompt_ids()``, for the prefix cache) are
   ``loadtest/sim/tokenizer.py``'s for the same split, so equal text prefixes share ids;
 - the output length of each of the ``n`` choices is ``max_tokens`` with ``ignore_eos``;
-  otherwise a seeded draw from ``hash(seed, prompt, choice)`` uniform in [16, 512],
+  otherwise a seeded draw from ``hash(seed, prompt, choice)`` uniform in [16, 512]
+  (with a ``seed`` in the body, choice ``i`` draws as choice 0 with ``seed + i``, as
+  vLLM seeds a request's children),
   capped by ``max_tokens`` (whose default is ``max_model_len - prompt_tokens``). It ends
   with ``finish_reason`` "length" when the cap cut it, else "stop".
 - the output text is one filler word per token, chosen from that hash; each generated
@@ -324,6 +326,19 @@ def _seed_hash(key: bytes, seed: int, choice: int) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=salt).digest(), "big")
 
 
+def _draws(key: bytes, seed: int, body_seed: Any, n: int
+           ) -> tuple[list[int], tuple[int, ...]]:
+    """Each choice's draw and first filler word. With a ``seed`` in the body, choice ``i``
+    draws as choice 0 of the same request with ``seed + i`` (vLLM gives child ``i`` of a
+    request the seed ``seed + i``: ``v1/engine/parallel_sampling.py``)."""
+    if isinstance(body_seed, int) and not isinstance(body_seed, bool):
+        hashes = [_seed_hash(key + b"@" + str(body_seed + i).encode(), seed, 0)
+                  for i in range(n)]
+        return hashes, tuple(h % len(FILLER) for h in hashes)
+    hashes = [_seed_hash(key, seed, i) for i in range(n)]
+    return hashes, tuple((hashes[0] + 7 * i) % len(FILLER) for i in range(n))
+
+
 def _check_context(prompt: Prompt, model_len: int) -> None:
     """vLLM's prompt length checks: characters before tokenizing, then tokens."""
     max_chars = model_len * CHARS_PER_TOKEN  # vLLM: max_model_len x the longest token
@@ -413,8 +428,7 @@ def parse_request(
     max_tokens = room if max_tokens is None else min(max_tokens, room)
     n = 1 if n is None else n
     _check_sampling(n, temperature, max_tokens)
-    hashes = [_seed_hash(key, seed, i) for i in range(n)]
-    bases = tuple((hashes[0] + 7 * i) % len(FILLER) for i in range(n))
+    hashes, bases = _draws(key, seed, body.get("seed"), n)
     naturals = tuple(MIN_DRAW + h % (MAX_DRAW - MIN_DRAW + 1) for h in hashes)
     start = 0
     state = _continued(prompt)

@@ -119,15 +119,14 @@ def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
 
 
 @pytest.mark.parametrize(("endpoint", "extra", "why"), [
-    (CHAT, {"n": 2}, "n > 1"),
     (COMPLETIONS, {"stop": ["\n"]}, "stop is set"),
     (COMPLETIONS, {"echo": True}, "echo is set"),
     (COMPLETIONS, {"logprobs": 2}, "logprobs is set"),
     (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set"),
     (CHAT, {"tools": [{"type": "function"}]}, "tools is set"),
     (CHAT, {"tool_choice": "auto"}, "tool_choice is set"),
-    (CHAT, {"frequency_penalty": 0.5}, "frequency_penalty is set"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "more than one prompt"),
+    (CHAT, {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
+     "repetition_penalty with presence or frequency penalties"),
     (EMBEDDINGS, {}, "/v1/embeddings is not continued"),
 ])
 def test_what_cannot_be_continued_says_why(endpoint: Any, extra: dict[str, Any],

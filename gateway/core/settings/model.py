@@ -146,6 +146,12 @@ class Settings(BaseSettings):
                                  f"api_keys.{ids[key.id]}")
             if key.id is not None:
                 ids[key.id] = i
+        for i, admin in enumerate(self.admin_keys):
+            if admin in secrets:
+                raise ValueError(f"admin_keys.{i}: the same secret as "
+                                 f"api_keys.{secrets[admin]}: an admin key is no API key "
+                                 "(its holder would be served as that key's user, and "
+                                 "that user could run the admin routes)")
         return self
 
     @model_validator(mode="after")
