@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# a stream is never preempted before it has generated this many tokens: its user sees it
+# progress, and a preemption never throws away a stream that has only just been scheduled
+# (what it recomputes then is mostly its prompt, for a slot it barely used)
+PREEMPT_GRACE_TOKENS = 32
+
 
 @dataclass(frozen=True, slots=True)
 class ClassSpec:
@@ -27,14 +32,21 @@ class ClassSpec:
     max_kv_usage: float | None = None
     max_waiting_prefill_tokens: int | None = None
     # preemption for fairness (policies/preemption.py): its running requests may give
-    # their slot to a waiting request of a higher class; a waiting request of the class may
-    # take one after this long (None: never); one request is preempted at most this often
+    # their slot to a waiting request of a higher class (preemptible), or of its own class
+    # whose user is below its fair share (fair_preemption); a waiting request of the class
+    # may take one after this long (None: never); one request is preempted at most
+    # max_preemptions times, and never before it generated preempt_grace_tokens
     preemptible: bool = False
     preempt_after_ms: int | None = None
     max_preemptions: int = 2
+    fair_preemption: bool = True
+    preempt_grace_tokens: int = PREEMPT_GRACE_TOKENS
 
 
 CLASSES: tuple[ClassSpec, ...] = (
+    # interactive and default: a user below its fair share takes the slot of the most
+    # over-served user's youngest stream of its class (fair_preemption, on by default);
+    # never for a lower class (only batch is preemptible across classes)
     ClassSpec("interactive", priority_base=0, max_waiting=3, max_queue_wait_s=300.0, floor=0.0,
               preempt_after_ms=500),
     ClassSpec("default", priority_base=1000, max_waiting=3, max_queue_wait_s=300.0, floor=0.10,

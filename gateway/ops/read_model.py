@@ -172,7 +172,8 @@ class Inspector(ReadsSettings):
         return {"replica_id": self.replica_id, "time": now,
                 "fairness": self.settings.fairness.policy,
                 "models": models, "history": await self.history.view(),
-                "moves": self.metrics.moves.view()}
+                "moves": {**self.metrics.moves.view(),
+                          "preempted_users": self.metrics.usage.preempted_view()}}
 
     async def refresh_queue_metrics(self) -> None:
         """Gauges read from Redis at scrape time: queue depth and oldest wait, and the

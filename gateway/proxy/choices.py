@@ -150,7 +150,8 @@ class ChoicesProgress:
         for choice in _choices(event):
             if (part := self._part(choice)) is None:
                 continue
-            for reframed in part.continued({"choices": [choice]})["choices"]:
+            one = part.continued({"choices": [choice]})  # a part is never replayed: not None
+            for reframed in [] if one is None else one["choices"]:
                 reframed["index"] = choice["index"]
                 choices.append(reframed)
         out["choices"] = choices

@@ -95,6 +95,18 @@ class CompletionRequest:
         return _unresumable(self.endpoint, self.body)
 
     @property
+    def replayable(self) -> bool:
+        """Not continued from token ids only for fields a replay of the request reproduces
+        (:data:`REPLAYED`: tools, structured output; ``gateway/proxy/replay.py``)."""
+        if not any(self.body.get(name) is not None for name in REPLAYED):
+            return False
+        if self.body.get("n") not in (None, 1) or self.body.get("best_of") not in (None, 1) \
+                or any(self.body.get(name) for name in REPLAY_DROPS):
+            return False  # a replay seams one choice's text, nothing per token
+        rest = {k: v for k, v in self.body.items() if k not in REPLAYED}
+        return _unresumable(self.endpoint, rest) is None
+
+    @property
     def sampling(self) -> dict[str, Any]:
         """The sampling parameters a continuation copies as they are."""
         return {name: self.body[name] for name in SAMPLING if name in self.body}
@@ -428,6 +440,16 @@ NEUTRAL = frozenset(("model", "messages", "prompt", "stream", "stream_options", 
                      "stop", "suffix",
                      # vLLM 0.32 ignores it on chat and completions (not a field there)
                      "best_of"))
+
+
+# server state a token-id prompt cannot carry (vLLM's tool parser, a structured-output
+# grammar): such a stream is continued by sending the request again (a replay)
+REPLAYED = frozenset(("tools", "tool_choice", "parallel_tool_calls", "response_format",
+                      "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_whitespace_pattern",
+                      "guided_decoding_backend", "structural_tag"))
+# what a replay's frames would not carry across the seam (whatever continues them else)
+REPLAY_DROPS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo")
 
 
 def _unresumable(endpoint: Endpoint, body: dict[str, Any]) -> str | None:

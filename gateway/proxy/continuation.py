@@ -15,12 +15,16 @@ Pure protocol logic on plain data (no I/O); ``gateway/proxy/relay.py`` and
 - Its frames are re-framed in the original endpoint's format (:meth:`Progress.continued`):
   chat chunks stay chat chunks with the original ``id``, ``created`` and ``model``; the
   usage counts the whole answer once (the original prompt, every generated token).
+- A request whose tools or structured output a token-id prompt cannot carry is
+  *replayed* instead (``gateway/proxy/replay.py``): sent again as it came, only what the
+  client has not received relayed (:attr:`Progress.transcript`).
 - A request that a continuation cannot reproduce keeps today's behaviour
   (:func:`not_continuable` says why; ``docs/reliability.md`` lists the cases).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +32,7 @@ from gateway.proxy.completion_request import CompletionRequest
 from gateway.proxy.endpoints import CHAT
 from gateway.proxy.logprobs import Logprobs
 from gateway.proxy.penalties import continued_bias
+from gateway.proxy.replay import SEED_RANGE, Replay, Transcript, seeded
 from gateway.proxy.stop_strings import SeamText, StopStrings, seam_tail
 
 
@@ -63,15 +68,43 @@ class Progress:
     changed: bool = False  # the latest original event was changed beyond its ids
     cut: bool = False  # fairgate ended the answer at a stop string across the seam
 
+    # a replayed stream (gateway/proxy/replay.py): what the client's deltas add up to, the
+    # request as first sent, the replay under way
+    transcript: Transcript | None = None
+    sent_body: dict[str, Any] | None = None
+    replay: Replay | None = None
+
+
     @classmethod
     def of(cls, creq: CompletionRequest) -> Progress | None:
-        """The progress of a request that can be continued; ``None`` for one that cannot."""
-        if creq.unresumable is not None:
-            return None
-        chat, top = creq.endpoint is CHAT, creq.logprobs
-        return cls(chat, creq.return_token_ids, stops=creq.stop_strings,
-                   logprobs=None if top is None else Logprobs(chat, top),
-                   echo=None if creq.return_token_ids else creq.echo)
+        """The progress of a request that can be continued (from token ids, or replayed);
+        ``None`` for one that cannot."""
+        chat = creq.endpoint is CHAT
+        if creq.unresumable is None:
+            top = creq.logprobs
+            return cls(chat, creq.return_token_ids, stops=creq.stop_strings,
+                       logprobs=None if top is None else Logprobs(chat, top),
+                       echo=None if creq.return_token_ids else creq.echo)
+        if creq.replayable:
+            return cls(chat, creq.return_token_ids, transcript=Transcript())
+        return None
+
+    def first_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What the backend gets first: a replayed stream's body seeded (a replay must
+        draw the same tokens) and kept for its replays."""
+        if self.transcript is None:
+            return body
+        self.sent_body = seeded(body, random.randrange(SEED_RANGE))
+        return self.sent_body
+
+    def replay_body(self) -> dict[str, Any]:
+        """The body of a replay (``resumable`` must hold): the request as first sent."""
+        if self.sent_body is None or self.transcript is None:
+            raise ValueError("not a replayed stream")
+        self.replay = Replay(self.chat, self.transcript, self.generated, self.prompt_ids)
+        self.base_generated = len(self.generated)
+        self.continuations += 1
+        return dict(self.sent_body)
 
     @property
     def resumable(self) -> bool:
@@ -121,6 +154,8 @@ class Progress:
                 choice["token_ids"] = None
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
+        if self.transcript is not None:
+            self.transcript.add(choice, self.chat)
 
     def continuation_body(self, creq: CompletionRequest, stream: bool) -> dict[str, Any]:
         """The ``/v1/completions`` body that continues the answer (``resumable`` must
@@ -168,9 +203,12 @@ class Progress:
         self.seam = SeamText(self.stops, said + tail, len(said), len(self.generated))
         return True
 
-    def continued(self, event: dict[str, Any]) -> dict[str, Any]:
+    def continued(self, event: dict[str, Any]) -> dict[str, Any] | None:
         """An event of a continuation's stream (``/v1/completions`` chunks), re-framed as
-        the original endpoint's chunk."""
+        the original endpoint's chunk; a replay's carries only what is new to the client
+        (``None``: nothing is)."""
+        if self.replay is not None:
+            return self._replayed(event, self.replay)
         out: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat
                                else "text_completion", "created": self.created,
                                "model": self.model}
@@ -190,6 +228,30 @@ class Progress:
         if "system_fingerprint" in event:
             out["system_fingerprint"] = event["system_fingerprint"]
         return out
+
+    def _replayed(self, event: dict[str, Any], replay: Replay) -> dict[str, Any] | None:
+        replay.prompt(event.get("prompt_token_ids"))
+        choices = []
+        for choice in _choices(event):
+            if not self.chat:
+                replay.prompt(choice.get("prompt_token_ids"))
+            out = replay.choice(choice, self.wants_ids)
+            if out is not None:
+                choices.append(out)
+                if out["finish_reason"] is not None:
+                    self.finish_reason = out["finish_reason"]
+        usage = event.get("usage")
+        if not choices and not isinstance(usage, dict):
+            return None
+        out_event: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk" if self.chat
+            else "text_completion", "created": self.created, "model": self.model,
+            "choices": choices}
+        if isinstance(usage, dict):
+            out_event["usage"] = self.usage()
+        if "system_fingerprint" in event:
+            out_event["system_fingerprint"] = event["system_fingerprint"]
+        return out_event
 
     def _reframed(self, choice: dict[str, Any]) -> dict[str, Any]:
         ids = choice.get("token_ids") if self.wants_ids else None

@@ -46,6 +46,7 @@ from gateway.proxy.choices import StreamProgress
 from gateway.proxy.endpoints import Endpoint, Frames, Usage
 from gateway.proxy.fan_in import FanIn
 from gateway.proxy.moving import FAILOVER, Mover
+from gateway.proxy.replay import Diverged
 
 log = structlog.get_logger("fairgate.relay")
 
@@ -157,12 +158,16 @@ class FrameFilter:
         self.cut = False  # fairgate ended the answer: the backend's rest is not read
         # a broken frame read after good ones of the same chunk: raised once those are written
         self.broken: StreamBroke | None = None
+        # the last chunk completed a frame (a replay's frame the client has already is
+        # read, not written: its backend is not idle)
+        self.whole = False
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
         """Bytes to write to the client now (whole frames only)."""
         self._pending += chunk
         end = self._pending.rfind(b"\n\n")
+        self.whole = end >= 0
         if end < 0:
             return b""
         complete, self._pending = self._pending[: end + 2], self._pending[end + 2:]
@@ -262,7 +267,13 @@ class FrameFilter:
         re-framed when it comes from a continuation."""
         event = _event_of(payload)
         if self.continued:
-            event = progress.continued(event)
+            try:
+                reframed = progress.continued(event)
+            except Diverged as exc:  # a replay that differs: nothing of it goes out
+                raise StreamBroke(str(exc)) from None
+            if reframed is None:  # a replay's frame the client has already
+                return b""
+            event = reframed
             frame = _dumped(event)
             if progress.cut:  # fairgate ended the answer (a stop string across the seam)
                 return self._event(frame, event) + self._cut(progress)
@@ -532,8 +543,9 @@ async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,
                 listener: RelayListener, started: Callable[[], Awaitable[None]],
                 last: bool = False) -> bool:
     """One chunk of the backend's stream to the client (its whole frames); whether a
-    whole frame passed. ``last``: the backend's stream ends with it; when the answer
-    ended too, the client's stream ends in the same write."""
+    whole frame came (passed, or read and dropped: a replay's seam). ``last``: the
+    backend's stream ends with it; when the answer ended too, the client's stream ends in
+    the same write."""
     was_started, sent_before = frames.segment_started, frames.output_frames
     data = frames.feed(chunk)
     broken, frames.broken = frames.broken, None  # raised once the good frames are out
@@ -552,7 +564,7 @@ async def _pass(out: web.StreamResponse, chunk: bytes, frames: FrameFilter,
         await started()
     if broken is not None:
         raise broken
-    return bool(data)
+    return bool(data) or frames.whole
 
 
 async def _end(out: web.StreamResponse, data: bytes) -> None:

@@ -16,8 +16,9 @@ format (type and code ``upstream_error``), keeping the upstream status as the st
 
 When the backend fails mid-answer, ``forward`` continues the answer on another backend
 (``continuation``: the caller's way to get one, ``gateway/scheduling/admission.py``): a
-continuable stream from its token ids (``gateway/proxy/continuation.py``), a whole answer
-(nothing reached the client yet) by sending the request again. A backend that answers
+continuable stream from its token ids (``gateway/proxy/continuation.py``), one with tools
+or structured output by a replay of the request (``gateway/proxy/replay.py``), a whole
+answer (nothing reached the client yet) by sending the request again. A backend that answers
 a whole request with a 5xx is not taken for failing (it answered; the error may be the
 request's): the request is sent once more, and a second 5xx reaches the client. A 404
 for the LoRA adapter a request names (unloaded while the request was on its way) is
@@ -118,6 +119,8 @@ class Upstream:
         progress = progress_of(creq) if (
             continuation is not None and creq.stream) else None
         body = creq.forwarded(token_ids=progress is not None)
+        if isinstance(progress, Progress):
+            body = progress.first_body(body)
         resume = None if continuation is None else self._resumer(
             creq, body, progress, handle, continuation)
         mover = mover or Mover()
@@ -229,9 +232,12 @@ class Upstream:
                 return
             path, sent = creq.path, body
             if isinstance(progress, Progress) and not restart:
-                await self._seam(ticket.backend, creq.model, progress)
-                path = COMPLETIONS.path
-                sent = progress.continuation_body(creq, creq.stream)
+                if progress.transcript is not None:  # replayed: the request as it came
+                    sent = progress.replay_body()
+                else:
+                    await self._seam(ticket.backend, creq.model, progress)
+                    path = COMPLETIONS.path
+                    sent = progress.continuation_body(creq, creq.stream)
             resp = await self._segment_post(stack, ticket, path, sent, creq)
             yield Segment(resp, ticket.first_token, restart)
 

@@ -22,7 +22,12 @@ which its grant listener reads with its grants; that replica moves the stream
 (``RunningStreams.move(request_id, "preempt")``): the backend connection closes (vLLM
 aborts the request and frees its KV) and the answer's continuation waits at the head of
 its user's queue, to resume from its token ids. A stream it cannot move is marked so and
-the backend's hold is lifted at once.
+the backend's hold is lifted at once; one still within its class's grace (its exact tokens
+are known only there) is refused without the mark.
+
+Each replica keeps the recompute budget of the preemptions it orders
+(:meth:`Preemptor.allowance`): what they send again against a part of the tokens its own
+streams served (``RunningStreams.served``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from gateway.core.errors import StoreUnavailable
 from gateway.core.metrics import GatewayMetrics
 from gateway.core.settings import ReadsSettings, SettingsHolder
 from gateway.proxy.moving import PREEMPT
-from gateway.scheduling.running import RunningStreams
+from gateway.scheduling.running import RunningEntry, RunningStreams
 from gateway.storage.preempt_store import PreemptStore
 from gateway.storage.records import Preempt, PreemptView
 from gateway.storage.values import original_id
@@ -53,10 +58,12 @@ from policies.preemption import (
     choose,
     is_full,
     next_decision_in,
+    recompute_allowance,
 )
 
 log = structlog.get_logger("fairgate.preemption")
 HOLD_FLOOR_S = 2.0  # a backend's hold outlives a replica that never answers its order
+VIEW_TENANTS = 16  # of each backlogged class, the first tenants whose next request waits
 
 
 class Preemptor(ReadsSettings):
@@ -70,6 +77,22 @@ class Preemptor(ReadsSettings):
         self._checked: dict[str, float] = {}  # model → monotonic time of its last read
         self._due: dict[str, float] = {}  # model → monotonic time its check is due again
         self._background: set[asyncio.Task[None]] = set()
+        # model → tokens the preemptions this replica ordered send again (estimated at
+        # the order): the recompute budget's spending, against what its streams served
+        self._recomputed: dict[str, float] = {}
+
+    def allowance(self, model: str) -> float:
+        """Tokens a preemption this replica orders for ``model`` may recompute now
+        (``recompute_allowance``): each replica spends against what its own streams
+        served, so the fleet's preemptions stay within the ratio of the fleet's tokens
+        (plus a burst per replica)."""
+        fairness = self.settings.fairness
+        served = 0 if self.streams is None else self.streams.served(model)
+        left = recompute_allowance(served, self._recomputed.get(model, 0.0),
+                                   fairness.preempt_recompute_ratio,
+                                   fairness.preempt_recompute_burst_tokens)
+        self.metrics.moves.recompute_allowance.labels(model).set(left)
+        return left
 
     def rules(self) -> dict[str, PreemptRule]:
         return {c: cfg.preempt_rule() for c, cfg in self.settings.classes.items()}
@@ -137,11 +160,13 @@ class Preemptor(ReadsSettings):
         now = time.time()
         handles = {h.name: h for h in self.pool.for_model(model)}
         view = await self.store.preemption_view(model, CLASS_ORDER,
-                                                now - settings.replicas.replica_ttl_s)
-        waiting, running = plain(view, now, handles)
+                                                now - settings.replicas.replica_ttl_s,
+                                                VIEW_TENANTS)
+        waiting, running = plain(view, now, handles, self._exact())
         rules = self.rules()
         chosen = choose(waiting, running, self.loads(model, now), rules,
-                        settings.fairness.preempt_fair_gap)
+                        settings.fairness.preempt_fair_gap, self.allowance(model),
+                        {name: t.weight for name, t in settings.tenants.items()})
         again = next_decision_in(waiting, rules, {ld.name for ld in full})
         if again is None:
             self._due.pop(model, None)
@@ -161,32 +186,55 @@ class Preemptor(ReadsSettings):
             settings.fleet.scrape_interval_s,
             max(HOLD_FLOOR_S, 2 * settings.fleet.snapshot_stale_s))
         if ordered:
+            self._recomputed[model] = self._recomputed.get(model, 0.0) + victim.resend
             log.info("preemption_ordered", model=model, request_id=order.original,
                      backend=victim.backend, victim_class=victim.klass, victim_user=victim.user,
                      waiting_class=chosen.waiter.klass, waiting_user=chosen.waiter.user,
-                     waited_s=round(chosen.waiter.waited_s, 3))
+                     waited_s=round(chosen.waiter.waited_s, 3), resend_tokens=victim.resend)
         return ordered
 
     def carry_out(self, model: str, order: Preempt) -> None:
-        """This replica holds the stream ``order`` names: move it (the listener's call)."""
-        klass = self._class_of(order)  # before the move: it may settle at once
+        """This replica holds the stream ``order`` names: move it (the listener's call),
+        unless it is still within its class's grace (its exact tokens are known only
+        here: the decision estimated them)."""
+        entry = self._entry(order)  # before the move: it may settle at once
+        klass = "" if entry is None else entry.klass
+        rule = self.rules().get(klass)
+        if (entry is not None and entry.streamed and rule is not None
+                and entry.generated < rule.min_tokens):
+            log.info("preemption_refused", model=model, request_id=order.original,
+                     backend=order.backend, generated=entry.generated, reason="grace")
+            self._spawn(self._refused(model, order, grace=True))
+            return
+        tokens = 0 if self.streams is None else self.streams.tokens(order.original)
         if self.streams is not None and self.streams.move(order.original, PREEMPT):
+            user = "" if entry is None else entry.user
             self.metrics.moves.preemptions.labels(model, klass).inc()
-            log.info("preempted", model=model, request_id=order.original, backend=order.backend)
+            self.metrics.moves.preempted_tokens.labels(model, klass).inc(tokens)
+            self.metrics.usage.on_preempted(model, user, klass, tokens)
+            log.info("preempted", model=model, request_id=order.original, backend=order.backend,
+                     user=user, resend_tokens=tokens)
             return
         log.info("preemption_refused", model=model, request_id=order.original,
                  backend=order.backend)
         self._spawn(self._refused(model, order))
 
-    def _class_of(self, order: Preempt) -> str:
+    def _exact(self) -> dict[str, int]:
+        """The tokens generated so far of the streams this process holds (by original
+        request id): exact, where the decision otherwise estimates."""
+        if self.streams is None:
+            return {}
+        return {e.request_id: e.generated for e in self.streams.entries() if e.streamed}
+
+    def _entry(self, order: Preempt) -> RunningEntry | None:
         for entry in self.streams.entries() if self.streams is not None else ():
             if entry.request_id == order.original:
-                return entry.klass
-        return ""
+                return entry
+        return None
 
-    async def _refused(self, model: str, order: Preempt) -> None:
+    async def _refused(self, model: str, order: Preempt, grace: bool = False) -> None:
         try:
-            await self.store.preempt_refused(model, order)
+            await self.store.preempt_refused(model, order, grace)
         except StoreUnavailable:
             pass  # the backend's hold expires on its own
 
@@ -196,16 +244,18 @@ class Preemptor(ReadsSettings):
         task.add_done_callback(self._background.discard)
 
 
-def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
-          ) -> tuple[list[Waiting], list[Running]]:
+def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle],
+          exact: dict[str, int] | None = None) -> tuple[list[Waiting], list[Running]]:
     """The rule's inputs from what Redis holds: each backlogged class's next request and
     each dispatched request that has not streamed yet wait; the current segment of each
     streaming answer runs (a continued answer's older segments, and one that left its
-    backend while its continuation waits, are left out), with its
-    tokens so far estimated from its time on the backend and the backend's recent TPOT
-    (vLLM's batch decodes one token per running request per step)."""
+    backend while its continuation waits, are left out), with its tokens so far:
+    ``exact`` for the streams this process holds (the answer's, by original id), else
+    estimated from its time on the backend and the backend's recent TPOT (vLLM's batch
+    decodes one token per running request per step)."""
     waiting = [Waiting(q["class"], q["user"], max(0.0, now - float(q["enqueued_at"])),
-                       None, _number(q.get("score"))) for q in view.queued]
+                       None, _number(q.get("score")), str(q.get("tenant") or ""))
+               for q in view.queued]
     latest: dict[str, int] = {}  # original → the number of its latest segment
     preempted: dict[str, int] = {}
     for r in view.inflight:
@@ -218,7 +268,7 @@ def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
         if not r.get("started"):
             waiting.append(Waiting(r["class"], r["user"],
                                    max(0.0, now - float(r["enqueued_at"])), r["backend"],
-                                   _number(r.get("score"))))
+                                   _number(r.get("score")), str(r.get("tenant") or "")))
     running = []
     for r in view.inflight:
         original, number = original_id(str(r["id"]))
@@ -229,9 +279,12 @@ def plain(view: PreemptView, now: float, handles: dict[str, BackendHandle]
         tpot = handle.last.tpot_s if handle is not None and handle.last is not None else None
         elapsed = max(0.0, now - float(r["dispatched_at"]))
         generated = int(elapsed / tpot) if tpot else int(elapsed * 1000)
+        if exact and original in exact:  # this process streams it: counted, not guessed
+            generated = exact[original]  # the answer's (a continuation's resend: more)
         running.append(Running(str(r["id"]), r["backend"], r["class"], r["user"],
                                float(r.get("score") or 0.0), generated,
-                               preempted.get(original, 0)))
+                               preempted.get(original, 0), int(r.get("ptok") or 0),
+                               str(r.get("tenant") or "")))
     return waiting, running
 
 

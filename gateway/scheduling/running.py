@@ -11,6 +11,11 @@ another backend (``gateway/proxy/moving.py``) with the move's reason.
 Moves on purpose have their own budget (the ``max_moves`` setting), apart from the
 ``continue_attempts`` of failures: a request moved that often is not moved again, so a
 stream moved twice never ends with an error for want of failover attempts.
+
+It also counts the tokens its streams served per model (:meth:`RunningStreams.served`:
+prompt and generated tokens of the continuable streams, running or over), the measure
+preemption's recompute budget is a part of (``policies/preemption.py``
+``recompute_allowance``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class RunningEntry:
     generated: int  # tokens generated so far (continuable streams; 0 otherwise)
     moves: int  # how often it was moved on purpose
     movable: bool  # a continuation would reproduce the rest exactly, right now
+    streamed: bool = False  # a continuable stream: ``generated`` is exact
 
 
 @dataclass(slots=True)
@@ -56,10 +62,20 @@ class Running:
     def entry(self, max_moves: int) -> RunningEntry:
         return RunningEntry(self.request_id, self.model, self.user, self.tenant, self.klass,
                             self.backend, self.dispatched_s, self.mover.generated,
-                            self.moves, self.movable(max_moves))
+                            self.moves, self.movable(max_moves),
+                            self.mover.progress is not None)
 
     def movable(self, max_moves: int) -> bool:
         return self.moves < max_moves and self.mover.movable
+
+    @property
+    def tokens(self) -> int:
+        """Prompt and generated tokens of its stream so far (0: not continuable): what
+        it served, and what a continuation sends again."""
+        progress = self.mover.progress
+        if progress is None:
+            return 0
+        return len(progress.prompt_ids or ()) + len(progress.generated)
 
 
 class RunningStreams:
@@ -68,6 +84,7 @@ class RunningStreams:
     def __init__(self, max_moves: Callable[[], int]) -> None:
         self.max_moves = max_moves  # read at each move: a reload may change it
         self._running: dict[str, Running] = {}
+        self._served: dict[str, int] = {}  # model → tokens of the streams over
 
     def add(self, record: Running) -> None:
         self._running[record.request_id] = record
@@ -75,6 +92,18 @@ class RunningStreams:
     def remove(self, record: Running) -> None:
         if self._running.get(record.request_id) is record:
             del self._running[record.request_id]
+            self._served[record.model] = self._served.get(record.model, 0) + record.tokens
+
+    def served(self, model: str) -> int:
+        """Tokens this process's streams of ``model`` served (prompt and generated, of
+        the continuable ones), running or over."""
+        return self._served.get(model, 0) + sum(
+            r.tokens for r in self._running.values() if r.model == model)
+
+    def tokens(self, request_id: str) -> int:
+        """What moving the request would send again (0: unknown here)."""
+        record = self._running.get(request_id)
+        return 0 if record is None else record.tokens
 
     def __len__(self) -> int:
         return len(self._running)

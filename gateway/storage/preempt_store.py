@@ -26,11 +26,13 @@ class PreemptStore:
         self._scripts = Scripts(client, ("preempt_view", "preempt"))
 
     async def preemption_view(self, model: str, classes: Sequence[str],
-                              alive_after: float) -> PreemptView:
-        """What a preemption decision reads (``lua/preempt_view.lua``)."""
+                              alive_after: float, tenants: int = 1) -> PreemptView:
+        """What a preemption decision reads (``lua/preempt_view.lua``): of each class,
+        the next request of its first ``tenants`` tenants in fair order."""
         k = ModelKeys(model)
         raw = await self._scripts.call("preempt_view", [k.replicas, k.depth], {
-            "prefix": k.prefix, "classes": list(classes), "alive_after": alive_after})
+            "prefix": k.prefix, "classes": list(classes), "alive_after": alive_after,
+            "tenants": max(1, tenants)})
         return PreemptView([q for q in raw.get("queued") or [] if isinstance(q, dict)],
                            [r for r in raw.get("inflight") or [] if isinstance(r, dict)])
 
@@ -43,10 +45,11 @@ class PreemptStore:
             "hold_ms": max(1, round(hold_s * 1000))})
         return bool(out["ordered"])
 
-    async def preempt_refused(self, model: str, order: Preempt) -> None:
-        """This replica could not move the stream ``order`` named: it is not ordered again,
-        and the backend may preempt another at once."""
-        await self._preempt(model, order, {"refused": True})
+    async def preempt_refused(self, model: str, order: Preempt, grace: bool = False) -> None:
+        """This replica could not move the stream ``order`` named: it is not ordered again
+        (``grace``: not now, it is within its grace; it may be later), and the backend
+        may preempt another at once."""
+        await self._preempt(model, order, {"refused": True, "grace": grace})
 
     async def _preempt(self, model: str, order: Preempt, more: Mapping[str, Any]
                        ) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from loadtest.bench.peers import NAMES as PEER_NAMES
 
 SCENARIOS = ("newcomer", "overhead", "utilization", "mixed", "fairness", "scheduler", "deadlines",
              "locality", "tenants", "pacing", "replicas", "shards", "fleet", "preemption",
-             "autoscale", "sessions", "adapters")
+             "autoscale", "sessions", "adapters", "fair_preemption")
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -42,7 +42,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser.add_argument("--duration", type=float, default=None,
                         help="seconds per measured run (closed/open-loop scenarios)")
     parser.add_argument("--endpoint", choices=(*ENDPOINTS, "both"), default="both",
-                        help="newcomer and mixed: run on /v1/chat/completions, "
+                        help="newcomer, mixed and fair_preemption: run on /v1/chat/completions, "
                              "/v1/completions or both (default both)")
     parser.add_argument("--redis-url", default=None, help="default: an embedded Valkey")
     parser.add_argument("--workers", type=int, default=1,

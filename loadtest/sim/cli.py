@@ -11,8 +11,15 @@ import sys
 from typing import Any
 
 from gateway.backends.vllm_metrics import WANTED
+from loadtest.sim.disagg import (
+    DEFAULT_TRANSFER_BYTES_PER_S,
+    DEFAULT_TRANSFER_LATENCY_S,
+    ROLES,
+    KVTransfer,
+)
 from loadtest.sim.embeddings import DEFAULT_DIMENSIONS
 from loadtest.sim.engine import EngineConfig
+from loadtest.sim.kv_publisher import KVEventsConfig
 from loadtest.sim.lora import parse_lora_module
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.scheduler import POLICIES
@@ -84,6 +91,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="what GET /metrics shows: all of vLLM's families, or only the samples "
         "fairgate's scraper reads (cheap to render: many simulators in one process)",
     )  # fmt: skip
+    parser.add_argument(
+        "--role", choices=ROLES, default="both",
+        help="disaggregated prefill/decode: a prefill server (vLLM's kv_producer) answers "
+        "kv_transfer_params to do_remote_decode; a decode server (kv_consumer) takes them "
+        "and pulls the prompt's KV instead of computing it; both: colocated (default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-transfer-gbps", type=float, default=DEFAULT_TRANSFER_BYTES_PER_S / 1e9,
+        help="a decode server's modelled KV pull rate, GB/s (128 KiB of KV per token)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-transfer-latency-ms", type=float, default=DEFAULT_TRANSFER_LATENCY_S * 1000,
+        help="a decode server's modelled fixed cost per KV pull",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="vLLM's flag: publish KV-cache events over ZMQ, e.g. '{\"enable_kv_cache_events\": "
+        "true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(needs pyzmq, the sim extra)",
+    )  # fmt: skip
     parser.set_defaults(run=run)
     return parser
 
@@ -106,6 +133,12 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_lora_rank=args.max_lora_rank,
         lora_modules=tuple(parse_lora_module(item) for item in args.lora_modules),
         lora_load_s=args.lora_load_s,
+        kv_events=KVEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None,
+        kv_transfer=KVTransfer(
+            role=args.role,
+            bytes_per_s=args.kv_transfer_gbps * 1e9,
+            latency_s=args.kv_transfer_latency_ms / 1000,
+        ),
     )
 
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loadtest.sim.disagg import KVTransfer
+from loadtest.sim.kv_publisher import KVEventPublisher, KVEventsConfig, wire_events
 from loadtest.sim.prefix_cache import BlockTable, hash_blocks
 from loadtest.sim.profiles import DEFAULT_PROFILE, PROFILES, Profile
 from loadtest.sim.records import RequestRecord, RequestStream, Token
@@ -54,6 +56,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_load_s: float = 0.0
+    # disaggregated prefill/decode: the server's role and its modelled KV transfer
+    kv_transfer: KVTransfer = field(default_factory=KVTransfer)
+    # vLLM's --kv-events-config: publish the block pool's events over ZMQ
+    kv_events: KVEventsConfig | None = None
     cost: Profile = field(init=False)
     num_kv_blocks: int = field(init=False)
     model_len: int = field(init=False)
@@ -94,6 +100,7 @@ class EngineConfig:
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
             max_loras=self.max_loras if self.enable_lora else 0,
+            kv_cache_events=self.kv_events is not None and self.enable_prefix_caching,
         )
 
 
@@ -123,6 +130,7 @@ class SimEngine:
         self._task: asyncio.Task[None] | None = None
         self._reported_queries = 0
         self._reported_hits = 0
+        self.kv_publisher: KVEventPublisher | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -156,6 +164,9 @@ class SimEngine:
     def start(self) -> None:
         """Start the step loop on the running event loop."""
         if self._task is None:
+            if self.config.kv_events is not None and self.kv_publisher is None:
+                self.kv_publisher = KVEventPublisher(self.config.kv_events)
+                self.kv_publisher.start()
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
 
     async def stop(self) -> None:
@@ -167,6 +178,9 @@ class SimEngine:
             self._task = None
         for request_id in list(self._streams):
             self.abort(request_id)
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
+            self.kv_publisher = None
 
     def add_request(
         self,
@@ -179,6 +193,7 @@ class SimEngine:
         pooling: bool = False,
         prompt_ids: Seq[int] | None = None,
         lora: str | None = None,
+        remote_tokens: int = 0,
     ) -> RequestStream:
         """Queue a request that will generate ``output_tokens`` (default ``max_tokens``).
 
@@ -193,6 +208,9 @@ class SimEngine:
         full blocks findable in the prefix cache; without them it is computed in full.
 
         ``lora`` names the LoRA adapter the request runs with (the engine needs LoRA on).
+
+        ``remote_tokens``: prompt tokens whose KV came from a prefill server (a decode
+        server's P/D request): computed already when the request is first admitted.
         """
         if lora is not None and not self.config.enable_lora:
             raise ValueError("LoRA is not enabled on this engine")
@@ -229,9 +247,12 @@ class SimEngine:
         if cache.enable_caching and prompt_ids is not None and len(prompt_ids) == prompt_tokens:
             hashes = hash_blocks(prompt_ids, cache.block_size)
         for rid, record, target in zip(ids, records, targets, strict=True):
-            table = BlockTable(hashes)
+            table = BlockTable(hashes, token_ids=prompt_ids if hashes and prompt_ids else ())
             self.scheduler.add(
-                Sequence(rid, priority, now, prompt_tokens, target, table=table, lora=lora)
+                Sequence(
+                    rid, priority, now, prompt_tokens, target, table=table, lora=lora,
+                    remote_tokens=min(remote_tokens, prompt_tokens - 1),
+                )
             )
             self.records[rid] = record
             self._streams[rid] = stream
@@ -306,6 +327,13 @@ class SimEngine:
             if self._observer is not None:
                 self._observer.step(plan.batch_tokens)
             self._emit(self.scheduler.update(plan), end)
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """The step's block-pool events as one batch, as vLLM's scheduler publishes them."""
+        events = self.scheduler.pool.take_events()
+        if events and self.kv_publisher is not None:
+            self.kv_publisher.publish(wire_events(events, self.config.block_size))
 
     def _note_schedule(self, plan: StepPlan, now: float) -> None:
         self._note_preemptions(plan)

@@ -6,7 +6,9 @@ No clock, no I/O; the step planner (``loadtest/sim/scheduler.py``) drives it. As
 - A prompt is split into blocks of ``block_size`` tokens; only full blocks are hashed,
   as a chain: ``hash(block i) = H(hash(block i-1), token ids of block i)`` (the first
   block's parent is a fixed ``NONE_HASH``), so equal hashes mean equal prefixes. ``H`` is
-  BLAKE2b, stable across processes (never Python's salted ``hash()``).
+  vLLM's own default (``policies/kv_blocks.py``: SHA-256 of the pickled tuple, seed
+  ``"vllm-none-hash"``), so the KV events the simulator publishes carry the hashes a
+  real server would.
 - Every physical block has a reference count. Blocks with no reference sit in one free
   queue, least recently freed first; never used blocks come before all of them. A request
   that finishes (or is preempted or aborted) frees its blocks in reverse order, so its
@@ -19,6 +21,10 @@ No clock, no I/O; the step planner (``loadtest/sim/scheduler.py``) drives it. As
   out of the free queue); blocks of tokens scheduled for computation are registered
   under their hash when allocated, as vLLM's ``cache_blocks`` does (a duplicate of an
   already cached hash is kept too, the lookup returns the first).
+- With ``enable_kv_cache_events`` the pool records, as vLLM's block pool does, one
+  ``stored`` event per run of newly registered full blocks (their hashes, the parent
+  hash, their token ids) and one ``removed`` event per evicted block; the engine takes
+  them after each step (:meth:`BlockPool.take_events`).
 - ``queries`` and ``hits`` count prompt tokens looked up and tokens found cached, for
   requests admitted for the first time (``PrefixCacheStats.record``: a preempted
   request's re-admission is not counted); they back ``vllm:prefix_cache_queries`` and
@@ -30,23 +36,38 @@ has no output token ids), so a follow-up turn hits its previous prompt, not the 
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-NONE_HASH = bytes(16)
-DIGEST_BYTES = 16
+from policies.kv_blocks import none_hash, sha256
+
+NONE_HASH = none_hash()
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """Full blocks newly registered for one request: their digests (a chain whose first
+    parent is ``parent``, None for a prompt's first block) and their token ids."""
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedBlock:
+    """One evicted block's digest."""
+
+    block_hash: bytes
+
+
+PoolEvent = StoredBlocks | RemovedBlock
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """The chained hash of one full block."""
-    try:
-        data = array("q", token_ids).tobytes()
-    except OverflowError:  # ids beyond 64 bits: a slower, still stable encoding
-        data = ",".join(map(str, token_ids)).encode()
-    return hashlib.blake2b(parent + data, digest_size=DIGEST_BYTES).digest()
+    """The chained hash of one full block (vLLM's, without extra keys)."""
+    return sha256((parent, tuple(token_ids), None))
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[bytes]:
@@ -67,12 +88,16 @@ class BlockTable:
     hashes: list[bytes] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0
+    token_ids: Sequence[int] = ()  # the prompt's ids (for KV events' token_ids)
 
 
 class BlockPool:
     """``num_blocks`` KV blocks of ``block_size`` tokens, with or without prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one token")
         self.num_blocks = num_blocks
@@ -85,6 +110,15 @@ class BlockPool:
         self._never_used = num_blocks  # ids num_blocks - _never_used .. num_blocks - 1
         self._free: OrderedDict[int, None] = OrderedDict()  # freed blocks, LRU first
         self._cached: dict[bytes, dict[int, None]] = {}
+        self._events: list[PoolEvent] | None = [] if enable_kv_cache_events else None
+
+    def take_events(self) -> list[PoolEvent]:
+        """The events recorded since the last call (none when events are off)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -179,12 +213,22 @@ class BlockPool:
         del holders[block]
         if not holders:
             del self._cached[block_hash]
+        if self._events is not None:
+            self._events.append(RemovedBlock(block_hash))
 
     def _register(self, table: BlockTable, num_tokens: int) -> None:
         full = min(num_tokens // self.block_size, len(table.hashes), len(table.blocks))
-        for index in range(table.num_cached, full):
+        start = table.num_cached
+        for index in range(start, full):
             block, block_hash = table.blocks[index], table.hashes[index]
             if self._hash[block] is None:
                 self._hash[block] = block_hash
                 self._cached.setdefault(block_hash, {})[block] = None
+        if self._events is not None and full > start:
+            size = self.block_size
+            self._events.append(StoredBlocks(
+                tuple(table.hashes[start:full]),
+                table.hashes[start - 1] if start else None,
+                tuple(table.token_ids[start * size : full * size]),
+            ))  # fmt: skip
         table.num_cached = max(table.num_cached, full)

@@ -84,6 +84,7 @@ class SchedulerLimits:
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_loras: int = 0  # distinct LoRA adapters per step (0: LoRA off)
+    kv_cache_events: bool = False  # the block pool records KV events
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks needed to hold ``num_tokens`` tokens."""
@@ -99,7 +100,10 @@ class Scheduler:
         self.limits = limits
         self.waiting: WaitingQueue = PriorityQueue() if limits.policy == "priority" else FcfsQueue()
         self.running: list[Sequence] = []
-        self.pool = BlockPool(limits.kv_blocks, limits.block_size, limits.enable_prefix_caching)
+        self.pool = BlockPool(
+            limits.kv_blocks, limits.block_size, limits.enable_prefix_caching,
+            enable_kv_cache_events=limits.kv_cache_events,
+        )  # fmt: skip
         self._live: dict[str, Sequence] = {}
 
     @property
@@ -208,10 +212,12 @@ class Scheduler:
                     continue
             hit = self.pool.find_hit(seq.table.hashes, seq.num_tokens)
             num_cached = len(hit) * self.limits.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if not self.pool.allocate(seq.table, num_cached + num_new, hit):
+            # KV pulled from a prefill server counts as computed at first admission
+            computed = num_cached if seq.ever_scheduled else max(num_cached, seq.remote_tokens)
+            num_new = min(seq.num_tokens - computed, budget)
+            if not self.pool.allocate(seq.table, computed + num_new, hit):
                 break
-            seq.num_computed = num_cached
+            seq.num_computed = computed
             self.waiting.pop()
             self.running.append(seq)
             if not seq.ever_scheduled:

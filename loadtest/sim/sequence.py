@@ -24,6 +24,7 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    remote_tokens: int = 0  # prompt tokens whose KV a prefill server sent (P/D)
 
     @property
     def num_blocks(self) -> int:

@@ -267,7 +267,9 @@ class SimServer:
         model = body.get("model")
         return model if isinstance(model, str) and model in self.loras else None
 
-    def _add(self, request_id: str, req: SimRequest, lora: str | None) -> RequestStream:
+    def _add(
+        self, request_id: str, req: SimRequest, lora: str | None, remote_tokens: int = 0
+    ) -> RequestStream:
         try:
             return self._engine.add_request(
                 request_id,
@@ -277,6 +279,7 @@ class SimServer:
                 priority=req.priority,
                 prompt_ids=req.prompt_ids() if self.config.enable_prefix_caching else None,
                 lora=lora,
+                remote_tokens=remote_tokens,
             )
         except ValueError as exc:
             raise SimError(400, str(exc)) from exc
@@ -311,12 +314,20 @@ class SimServer:
         )
         self._check_priority(req.priority)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:16]
-        stream = self._add(request_id, req, lora)
+        remote = 0
+        if (kv := self.config.kv_transfer).pulls(body):
+            await asyncio.sleep(kv.transfer_s(req.prompt_tokens))  # waiting for remote KV
+            remote = req.prompt_tokens - 1
+        stream = self._add(request_id, req, lora, remote)
         try:
             if req.stream:
                 return await self._stream(request, req, request_id, stream, model)
             counts, reasons = await self._collect(req, stream)
             answer = full_body(req, request_id, model, counts, reasons, self._cached(stream))
+            if kv.serves_remote_decode(body):
+                answer["kv_transfer_params"] = kv.answer_params(
+                    request_id, self.host, req.prompt_tokens, self.config.block_size
+                )
             return json_response(answer)
         finally:
             if not stream.finished:

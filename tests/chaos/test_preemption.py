@@ -4,10 +4,10 @@ newcomer arrives. With preemption on, a batch stream gives its slot back: the ne
 first token comes before any batch stream ends, and every batch stream still completes
 with exactly its ``max_tokens`` tokens and the text of an unpreempted run (temperature
 0). With preemption off, or when the slots are held by interactive streams (never
-preempted by default), the newcomer waits until one of them ends. The per-answer cap
-holds. A Batch API line is preempted the same way: sent again later, recorded once.
-What came first is judged by the simulator's clock (``EngineTimes``), not by when a
-client read it."""
+preempted with the class's fair_preemption off), the newcomer waits until one of them
+ends. The per-answer cap holds. A Batch API line is preempted the same way: sent again
+later, recorded once. What came first is judged by the simulator's clock
+(``EngineTimes``), not by when a client read it."""
 
 from __future__ import annotations
 
@@ -132,12 +132,16 @@ async def test_a_newcomer_preempts_a_batch_stream_that_then_completes_exactly(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("key", "preemption"), [("sk-batch", False), ("sk-bob", True)],
-                         ids=["preemption-off", "interactive-fillers"])
+                         ids=["preemption-off", "interactive-fillers-fair-off"])
 async def test_without_a_preemptible_victim_the_newcomer_waits_for_a_slot(
         gateway: GatewayFactory, sim: SimFactory, key: str, preemption: bool) -> None:
+    """(Interactive streams are preempted for fairness by default since issue 46: with the
+    class's fair_preemption off they are never preempted, as before;
+    tests/chaos/test_fair_preemption.py has the default.)"""
     backend = await sim(max_num_seqs=SLOTS)
     gw = await gateway([backend], preemption=preemption,
-                       classes={"interactive": {"preempt_after_ms": 300}})
+                       classes={"interactive": {"preempt_after_ms": 300,
+                                                "fair_preemption": False}})
     fillers = await fill(gw, backend, key)
     _, new_tokens = await stream(gw, "sk-alice", 99, NEW_TOKENS)
     answers = await asyncio.wait_for(asyncio.gather(*fillers), 90)

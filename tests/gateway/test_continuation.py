@@ -118,23 +118,30 @@ def test_the_continuation_body_keeps_sampling_and_reduces_the_bound() -> None:
                     "return_token_ids": True, "stream_options": {"include_usage": True}}, cont
 
 
-@pytest.mark.parametrize(("endpoint", "extra", "why"), [
-    (CHAT, {"n": 2, "stop": "x"}, "stop with several choices"),
-    (COMPLETIONS, {"prompt": ["a", "b"], "logprobs": 1}, "logprobs with several choices"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set"),
-    (CHAT, {"tools": [{"type": "function"}]}, "tools is set"),
-    (CHAT, {"tool_choice": "auto"}, "tool_choice is set"),
+# the last column: a replay continues it instead (tools, structured output:
+# gateway/proxy/replay.py, tests/gateway/test_replay.py)
+@pytest.mark.parametrize(("endpoint", "extra", "why", "replayed"), [
+    (CHAT, {"n": 2, "stop": "x"}, "stop with several choices", False),
+    (COMPLETIONS, {"prompt": ["a", "b"], "logprobs": 1}, "logprobs with several choices",
+     False),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format is set", True),
+    (CHAT, {"tools": [{"type": "function"}]}, "tools is set", True),
+    (CHAT, {"tool_choice": "auto"}, "tool_choice is set", True),
     (CHAT, {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
-     "repetition_penalty with presence or frequency penalties"),
-    (EMBEDDINGS, {}, "/v1/embeddings is not continued"),
+     "repetition_penalty with presence or frequency penalties", False),
+    (EMBEDDINGS, {}, "/v1/embeddings is not continued", False),
 ])
 def test_what_cannot_be_continued_says_why(endpoint: Any, extra: dict[str, Any],
-                                           why: str) -> None:
+                                           why: str, replayed: bool) -> None:
     body = {"model": MODEL, "prompt": "p", "messages": [{"role": "user", "content": "p"}],
             **({"input": "p"} if endpoint is EMBEDDINGS else {}), **extra}
     creq = parse_body(body, endpoint)
     assert not_continuable(creq) == why
-    assert Progress.of(creq) is None
+    progress = Progress.of(creq)
+    if replayed:
+        assert progress is not None and progress.transcript is not None, progress
+    else:
+        assert progress is None
 
 
 def test_plain_requests_are_continuable() -> None:

@@ -7,7 +7,7 @@ real requests to a running simulator and read vLLM's counters from ``/metrics``.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import pickle
 
 import aiohttp
 import openai
@@ -23,7 +23,8 @@ from tests.sim.conftest import MODEL, ServerFactory
 
 
 def h(parent: bytes, ids: list[int]) -> bytes:
-    return hashlib.blake2b(parent + array("q", ids).tobytes(), digest_size=16).digest()
+    # vLLM's sha256 block hash (policies/kv_blocks.py, checked against a real server)
+    return hashlib.sha256(pickle.dumps((parent, tuple(ids), None), protocol=5)).digest()
 
 
 def test_blocks_hash_as_a_chain_and_equal_prefixes_share_them() -> None:
@@ -35,7 +36,7 @@ def test_blocks_hash_as_a_chain_and_equal_prefixes_share_them() -> None:
     assert hash_blocks([5, 6, 7, 8], 4) != [a1]  # the same block under another parent
     assert hash_blocks([1, 2, 3], 4) == []
     # Stable across processes (no salted hash()): a recorded value.
-    assert a0.hex() == "7077f7c78cbaa9547bb8ede0e304f4f3"
+    assert a0.hex() == "52a7f141c60918f65779927090482b5a24adbe68c8613a211a1eb4e3edd9361a"
 
 
 def test_hits_pins_and_lru_eviction_hand_computed() -> None:

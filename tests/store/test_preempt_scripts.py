@@ -112,3 +112,37 @@ async def test_a_whole_answer_runs_once_dispatched(redis: aioredis.Redis) -> Non
     assert [(r["id"], r["started"]) for r in view.inflight] == [("line-1", True)], view
     assert await order_preemption(store, M, Preempt("line-1", "line-1", "b1"), 1001.0, 2, 0.1,
                                         5.0)
+
+
+async def test_a_refusal_for_the_grace_lifts_the_hold_but_keeps_it_movable(
+        redis: aioredis.Redis) -> None:
+    store = Store.over(redis, 600)
+    await alive(store, "r1")
+    await running(store, redis, "b-1", "bert", "batch")
+    order = Preempt("b-1", "b-1", "b1")
+    assert await order_preemption(store, M, order, 1001.0, 2, 0.1, 5.0)
+    await store.preempts.preempt_refused(M, order, grace=True)
+    assert await redis.hget(K.request("b-1"), "unmovable") is None
+    assert await redis.hget(K.request("b-1"), "preempted") == "0"
+    # the hold is lifted and the stream may be ordered again (once past its grace)
+    assert await order_preemption(store, M, order, 1001.1, 2, 0.1, 5.0)
+
+
+async def test_the_view_holds_each_tenants_next_request_with_tenant_and_prompt(
+        redis: aioredis.Redis) -> None:
+    """Of a backlogged class, the next request of each of its first tenants (each user its
+    own tenant here), not only the one its next dispatch takes; the dispatched requests
+    carry their tenant and estimated prompt tokens."""
+    store = Store.over(redis, 600)
+    await alive(store, "r1")
+    await running(store, redis, "i-0", "hank", "interactive")
+    await redis.hset(K.request("i-0"), "ptok", 42)  # as an enqueue with an estimate sets it
+    await store.queue.enqueue(M, req("i-1", "hank", "interactive", at=999.0), 10)
+    await store.queue.enqueue(M, req("i-2", "nina", "interactive", at=999.5), 10)
+    view = await store.preempts.preemption_view(M, ["interactive"], 0.0, tenants=16)
+    assert sorted((q["user"], q["tenant"], q["enqueued_at"]) for q in view.queued) == [
+        ("hank", "hank", 999.0), ("nina", "nina", 999.5)], view
+    only = await store.preempts.preemption_view(M, ["interactive"], 0.0)
+    assert len(only.queued) == 1, only  # one tenant asked: the dispatch's next
+    [r] = view.inflight
+    assert r["tenant"] == "hank" and r["ptok"] == 42, r

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.core.metrics.base import TTFT_BUCKETS, Children, MetricGroup
 
@@ -18,8 +18,20 @@ class MoveMetrics(MetricGroup):
         self.preemptions = Counter(
             "fairgate_preemptions_total",
             "Running requests preempted (their slot given to a waiting request of a higher "
-            "class; they continue later, fairgate_continuations_total{reason=\"preempt\"})",
+            "class, or of a user of its class below its fair share; they continue later, "
+            "fairgate_continuations_total{reason=\"preempt\"}), by the victim's class",
             ["model", "priority_class"], registry=r)
+        self.preempted_tokens = Counter(
+            "fairgate_preemption_recomputed_tokens_total",
+            "Tokens the preempted answers' continuations send again (prompt plus generated "
+            "at the preemption: the most the backends recompute), by the victim's class",
+            ["model", "priority_class"], registry=r)
+        self.recompute_allowance = Gauge(
+            "fairgate_preemption_recompute_allowance_tokens",
+            "Tokens a preemption this replica orders may still recompute: "
+            "preempt_recompute_ratio of the tokens its streams served, plus the burst, "
+            "less what its preemptions sent again", ["model"], registry=r,
+            multiprocess_mode="livesum")
         self.continuations = Counter(
             "fairgate_continuations_total",
             "Answers continued on another backend, by reason (failover; retry: a whole "
@@ -48,7 +60,10 @@ class MoveMetrics(MetricGroup):
             reasons.setdefault(sample.labels["reason"], {})["recomputed_tokens"] = sample.value
         preempted = {f"{s.labels['model']} · {s.labels['priority_class']}": s.value
                      for s in _totals(self.preemptions)}
-        return {"continuations": reasons, "preempted": preempted}
+        recomputed = {f"{s.labels['model']} · {s.labels['priority_class']}": s.value
+                      for s in _totals(self.preempted_tokens)}
+        return {"continuations": reasons, "preempted": preempted,
+                "preempted_tokens": recomputed}
 
 
 def _totals(counter: Counter) -> list[Any]:

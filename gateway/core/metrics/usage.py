@@ -38,6 +38,14 @@ class UsageMetrics(MetricGroup):
             "fairgate_user_service_total",
             "Weighted service per user: (prompt × w_in + output × w_out) / key weight",
             ["model", "user"], registry=r)
+        self.user_preemptions = Counter(
+            "fairgate_user_preemptions_total",
+            "Running requests preempted per user and class (top users, rest: other)",
+            ["model", "user", "priority_class"], registry=r)
+        self.user_preempted_tokens = Counter(
+            "fairgate_user_preemption_recomputed_tokens_total",
+            "Tokens the preempted answers of each user send again, per class (top users, "
+            "rest: other)", ["model", "user", "priority_class"], registry=r)
         self.tenant_requests = Counter(
             "fairgate_tenant_requests_total",
             "Finished requests per tenant, by outcome (top tenants, rest: other)",
@@ -75,6 +83,27 @@ class UsageMetrics(MetricGroup):
         pending = self.pending_service.setdefault(model, {})
         if service > 0 and (user in pending or len(pending) < MAX_SHARE_USERS):
             pending[user] = pending.get(user, 0.0) + service
+
+    def on_preempted(self, model: str, user: str, klass: str, tokens: int) -> None:
+        """A running answer of ``user`` was preempted; its continuation sends ``tokens``
+        again."""
+        label = self._user_label(user)
+        self._labelled_inc(self.user_preemptions, (model, label, klass), label, 1.0)
+        self._labelled_inc(self.user_preempted_tokens, (model, label, klass), label, tokens)
+
+    def preempted_view(self) -> dict[str, dict[str, float]]:
+        """This replica's preemptions per labelled user ("model · class · user"): how
+        many, and the tokens they send again (the dashboard's preemption panel)."""
+        out: dict[str, dict[str, float]] = {}
+        for counter, field in ((self.user_preemptions, "preemptions"),
+                               (self.user_preempted_tokens, "tokens")):
+            for family in counter.collect():
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        what = " · ".join((s.labels["model"], s.labels["priority_class"],
+                                           s.labels["user"]))
+                        out.setdefault(what, {})[field] = s.value
+        return out
 
     def on_queued(self, model: str, user: str, tenant: str, weight: float,
                   tenant_weight: float) -> None:

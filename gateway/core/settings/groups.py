@@ -199,13 +199,19 @@ class FairnessSettings(Group):
     # A trusted key's end user idle this long (nothing queued or in flight) has its
     # fairness state forgotten; it returns as a new user.
     end_user_idle_s: float = Field(default=86400.0, gt=0)
-    # Preemption for fairness (policies/preemption.py): a request of a higher class that
-    # waited its class's preempt_after_ms while the model's backends are full takes the
-    # slot of a running request of a preemptible lower class. false: never.
+    # Preemption for fairness (policies/preemption.py): a request that waited its class's
+    # preempt_after_ms while the model's backends are full takes the slot of a running
+    # request of a preemptible lower class, or (classes with fair_preemption) of an
+    # over-served user of its own class. false: never.
     preemption: bool = True
-    # also within a preemptible class: a waiting user whose fairness score is this far
-    # (service units) below a running user's may take its slot; None: only across classes
+    # same-class preemption: the waiting user's fairness score must be lower than the
+    # running user's by more than this (service units); None: any lower score. Set, it
+    # also turns same-class preemption on for preemptible classes without fair_preemption
     preempt_fair_gap: float | None = Field(default=None, gt=0)
+    # what preemption may make the backends compute again (the preempted answers' prompts
+    # and tokens so far): this part of the tokens the streams served, plus a burst
+    preempt_recompute_ratio: float = Field(default=0.05, ge=0, le=1)
+    preempt_recompute_burst_tokens: int = Field(default=1024, ge=0)
 
     @field_validator("policy")
     @classmethod

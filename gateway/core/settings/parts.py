@@ -374,11 +374,15 @@ class ClassConfig(BaseModel):
     # max_num_batched_tokens × PREFILL_GATE_STEPS; 0: no limit
     max_waiting_prefill_tokens: int | None = Field(ge=0)
     # preemption (policies/preemption.py): its running requests may be preempted for a
-    # higher class; its waiting requests may preempt after preempt_after_ms (None: never);
-    # one request is preempted at most max_preemptions times
+    # higher class (preemptible), or for a user of the class below its fair share
+    # (fair_preemption: false turns that off for the class); its waiting requests may
+    # preempt after preempt_after_ms (None: never); one request is preempted at most
+    # max_preemptions times, and never before it generated preempt_grace_tokens
     preemptible: bool
     preempt_after_ms: int | None = Field(ge=0)
     max_preemptions: int = Field(ge=0, le=10)
+    fair_preemption: bool
+    preempt_grace_tokens: int = Field(ge=0)
 
     @classmethod
     def of(cls, spec: ClassSpec) -> ClassConfig:
@@ -390,7 +394,8 @@ class ClassConfig(BaseModel):
 
     def preempt_rule(self) -> PreemptRule:
         after_s = None if self.preempt_after_ms is None else self.preempt_after_ms / 1000.0
-        return PreemptRule(self.preemptible, after_s, self.max_preemptions, self.max_kv_usage)
+        return PreemptRule(self.preemptible, after_s, self.max_preemptions, self.max_kv_usage,
+                           self.fair_preemption, self.preempt_grace_tokens)
 
     def pacing_targets(self) -> PacingTargets:
         ttft_slo_s = None if self.ttft_slo_ms is None else self.ttft_slo_ms / 1000.0

@@ -278,12 +278,20 @@ function movesPanel(moves) {
     el("td", { "data-metric": "recomputed" }, fmt(r.recomputed_tokens || 0, 0))));
   const preempted = Object.entries((moves && moves.preempted) || {})
     .map(([what, n]) => `${what}: ${fmt(n, 0)}`).join(" · ");
+  // preempted answers by model, class and user (top users, rest: other)
+  const users = Object.entries((moves && moves.preempted_users) || {}).map(([what, u]) =>
+    el("tr", { "data-preempted": what }, el("td", {}, what),
+      el("td", { "data-metric": "preemptions" }, fmt(u.preemptions || 0, 0)),
+      el("td", { "data-metric": "preempted-tokens" }, fmt(u.tokens || 0, 0))));
   return el("section", { class: "model" }, el("h2", {}, "Continued answers and preemption"),
     el("div", { class: "panel" },
       table(["reason", "continued", "failed", "tokens sent again"], rows,
             "no answer continued yet"),
       el("p", { class: "meta", "data-metric": "preempted" },
-         `preempted (this replica): ${preempted || "none"}`)));
+         `preempted (this replica): ${preempted || "none"}`),
+      table(["model · class · user", "preempted",
+             ["tokens sent again", "prompt plus generated tokens the preempted answers' continuations recompute"]],
+            users, "no answer preempted yet")));
 }
 
 function batchesPanel(batches) {

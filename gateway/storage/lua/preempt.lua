@@ -9,16 +9,19 @@
 --   continued), the backend's hold and its snapshot hash, declared for Redis Cluster
 --   (gateway/storage/preempt_store.py)
 -- ARGV[1]: one JSON object {prefix, id, original, backend, now, max, settle_s, hold_ms},
---   or {prefix, id, original, backend, refused = true} for the replica's answer that it
---   could not move the segment: marked unmovable, the answer's count and the backend's
---   hold taken back.
+--   or {prefix, id, original, backend, refused = true, grace} for the replica's answer
+--   that it could not move the segment: marked unmovable (not with `grace`: it streamed
+--   fewer tokens than its class's grace, and may be preempted later), the answer's count
+--   and the backend's hold taken back.
 -- Returns a named map {ordered}: true when ordered (or the refusal recorded), false when
 -- refused.
 local p = cjson.decode(ARGV[1])
 local segment, original = key_request(p.prefix, p.id), key_request(p.prefix, p.original)
 local hold = key_backend_preempt(p.prefix, p.backend)
 if p.refused then
-  if redis.call('EXISTS', segment) == 1 then redis.call('HSET', segment, 'unmovable', 1) end
+  if not p.grace and redis.call('EXISTS', segment) == 1 then
+    redis.call('HSET', segment, 'unmovable', 1)
+  end
   if redis.call('EXISTS', original) == 1 then
     redis.call('HINCRBY', original, 'preempted', -1)
   end
