@@ -218,6 +218,11 @@ class OddStreams(OddBackend):
         return out
 
 
+# a stream no continuation can reproduce (docs/reliability.md, "Not continued"): the
+# penalties' emulating logit_bias would be scaled by the repetition penalty
+NOT_CONTINUED = {"presence_penalty": 0.5, "repetition_penalty": 1.1}
+
+
 async def streamed(gw: GatewayServer, body: dict[str, Any]) -> tuple[int, list[bytes]]:
     async with aiohttp.ClientSession() as http, http.post(
             gw.url + CHAT, json=body, headers=auth("sk-alice")) as resp:
@@ -227,15 +232,15 @@ async def streamed(gw: GatewayServer, body: dict[str, Any]) -> tuple[int, list[b
 @pytest.mark.parametrize("name", list(BROKEN_STREAMS))
 async def test_a_stream_that_is_not_a_whole_event_stream_ends_with_an_error_event(
         name: str, sim: SimFactory, gateway: GatewayFactory) -> None:
-    """Not continuable (``stop`` strings): the stream ends with an error event, and no
-    foreign byte reaches the client."""
+    """Not continuable (:data:`NOT_CONTINUED`): the stream ends with an error event, and
+    no foreign byte reaches the client."""
     backend = OddStreams(await sim(profile="instant"))
     await backend.start()
     try:
         backend.first = [BROKEN_STREAMS[name]]
         gw = await gateway([backend])  # only .url is used
         status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
-                                             "stream": True, "stop": ["zzz"]})
+                                             "stream": True, **NOT_CONTINUED})
         assert status == 200 and frames, (status, frames)
         assert all(f.startswith(b"data: {") for f in frames), frames
         message = assert_error(json.loads(frames[-1][len(b"data: "):]),
@@ -258,7 +263,9 @@ async def test_the_sdk_sees_the_error_event_of_a_json_200_stream(
         client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-alice",
                                     max_retries=0)
         stream = await client.chat.completions.create(
-            model=MODEL, messages=HI, max_tokens=2, stream=True, stop=["zzz"])
+            model=MODEL, messages=HI, max_tokens=2, stream=True,
+            presence_penalty=NOT_CONTINUED["presence_penalty"],
+            extra_body={"repetition_penalty": NOT_CONTINUED["repetition_penalty"]})
         with pytest.raises(openai.APIError) as exc:
             async for _ in stream:
                 pass
@@ -311,7 +318,7 @@ async def test_a_trickling_stream_is_cut_by_the_idle_deadline(
         backend.first = [trickle]
         gw = await gateway([backend], stream_idle_timeout_s=0.3)
         status, frames = await streamed(gw, {"model": MODEL, "messages": HI, "max_tokens": 2,
-                                             "stream": True, "stop": ["zzz"]})
+                                             "stream": True, **NOT_CONTINUED})
         assert status == 200 and frames[:-1] == [opening.strip()][:len(opening)], frames
         message = assert_error(json.loads(frames[-1][len(b"data: "):]),
                                type_="server_error", code="upstream_error")
