@@ -211,6 +211,21 @@ def build() -> dict[str, Any]:
          "{{priority_class}}")], unit="reqps", stack=True,
         description="Running requests that gave their slot to a waiting request of a "
                     "higher class (docs/scheduling.md, preemption)"))
+    lay.add(timeseries("Preemptions/s by the preempted user and class (top 10)", [
+        (f"topk(10, sum by (user, priority_class) "
+         f"(rate(fairgate_user_preemptions_total{{{M}}}[{RI}])))",
+         "{{user}} {{priority_class}}")], unit="reqps", stack=True,
+        description="Whose streams give their slot (fair preemption takes the most "
+                    "over-served user's youngest stream; top users have their own series, "
+                    "the rest is 'other')"))
+    lay.add(timeseries("Tokens resent by preemption/s, and the allowance left", [
+        (f"sum by (priority_class) "
+         f"(rate(fairgate_preemption_recomputed_tokens_total{{{M}}}[{RI}]))",
+         "resent/s {{priority_class}}"),
+        (f"sum(fairgate_preemption_recompute_allowance_tokens{{{M}}})", "allowance")],
+        description="What preemption costs (prompt plus generated, resent by the "
+                    "continuation) against its budget: preempt_recompute_ratio of the "
+                    "tokens served plus the burst (docs/scheduling.md)"))
     lay.add(timeseries("Continued answers/s by reason and outcome", [
         (f"sum by (reason, outcome) (rate(fairgate_continuations_total[{RI}]))",
          "{{reason}} {{outcome}}")], unit="reqps", stack=True))
