@@ -111,8 +111,16 @@ async def start_gateway(rig: SentinelRig, backend: SimServer) -> GatewayServer:
 
 
 def ran_counts(backend: SimServer) -> Counter[int]:
-    """How often the backend ran each request to its end (by its max_tokens)."""
-    return Counter(r.max_tokens for r in backend.engine.records.values()
+    """How often the backend ran each request to its end (by the max_tokens its client
+    asked for). A stream moved on purpose (fair preemption, on by default) or continued
+    after a failure runs on as a continuation whose prompt holds the tokens generated so
+    far and whose max_tokens is that much smaller: its max_tokens + prompt_tokens is its
+    original's, whose run came first."""
+    records = sorted(backend.engine.records.values(), key=lambda r: r.arrival_s)
+    named: dict[int, int] = {}
+    for r in records:
+        named.setdefault(r.max_tokens + r.prompt_tokens, r.max_tokens)
+    return Counter(named[r.max_tokens + r.prompt_tokens] for r in records
                    if r.finished_s is not None and not r.aborted)
 
 
